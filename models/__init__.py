@@ -1,0 +1,1 @@
+"""The video diffusion transformers, written with parallel/'s layers and free of process-group code."""

@@ -1,0 +1,1 @@
+"""How a video DiT is split and run: topology, tensor-parallel layers, checks, configs."""

@@ -1,0 +1,195 @@
+"""The divisibility checker: every split dimension, the grid, the batch and DeepSpeed's own limits.
+
+Runs before any process group or parameter exists and reports every violation at once, each naming
+the keys and values involved and the sizes that would work:
+
+    python -m parallel.check --config configs/cogvideox-2b.yaml --set parallel.tp_size=4
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from parallel import ds_config as dsc
+from parallel.config import ConfigError, ExperimentConfig, ModelConfig, load_config
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    zero_stage: int
+    precision: str
+    global_batch: int
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size * self.dp_size
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_split_dims(model: ModelConfig) -> dict[str, int]:
+    """Dimensions tensor parallelism splits: heads (QKV columns, attention-out rows) and the FFN width.
+
+    hidden_size = num_heads x head_dim is split through the heads; norms, adaLN modulation, the time
+    embedding and the text projection are replicated, so they impose nothing.
+    """
+    return {"model.num_heads": model.num_heads, "model.hidden_size": model.hidden_size,
+            "model.ffn_hidden_size": model.ffn_size}
+
+
+def valid_tp_sizes(model: ModelConfig) -> list[int]:
+    return divisors(math.gcd(*tp_split_dims(model).values()))
+
+
+def _fmt(sizes: list[int]) -> str:
+    return ", ".join(map(str, sizes))
+
+
+def _check_model_splits(cfg: ExperimentConfig) -> list[str]:
+    tp, problems = cfg.parallel.tp_size, []
+    for key, value in tp_split_dims(cfg.model).items():
+        if value % tp:
+            shown = f"{value} (4 x model.hidden_size)" if key == "model.ffn_hidden_size" and \
+                cfg.model.ffn_hidden_size is None else str(value)
+            problems.append(f"{key}={shown} is not divisible by parallel.tp_size={tp}; tp sizes that divide "
+                            f"every split dimension of this model: {_fmt(valid_tp_sizes(cfg.model))}")
+    return problems
+
+
+def _check_pipeline(cfg: ExperimentConfig) -> list[str]:
+    layers, pp, part = cfg.model.num_layers, cfg.parallel.pp_size, cfg.parallel.pp_partition
+    if part is not None:
+        if len(part) != pp or sum(part) != layers or min(part) < 1:
+            return [f"parallel.pp_partition={part} must list {pp} stage sizes (parallel.pp_size), each >= 1, "
+                    f"summing to model.num_layers={layers}"]
+        return []
+    if layers % pp:
+        return [f"model.num_layers={layers} is not divisible by parallel.pp_size={pp}; pp sizes with equal "
+                f"stages: {_fmt(divisors(layers))} (or give parallel.pp_partition, blocks per stage)"]
+    return []
+
+
+def _resolve_dp(cfg: ExperimentConfig, world_size: Optional[int]) -> tuple[int, list[str]]:
+    tp, pp, dp = cfg.parallel.tp_size, cfg.parallel.pp_size, cfg.parallel.dp_size
+    if world_size is None:
+        return dp or 1, []
+    model_size = tp * pp
+    if world_size % model_size:
+        return dp or 1, [f"world size {world_size} is not divisible by parallel.tp_size x parallel.pp_size = "
+                         f"{tp} x {pp} = {model_size}; world sizes that work are multiples of {model_size}"]
+    derived = world_size // model_size
+    if dp is not None and dp != derived:
+        return dp, [f"parallel.dp_size={dp} but world size {world_size} = tp {tp} x pp {pp} x dp {derived}; "
+                    f"set parallel.dp_size={derived} or null, or launch {model_size * dp} processes"]
+    return derived, []
+
+
+def _check_batch(cfg: ExperimentConfig, ds: dict, src: str, dp: int) -> list[str]:
+    problems, t = [], cfg.train
+    ours = {"train_micro_batch_size_per_gpu": ("train.micro_batch_size", t.micro_batch_size),
+            "gradient_accumulation_steps": ("train.grad_accum_steps", t.grad_accum_steps)}
+    for ds_key, (key, value) in ours.items():
+        if ds.get(ds_key, "auto") not in ("auto", value):
+            problems.append(f"{src}: {ds_key}={ds[ds_key]} != {key}={value}; remove it from the JSON "
+                            f"(the toolkit fills it in from the experiment) or set it to {value}")
+    want = cfg.global_batch_size(dp)
+    if ds.get("train_batch_size", "auto") not in ("auto", want):
+        problems.append(f"{src}: train_batch_size={ds['train_batch_size']} != train.micro_batch_size x "
+                        f"train.grad_accum_steps x dp_size = {t.micro_batch_size} x {t.grad_accum_steps} x {dp} "
+                        f"= {want}; remove it (it is derived) or set it to {want}")
+    return problems
+
+
+def _check_engine(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
+    problems, pp = [], cfg.parallel.pp_size
+    stage, prec = dsc.zero_stage(ds), dsc.precision(ds)
+    if stage not in (0, 1, 2, 3):
+        problems.append(f"{src}: zero_optimization.stage={stage}; use 0, 1, 2 or 3")
+    if prec == "bf16+fp16":
+        problems.append(f"{src}: bf16.enabled and fp16.enabled are both true; enable one of them")
+    if pp > 1 and stage >= 2:
+        problems.append(f"{src}: zero_optimization.stage={stage} with parallel.pp_size={pp}: DeepSpeed's pipeline "
+                        f"engine supports ZeRO stage 0 or 1 only; use stage 1 (ds_configs/zero1_bf16.json) "
+                        f"or parallel.pp_size=1")
+    if pp > 1 and prec == "bf16" and (stage != 1 or dsc.grad_accum_dtype(ds) != "fp32"):
+        problems.append(f"{src}: bf16.enabled=true with parallel.pp_size={pp} needs zero_optimization.stage=1 and "
+                        f"data_types.grad_accum_dtype=\"fp32\" on DeepSpeed 0.19 (found stage={stage}, "
+                        f"grad_accum_dtype={dsc.grad_accum_dtype(ds)!r}); see ds_configs/zero1_bf16.json")
+    return problems + dsc.unknown_key_problems(ds, src)
+
+
+def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source: str = "deepspeed config",
+          world_size: Optional[int] = None) -> tuple[Layout, list[str]]:
+    """Return the layout and every problem found (an empty list means the layout is valid)."""
+    ds = ds or {}
+    problems = _check_model_splits(cfg) + _check_pipeline(cfg)
+    dp, grid_problems = _resolve_dp(cfg, world_size)
+    problems += grid_problems + _check_batch(cfg, ds, ds_source, dp) + _check_engine(cfg, ds, ds_source)
+    layout = Layout(cfg.parallel.tp_size, cfg.parallel.pp_size, dp, dsc.zero_stage(ds), dsc.precision(ds),
+                    cfg.global_batch_size(dp))
+    return layout, problems
+
+
+def summary(cfg: ExperimentConfig, layout: Layout) -> str:
+    t, tp = cfg.train, layout.tp_size
+    splits = ", ".join(f"{k.split('.')[-1]} {v}/{tp}" for k, v in tp_split_dims(cfg.model).items())
+    return (f"ok: {cfg.model.name} tp={tp} pp={layout.pp_size} dp={layout.dp_size} (world {layout.world_size}), "
+            f"ZeRO-{layout.zero_stage} {layout.precision}, global batch {layout.global_batch} = micro "
+            f"{t.micro_batch_size} x accum {t.grad_accum_steps} x dp {layout.dp_size}; tp splits {splits}")
+
+
+def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional[str],
+                   world_size: Optional[int]) -> tuple[ExperimentConfig, dict, Layout]:
+    """Load both files and check them; raise ConfigError listing every problem (used by train.py)."""
+    problems: list[str] = []
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as e:
+        problems.append(str(e))
+        cfg = None
+    ds: dict = {}
+    if deepspeed_config:
+        try:
+            ds = dsc.read_ds_config(deepspeed_config)
+        except ConfigError as e:
+            problems.append(str(e))
+    if cfg is None:
+        raise ConfigError("\n".join(problems))
+    layout, found = check(cfg, ds, deepspeed_config or "deepspeed config", world_size)
+    problems += found
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return cfg, ds, layout
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m parallel.check", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="experiment YAML file or preset name")
+    ap.add_argument("--deepspeed_config", "--deepspeed-config", default=None, help="DeepSpeed JSON file")
+    ap.add_argument("--world-size", "--world_size", type=int, default=None, help="number of processes")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key, e.g. --set parallel.tp_size=2 (repeatable)")
+    args = ap.parse_args(argv)
+    try:
+        cfg, _, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, args.world_size)
+    except ConfigError as e:
+        lines = str(e).splitlines()
+        print(f"{len(lines)} problem{'s' if len(lines) > 1 else ''} in {args.config}"
+              f"{' + ' + args.deepspeed_config if args.deepspeed_config else ''}:", file=sys.stderr)
+        for line in lines:
+            print(f"  - {line}", file=sys.stderr)
+        return 1
+    print(summary(cfg, layout))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

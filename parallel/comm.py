@@ -1,0 +1,128 @@
+"""Autograd functions that move activations across the tensor-parallel group, and a counter for them.
+
+The four Megatron regions, for a tp group of size p and a tensor x:
+
+    copy_to_tp      forward: identity          backward: all-reduce(grad)
+    reduce_from_tp  forward: all-reduce(x)     backward: identity
+    gather_from_tp  forward: all-gather(x, -1) backward: split(grad, -1)[tp_rank]
+    scatter_to_tp   forward: split(x, -1)[r]   backward: all-gather(grad, -1)
+
+Every collective goes through `_all_reduce` / `_all_gather`, so `count_comm()` sees all of them.
+With p == 1 they are identities and communicate nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommCounter:
+    """Collectives issued inside `count_comm()`: a list of (op, numel) in call order."""
+
+    calls: list[tuple[str, int]] = field(default_factory=list)
+
+    def count(self, op: str) -> int:
+        return sum(1 for name, _ in self.calls if name == op)
+
+    def numels(self, op: str) -> list[int]:
+        return [n for name, n in self.calls if name == op]
+
+
+_counters: list[CommCounter] = []
+
+
+@contextlib.contextmanager
+def count_comm():
+    counter = CommCounter()
+    _counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _counters.remove(counter)
+
+
+def _record(op: str, numel: int) -> None:
+    for counter in _counters:
+        counter.calls.append((op, numel))
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    _record("all_reduce", x.numel())
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather_last(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    _record("all_gather", x.numel())
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _split_last(x: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+    return x.chunk(size, dim=-1)[rank].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, size, rank):
+        ctx.size, ctx.rank = size, rank
+        return _all_gather_last(x, group, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.size, ctx.rank), None, None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, size, rank):
+        ctx.group, ctx.size = group, size
+        return _split_last(x, size, rank)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_last(grad, ctx.group, ctx.size), None, None, None
+
+
+def copy_to_tp(x: torch.Tensor, ctx) -> torch.Tensor:
+    return x if ctx.tp_size == 1 else _CopyToTP.apply(x, ctx.tp_group)
+
+
+def reduce_from_tp(x: torch.Tensor, ctx) -> torch.Tensor:
+    return x if ctx.tp_size == 1 else _ReduceFromTP.apply(x, ctx.tp_group)
+
+
+def gather_from_tp(x: torch.Tensor, ctx) -> torch.Tensor:
+    return x if ctx.tp_size == 1 else _GatherFromTP.apply(x, ctx.tp_group, ctx.tp_size, ctx.tp_rank)
+
+
+def scatter_to_tp(x: torch.Tensor, ctx) -> torch.Tensor:
+    return x if ctx.tp_size == 1 else _ScatterToTP.apply(x, ctx.tp_group, ctx.tp_size, ctx.tp_rank)

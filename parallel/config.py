@@ -1,0 +1,203 @@
+"""Typed experiment configuration: YAML file + `--set dotted.key=value` overrides -> `ExperimentConfig`.
+
+Every section is a pydantic model with `extra="forbid"`, so a misspelt key, a wrong type or an
+impossible value is refused with the file, the dotted key and what would work, before anything
+expensive starts. Functions elsewhere take the section they need (`cfg.model`, `cfg.parallel`).
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration problem a user can fix; the message names the file and the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Video DiT dimensions (CogVideoX family); defaults are CogVideoX-2B's where one exists."""
+
+    name: str = Field("custom", description="preset name, for reports")
+    family: Literal["cogvideox", "stdit"] = Field("cogvideox", description="cogvideox: full 3D attention over text+video; stdit: spatial-temporal blocks")
+    num_layers: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    num_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    ffn_hidden_size: Optional[int] = Field(None, ge=1, description="default 4 x hidden_size")
+    time_embed_dim: int = Field(512, ge=1)
+    in_channels: int = Field(16, ge=1, description="latent channels")
+    patch_size: int = Field(2, ge=1)
+    patch_size_t: int = Field(1, ge=1)
+    text_embed_dim: int = Field(4096, ge=1, description="T5 hidden size")
+    max_text_len: int = Field(226, ge=1)
+    pos_embed: Literal["sincos", "rope3d"] = "sincos"
+    objective: Literal["v_prediction", "flow_matching"] = "v_prediction"
+    vae_scale_spatial: int = Field(8, ge=1)
+    vae_scale_temporal: int = Field(4, ge=1)
+
+    @model_validator(mode="after")
+    def _heads_times_dim(self) -> "ModelConfig":
+        if self.num_heads * self.head_dim != self.hidden_size:
+            raise ValueError(
+                f"model.num_heads x model.head_dim = {self.num_heads} x {self.head_dim} = "
+                f"{self.num_heads * self.head_dim} must equal model.hidden_size={self.hidden_size}"
+            )
+        return self
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+
+class DataConfig(_Section):
+    """Where samples come from and their pixel-space size (latents are derived via the VAE scales)."""
+
+    kind: Literal["synthetic", "directory"] = "synthetic"
+    path: Optional[str] = Field(None, description="directory with manifest.jsonl (kind=directory)")
+    num_frames: int = Field(49, ge=1)
+    height: int = Field(480, ge=1)
+    width: int = Field(720, ge=1)
+    num_samples: int = Field(64, ge=1, description="synthetic dataset size")
+    text_len: Optional[int] = Field(None, ge=1, description="text tokens per sample; default model.max_text_len")
+
+    @model_validator(mode="after")
+    def _directory_needs_path(self) -> "DataConfig":
+        if self.kind == "directory" and not self.path:
+            raise ValueError("data.kind=directory needs data.path (a folder with manifest.jsonl)")
+        return self
+
+
+class ParallelConfig(_Section):
+    """Parallel sizes. world = tp_size x pp_size x dp_size; dp_size=null takes what the world size leaves."""
+
+    tp_size: int = Field(1, ge=1)
+    pp_size: int = Field(1, ge=1)
+    dp_size: Optional[int] = Field(None, ge=1)
+    pp_partition: Optional[list[int]] = Field(None, description="blocks per pipeline stage; default uniform")
+
+
+class TrainConfig(_Section):
+    seed: int = 1234
+    max_steps: int = Field(100, ge=0)
+    micro_batch_size: int = Field(1, ge=1)
+    grad_accum_steps: int = Field(1, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    min_lr: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    output_dir: str = "runs/default"
+    log_every: int = Field(1, ge=1)
+    check_replicas_every: int = Field(0, ge=0, description="0 = never")
+
+
+class ExperimentConfig(_Section):
+    model: ModelConfig
+    data: DataConfig = DataConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    train: TrainConfig = TrainConfig()
+
+    def global_batch_size(self, dp_size: int) -> int:
+        return self.train.micro_batch_size * self.train.grad_accum_steps * dp_size
+
+
+def resolve_config_path(name_or_path: str | Path) -> Path:
+    """A file path, or a preset name from configs/ (`cogvideox-2b` -> configs/cogvideox-2b.yaml)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    preset = CONFIG_DIR / f"{name_or_path}.yaml"
+    if preset.is_file():
+        return preset
+    names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    raise ConfigError(f"{name_or_path}: no such config file or preset; presets: {', '.join(names)}")
+
+
+def read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{where}: malformed YAML: {problem}") from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=value` -> (['a', 'b'], value); the value is parsed as YAML (`4` -> int, `[1, 2]` -> list)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {text!r}: expected dotted.key=value, e.g. --set parallel.tp_size=2")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def _apply_override(tree: dict, keys: list[str], value: Any, text: str) -> None:
+    node = tree
+    for depth, key in enumerate(keys[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {text}: {'.'.join(keys[:depth + 1])} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        dotted = f"{prefix}{name}"
+        keys.append(dotted)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += _known_keys(ann, dotted + ".")
+    return keys
+
+
+def _describe(error: dict, source: str, overridden: set[str]) -> str:
+    dotted = ".".join(str(p) for p in error["loc"])
+    origin = "--set" if dotted in overridden else source
+    if error["type"] == "extra_forbidden":
+        close = difflib.get_close_matches(dotted, _known_keys(ExperimentConfig), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        return f"{origin}: unknown key {dotted}{hint}"
+    if error["type"] == "missing":
+        return f"{origin}: missing required key {dotted}"
+    got = error.get("input")
+    got_text = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
+    where = f"{dotted}: " if dotted else ""
+    return f"{origin}: {where}{error['msg']}{got_text}"
+
+
+def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """Load a YAML experiment (file or preset name) and apply `dotted.key=value` overrides."""
+    path = resolve_config_path(name_or_path)
+    tree = read_yaml(path)
+    if tree is None:
+        tree = {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (model, data, parallel, train), got {type(tree).__name__}")
+    overridden = set()
+    for text in overrides:
+        keys, value = parse_override(text)
+        _apply_override(tree, keys, value, text)
+        overridden.add(".".join(keys))
+    try:
+        return ExperimentConfig.model_validate(tree)
+    except ValidationError as e:
+        problems = [_describe(err, str(path), overridden) for err in e.errors()]
+        raise ConfigError("\n".join(problems)) from None

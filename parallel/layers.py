@@ -1,0 +1,142 @@
+"""Megatron-style tensor-parallel linear layers.
+
+For Y = X W^T + b with W of shape [out, in] and a tp group of size p:
+
+    ColumnParallelLinear  W = [W_1; ...; W_p] split along out (dim 0); rank i computes Y_i = X W_i^T + b_i.
+                          Input: replicated X (its gradient is all-reduced). Output: Y_i, or all of Y
+                          with gather_output=True.
+    RowParallelLinear     W = [W_1 ... W_p] split along in (dim 1); rank i computes X_i W_i^T, the
+                          partial sums are all-reduced, then b (replicated) is added once.
+
+A Column -> Row pair (attention QKV -> out, MLP in -> out) thus costs one all-reduce forward and one
+backward. Weights are initialised on the full [out, in] shape from the current RNG state and sliced,
+so for the same seed the shards of tp=p concatenate to exactly the tp=1 weight. Sharded parameters
+carry `tensor_model_parallel=True` and `partition_dim`, which DeepSpeed's gradient-norm code reads.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.comm import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+
+InitFn = Callable[[torch.Tensor], None]
+
+
+def default_weight_init(weight: torch.Tensor) -> None:
+    """nn.Linear's initialisation (kaiming uniform, a=sqrt(5)) on the full, unsharded weight."""
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+
+
+def _default_bias_init(bias: torch.Tensor, fan_in: int) -> None:
+    bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    nn.init.uniform_(bias, -bound, bound)
+
+
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> None:
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+
+
+def _divide(n: int, p: int, what: str) -> int:
+    if n % p:
+        raise ValueError(f"{what}={n} is not divisible by tp_size={p}")
+    return n // p
+
+
+def _full_init(shape: tuple[int, ...], init: InitFn, device, dtype) -> Optional[torch.Tensor]:
+    """The unsharded tensor initialised by `init`, or None on the meta device (shapes only)."""
+    if torch.device(device or torch.get_default_device()).type == "meta":
+        return None
+    full = torch.empty(shape, dtype=torch.float32, device=device)
+    init(full)
+    return full.to(dtype) if dtype is not None else full
+
+
+class ColumnParallelLinear(nn.Module):
+    """Linear layer split along its output features; `out_features` may be a list of fused outputs.
+
+    With `out_features=[d_q, d_k, d_v]` each part is split separately and rank i holds
+    [Wq_i; Wk_i; Wv_i], so one layer (one input all-reduce in backward) serves Q, K and V.
+    """
+
+    def __init__(self, in_features: int, out_features: Union[int, Sequence[int]], *, ctx, bias: bool = True,
+                 gather_output: bool = False, init_method: InitFn = default_weight_init,
+                 device=None, dtype=None):
+        super().__init__()
+        parts = [out_features] if isinstance(out_features, int) else list(out_features)
+        if gather_output and len(parts) > 1:
+            raise ValueError("gather_output=True needs a single output part")
+        self.ctx, self.in_features, self.parts = ctx, in_features, parts
+        self.out_features = sum(parts)
+        self.gather_output = gather_output
+        p, r = ctx.tp_size, ctx.tp_rank
+        local = [_divide(n, p, "out_features") for n in parts]
+        self.out_features_per_partition = sum(local)
+
+        full_w = _full_init((self.out_features, in_features), init_method, device, dtype)
+        full_b = _full_init((self.out_features,), lambda b: _default_bias_init(b, in_features), device, dtype) \
+            if bias else None
+        self.weight = nn.Parameter(self._shard(full_w, parts, local, r, (self.out_features_per_partition, in_features),
+                                               device, dtype))
+        mark_tensor_parallel(self.weight, 0)
+        if bias:
+            self.bias = nn.Parameter(self._shard(full_b, parts, local, r, (self.out_features_per_partition,),
+                                                 device, dtype))
+            mark_tensor_parallel(self.bias, 0)
+        else:
+            self.register_parameter("bias", None)
+
+    @staticmethod
+    def _shard(full, parts, local, rank, shape, device, dtype):
+        if full is None:
+            return torch.empty(shape, device=device, dtype=dtype)
+        pieces = full.split(parts, dim=0)
+        return torch.cat([piece[rank * n:(rank + 1) * n] for piece, n in zip(pieces, local)]).clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.ctx)                              # (..., in)
+        y = F.linear(x, self.weight, self.bias)                  # (..., out / p)
+        return gather_from_tp(y, self.ctx) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} ({'+'.join(map(str, self.parts))}), "
+                f"tp={self.ctx.tp_size}, local_out={self.out_features_per_partition}")
+
+
+class RowParallelLinear(nn.Module):
+    """Linear layer split along its input features; the output is all-reduced over the tp group."""
+
+    def __init__(self, in_features: int, out_features: int, *, ctx, bias: bool = True,
+                 input_is_parallel: bool = True, init_method: InitFn = default_weight_init,
+                 device=None, dtype=None):
+        super().__init__()
+        self.ctx, self.in_features, self.out_features = ctx, in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        p, r = ctx.tp_size, ctx.tp_rank
+        self.in_features_per_partition = local = _divide(in_features, p, "in_features")
+
+        full_w = _full_init((out_features, in_features), init_method, device, dtype)
+        weight = torch.empty((out_features, local), device=device, dtype=dtype) if full_w is None \
+            else full_w[:, r * local:(r + 1) * local].clone()
+        self.weight = nn.Parameter(weight)
+        mark_tensor_parallel(self.weight, 1)
+        if bias:
+            full_b = _full_init((out_features,), lambda b: _default_bias_init(b, in_features), device, dtype)
+            self.bias = nn.Parameter(torch.empty((out_features,), device=device, dtype=dtype)
+                                     if full_b is None else full_b)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp(x, self.ctx)                       # (..., in / p)
+        y = reduce_from_tp(F.linear(x, self.weight), self.ctx)   # (..., out), summed over ranks
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, tp={self.ctx.tp_size}, local_in={self.in_features_per_partition}"

@@ -1,0 +1,211 @@
+"""The (pp, dp, tp) process grid: pure rank arithmetic, and the `ParallelContext` that owns the groups.
+
+Axis order is DeepSpeed's `PipeModelDataParallelTopology` (pipe, data, model) with tp innermost, so
+tensor-parallel peers are neighbouring ranks (one node, fastest links):
+
+    rank = (pp_rank * dp_size + dp_rank) * tp_size + tp_rank
+
+`Grid` needs no process group and is unit-tested in one process; `ParallelContext.build` creates every
+group on every rank in the same order (a torch.distributed requirement) and is passed explicitly to
+the model, to `deepspeed.initialize(mpu=...)` and to `deepspeed.checkpointing.configure(mpu, ...)`.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Coord:
+    pp: int
+    dp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class Grid:
+    pp_size: int
+    dp_size: int
+    tp_size: int
+
+    def __post_init__(self):
+        for name in ("pp_size", "dp_size", "tp_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp_size * self.dp_size * self.tp_size
+
+    def rank(self, pp: int, dp: int, tp: int) -> int:
+        return (pp * self.dp_size + dp) * self.tp_size + tp
+
+    def coord(self, rank: int) -> Coord:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside a world of {self.world_size}")
+        rest, tp = divmod(rank, self.tp_size)
+        pp, dp = divmod(rest, self.dp_size)
+        return Coord(pp=pp, dp=dp, tp=tp)
+
+    def tp_groups(self) -> list[list[int]]:
+        """Ranks that share one (pp, dp) coordinate, in tp order."""
+        return [[self.rank(p, d, t) for t in range(self.tp_size)]
+                for p, d in itertools.product(range(self.pp_size), range(self.dp_size))]
+
+    def dp_groups(self) -> list[list[int]]:
+        return [[self.rank(p, d, t) for d in range(self.dp_size)]
+                for p, t in itertools.product(range(self.pp_size), range(self.tp_size))]
+
+    def pp_groups(self) -> list[list[int]]:
+        return [[self.rank(p, d, t) for p in range(self.pp_size)]
+                for d, t in itertools.product(range(self.dp_size), range(self.tp_size))]
+
+    def model_groups(self) -> list[list[int]]:
+        """Ranks holding one full model replica (pp x tp) for one dp index, sorted."""
+        return [sorted(self.rank(p, d, t) for p in range(self.pp_size) for t in range(self.tp_size))
+                for d in range(self.dp_size)]
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    launcher: str
+
+
+# (launcher, rank, world size, local rank, local world size) variables, checked in this order.
+_LAUNCH_VARS = (
+    ("torch/deepspeed", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+)
+
+
+def read_launch_env(environ: Optional[Mapping[str, str]] = None) -> LaunchEnv:
+    """Rank, world size and local rank from whichever launcher started this process (one process if none)."""
+    env = os.environ if environ is None else environ
+    for launcher, rank, world, local, local_world in _LAUNCH_VARS:
+        if rank in env and world in env:
+            def num(key: str, default: int) -> int:
+                raw = env.get(key, str(default)).split("(")[0].split(",")[0]  # slurm: "4(x2)" / "4,2"
+                if not raw.strip().isdigit():
+                    raise ValueError(f"launcher variable {key}={env.get(key)!r} is not a number")
+                return int(raw)
+            world_size = num(world, 1)
+            r = num(rank, 0)
+            if not 0 <= r < world_size:
+                raise ValueError(f"{rank}={r} is outside {world}={world_size}")
+            return LaunchEnv(r, world_size, num(local, 0), num(local_world, world_size), launcher)
+    return LaunchEnv(0, 1, 0, 1, "none")
+
+
+@dataclass
+class ParallelContext:
+    """This rank's place in the grid and its process groups; also DeepSpeed's `mpu` interface.
+
+    With tp_size == 1 (or on a single process) groups may be None: the layers then skip communication.
+    """
+
+    grid: Grid
+    rank: int = 0
+    tp_group: Optional[object] = None
+    dp_group: Optional[object] = None
+    pp_group: Optional[object] = None
+    model_group: Optional[object] = None
+    coord: Coord = field(init=False)
+
+    def __post_init__(self):
+        self.coord = self.grid.coord(self.rank)
+
+    @classmethod
+    def single(cls, tp_size: int = 1) -> "ParallelContext":
+        """A context with no process groups: one process, or a meta-device build for planning."""
+        return cls(Grid(1, 1, tp_size), rank=0)
+
+    @classmethod
+    def build(cls, grid: Grid) -> "ParallelContext":
+        """Create every group of `grid`; call on every rank after `torch.distributed` is initialised."""
+        if dist.get_world_size() != grid.world_size:
+            raise ValueError(
+                f"world size {dist.get_world_size()} != tp_size x pp_size x dp_size = "
+                f"{grid.tp_size} x {grid.pp_size} x {grid.dp_size} = {grid.world_size}")
+        rank = dist.get_rank()
+        mine = {}
+        for name, lists in (("tp_group", grid.tp_groups()), ("dp_group", grid.dp_groups()),
+                            ("pp_group", grid.pp_groups()), ("model_group", grid.model_groups())):
+            for ranks in lists:
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mine[name] = group
+        return cls(grid, rank=rank, **mine)
+
+    # The vocabulary used across the toolkit.
+    @property
+    def tp_size(self) -> int:
+        return self.grid.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coord.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.grid.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coord.dp
+
+    @property
+    def pp_size(self) -> int:
+        return self.grid.pp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coord.pp
+
+    # DeepSpeed / Megatron mpu interface: "model parallel" means tensor parallel there.
+    def get_model_parallel_rank(self) -> int:
+        return self.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tp_size
+
+    def get_model_parallel_group(self):
+        return self.tp_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.grid.rank(self.pp_rank, self.dp_rank, 0)
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp_size
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.pp_rank
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.pp_size
+
+    def get_pipeline_model_parallel_group(self):
+        return self.pp_group
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.grid.world_size}: pp {self.pp_rank}/{self.pp_size} "
+                f"dp {self.dp_rank}/{self.dp_size} tp {self.tp_rank}/{self.tp_size}")

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment and install the pinned dependencies.
+# Sourced by scripts/demo.sh and scripts/test.sh; prints nothing when the environment is current.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VDP_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+STAMP="$VENV/.installed-$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/env.sh" | sha1sum | cut -c1-12)"
+if [ ! -f "$STAMP" ]; then
+  echo "[env] setting up $VENV (one time)" >&2
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip >&2
+  # torch first, pinned: 2.13.0 is the CPU build on this machine class; an unpinned torch pulls a CUDA build.
+  "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[test]" >&2
+  rm -f "$VENV"/.installed-*
+  touch "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"

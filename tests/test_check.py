@@ -1,0 +1,105 @@
+"""The checker's verdicts for the presets and each refusal, through the CLI as users run it."""
+import json
+
+import pytest
+
+from parallel.check import check, main, valid_tp_sizes
+from parallel.config import load_config
+
+TP4_MESSAGE = ("model.num_heads=30 is not divisible by parallel.tp_size=4; tp sizes that divide every split "
+               "dimension of this model: 1, 2, 3, 5, 6, 10, 15, 30")
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cogvideox_2b_tp4_is_refused_with_working_sizes(capsys):
+    code, out, err = run(capsys, "--config", "configs/cogvideox-2b.yaml", "--set", "parallel.tp_size=4")
+    assert code == 1 and TP4_MESSAGE in err and out == ""
+
+
+def test_cogvideox_2b_tp2_passes_with_one_line(capsys):
+    code, out, err = run(capsys, "--config", "configs/cogvideox-2b.yaml", "--set", "parallel.tp_size=2",
+                         "--deepspeed_config", "ds_configs/zero1_bf16.json", "--world-size", "8")
+    assert code == 0 and err == ""
+    assert out.strip().splitlines() == [out.strip()]
+    assert out.startswith("ok: cogvideox-2b tp=2 pp=1 dp=4 (world 8), ZeRO-1 bf16, global batch 4")
+
+
+@pytest.mark.parametrize("preset, expected", [
+    ("cogvideox-2b", [1, 2, 3, 5, 6, 10, 15, 30]),
+    ("cogvideox-5b", [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]),
+    ("opensora-stdit3", [1, 2, 4, 8, 16]),
+    ("debug", [1, 2, 4]),
+])
+def test_valid_tp_sizes_per_preset(preset, expected):
+    assert valid_tp_sizes(load_config(preset).model) == expected
+
+
+def test_all_ds_configs_pass_at_pp1_and_pipeline_safe_one_at_pp2():
+    cfg = load_config("debug")
+    for name in ("zero0_fp32", "zero1_bf16", "zero2_bf16", "zero3_bf16", "zero3_bf16_offload"):
+        ds = json.load(open(f"ds_configs/{name}.json"))
+        assert check(cfg, ds, name, world_size=2)[1] == [], name
+    cfg = load_config("debug", ["parallel.pp_size=2", "parallel.tp_size=2"])
+    for name in ("zero0_fp32", "zero1_bf16"):
+        assert check(cfg, json.load(open(f"ds_configs/{name}.json")), name, world_size=8)[1] == [], name
+
+
+def test_every_violation_is_reported_at_once():
+    cfg = load_config("cogvideox-2b", ["parallel.tp_size=4", "parallel.pp_size=4", "train.micro_batch_size=2"])
+    ds = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "fp16": {"enabled": True},
+          "train_batch_size": 64, "activation_checkpoint": {}}
+    layout, problems = check(cfg, ds, "my.json", world_size=24)
+    text = "\n".join(problems)
+    assert TP4_MESSAGE in text
+    assert "model.num_layers=30 is not divisible by parallel.pp_size=4; pp sizes with equal stages: 1, 2, 3, 5, 6, 10, 15, 30" in text
+    assert "world size 24 is not divisible by parallel.tp_size x parallel.pp_size = 4 x 4 = 16" in text
+    assert "my.json: train_batch_size=64 != train.micro_batch_size x train.grad_accum_steps x dp_size = 2 x 1 x 1 = 2" in text
+    assert "my.json: zero_optimization.stage=2 with parallel.pp_size=4" in text
+    assert "my.json: bf16.enabled and fp16.enabled are both true" in text
+    assert 'my.json: unknown DeepSpeed key "activation_checkpoint" (did you mean "activation_checkpointing"?)' in text
+    assert len(problems) == 7
+
+
+def test_bf16_pipeline_needs_zero1_and_fp32_accumulation():
+    cfg = load_config("debug", ["parallel.pp_size=2"])
+    _, problems = check(cfg, {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}, "x.json", 2)
+    assert problems == ['x.json: bf16.enabled=true with parallel.pp_size=2 needs zero_optimization.stage=1 and '
+                        'data_types.grad_accum_dtype="fp32" on DeepSpeed 0.19 (found stage=1, grad_accum_dtype=None); '
+                        'see ds_configs/zero1_bf16.json']
+
+
+def test_dp_and_batch_keys_must_agree():
+    cfg = load_config("debug", ["parallel.dp_size=2", "train.grad_accum_steps=2"])
+    layout, problems = check(cfg, {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto"},
+                             "d.json", world_size=4)
+    assert layout.dp_size == 2 and layout.global_batch == 2 * 2 * 2
+    assert problems == [
+        "parallel.dp_size=2 but world size 4 = tp 1 x pp 1 x dp 4; set parallel.dp_size=4 or null, or launch 2 processes",
+        "d.json: train_micro_batch_size_per_gpu=4 != train.micro_batch_size=2; remove it from the JSON (the toolkit "
+        "fills it in from the experiment) or set it to 2"]
+
+
+def test_pp_partition_is_checked():
+    assert check(load_config("debug", ["parallel.pp_size=3", "parallel.pp_partition=[1, 2, 1]"]))[1] == []
+    _, problems = check(load_config("debug", ["parallel.pp_size=2", "parallel.pp_partition=[1, 2]"]))
+    assert problems == ["parallel.pp_partition=[1, 2] must list 2 stage sizes (parallel.pp_size), each >= 1, "
+                        "summing to model.num_layers=4"]
+
+
+def test_malformed_json_names_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "ds.json"
+    bad.write_text('{\n  "bf16": {"enabled": true},\n  "zero_optimization": {"stage": 1,}\n}\n')
+    code, _, err = run(capsys, "--config", "debug", "--deepspeed_config", str(bad))
+    assert code == 1 and f"{bad}:3:" in err and "malformed JSON" in err
+
+
+def test_config_and_json_errors_reported_together(tmp_path, capsys):
+    bad = tmp_path / "ds.json"
+    bad.write_text("[1, 2]")
+    code, _, err = run(capsys, "--config", "debug", "--set", "parallel.tp_size=x", "--deepspeed_config", str(bad))
+    assert code == 1 and "2 problems" in err and "parallel.tp_size" in err and "expected a JSON object" in err
