@@ -126,3 +126,17 @@ def gather_from_tp(x: torch.Tensor, ctx) -> torch.Tensor:
 
 def scatter_to_tp(x: torch.Tensor, ctx) -> torch.Tensor:
     return x if ctx.tp_size == 1 else _ScatterToTP.apply(x, ctx.tp_group, ctx.tp_size, ctx.tp_rank)
+
+
+def gather_shards(shard: torch.Tensor, ctx, dim: int, parts: list[int] | None = None) -> torch.Tensor:
+    """Reassemble a tp-sharded tensor (for export and tests, not the training path).
+
+    `parts` lists the local sizes of fused outputs along `dim` ([q, k, v] shards): each part is
+    concatenated over ranks separately, then the parts in order.
+    """
+    shards = [torch.empty_like(shard) for _ in range(ctx.tp_size)]
+    dist.all_gather(shards, shard.contiguous(), group=ctx.tp_group)
+    if not parts or len(parts) == 1:
+        return torch.cat(shards, dim=dim)
+    split = [s.split(parts, dim=dim) for s in shards]
+    return torch.cat([torch.cat([pieces[i] for pieces in split], dim=dim) for i in range(len(parts))], dim=dim)

@@ -84,10 +84,12 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(self._shard(full_w, parts, local, r, (self.out_features_per_partition, in_features),
                                                device, dtype))
         mark_tensor_parallel(self.weight, 0)
+        self.weight.tp_parts = local
         if bias:
             self.bias = nn.Parameter(self._shard(full_b, parts, local, r, (self.out_features_per_partition,),
                                                  device, dtype))
             mark_tensor_parallel(self.bias, 0)
+            self.bias.tp_parts = local
         else:
             self.register_parameter("bias", None)
 

@@ -1,0 +1,142 @@
+"""Training data: a synthetic moving-shapes latent set, a directory of prepared latents, and the batches.
+
+Which samples a step uses, their noise and their timesteps depend only on (seed, step, position in the
+global batch), never on the layout: position j of global step s is sample position s*G + j (G = global
+batch), and data-parallel rank d takes positions [(a*dp + d)*mb, (a*dp + d + 1)*mb) at micro-step a.
+So every (tp, pp, dp) layout sees the same global batch, and resuming at step s needs nothing but s.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from models.diffusion import NUM_TRAIN_TIMESTEPS, Objective
+from parallel.seed import derive_seed
+
+
+def _generator(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(derive_seed(*key))
+
+
+class SyntheticLatents:
+    """Squares moving across latent frames, one channel per class; the caption embedding names the class.
+
+    Sample i: class k = i mod (channels x 4 directions), a square of side h/4 starting at a position drawn
+    from (seed, i) and moving one latent pixel a frame in one of four directions; its text embedding is a
+    fixed random table for class k. Values are in [-1, 1].
+    """
+
+    def __init__(self, num_samples: int, channels: int, shape: tuple[int, int, int], text_len: int,
+                 text_dim: int, seed: int):
+        self.num_samples, self.channels, self.shape = num_samples, channels, shape
+        self.text_len, self.text_dim, self.seed = text_len, text_dim, seed
+        self.num_classes = channels * 4
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def text(self, k: int) -> torch.Tensor:
+        return torch.randn(self.text_len, self.text_dim, generator=_generator(self.seed, "caption", k))
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t, h, w = self.shape
+        k = i % self.num_classes
+        channel, (dy, dx) = k // 4, ((0, 1), (1, 0), (0, -1), (-1, 0))[k % 4]
+        side = max(1, h // 4)
+        g = _generator(self.seed, "sample", i)
+        y0, x0 = (int(torch.randint(0, n, (1,), generator=g)) for n in (h, w))
+        video = torch.full((self.channels, t, h, w), -0.5)
+        for f in range(t):
+            y, x = (y0 + dy * f) % h, (x0 + dx * f) % w
+            rows, cols = [(y + r) % h for r in range(side)], [(x + c) % w for c in range(side)]
+            video[channel, f][torch.tensor(rows)[:, None], torch.tensor(cols)[None]] = 1.0
+        return video, self.text(k)
+
+
+def _load_tensor(path: Path, key: str) -> torch.Tensor:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        tensors = load_file(str(path))
+        return tensors[key] if key in tensors else next(iter(tensors.values()))
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+class DirectoryLatents:
+    """`manifest.jsonl` lines {"latent": file, "text": file}; files are safetensors or `.pt` tensors.
+
+    Latents are [C, T, H, W] (VAE-scaled), text embeddings [S_txt, text_dim]. Every listed file is checked
+    to exist when the dataset is opened, so a missing one is named before training starts.
+    """
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        manifest = self.root / "manifest.jsonl"
+        if not manifest.is_file():
+            raise FileNotFoundError(f"data.path={root}: no manifest.jsonl in it (lines of "
+                                    '{"latent": "x.safetensors", "text": "x_text.safetensors"})')
+        self.items = []
+        for n, line in enumerate(manifest.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+                files = (self.root / entry["latent"], self.root / entry["text"])
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{manifest}:{n}: expected {{\"latent\": file, \"text\": file}} ({e})") from None
+            for f in files:
+                if not f.is_file():
+                    raise FileNotFoundError(f"{manifest}:{n}: data file {f} does not exist")
+            self.items.append(files)
+        if not self.items:
+            raise ValueError(f"{manifest}: no samples listed")
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        latent, text = self.items[i]
+        return _load_tensor(latent, "latent").float(), _load_tensor(text, "text").float()
+
+
+class DiffusionBatches:
+    """Infinite iterator of this rank's micro-batches: ((x_t, t, text), target), grad_accum per step."""
+
+    def __init__(self, dataset, objective: Objective, *, seed: int, micro_batch: int, grad_accum: int,
+                 dp_rank: int, dp_size: int, start_step: int = 0):
+        self.dataset, self.objective, self.seed = dataset, objective, seed
+        self.mb, self.accum, self.dp_rank, self.dp_size = micro_batch, grad_accum, dp_rank, dp_size
+        self.global_batch = micro_batch * grad_accum * dp_size
+        self.step, self.micro = start_step, 0
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def sample_index(self, position: int) -> int:
+        n = len(self.dataset)
+        epoch = position // n
+        if epoch not in self._perms:
+            self._perms = {epoch: torch.randperm(n, generator=_generator(self.seed, "epoch", epoch))}
+        return int(self._perms[epoch][position % n])
+
+    def micro_batch(self, step: int, micro: int):
+        first = step * self.global_batch + (micro * self.dp_size + self.dp_rank) * self.mb
+        x0s, texts, noises, ts = [], [], [], []
+        for pos in range(first, first + self.mb):
+            x0, text = self.dataset[self.sample_index(pos)]
+            g = _generator(self.seed, "noise", pos)
+            noises.append(torch.randn(x0.shape, generator=g))
+            ts.append(torch.randint(0, NUM_TRAIN_TIMESTEPS, (1,), generator=g))
+            x0s.append(x0)
+            texts.append(text)
+        x_t, target = self.objective.noised(torch.stack(x0s), torch.stack(noises), torch.cat(ts))
+        return (x_t, torch.cat(ts), torch.stack(texts)), target
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = self.micro_batch(self.step, self.micro)
+        self.micro += 1
+        if self.micro == self.accum:
+            self.micro, self.step = 0, self.step + 1
+        return batch

@@ -1,0 +1,177 @@
+"""CogVideoX-style video DiT as a list of stages: embed -> blocks -> final (names follow the paper/diffusers).
+
+Each stage takes and returns a tuple so the same list runs sequentially (pp = 1) or split into DeepSpeed
+pipeline stages (pp > 1). Between stages flow x [B, S_txt + S_vid, H] (text tokens first) and the time
+embedding temb [B, D]; both receive gradients, as DeepSpeed's pipeline requires.
+
+Tensor parallelism (ctx.tp_size = p): Q, K, V and the FFN input are column-parallel (heads and FFN
+width split p ways), the attention output and FFN output are row-parallel. Everything else (patch and
+text projections, time embedding, adaLN modulation, norms) is replicated and stays bitwise equal
+across tp ranks, because its inputs and gradients are.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from models.embeddings import apply_rope, rope_3d, sincos_3d, timestep_embedding
+from parallel.comm import copy_to_tp
+from parallel.config import DataConfig, ModelConfig
+from parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+
+def latent_shape(model: ModelConfig, data: DataConfig) -> tuple[int, int, int]:
+    """Latent (frames, height, width) of a data.num_frames x data.height x data.width video."""
+    t = (data.num_frames - 1) // model.vae_scale_temporal + 1
+    return t, data.height // model.vae_scale_spatial, data.width // model.vae_scale_spatial
+
+
+def token_grid(model: ModelConfig, data: DataConfig) -> tuple[int, int, int]:
+    """Patch grid (t, h, w): latent shape divided by the patch sizes."""
+    t, h, w = latent_shape(model, data)
+    return t // model.patch_size_t, h // model.patch_size, w // model.patch_size
+
+
+class _PositionCache:
+    """Fixed positional tables per token grid, built on first use, on the device that asks."""
+
+    def __init__(self, fn):
+        self.fn, self.tables = fn, {}
+
+    def get(self, key: tuple, device):
+        if (key, device) not in self.tables:
+            value = self.fn(*key)
+            self.tables[(key, device)] = tuple(v.to(device) for v in value) if isinstance(value, tuple) \
+                else value.to(device)
+        return self.tables[(key, device)]
+
+
+class EmbedStage(nn.Module):
+    """(latents [B,C,T,H,W], timesteps [B], text [B,S_txt,text_dim]) -> (x [B,S,H], temb [B,D])."""
+
+    def __init__(self, cfg: ModelConfig, grid: tuple[int, int, int], ctx=None):
+        super().__init__()
+        self.cfg, self.grid = cfg, grid
+        p, pt, c, hid = cfg.patch_size, cfg.patch_size_t, cfg.in_channels, cfg.hidden_size
+        self.patch_proj = nn.Linear(c * pt * p * p, hid)        # = Conv3d(kernel = stride = (pt, p, p))
+        self.text_proj = nn.Linear(cfg.text_embed_dim, hid)
+        self.time_linear_1 = nn.Linear(hid, cfg.time_embed_dim)
+        self.time_linear_2 = nn.Linear(cfg.time_embed_dim, cfg.time_embed_dim)
+        self._pos = _PositionCache(lambda t, h, w: sincos_3d(hid, t, h, w)) if cfg.pos_embed == "sincos" else None
+
+    def forward(self, inputs):
+        latents, timesteps, text = inputs
+        dtype, p, pt = self.patch_proj.weight.dtype, self.cfg.patch_size, self.cfg.patch_size_t
+        tokens = rearrange(latents.to(dtype), "b c (t pt) (h p) (w q) -> b (t h w) (c pt p q)", pt=pt, p=p, q=p)
+        video = self.patch_proj(tokens)                                   # (B, S_vid, H)
+        if self._pos is not None:
+            video = video + self._pos.get(self.grid, video.device).to(dtype)
+        x = torch.cat([self.text_proj(text.to(dtype)), video], dim=1)     # (B, S_txt + S_vid, H)
+        t_freq = timestep_embedding(timesteps, self.cfg.hidden_size).to(dtype)
+        temb = self.time_linear_2(F.silu(self.time_linear_1(t_freq)))    # (B, D)
+        return x, temb
+
+
+class AdaLayerNormZero(nn.Module):
+    """LayerNorm modulated by temb separately for text and video tokens; returns gates for the residual."""
+
+    def __init__(self, time_dim: int, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(time_dim, 6 * hidden)
+        self.norm = nn.LayerNorm(hidden, eps=1e-5)
+
+    def forward(self, x, temb, n_txt):
+        shift, scale, gate, shift_txt, scale_txt, gate_txt = self.linear(F.silu(temb)).chunk(6, dim=1)
+        h = self.norm(x)                                                   # (B, S, H)
+        txt = h[:, :n_txt] * (1 + scale_txt[:, None]) + shift_txt[:, None]
+        vid = h[:, n_txt:] * (1 + scale[:, None]) + shift[:, None]
+        return torch.cat([txt, vid], dim=1), gate[:, None], gate_txt[:, None]
+
+
+def gated(update, gate, gate_txt, n_txt):
+    """Residual update with separate gates for text and video tokens."""
+    return torch.cat([gate_txt * update[:, :n_txt], gate * update[:, n_txt:]], dim=1)
+
+
+class Attention(nn.Module):
+    """Full 3D attention over text + video tokens; heads split over tp ranks; LayerNorm on q and k."""
+
+    def __init__(self, cfg: ModelConfig, grid, ctx):
+        super().__init__()
+        hid, self.head_dim, self.ctx, self.grid = cfg.hidden_size, cfg.head_dim, ctx, grid
+        self.to_qkv = ColumnParallelLinear(hid, [hid, hid, hid], ctx=ctx)
+        self.to_out = RowParallelLinear(hid, hid, ctx=ctx)
+        # q/k LayerNorm over head_dim, shared by all heads: each tp rank sees only its heads, so the
+        # gradients of these replicated parameters are partial sums, all-reduced by copy_to_tp below.
+        self.norm_q_weight = nn.Parameter(torch.ones(self.head_dim))
+        self.norm_q_bias = nn.Parameter(torch.zeros(self.head_dim))
+        self.norm_k_weight = nn.Parameter(torch.ones(self.head_dim))
+        self.norm_k_bias = nn.Parameter(torch.zeros(self.head_dim))
+        self._rope = _PositionCache(lambda t, h, w: rope_3d(self.head_dim, t, h, w)) \
+            if cfg.pos_embed == "rope3d" else None
+
+    def forward(self, x, n_txt):
+        q, k, v = rearrange(self.to_qkv(x), "b s (three n d) -> three b n s d", three=3, d=self.head_dim)
+        norm = copy_to_tp(torch.stack([self.norm_q_weight, self.norm_q_bias,
+                                       self.norm_k_weight, self.norm_k_bias]), self.ctx)   # (4, d)
+        q = F.layer_norm(q, (self.head_dim,), norm[0], norm[1], eps=1e-6)
+        k = F.layer_norm(k, (self.head_dim,), norm[2], norm[3], eps=1e-6)
+        if self._rope is not None:                                         # video tokens only
+            cos, sin = self._rope.get(self.grid, x.device)
+            q = torch.cat([q[:, :, :n_txt], apply_rope(q[:, :, n_txt:], cos, sin)], dim=2)
+            k = torch.cat([k[:, :, :n_txt], apply_rope(k[:, :, n_txt:], cos, sin)], dim=2)
+        o = F.scaled_dot_product_attention(q, k, v)                        # (B, heads/p, S, d)
+        return self.to_out(rearrange(o, "b n s d -> b s (n d)"))           # (B, S, H)
+
+
+class DiTBlock(nn.Module):
+    """adaLN-zero -> attention -> gated residual; adaLN-zero -> GELU FFN -> gated residual."""
+
+    def __init__(self, cfg: ModelConfig, grid, ctx):
+        super().__init__()
+        self.n_txt = cfg.max_text_len
+        self.norm1 = AdaLayerNormZero(cfg.time_embed_dim, cfg.hidden_size)
+        self.attn = Attention(cfg, grid, ctx)
+        self.norm2 = AdaLayerNormZero(cfg.time_embed_dim, cfg.hidden_size)
+        self.ff_in = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, ctx=ctx)
+        self.ff_out = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, ctx=ctx)
+
+    def forward(self, inputs):
+        x, temb = inputs
+        h, gate, gate_txt = self.norm1(x, temb, self.n_txt)
+        x = x + gated(self.attn(h, self.n_txt), gate, gate_txt, self.n_txt)
+        h, gate, gate_txt = self.norm2(x, temb, self.n_txt)
+        ff = self.ff_out(F.gelu(self.ff_in(h), approximate="tanh"))       # (B, S, H)
+        return x + gated(ff, gate, gate_txt, self.n_txt), temb
+
+
+class FinalStage(nn.Module):
+    """Video tokens -> LayerNorm -> adaLN (shift, scale) -> linear -> unpatchify to [B, C, T, H, W]."""
+
+    def __init__(self, cfg: ModelConfig, grid, ctx=None):
+        super().__init__()
+        self.cfg, self.grid = cfg, grid
+        p, pt = cfg.patch_size, cfg.patch_size_t
+        self.norm_final = nn.LayerNorm(cfg.hidden_size, eps=1e-5)
+        self.norm_out_linear = nn.Linear(cfg.time_embed_dim, 2 * cfg.hidden_size)
+        self.norm_out = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
+        self.proj_out = nn.Linear(cfg.hidden_size, cfg.in_channels * pt * p * p)
+
+    def forward(self, inputs):
+        x, temb = inputs
+        v = self.norm_final(x[:, self.cfg.max_text_len:])                 # (B, S_vid, H)
+        shift, scale = self.norm_out_linear(F.silu(temb)).chunk(2, dim=1)
+        v = self.norm_out(v) * (1 + scale[:, None]) + shift[:, None]
+        t, h, w = self.grid
+        p, pt = self.cfg.patch_size, self.cfg.patch_size_t
+        return rearrange(self.proj_out(v), "b (t h w) (c pt p q) -> b c (t pt) (h p) (w q)",
+                         t=t, h=h, w=w, pt=pt, p=p, q=p)
+
+
+def stage_classes(cfg: ModelConfig):
+    """(embed, block, final) classes of a model family."""
+    if cfg.family == "cogvideox":
+        return EmbedStage, DiTBlock, FinalStage
+    raise NotImplementedError(f"model.family={cfg.family!r} has no model code in this version; use cogvideox")

@@ -1,0 +1,55 @@
+"""The one place that knows device specifics, through DeepSpeed's accelerator abstraction.
+
+`DS_ACCELERATOR` (cuda, npu, cpu, ...) picks the accelerator; auto-detection prefers torch_npu over
+CUDA when it imports. Everything else in the toolkit asks here for the device, the communication
+backend, bf16 support and memory figures, so the same code runs on CUDA, Ascend NPU and CPU.
+"""
+from __future__ import annotations
+
+import torch
+from deepspeed.accelerator import get_accelerator
+
+# DeepSpeed accelerator name -> torch.distributed backend.
+BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo", "xpu": "ccl", "hpu": "hccl", "mps": "gloo"}
+
+
+def name() -> str:
+    return get_accelerator().device_name()
+
+
+def backend() -> str:
+    return BACKENDS.get(name(), get_accelerator().communication_backend_name())
+
+
+def device(local_rank: int = 0) -> torch.device:
+    if name() == "cpu":
+        return torch.device("cpu")
+    return torch.device(get_accelerator().device_name(local_rank))
+
+
+def set_device(local_rank: int) -> None:
+    if name() != "cpu":
+        get_accelerator().set_device(local_rank)
+
+
+def is_bf16_supported() -> bool:
+    return bool(get_accelerator().is_bf16_supported())
+
+
+def is_fp16_supported() -> bool:
+    return bool(get_accelerator().is_fp16_supported())
+
+
+def synchronize() -> None:
+    get_accelerator().synchronize()
+
+
+def memory_stats() -> dict[str, float]:
+    """Allocated / peak allocated memory in GiB on this device; host RSS (max) on CPU."""
+    if name() == "cpu":
+        import resource
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return {"host_peak_rss_gib": round(peak_kib / 2**20, 3)}
+    acc = get_accelerator()
+    return {"mem_allocated_gib": round(acc.memory_allocated() / 2**30, 3),
+            "mem_peak_gib": round(acc.max_memory_allocated() / 2**30, 3)}

@@ -1,0 +1,130 @@
+"""Set up DeepSpeed for a checked experiment and run one optimizer step at a time.
+
+`prepare_ds_config` derives what DeepSpeed reads from the experiment (batch keys, learning rate, the
+pipeline partitioning flags), `build_trainer` calls `deepspeed.initialize` for the layout, and
+`Trainer.train_step` runs one global batch on either engine and returns the layout-independent loss.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from parallel import ds_config as dsc
+from parallel.config import ExperimentConfig, TrainConfig
+from parallel.model import build_model, checkpoint_interval
+
+
+def prepare_ds_config(ds: dict, cfg: ExperimentConfig, dp_size: int) -> dict:
+    """The dict given to DeepSpeed: batch keys from the experiment; the optimizer is built by the toolkit.
+
+    Inter-stage tensors are not partitioned over tp ranks (DeepSpeed's pipe_partitioned lets only the
+    first of several stage outputs carry a gradient; ours pass two).
+    """
+    out = dsc.with_batch_keys(ds, cfg, dp_size)
+    out.pop("optimizer", None)
+    out.setdefault("pipeline", {})
+    out["pipeline"].setdefault("pipe_partitioned", False)
+    out["pipeline"].setdefault("grad_partitioned", False)
+    if (out.get("zero_optimization") or {}).get("offload_optimizer"):
+        out.setdefault("zero_force_ds_cpu_optimizer", False)
+    return out
+
+
+def build_optimizer(model: torch.nn.Module, ds: dict, train: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW from the JSON's optimizer section (betas, eps, weight_decay) at train.lr.
+
+    Weight decay applies to matrices only (not to norms, biases or the q/k norm vectors).
+    """
+    section = ds.get("optimizer") or {"type": "AdamW", "params": {}}
+    kind = section.get("type", "AdamW")
+    if kind.lower() not in ("adamw", "adam"):
+        raise ValueError(f"optimizer.type={kind!r}: this version builds AdamW or Adam")
+    params = dict(section.get("params", {}))
+    params.pop("lr", None)
+    wd = float(params.pop("weight_decay", 0.0))
+    if kind.lower() == "adam":
+        params.setdefault("weight_decay", 0.0)
+    params = {k: v for k, v in params.items() if k in ("betas", "eps", "amsgrad")}
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": wd}, {"params": other, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=train.lr, foreach=True, **params)
+
+
+def lr_factor(step: int, train: TrainConfig) -> float:
+    """Linear warmup over train.warmup_steps, then cosine decay to train.min_lr at train.max_steps."""
+    if train.warmup_steps and step < train.warmup_steps:
+        return (step + 1) / train.warmup_steps
+    span = max(1, train.max_steps - train.warmup_steps)
+    progress = min(1.0, (step - train.warmup_steps) / span)
+    floor = train.min_lr / train.lr
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: Optional[float]
+    lr: float
+
+
+class Trainer:
+    """One optimizer step over the global batch, on the pipeline or the plain DeepSpeed engine."""
+
+    def __init__(self, engine, cfg: ExperimentConfig, ctx):
+        self.engine, self.cfg, self.ctx = engine, cfg, ctx
+        self.pipeline = cfg.parallel.pp_size > 1
+
+    def train_step(self, batches: Iterator) -> StepResult:
+        lr = self.engine.get_lr()[0]
+        if self.pipeline:
+            loss = float(self.engine.train_batch(data_iter=batches))
+        else:
+            total = torch.zeros((), dtype=torch.float64)
+            for _ in range(self.cfg.train.grad_accum_steps):
+                inputs, target = next(batches)
+                device = self.engine.device
+                loss = self.engine(tuple(x.to(device) for x in inputs), target.to(device))
+                self.engine.backward(loss)
+                self.engine.step()
+                total += loss.detach().double().cpu()
+            total /= self.cfg.train.grad_accum_steps
+            if self.ctx.dp_size > 1:
+                dist.all_reduce(total, group=self.ctx.dp_group)
+                total /= self.ctx.dp_size
+            loss = float(total)
+        norm = self.engine.get_global_grad_norm()
+        return StepResult(loss=loss, grad_norm=None if norm is None else float(norm), lr=lr)
+
+
+def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, optimizer_factory=build_optimizer) -> Trainer:
+    """Configure activation checkpointing, build the model for the layout, and initialise DeepSpeed."""
+    ds_final = prepare_ds_config(ds, cfg, ctx.dp_size)
+    checkpoint_fn = None
+    if checkpoint_interval(ds_final, cfg.model.num_layers):
+        deepspeed.checkpointing.configure(ctx, deepspeed_config=copy.deepcopy(ds_final))
+        checkpoint_fn = deepspeed.checkpointing.checkpoint
+    model = build_model(cfg, ds_final, ctx, checkpoint_fn)
+    optimizer = optimizer_factory(model, ds, cfg.train)
+    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.train))  # noqa: E731
+    mpu = None if cfg.parallel.pp_size > 1 else ctx      # the pipeline engine takes its grid from the module
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
+                                           config=ds_final, mpu=mpu)
+    _record_fp32_grad_norm(engine)
+    return Trainer(engine, cfg, ctx)
+
+
+def _record_fp32_grad_norm(engine) -> None:
+    """Keep the pre-clipping gradient norm that DeepSpeed computes and drops on the fp32, ZeRO-0 path."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_and_record():
+        engine._global_grad_norm = float(clip_grad_norm_(parameters=engine.module.parameters(),
+                                                         max_norm=engine.gradient_clipping(), mpu=engine.mpu))
+    engine.clip_fp32_gradients = clip_and_record

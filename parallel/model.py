@@ -1,0 +1,156 @@
+"""Turn models/'s stage list into what DeepSpeed runs: a sequential module (pp = 1) or pipeline stages.
+
+The layer list is [embed, block_0 .. block_{L-1}, final]; layer i is built inside `init_rng(seed, name)`
+so its weights depend on the seed and its name only, not on the stage that builds it. Canonical
+parameter names are `embed.*`, `blocks.{i}.*`, `final.*` in both forms (`canonical_name`).
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable, Optional
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+from torch import nn
+
+from models.diffusion import mse_loss
+from models.dit import stage_classes, token_grid
+from parallel.config import ExperimentConfig
+from parallel.seed import init_rng
+
+
+class SeededLayerSpec(LayerSpec):
+    """A LayerSpec built under its own RNG stream (seed, name)."""
+
+    def __init__(self, seed: int, name: str, typename, *args, **kwargs):
+        super().__init__(typename, *args, **kwargs)
+        self.seed, self.name = seed, name
+
+    def build(self, log=False):
+        with init_rng(self.seed, self.name):
+            return super().build(log=log)
+
+
+def layer_specs(cfg: ExperimentConfig, ctx) -> list[SeededLayerSpec]:
+    embed, block, final = stage_classes(cfg.model)
+    grid, seed = token_grid(cfg.model, cfg.data), cfg.train.seed
+    return ([SeededLayerSpec(seed, "embed", embed, cfg.model, grid, ctx)]
+            + [SeededLayerSpec(seed, f"blocks.{i}", block, cfg.model, grid, ctx) for i in range(cfg.model.num_layers)]
+            + [SeededLayerSpec(seed, "final", final, cfg.model, grid, ctx)])
+
+
+def blocks_per_stage(cfg: ExperimentConfig) -> list[int]:
+    pp, n = cfg.parallel.pp_size, cfg.model.num_layers
+    return list(cfg.parallel.pp_partition or [n // pp] * pp)
+
+
+def checkpoint_interval(ds: dict, num_blocks: int) -> int:
+    """Blocks per checkpointed segment from the JSON's activation_checkpointing section (0 = off).
+
+    Without the section nothing is recomputed; with it every block is checkpointed, or the blocks are
+    grouped into `number_checkpoints` segments when that is set.
+    """
+    section = ds.get("activation_checkpointing")
+    if section is None:
+        return 0
+    n = section.get("number_checkpoints")
+    return max(1, math.ceil(num_blocks / n)) if n else 1
+
+
+class SequentialDiT(nn.Module):
+    """pp = 1: the stages in order; forward(inputs, target) -> loss. Blocks checkpointed in segments."""
+
+    def __init__(self, specs: list[SeededLayerSpec], checkpoint_every: int = 0,
+                 checkpoint_fn: Optional[Callable] = None):
+        super().__init__()
+        self.embed = specs[0].build()
+        self.blocks = nn.ModuleList(spec.build() for spec in specs[1:-1])
+        self.final = specs[-1].build()
+        self.checkpoint_every, self.checkpoint_fn = checkpoint_every, checkpoint_fn
+
+    def _segment(self, start: int, stop: int):
+        def run(*h):
+            for block in self.blocks[start:stop]:
+                h = block(h)
+            return h
+        return run
+
+    def predict(self, inputs):
+        h = self.embed(inputs)
+        k = self.checkpoint_every
+        for start in range(0, len(self.blocks), k or len(self.blocks)):
+            stop = start + (k or len(self.blocks))
+            run = self._segment(start, stop)
+            h = self.checkpoint_fn(run, *h) if k else run(*h)
+        return self.final(h)
+
+    def forward(self, inputs, target):
+        return mse_loss(self.predict(inputs), target)
+
+
+class DiTPipeline(PipelineModule):
+    """pp > 1: stage s holds blocks_per_stage[s] blocks; embed on the first stage, final + loss on the last."""
+
+    def __init__(self, specs, topology: PipeModelDataParallelTopology, blocks: list[int],
+                 checkpoint_every: int = 0, checkpoint_fn: Optional[Callable] = None):
+        bounds = [0] + [1 + sum(blocks[:s + 1]) for s in range(len(blocks))]
+        bounds[-1] = len(specs)
+        self._explicit_parts = bounds
+        extra = {"activation_checkpoint_func": checkpoint_fn} if checkpoint_fn else {}
+        super().__init__(layers=specs, topology=topology, loss_fn=mse_loss, partition_method="explicit",
+                         activation_checkpoint_interval=checkpoint_every, checkpointable_layers=["DiTBlock"],
+                         **extra)
+
+    def _partition_layers(self, method="explicit"):
+        self.parts = self._explicit_parts
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+_PIPE_NAME = re.compile(r"^(\d+)\.(.*)$")
+
+
+def canonical_name(name: str, num_blocks: int) -> str:
+    """`3.attn.to_qkv.weight` (pipeline layer index) -> `blocks.2.attn.to_qkv.weight`; others unchanged."""
+    m = _PIPE_NAME.match(name)
+    if not m:
+        return name
+    idx, rest = int(m.group(1)), m.group(2)
+    if idx == 0:
+        return f"embed.{rest}"
+    if idx == num_blocks + 1:
+        return f"final.{rest}"
+    return f"blocks.{idx - 1}.{rest}"
+
+
+def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Callable] = None) -> nn.Module:
+    """The module to hand to deepspeed.initialize for this layout."""
+    specs = layer_specs(cfg, ctx)
+    every = checkpoint_interval(ds, cfg.model.num_layers)
+    if cfg.parallel.pp_size == 1:
+        return SequentialDiT(specs, every, checkpoint_fn)
+    topo = PipeModelDataParallelTopology(num_pp=ctx.pp_size, num_mp=ctx.tp_size, num_dp=ctx.dp_size)
+    return DiTPipeline(specs, topo, blocks_per_stage(cfg), every, checkpoint_fn)
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+@torch.no_grad()
+def full_state(module: nn.Module, ctx, num_blocks: int) -> dict[str, torch.Tensor]:
+    """This rank's parameters as full (tp-gathered) fp32 tensors under canonical names.
+
+    Call on every rank of the tp group (it communicates). Under ZeRO-3 wrap the call in
+    `deepspeed.zero.GatheredParameters(module.parameters())`.
+    """
+    from parallel.comm import gather_shards
+    out = {}
+    for name, p in module.named_parameters():
+        t = p.detach().float()
+        if getattr(p, "tensor_model_parallel", False) and ctx.tp_size > 1:
+            t = gather_shards(t, ctx, p.partition_dim, getattr(p, "tp_parts", None))
+        out[canonical_name(name, num_blocks)] = t.clone()
+    return out

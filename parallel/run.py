@@ -1,0 +1,113 @@
+"""The training run behind train.py: process groups, data, DeepSpeed engine, loop, metrics."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from models.data import DiffusionBatches, DirectoryLatents, SyntheticLatents
+from models.diffusion import Objective
+from models.dit import latent_shape, token_grid
+from parallel import accelerator
+from parallel.check import Layout
+from parallel.config import ExperimentConfig
+from parallel.engine import build_trainer
+from parallel.replicas import replica_mismatches
+from parallel.seed import seed_all
+from parallel.topology import Grid, LaunchEnv, ParallelContext
+
+
+def export_launch_env(env: LaunchEnv) -> None:
+    """Give torch.distributed the RANK/WORLD_SIZE/LOCAL_RANK it reads, whatever launcher set ours."""
+    os.environ.setdefault("RANK", str(env.rank))
+    os.environ.setdefault("WORLD_SIZE", str(env.world_size))
+    os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(env.local_world_size))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        if env.world_size > 1:
+            raise RuntimeError(f"{env.launcher} launcher: MASTER_ADDR/MASTER_PORT are not set; export them "
+                               "(the first node's address and a free port) or launch with launch.sh")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+def build_dataset(cfg: ExperimentConfig):
+    if cfg.data.kind == "directory":
+        return DirectoryLatents(cfg.data.path)
+    m = cfg.model
+    return SyntheticLatents(cfg.data.num_samples, m.in_channels, latent_shape(m, cfg.data), m.max_text_len,
+                            m.text_embed_dim, cfg.train.seed)
+
+
+def tokens_per_sample(cfg: ExperimentConfig) -> int:
+    t, h, w = token_grid(cfg.model, cfg.data)
+    return cfg.model.max_text_len + t * h * w
+
+
+def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv) -> int:
+    if layout.precision == "bf16" and not accelerator.is_bf16_supported():
+        print(f"refusing to start: bf16.enabled=true but the {accelerator.name()} device here has no bf16; "
+              f"use ds_configs/zero0_fp32.json", file=sys.stderr)
+        return 1
+    dataset = build_dataset(cfg)               # a missing data file stops us before any process group
+
+    export_launch_env(env)
+    accelerator.set_device(env.local_rank)
+    deepspeed.init_distributed(dist_backend=accelerator.backend())
+    ctx = ParallelContext.build(Grid(layout.pp_size, layout.dp_size, layout.tp_size))
+    seed_all(cfg.train.seed)
+    trainer = build_trainer(cfg, ds, ctx)
+    batches = DiffusionBatches(dataset, Objective(cfg.model.objective), seed=cfg.train.seed,
+                               micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum_steps,
+                               dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
+
+    is_logger = ctx.rank == 0
+    out_dir = Path(cfg.train.output_dir)
+    if is_logger:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        print(f"training {cfg.model.name}: {ctx.describe()} ZeRO-{layout.zero_stage} {layout.precision}, "
+              f"global batch {layout.global_batch}, {cfg.train.max_steps} steps -> {out_dir}/metrics.jsonl",
+              flush=True)
+    metrics = open(out_dir / "metrics.jsonl", "a") if is_logger else None   # append: earlier runs are kept
+    tokens = layout.global_batch * tokens_per_sample(cfg)
+    bar = tqdm(total=cfg.train.max_steps, disable=not is_logger, dynamic_ncols=True, file=sys.stderr)
+    try:
+        for step in range(cfg.train.max_steps):
+            start = time.perf_counter()
+            result = trainer.train_step(batches)
+            elapsed = time.perf_counter() - start
+            every = cfg.train.check_replicas_every
+            if every and (step + 1) % every == 0:
+                bad = replica_mismatches(trainer.engine.module, ctx)
+                if bad:
+                    raise RuntimeError(f"step {step + 1}: replicated parameters differ across tp ranks: {bad}")
+            if is_logger and (step + 1) % cfg.train.log_every == 0:
+                record = {"step": step + 1, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+                          "step_time_s": round(elapsed, 4), "samples_per_s": round(layout.global_batch / elapsed, 3),
+                          "tokens_per_s": round(tokens / elapsed, 1), **accelerator.memory_stats()}
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+                monitor = getattr(trainer.engine, "monitor", None)
+                if monitor is not None and monitor.enabled:
+                    monitor.write_events([(f"train/{k}", v, step + 1) for k, v in record.items()
+                                          if k != "step" and v is not None])
+            bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{result.lr:.2e}")
+            bar.update()
+    finally:
+        bar.close()
+        if metrics:
+            metrics.close()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    return 0

@@ -1,0 +1,44 @@
+"""Train a video DiT with tensor, pipeline and ZeRO data parallelism.
+
+    deepspeed --num_gpus 4 train.py --config configs/debug.yaml \
+        --deepspeed_config ds_configs/zero1_bf16.json --set parallel.tp_size=2 --set parallel.pp_size=2
+
+config -> checks -> topology -> model -> deepspeed.initialize -> loop.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from parallel.check import load_and_check
+from parallel.config import ConfigError
+from parallel.topology import read_launch_env
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="experiment YAML file or preset name")
+    ap.add_argument("--deepspeed_config", "--deepspeed-config", required=True, help="DeepSpeed JSON file")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key, e.g. --set parallel.tp_size=2 (repeatable)")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    env = read_launch_env()
+    try:      # every rank checks before any process group, parameter or file exists
+        cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size)
+    except ConfigError as e:
+        if env.rank == 0:
+            print(f"refusing to start, the configuration has problems:\n  - " +
+                  str(e).replace("\n", "\n  - "), file=sys.stderr)
+        return 1
+
+    from parallel.run import run_training     # heavy imports (deepspeed, torch) only after the checks
+    return run_training(cfg, ds, layout, env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
