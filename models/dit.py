@@ -105,19 +105,19 @@ class Attention(nn.Module):
         self.to_out = RowParallelLinear(hid, hid, ctx=ctx)
         # q/k LayerNorm over head_dim, shared by all heads: each tp rank sees only its heads, so the
         # gradients of these replicated parameters are partial sums, all-reduced by copy_to_tp below.
+        # k's norm has no bias: a bias b adds q.b to every logit of a query, which softmax ignores, so
+        # its exact gradient is zero and Adam would only turn round-off into updates.
         self.norm_q_weight = nn.Parameter(torch.ones(self.head_dim))
         self.norm_q_bias = nn.Parameter(torch.zeros(self.head_dim))
         self.norm_k_weight = nn.Parameter(torch.ones(self.head_dim))
-        self.norm_k_bias = nn.Parameter(torch.zeros(self.head_dim))
         self._rope = _PositionCache(lambda t, h, w: rope_3d(self.head_dim, t, h, w)) \
             if cfg.pos_embed == "rope3d" else None
 
     def forward(self, x, n_txt):
         q, k, v = rearrange(self.to_qkv(x), "b s (three n d) -> three b n s d", three=3, d=self.head_dim)
-        norm = copy_to_tp(torch.stack([self.norm_q_weight, self.norm_q_bias,
-                                       self.norm_k_weight, self.norm_k_bias]), self.ctx)   # (4, d)
-        q = F.layer_norm(q, (self.head_dim,), norm[0], norm[1], eps=1e-6)
-        k = F.layer_norm(k, (self.head_dim,), norm[2], norm[3], eps=1e-6)
+        norm = copy_to_tp(torch.stack([self.norm_q_weight, self.norm_q_bias, self.norm_k_weight]), self.ctx)
+        q = F.layer_norm(q, (self.head_dim,), norm[0], norm[1], eps=1e-6)           # (B, heads/p, S, d)
+        k = F.layer_norm(k, (self.head_dim,), norm[2], None, eps=1e-6)
         if self._rope is not None:                                         # video tokens only
             cos, sin = self._rope.get(self.grid, x.device)
             q = torch.cat([q[:, :, :n_txt], apply_rope(q[:, :, n_txt:], cos, sin)], dim=2)

@@ -15,6 +15,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from parallel import accelerator
 from parallel import ds_config as dsc
 from parallel.config import ExperimentConfig, TrainConfig
 from parallel.model import build_model, checkpoint_interval
@@ -105,6 +106,7 @@ class Trainer:
 
 def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, optimizer_factory=build_optimizer) -> Trainer:
     """Configure activation checkpointing, build the model for the layout, and initialise DeepSpeed."""
+    deepspeed.init_distributed(dist_backend=accelerator.backend())   # no-op when run.py already did it
     ds_final = prepare_ds_config(ds, cfg, ctx.dp_size)
     checkpoint_fn = None
     if checkpoint_interval(ds_final, cfg.model.num_layers):
@@ -116,15 +118,32 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, optimizer_factory=build_
     mpu = None if cfg.parallel.pp_size > 1 else ctx      # the pipeline engine takes its grid from the module
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            config=ds_final, mpu=mpu)
-    _record_fp32_grad_norm(engine)
+    _clip_with_recorded_norm(engine, ctx)
     return Trainer(engine, cfg, ctx)
 
 
-def _record_fp32_grad_norm(engine) -> None:
-    """Keep the pre-clipping gradient norm that DeepSpeed computes and drops on the fp32, ZeRO-0 path."""
-    from deepspeed.runtime.utils import clip_grad_norm_
+def grad_norm(params, ctx) -> torch.Tensor:
+    """L2 norm of the gradients of one model replica: tp shards counted on every tp rank, replicated
+    parameters once (tp rank 0), summed over the replica's pipeline stages and tp ranks."""
+    sq = torch.zeros((), dtype=torch.float32, device=params[0].device if params else None)
+    for p in params:
+        if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or ctx.tp_rank == 0):
+            sq += p.grad.detach().float().norm() ** 2
+    if ctx.model_group is not None:
+        dist.all_reduce(sq, group=ctx.model_group)
+    return sq.sqrt()
 
+
+def _clip_with_recorded_norm(engine, ctx) -> None:
+    """fp32 ZeRO-0 clipping: DeepSpeed's computes the norm and drops it, and under the pipeline grid it
+    skips replicated parameters on every stage but the first (it reads the pipe x model rank as the tp
+    rank). This computes the norm over the whole replica, clips as DeepSpeed does and keeps the norm."""
     def clip_and_record():
-        engine._global_grad_norm = float(clip_grad_norm_(parameters=engine.module.parameters(),
-                                                         max_norm=engine.gradient_clipping(), mpu=engine.mpu))
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        norm = grad_norm(params, ctx)
+        coef = engine.gradient_clipping() / (norm + 1e-6)
+        if coef < 1:
+            for p in params:
+                p.grad.detach().mul_(coef)
+        engine._global_grad_norm = float(norm)
     engine.clip_fp32_gradients = clip_and_record

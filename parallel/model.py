@@ -59,6 +59,20 @@ def checkpoint_interval(ds: dict, num_blocks: int) -> int:
     return max(1, math.ceil(num_blocks / n)) if n else 1
 
 
+def checkpoint_x_only(checkpoint_fn: Callable) -> Callable:
+    """Recompute a range of blocks for x; temb goes around the checkpoint, not through it.
+
+    Two DeepSpeed behaviours make this necessary: partition_activations and cpu_checkpointing free a
+    checkpoint's inputs in place (`arg.data = empty`), so the checkpoint gets a fresh view of temb and
+    the caller's temb survives; and the 0.19 pipeline engine backpropagates each stage output
+    separately, which a checkpoint node cannot serve twice, so temb must not be one of its outputs.
+    """
+    def run(fn, x, temb):
+        x = checkpoint_fn(lambda x_, temb_: fn(x_, temb_)[0], x, temb.view_as(temb))
+        return x, temb
+    return run
+
+
 class SequentialDiT(nn.Module):
     """pp = 1: the stages in order; forward(inputs, target) -> loss. Blocks checkpointed in segments."""
 
@@ -129,6 +143,7 @@ def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Ca
     """The module to hand to deepspeed.initialize for this layout."""
     specs = layer_specs(cfg, ctx)
     every = checkpoint_interval(ds, cfg.model.num_layers)
+    checkpoint_fn = checkpoint_x_only(checkpoint_fn) if checkpoint_fn else None
     if cfg.parallel.pp_size == 1:
         return SequentialDiT(specs, every, checkpoint_fn)
     topo = PipeModelDataParallelTopology(num_pp=ctx.pp_size, num_mp=ctx.tp_size, num_dp=ctx.dp_size)

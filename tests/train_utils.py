@@ -1,0 +1,67 @@
+"""Run a few training steps of the `debug` preset in spawned gloo ranks and collect comparable numbers."""
+from __future__ import annotations
+
+import copy
+import json
+
+import torch
+
+from parallel.config import load_config
+from tests.dist_utils import run_ranks
+
+ZERO0_FP32 = json.load(open("ds_configs/zero0_fp32.json"))
+GLOBAL_BATCH = 4
+
+
+def fp32_config(stage: int = 0, checkpointing: bool = True) -> dict:
+    ds = copy.deepcopy(ZERO0_FP32)
+    ds["zero_optimization"] = {"stage": stage}
+    if not checkpointing:
+        ds.pop("activation_checkpointing")
+    return ds
+
+
+def experiment(tp: int, pp: int, dp: int, extra=()):
+    """`debug` at a fixed global batch of 4 (micro-batch x 2 micro-steps x dp), so every layout sees the same data."""
+    mb = GLOBAL_BATCH // (2 * dp)
+    return load_config("debug", [f"parallel.tp_size={tp}", f"parallel.pp_size={pp}", f"train.micro_batch_size={mb}",
+                                 "train.grad_accum_steps=2", "train.warmup_steps=0", *extra])
+
+
+def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra):
+    import deepspeed
+
+    from models.data import DiffusionBatches
+    from models.diffusion import Objective
+    from parallel.engine import build_trainer
+    from parallel.model import full_state
+    from parallel.replicas import replica_mismatches
+    from parallel.run import build_dataset
+    from parallel.seed import seed_all
+    from parallel.topology import Grid, ParallelContext
+
+    cfg = experiment(tp, pp, dp, extra)
+    ctx = ParallelContext.build(Grid(pp, dp, tp))
+    seed_all(cfg.train.seed)
+    trainer = build_trainer(cfg, ds, ctx)
+    batches = DiffusionBatches(build_dataset(cfg), Objective(cfg.model.objective), seed=cfg.train.seed,
+                               micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum_steps,
+                               dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
+    losses = [trainer.train_step(batches).loss for _ in range(steps)]
+    module = trainer.engine.module
+    if ds.get("zero_optimization", {}).get("stage", 0) == 3:
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):
+            state = full_state(module, ctx, cfg.model.num_layers)
+    else:
+        state = full_state(module, ctx, cfg.model.num_layers)
+    return {"losses": losses, "state": state, "replica_mismatches": replica_mismatches(module, ctx)}
+
+
+def train(tp: int, pp: int, dp: int, ds: dict, steps: int = 3, extra=()):
+    """Per-step losses (rank 0's), the merged full fp32 state of all ranks, and any replica drift."""
+    results = run_ranks(_train_rank, tp * pp * dp, tp, pp, dp, ds, steps, tuple(extra))
+    state: dict[str, torch.Tensor] = {}
+    for r in results:
+        state.update(r["state"])
+    return {"losses": results[0]["losses"], "all_losses": [r["losses"] for r in results], "state": state,
+            "replica_mismatches": sorted({n for r in results for n in r["replica_mismatches"]})}
