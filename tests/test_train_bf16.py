@@ -14,7 +14,7 @@ def test_bf16_pipeline_tracks_fp32_and_loss_falls():
     bf16 = train(2, 2, 1, ds_bf16, steps=STEPS, extra=extra)
     fp32 = train(1, 1, 1, fp32_config(), steps=STEPS, extra=extra)
     got, want = torch.tensor(bf16["losses"]), torch.tensor(fp32["losses"])
-    # bf16 keeps 8 bits of mantissa: per-step losses agree to a few bf16 ulps of relative error.
-    torch.testing.assert_close(got, want, rtol=4e-2, atol=1e-2)
+    # torch's bf16 tolerances (rtol 1.6e-2 = 2 bf16 ulps, atol 1e-5); measured: at most 0.7% apart.
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-5)
     assert got[-10:].mean() < 0.75 * got[:5].mean(), got.tolist()
     assert bf16["replica_mismatches"] == []

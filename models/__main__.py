@@ -1,0 +1,52 @@
+"""Print a model's architecture summary and parameter count, built on the meta device (instant for 5B).
+
+    python -m models --config configs/cogvideox-5b.yaml [--set model.num_layers=4 ...]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from models.dit import latent_shape, token_grid
+from parallel.config import ConfigError, load_config
+from parallel.model import SequentialDiT, layer_specs
+from parallel.topology import ParallelContext
+
+
+def summary(cfg) -> str:
+    with torch.device("meta"):
+        model = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    m, (t, h, w) = cfg.model, token_grid(cfg.model, cfg.data)
+    lines = [
+        f"model: {m.name} ({m.family}), {m.num_layers} blocks, hidden {m.hidden_size} = {m.num_heads} heads x "
+        f"{m.head_dim}, FFN {m.ffn_size}, time embedding {m.time_embed_dim}, positions {m.pos_embed}",
+        f"video: {cfg.data.num_frames} x {cfg.data.height} x {cfg.data.width} -> latents "
+        f"{'x'.join(map(str, latent_shape(m, cfg.data)))} x {m.in_channels} ch -> {t} x {h} x {w} patches = "
+        f"{t * h * w} video tokens + {m.max_text_len} text tokens = {t * h * w + m.max_text_len}",
+        f"embed:  {count(model.embed):>14,d}",
+        f"blocks: {count(model.blocks):>14,d}  ({count(model.blocks[0]):,d} per block)",
+        f"final:  {count(model.final):>14,d}",
+        f"parameters: {count(model)}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m models", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="experiment YAML file or preset name")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 1
+    print(summary(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

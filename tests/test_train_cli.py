@@ -1,0 +1,78 @@
+"""train.py as users run it: refused configs never start DeepSpeed, missing data is named, one process trains."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from models.__main__ import summary
+from parallel.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def train_py(*args, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_refused_layout_never_starts_deepspeed(tmp_path):
+    out = tmp_path / "run"
+    p = train_py("--config", "debug", "--deepspeed_config", "ds_configs/zero2_bf16.json",
+                 "--set", "parallel.pp_size=2", "--set", "parallel.tp_size=3", "--set", f"train.output_dir={out}",
+                 env_extra={"RANK": "0", "WORLD_SIZE": "6", "MASTER_PORT": "1"})
+    assert p.returncode == 1
+    assert "model.num_heads=4 is not divisible by parallel.tp_size=3" in p.stderr
+    assert "zero_optimization.stage=2 with parallel.pp_size=2" in p.stderr
+    assert "deepspeed" not in p.stdout.lower() and not out.exists()
+
+
+def test_missing_data_file_is_named_before_training(tmp_path):
+    (tmp_path / "manifest.jsonl").write_text(json.dumps({"latent": "a.safetensors", "text": "a_text.pt"}) + "\n")
+    p = train_py("--config", "debug", "--deepspeed_config", "ds_configs/zero0_fp32.json",
+                 "--set", "data.kind=directory", "--set", f"data.path={tmp_path}",
+                 "--set", f"train.output_dir={tmp_path / 'run'}")
+    assert p.returncode != 0
+    assert f"{tmp_path / 'manifest.jsonl'}:1: data file {tmp_path / 'a.safetensors'} does not exist" in p.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_one_process_trains_from_a_latent_directory_and_appends_metrics(tmp_path):
+    """Prepared latents in safetensors and .pt train like the synthetic set; metrics.jsonl is appended to."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = load_config("debug")
+    lines = []
+    for i in range(4):
+        save_file({"latent": torch.randn(4, 3, 8, 8)}, str(tmp_path / f"v{i}.safetensors"))
+        torch.save(torch.randn(cfg.model.max_text_len, cfg.model.text_embed_dim), tmp_path / f"v{i}_text.pt")
+        lines.append(json.dumps({"latent": f"v{i}.safetensors", "text": f"v{i}_text.pt"}))
+    (tmp_path / "manifest.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 0, "note": "earlier run"}\n')
+    p = train_py("--config", "debug", "--deepspeed_config", "ds_configs/zero0_fp32.json",
+                 "--set", "data.kind=directory", "--set", f"data.path={tmp_path}", "--set", "train.max_steps=3",
+                 "--set", f"train.output_dir={out}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[0] == {"step": 0, "note": "earlier run"}
+    assert [r["step"] for r in records[1:]] == [1, 2, 3]
+    for r in records[1:]:
+        assert {"loss", "lr", "grad_norm", "step_time_s", "samples_per_s", "tokens_per_s"} <= r.keys()
+        assert r["grad_norm"] > 0 and r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 56, rel=1e-2)
+
+
+def test_model_summary_counts_published_sizes():
+    """Meta-device counts equal the layer arithmetic (and land on CogVideoX-2B's 1.69B)."""
+    text = summary(load_config("cogvideox-2b"))
+    h, f, d, p, c, e = 1920, 7680, 512, 2, 16, 4096
+    block = (6 * h * d + 6 * h) * 2 + 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 3 * 64 + (h * f + f) + (f * h + h)
+    embed = (c * p * p * h + h) + (e * h + h) + (h * d + d) + (d * d + d)
+    final = 2 * h + (2 * h * d + 2 * h) + 2 * h + (h * c * p * p + c * p * p)
+    assert f"parameters: {embed + 30 * block + final}" in text
+    assert 1.68e9 < embed + 30 * block + final < 1.70e9
