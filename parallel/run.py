@@ -80,6 +80,7 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
               flush=True)
     metrics = open(out_dir / "metrics.jsonl", "a") if is_logger else None   # append: earlier runs are kept
     tokens = layout.global_batch * tokens_per_sample(cfg)
+    losses: list[float] = []
     bar = tqdm(total=cfg.train.max_steps, disable=not is_logger, dynamic_ncols=True, file=sys.stderr)
     try:
         for step in range(cfg.train.max_steps):
@@ -101,8 +102,15 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
                 if monitor is not None and monitor.enabled:
                     monitor.write_events([(f"train/{k}", v, step + 1) for k, v in record.items()
                                           if k != "step" and v is not None])
+            losses.append(result.loss)
             bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{result.lr:.2e}")
             bar.update()
+        bar.close()
+        if is_logger and len(losses) >= 10:
+            k = min(10, len(losses) // 2)
+            first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+            print(f"loss: mean of the first {k} steps {first:.4f} -> last {k} steps {last:.4f} "
+                  f"({last / first:.2f}x)", flush=True)
     finally:
         bar.close()
         if metrics:

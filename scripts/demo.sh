@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Set up the environment (first run only) and run the main job.
+# Set up the environment (first run only) and run the main job: the `debug` DiT trained with
+# tensor parallelism 2 x pipeline parallelism 2 x data parallelism 2 (ZeRO-1, bf16, activation
+# checkpointing) as 8 processes. On a machine without GPUs they run on the CPU over gloo.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
-echo "+ python -m parallel.check --config configs/cogvideox-2b.yaml --deepspeed_config ds_configs/zero1_bf16.json --world-size 8 --set parallel.tp_size=2"
-python -m parallel.check --config configs/cogvideox-2b.yaml --deepspeed_config ds_configs/zero1_bf16.json --world-size 8 --set parallel.tp_size=2
-echo "+ python -m parallel.check --config configs/cogvideox-2b.yaml --set parallel.tp_size=4   (refused, as it must be)"
-python -m parallel.check --config configs/cogvideox-2b.yaml --set parallel.tp_size=4 || true
+OUT="${OUT:-runs/demo-$(date +%Y%m%d-%H%M%S)}"
+CMD=(deepspeed --num_gpus 8 train.py --config configs/debug.yaml --deepspeed_config ds_configs/zero1_bf16.json
+     --set parallel.tp_size=2 --set parallel.pp_size=2 --set "train.output_dir=$OUT" "$@")
+echo "+ ${CMD[*]}"
+"${CMD[@]}" 2>&1 | grep --line-buffered -vE '^\[[0-9-]+ [0-9:,]+\] \[(INFO|WARNING)\]|^\s*$' || true
+test "${PIPESTATUS[0]}" -eq 0
+echo "per-step metrics: $OUT/metrics.jsonl"
