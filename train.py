@@ -32,7 +32,7 @@ def main(argv=None) -> int:
         cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size)
     except ConfigError as e:
         if env.rank == 0:
-            print(f"refusing to start, the configuration has problems:\n  - " +
+            print("refusing to start, the configuration has problems:\n  - " +
                   str(e).replace("\n", "\n  - "), file=sys.stderr)
         return 1
 

@@ -66,12 +66,14 @@ def _load_tensor(path: Path, key: str) -> torch.Tensor:
 class DirectoryLatents:
     """`manifest.jsonl` lines {"latent": file, "text": file}; files are safetensors or `.pt` tensors.
 
-    Latents are [C, T, H, W] (VAE-scaled), text embeddings [S_txt, text_dim]. Every listed file is checked
-    to exist when the dataset is opened, so a missing one is named before training starts.
+    Latents are [C, T, H, W] (VAE-scaled), text embeddings [S_txt, text_dim]. With a `text_encoder`
+    (models.text_encoder.T5TextEncoder) a line may give {"latent": file, "caption": "..."} instead and
+    the caption is encoded when the sample is read. Every listed file is checked to exist when the
+    dataset is opened, so a missing one is named before training starts.
     """
 
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
+    def __init__(self, root: str | Path, text_encoder=None):
+        self.root, self.text_encoder = Path(root), text_encoder
         manifest = self.root / "manifest.jsonl"
         if not manifest.is_file():
             raise FileNotFoundError(f"data.path={root}: no manifest.jsonl in it (lines of "
@@ -82,13 +84,16 @@ class DirectoryLatents:
                 continue
             try:
                 entry = json.loads(line)
-                files = (self.root / entry["latent"], self.root / entry["text"])
+                latent = self.root / entry["latent"]
+                text = entry["caption"] if text_encoder is not None and "caption" in entry \
+                    else self.root / entry["text"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{manifest}:{n}: expected {{\"latent\": file, \"text\": file}} ({e})") from None
-            for f in files:
-                if not f.is_file():
+                need = '"text": file or "caption": str' if text_encoder else '"text": file'
+                raise ValueError(f"{manifest}:{n}: expected {{\"latent\": file, {need}}} (problem: {e!r})") from None
+            for f in (latent, text):
+                if isinstance(f, Path) and not f.is_file():
                     raise FileNotFoundError(f"{manifest}:{n}: data file {f} does not exist")
-            self.items.append(files)
+            self.items.append((latent, text))
         if not self.items:
             raise ValueError(f"{manifest}: no samples listed")
 
@@ -97,7 +102,8 @@ class DirectoryLatents:
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         latent, text = self.items[i]
-        return _load_tensor(latent, "latent").float(), _load_tensor(text, "text").float()
+        embedding = self.text_encoder.encode(text) if isinstance(text, str) else _load_tensor(text, "text")
+        return _load_tensor(latent, "latent").float(), embedding.float()
 
 
 class DiffusionBatches:

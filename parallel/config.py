@@ -28,7 +28,8 @@ class ModelConfig(_Section):
     """Video DiT dimensions (CogVideoX family); defaults are CogVideoX-2B's where one exists."""
 
     name: str = Field("custom", description="preset name, for reports")
-    family: Literal["cogvideox", "stdit"] = Field("cogvideox", description="cogvideox: full 3D attention over text+video; stdit: spatial-temporal blocks")
+    family: Literal["cogvideox", "stdit"] = Field(
+        "cogvideox", description="cogvideox: full 3D attention over text+video; stdit: spatial-temporal blocks")
     num_layers: int = Field(ge=1)
     hidden_size: int = Field(ge=1)
     num_heads: int = Field(ge=1)
@@ -68,7 +69,8 @@ class DataConfig(_Section):
     height: int = Field(480, ge=1)
     width: int = Field(720, ge=1)
     num_samples: int = Field(64, ge=1, description="synthetic dataset size")
-    text_len: Optional[int] = Field(None, ge=1, description="text tokens per sample; default model.max_text_len")
+    text_encoder: Optional[str] = Field(None, description="local T5 encoder folder; manifest lines may then "
+                                        "give a caption string instead of a text-embedding file")
 
     @model_validator(mode="after")
     def _directory_needs_path(self) -> "DataConfig":
@@ -190,7 +192,8 @@ def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
     if tree is None:
         tree = {}
     if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections (model, data, parallel, train), got {type(tree).__name__}")
+        raise ConfigError(f"{path}: expected a mapping of sections (model, data, parallel, train), "
+                          f"got {type(tree).__name__}")
     overridden = set()
     for text in overrides:
         keys, value = parse_override(text)

@@ -141,4 +141,5 @@ class RowParallelLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, tp={self.ctx.tp_size}, local_in={self.in_features_per_partition}"
+        return (f"in={self.in_features}, out={self.out_features}, tp={self.ctx.tp_size}, "
+                f"local_in={self.in_features_per_partition}")

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import deepspeed
-import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
@@ -43,7 +42,11 @@ def export_launch_env(env: LaunchEnv) -> None:
 
 def build_dataset(cfg: ExperimentConfig):
     if cfg.data.kind == "directory":
-        return DirectoryLatents(cfg.data.path)
+        encoder = None
+        if cfg.data.text_encoder:
+            from models.text_encoder import T5TextEncoder
+            encoder = T5TextEncoder(cfg.data.text_encoder, cfg.model.max_text_len, cfg.model.text_embed_dim)
+        return DirectoryLatents(cfg.data.path, encoder)
     m = cfg.model
     return SyntheticLatents(cfg.data.num_samples, m.in_channels, latent_shape(m, cfg.data), m.max_text_len,
                             m.text_embed_dim, cfg.train.seed)

@@ -55,7 +55,10 @@ def test_one_process_trains_from_a_latent_directory_and_appends_metrics(tmp_path
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 0, "note": "earlier run"}\n')
-    p = train_py("--config", "debug", "--deepspeed_config", "ds_configs/zero0_fp32.json",
+    ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
+    ds["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "job"}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"),
                  "--set", "data.kind=directory", "--set", f"data.path={tmp_path}", "--set", "train.max_steps=3",
                  "--set", f"train.output_dir={out}")
     assert p.returncode == 0, p.stderr[-3000:]
@@ -65,6 +68,8 @@ def test_one_process_trains_from_a_latent_directory_and_appends_metrics(tmp_path
     for r in records[1:]:
         assert {"loss", "lr", "grad_norm", "step_time_s", "samples_per_s", "tokens_per_s"} <= r.keys()
         assert r["grad_norm"] > 0 and r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 56, rel=1e-2)
+    csv_rows = (tmp_path / "csv" / "job" / "train_loss.csv").read_text().splitlines()[1:]
+    assert [float(row.split(",")[1]) for row in csv_rows] == pytest.approx([r["loss"] for r in records[1:]])
 
 
 def test_model_summary_counts_published_sizes():

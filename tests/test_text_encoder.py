@@ -1,0 +1,46 @@
+"""Captions through a local T5 encoder (tiny random config, saved and reloaded offline)."""
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
+
+from parallel.config import load_config
+from parallel.run import build_dataset
+
+VOCAB = {"<pad>": 0, "</s>": 1, "<unk>": 2, "a": 3, "red": 4, "square": 5, "moving": 6, "left": 7}
+
+
+@pytest.fixture(scope="module")
+def t5_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("t5")
+    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(path)
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=len(VOCAB), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                      decoder_start_token_id=0, pad_token_id=0)
+    T5EncoderModel(config).save_pretrained(path)
+    return path
+
+
+def test_captions_are_encoded_like_t5_itself(t5_dir, tmp_path):
+    torch.save(torch.randn(4, 3, 8, 8), tmp_path / "clip.pt")
+    (tmp_path / "manifest.jsonl").write_text(json.dumps({"latent": "clip.pt", "caption": "a red square moving left"}))
+    cfg = load_config("debug", ["data.kind=directory", f"data.path={tmp_path}", f"data.text_encoder={t5_dir}"])
+    latent, text = build_dataset(cfg)[0]
+    ids = torch.tensor([[3, 4, 5, 6, 7, 0, 0, 0]])          # 5 words, padded to model.max_text_len = 8
+    expected = T5EncoderModel.from_pretrained(t5_dir).eval()(input_ids=ids).last_hidden_state[0]
+    assert text.shape == (8, 32)
+    torch.testing.assert_close(text, expected.detach())
+    assert torch.equal(latent, torch.load(tmp_path / "clip.pt"))
+
+
+def test_encoder_width_must_match_the_model(t5_dir, tmp_path):
+    (tmp_path / "manifest.jsonl").write_text(json.dumps({"latent": "x.pt", "caption": "a"}))
+    cfg = load_config("debug", ["data.kind=directory", f"data.path={tmp_path}", f"data.text_encoder={t5_dir}",
+                                "model.text_embed_dim=48"])
+    with pytest.raises(ValueError, match=f"data.text_encoder={t5_dir}: d_model 32 != model.text_embed_dim 48"):
+        build_dataset(cfg)
