@@ -21,6 +21,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--deepspeed_config", "--deepspeed-config", required=True, help="DeepSpeed JSON file")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key, e.g. --set parallel.tp_size=2 (repeatable)")
+    ap.add_argument("--resume", default="auto", choices=["auto", "never"],
+                    help="auto: continue from the newest complete checkpoint in ckpt.dir, if there is one")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -37,7 +39,7 @@ def main(argv=None) -> int:
         return 1
 
     from parallel.run import run_training     # heavy imports (deepspeed, torch) only after the checks
-    return run_training(cfg, ds, layout, env)
+    return run_training(cfg, ds, layout, env, resume=args.resume == "auto")
 
 
 if __name__ == "__main__":

@@ -123,6 +123,15 @@ def _check_engine(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
         problems.append(f"{src}: bf16.enabled=true with parallel.pp_size={pp} needs zero_optimization.stage=1 and "
                         f"data_types.grad_accum_dtype=\"fp32\" on DeepSpeed 0.19 (found stage={stage}, "
                         f"grad_accum_dtype={dsc.grad_accum_dtype(ds)!r}); see ds_configs/zero1_bf16.json")
+    optimizer = ds.get("optimizer") or {}
+    kind = str(optimizer.get("type", "AdamW"))
+    if kind.lower() not in ("adamw", "adam", "fusedemaadam", "emaadamw"):
+        problems.append(f"{src}: optimizer.type={kind!r} is not built by the toolkit; use AdamW, Adam, "
+                        f"FusedEmaAdam or EmaAdamW (the last two keep an EMA of the weights)")
+    lr = (optimizer.get("params") or {}).get("lr")
+    if lr is not None and float(lr) != cfg.train.lr:
+        problems.append(f"{src}: optimizer.params.lr={lr} != train.lr={cfg.train.lr}; the schedule starts from "
+                        f"train.lr: set --set train.lr={lr} or remove optimizer.params.lr")
     return problems + dsc.unknown_key_problems(ds, src)
 
 

@@ -96,9 +96,18 @@ class TrainConfig(_Section):
     lr: float = Field(1e-4, gt=0)
     min_lr: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
+    decay_steps: Optional[int] = Field(None, ge=1, description="cosine decay horizon; default train.max_steps")
     output_dir: str = "runs/default"
     log_every: int = Field(1, ge=1)
     check_replicas_every: int = Field(0, ge=0, description="0 = never")
+
+
+class CkptConfig(_Section):
+    """Checkpoints: every `every` steps (0 = only at the end), on SIGTERM/SIGUSR1, keeping the newest `keep`."""
+
+    every: int = Field(0, ge=0)
+    dir: Optional[str] = Field(None, description="default <train.output_dir>/checkpoints")
+    keep: int = Field(3, ge=1)
 
 
 class ExperimentConfig(_Section):
@@ -106,6 +115,11 @@ class ExperimentConfig(_Section):
     data: DataConfig = DataConfig()
     parallel: ParallelConfig = ParallelConfig()
     train: TrainConfig = TrainConfig()
+    ckpt: CkptConfig = CkptConfig()
+
+    @property
+    def ckpt_dir(self) -> str:
+        return self.ckpt.dir or f"{self.train.output_dir}/checkpoints"
 
     def global_batch_size(self, dp_size: int) -> int:
         return self.train.micro_batch_size * self.train.grad_accum_steps * dp_size

@@ -19,6 +19,7 @@ from parallel import accelerator
 from parallel import ds_config as dsc
 from parallel.config import ExperimentConfig, TrainConfig
 from parallel.model import build_model, checkpoint_interval
+from parallel.optim import build_optimizer
 
 
 def prepare_ds_config(ds: dict, cfg: ExperimentConfig, dp_size: int) -> dict:
@@ -29,6 +30,7 @@ def prepare_ds_config(ds: dict, cfg: ExperimentConfig, dp_size: int) -> dict:
     """
     out = dsc.with_batch_keys(ds, cfg, dp_size)
     out.pop("optimizer", None)
+    out.setdefault("zero_allow_untested_optimizer", True)     # EmaAdamW: an AdamW subclass, tested under ZeRO here
     out.setdefault("pipeline", {})
     out["pipeline"].setdefault("pipe_partitioned", False)
     out["pipeline"].setdefault("grad_partitioned", False)
@@ -37,32 +39,12 @@ def prepare_ds_config(ds: dict, cfg: ExperimentConfig, dp_size: int) -> dict:
     return out
 
 
-def build_optimizer(model: torch.nn.Module, ds: dict, train: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW from the JSON's optimizer section (betas, eps, weight_decay) at train.lr.
-
-    Weight decay applies to matrices only (not to norms, biases or the q/k norm vectors).
-    """
-    section = ds.get("optimizer") or {"type": "AdamW", "params": {}}
-    kind = section.get("type", "AdamW")
-    if kind.lower() not in ("adamw", "adam"):
-        raise ValueError(f"optimizer.type={kind!r}: this version builds AdamW or Adam")
-    params = dict(section.get("params", {}))
-    params.pop("lr", None)
-    wd = float(params.pop("weight_decay", 0.0))
-    if kind.lower() == "adam":
-        params.setdefault("weight_decay", 0.0)
-    params = {k: v for k, v in params.items() if k in ("betas", "eps", "amsgrad")}
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": wd}, {"params": other, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=train.lr, foreach=True, **params)
-
-
 def lr_factor(step: int, train: TrainConfig) -> float:
-    """Linear warmup over train.warmup_steps, then cosine decay to train.min_lr at train.max_steps."""
+    """Linear warmup over train.warmup_steps, then cosine decay to train.min_lr at train.decay_steps
+    (default train.max_steps)."""
     if train.warmup_steps and step < train.warmup_steps:
         return (step + 1) / train.warmup_steps
-    span = max(1, train.max_steps - train.warmup_steps)
+    span = max(1, (train.decay_steps or train.max_steps) - train.warmup_steps)
     progress = min(1.0, (step - train.warmup_steps) / span)
     floor = train.min_lr / train.lr
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
@@ -78,8 +60,9 @@ class StepResult:
 class Trainer:
     """One optimizer step over the global batch, on the pipeline or the plain DeepSpeed engine."""
 
-    def __init__(self, engine, cfg: ExperimentConfig, ctx):
+    def __init__(self, engine, cfg: ExperimentConfig, ctx, optimizer):
         self.engine, self.cfg, self.ctx = engine, cfg, ctx
+        self.optimizer = optimizer          # the toolkit-built (base) optimizer that DeepSpeed wraps
         self.pipeline = cfg.parallel.pp_size > 1
 
     def train_step(self, batches: Iterator) -> StepResult:
@@ -103,6 +86,21 @@ class Trainer:
         norm = self.engine.get_global_grad_norm()
         return StepResult(loss=loss, grad_norm=None if norm is None else float(norm), lr=lr)
 
+    def save(self, directory, step: int) -> None:
+        """Model, optimizer (with the EMA), LR schedule and step, in DeepSpeed's format, tag `step{N}`.
+
+        Publishing it (marker, `latest`) is parallel.checkpoint.save's job, once every rank has written.
+        """
+        self.engine.save_checkpoint(str(directory), tag=f"step{step}", client_state={"step": step},
+                                    save_latest=False)
+
+    def load(self, directory, tag=None) -> int:
+        """Restore everything `save` wrote (the newest tag by default); returns the step to continue from."""
+        path, client = self.engine.load_checkpoint(str(directory), tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {directory}")
+        return int(client["step"])
+
 
 def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, optimizer_factory=build_optimizer) -> Trainer:
     """Configure activation checkpointing, build the model for the layout, and initialise DeepSpeed."""
@@ -119,7 +117,7 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, optimizer_factory=build_
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            config=ds_final, mpu=mpu)
     _clip_with_recorded_norm(engine, ctx)
-    return Trainer(engine, cfg, ctx)
+    return Trainer(engine, cfg, ctx, optimizer)
 
 
 def grad_norm(params, ctx) -> torch.Tensor:

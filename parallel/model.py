@@ -155,17 +155,18 @@ def count_parameters(module: nn.Module) -> int:
 
 
 @torch.no_grad()
-def full_state(module: nn.Module, ctx, num_blocks: int) -> dict[str, torch.Tensor]:
-    """This rank's parameters as full (tp-gathered) fp32 tensors under canonical names.
+def full_state(module: nn.Module, ctx, num_blocks: int, value=None) -> dict[str, torch.Tensor]:
+    """This rank's parameters (or `value(param)`, e.g. their EMA) as full fp32 tensors, canonical names.
 
-    Call on every rank of the tp group (it communicates). Under ZeRO-3 wrap the call in
-    `deepspeed.zero.GatheredParameters(module.parameters())`.
+    Tensor-parallel shards are gathered over the tp group, so call on every rank of it. Under ZeRO-3
+    wrap the call in `deepspeed.zero.GatheredParameters(module.parameters())` (parameters) or pass a
+    `value` that gathers (parallel.ema.full_ema).
     """
     from parallel.comm import gather_shards
     out = {}
     for name, p in module.named_parameters():
-        t = p.detach().float()
+        t = (p if value is None else value(p)).detach().float()
         if getattr(p, "tensor_model_parallel", False) and ctx.tp_size > 1:
             t = gather_shards(t, ctx, p.partition_dim, getattr(p, "tp_parts", None))
-        out[canonical_name(name, num_blocks)] = t.clone()
+        out[canonical_name(name, num_blocks)] = t.cpu().clone()
     return out

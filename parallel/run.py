@@ -3,25 +3,42 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import time
 from pathlib import Path
 
 import deepspeed
+import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from models.data import DiffusionBatches, DirectoryLatents, SyntheticLatents
 from models.diffusion import Objective
 from models.dit import latent_shape, token_grid
-from parallel import accelerator
+from parallel import accelerator, checkpoint
 from parallel.check import Layout
 from parallel.config import ExperimentConfig
 from parallel.engine import build_trainer
 from parallel.replicas import replica_mismatches
 from parallel.seed import seed_all
 from parallel.topology import Grid, LaunchEnv, ParallelContext
+
+
+class StopSignal:
+    """SIGTERM / SIGUSR1 (slurm preemption) ask for a checkpoint and a clean stop after the current step."""
+
+    def __init__(self, device):
+        self.flag = torch.zeros(1, device=device)
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, lambda *_: self.flag.fill_(1))
+
+    def requested(self) -> bool:
+        """True on every rank if any rank was signalled (one scalar all-reduce per step)."""
+        flag = self.flag.clone()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
 
 def export_launch_env(env: LaunchEnv) -> None:
@@ -57,7 +74,7 @@ def tokens_per_sample(cfg: ExperimentConfig) -> int:
     return cfg.model.max_text_len + t * h * w
 
 
-def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv) -> int:
+def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv, resume: bool = True) -> int:
     if layout.precision == "bf16" and not accelerator.is_bf16_supported():
         print(f"refusing to start: bf16.enabled=true but the {accelerator.name()} device here has no bf16; "
               f"use ds_configs/zero0_fp32.json", file=sys.stderr)
@@ -70,9 +87,14 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
     ctx = ParallelContext.build(Grid(layout.pp_size, layout.dp_size, layout.tp_size))
     seed_all(cfg.train.seed)
     trainer = build_trainer(cfg, ds, ctx)
+    ckpt_dir, ckpt_layout = Path(cfg.ckpt_dir), {"tp_size": layout.tp_size, "pp_size": layout.pp_size,
+                                                "dp_size": layout.dp_size, "zero_stage": layout.zero_stage}
+    tag = checkpoint.find_resume(ckpt_dir, ckpt_layout) if resume else None
+    start = trainer.load(ckpt_dir, tag) if tag else 0
     batches = DiffusionBatches(dataset, Objective(cfg.model.objective), seed=cfg.train.seed,
                                micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum_steps,
-                               dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
+                               dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, start_step=start)
+    stop = StopSignal(accelerator.device(env.local_rank))
 
     is_logger = ctx.rank == 0
     out_dir = Path(cfg.train.output_dir)
@@ -81,12 +103,15 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
         print(f"training {cfg.model.name}: {ctx.describe()} ZeRO-{layout.zero_stage} {layout.precision}, "
               f"global batch {layout.global_batch}, {cfg.train.max_steps} steps -> {out_dir}/metrics.jsonl",
               flush=True)
+        print(f"optimizer: {trainer.optimizer.implementation}", flush=True)
+        if tag:
+            print(f"resumed from {ckpt_dir}/{tag} at step {start}", flush=True)
     metrics = open(out_dir / "metrics.jsonl", "a") if is_logger else None   # append: earlier runs are kept
     tokens = layout.global_batch * tokens_per_sample(cfg)
     losses: list[float] = []
-    bar = tqdm(total=cfg.train.max_steps, disable=not is_logger, dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(total=cfg.train.max_steps, initial=start, disable=not is_logger, dynamic_ncols=True, file=sys.stderr)
     try:
-        for step in range(cfg.train.max_steps):
+        for step in range(start, cfg.train.max_steps):
             start = time.perf_counter()
             result = trainer.train_step(batches)
             elapsed = time.perf_counter() - start
@@ -108,6 +133,13 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
             losses.append(result.loss)
             bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{result.lr:.2e}")
             bar.update()
+            last, interrupted = step + 1 == cfg.train.max_steps, stop.requested()
+            if last or interrupted or (cfg.ckpt.every and (step + 1) % cfg.ckpt.every == 0):
+                checkpoint.save(trainer, ckpt_dir, step + 1, cfg.ckpt.keep, ckpt_layout)
+            if interrupted:
+                if is_logger:
+                    print(f"stopped by signal after step {step + 1}; checkpoint {ckpt_dir}/step{step + 1}", flush=True)
+                break
         bar.close()
         if is_logger and len(losses) >= 10:
             k = min(10, len(losses) // 2)

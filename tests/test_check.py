@@ -41,7 +41,7 @@ def test_valid_tp_sizes_per_preset(preset, expected):
 
 def test_all_ds_configs_pass_at_pp1_and_pipeline_safe_one_at_pp2():
     cfg = load_config("debug")
-    for name in ("zero0_fp32", "zero1_bf16", "zero2_bf16", "zero3_bf16", "zero3_bf16_offload"):
+    for name in ("zero0_fp32", "zero1_bf16", "zero2_bf16", "zero2_bf16_ema", "zero3_bf16", "zero3_bf16_offload"):
         ds = json.load(open(f"ds_configs/{name}.json"))
         assert check(cfg, ds, name, world_size=2)[1] == [], name
     cfg = load_config("debug", ["parallel.pp_size=2", "parallel.tp_size=2"])
@@ -82,6 +82,17 @@ def test_dp_and_batch_keys_must_agree():
         "parallel.dp_size=2 but world size 4 = tp 1 x pp 1 x dp 4; set parallel.dp_size=4 or null, or launch 2 processes",
         "d.json: train_micro_batch_size_per_gpu=4 != train.micro_batch_size=2; remove it from the JSON (the toolkit "
         "fills it in from the experiment) or set it to 2"]
+
+
+def test_optimizer_type_and_lr_are_checked():
+    cfg = load_config("debug")
+    ds = {"optimizer": {"type": "Lamb", "params": {"lr": 0.5}}}
+    _, problems = check(cfg, ds, "o.json")
+    assert problems == [
+        "o.json: optimizer.type='Lamb' is not built by the toolkit; use AdamW, Adam, FusedEmaAdam or EmaAdamW "
+        "(the last two keep an EMA of the weights)",
+        "o.json: optimizer.params.lr=0.5 != train.lr=0.003; the schedule starts from train.lr: set "
+        "--set train.lr=0.5 or remove optimizer.params.lr"]
 
 
 def test_pp_partition_is_checked():

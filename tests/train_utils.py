@@ -13,9 +13,10 @@ ZERO0_FP32 = json.load(open("ds_configs/zero0_fp32.json"))
 GLOBAL_BATCH = 4
 
 
-def fp32_config(stage: int = 0, checkpointing: bool = True) -> dict:
+def fp32_config(stage: int = 0, checkpointing: bool = True, optimizer: str = "AdamW") -> dict:
     ds = copy.deepcopy(ZERO0_FP32)
     ds["zero_optimization"] = {"stage": stage}
+    ds["optimizer"]["type"] = optimizer
     if not checkpointing:
         ds.pop("activation_checkpointing")
     return ds
@@ -28,9 +29,11 @@ def experiment(tp: int, pp: int, dp: int, extra=()):
                                  "train.grad_accum_steps=2", "train.warmup_steps=0", *extra])
 
 
-def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra):
+def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, ckpt=None):
+    """Train `steps` steps; ckpt=("save", dir, at_step) saves after that step, ("load", dir) resumes first."""
     import deepspeed
 
+    from parallel.ema import full_ema, has_ema
     from models.data import DiffusionBatches
     from models.diffusion import Objective
     from parallel.engine import build_trainer
@@ -47,21 +50,35 @@ def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra):
     batches = DiffusionBatches(build_dataset(cfg), Objective(cfg.model.objective), seed=cfg.train.seed,
                                micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum_steps,
                                dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
-    losses = [trainer.train_step(batches).loss for _ in range(steps)]
+    from parallel import checkpoint
+    layout = {"tp_size": tp, "pp_size": pp, "dp_size": dp}
+    start = 0
+    if ckpt and ckpt[0] == "load":
+        start = trainer.load(ckpt[1], checkpoint.find_resume(ckpt[1], layout))
+        batches.step = start
+    losses = []
+    for step in range(start, steps):
+        losses.append(trainer.train_step(batches).loss)
+        if ckpt and ckpt[0] == "save" and step + 1 == ckpt[2]:
+            checkpoint.save(trainer, ckpt[1], step + 1, keep=2, layout=layout)
     module = trainer.engine.module
     if ds.get("zero_optimization", {}).get("stage", 0) == 3:
         with deepspeed.zero.GatheredParameters(list(module.parameters())):
             state = full_state(module, ctx, cfg.model.num_layers)
     else:
         state = full_state(module, ctx, cfg.model.num_layers)
-    return {"losses": losses, "state": state, "replica_mismatches": replica_mismatches(module, ctx)}
+    ema = full_state(module, ctx, cfg.model.num_layers, full_ema(trainer.optimizer, trainer.engine.optimizer)) \
+        if has_ema(trainer.optimizer) else {}
+    return {"losses": losses, "state": state, "ema": ema, "replica_mismatches": replica_mismatches(module, ctx)}
 
 
-def train(tp: int, pp: int, dp: int, ds: dict, steps: int = 3, extra=()):
-    """Per-step losses (rank 0's), the merged full fp32 state of all ranks, and any replica drift."""
-    results = run_ranks(_train_rank, tp * pp * dp, tp, pp, dp, ds, steps, tuple(extra))
+def train(tp: int, pp: int, dp: int, ds: dict, steps: int = 3, extra=(), ckpt=None):
+    """Per-step losses (rank 0's), the merged full fp32 weights (and EMA) of all ranks, any replica drift."""
+    results = run_ranks(_train_rank, tp * pp * dp, tp, pp, dp, ds, steps, tuple(extra), ckpt)
     state: dict[str, torch.Tensor] = {}
+    ema: dict[str, torch.Tensor] = {}
     for r in results:
         state.update(r["state"])
+        ema.update(r["ema"])
     return {"losses": results[0]["losses"], "all_losses": [r["losses"] for r in results], "state": state,
-            "replica_mismatches": sorted({n for r in results for n in r["replica_mismatches"]})}
+            "ema": ema, "replica_mismatches": sorted({n for r in results for n in r["replica_mismatches"]})}

@@ -1,0 +1,45 @@
+"""The EMA weights kept by EmaAdamW, assembled to full tensors from whatever layout trained them.
+
+Each rank holds the shadow of the fp32 partition it owns (ZeRO 1/2/3, BF16_Optimizer) or of its own
+parameters (ZeRO-0, fp32). `full_ema(optimizer)` returns, per model parameter, the shadow gathered over
+data-parallel ranks (DeepSpeed's fragment mapping, a collective); `parallel.model.full_state` then
+gathers tensor-parallel shards and names them canonically.
+"""
+from __future__ import annotations
+
+import torch
+from deepspeed.utils import safe_get_full_optimizer_state
+
+EMA_KEY = "ema"
+
+
+def has_ema(optimizer) -> bool:
+    return any(EMA_KEY in state for state in optimizer.state.values())
+
+
+def relink_fragments(wrapper) -> None:
+    """Point DeepSpeed's per-parameter views of optimizer state at the current state tensors.
+
+    ZeRO-1/2 and BF16_Optimizer build these views once, after the first optimizer step of the *first*
+    parameter group, so later groups get none, and a checkpoint load replaces the state tensors they
+    view. Rebuilding them before reading is cheap and always right.
+    """
+    if hasattr(wrapper, "_hp_optimizer_states_linked"):
+        wrapper._hp_optimizer_states_linked = False
+        wrapper._lazy_init_hp_params_optimizer_state()
+
+
+def full_ema(optimizer, wrapper=None):
+    """A `value(param)` function for `full_state`: the parameter's full (dp-gathered) EMA shadow.
+
+    `optimizer` is the toolkit's EmaAdamW, `wrapper` the DeepSpeed optimizer around it (engine.optimizer).
+    """
+    if wrapper is not None:
+        relink_fragments(wrapper)
+
+    def value(param: torch.nn.Parameter) -> torch.Tensor:
+        shadow = safe_get_full_optimizer_state(param, EMA_KEY)
+        if shadow is None:                            # ZeRO-0 fp32: the optimizer holds the parameter itself
+            shadow = optimizer.state[param][EMA_KEY]
+        return shadow.reshape(param.ds_shape if hasattr(param, "ds_shape") else param.shape)
+    return value

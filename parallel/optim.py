@@ -1,0 +1,93 @@
+"""Optimizers named in the DeepSpeed JSON, built by the toolkit so one name works on every device.
+
+`"FusedEmaAdam"` (SwissArmyTransformer's name, as CogVideo configs use it) and its alias `"EmaAdamW"`
+build `EmaAdamW`: AdamW plus an exponential moving average of every parameter it updates,
+
+    shadow <- d * shadow + (1 - d) * p,   d = min(ema_decay, (1 + n) / (10 + n)),   n = step count,
+
+applied right after the AdamW update (the FusedEmaAdam rule; ema_decay defaults to 0.9999). The
+shadow lives in the optimizer state (`state[p]["ema"]`), so under ZeRO it exists only for the fp32
+partition a rank owns, and DeepSpeed saves and restores it with every checkpoint.
+
+The AdamW arithmetic is torch's: `fused=True` where torch has a fused kernel for the device (CUDA,
+CPU), `foreach=True` elsewhere (Ascend NPU, others); the EMA uses `torch._foreach_*` in either case.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from parallel.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+EMA_NAMES = ("fusedemaadam", "emaadamw")
+ADAM_NAMES = ("adamw", "adam")
+FUSED_ADAMW_DEVICES = ("cuda", "cpu", "mps", "xpu")
+
+
+def adamw_implementation(device_type: str) -> tuple[str, str]:
+    """('fused' | 'foreach', why) for a device type such as 'cuda', 'npu', 'cpu'."""
+    if device_type in FUSED_ADAMW_DEVICES:
+        return "fused", f"torch has a fused AdamW kernel for {device_type}"
+    return "foreach", f"no fused AdamW kernel for {device_type} in torch; multi-tensor (foreach) AdamW"
+
+
+def ema_decay_at(step: int, ema_decay: float) -> float:
+    return min(ema_decay, (1 + step) / (10 + step))
+
+
+class EmaAdamW(torch.optim.AdamW):
+    """AdamW followed by an EMA of the updated parameters (FusedEmaAdam's math, portable)."""
+
+    def __init__(self, params, *, ema_decay: float = 0.9999, **adamw_kwargs):
+        if not 0.0 <= ema_decay <= 1.0:
+            raise ValueError(f"optimizer.params.ema_decay={ema_decay} must be in [0, 1]")
+        super().__init__(params, **adamw_kwargs)
+        for group in self.param_groups:
+            group.setdefault("ema_decay", ema_decay)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        # The shadow starts from the weights before their first update.
+        fresh = {p: p.detach().clone() for g in self.param_groups for p in g["params"]
+                 if p.grad is not None and "ema" not in self.state[p]}
+        loss = super().step(closure)
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in fresh.keys() & set(params):
+                self.state[p]["ema"] = fresh[p]
+            shadows = [self.state[p]["ema"] for p in params]
+            d = ema_decay_at(int(self.state[params[0]]["step"]), group["ema_decay"])
+            torch._foreach_mul_(shadows, d)
+            torch._foreach_add_(shadows, params, alpha=1 - d)
+        return loss
+
+
+def build_optimizer(model: torch.nn.Module, ds: dict, train: TrainConfig, device_type: str | None = None):
+    """The JSON's optimizer (AdamW, Adam, FusedEmaAdam/EmaAdamW) at train.lr; decay on matrices only."""
+    from parallel import accelerator
+
+    section = ds.get("optimizer") or {"type": "AdamW", "params": {}}
+    kind = str(section.get("type", "AdamW"))
+    if kind.lower() not in EMA_NAMES + ADAM_NAMES:
+        raise ValueError(f"optimizer.type={kind!r}: use AdamW, Adam, FusedEmaAdam or EmaAdamW")
+    params = dict(section.get("params", {}))
+    wd = float(params.pop("weight_decay", 0.0))
+    kwargs = {k: params[k] for k in ("betas", "eps", "amsgrad") if k in params}
+    device_type = device_type or accelerator.name()
+    impl, why = adamw_implementation(device_type)
+    kwargs[impl] = True
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [g for g in ({"params": decay, "weight_decay": wd}, {"params": other, "weight_decay": 0.0}) if g["params"]]
+    if kind.lower() in EMA_NAMES:
+        opt = EmaAdamW(groups, lr=train.lr, ema_decay=float(params.get("ema_decay", 0.9999)), **kwargs)
+    else:
+        opt = torch.optim.AdamW(groups, lr=train.lr, **kwargs)
+    opt.implementation = f"{kind} -> {type(opt).__name__} with {impl} AdamW ({why})"
+    log.info("optimizer: %s", opt.implementation)
+    return opt

@@ -1,0 +1,78 @@
+"""EmaAdamW: FusedEmaAdam's math in one process, the same EMA from every layout, exact resume."""
+import pytest
+import torch
+
+from parallel.config import load_config
+from parallel.model import SequentialDiT, layer_specs
+from parallel.optim import EmaAdamW, adamw_implementation, build_optimizer
+from parallel.topology import ParallelContext
+from tests.train_utils import fp32_config, train
+
+
+def _model():
+    cfg = load_config("debug")
+    return cfg, SequentialDiT(layer_specs(cfg, ParallelContext.single()))
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_one_process_matches_adamw_plus_explicit_ema(impl):
+    cfg, model = _model()
+    _, reference = _model()
+    opt = EmaAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, ema_decay=0.99,
+                   **{impl: True})
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    shadows = [p.detach().clone() for p in reference.parameters()]
+    g = torch.Generator().manual_seed(0)
+    for n in range(1, 21):
+        grads = [torch.randn(p.shape, generator=g) for p in model.parameters()]
+        for p, q, grad in zip(model.parameters(), reference.parameters(), grads):
+            p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step()
+        ref_opt.step()
+        d = min(0.99, (1 + n) / (10 + n))
+        with torch.no_grad():
+            for s, q in zip(shadows, reference.parameters()):
+                s.copy_(d * s + (1 - d) * q)
+    for p, q, s in zip(model.parameters(), reference.parameters(), shadows):
+        torch.testing.assert_close(p, q)
+        torch.testing.assert_close(opt.state[p]["ema"], s)
+
+
+@pytest.mark.parametrize("device, impl", [("cpu", "fused"), ("cuda", "fused"), ("npu", "foreach"), ("hpu", "foreach")])
+def test_fused_ema_adam_resolves_per_device(device, impl):
+    cfg, model = _model()
+    ds = {"optimizer": {"type": "FusedEmaAdam", "params": {"betas": [0.9, 0.95], "ema_decay": 0.999}}}
+    opt = build_optimizer(model, ds, cfg.train, device_type=device)
+    assert isinstance(opt, EmaAdamW) and opt.param_groups[0]["ema_decay"] == 0.999
+    assert opt.defaults[impl] is True
+    assert opt.implementation.startswith(f"FusedEmaAdam -> EmaAdamW with {impl} AdamW (")
+    assert adamw_implementation(device)[0] == impl
+
+
+@pytest.fixture(scope="module")
+def ema_reference():
+    return train(1, 1, 1, fp32_config(optimizer="FusedEmaAdam"), steps=4)
+
+
+LAYOUTS = [(1, 1, 2, 1), (1, 1, 2, 2), (1, 1, 2, 3), (2, 2, 1, 1)]
+
+
+@pytest.mark.parametrize("tp, pp, dp, stage", LAYOUTS, ids=[f"tp{t}-pp{p}-dp{d}-zero{z}" for t, p, d, z in LAYOUTS])
+def test_consolidated_ema_equals_one_process(ema_reference, tp, pp, dp, stage):
+    run = train(tp, pp, dp, fp32_config(stage, optimizer="FusedEmaAdam"), steps=4)
+    assert run["ema"].keys() == ema_reference["ema"].keys() == ema_reference["state"].keys()
+    for name, value in ema_reference["ema"].items():
+        torch.testing.assert_close(run["ema"][name], value, msg=lambda m: f"{name}: {m}")
+        assert not torch.equal(value, ema_reference["state"][name]) or value.abs().sum() == 0 or "norm" in name
+
+
+@pytest.mark.parametrize("tp, pp, dp, stage", [(1, 1, 2, 1), (2, 2, 1, 1)], ids=["dp2-zero1", "tp2-pp2-zero1"])
+def test_resume_from_checkpoint_is_exact(tmp_path, tp, pp, dp, stage):
+    ds = fp32_config(stage, optimizer="FusedEmaAdam")
+    whole = train(tp, pp, dp, ds, steps=4)
+    train(tp, pp, dp, ds, steps=2, ckpt=("save", str(tmp_path), 2))
+    resumed = train(tp, pp, dp, ds, steps=4, ckpt=("load", str(tmp_path)))
+    assert resumed["losses"] == whole["losses"][2:]
+    for kind in ("state", "ema"):
+        for name, value in whole[kind].items():
+            assert torch.equal(resumed[kind][name], value), f"{kind} {name}"
