@@ -21,10 +21,18 @@ def backend() -> str:
     return BACKENDS.get(name(), get_accelerator().communication_backend_name())
 
 
+def device_name(local_rank: int = 0) -> str:
+    """'cuda:3', 'npu:3', or 'cpu' (one CPU device whatever the local rank)."""
+    return "cpu" if name() == "cpu" else get_accelerator().device_name(local_rank)
+
+
 def device(local_rank: int = 0) -> torch.device:
-    if name() == "cpu":
-        return torch.device("cpu")
-    return torch.device(get_accelerator().device_name(local_rank))
+    return torch.device(device_name(local_rank))
+
+
+def device_count() -> int:
+    """Devices on this node; 1 for the CPU accelerator (launch CPU runs with an explicit --nproc)."""
+    return 1 if name() == "cpu" else int(get_accelerator().device_count())
 
 
 def set_device(local_rank: int) -> None:

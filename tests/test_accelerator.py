@@ -1,0 +1,36 @@
+"""Device specifics live in parallel/accelerator.py only; its answers per accelerator name."""
+import pathlib
+import re
+
+import pytest
+
+from parallel import accelerator
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FORBIDDEN = re.compile(r"\.cuda\(|torch\.cuda\.|[\"']nccl[\"']")
+
+
+def test_no_device_specifics_outside_the_accelerator_module():
+    files = [*ROOT.glob("parallel/**/*.py"), *ROOT.glob("models/**/*.py"), ROOT / "train.py"]
+    offenders = [f"{f.relative_to(ROOT)}:{n}: {line.strip()}" for f in files if f.name != "accelerator.py"
+                 for n, line in enumerate(f.read_text().splitlines(), 1) if FORBIDDEN.search(line)]
+    assert len(files) > 10 and offenders == []
+
+
+class _Fake:
+    def __init__(self, name):
+        self.name = name
+
+    def device_name(self, index=None):
+        return self.name if index is None else f"{self.name}:{index}"
+
+    def communication_backend_name(self):
+        return {"cuda": "nccl", "npu": "hccl"}.get(self.name, "gloo")
+
+
+@pytest.mark.parametrize("name, backend, device", [("cuda", "nccl", "cuda:3"), ("npu", "hccl", "npu:3"),
+                                                   ("cpu", "gloo", "cpu")])
+def test_backend_and_device_per_accelerator(monkeypatch, name, backend, device):
+    monkeypatch.setattr(accelerator, "get_accelerator", lambda: _Fake(name))
+    assert accelerator.backend() == backend
+    assert accelerator.device_name(3) == device
