@@ -105,7 +105,9 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
               flush=True)
         print(f"optimizer: {trainer.optimizer.implementation}", flush=True)
         if tag:
-            print(f"resumed from {ckpt_dir}/{tag} at step {start}", flush=True)
+            done = "; train.max_steps reached, nothing to do (raise it, or --resume never)" \
+                if start >= cfg.train.max_steps else ""
+            print(f"resumed from {ckpt_dir}/{tag} at step {start}{done}", flush=True)
     metrics = open(out_dir / "metrics.jsonl", "a") if is_logger else None   # append: earlier runs are kept
     tokens = layout.global_batch * tokens_per_sample(cfg)
     losses: list[float] = []
