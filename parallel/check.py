@@ -119,6 +119,10 @@ def _check_engine(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
         problems.append(f"{src}: zero_optimization.stage={stage} with parallel.pp_size={pp}: DeepSpeed's pipeline "
                         f"engine supports ZeRO stage 0 or 1 only; use stage 1 (ds_configs/zero1_bf16.json) "
                         f"or parallel.pp_size=1")
+    if pp == 1 and prec == "bf16" and stage == 0 and dsc.grad_accum_dtype(ds) == "fp32":
+        problems.append(f"{src}: bf16 with zero_optimization.stage=0 and data_types.grad_accum_dtype=\"fp32\" is "
+                        f"not implemented in DeepSpeed 0.19; use stage 1 (ds_configs/zero1_bf16.json) or drop "
+                        f"grad_accum_dtype")
     if pp > 1 and prec == "bf16" and (stage != 1 or dsc.grad_accum_dtype(ds) != "fp32"):
         problems.append(f"{src}: bf16.enabled=true with parallel.pp_size={pp} needs zero_optimization.stage=1 and "
                         f"data_types.grad_accum_dtype=\"fp32\" on DeepSpeed 0.19 (found stage={stage}, "

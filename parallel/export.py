@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     try:
         cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size)
     except ConfigError as e:
-        print(f"refusing to export:\n  - " + str(e).replace("\n", "\n  - "), file=sys.stderr)
+        print("refusing to export:\n  - " + str(e).replace("\n", "\n  - "), file=sys.stderr)
         return 1
     for path in export(cfg, ds, layout, env, Path(args.out), args.tag):
         print(f"wrote {path}")

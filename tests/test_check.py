@@ -73,6 +73,14 @@ def test_bf16_pipeline_needs_zero1_and_fp32_accumulation():
                         'see ds_configs/zero1_bf16.json']
 
 
+def test_bf16_zero0_with_fp32_accumulation_is_refused():
+    _, problems = check(load_config("debug"), {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+                        "z.json", 1)
+    assert problems == ['z.json: bf16 with zero_optimization.stage=0 and data_types.grad_accum_dtype="fp32" is not '
+                        'implemented in DeepSpeed 0.19; use stage 1 (ds_configs/zero1_bf16.json) or drop '
+                        'grad_accum_dtype']
+
+
 def test_dp_and_batch_keys_must_agree():
     cfg = load_config("debug", ["parallel.dp_size=2", "train.grad_accum_steps=2"])
     layout, problems = check(cfg, {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto"},

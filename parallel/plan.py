@@ -1,0 +1,265 @@
+"""Will it fit? Per-rank memory of a layout, or a search for the layouts that fit, ranked by step time.
+
+    python -m parallel.plan --config configs/cogvideox-5b.yaml --deepspeed_config ds_configs/zero1_bf16.json \
+        --devices 8 --device-memory 80GiB --set parallel.tp_size=2 [--search] [--format text|json|markdown]
+
+Plan mode sizes the layout in the config (checked first by `parallel.check`); `--search` tries every
+layout of the device count. Exit status: 0 fits, 2 does not fit (or nothing fits), 1 refused input.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import sys
+from typing import Optional
+
+# DeepSpeed's logger writes to the stdout it finds when first imported; point it at stderr, so stdout
+# carries only the report (`--format json | jq` works).
+with contextlib.redirect_stdout(sys.stderr):
+    import deepspeed  # noqa: F401
+
+from parallel import ds_config as dsc  # noqa: E402
+from parallel.check import check  # noqa: E402
+from parallel.config import ConfigError, ExperimentConfig, load_config  # noqa: E402
+from parallel.plan_memory import GiB, LINES, EngineSettings, MemoryPlan, plan_memory  # noqa: E402
+from parallel.plan_search import (DEVICES, Candidate, SearchResult, count_params, default_dtype,  # noqa: E402
+                                  search, shipped_config)
+from parallel.plan_trace import ActivationTracer, sequence_length  # noqa: E402
+
+SCHEMA = "video-dit-parallel/memory-plan/1"
+INVALID_SHOWN = 8
+UNITS = {"kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40, "kb": 10 ** 3, "mb": 10 ** 6,
+         "gb": 10 ** 9, "tb": 10 ** 12}
+
+
+def parse_bytes(text: str, option: str) -> int:
+    """'80GiB' -> 85899345920; '80GB' -> 80e9. A unit is required (GiB and GB differ by 7%)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]+)\s*", text)
+    if not m or m.group(2).lower() not in UNITS:
+        raise ConfigError(f"{option} {text!r}: give a number with a unit, e.g. 80GiB (2^30 bytes) or 80GB "
+                          f"(10^9 bytes); units: KiB MiB GiB TiB KB MB GB TB")
+    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+
+
+def gib(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def _model_info(cfg: ExperimentConfig, tracer: ActivationTracer, ds: dict) -> dict:
+    d = cfg.data
+    return {"name": cfg.model.name, "parameters": count_params(tracer)[0],
+            "video": f"{d.num_frames}x{d.height}x{d.width}", "tokens": sequence_length(cfg),
+            "precision": dsc.precision(ds)}
+
+
+def _memory_dict(memory: MemoryPlan) -> dict:
+    return {"stages": [{"stage": s.stage, "blocks": s.blocks, "micro_batches_in_flight": s.in_flight,
+                        "parameters_on_rank": s.params, "lines": s.lines, "host": s.host, "total": s.total}
+                       for s in memory.stages],
+            "worst_stage": memory.worst.stage, "total": memory.worst.total, "device_memory": memory.device_memory,
+            "fits": memory.fits, "headroom": memory.headroom, "optimizer": memory.optimizer_path,
+            "activations_per_micro_batch": memory.per_block}
+
+
+def plan_report(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer, dp: int) -> dict:
+    memory = plan_memory(cfg, ds, dp, args.device_memory, tracer, args.margin, args.workspace)
+    eng = EngineSettings.from_ds(ds, cfg.model.num_layers)
+    return {"schema": SCHEMA, "mode": "plan", "model": _model_info(cfg, tracer, ds),
+            "layout": {"tp": cfg.parallel.tp_size, "pp": cfg.parallel.pp_size, "dp": dp, "world": args.devices,
+                       "zero": eng.zero, "micro_batch": cfg.train.micro_batch_size,
+                       "grad_accum": cfg.train.grad_accum_steps, "checkpoint_every": eng.checkpoint_every,
+                       "partition_activations": eng.partition_activations,
+                       "cpu_checkpointing": eng.cpu_checkpointing},
+            "device": _device_dict(args), "assumptions": _assumptions(args), **_memory_dict(memory)}
+
+
+def _device_dict(args) -> dict:
+    return {"key": args.device, "name": DEVICES[args.device].name, "count": args.devices,
+            "per_node": args.devices_per_node, "memory": args.device_memory}
+
+
+def _assumptions(args) -> dict:
+    return {"margin_fraction": args.margin, "workspace": args.workspace, "utilisation": args.utilisation}
+
+
+def _candidate_dict(c: Candidate, args) -> dict:
+    shipped = shipped_config(c.ds)
+    cfg_arg = " ".join(f"--set {o}" for o in c.overrides)
+    launcher = f"--num_gpus {args.devices}" if args.devices <= args.devices_per_node else "--hostfile hosts"
+    ds_arg = shipped or "PLANNED.json"
+    return {"tp": c.tp, "pp": c.pp, "dp": c.dp, "zero": c.zero, "checkpointing": c.checkpointing,
+            "micro_batch": c.micro_batch, "global_batch": c.cfg.global_batch_size(c.dp),
+            "memory": {"total": c.memory.worst.total, "worst_stage": c.memory.worst.stage,
+                       "headroom": c.memory.headroom, "lines": c.memory.worst.lines,
+                       "optimizer": c.memory.optimizer_path},
+            "step_time": None if c.time is None else vars(c.time),
+            "overrides": c.overrides, "ds_config": {"file": shipped, "json": c.ds},
+            "command": f"deepspeed {launcher} train.py --config {args.config} --deepspeed_config {ds_arg} {cfg_arg}"}
+
+
+def search_report(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer) -> dict:
+    res: SearchResult = search(cfg, ds, args.devices, args.devices_per_node, args.device_memory,
+                               DEVICES[args.device], tracer, args.utilisation, args.margin, args.workspace,
+                               source=args.deepspeed_config)
+    closest = sorted(res.not_fitting, key=lambda c: c.memory.worst.total)
+    return {"schema": SCHEMA, "mode": "search", "model": _model_info(cfg, tracer, ds),
+            "device": _device_dict(args), "assumptions": _assumptions(args), "grad_accum": cfg.train.grad_accum_steps,
+            "counts": {"fitting": len(res.ranked), "not_fitting": len(res.not_fitting), "invalid": len(res.invalid)},
+            "ranked": [_candidate_dict(c, args) for c in res.ranked[:args.top]],
+            "not_fitting": [_candidate_dict(c, args) for c in closest[:args.top]],
+            "invalid": [{"layout": layout, "problems": problems} for layout, problems in res.invalid]}
+
+
+def _header(r: dict) -> list[str]:
+    m, d = r["model"], r["device"]
+    return [f"model: {m['name']} ({m['parameters']:,} parameters), {m['video']} -> {m['tokens']:,} tokens, "
+            f"{m['precision']}",
+            f"devices: {d['count']} x {d['key']} ({gib(d['memory'])} GiB, {d['per_node']} per node)"]
+
+
+def render_plan_text(r: dict) -> str:
+    lay, acts = r["layout"], r["activations_per_micro_batch"]
+    ckpt = "off"
+    if lay["checkpoint_every"]:
+        ckpt = f"every {lay['checkpoint_every']} block(s)" + (", partitioned over tp" if lay["partition_activations"]
+                                                            else "") + (", on host" if lay["cpu_checkpointing"] else "")
+    out = _header(r) + [
+        f"layout: tp={lay['tp']} pp={lay['pp']} dp={lay['dp']}, ZeRO-{lay['zero']} ({r['optimizer']}), "
+        f"micro-batch {lay['micro_batch']} x {lay['grad_accum']} accumulation steps, activation checkpointing {ckpt}",
+        f"activations per micro-batch on one tp rank (traced): block {gib(acts['block_activations'])} GiB, "
+        f"its input {gib(acts['block_input'])} GiB (kept per checkpoint: {gib(acts['checkpoint_input'])}), "
+        f"embed {gib(acts['embed_activations'])}, final + loss {gib(acts['final_activations'])}", ""]
+    stages = r["stages"]
+    shown = stages if len(stages) <= 8 else stages[:4] + stages[-4:]
+    width = max(len(label) for _, label in LINES) + 4
+    out.append(f"{'per rank, GiB':<{width}}" + "".join(f"{'stage ' + str(s['stage']):>10}" for s in shown))
+    out.append(f"{'blocks':<{width}}" + "".join(f"{s['blocks']:>10}" for s in shown))
+    out.append(f"{'micro-batches in flight':<{width}}" + "".join(f"{s['micro_batches_in_flight']:>10}" for s in shown))
+    for key, label in LINES:
+        out.append(f"{label:<{width}}" + "".join(f"{gib(s['lines'][key]):>10}" for s in shown))
+    out.append(f"{'total':<{width}}" + "".join(f"{gib(s['total']):>10}" for s in shown))
+    host = [sum(s["host"].values()) for s in shown]
+    if any(host):
+        out.append(f"{'host memory':<{width}}" + "".join(f"{gib(h):>10}" for h in host))
+    verdict = "fits" if r["fits"] else "DOES NOT FIT"
+    out += ["", f"{verdict}: worst rank (stage {r['worst_stage']}) needs {gib(r['total'])} GiB of "
+                f"{gib(r['device_memory'])} GiB; {'free' if r['fits'] else 'short by'} {gib(abs(r['headroom']))} GiB",
+            f"margin: {r['assumptions']['margin_fraction']:.0%} of the other lines + "
+            f"{gib(r['assumptions']['workspace'])} GiB workspace"]
+    return "\n".join(out)
+
+
+def _row(rank, c: dict) -> str:
+    t = c["step_time"] or {}
+    ckpt = "on" if c["checkpointing"] else "off"
+    return (f"{rank:>4} {c['tp']:>3} {c['pp']:>3} {c['dp']:>4} {c['zero']:>5} {ckpt:>5} "
+            f"{c['micro_batch']:>4} {gib(c['memory']['total']):>8} {gib(c['memory']['headroom']):>8} "
+            + (f"{t['total']:>8.2f} {t['samples_per_s']:>9.3f} {t['compute']:>8.2f} {t['tp']:>6.2f} {t['pp']:>6.2f} "
+               f"{t['dp']:>6.2f} {t['bubble']:>7.2f}" if t else ""))
+
+
+def render_search_text(r: dict) -> str:
+    n = r["counts"]
+    out = _header(r) + [f"layouts: {n['fitting']} fit, {n['not_fitting']} valid but too big at micro-batch 1, "
+                        f"{n['invalid']} refused by the checker; ranked by samples/s at "
+                        f"{r['assumptions']['utilisation']:.0%} of peak, train.grad_accum_steps={r['grad_accum']}", ""]
+    head = (f"{'rank':>4} {'tp':>3} {'pp':>3} {'dp':>4} {'ZeRO':>5} {'ckpt':>5} {'mb':>4} {'GiB':>8} {'free':>8} "
+            f"{'step s':>8} {'samples/s':>9} {'compute':>8} {'tp':>6} {'pp':>6} {'dp':>6} {'bubble':>7}")
+    out += [head] + [_row(i + 1, c) for i, c in enumerate(r["ranked"])]
+    if not r["ranked"]:
+        out.append("  nothing fits: more devices, a smaller micro-batch or video, or offload (ds_configs/"
+                   "zero3_bf16_offload.json)")
+    if r["ranked"]:
+        best = r["ranked"][0]
+        labels = dict(LINES)
+        out += ["", "best layout, worst rank (GiB): " + ", ".join(f"{labels[k]} {gib(v)}" for k, v in
+                                                                  best["memory"]["lines"].items() if v),
+                f"run it: {best['command']}"]
+        if best["ds_config"]["file"] is None:
+            out.append(f"with PLANNED.json = {json.dumps(best['ds_config']['json'])}")
+    if r["not_fitting"]:
+        out += ["", "closest that do not fit (micro-batch 1):"] + [
+            f"  tp={c['tp']} pp={c['pp']} dp={c['dp']} ZeRO-{c['zero']} checkpointing "
+            f"{'on' if c['checkpointing'] else 'off'}: {gib(c['memory']['total'])} GiB" for c in r["not_fitting"][:3]]
+    if r["invalid"]:
+        out += ["", "refused by the checker (parallel.check):"]
+        for item in r["invalid"][:INVALID_SHOWN]:
+            lay, problems = item["layout"], item["problems"]
+            more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+            out.append(f"  tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} ZeRO-{lay['zero']}: {problems[0]}{more}")
+        if len(r["invalid"]) > INVALID_SHOWN:
+            out.append(f"  ... {len(r['invalid']) - INVALID_SHOWN} more (--format json lists every one)")
+    return "\n".join(out)
+
+
+def render_markdown(r: dict) -> str:
+    if r["mode"] == "plan":
+        stages = r["stages"]
+        rows = ["| per rank (GiB) | " + " | ".join(f"stage {s['stage']}" for s in stages) + " |",
+                "|---|" + "---:|" * len(stages)]
+        rows += [f"| {label} | " + " | ".join(gib(s["lines"][key]) for s in stages) + " |" for key, label in LINES]
+        rows.append("| **total** | " + " | ".join(f"**{gib(s['total'])}**" for s in stages) + " |")
+        verdict = "fits" if r["fits"] else "does not fit"
+        return "\n".join(_header(r) + [""] + rows + ["", f"Worst rank {gib(r['total'])} GiB of "
+                                                          f"{gib(r['device_memory'])} GiB: {verdict}."])
+    rows = ["| rank | tp | pp | dp | ZeRO | ckpt | micro-batch | GiB | step s | samples/s |", "|" + "---:|" * 10]
+    for i, c in enumerate(r["ranked"]):
+        t = c["step_time"]
+        ckpt = "on" if c["checkpointing"] else "off"
+        rows.append(f"| {i + 1} | {c['tp']} | {c['pp']} | {c['dp']} | {c['zero']} | {ckpt} | {c['micro_batch']} "
+                    f"| {gib(c['memory']['total'])} | {t['total']:.2f} | {t['samples_per_s']:.3f} |")
+    return "\n".join(_header(r) + [""] + rows)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m parallel.plan", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="experiment YAML file or preset name")
+    ap.add_argument("--deepspeed_config", "--deepspeed-config", required=True, help="DeepSpeed JSON file")
+    ap.add_argument("--devices", type=int, required=True, help="number of devices (processes)")
+    ap.add_argument("--device-memory", "--device_memory", required=True, help="per device, with a unit: 80GiB")
+    ap.add_argument("--devices-per-node", "--devices_per_node", type=int, default=8)
+    ap.add_argument("--device", choices=sorted(DEVICES), default="a100-80gb", help="peak FLOP/s and bandwidths")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--format", choices=("text", "json", "markdown"), default="text")
+    ap.add_argument("--search", action="store_true", help="try every layout of --devices devices")
+    ap.add_argument("--top", type=int, default=10, help="layouts shown by --search")
+    ap.add_argument("--margin", type=float, default=0.10, help="fragmentation margin, fraction of the rest")
+    ap.add_argument("--workspace", default="1GiB", help="fixed workspace (context, kernels' scratch)")
+    ap.add_argument("--utilisation", type=float, default=0.4, help="assumed fraction of peak FLOP/s")
+    args = ap.parse_args(argv)
+    try:
+        if args.devices < 1 or args.devices_per_node < 1:
+            raise ConfigError("--devices and --devices-per-node must be >= 1")
+        args.device_memory = parse_bytes(args.device_memory, "--device-memory")
+        args.workspace = parse_bytes(args.workspace, "--workspace")
+        cfg = load_config(args.config, args.overrides)
+        ds = dsc.read_ds_config(args.deepspeed_config)
+        tracer = ActivationTracer(cfg, default_dtype(ds))
+        if args.search:
+            report = search_report(cfg, ds, args, tracer)
+            status = 0 if report["ranked"] else 2
+        else:
+            layout, problems = check(cfg, ds, args.deepspeed_config, args.devices)
+            if problems:
+                raise ConfigError("\n".join(problems))
+            report = plan_report(cfg, ds, args, tracer, layout.dp_size)
+            status = 0 if report["fits"] else 2
+    except ConfigError as e:
+        lines = str(e).splitlines()
+        print(f"refused ({len(lines)} problem{'s' if len(lines) > 1 else ''}):", file=sys.stderr)
+        for line in lines:
+            print(f"  - {line}", file=sys.stderr)
+        return 1
+    if args.format == "json":
+        print(json.dumps(report, indent=1))
+    elif args.format == "markdown":
+        print(render_markdown(report))
+    else:
+        print(render_plan_text(report) if report["mode"] == "plan" else render_search_text(report))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

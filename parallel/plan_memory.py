@@ -1,0 +1,305 @@
+"""Per-rank memory of a layout: model states per ZeRO stage and precision, activations from a traced
+block, communication buckets, pipeline buffers and a margin, for the worst rank of each pipeline stage.
+
+Model states are what DeepSpeed 0.19 holds at the optimizer step, their peak (read from its source
+and checked against the tensors it holds in tests/test_plan.py). P = this rank's parameters after tp
+sharding, d = dp_size, lp = 2 bytes for bf16/fp16 and 4 for fp32, P' = P padded per optimizer group
+(matrices / the rest) to a multiple of 2d, G' = the largest group's part of P'/d, W = the rank's
+gradient partition as whole parameters (a parameter straddling two ranks' slices is held by both):
+
+    optimizer path (engine._do_optimizer_sanity_check)   params         grads              master  moments
+    fp32, ZeRO-0: torch AdamW                             4P             4P                 -       8P
+    bf16/fp16, ZeRO-0, pp = 1: FP16_UnfusedOptimizer      lp P           lp P + 4P          4P      8P
+    bf16, ZeRO-1 + fp32 accumulation: BF16_Optimizer      lp P'          lp P + 4P'         4P'/d   8P'/d
+    ZeRO-1/2 otherwise: DeepSpeedZeroOptimizer            lp P'          lp W + 4G'         4P'/d   8P'/d
+    ZeRO-3, c = ceil(numel / d) per parameter             lp (Σc + Σs)   lp Σc + 4 max-grp  4Σc     8Σc
+
+(ZeRO-1 of DeepSpeedZeroOptimizer keeps the full lp gradients until the boundary reduce, so it takes
+the larger of lp P and its step figure; s are the parameters under stage3_param_persistence_threshold,
+kept whole on every rank.) EmaAdamW (optimizer.type FusedEmaAdam) adds one fp32 shadow per element
+the optimizer steps, half the moments. Optimizer offload moves master, moments, EMA and the fp32
+gradients to host memory; parameter offload moves the ZeRO-3 partitions.
+
+Activations per micro-batch come from `parallel.plan_trace` (the model's own forward on the meta device).
+With activation checkpointing a stage keeps only each segment's input (divided by tp with
+`partition_activations`, in host memory with `cpu_checkpointing`) plus, during backward, one
+segment's full activations for the recompute. Under 1F1B stage s holds min(pp - s, m) micro-batches.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from parallel import ds_config as dsc
+from parallel.config import ExperimentConfig
+from parallel.model import blocks_per_stage, checkpoint_interval
+from parallel.plan_trace import ActivationTracer
+
+GiB = 2 ** 30
+DEFAULT_BUCKET = 500_000_000              # DeepSpeed 0.19's reduce/allgather bucket default (elements)
+DEFAULT_PREFETCH = 50_000_000
+DEFAULT_PERSISTENCE = 100_000
+DEFAULT_MAX_LIVE = 1_000_000_000
+DEFAULT_SUB_GROUP = 1_000_000_000
+ENGINE_ALLREDUCE_BUCKET = 500_000_000     # deepspeed.runtime.engine.MEMORY_OPT_ALLREDUCE_SIZE
+# (key, label) of each line of the breakdown, in report order.
+LINES = (("parameters", "parameters"), ("gradients", "gradients"), ("adam_moments", "Adam moments"),
+         ("master_weights", "fp32 master weights"), ("ema_shadow", "EMA shadow"), ("buffers", "position tables"),
+         ("activations", "activations"), ("recompute", "recompute (1 segment)"),
+         ("zero_buckets", "gradient reduce buffers"), ("zero3_gathered", "ZeRO-3 gathered params"),
+         ("pipeline_buffers", "pipeline buffers"), ("margin", "margin"))
+EMA_OPTIMIZERS = ("fusedemaadam", "emaadamw")
+COMM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass
+class EngineSettings:
+    """The DeepSpeed settings the memory depends on, read once from the JSON."""
+
+    zero: int
+    precision: str
+    grad_accum_fp32: bool
+    checkpoint_every: int       # blocks per checkpointed segment, 0 = no checkpointing
+    partition_activations: bool
+    cpu_checkpointing: bool
+    reduce_bucket: int
+    allgather_bucket: int
+    prefetch_bucket: int
+    persistence_threshold: int
+    max_live: int
+    sub_group: int
+    overlap_comm: bool
+    contiguous_gradients: bool
+    offload_optimizer: bool
+    offload_param: bool
+    ema: bool = False
+    comm_bytes: int = 2         # element size of the gradient all-reduce (communication_data_type)
+
+    @classmethod
+    def from_ds(cls, ds: dict, num_layers: int) -> "EngineSettings":
+        z = ds.get("zero_optimization") or {}
+        ac = ds.get("activation_checkpointing") or {}
+        stage = dsc.zero_stage(ds)
+        off = lambda key: (z.get(key) or {}).get("device", "none") in ("cpu", "nvme")  # noqa: E731
+        return cls(stage, dsc.precision(ds), dsc.grad_accum_dtype(ds) == "fp32",
+                   checkpoint_interval(ds, num_layers), bool(ac.get("partition_activations")),
+                   bool(ac.get("cpu_checkpointing")), int(z.get("reduce_bucket_size", DEFAULT_BUCKET)),
+                   int(z.get("allgather_bucket_size", DEFAULT_BUCKET)),
+                   int(z.get("stage3_prefetch_bucket_size", DEFAULT_PREFETCH)),
+                   int(z.get("stage3_param_persistence_threshold", DEFAULT_PERSISTENCE)),
+                   int(z.get("stage3_max_live_parameters", DEFAULT_MAX_LIVE)),
+                   int(z.get("sub_group_size", DEFAULT_SUB_GROUP)),
+                   bool(z.get("overlap_comm", stage == 3)), bool(z.get("contiguous_gradients", True)),
+                   off("offload_optimizer"), off("offload_param"),
+                   str((ds.get("optimizer") or {}).get("type", "AdamW")).lower() in EMA_OPTIMIZERS,
+                   COMM_BYTES.get(ds.get("communication_data_type") or dsc.precision(ds), 2))
+
+    @property
+    def lp(self) -> int:
+        return 2 if self.precision in ("bf16", "fp16") else 4
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
+
+    def optimizer_path(self, pp: int) -> str:
+        """The optimizer class DeepSpeed 0.19 wraps around ours for these settings."""
+        if self.zero == 0:
+            if self.precision == "fp32":
+                return "torch AdamW"
+            return "BF16_Optimizer" if pp > 1 and self.precision == "bf16" else "FP16_UnfusedOptimizer"
+        if self.zero == 1 and self.precision == "bf16" and self.grad_accum_fp32 and not self.offload_optimizer:
+            return "BF16_Optimizer"
+        return "DeepSpeedZeroOptimizer_Stage3" if self.zero == 3 else "DeepSpeedZeroOptimizer"
+
+
+def _worst_partition(numels: list[int], dp: int, align: int) -> int:
+    """Largest sum, over dp ranks, of the parameters overlapping a rank's slice of the flat group:
+    DeepSpeedZeroOptimizer keeps a rank's gradient partition as whole parameters (`grads_in_partition`),
+    so a parameter straddling two slices is held by both."""
+    ends = list(itertools.accumulate(numels))             # parameter i spans [ends[i] - n_i, ends[i])
+    part = math.ceil(ends[-1] / align) * align // dp
+    worst = 0
+    for r in range(dp):
+        first = bisect.bisect_right(ends, r * part)           # first parameter ending after the slice start
+        last = bisect.bisect_left(ends, (r + 1) * part)       # last parameter starting before the slice end
+        if first < len(ends):
+            last = min(last, len(ends) - 1)
+            worst = max(worst, ends[last] - (ends[first - 1] if first else 0))
+    return worst
+
+
+def model_states(params: list, eng: EngineSettings, dp: int, pp: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(device bytes, host bytes) of parameters, gradients, optimizer (Adam moments) and master weights.
+
+    `params` lists this rank's parameters as (numel, ndim) in module order; build_optimizer puts
+    matrices (ndim >= 2) and the rest in two groups, which DeepSpeed flattens and pads separately and
+    steps one at a time (so one group's fp32 gradient exists at a time).
+    """
+    lp, path = eng.lp, eng.optimizer_path(pp)
+    total = sum(n for n, _ in params)
+    groups = [[n for n, nd in params if (nd >= 2) == matrix] for matrix in (True, False)]
+    groups = [g for g in groups if g]
+    align = 2 * dp
+    parts = [math.ceil(sum(g) / align) * align // dp for g in groups]
+    padded, part = sum(p * dp for p in parts), sum(parts)
+    if path == "torch AdamW":
+        dev = {"parameters": 4 * total, "gradients": 4 * total, "adam_moments": 8 * total, "master_weights": 0}
+    elif path == "FP16_UnfusedOptimizer":
+        dev = {"parameters": lp * total, "gradients": lp * total + 4 * total, "adam_moments": 8 * total,
+               "master_weights": 4 * total}
+    elif path == "BF16_Optimizer":
+        acc = 4 if eng.grad_accum_fp32 else lp
+        dev = {"parameters": lp * padded, "gradients": lp * total + acc * padded, "adam_moments": 8 * part,
+               "master_weights": 4 * part}
+    elif path == "DeepSpeedZeroOptimizer":
+        # At the step: the rank's lp gradient partition plus the fp32 copy of the group being stepped.
+        fp32_grad = 4 * max(parts)
+        at_step = lp * sum(_worst_partition(g, dp, align) for g in groups) + fp32_grad
+        grads = at_step if eng.zero == 2 else max(lp * total, at_step)  # ZeRO-1: full grads until the reduce
+        dev = {"parameters": lp * padded, "gradients": grads, "adam_moments": 8 * part, "master_weights": 4 * part}
+    else:
+        shards = [sum(math.ceil(n / dp) for n in g) for g in groups]
+        shard = sum(shards)
+        small = sum(n for n, _ in params if n < eng.persistence_threshold)
+        fp32_grad = 4 * min(max(shards), eng.sub_group)                 # one sub-group stepped at a time
+        dev = {"parameters": lp * (shard + small), "gradients": lp * shard + fp32_grad,
+               "adam_moments": 8 * shard, "master_weights": 4 * shard}
+    # EmaAdamW keeps one fp32 shadow per element it steps, beside the two moments.
+    dev["ema_shadow"] = dev["adam_moments"] // 2 if eng.ema else 0
+    host = {k: 0 for k in dev}
+    if eng.offload_optimizer and eng.zero >= 1:
+        for key in ("adam_moments", "master_weights", "ema_shadow"):
+            host[key], dev[key] = dev[key], 0
+        if path in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3"):
+            host["gradients"], dev["gradients"] = fp32_grad, dev["gradients"] - fp32_grad
+    if eng.offload_param and eng.zero == 3:
+        host["parameters"] = lp * shard
+        dev["parameters"] -= lp * shard
+    return dev, host
+
+
+def _bucket_copies(sizes: list[int], bucket: int, grad_bytes: int, comm_bytes: int) -> int:
+    """Largest temporary of DeepSpeed's buffered all-reduce (engine.allreduce_no_retain): gradients are
+    packed into buckets until one exceeds `bucket` elements; a bucket of several tensors is flattened
+    (a copy), and a bucket in another dtype than the communication dtype is converted (a copy)."""
+    worst = numel = count = 0
+    for n in sizes + [None]:
+        if n is not None:
+            numel, count = numel + n, count + 1
+        if count and (n is None or numel > bucket):
+            copies = (grad_bytes * numel if count > 1 else 0) + (comm_bytes * numel if comm_bytes != grad_bytes else 0)
+            worst, numel, count = max(worst, copies), 0, 0
+    return worst
+
+
+def zero_buckets(eng: EngineSettings, pp: int, params: list, dp: int) -> int:
+    """Gradient-reduction buffers, DeepSpeed 0.19. ZeRO-2/3 keep a reduce bucket of the JSON's
+    reduce_bucket_size elements (two with overlap_comm; ZeRO-1's DeepSpeedZeroOptimizer an fp32 one).
+    ZeRO-0 and BF16_Optimizer go through the engine's buffered all-reduce, buckets of 5e8 elements
+    (MEMORY_OPT_ALLREDUCE_SIZE, not the JSON's), in the communication dtype (bf16 when bf16 is on):
+    for BF16_Optimizer that is a bf16 copy of its largest fp32 gradient group. allgather_bucket_size
+    only splits the in-place parameter all-gather: no buffer of its own."""
+    path = eng.optimizer_path(pp)
+    comm = eng.comm_bytes
+    if path in ("torch AdamW", "FP16_UnfusedOptimizer"):
+        return _bucket_copies([n for n, _ in params], ENGINE_ALLREDUCE_BUCKET, eng.lp, comm)
+    if path == "BF16_Optimizer":
+        align = 2 * dp
+        groups = [sum(n for n, nd in params if (nd >= 2) == matrix) for matrix in (True, False)]
+        flat = [math.ceil(g / align) * align for g in groups if g]
+        return _bucket_copies(flat, ENGINE_ALLREDUCE_BUCKET, 4 if eng.grad_accum_fp32 else eng.lp, comm)
+    if eng.zero == 3:
+        return eng.lp * eng.reduce_bucket
+    if not eng.contiguous_gradients:
+        return 0
+    dtype_bytes = 4 if eng.zero == 1 else eng.lp
+    return dtype_bytes * eng.reduce_bucket * (2 if eng.overlap_comm else 1)
+
+
+@dataclass
+class StageMemory:
+    """Memory of the worst rank of one pipeline stage, by line, in bytes."""
+
+    stage: int
+    blocks: int
+    in_flight: int
+    lines: dict[str, int]
+    host: dict[str, int] = field(default_factory=dict)
+    params: int = 0                       # parameters held by this rank (after tp sharding)
+
+    @property
+    def total(self) -> int:
+        return sum(self.lines.values())
+
+
+@dataclass
+class MemoryPlan:
+    stages: list[StageMemory]
+    device_memory: int
+    optimizer_path: str
+    per_block: dict[str, int]              # activation figures per micro-batch, for the report
+
+    @property
+    def worst(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def fits(self) -> bool:
+        return self.worst.total <= self.device_memory
+
+    @property
+    def headroom(self) -> int:
+        return self.device_memory - self.worst.total
+
+
+def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tracer: ActivationTracer,
+                margin: float = 0.10, workspace: int = GiB) -> MemoryPlan:
+    """Memory per pipeline stage of the layout in cfg.parallel with ds's engine settings."""
+    tp, pp, m = cfg.parallel.tp_size, cfg.parallel.pp_size, cfg.train.grad_accum_steps
+    b = cfg.train.micro_batch_size
+    eng = EngineSettings.from_ds(ds, cfg.model.num_layers)
+    embed, block, final = (tracer.trace(kind, tp, b) for kind in ("embed", "block", "final"))
+    k = eng.checkpoint_every
+    # Checkpoint inputs: x per segment (temb passes as a view of the shared one unless DeepSpeed copies
+    # inputs for partitioning or host offload), divided over tp ranks when partitioned.
+    copies = eng.partition_activations or eng.cpu_checkpointing
+    seg_input = (block.input_bytes + (block.temb_bytes if copies else 0)) // (tp if eng.partition_activations else 1)
+    stages = []
+    for s, n in enumerate(blocks_per_stage(cfg)):
+        first, last = s == 0, s == pp - 1
+        flight = min(pp - s, m)
+        params = list(embed.params if first else ()) + list(block.params) * n + list(final.params if last else ())
+        dev, host = model_states(params, eng, dp, pp)
+        own = (embed.activations if first else 0) + (final.activations if last else 0)
+        shared = block.temb_bytes if (n and block.temb_saved) or (last and final.temb_saved) else 0
+        host_acts = 0
+        if k:
+            segments = math.ceil(n / k)
+            kept = 0 if eng.cpu_checkpointing else segments * seg_input
+            host_acts = flight * segments * seg_input if eng.cpu_checkpointing else 0
+            acts, recompute = flight * (kept + shared + own), min(k, n) * block.activations
+        else:
+            acts, recompute = flight * (n * block.activations + shared + own), 0
+        boundary = block.input_bytes + block.temb_bytes
+        pipe = (boundary if not first else 0) + ((1 + flight) * boundary if not last else 0) if pp > 1 else 0
+        numel = sum(n_ for n_, _ in params)
+        gathered = 0
+        if eng.zero == 3:
+            big = sum(n_ for n_, _ in block.params if n_ >= eng.persistence_threshold)
+            gathered = eng.lp * min(eng.max_live, big + eng.prefetch_bucket)
+        lines = {**dev, "buffers": block.buffers * n + (embed.buffers if first else 0)
+                 + (final.buffers if last else 0), "activations": acts, "recompute": recompute,
+                 "zero_buckets": zero_buckets(eng, pp, params, dp), "zero3_gathered": gathered,
+                 "pipeline_buffers": pipe}
+        lines["margin"] = int(margin * sum(lines.values())) + workspace
+        stages.append(StageMemory(s, n, flight, {key: lines[key] for key, _ in LINES},
+                                  {**host, "activations": host_acts}, numel))
+    per_block = {"block_activations": block.activations, "block_input": block.input_bytes,
+                 "checkpoint_input": seg_input, "temb": block.temb_bytes, "embed_activations": embed.activations,
+                 "final_activations": final.activations, "block_params": sum(n_ for n_, _ in block.params)}
+    return MemoryPlan(stages, device_memory, eng.optimizer_path(pp), per_block)

@@ -1,0 +1,216 @@
+"""Layout search: every (tp, pp, dp, ZeRO stage, checkpointing, micro-batch) for a device count, checked
+by `parallel.check`, sized by `parallel.plan_memory`, and ranked by an estimated step time.
+
+Step time of one optimizer step (m = train.grad_accum_steps micro-batches of b samples, S tokens,
+L blocks of hidden size H, N parameters):
+
+    compute  m b (6 N S + 12 L S^2 H) / (tp pp) / (peak x utilisation)     x 4/3 with full recompute
+    TP       m (L / pp) (4 [+2 recompute]) all-reduces of b S H, ring 2 (tp-1)/tp, intra-node bandwidth
+    PP       m x 2 (activation forward, gradient backward) of the stage boundary, p2p
+    bubble   (compute + TP + PP) x (m + pp - 1) / m                   (1F1B: bubble (pp-1)/(m+pp-1))
+    DP       gradient reduce 2 (dp-1)/dp x grad bytes once a step (ZeRO-3 adds two parameter
+             all-gathers per micro-batch), over the inter-node network when the dp group spans nodes
+
+Layouts are ranked by samples per second (global batch / step time), since the micro-batch and dp
+(and so the global batch) differ between layouts.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from parallel.check import check, divisors
+from parallel.config import ExperimentConfig
+from parallel.plan_memory import EngineSettings, MemoryPlan, plan_memory
+from parallel.plan_trace import ActivationTracer, sequence_length
+
+DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
+MAX_MICRO_BATCH = 64
+
+
+@dataclass(frozen=True)
+class Device:
+    """Public peak figures (dense, per device) and link bandwidths per direction, in bytes/s."""
+
+    name: str
+    bf16_flops: float
+    fp32_flops: float
+    intra_bw: float        # within a node (NVLink / HCCS)
+    inter_bw: float        # between nodes, per device (InfiniBand / RoCE)
+
+
+DEVICES = {
+    "a100-80gb": Device("NVIDIA A100 80GB SXM", 312e12, 19.5e12, 300e9, 25e9),      # NVLink3, 8 x HDR 200G
+    "h100-80gb": Device("NVIDIA H100 80GB SXM", 989e12, 67e12, 450e9, 50e9),        # NVLink4, 8 x NDR 400G
+    "h200": Device("NVIDIA H200 141GB SXM", 989e12, 67e12, 450e9, 50e9),
+    "ascend-910b": Device("Huawei Ascend 910B", 313e12, 313e12 / 4, 196e9, 25e9),   # HCCS, 200G RoCE; fp32 assumed 1/4
+    "cpu": Device("CPU (nominal)", 1e12, 1e12, 10e9, 1e9),
+}
+
+
+@dataclass
+class StepTime:
+    compute: float
+    tp: float
+    pp: float
+    dp: float
+    bubble: float          # seconds lost to the pipeline bubble
+    total: float
+    samples_per_s: float
+
+
+def count_params(tracer: ActivationTracer) -> tuple[int, int]:
+    """(all parameters of one model replica, block parameters) counted on the tp = 1 build."""
+    block = sum(n for n, _ in tracer.trace("block", 1, 1).params)
+    ends = sum(n for kind in ("embed", "final") for n, _ in tracer.trace(kind, 1, 1).params)
+    return block * tracer.cfg.model.num_layers + ends, block * tracer.cfg.model.num_layers
+
+
+def estimate_step_time(cfg: ExperimentConfig, eng: EngineSettings, dp: int, device: Device, per_node: int,
+                       utilisation: float, tracer: ActivationTracer, stage_params: int) -> StepTime:
+    m_cfg, t = cfg.model, cfg.train
+    tp, pp, m, b = cfg.parallel.tp_size, cfg.parallel.pp_size, t.grad_accum_steps, t.micro_batch_size
+    trace = tracer.trace("block", tp, b)
+    seq = sequence_length(cfg)
+    n_all, n_blocks = count_params(tracer)
+    recompute = bool(eng.checkpoint_every)
+    block_flops = 6 * n_blocks * seq + 12 * m_cfg.num_layers * seq ** 2 * m_cfg.hidden_size
+    flops = b * (block_flops * (4 / 3 if recompute else 1) + 6 * (n_all - n_blocks) * seq)
+    peak = device.bf16_flops if eng.lp == 2 else device.fp32_flops
+    compute = m * flops / (tp * pp) / (peak * utilisation)
+    ring = lambda n: 2 * (n - 1) / n  # noqa: E731  (bytes moved per device by a ring all-reduce, x size)
+    tp_time = 0.0
+    if tp > 1:
+        per_block = (6 if recompute else 4) * ring(tp) * trace.input_bytes / device.intra_bw
+        tp_time = m * (m_cfg.num_layers / pp) * per_block
+    pp_time = 0.0
+    if pp > 1:
+        link = device.inter_bw if tp * dp >= per_node else device.intra_bw    # stages are the outer axis
+        pp_time = m * 2 * (trace.input_bytes + trace.temb_bytes) / link
+    dp_time = 0.0
+    if dp > 1:
+        link = device.inter_bw if tp * dp > per_node else device.intra_bw
+        volume = ring(dp) * stage_params * eng.comm_bytes        # gradients travel in the communication dtype
+        if eng.zero == 3:
+            volume += m * 2 * (dp - 1) / dp * stage_params * eng.lp
+        dp_time = volume / link
+    work = compute + tp_time + pp_time
+    total = work * (m + pp - 1) / m + dp_time
+    return StepTime(compute, tp_time, pp_time, dp_time, work * (pp - 1) / m, total, b * m * dp / total)
+
+
+def ds_variant(ds: dict, zero: int, checkpointing: bool) -> dict:
+    """The user's DeepSpeed JSON with another ZeRO stage and checkpointing on or off.
+
+    bf16 with ZeRO-1 gets fp32 gradient accumulation (BF16_Optimizer, which the pipeline needs); the
+    other stages drop it, as ds_configs/zero{2,3}_bf16.json do (DeepSpeed 0.19 raises
+    NotImplementedError for bf16 + ZeRO-0 + fp32 accumulation).
+    """
+    out = copy.deepcopy(ds)
+    z = out.setdefault("zero_optimization", {})
+    z["stage"] = zero
+    for key in list(z):
+        if (key.startswith("stage3_") or key.startswith("offload_param")) and zero != 3 \
+                or key in ("overlap_comm", "contiguous_gradients", "offload_optimizer") and zero == 0:
+            z.pop(key)
+    if out.get("bf16", {}).get("enabled"):
+        if zero == 1:
+            out["data_types"] = {**out.get("data_types", {}), "grad_accum_dtype": "fp32"}
+        elif "data_types" in out:
+            out["data_types"].pop("grad_accum_dtype", None)
+            if not out["data_types"]:
+                out.pop("data_types")
+    if checkpointing:
+        out.setdefault("activation_checkpointing", {"partition_activations": False, "cpu_checkpointing": False,
+                                                     "contiguous_memory_optimization": False,
+                                                     "number_checkpoints": None})
+    else:
+        out.pop("activation_checkpointing", None)
+    return out
+
+
+def shipped_config(ds: dict) -> Optional[str]:
+    """The ds_configs/ file equal to `ds`, if there is one."""
+    for path in sorted(DS_CONFIG_DIR.glob("*.json")):
+        if json.loads(path.read_text()) == ds:
+            return f"ds_configs/{path.name}"
+    return None
+
+
+@dataclass
+class Candidate:
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    checkpointing: bool
+    micro_batch: int
+    cfg: ExperimentConfig
+    ds: dict
+    memory: MemoryPlan
+    time: Optional[StepTime] = None
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"parallel.tp_size={self.tp}", f"parallel.pp_size={self.pp}",
+                f"train.micro_batch_size={self.micro_batch}"]
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Candidate]           # fitting, fastest first
+    not_fitting: list[Candidate]      # valid layouts whose micro-batch 1 does not fit
+    invalid: list[tuple[dict, list[str]]]
+
+
+def with_layout(cfg: ExperimentConfig, tp: int, pp: int, micro_batch: int) -> ExperimentConfig:
+    parallel = cfg.parallel.model_copy(update={"tp_size": tp, "pp_size": pp, "dp_size": None, "pp_partition": None})
+    train = cfg.train.model_copy(update={"micro_batch_size": micro_batch})
+    return cfg.model_copy(update={"parallel": parallel, "train": train})
+
+
+def search(cfg: ExperimentConfig, ds: dict, devices: int, per_node: int, device_memory: int, device: Device,
+           tracer: ActivationTracer, utilisation: float = 0.4, margin: float = 0.10,
+           workspace: int = 2 ** 30, source: str = "deepspeed config") -> SearchResult:
+    """Every layout of `devices` devices; tp stays within a node (it divides the devices per node)."""
+    node = min(devices, per_node)
+    ranked, not_fitting, invalid = [], [], []
+    for tp in (d for d in divisors(node) if devices % d == 0):
+        for pp in (p for p in divisors(devices // tp) if p <= cfg.model.num_layers):
+            dp = devices // (tp * pp)
+            for zero in range(4):
+                for checkpointing in (True, False):
+                    cfg_l, ds_l = with_layout(cfg, tp, pp, 1), ds_variant(ds, zero, checkpointing)
+                    _, problems = check(cfg_l, ds_l, f"{source} at zero_optimization.stage={zero}", devices)
+                    if problems:
+                        if checkpointing:      # the verdict does not depend on checkpointing: report once
+                            invalid.append(({"tp": tp, "pp": pp, "dp": dp, "zero": zero}, problems))
+                        continue
+                    best = None
+                    for b in (2 ** i for i in range(int(math.log2(MAX_MICRO_BATCH)) + 1)):
+                        cfg_b = with_layout(cfg, tp, pp, b)
+                        memory = plan_memory(cfg_b, ds_l, dp, device_memory, tracer, margin, workspace)
+                        cand = Candidate(tp, pp, dp, zero, checkpointing, b, cfg_b, ds_l, memory)
+                        if not memory.fits:
+                            if best is None:
+                                not_fitting.append(cand)
+                            break
+                        best = cand
+                    if best is not None:
+                        eng = EngineSettings.from_ds(best.ds, cfg.model.num_layers)
+                        stage_params = max(stage.params for stage in best.memory.stages)
+                        best.time = estimate_step_time(best.cfg, eng, dp, device, per_node, utilisation, tracer,
+                                                       stage_params)
+                        ranked.append(best)
+    ranked.sort(key=lambda c: -c.time.samples_per_s)
+    return SearchResult(ranked, not_fitting, invalid)
+
+
+def default_dtype(ds: dict) -> torch.dtype:
+    return EngineSettings.from_ds(ds, 1).dtype

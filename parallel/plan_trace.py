@@ -1,0 +1,227 @@
+"""Run the model's own stage code on the meta device and record what autograd saves for backward.
+
+The memory planner reads activation sizes from here instead of from a hand formula, so the plan and
+the model cannot disagree. Two pieces make that possible without devices or process groups:
+
+- `TraceContext`, a stand-in for `ParallelContext`: while the model is built it reports the layout's
+  `tp_size`, so `ColumnParallelLinear` / `RowParallelLinear` allocate their shards; inside
+  `collectives_as_identity()` it reports `tp_size = 1`, so the four regions of `parallel/comm.py`
+  (`copy_to_tp`, `reduce_from_tp`, ...) take their identity branch instead of calling a process group.
+  This changes nothing that is saved: none of those autograd functions saves a tensor for backward
+  (they keep only the group, size and rank), and an all-reduce returns a tensor of its input's size.
+- The meta device (shapes only, no storage): a CogVideoX-5B block at 17,776 tokens traces in tens of
+  milliseconds. One thing differs from an accelerator: on meta, `scaled_dot_product_attention` picks
+  its math fallback, which saves the S x S scores (30 GB for that block). `fused_attention_on_meta()`
+  routes it to the fused flash-attention op instead, which saves q, k, v, the output and the
+  log-sum-exp, as the flash / memory-efficient kernels of CUDA and `npu_fusion_attention` do (and as
+  CPU fake tensors under FakeTensorMode dispatch by themselves, about ten times slower to trace).
+  One small difference remains: LayerNorm statistics are saved in fp32 here, as CUDA does, where the
+  CPU kernel keeps them in bf16 (1.3% of a bf16 debug block).
+
+`record_saved()` collects saved tensors through `torch.autograd.graph.saved_tensors_hooks`, one entry
+per storage (views of one tensor are counted once); `held_storages()` finds tensors a module keeps
+outside its parameters (position tables cached on first use), which are model state, not activations.
+`ActivationTracer` puts these together per stage kind (embed, one block, final + loss), tp size and
+micro-batch. tests/test_plan.py checks it against real CPU forwards at tp = 1 and tp = 2.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from models.diffusion import mse_loss
+from models.dit import latent_shape, token_grid
+from parallel.config import ExperimentConfig
+from parallel.model import layer_specs
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage (the StorageImpl address), equal for all views of one storage.
+
+    `untyped_storage()` returns a fresh Python wrapper each call; `_cdata` is the address underneath.
+    Callers keep the tensors alive while they compare keys, so an address is never reused meanwhile.
+    """
+    return t.untyped_storage()._cdata
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+class TraceContext:
+    """`ParallelContext` look-alike for building at `tp_size` and running with collectives as identities."""
+
+    def __init__(self, tp_size: int):
+        self.built_tp_size = tp_size
+        self.tp_rank, self.tp_group = 0, None
+        self._identity = False
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self._identity else self.built_tp_size
+
+    @contextlib.contextmanager
+    def collectives_as_identity(self) -> Iterator[None]:
+        self._identity = True
+        try:
+            yield
+        finally:
+            self._identity = False
+
+
+def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False):
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+class _FusedAttentionOnMeta(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args[0].device.type == "meta":
+            q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_arguments(*args, **kwargs)
+            if mask is None and not gqa:
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, dropout_p, is_causal, scale=scale)[0]
+        return func(*args, **kwargs)
+
+
+def fused_attention_on_meta():
+    """Inside: meta-device SDPA saves what the fused kernels save (see the module docstring)."""
+    return _FusedAttentionOnMeta()
+
+
+@contextlib.contextmanager
+def record_saved() -> Iterator[dict[int, torch.Tensor]]:
+    """Collect every tensor autograd saves inside the block: {storage key: one tensor of that storage}."""
+    found: dict[int, torch.Tensor] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        found.setdefault(storage_key(t), t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield found
+
+
+def _walk(obj, found: dict[int, int], seen: set[int], depth: int) -> None:
+    if id(obj) in seen or depth > 4:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        found.setdefault(storage_key(obj), storage_bytes(obj))
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _walk(value, found, seen, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _walk(value, found, seen, depth + 1)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in ("models", "parallel"):
+        for value in vars(obj).values():
+            _walk(value, found, seen, depth + 1)
+
+
+def held_storages(module: nn.Module) -> dict[int, int]:
+    """Tensors a module holds besides its parameters: registered buffers and caches in plain attributes
+    (the models' `_PositionCache` tables). {storage key: bytes}."""
+    found: dict[int, int] = {}
+    seen: set[int] = set()
+    for m in module.modules():
+        for buf in m.buffers(recurse=False):
+            found.setdefault(storage_key(buf), storage_bytes(buf))
+        for name, value in vars(m).items():
+            if name not in ("_parameters", "_buffers", "_modules") and not name.startswith("_forward") \
+                    and not name.startswith("_backward") and not name.startswith("_state_dict"):
+                _walk(value, found, seen, 0)
+    return found
+
+
+def parameter_storages(module: nn.Module) -> set[int]:
+    return {storage_key(p) for p in module.parameters()}
+
+
+@dataclass(frozen=True)
+class StageTrace:
+    """What one stage kind (embed, block, final) saves for one micro-batch on one tp rank."""
+
+    activations: int          # saved bytes, without parameters, cached tables and the shared temb
+    temb_saved: bool          # whether it saves the time embedding (shared by the stage's blocks)
+    input_bytes: int          # bytes of its hidden-state input x [B, S, H] (what a checkpoint keeps)
+    temb_bytes: int
+    buffers: int              # tables cached in attributes (position tables), held once
+    params: tuple             # ((numel, ndim), ...) of this tp rank's parameters
+
+
+def sequence_length(cfg: ExperimentConfig) -> int:
+    """Tokens per sample: text tokens + video patches (CogVideoX-5B at 49 x 480 x 720: 226 + 17,550)."""
+    return cfg.model.max_text_len + math.prod(token_grid(cfg.model, cfg.data))
+
+
+def _affine(a: int, b: int, n: int) -> int:
+    """Value at micro-batch n from the traces at 1 and 2 (every saved tensor is affine in the batch)."""
+    return a + (n - 1) * (b - a)
+
+
+class ActivationTracer:
+    """Traces embed, one block and final at (tp, micro-batch) on the meta device, cached."""
+
+    def __init__(self, cfg: ExperimentConfig, dtype: torch.dtype):
+        self.cfg, self.dtype = cfg, dtype
+        self._modules: dict = {}
+        self._traces: dict = {}
+
+    def _module(self, kind: str, tp: int):
+        if (kind, tp) not in self._modules:
+            ctx = TraceContext(tp)
+            specs = layer_specs(self.cfg, ctx)
+            spec = {"embed": specs[0], "block": specs[1], "final": specs[-1]}[kind]
+            with torch.device("meta"):
+                module = spec.build().to(self.dtype)
+            self._modules[(kind, tp)] = (module, ctx)
+        return self._modules[(kind, tp)]
+
+    def _inputs(self, kind: str, b: int):
+        m, d = self.cfg.model, self.cfg.data
+        seq = sequence_length(self.cfg)
+        hidden = lambda: torch.empty(b, seq, m.hidden_size, dtype=self.dtype, requires_grad=True)  # noqa: E731
+        temb = lambda: torch.empty(b, m.time_embed_dim, dtype=self.dtype, requires_grad=True)  # noqa: E731
+        if kind == "embed":
+            return ((torch.empty(b, m.in_channels, *latent_shape(m, d)), torch.zeros(b, dtype=torch.long),
+                     torch.empty(b, m.max_text_len, m.text_embed_dim)),)
+        return ((hidden(), temb()),)
+
+    def _trace(self, kind: str, tp: int, b: int) -> StageTrace:
+        module, ctx = self._module(kind, tp)
+        with torch.device("meta"), ctx.collectives_as_identity(), fused_attention_on_meta():
+            inputs = self._inputs(kind, b)
+            with record_saved() as saved:
+                out = module(*inputs)
+                if kind == "final":
+                    out = mse_loss(out, torch.empty(out.shape))  # the last stage's loss
+        skip = parameter_storages(module)
+        held = held_storages(module)
+        x, temb = (None, None) if kind == "embed" else inputs[0]
+        temb_key = None if temb is None else storage_key(temb)
+        acts = sum(storage_bytes(t) for k, t in saved.items() if k not in skip and k not in held and k != temb_key)
+        x_bytes = storage_bytes(x) if x is not None else storage_bytes(out[0])
+        t_bytes = storage_bytes(temb) if temb is not None else storage_bytes(out[1])
+        params = tuple((p.numel(), p.dim()) for p in module.parameters())
+        return StageTrace(acts, temb_key in saved, x_bytes, t_bytes, sum(held.values()), params)
+
+    def trace(self, kind: str, tp: int, b: int) -> StageTrace:
+        """The trace at micro-batch b: traced at 1 and 2, extrapolated linearly beyond."""
+        for n in (1, 2):
+            if (kind, tp, n) not in self._traces:
+                self._traces[(kind, tp, n)] = self._trace(kind, tp, n)
+        if b in (1, 2):
+            return self._traces[(kind, tp, b)]
+        one, two = self._traces[(kind, tp, 1)], self._traces[(kind, tp, 2)]
+        return StageTrace(_affine(one.activations, two.activations, b), one.temb_saved,
+                          _affine(one.input_bytes, two.input_bytes, b), _affine(one.temb_bytes, two.temb_bytes, b),
+                          one.buffers, one.params)
