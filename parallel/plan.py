@@ -228,6 +228,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--margin", type=float, default=0.10, help="fragmentation margin, fraction of the rest")
     ap.add_argument("--workspace", default="1GiB", help="fixed workspace (context, kernels' scratch)")
     ap.add_argument("--utilisation", type=float, default=0.4, help="assumed fraction of peak FLOP/s")
+    ap.add_argument("--png", default=None, help="write a stacked-bar chart of the breakdown to this file")
     args = ap.parse_args(argv)
     try:
         if args.devices < 1 or args.devices_per_node < 1:
@@ -258,6 +259,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(render_markdown(report))
     else:
         print(render_plan_text(report) if report["mode"] == "plan" else render_search_text(report))
+    if args.png:
+        from parallel.plan_png import draw
+        draw(report, args.png)
+        print(f"wrote {args.png}", file=sys.stderr)
     return status
 
 

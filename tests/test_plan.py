@@ -3,7 +3,10 @@ DeepSpeed's optimizers hold on each rank, and the CLI's plan, refusal and search
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from collections import defaultdict, deque
 
 import pytest
@@ -13,6 +16,8 @@ from parallel.config import load_config
 from parallel.plan_memory import plan_memory
 from parallel.plan_trace import ActivationTracer
 from tests.dist_utils import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GiB = 2 ** 30
 
@@ -422,3 +427,22 @@ def test_cli_stdout_is_only_the_report():
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["fits"] and report["layout"]["dp"] == 2 and report["model"]["parameters"] == 313_360
+
+
+def test_png_bars_are_the_report_totals(tmp_path):
+    """The chart's stacked bars add up to the totals the text/JSON report gives, stage by stage."""
+    from parallel.plan_png import draw
+
+    out = tmp_path / "plan.json"
+    png = tmp_path / "plan.png"
+    code = subprocess.run([sys.executable, "-m", "parallel.plan", "--config", "configs/debug.yaml",
+                           "--deepspeed_config", "ds_configs/zero1_bf16.json", "--devices", "4",
+                           "--device-memory", "4GiB", "--set", "parallel.pp_size=2", "--set", "parallel.tp_size=2",
+                           "--format", "json", "--png", str(png)], cwd=ROOT, capture_output=True, text=True)
+    assert code.returncode == 0, code.stderr[-2000:]
+    report = json.loads(code.stdout)
+    out.write_text(code.stdout)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    heights = draw(report, str(tmp_path / "again.png"))
+    assert heights == pytest.approx([s["total"] / 2**30 for s in report["stages"]], rel=1e-12)
+    assert len(heights) == 2
