@@ -52,6 +52,14 @@ def synchronize() -> None:
     get_accelerator().synchronize()
 
 
+def total_memory(local_rank: int = 0) -> int:
+    """Bytes of memory on this device (host RAM on CPU, shared by the node's ranks)."""
+    if name() == "cpu":
+        import psutil
+        return int(psutil.virtual_memory().total)
+    return int(get_accelerator().total_memory(local_rank))
+
+
 def memory_stats() -> dict[str, float]:
     """Allocated / peak allocated memory in GiB on this device; host RSS (max) on CPU."""
     if name() == "cpu":

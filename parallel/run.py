@@ -57,6 +57,21 @@ def export_launch_env(env: LaunchEnv) -> None:
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
 
 
+def plan_line(cfg: ExperimentConfig, ds: dict, layout: Layout, device_memory: int) -> str:
+    """The memory planner's verdict for this run's own layout, in one line (parallel/plan.py has the table)."""
+    from parallel.plan_memory import EngineSettings, plan_memory
+    from parallel.plan_trace import ActivationTracer
+
+    tracer = ActivationTracer(cfg, EngineSettings.from_ds(ds, 1).dtype)
+    plan = plan_memory(cfg, ds, layout.dp_size, device_memory, tracer)
+    w = plan.worst
+    states = sum(w.lines[k] for k in ("parameters", "gradients", "adam_moments", "master_weights", "ema_shadow"))
+    size = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"  # noqa: E731
+    return (f"memory plan: worst rank (stage {w.stage}) {size(w.total)} of {size(device_memory)} "
+            f"({'fits' if plan.fits else 'DOES NOT FIT'}; activations {size(w.lines['activations'])}, model states "
+            f"{size(states)}, margin {size(w.lines['margin'])}); python -m parallel.plan for the breakdown")
+
+
 def build_dataset(cfg: ExperimentConfig):
     if cfg.data.kind == "directory":
         encoder = None
@@ -99,6 +114,7 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
     is_logger = ctx.rank == 0
     out_dir = Path(cfg.train.output_dir)
     if is_logger:
+        print(plan_line(cfg, ds, layout, accelerator.total_memory(env.local_rank)), flush=True)
         out_dir.mkdir(parents=True, exist_ok=True)
         print(f"training {cfg.model.name}: {ctx.describe()} ZeRO-{layout.zero_stage} {layout.precision}, "
               f"global batch {layout.global_batch}, {cfg.train.max_steps} steps -> {out_dir}/metrics.jsonl",
