@@ -24,22 +24,13 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None) -> list[Path]:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from parallel import accelerator, checkpoint
+    from parallel import checkpoint
     from parallel.ema import full_ema, has_ema
-    from parallel.engine import build_trainer
     from parallel.model import full_state
-    from parallel.run import export_launch_env
-    from parallel.seed import seed_all
-    from parallel.topology import Grid, ParallelContext
+    from parallel.run import checkpoint_layout, start_engine
 
-    export_launch_env(env)
-    deepspeed.init_distributed(dist_backend=accelerator.backend())
-    ctx = ParallelContext.build(Grid(layout.pp_size, layout.dp_size, layout.tp_size))
-    seed_all(cfg.train.seed)
-    trainer = build_trainer(cfg, ds, ctx)
-    ckpt_layout = {"tp_size": layout.tp_size, "pp_size": layout.pp_size, "dp_size": layout.dp_size,
-                   "zero_stage": layout.zero_stage}
-    tag = tag or checkpoint.find_resume(Path(cfg.ckpt_dir), ckpt_layout)
+    ctx, trainer = start_engine(cfg, ds, layout, env)
+    tag = tag or checkpoint.find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout))
     if tag is None:
         raise FileNotFoundError(f"no complete checkpoint in {cfg.ckpt_dir} (ckpt.dir)")
     step = trainer.load(cfg.ckpt_dir, tag)

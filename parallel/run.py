@@ -89,6 +89,22 @@ def tokens_per_sample(cfg: ExperimentConfig) -> int:
     return cfg.model.max_text_len + t * h * w
 
 
+def checkpoint_layout(layout: Layout) -> dict:
+    """What a checkpoint must match to be resumed as it is."""
+    return {"tp_size": layout.tp_size, "pp_size": layout.pp_size, "dp_size": layout.dp_size,
+            "zero_stage": layout.zero_stage}
+
+
+def start_engine(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv):
+    """Process groups, the (pp, dp, tp) context and the DeepSpeed engine for a checked layout."""
+    export_launch_env(env)
+    accelerator.set_device(env.local_rank)
+    deepspeed.init_distributed(dist_backend=accelerator.backend())
+    ctx = ParallelContext.build(Grid(layout.pp_size, layout.dp_size, layout.tp_size))
+    seed_all(cfg.train.seed)
+    return ctx, build_trainer(cfg, ds, ctx)
+
+
 def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv, resume: bool = True) -> int:
     if layout.precision == "bf16" and not accelerator.is_bf16_supported():
         print(f"refusing to start: bf16.enabled=true but the {accelerator.name()} device here has no bf16; "
@@ -96,14 +112,8 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
         return 1
     dataset = build_dataset(cfg)               # a missing data file stops us before any process group
 
-    export_launch_env(env)
-    accelerator.set_device(env.local_rank)
-    deepspeed.init_distributed(dist_backend=accelerator.backend())
-    ctx = ParallelContext.build(Grid(layout.pp_size, layout.dp_size, layout.tp_size))
-    seed_all(cfg.train.seed)
-    trainer = build_trainer(cfg, ds, ctx)
-    ckpt_dir, ckpt_layout = Path(cfg.ckpt_dir), {"tp_size": layout.tp_size, "pp_size": layout.pp_size,
-                                                "dp_size": layout.dp_size, "zero_stage": layout.zero_stage}
+    ctx, trainer = start_engine(cfg, ds, layout, env)
+    ckpt_dir, ckpt_layout = Path(cfg.ckpt_dir), checkpoint_layout(layout)
     tag = checkpoint.find_resume(ckpt_dir, ckpt_layout) if resume else None
     start = trainer.load(ckpt_dir, tag) if tag else 0
     batches = DiffusionBatches(dataset, Objective(cfg.model.objective), seed=cfg.train.seed,
