@@ -129,7 +129,7 @@ def _check_engine(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
                         f"grad_accum_dtype={dsc.grad_accum_dtype(ds)!r}); see ds_configs/zero1_bf16.json")
     optimizer = ds.get("optimizer") or {}
     kind = str(optimizer.get("type", "AdamW"))
-    if kind.lower() not in ("adamw", "adam", "fusedemaadam", "emaadamw"):
+    if kind.lower() not in dsc.ADAM_OPTIMIZERS + dsc.EMA_OPTIMIZERS:
         problems.append(f"{src}: optimizer.type={kind!r} is not built by the toolkit; use AdamW, Adam, "
                         f"FusedEmaAdam or EmaAdamW (the last two keep an EMA of the weights)")
     lr = (optimizer.get("params") or {}).get("lr")

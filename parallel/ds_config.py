@@ -28,6 +28,10 @@ tensor_parallel expert_parallel use_data_before_expert_parallelism graph_harvest
 managed_gradient_accumulation random_ltd datastates_ckpt zero_optimization_stage legacy_fusion
 """.split())
 
+# Optimizer types the toolkit builds (parallel/optim.py), lower-cased: EMA ones keep a shadow of the weights.
+EMA_OPTIMIZERS = ("fusedemaadam", "emaadamw")
+ADAM_OPTIMIZERS = ("adamw", "adam")
+
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 

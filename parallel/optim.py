@@ -19,11 +19,10 @@ import logging
 import torch
 
 from parallel.config import TrainConfig
+from parallel.ds_config import ADAM_OPTIMIZERS, EMA_OPTIMIZERS
 
 log = logging.getLogger(__name__)
 
-EMA_NAMES = ("fusedemaadam", "emaadamw")
-ADAM_NAMES = ("adamw", "adam")
 FUSED_ADAMW_DEVICES = ("cuda", "cpu", "mps", "xpu")
 
 
@@ -73,7 +72,7 @@ def build_optimizer(model: torch.nn.Module, ds: dict, train: TrainConfig, device
 
     section = ds.get("optimizer") or {"type": "AdamW", "params": {}}
     kind = str(section.get("type", "AdamW"))
-    if kind.lower() not in EMA_NAMES + ADAM_NAMES:
+    if kind.lower() not in EMA_OPTIMIZERS + ADAM_OPTIMIZERS:
         raise ValueError(f"optimizer.type={kind!r}: use AdamW, Adam, FusedEmaAdam or EmaAdamW")
     params = dict(section.get("params", {}))
     wd = float(params.pop("weight_decay", 0.0))
@@ -84,7 +83,7 @@ def build_optimizer(model: torch.nn.Module, ds: dict, train: TrainConfig, device
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [g for g in ({"params": decay, "weight_decay": wd}, {"params": other, "weight_decay": 0.0}) if g["params"]]
-    if kind.lower() in EMA_NAMES:
+    if kind.lower() in EMA_OPTIMIZERS:
         opt = EmaAdamW(groups, lr=train.lr, ema_decay=float(params.get("ema_decay", 0.9999)), **kwargs)
     else:
         opt = torch.optim.AdamW(groups, lr=train.lr, **kwargs)

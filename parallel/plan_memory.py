@@ -52,7 +52,6 @@ LINES = (("parameters", "parameters"), ("gradients", "gradients"), ("adam_moment
          ("activations", "activations"), ("recompute", "recompute (1 segment)"),
          ("zero_buckets", "gradient reduce buffers"), ("zero3_gathered", "ZeRO-3 gathered params"),
          ("pipeline_buffers", "pipeline buffers"), ("margin", "margin"))
-EMA_OPTIMIZERS = ("fusedemaadam", "emaadamw")
 COMM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -95,7 +94,7 @@ class EngineSettings:
                    int(z.get("sub_group_size", DEFAULT_SUB_GROUP)),
                    bool(z.get("overlap_comm", stage == 3)), bool(z.get("contiguous_gradients", True)),
                    off("offload_optimizer"), off("offload_param"),
-                   str((ds.get("optimizer") or {}).get("type", "AdamW")).lower() in EMA_OPTIMIZERS,
+                   str((ds.get("optimizer") or {}).get("type", "AdamW")).lower() in dsc.EMA_OPTIMIZERS,
                    COMM_BYTES.get(ds.get("communication_data_type") or dsc.precision(ds), 2))
 
     @property
