@@ -102,7 +102,7 @@ class Trainer:
         return int(client["step"])
 
 
-def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, optimizer_factory=build_optimizer) -> Trainer:
+def build_trainer(cfg: ExperimentConfig, ds: dict, ctx) -> Trainer:
     """Configure activation checkpointing, build the model for the layout, and initialise DeepSpeed."""
     deepspeed.init_distributed(dist_backend=accelerator.backend())   # no-op when run.py already did it
     ds_final = prepare_ds_config(ds, cfg, ctx.dp_size)
@@ -111,7 +111,7 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, optimizer_factory=build_
         deepspeed.checkpointing.configure(ctx, deepspeed_config=copy.deepcopy(ds_final))
         checkpoint_fn = deepspeed.checkpointing.checkpoint
     model = build_model(cfg, ds_final, ctx, checkpoint_fn)
-    optimizer = optimizer_factory(model, ds, cfg.train)
+    optimizer = build_optimizer(model, ds, cfg.train)
     schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.train))  # noqa: E731
     mpu = None if cfg.parallel.pp_size > 1 else ctx      # the pipeline engine takes its grid from the module
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
