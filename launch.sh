@@ -6,11 +6,12 @@
 #             [--dry-run] -- train.py ARGS...
 #
 # auto picks: inside an allocation of slurm (SLURM_JOB_ID) -> slurm; with --hostfile -> deepspeed over
-# pdsh/ssh; otherwise one node (local: `deepspeed --num_gpus N`). Ranks read RANK/WORLD_SIZE/LOCAL_RANK,
+# pdsh/ssh (with --node-rank R: no ssh, run this on every node); otherwise one node (local:
+# `deepspeed --num_gpus N`). Ranks read RANK/WORLD_SIZE/LOCAL_RANK,
 # OMPI_COMM_WORLD_*, PMI_* or SLURM_* themselves (parallel/topology.py), so every launcher trains alike.
 set -euo pipefail
 
-launcher=auto nproc="" hostfile="" nnodes=1 node_rank=0 master_addr=127.0.0.1 master_port=29500
+launcher=auto nproc="" hostfile="" nnodes=1 node_rank="" master_addr=127.0.0.1 master_port=29500
 device="" dry_run=0
 die() { echo "launch.sh: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
@@ -37,7 +38,7 @@ if [ "$launcher" = auto ]; then
   else launcher=local; fi
 fi
 
-envs=()
+envs=() ds_env=()
 case "$device" in
   npu)
     envs+=(DS_ACCELERATOR=npu)
@@ -48,6 +49,10 @@ case "$device" in
   "") ;;
   *) die "--device $device: use cpu, cuda or npu" ;;
 esac
+if [ -n "$hostfile" ]; then
+  slots=$("$PY" -m parallel.hostfile "$hostfile" | awk '{n += $2} END {print n}') || exit 2
+  [ "$launcher" = openmpi ] && nproc="${nproc:-$slots}"
+fi
 if [ -z "$nproc" ] && [ "$launcher" != slurm ] && [ "$launcher" != deepspeed ]; then
   nproc=$(env "${envs[@]}" "$PY" -c 'from parallel import accelerator; print(accelerator.device_count())' 2>/dev/null) \
     || die "could not count devices; pass --nproc N"
@@ -58,13 +63,17 @@ case "$launcher" in
     cmd=(deepspeed --num_gpus "$nproc" --master_port "$master_port" "$@") ;;
   deepspeed)
     [ -n "$hostfile" ] || die "--launcher deepspeed needs --hostfile (lines 'host slots=N')"
-    "$PY" -m parallel.hostfile "$hostfile" >/dev/null || exit 2
-    # Remote ranks get this Python environment: DeepSpeed exports .deepspeed_env's lines over pdsh.
-    printf 'PATH=%s\nPYTHONPATH=%s\n' "$(dirname "$(command -v "$PY")"):$PATH" "$PWD${PYTHONPATH:+:$PYTHONPATH}" \
-      > .deepspeed_env
-    cmd=(deepspeed --hostfile "$hostfile" --master_addr "$master_addr" --master_port "$master_port" "$@") ;;
+    cmd=(deepspeed --hostfile "$hostfile" --master_addr "$master_addr" --master_port "$master_port")
+    if [ -n "$node_rank" ]; then   # no ssh: the same command runs on every node, each starting its own ranks
+      cmd+=(--no_ssh --node_rank "$node_rank")
+    else   # pdsh/ssh: remote ranks get this Python environment, the device settings, the thread count and
+           # the JIT-op cache from .deepspeed_env (written below), whose lines DeepSpeed exports on every node
+      ds_env=("PATH=$(dirname "$(command -v "$PY")"):$PATH" "PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}" "${envs[@]}")
+      for v in OMP_NUM_THREADS TORCH_EXTENSIONS_DIR; do [ -z "${!v:-}" ] || ds_env+=("$v=${!v}"); done
+    fi
+    cmd+=("$@") ;;
   torchrun)
-    cmd=(torchrun --nproc_per_node "$nproc" --nnodes "$nnodes" --node_rank "$node_rank"
+    cmd=(torchrun --nproc_per_node "$nproc" --nnodes "$nnodes" --node_rank "${node_rank:-0}"
          --master_addr "$master_addr" --master_port "$master_port" "$@") ;;
   slurm)
     first=$(scontrol show hostnames "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}" | head -n 1)
@@ -72,10 +81,15 @@ case "$launcher" in
     cmd=(srun --kill-on-bad-exit=1 "$PY" "$@") ;;
   openmpi)
     envs+=("MASTER_ADDR=$master_addr" "MASTER_PORT=$master_port")
-    cmd=(mpirun -np "$nproc" -x MASTER_ADDR -x MASTER_PORT -x PATH -x PYTHONPATH "$PY" "$@") ;;
+    # Unbound: each rank runs many threads (intra-op, data loading); Open MPI would pin it to one core.
+    cmd=(mpirun -np "$nproc" --bind-to none)
+    [ -n "$hostfile" ] && cmd+=(--hostfile "$hostfile")      # Open MPI reads the same 'host slots=N' lines
+    [ "$(id -u)" = 0 ] && cmd+=(--allow-run-as-root)          # containers often run as root
+    cmd+=(-x MASTER_ADDR -x MASTER_PORT -x PATH -x PYTHONPATH ${OMP_NUM_THREADS:+-x OMP_NUM_THREADS} "$PY" "$@") ;;
   *) die "--launcher $launcher: use auto, local, deepspeed, torchrun, slurm or openmpi" ;;
 esac
 
 echo "+ ${envs[*]:+${envs[*]} }${cmd[*]}" >&2
 [ "$dry_run" = 1 ] && exit 0
+[ ${#ds_env[@]} = 0 ] || printf '%s\n' "${ds_env[@]}" > .deepspeed_env
 exec env "${envs[@]}" "${cmd[@]}"

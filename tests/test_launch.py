@@ -11,7 +11,7 @@ ARGS = ["train.py", "--config", "debug", "--deepspeed_config", "ds_configs/zero1
 
 
 def dry_run(*options, env_extra=None):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "OMP_NUM_THREADS"}
     env.update(env_extra or {})
     p = subprocess.run(["bash", "launch.sh", *options, "--dry-run", "--", *ARGS], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
@@ -24,8 +24,9 @@ def dry_run(*options, env_extra=None):
      "+ torchrun --nproc_per_node 2 --nnodes 2 --node_rank 1 --master_addr 10.1.2.3 --master_port 29500 "
      + " ".join(ARGS)),
     (["--launcher", "openmpi", "--nproc", "8", "--master-port", "6000"],
-     "+ MASTER_ADDR=127.0.0.1 MASTER_PORT=6000 mpirun -np 8 -x MASTER_ADDR -x MASTER_PORT -x PATH -x PYTHONPATH "
-     "python " + " ".join(ARGS)),
+     "+ MASTER_ADDR=127.0.0.1 MASTER_PORT=6000 mpirun -np 8 --bind-to none "
+     + ("--allow-run-as-root " if os.getuid() == 0 else "")
+     + "-x MASTER_ADDR -x MASTER_PORT -x PATH -x PYTHONPATH python " + " ".join(ARGS)),
     (["--device", "npu", "--nproc", "8"],
      "+ DS_ACCELERATOR=npu ASCEND_RT_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 HCCL_CONNECT_TIMEOUT=1200 HCCL_EXEC_TIMEOUT=1200 "
      "deepspeed --num_gpus 8 --master_port 29500 " + " ".join(ARGS)),
