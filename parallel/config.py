@@ -100,6 +100,8 @@ class TrainConfig(_Section):
     output_dir: str = "runs/default"
     log_every: int = Field(1, ge=1)
     check_replicas_every: int = Field(0, ge=0, description="0 = never")
+    collective_timeout_s: int = Field(600, ge=1, description="a collective waiting longer (a dead or stuck rank) "
+                                      "fails the run instead of hanging it")
 
 
 class CkptConfig(_Section):

@@ -1,6 +1,7 @@
 """The training run behind train.py: process groups, data, DeepSpeed engine, loop, metrics."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from tqdm import tqdm
 
 from models.data import DiffusionBatches, DirectoryLatents, SyntheticLatents
@@ -95,11 +97,20 @@ def checkpoint_layout(layout: Layout) -> dict:
             "zero_stage": layout.zero_stage}
 
 
+def init_process_groups(timeout_s: int) -> None:
+    """torch.distributed with one timeout for every collective, so a dead or stuck rank fails the run
+    instead of hanging it. new_group() ignores init's timeout (gloo subgroups, DeepSpeed's pipeline groups
+    among them, would wait 30 minutes), so the default for the groups created later is set too."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
+    deepspeed.init_distributed(dist_backend=accelerator.backend(), timeout=timeout)
+
+
 def start_engine(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv):
     """Process groups, the (pp, dp, tp) context and the DeepSpeed engine for a checked layout."""
     export_launch_env(env)
     accelerator.set_device(env.local_rank)
-    deepspeed.init_distributed(dist_backend=accelerator.backend())
+    init_process_groups(cfg.train.collective_timeout_s)
     ctx = ParallelContext.build(Grid(layout.pp_size, layout.dp_size, layout.tp_size))
     seed_all(cfg.train.seed)
     return ctx, build_trainer(cfg, ds, ctx)
