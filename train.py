@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     try:      # every rank checks before any process group, parameter or file exists
         cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size)
     except ConfigError as e:
-        if env.rank == 0:
+        if env.local_rank == 0:      # once per node, so every node's log says why its ranks stopped
             print("refusing to start, the configuration has problems:\n  - " +
                   str(e).replace("\n", "\n  - "), file=sys.stderr)
         return 1
