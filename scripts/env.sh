@@ -17,4 +17,7 @@ if [ ! -f "$STAMP" ]; then
   touch "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
+# DeepSpeed's JIT-built ops are keyed on this venv's paths: a cache shared with another checkout's venv
+# would be rebuilt (a minute, under a lock) every time the other one runs.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
