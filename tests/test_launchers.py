@@ -57,7 +57,8 @@ def environ(p: psutil.Process) -> dict:
 
 
 def start(cmd, log, env):
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
 
 
 def finish(procs, marker, timeout=240):
@@ -69,11 +70,11 @@ def finish(procs, marker, timeout=240):
         kill_marked(marker)
 
 
-def launch(*launcher_args, out, extra=(), env=None, timeout=240):
-    """One `launch.sh ... -- train.py` run; returns (exit code, its output)."""
+def launch(*launcher_args, out, env=None):
+    """One `launch.sh ... -- train.py` run of the PP2 x TP2 layout; returns (exit code, its output)."""
     log = f"{out}.log"
-    proc = start(["bash", "launch.sh", *launcher_args, "--", *train_args(out, *LAYOUT, *extra)], log, env or run_env())
-    code, = finish([proc], str(out), timeout)
+    proc = start(["bash", "launch.sh", *launcher_args, "--", *train_args(out, *LAYOUT)], log, env or run_env())
+    code, = finish([proc], str(out))
     return code, open(log).read()
 
 
