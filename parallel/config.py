@@ -100,6 +100,7 @@ class TrainConfig(_Section):
     output_dir: str = "runs/default"
     log_every: int = Field(1, ge=1)
     check_replicas_every: int = Field(0, ge=0, description="0 = never")
+    memory_check: bool = Field(True, description="measure the second step's memory against the plan")
 
 
 class CkptConfig(_Section):
