@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from models.data import DiffusionBatches, DirectoryLatents, SyntheticLatents
+from models.data import DiffusionBatches, DirectoryLatents, IndexRange, SyntheticLatents
 from models.diffusion import Objective
 from models.dit import latent_shape, token_grid
 from parallel import accelerator, checkpoint
@@ -25,6 +25,7 @@ from parallel.memory_probe import StepMeasurement, StepProbe
 from parallel.replicas import replica_mismatches
 from parallel.seed import seed_all
 from parallel.topology import Grid, LaunchEnv, ParallelContext
+from parallel.validate import Validator
 
 
 class StopSignal:
@@ -118,16 +119,29 @@ def memory_check_lines(report: dict, step: int) -> list[str]:
     return out
 
 
+def _text_encoder(cfg: ExperimentConfig):
+    if not cfg.data.text_encoder:
+        return None
+    from models.text_encoder import T5TextEncoder
+    return T5TextEncoder(cfg.data.text_encoder, cfg.model.max_text_len, cfg.model.text_embed_dim)
+
+
 def build_dataset(cfg: ExperimentConfig):
     if cfg.data.kind == "directory":
-        encoder = None
-        if cfg.data.text_encoder:
-            from models.text_encoder import T5TextEncoder
-            encoder = T5TextEncoder(cfg.data.text_encoder, cfg.model.max_text_len, cfg.model.text_embed_dim)
-        return DirectoryLatents(cfg.data.path, encoder)
+        return DirectoryLatents(cfg.data.path, _text_encoder(cfg))
     m = cfg.model
     return SyntheticLatents(cfg.data.num_samples, m.in_channels, latent_shape(m, cfg.data), m.max_text_len,
                             m.text_embed_dim, cfg.train.seed)
+
+
+def build_val_dataset(cfg: ExperimentConfig):
+    """The validation set: `val.path`'s manifest, or synthetic samples after the training set's."""
+    if cfg.val.path:
+        return DirectoryLatents(cfg.val.path, _text_encoder(cfg))
+    m = cfg.model
+    base = SyntheticLatents(cfg.data.num_samples + cfg.val.num_samples, m.in_channels, latent_shape(m, cfg.data),
+                            m.max_text_len, m.text_embed_dim, cfg.train.seed)
+    return IndexRange(base, cfg.data.num_samples, cfg.val.num_samples)
 
 
 def tokens_per_sample(cfg: ExperimentConfig) -> int:
@@ -171,6 +185,7 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
               f"use ds_configs/zero0_fp32.json", file=sys.stderr)
         return 1
     dataset = build_dataset(cfg)               # a missing data file stops us before any process group
+    val_dataset = build_val_dataset(cfg) if cfg.val.every else None
 
     ctx, trainer = start_engine(cfg, ds, layout, env)
     plan = run_plan(cfg, ds, layout, accelerator.total_memory(env.local_rank))
@@ -184,6 +199,7 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
 
     is_logger = ctx.rank == 0
     out_dir = Path(cfg.train.output_dir)
+    validator = Validator(cfg, trainer, ctx, val_dataset, out_dir if is_logger else None) if val_dataset else None
     if is_logger:
         print(plan_line(plan), flush=True)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -216,16 +232,21 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
                 bad = replica_mismatches(trainer.engine.module, ctx)
                 if bad:
                     raise RuntimeError(f"step {step + 1}: replicated parameters differ across tp ranks: {bad}")
-            if is_logger and (step + 1) % cfg.train.log_every == 0:
+            val = validator.run(step + 1) if validator and validator.due(step + 1) else {}
+            if is_logger and ((step + 1) % cfg.train.log_every == 0 or val):
                 record = {"step": step + 1, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                           "step_time_s": round(elapsed, 4), "samples_per_s": round(layout.global_batch / elapsed, 3),
-                          "tokens_per_s": round(tokens / elapsed, 1), **accelerator.memory_stats()}
+                          "tokens_per_s": round(tokens / elapsed, 1), **accelerator.memory_stats(), **val}
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
+                if val:
+                    buckets = " ".join(f"t{k[10:]}={v:.4f}" for k, v in val.items() if k.startswith("val_loss_t"))
+                    tqdm.write(f"step {step + 1}: validation loss {val['val_loss']:.4f} ({buckets})")
+                    validator.publish()
                 monitor = getattr(trainer.engine, "monitor", None)
                 if monitor is not None and monitor.enabled:
-                    monitor.write_events([(f"train/{k}", v, step + 1) for k, v in record.items()
-                                          if k != "step" and v is not None])
+                    monitor.write_events([(f"{'val' if k.startswith('val_') else 'train'}/{k}", v, step + 1)
+                                          for k, v in record.items() if k != "step" and v is not None])
             losses.append(result.loss)
             bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{result.lr:.2e}")
             bar.update()
