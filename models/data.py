@@ -37,6 +37,10 @@ class SyntheticLatents:
     def __len__(self) -> int:
         return self.num_samples
 
+    def label(self, i: int) -> str:
+        k = i % self.num_classes
+        return f"class {k}: a square in channel {k // 4} moving {('right', 'down', 'left', 'up')[k % 4]}"
+
     def text(self, k: int) -> torch.Tensor:
         return torch.randn(self.text_len, self.text_dim, generator=_generator(self.seed, "caption", k))
 
@@ -53,6 +57,25 @@ class SyntheticLatents:
             rows, cols = [(y + r) % h for r in range(side)], [(x + c) % w for c in range(side)]
             video[channel, f][torch.tensor(rows)[:, None], torch.tensor(cols)[None]] = 1.0
         return video, self.text(k)
+
+
+class IndexRange:
+    """Samples [start, start + n) of `base`: the synthetic validation set continues the training set's
+    sample sequence (same captions, positions the training set never reaches)."""
+
+    def __init__(self, base, start: int, n: int):
+        self.base, self.start, self.n = base, start, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return self.base[self.start + i]
+
+    def label(self, i: int) -> str:
+        return self.base.label(self.start + i)
 
 
 def _load_tensor(path: Path, key: str) -> torch.Tensor:
@@ -99,6 +122,10 @@ class DirectoryLatents:
 
     def __len__(self) -> int:
         return len(self.items)
+
+    def label(self, i: int) -> str:
+        latent, text = self.items[i]
+        return text if isinstance(text, str) else latent.name
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         latent, text = self.items[i]

@@ -60,6 +60,11 @@ def total_memory(local_rank: int = 0) -> int:
     return int(get_accelerator().total_memory(local_rank))
 
 
+def peak_allocated() -> int | None:
+    """The allocator's peak bytes on this device; None on CPU, which has no device allocator to ask."""
+    return None if name() == "cpu" else int(get_accelerator().max_memory_allocated())
+
+
 def memory_stats() -> dict[str, float]:
     """Allocated / peak allocated memory in GiB on this device; host RSS (max) on CPU."""
     if name() == "cpu":

@@ -4,7 +4,9 @@ A checkpoint is the folder `<ckpt.dir>/step{N}` written by `engine.save_checkpoi
 with the EMA, LR schedule, step). After every rank has written its files, rank 0 writes the marker
 `step{N}/complete.json` and then replaces `<ckpt.dir>/latest` atomically (write a temporary file,
 `os.replace`). A folder without the marker is an interrupted save: it is never loaded and never counts
-towards the `ckpt.keep` newest that are kept.
+towards the `ckpt.keep` newest that are kept. The marker lists every file with its size; a checkpoint
+whose files no longer match (truncated by a full disk, half-copied) is reported by name and the
+previous complete one is used.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -35,7 +38,9 @@ def save(trainer, directory: Path, step: int, keep: int, layout: dict) -> None:
     trainer.save(directory, step)
     dist.barrier()
     if dist.get_rank() == 0:
-        (directory / f"step{step}" / MARKER).write_text(json.dumps({"step": step, "layout": layout}))
+        folder = directory / f"step{step}"
+        files = {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*")) if f.is_file()}
+        (folder / MARKER).write_text(json.dumps({"step": step, "layout": layout, "files": files}))
         tmp = directory / "latest.tmp"
         tmp.write_text(f"step{step}")
         os.replace(tmp, directory / "latest")
@@ -44,12 +49,28 @@ def save(trainer, directory: Path, step: int, keep: int, layout: dict) -> None:
     dist.barrier()
 
 
+def damage(folder: Path) -> Optional[str]:
+    """What is wrong with a complete checkpoint's files, or None when they are as written."""
+    for name, size in json.loads((folder / MARKER).read_text()).get("files", {}).items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, {size} were written"
+    return None
+
+
 def find_resume(directory: Path, layout: dict) -> Optional[str]:
-    """Tag of the newest complete checkpoint, or None. A different layout is refused with the way out."""
-    steps = complete_steps(Path(directory))
-    if not steps:
+    """Tag of the newest complete, undamaged checkpoint, or None. A damaged one is reported (stderr, every
+    rank) and skipped; a different layout is refused with the way out."""
+    for step in reversed(complete_steps(Path(directory))):
+        tag = f"step{step}"
+        problem = damage(Path(directory) / tag)
+        if problem is None:
+            break
+        print(f"checkpoint {directory}/{tag} is damaged ({problem}); trying the previous one", file=sys.stderr)
+    else:
         return None
-    tag = f"step{steps[-1]}"
     saved = json.loads((Path(directory) / tag / MARKER).read_text())["layout"]
     if saved != layout:
         raise ValueError(

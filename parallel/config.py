@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -102,6 +102,7 @@ class TrainConfig(_Section):
     check_replicas_every: int = Field(0, ge=0, description="0 = never")
     collective_timeout_s: int = Field(600, ge=1, description="a collective waiting longer (a dead or stuck rank) "
                                       "fails the run instead of hanging it")
+    memory_check: bool = Field(True, description="measure the second step's memory against the plan")
 
 
 class CkptConfig(_Section):
@@ -112,12 +113,42 @@ class CkptConfig(_Section):
     keep: int = Field(3, ge=1)
 
 
+class ValConfig(_Section):
+    """Validation every `every` steps (and after the last): loss over the whole validation set at fixed
+    timesteps, equal whatever the layout, and optionally sample videos of the first `num_prompts` prompts."""
+
+    every: int = Field(0, ge=0, description="0 = no validation")
+    path: Optional[str] = Field(None, description="directory with manifest.jsonl; default: synthetic samples")
+    num_samples: int = Field(8, ge=1, description="synthetic validation set size")
+    timesteps: list[int] = Field([100, 300, 500, 700, 900], min_length=1,
+                                 description="every sample is evaluated at each (the loss buckets)")
+    micro_batch_size: Optional[int] = Field(None, ge=1, description="default: all timesteps of a sample at once")
+    use_ema: bool = Field(False, description="validate and sample with the EMA weights (FusedEmaAdam/EmaAdamW)")
+    num_prompts: int = Field(0, ge=0, description="prompts to sample videos for; 0 = no videos")
+    sample_steps: int = Field(20, ge=1)
+    sampler: Optional[Literal["ddim", "euler"]] = Field(None, description="default: ddim for v_prediction, "
+                                                        "euler for flow_matching")
+    guidance_scale: float = Field(1.0, ge=0, description="classifier-free guidance; 1 = off")
+    formats: list[Literal["gif", "mp4"]] = Field(["gif"], min_length=1)
+    fps: int = Field(8, ge=1)
+    decoder: Optional[str] = Field(None, description="'package.module:function' mapping a latent [C,T,H,W] "
+                                   "to frames; default: a latent-to-RGB preview")
+
+    @field_validator("timesteps")
+    @classmethod
+    def _timesteps_in_range(cls, timesteps: list[int]) -> list[int]:
+        if any(not 0 <= t < 1000 for t in timesteps) or len(set(timesteps)) != len(timesteps):
+            raise ValueError("give distinct integers in [0, 1000)")
+        return timesteps
+
+
 class ExperimentConfig(_Section):
     model: ModelConfig
     data: DataConfig = DataConfig()
     parallel: ParallelConfig = ParallelConfig()
     train: TrainConfig = TrainConfig()
     ckpt: CkptConfig = CkptConfig()
+    val: ValConfig = ValConfig()
 
     @property
     def ckpt_dir(self) -> str:

@@ -15,6 +15,8 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
 from parallel import accelerator
 from parallel import ds_config as dsc
 from parallel.config import ExperimentConfig, TrainConfig
@@ -102,6 +104,20 @@ class Trainer:
         return int(client["step"])
 
 
+class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's torch checkpoint engine, loading with `weights_only=True`: a checkpoint file can hold
+    tensors, containers, plain values and the three DeepSpeed records its optimizers save (allowed by
+    name), never code that runs when it is loaded."""
+
+    def load(self, path: str, map_location=None):
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+
 def build_trainer(cfg: ExperimentConfig, ds: dict, ctx) -> Trainer:
     """Configure activation checkpointing, build the model for the layout, and initialise DeepSpeed."""
     deepspeed.init_distributed(dist_backend=accelerator.backend())   # no-op when run.py already did it
@@ -116,6 +132,8 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx) -> Trainer:
     mpu = None if cfg.parallel.pp_size > 1 else ctx      # the pipeline engine takes its grid from the module
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            config=ds_final, mpu=mpu)
+    if type(engine.checkpoint_engine) is TorchCheckpointEngine:
+        engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)
     _clip_with_recorded_norm(engine, ctx)
     return Trainer(engine, cfg, ctx, optimizer)
 

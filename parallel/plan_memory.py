@@ -166,7 +166,10 @@ def model_states(params: list, eng: EngineSettings, dp: int, pp: int) -> tuple[d
         shard = sum(shards)
         small = sum(n for n, _ in params if n < eng.persistence_threshold)
         fp32_grad = 4 * min(max(shards), eng.sub_group)                 # one sub-group stepped at a time
-        dev = {"parameters": lp * (shard + small), "gradients": lp * shard + fp32_grad,
+        # The step first releases every gathered parameter, persistent ones too (release_and_reset_all):
+        # the fp32 gradient of the stepped sub-group and the whole small parameters never coexist.
+        on_device_at_step = max(fp32_grad - lp * small, 0)
+        dev = {"parameters": lp * (shard + small), "gradients": lp * shard + on_device_at_step,
                "adam_moments": 8 * shard, "master_weights": 4 * shard}
     # EmaAdamW keeps one fp32 shadow per element it steps, beside the two moments.
     dev["ema_shadow"] = dev["adam_moments"] // 2 if eng.ema else 0
@@ -175,7 +178,8 @@ def model_states(params: list, eng: EngineSettings, dp: int, pp: int) -> tuple[d
         for key in ("adam_moments", "master_weights", "ema_shadow"):
             host[key], dev[key] = dev[key], 0
         if path in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3"):
-            host["gradients"], dev["gradients"] = fp32_grad, dev["gradients"] - fp32_grad
+            host["gradients"] = fp32_grad
+            dev["gradients"] -= fp32_grad if path == "DeepSpeedZeroOptimizer" else on_device_at_step
     if eng.offload_param and eng.zero == 3:
         host["parameters"] = lp * shard
         dev["parameters"] -= lp * shard

@@ -16,16 +16,18 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from tqdm import tqdm
 
-from models.data import DiffusionBatches, DirectoryLatents, SyntheticLatents
+from models.data import DiffusionBatches, DirectoryLatents, IndexRange, SyntheticLatents
 from models.diffusion import Objective
 from models.dit import latent_shape, token_grid
 from parallel import accelerator, checkpoint
 from parallel.check import Layout
 from parallel.config import ExperimentConfig
 from parallel.engine import build_trainer
+from parallel.memory_probe import StepMeasurement, StepProbe
 from parallel.replicas import replica_mismatches
 from parallel.seed import seed_all
 from parallel.topology import Grid, LaunchEnv, ParallelContext
+from parallel.validate import Validator
 
 
 class StopSignal:
@@ -59,31 +61,89 @@ def export_launch_env(env: LaunchEnv) -> None:
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
 
 
-def plan_line(cfg: ExperimentConfig, ds: dict, layout: Layout, device_memory: int) -> str:
-    """The memory planner's verdict for this run's own layout, in one line (parallel/plan.py has the table)."""
+STATE_LINES = ("parameters", "gradients", "adam_moments", "master_weights", "ema_shadow")
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{n:.0f} B"
+
+
+def run_plan(cfg: ExperimentConfig, ds: dict, layout: Layout, device_memory: int):
+    """The memory planner's prediction for this run's own layout (parallel/plan.py prints the table)."""
     from parallel.plan_memory import EngineSettings, plan_memory
     from parallel.plan_trace import ActivationTracer
 
     tracer = ActivationTracer(cfg, EngineSettings.from_ds(ds, 1).dtype)
-    plan = plan_memory(cfg, ds, layout.dp_size, device_memory, tracer)
+    return plan_memory(cfg, ds, layout.dp_size, device_memory, tracer)
+
+
+def plan_line(plan) -> str:
+    """The plan's verdict in one line."""
     w = plan.worst
-    states = sum(w.lines[k] for k in ("parameters", "gradients", "adam_moments", "master_weights", "ema_shadow"))
-    size = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"  # noqa: E731
-    return (f"memory plan: worst rank (stage {w.stage}) {size(w.total)} of {size(device_memory)} "
-            f"({'fits' if plan.fits else 'DOES NOT FIT'}; activations {size(w.lines['activations'])}, model states "
-            f"{size(states)}, margin {size(w.lines['margin'])}); python -m parallel.plan for the breakdown")
+    states = sum(w.lines[k] for k in STATE_LINES)
+    return (f"memory plan: worst rank (stage {w.stage}) {_size(w.total)} of {_size(plan.device_memory)} "
+            f"({'fits' if plan.fits else 'DOES NOT FIT'}; activations {_size(w.lines['activations'])}, model states "
+            f"{_size(states)}, margin {_size(w.lines['margin'])}); python -m parallel.plan for the breakdown")
+
+
+def memory_check(plan, measured: list[dict]) -> dict:
+    """Measured (every rank's StepProbe, plus the device peak where the accelerator has one) against the
+    plan, for the worst rank of each pipeline stage."""
+    stages = []
+    for s in plan.stages:
+        ranks = [m for m in measured if m["stage"] == s.stage]
+        predicted_states = sum(s.lines[k] for k in STATE_LINES)
+        row = {"stage": s.stage, "model_states": {"predicted": predicted_states,
+                                                   "measured": max(m["states"] for m in ranks)},
+               "activations_per_micro_batch": {"predicted": s.lines["activations"] // s.in_flight,
+                                               "measured": max(m["activations"] for m in ranks)}}
+        peaks = [m["device_peak"] for m in ranks if m["device_peak"] is not None]
+        if peaks:                     # the allocator's peak against everything but the margin
+            row["device_peak"] = {"predicted": s.total - s.lines["margin"], "measured": max(peaks)}
+        stages.append(row)
+    return {"stages": stages}
+
+
+def memory_check_lines(report: dict, step: int) -> list[str]:
+    out = []
+    for row in report["stages"]:
+        parts = []
+        for key, label in (("model_states", "model states"), ("activations_per_micro_batch",
+                                                             "saved activations per micro-batch"),
+                           ("device_peak", "device peak")):
+            if key in row:
+                p, m = row[key]["predicted"], row[key]["measured"]
+                parts.append(f"{label} {_size(m)} vs {_size(p)} ({m / p - 1:+.1%})" if p else f"{label} {_size(m)}")
+        out.append(f"memory measured at step {step} vs plan, stage {row['stage']}: " + "; ".join(parts))
+    return out
+
+
+def _text_encoder(cfg: ExperimentConfig):
+    if not cfg.data.text_encoder:
+        return None
+    from models.text_encoder import T5TextEncoder
+    return T5TextEncoder(cfg.data.text_encoder, cfg.model.max_text_len, cfg.model.text_embed_dim)
 
 
 def build_dataset(cfg: ExperimentConfig):
     if cfg.data.kind == "directory":
-        encoder = None
-        if cfg.data.text_encoder:
-            from models.text_encoder import T5TextEncoder
-            encoder = T5TextEncoder(cfg.data.text_encoder, cfg.model.max_text_len, cfg.model.text_embed_dim)
-        return DirectoryLatents(cfg.data.path, encoder)
+        return DirectoryLatents(cfg.data.path, _text_encoder(cfg))
     m = cfg.model
     return SyntheticLatents(cfg.data.num_samples, m.in_channels, latent_shape(m, cfg.data), m.max_text_len,
                             m.text_embed_dim, cfg.train.seed)
+
+
+def build_val_dataset(cfg: ExperimentConfig):
+    """The validation set: `val.path`'s manifest, or synthetic samples after the training set's."""
+    if cfg.val.path:
+        return DirectoryLatents(cfg.val.path, _text_encoder(cfg))
+    m = cfg.model
+    base = SyntheticLatents(cfg.data.num_samples + cfg.val.num_samples, m.in_channels, latent_shape(m, cfg.data),
+                            m.max_text_len, m.text_embed_dim, cfg.train.seed)
+    return IndexRange(base, cfg.data.num_samples, cfg.val.num_samples)
 
 
 def tokens_per_sample(cfg: ExperimentConfig) -> int:
@@ -116,14 +176,30 @@ def start_engine(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
     return ctx, build_trainer(cfg, ds, ctx)
 
 
+def report_memory(plan, measured: StepMeasurement, ctx, out_dir, step: int) -> None:
+    """Gather every rank's measurement; the logger writes memory_check.json and prints the comparison."""
+    mine = {"stage": ctx.pp_rank, "states": measured.states, "activations": max(measured.activations, default=0),
+            "device_peak": accelerator.peak_allocated()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if out_dir is None:
+        return
+    report = {"step": step, **memory_check(plan, everyone)}
+    (out_dir / "memory_check.json").write_text(json.dumps(report, indent=1) + "\n")
+    for line in memory_check_lines(report, step):
+        tqdm.write(line)
+
+
 def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv, resume: bool = True) -> int:
     if layout.precision == "bf16" and not accelerator.is_bf16_supported():
         print(f"refusing to start: bf16.enabled=true but the {accelerator.name()} device here has no bf16; "
               f"use ds_configs/zero0_fp32.json", file=sys.stderr)
         return 1
     dataset = build_dataset(cfg)               # a missing data file stops us before any process group
+    val_dataset = build_val_dataset(cfg) if cfg.val.every else None
 
     ctx, trainer = start_engine(cfg, ds, layout, env)
+    plan = run_plan(cfg, ds, layout, accelerator.total_memory(env.local_rank))
     ckpt_dir, ckpt_layout = Path(cfg.ckpt_dir), checkpoint_layout(layout)
     tag = checkpoint.find_resume(ckpt_dir, ckpt_layout) if resume else None
     start = trainer.load(ckpt_dir, tag) if tag else 0
@@ -134,8 +210,9 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
 
     is_logger = ctx.rank == 0
     out_dir = Path(cfg.train.output_dir)
+    validator = Validator(cfg, trainer, ctx, val_dataset, out_dir if is_logger else None) if val_dataset else None
     if is_logger:
-        print(plan_line(cfg, ds, layout, accelerator.total_memory(env.local_rank)), flush=True)
+        print(plan_line(plan), flush=True)
         out_dir.mkdir(parents=True, exist_ok=True)
         print(f"training {cfg.model.name}: {ctx.describe()} ZeRO-{layout.zero_stage} {layout.precision}, "
               f"global batch {layout.global_batch}, {cfg.train.max_steps} steps -> {out_dir}/metrics.jsonl",
@@ -148,27 +225,39 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
     metrics = open(out_dir / "metrics.jsonl", "a") if is_logger else None   # append: earlier runs are kept
     tokens = layout.global_batch * tokens_per_sample(cfg)
     losses: list[float] = []
+    probe_step = start + 1 if cfg.train.memory_check else -1
     bar = tqdm(total=cfg.train.max_steps, initial=start, disable=not is_logger, dynamic_ncols=True, file=sys.stderr)
     try:
         for step in range(start, cfg.train.max_steps):
-            start = time.perf_counter()
-            result = trainer.train_step(batches)
-            elapsed = time.perf_counter() - start
+            tic = time.perf_counter()
+            if step == probe_step:      # the second step: Adam moments exist, everything is allocated
+                with StepProbe(trainer.engine) as probe:
+                    result = trainer.train_step(batches)
+                elapsed = time.perf_counter() - tic
+                report_memory(plan, probe.result, ctx, out_dir if is_logger else None, step + 1)
+            else:
+                result = trainer.train_step(batches)
+                elapsed = time.perf_counter() - tic
             every = cfg.train.check_replicas_every
             if every and (step + 1) % every == 0:
                 bad = replica_mismatches(trainer.engine.module, ctx)
                 if bad:
                     raise RuntimeError(f"step {step + 1}: replicated parameters differ across tp ranks: {bad}")
-            if is_logger and (step + 1) % cfg.train.log_every == 0:
+            val = validator.run(step + 1) if validator and validator.due(step + 1) else {}
+            if is_logger and ((step + 1) % cfg.train.log_every == 0 or val):
                 record = {"step": step + 1, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                           "step_time_s": round(elapsed, 4), "samples_per_s": round(layout.global_batch / elapsed, 3),
-                          "tokens_per_s": round(tokens / elapsed, 1), **accelerator.memory_stats()}
+                          "tokens_per_s": round(tokens / elapsed, 1), **accelerator.memory_stats(), **val}
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
+                if val:
+                    buckets = " ".join(f"t{k[10:]}={v:.4f}" for k, v in val.items() if k.startswith("val_loss_t"))
+                    tqdm.write(f"step {step + 1}: validation loss {val['val_loss']:.4f} ({buckets})")
+                    validator.publish()
                 monitor = getattr(trainer.engine, "monitor", None)
                 if monitor is not None and monitor.enabled:
-                    monitor.write_events([(f"train/{k}", v, step + 1) for k, v in record.items()
-                                          if k != "step" and v is not None])
+                    monitor.write_events([(f"{'val' if k.startswith('val_') else 'train'}/{k}", v, step + 1)
+                                          for k, v in record.items() if k != "step" and v is not None])
             losses.append(result.loss)
             bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{result.lr:.2e}")
             bar.update()

@@ -17,7 +17,8 @@ if [ ! -f "$STAMP" ]; then
   touch "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
-# DeepSpeed's JIT-built ops are keyed on this venv's paths: a cache shared with another checkout's venv
-# would be rebuilt (a minute, under a lock) every time the other one runs.
+# DeepSpeed JIT-builds its CPU communication op into this folder. One per environment: a shared one
+# is rebuilt by every environment in turn, and a build killed half-way leaves a lock there that makes
+# every later run wait forever (remove the folder to recover).
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"

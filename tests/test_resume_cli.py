@@ -1,53 +1,129 @@
-"""train.py under the deepspeed launcher: interrupted + resumed equals uninterrupted; export of any layout."""
+"""train.py under the deepspeed launcher: stopped by SIGTERM + resumed equals uninterrupted (losses,
+weights and EMA in the final checkpoint), a damaged checkpoint falls back to the previous one, the
+memory plan's own check at tp 2 x pp 2, and export of any layout."""
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
+import psutil
+import pytest
 import torch
 from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAYOUT = ["--set", "parallel.tp_size=2", "--set", "train.warmup_steps=0", "--set", "train.decay_steps=6"]
+STEPS = 6
 
 
-def launch(module_or_script, out, *args):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+def command(module_or_script, out, ranks, layout, *args):
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [deepspeed, "--num_gpus", "2", "--master_port", str(29500 + os.getpid() % 1000), *module_or_script,
-           "--config", "debug", "--deepspeed_config", str(out / "ds.json"), *LAYOUT,
-           "--set", f"train.output_dir={out}", *args]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return [deepspeed, "--num_gpus", str(ranks), "--master_port", str(29500 + os.getpid() % 1000),
+            *module_or_script, "--config", "debug", "--deepspeed_config", str(out / "ds.json"), *layout,
+            "--set", "train.warmup_steps=0", "--set", f"train.decay_steps={STEPS}",
+            "--set", f"train.output_dir={out}", *args]
+
+
+def clean_env():
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+
+
+def launch(*cmd_args):
+    p = subprocess.run(command(*cmd_args), cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     return p
 
 
+def interrupted(out, ranks, layout):
+    """Start the run, and when it has logged two steps send SIGTERM to every rank (as slurm does)."""
+    p = subprocess.Popen(command(["train.py"], out, ranks, layout, "--set", f"train.max_steps={STEPS}"),
+                         cwd=ROOT, env=clean_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while not ((out / "metrics.jsonl").exists() and len(metrics(out)) >= 2):
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()[0][-4000:]
+        time.sleep(0.05)
+    for child in psutil.Process(p.pid).children(recursive=True):
+        if any(a.startswith("--local_rank") for a in child.cmdline()):      # the ranks, not the launcher
+            child.send_signal(signal.SIGTERM)
+    output, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, output[-4000:]
+    return output
+
+
 def metrics(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
 
 
-def test_resume_and_export(tmp_path):
+def checkpoint_tensors(folder):
+    """Every tensor of every file of a DeepSpeed checkpoint folder: model states, optimizer with EMA."""
+    found = {}
+
+    def walk(obj, path):
+        if isinstance(obj, torch.Tensor):
+            found[path] = obj
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{path}.{k}")
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{path}[{i}]")
+
+    for f in sorted(folder.glob("*.pt")):
+        walk(torch.load(f, map_location="cpu", weights_only=False), f.name)
+    return found
+
+
+LAYOUTS = {"dp2-zero2": (2, 2, ["--set", "parallel.tp_size=1"]),
+           "tp2-pp2-zero1": (4, 1, ["--set", "parallel.tp_size=2", "--set", "parallel.pp_size=2"])}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_sigterm_and_resume_equal_one_uninterrupted_run(tmp_path, name):
+    ranks, stage, layout = LAYOUTS[name]
     ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
     ds["optimizer"]["type"] = "FusedEmaAdam"
+    ds["zero_optimization"] = {"stage": stage}
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     for d in (whole, parts):
         d.mkdir()
         (d / "ds.json").write_text(json.dumps(ds))
-    launch(["train.py"], whole, "--set", "train.max_steps=6")
-    launch(["train.py"], parts, "--set", "train.max_steps=4", "--set", "ckpt.every=2")
-    assert sorted(os.listdir(parts / "checkpoints")) == ["latest", "step2", "step4"]
-    p = launch(["train.py"], parts, "--set", "train.max_steps=6")
-    assert "resumed from" in p.stdout and "at step 4" in p.stdout
+    launch(["train.py"], whole, ranks, layout, "--set", f"train.max_steps={STEPS}")
+    output = interrupted(parts, ranks, layout)
+    stopped = len(metrics(parts))
+    assert f"stopped by signal after step {stopped};" in output and 2 <= stopped < STEPS
+    p = launch(["train.py"], parts, ranks, layout, "--set", f"train.max_steps={STEPS}")
+    assert f"resumed from {parts}/checkpoints/step{stopped} at step {stopped}" in p.stdout
+    assert [r["step"] for r in metrics(parts)] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in metrics(parts)] == [r["loss"] for r in metrics(whole)]
-    assert [r["step"] for r in metrics(parts)] == [1, 2, 3, 4, 5, 6]
+    final = [checkpoint_tensors(d / "checkpoints" / f"step{STEPS}") for d in (whole, parts)]
+    assert final[0].keys() == final[1].keys() and any("ema" in k for k in final[0])
+    for k in final[0]:
+        assert torch.equal(final[0][k], final[1][k]), k
 
-    launch(["--module", "parallel.export"], whole, "--out", str(whole / "export"))
-    launch(["--module", "parallel.export"], parts, "--out", str(parts / "export"))
-    for name in ("model", "ema"):
-        a, b = load_file(whole / "export" / f"{name}.safetensors"), load_file(parts / "export" / f"{name}.safetensors")
-        assert a.keys() == b.keys() and "blocks.3.attn.to_qkv.weight" in a
-        assert a["blocks.3.attn.to_qkv.weight"].shape == (3 * 64, 64)            # tp shards gathered
-        for k in a:
-            assert torch.equal(a[k], b[k]), f"{name} {k}"
-    model, ema = load_file(whole / "export" / "model.safetensors"), load_file(whole / "export" / "ema.safetensors")
-    assert not torch.equal(model["blocks.0.ff_in.weight"], ema["blocks.0.ff_in.weight"])
+    if name == "dp2-zero2":
+        # A damaged newest checkpoint: named, skipped, and the previous one resumes to the same result.
+        damaged = tmp_path / "damaged"
+        shutil.copytree(parts, damaged)
+        (damaged / "metrics.jsonl").write_text("")
+        victim = next((damaged / "checkpoints" / f"step{STEPS}").glob("*optim_states.pt"))
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+        p = launch(["train.py"], damaged, ranks, layout, "--set", f"train.max_steps={STEPS}")
+        assert f"checkpoint {damaged}/checkpoints/step{STEPS} is damaged ({victim.name} has" in p.stderr
+        assert f"resumed from {damaged}/checkpoints/step{stopped} at step {stopped}" in p.stdout
+        assert [r["loss"] for r in metrics(damaged)] == [r["loss"] for r in metrics(whole)][stopped:]
+    else:
+        # The run's own check of the memory plan (tests/test_plan.py covers the other layouts).
+        check = json.loads((whole / "memory_check.json").read_text())
+        assert [s["stage"] for s in check["stages"]] == [0, 1]
+        for s in check["stages"]:
+            states, acts = s["model_states"], s["activations_per_micro_batch"]
+            assert states["measured"] == pytest.approx(states["predicted"], rel=0.01)
+            assert acts["measured"] == pytest.approx(acts["predicted"], rel=0.05)
+        # Export gathers the tp shards of every stage into full tensors.
+        launch(["--module", "parallel.export"], parts, ranks, layout, "--out", str(parts / "export"))
+        model, ema = (load_file(parts / "export" / f"{n}.safetensors") for n in ("model", "ema"))
+        assert model.keys() == ema.keys() and model["blocks.3.attn.to_qkv.weight"].shape == (3 * 64, 64)
+        assert not torch.equal(model["blocks.0.ff_in.weight"], ema["blocks.0.ff_in.weight"])

@@ -1,0 +1,267 @@
+"""Validation whose numbers do not depend on the layout: loss over the whole validation set, and videos.
+
+The validation loss of sample i at timestep t uses noise drawn from (seed, i) only, and sample i is
+always evaluated in the same forward batches (its timesteps, `val.micro_batch_size` at a time), so
+its loss is the same bits on any (tp = 1, pp, dp) layout. Data-parallel replicas take contiguous
+slices of the samples (no padding: a replica may get none, and still joins the collectives); the
+per-sample losses are gathered and summed in sample order on every rank, in float64.
+
+Forward passes run stage by stage without DeepSpeed's pipeline schedule (its eval_batch averages
+over micro-batches and data-parallel ranks, which loses the per-sample values): each stage runs its
+own layers and sends the activations to the next with point-to-point messages; the last stage's
+prediction is broadcast to the whole pipeline, so every rank can compute losses and sampler steps.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from models.diffusion import Objective
+from parallel.config import ExperimentConfig
+from parallel.seed import derive_seed
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
+_HEADER = 64                     # int64 slots: count, then (dtype, ndim, *shape) per tensor
+
+
+def _send(tensors: tuple[torch.Tensor, ...], dst: int) -> None:
+    header = [len(tensors)]
+    for t in tensors:
+        header += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    dist.send(torch.tensor(header + [0] * (_HEADER - len(header)), device=tensors[0].device), dst)
+    for t in tensors:
+        dist.send(t.contiguous(), dst)
+
+
+def _recv(src: int, device) -> tuple[torch.Tensor, ...]:
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, src)
+    h, tensors, i = header.tolist(), [], 1
+    for _ in range(h[0]):
+        dtype, ndim = _DTYPES[h[i]], h[i + 1]
+        t = torch.empty(h[i + 2:i + 2 + ndim], dtype=dtype, device=device)
+        dist.recv(t, src)
+        tensors.append(t)
+        i += 2 + ndim
+    return tuple(tensors)
+
+
+class StageForward:
+    """`predict(inputs)` through the whole model, forward only: the prediction on every rank of the pipeline.
+
+    pp = 1: the module's embed, blocks and final stage in order (no activation checkpointing: nothing is
+    kept for backward). pp > 1: this stage's layers of DeepSpeed's PipelineModule; stage s receives its
+    input from stage s - 1 of the same (dp, tp) coordinates and sends its output to stage s + 1.
+    """
+
+    def __init__(self, engine, ctx):
+        self.module, self.ctx, self.device = engine.module, ctx, engine.device
+        g, c = ctx.grid, ctx.coord
+        self.prev = g.rank(c.pp - 1, c.dp, c.tp) if c.pp > 0 else None
+        self.next = g.rank(c.pp + 1, c.dp, c.tp) if c.pp < ctx.pp_size - 1 else None
+        self.last = g.rank(ctx.pp_size - 1, c.dp, c.tp)
+        # ZeRO-3: every forward gathers parameters from all data-parallel ranks.
+        self.lockstep = any(hasattr(p, "ds_id") for p in self.module.parameters())
+
+    def _layers(self):
+        m = self.module
+        return [m.embed, *m.blocks, m.final] if hasattr(m, "blocks") else list(m.forward_funcs)
+
+    @torch.no_grad()
+    def predict(self, inputs: tuple[torch.Tensor, ...], like: torch.Tensor) -> torch.Tensor:
+        """`like`: a tensor of the prediction's shape (the latents), for receiving the broadcast."""
+        h = tuple(x.to(self.device) for x in inputs) if self.prev is None else _recv(self.prev, self.device)
+        for layer in self._layers():
+            h = layer(h)
+        if self.next is not None:
+            _send(h, self.next)
+        if self.ctx.pp_size == 1:
+            return h.float()
+        out = h.float() if self.next is None else torch.empty(like.shape, dtype=torch.float32, device=self.device)
+        dist.broadcast(out, self.last, group=self.ctx.pp_group)
+        return out
+
+
+def validation_noise(seed: int, index: int, timesteps: list[int], shape) -> torch.Tensor:
+    """Noise of validation sample `index` at each timestep: from (seed, index) only."""
+    g = torch.Generator().manual_seed(derive_seed(seed, "validation", index))
+    return torch.randn((len(timesteps), *shape), generator=g)
+
+
+def replica_slice(n: int, dp_rank: int, dp_size: int) -> range:
+    """Contiguous, as even as possible, no padding: replica d takes [d n / dp, (d + 1) n / dp)."""
+    return range(dp_rank * n // dp_size, (dp_rank + 1) * n // dp_size)
+
+
+def _gather_rows(mine: dict[int, list[float]], ctx, contributes: bool) -> dict[int, list[float]]:
+    """Every rank's {sample: values}, from one rank per data-parallel replica, on every rank."""
+    everyone = [None] * dist.get_world_size() if dist.is_initialized() else [None]
+    if dist.is_initialized():
+        dist.all_gather_object(everyone, mine if contributes else {})
+    else:
+        everyone = [mine]
+    rows: dict[int, list[float]] = {}
+    for part in everyone:
+        for i, values in part.items():
+            if i in rows:
+                raise RuntimeError(f"validation sample {i} was evaluated by two replicas")
+            rows[i] = values
+    return rows
+
+
+def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: ExperimentConfig, ctx) -> dict:
+    """Mean loss over every sample x timestep, and the mean per timestep: {"val_loss", "val_loss_t<t>"}."""
+    ts = cfg.val.timesteps
+    chunk = cfg.val.micro_batch_size or len(ts)
+    mine: dict[int, list[float]] = {}
+    share = replica_slice(len(dataset), ctx.dp_rank, ctx.dp_size)
+    # ZeRO-3 gathers parameters across the replicas in every forward: all take the same number of
+    # forwards, a replica with fewer samples running (and discarding) extra ones of sample 0.
+    rounds = -(-len(dataset) // ctx.dp_size) if forward.lockstep else len(share)
+    for k in range(rounds):
+        i = share[k] if k < len(share) else 0
+        x0, text = dataset[i]
+        noise = validation_noise(cfg.train.seed, i, ts, x0.shape)
+        losses = []
+        for a in range(0, len(ts), chunk):
+            t = torch.tensor(ts[a:a + chunk])
+            x0s = x0.expand(len(t), *x0.shape)
+            x_t, target = objective.noised(x0s, noise[a:a + chunk], t)
+            prediction = forward.predict((x_t, t, text.expand(len(t), *text.shape)), target)
+            err = (prediction.cpu() - target.float()) ** 2
+            losses += err.flatten(1).mean(1).tolist()
+        if k < len(share):
+            mine[i] = losses
+    rows = _gather_rows(mine, ctx, ctx.tp_rank == 0 and ctx.pp_rank == 0)
+    missing = sorted(set(range(len(dataset))) - set(rows))
+    if missing:
+        raise RuntimeError(f"validation samples {missing} were not evaluated")
+    order = [rows[i] for i in range(len(dataset))]
+    result = {"val_loss": sum(v for row in order for v in row) / (len(order) * len(ts))}
+    for j, t in enumerate(ts):
+        result[f"val_loss_t{t}"] = sum(row[j] for row in order) / len(order)
+    return result
+
+
+def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: ExperimentConfig, ctx) -> dict:
+    """Sampled latents of the first `val.num_prompts` validation prompts, {prompt: [C, T, H, W]}, on every
+    rank. Prompt i starts from noise drawn from (seed, i) alone; replicas split the prompts like samples."""
+    from models.sampling import sample
+
+    n = min(cfg.val.num_prompts, len(dataset))
+    share = replica_slice(n, ctx.dp_rank, ctx.dp_size)
+    rounds = -(-n // ctx.dp_size) if forward.lockstep else len(share)
+    mine = {}
+    for k in range(rounds):
+        i = share[k] if k < len(share) else 0
+        x0, text = dataset[i]
+        g = torch.Generator().manual_seed(derive_seed(cfg.train.seed, "sample", i))
+        noise = torch.randn((1, *x0.shape), generator=g)
+
+        def predict(x, t, conditional, text=text[None]):
+            return forward.predict((x, t, text if conditional else torch.zeros_like(text)), x).cpu()
+
+        latent = sample(predict, noise, objective, cfg.val.sample_steps, cfg.val.sampler, cfg.val.guidance_scale)
+        if k < len(share):
+            mine[i] = [latent[0]]
+    return {i: v[0] for i, v in _gather_rows(mine, ctx, ctx.tp_rank == 0 and ctx.pp_rank == 0).items()}
+
+
+def write_samples(latents: dict, dataset, cfg: ExperimentConfig, out_dir: Path, step: int) -> dict:
+    """Decode and write each prompt's video under out_dir/samples/step<N>/; {prompt: frames}."""
+    from parallel.media import load_decoder, write_gif, write_mp4
+
+    decode, frames = load_decoder(cfg.val.decoder), {}
+    folder = out_dir / "samples" / f"step{step}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, latent in sorted(latents.items()):
+        frames[i] = decode(latent)
+        for fmt in cfg.val.formats:
+            (write_gif if fmt == "gif" else write_mp4)(frames[i], folder / f"prompt{i}.{fmt}", fps=cfg.val.fps)
+        label = dataset.label(i) if hasattr(dataset, "label") else f"validation sample {i}"
+        (folder / f"prompt{i}.txt").write_text(label + "\n")
+    return frames
+
+
+def publish(out_dir: Path, title: str) -> Path:
+    """Loss plots from metrics.jsonl and index.html over every step's samples found under out_dir/samples."""
+    from parallel.media import Sample, plot_losses, write_index
+
+    metrics = out_dir / "metrics.jsonl"
+    plots = plot_losses(metrics, out_dir) if metrics.is_file() else []
+    entries = []
+    for folder in (out_dir / "samples").glob("step*"):
+        if not folder.name[4:].isdigit():
+            continue
+        for label in sorted(folder.glob("prompt*.txt")):
+            files = sorted(str(f.relative_to(out_dir)) for f in folder.glob(label.stem + ".*") if f.suffix != ".txt")
+            entries.append(Sample(int(folder.name[4:]), int(label.stem[6:]), label.read_text().strip(), files))
+    return write_index(out_dir, title, entries, plots)
+
+
+@contextlib.contextmanager
+def ema_weights(trainer) -> Iterator[None]:
+    """The module's parameters replaced by the EMA shadow for the body, restored exactly after.
+
+    Collective over the data-parallel group (the shadow is gathered from the ranks that own it);
+    under ZeRO-3 each parameter is gathered in turn to be swapped. Keeps a host copy of this rank's
+    parameters (ZeRO-3: gathered) for the restore.
+    """
+    from parallel.ema import full_ema, has_ema
+    if not has_ema(trainer.optimizer):
+        raise RuntimeError("val.use_ema=true, but the optimizer keeps no EMA: use \"type\": \"FusedEmaAdam\" "
+                           "(or EmaAdamW) in the DeepSpeed JSON, and validate after the first step")
+    value = full_ema(trainer.optimizer, trainer.engine.optimizer)
+    params = list(trainer.engine.module.parameters())
+    saved = []
+    for p in params:
+        shadow = value(p)
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+            saved.append(p.data.to("cpu", copy=True))
+            p.data.copy_(shadow.to(p.dtype))
+    try:
+        yield
+    finally:
+        for p, old in zip(params, saved):
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                p.data.copy_(old)
+
+
+class Validator:
+    """Validation for train.py: due every `val.every` steps and after the last; EMA weights if asked."""
+
+    def __init__(self, cfg: ExperimentConfig, trainer, ctx, dataset, out_dir=None):
+        self.cfg, self.trainer, self.ctx, self.dataset = cfg, trainer, ctx, dataset
+        self.out_dir = out_dir                    # the logging rank's output directory, None elsewhere
+        self.forward = StageForward(trainer.engine, ctx)
+        self.objective = Objective(cfg.model.objective)
+        self.frames: dict = {}                   # the last videos written, {prompt: uint8 [T, H, W, 3]}
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.val.every
+        return bool(every) and (step % every == 0 or step == self.cfg.train.max_steps)
+
+    def run(self, step: int) -> dict:
+        """Validation loss (and sample videos, written by the logging rank) at `step`; collective."""
+        module = self.trainer.engine.module
+        module.eval()
+        try:
+            with ema_weights(self.trainer) if self.cfg.val.use_ema else contextlib.nullcontext():
+                result = validation_loss(self.forward, self.dataset, self.objective, self.cfg, self.ctx)
+                latents = sample_latents(self.forward, self.dataset, self.objective, self.cfg, self.ctx) \
+                    if self.cfg.val.num_prompts else {}
+        finally:
+            module.train()
+        if latents and self.out_dir is not None:
+            self.frames = write_samples(latents, self.dataset, self.cfg, self.out_dir, step)
+        return result
+
+    def publish(self) -> None:
+        """Refresh the loss plots and index.html (logging rank, after the step's metrics are written)."""
+        if self.out_dir is not None:
+            publish(self.out_dir, f"{self.cfg.model.name}: {self.out_dir.name}")
