@@ -66,8 +66,9 @@ def test_consolidated_ema_equals_one_process(ema_reference, tp, pp, dp, stage):
         assert not torch.equal(value, ema_reference["state"][name]) or value.abs().sum() == 0 or "norm" in name
 
 
-@pytest.mark.parametrize("tp, pp, dp, stage", [(1, 1, 2, 1), (2, 2, 1, 1)], ids=["dp2-zero1", "tp2-pp2-zero1"])
-def test_resume_from_checkpoint_is_exact(tmp_path, tp, pp, dp, stage):
+def test_resume_from_checkpoint_is_exact(tmp_path, tp=1, pp=1, dp=2, stage=1):
+    """In-process save and load at dp 2 ZeRO-1 (tests/test_resume_cli.py: train.py at dp 2 ZeRO-2 and
+    tp 2 x pp 2 ZeRO-1, stopped by SIGTERM)."""
     ds = fp32_config(stage, optimizer="FusedEmaAdam")
     whole = train(tp, pp, dp, ds, steps=4)
     train(tp, pp, dp, ds, steps=2, ckpt=("save", str(tmp_path), 2))
