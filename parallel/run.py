@@ -243,7 +243,10 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
                 bad = replica_mismatches(trainer.engine.module, ctx)
                 if bad:
                     raise RuntimeError(f"step {step + 1}: replicated parameters differ across tp ranks: {bad}")
-            val = validator.run(step + 1) if validator and validator.due(step + 1) else {}
+            val = {}
+            if validator and validator.due(step + 1):
+                tic = time.perf_counter()
+                val = {**validator.run(step + 1), "val_time_s": round(time.perf_counter() - tic, 4)}
             if is_logger and ((step + 1) % cfg.train.log_every == 0 or val):
                 record = {"step": step + 1, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                           "step_time_s": round(elapsed, 4), "samples_per_s": round(layout.global_batch / elapsed, 3),
