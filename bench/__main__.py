@@ -9,6 +9,7 @@ Sections (each names what it is compared with):
   planner       the memory plan's model states and activations vs what the engines held (StepProbe)
   pipeline      train.py at pp = 2 with m = 1, 2, 4, 8 micro-batches vs the 1F1B model (m + p - 1) / m
   validation    validation time at 1 and 2 ranks (train.py, the same validation set)
+  communication bytes per step of tp 2, dp 2 x ZeRO 1/2/3 and pp 2 runs vs the textbook volumes (bench/comm.py)
 Nothing here is asserted: these are measurements on a shared machine, reported with their medians.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import comm  # noqa: E402
 from bench.overhead import MID, to_plain_linear  # noqa: E402
 
 
@@ -242,11 +244,17 @@ def markdown(r: dict, figures: list[str]) -> str:
         lines.append(f"| pp = 2, m = {row['m']}: time per micro-batch vs m = 8 | {row['measured_per_micro_batch']:.3f}"
                      f" | 1F1B model (m+1)/m / (9/8): {row['model_per_micro_batch']:.3f} | "
                      f"{row['measured_per_micro_batch'] / row['model_per_micro_batch']:.3f} |")
+    for row in r["communication"]:
+        lines.append(f"| {row['kind']} bytes per step ({', '.join(f'{k} {v}' for k, v in row['layout'].items())}) | "
+                     f"{row['measured']:,} B | {row['formula']}: {row['theory']:,} B | {row['ratio']:.4f} |")
     v = r["validation"]
     lines.append(f"| validation of {v['samples']} samples, 2 ranks | {v['time_s'][2]:.2f} s | 1 rank: "
                  f"{v['time_s'][1]:.2f} s | {v['speedup']:.2f}x speed-up |")
     lines += ["", *[f"![{f}]({f})" for f in figures], "",
-              "Not yet measured here: communication bytes per step against the theoretical volumes.", ""]
+              "Communication volumes are whole-tensor sizes per step and rank (an all-gather's output, a "
+              "reduce-scatter's input); pipeline bytes are what both stages sent. ZeRO-3 moves 2 x parameters "
+              "here, not 3: DeepSpeed keeps a gathered parameter for backward when it is reused within "
+              "stage3_max_reuse_distance, which every parameter of a small model is.", ""]
     return "\n".join(lines)
 
 
@@ -261,7 +269,7 @@ def main() -> int:
     report = {"steps": args.steps, "date": time.strftime("%Y-%m-%d"),
               "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}",
               "in_process": in_process(args.steps), "pipeline": pipeline(max(6, args.steps // 2)),
-              "validation": validation(8)}
+              "validation": validation(8), "communication": comm.measure(MID)}
     report["seconds"] = round(time.perf_counter() - tic, 1)
     figures = plots(report, out)
     (out / "report.json").write_text(json.dumps(report, indent=1))

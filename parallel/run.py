@@ -136,6 +136,14 @@ def build_dataset(cfg: ExperimentConfig):
                             m.text_embed_dim, cfg.train.seed)
 
 
+def training_batches(cfg: ExperimentConfig, ctx, dataset=None, start_step: int = 0) -> DiffusionBatches:
+    """This rank's micro-batches of the run (dataset: build_dataset(cfg) unless given), from `start_step`."""
+    return DiffusionBatches(dataset if dataset is not None else build_dataset(cfg), Objective(cfg.model.objective),
+                            seed=cfg.train.seed, micro_batch=cfg.train.micro_batch_size,
+                            grad_accum=cfg.train.grad_accum_steps, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
+                            start_step=start_step)
+
+
 def build_val_dataset(cfg: ExperimentConfig):
     """The validation set: `val.path`'s manifest, or synthetic samples after the training set's."""
     if cfg.val.path:
@@ -203,9 +211,7 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
     ckpt_dir, ckpt_layout = Path(cfg.ckpt_dir), checkpoint_layout(layout)
     tag = checkpoint.find_resume(ckpt_dir, ckpt_layout) if resume else None
     start = trainer.load(ckpt_dir, tag) if tag else 0
-    batches = DiffusionBatches(dataset, Objective(cfg.model.objective), seed=cfg.train.seed,
-                               micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum_steps,
-                               dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, start_step=start)
+    batches = training_batches(cfg, ctx, dataset, start)
     stop = StopSignal(accelerator.device(env.local_rank))
 
     is_logger = ctx.rank == 0

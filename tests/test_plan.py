@@ -147,11 +147,9 @@ def _states_rank(rank, world_size):
     # DeepSpeed loads its shared-memory comm op (JIT) at init; with another ninja first on PATH it
     # rebuilds it (30-60 s). scripts/test.sh puts the venv first; do the same when run without it.
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    from models.data import DiffusionBatches
-    from models.diffusion import Objective
     from parallel.engine import build_trainer
     from parallel.memory_probe import StepProbe
-    from parallel.run import build_dataset
+    from parallel.run import training_batches
     from parallel.seed import seed_all
     from parallel.topology import Grid, ParallelContext
     from tests.train_utils import experiment
@@ -187,9 +185,7 @@ def _states_rank(rank, world_size):
         seed_all(cfg.train.seed)
         trainer = build_trainer(cfg, ds_case(name, file), ctx)
         trainer.engine.flatten = recording_flatten(trainer.engine.flatten)
-        batches = DiffusionBatches(build_dataset(cfg), Objective(cfg.model.objective), seed=cfg.train.seed,
-                                   micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum_steps,
-                                   dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
+        batches = training_batches(cfg, ctx)
         trainer.train_step(batches)
         reduced.clear()
         with StepProbe(trainer.engine) as probe:    # the second step: Adam moments exist (created lazily)

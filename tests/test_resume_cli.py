@@ -1,6 +1,6 @@
 """train.py under the deepspeed launcher: stopped by SIGTERM + resumed equals uninterrupted (losses,
 weights and EMA in the final checkpoint), a damaged checkpoint falls back to the previous one, the
-memory plan's own check at tp 2 x pp 2, and export of any layout."""
+memory plan's own check at tp 2 x pp 2, and the export command."""
 import json
 import os
 import shutil
@@ -114,6 +114,11 @@ def test_sigterm_and_resume_equal_one_uninterrupted_run(tmp_path, name):
         assert f"checkpoint {damaged}/checkpoints/step{STEPS} is damaged ({victim.name} has" in p.stderr
         assert f"resumed from {damaged}/checkpoints/step{stopped} at step {stopped}" in p.stdout
         assert [r["loss"] for r in metrics(damaged)] == [r["loss"] for r in metrics(whole)][stopped:]
+        # Export: full fp32 weights and EMA (tp shards are gathered by the same full_state, tests/test_ema.py).
+        launch(["--module", "parallel.export"], parts, ranks, layout, "--out", str(parts / "export"))
+        model, ema = (load_file(parts / "export" / f"{n}.safetensors") for n in ("model", "ema"))
+        assert model.keys() == ema.keys() and model["blocks.3.attn.to_qkv.weight"].shape == (3 * 64, 64)
+        assert not torch.equal(model["blocks.0.ff_in.weight"], ema["blocks.0.ff_in.weight"])
     else:
         # The run's own check of the memory plan (tests/test_plan.py covers the other layouts).
         check = json.loads((whole / "memory_check.json").read_text())
@@ -122,8 +127,3 @@ def test_sigterm_and_resume_equal_one_uninterrupted_run(tmp_path, name):
             states, acts = s["model_states"], s["activations_per_micro_batch"]
             assert states["measured"] == pytest.approx(states["predicted"], rel=0.01)
             assert acts["measured"] == pytest.approx(acts["predicted"], rel=0.05)
-        # Export gathers the tp shards of every stage into full tensors.
-        launch(["--module", "parallel.export"], parts, ranks, layout, "--out", str(parts / "export"))
-        model, ema = (load_file(parts / "export" / f"{n}.safetensors") for n in ("model", "ema"))
-        assert model.keys() == ema.keys() and model["blocks.3.attn.to_qkv.weight"].shape == (3 * 64, 64)
-        assert not torch.equal(model["blocks.0.ff_in.weight"], ema["blocks.0.ff_in.weight"])

@@ -94,12 +94,10 @@ def _ema_rank(rank, world_size, tp, pp, dp, stage):
     import os
     import sys
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    from models.data import DiffusionBatches
-    from models.diffusion import Objective
     from parallel.ema import full_ema
     from parallel.engine import build_trainer
     from parallel.model import full_state
-    from parallel.run import build_dataset, build_val_dataset
+    from parallel.run import build_val_dataset, training_batches
     from parallel.seed import seed_all
     from parallel.topology import Grid, ParallelContext
     from parallel.validate import Validator
@@ -109,9 +107,7 @@ def _ema_rank(rank, world_size, tp, pp, dp, stage):
     ctx = ParallelContext.build(Grid(pp, dp, tp))
     seed_all(cfg.train.seed)
     trainer = build_trainer(cfg, fp32_config(stage, optimizer="FusedEmaAdam"), ctx)
-    batches = DiffusionBatches(build_dataset(cfg), Objective(cfg.model.objective), seed=cfg.train.seed,
-                               micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum_steps,
-                               dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
+    batches = training_batches(cfg, ctx)
     for _ in range(2):
         trainer.train_step(batches)
     module, n = trainer.engine.module, cfg.model.num_layers

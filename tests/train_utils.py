@@ -29,17 +29,15 @@ def experiment(tp: int, pp: int, dp: int, extra=()):
                                  "train.grad_accum_steps=2", "train.warmup_steps=0", *extra])
 
 
-def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, ckpt=None):
-    """Train `steps` steps; ckpt=("save", dir, at_step) saves after that step, ("load", dir) resumes first."""
+def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra):
+    """Train `steps` steps; the losses, the full weights (and EMA) this rank holds, any replica drift."""
     import deepspeed
 
     from parallel.ema import full_ema, has_ema
-    from models.data import DiffusionBatches
-    from models.diffusion import Objective
     from parallel.engine import build_trainer
     from parallel.model import full_state
     from parallel.replicas import replica_mismatches
-    from parallel.run import build_dataset
+    from parallel.run import training_batches
     from parallel.seed import seed_all
     from parallel.topology import Grid, ParallelContext
 
@@ -47,20 +45,8 @@ def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, ckpt=None):
     ctx = ParallelContext.build(Grid(pp, dp, tp))
     seed_all(cfg.train.seed)
     trainer = build_trainer(cfg, ds, ctx)
-    batches = DiffusionBatches(build_dataset(cfg), Objective(cfg.model.objective), seed=cfg.train.seed,
-                               micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum_steps,
-                               dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
-    from parallel import checkpoint
-    layout = {"tp_size": tp, "pp_size": pp, "dp_size": dp}
-    start = 0
-    if ckpt and ckpt[0] == "load":
-        start = trainer.load(ckpt[1], checkpoint.find_resume(ckpt[1], layout))
-        batches.step = start
-    losses = []
-    for step in range(start, steps):
-        losses.append(trainer.train_step(batches).loss)
-        if ckpt and ckpt[0] == "save" and step + 1 == ckpt[2]:
-            checkpoint.save(trainer, ckpt[1], step + 1, keep=2, layout=layout)
+    batches = training_batches(cfg, ctx)
+    losses = [trainer.train_step(batches).loss for _ in range(steps)]
     module = trainer.engine.module
     if ds.get("zero_optimization", {}).get("stage", 0) == 3:
         with deepspeed.zero.GatheredParameters(list(module.parameters())):
@@ -72,9 +58,9 @@ def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, ckpt=None):
     return {"losses": losses, "state": state, "ema": ema, "replica_mismatches": replica_mismatches(module, ctx)}
 
 
-def train(tp: int, pp: int, dp: int, ds: dict, steps: int = 3, extra=(), ckpt=None):
+def train(tp: int, pp: int, dp: int, ds: dict, steps: int = 3, extra=()):
     """Per-step losses (rank 0's), the merged full fp32 weights (and EMA) of all ranks, any replica drift."""
-    results = run_ranks(_train_rank, tp * pp * dp, tp, pp, dp, ds, steps, tuple(extra), ckpt)
+    results = run_ranks(_train_rank, tp * pp * dp, tp, pp, dp, ds, steps, tuple(extra))
     state: dict[str, torch.Tensor] = {}
     ema: dict[str, torch.Tensor] = {}
     for r in results:

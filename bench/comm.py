@@ -1,0 +1,114 @@
+"""Communication per training step, counted in real runs, against the textbook volumes.
+
+Each layout isolates one kind of parallelism (tp = 2, dp = 2 under ZeRO 1/2/3, pp = 2), so every
+collective of its step belongs to that kind. torch.distributed's collectives are wrapped in the ranks
+before DeepSpeed starts; a collective's volume is the size of the whole tensor it works on (an
+all-gather's output, a reduce-scatter's input, an all-reduce's tensor, a send's tensor), in bytes.
+
+    theory, per step and rank (fp32):
+      TP   4 all-reduces of b x s x h per block per micro-batch (Megatron: 2 forward, 2 backward)
+      ZeRO-1/2   2 x parameters (gradients reduced, updated parameters gathered)
+      ZeRO-3     3 x parameters (gathered in forward and in backward, gradients reduced); DeepSpeed
+                 keeps a gathered parameter for backward when it is reused soon enough
+                 (stage3_max_reuse_distance), which a small model always is
+      PP   per micro-batch and stage boundary: the activations forward and their gradients backward
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# op -> (keyword, position) of the tensor whose size is the collective's volume
+_OPS = {"all_reduce": ("tensor", 0), "broadcast": ("tensor", 0), "send": ("tensor", 0), "isend": ("tensor", 0),
+        "reduce": ("tensor", 0), "all_gather_into_tensor": ("output_tensor", 0), "reduce_scatter_tensor": ("input", 1),
+        "all_gather": ("tensor_list", 0), "reduce_scatter": ("input_list", 1)}
+
+
+def _install_counter(totals: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    def size(arg) -> int:
+        if isinstance(arg, torch.Tensor):
+            return arg.numel() * arg.element_size()
+        return sum(t.numel() * t.element_size() for t in arg)         # a list of tensors
+
+    for op, (key, position) in _OPS.items():
+        original = getattr(dist, op)
+
+        def counted(*args, _op=op, _key=key, _pos=position, _original=original, **kwargs):
+            group = kwargs.get("group")
+            if totals.get("on") and dist.get_world_size(group) > 1:     # a group of one moves nothing
+                arg = kwargs[_key] if _key in kwargs else args[_pos]
+                totals[_op] = totals.get(_op, 0) + size(arg)
+            return _original(*args, **kwargs)
+        setattr(dist, op, counted)
+
+
+def _comm_rank(rank, world_size, tp, pp, dp, stage, overrides):
+    import os
+    import sys
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    totals: dict = {}
+    _install_counter(totals)
+
+    from parallel.config import load_config
+    from parallel.engine import build_trainer
+    from parallel.run import training_batches
+    from parallel.seed import seed_all
+    from parallel.topology import Grid, ParallelContext
+
+    cfg = load_config("debug", [*overrides, f"parallel.tp_size={tp}", f"parallel.pp_size={pp}"])
+    ds = json.loads((ROOT / "ds_configs/zero0_fp32.json").read_text())
+    ds.pop("activation_checkpointing")
+    ds["zero_optimization"] = {"stage": stage}
+    ctx = ParallelContext.build(Grid(pp, dp, tp))
+    seed_all(cfg.train.seed)
+    trainer = build_trainer(cfg, ds, ctx)
+    batches = training_batches(cfg, ctx)
+    for _ in range(2):
+        trainer.train_step(batches)
+    totals["on"] = True
+    trainer.train_step(batches)
+    totals.pop("on")
+    return totals
+
+
+def measure(overrides: list[str]) -> list[dict]:
+    """Bytes per step, measured and in theory, for tp 2, dp 2 x ZeRO 1/2/3 and pp 2 (2 ranks each)."""
+    import torch
+
+    from parallel.config import load_config
+    from parallel.model import SequentialDiT, layer_specs
+    from parallel.plan_trace import sequence_length
+    from parallel.topology import ParallelContext
+    from tests.dist_utils import run_ranks
+
+    cfg = load_config("debug", overrides)
+    m, t = cfg.model, cfg.train
+    with torch.device("meta"):
+        params = sum(p.numel() for p in SequentialDiT(layer_specs(cfg, ParallelContext.single())).parameters())
+    b, s, mb = t.micro_batch_size, sequence_length(cfg), t.grad_accum_steps
+    rows = []
+    cases = [("TP", (2, 1, 1, 0), 4 * m.num_layers * mb * b * s * m.hidden_size * 4, "4 x b*s*h per block"),
+             ("ZeRO-1", (1, 1, 2, 1), 2 * params * 4, "2 x parameters"),
+             ("ZeRO-2", (1, 1, 2, 2), 2 * params * 4, "2 x parameters"),
+             ("ZeRO-3", (1, 1, 2, 3), 3 * params * 4, "3 x parameters"),
+             ("PP", (1, 2, 1, 0), 2 * mb * (b * s * m.hidden_size + b * m.time_embed_dim) * 4,
+              "activations + their gradients per micro-batch")]
+    for name, (tp, pp, dp, stage), theory, formula in cases:
+        per_rank = run_ranks(_comm_rank, tp * pp * dp, tp, pp, dp, stage, overrides, timeout=600)
+        if name == "PP":       # point to point: what the two stages sent, together
+            measured = sum(r.get("send", 0) + r.get("isend", 0) + r.get("broadcast", 0) for r in per_rank)
+        else:
+            measured = max(sum(r.values()) for r in per_rank)
+        ops = defaultdict(int)
+        for r in per_rank[:1] if name != "PP" else per_rank:
+            for op, n in r.items():
+                ops[op] += n
+        rows.append({"kind": name, "layout": {"tp": tp, "pp": pp, "dp": dp, "zero": stage}, "measured": measured,
+                     "theory": theory, "formula": formula, "ratio": measured / theory, "by_op": dict(ops)})
+    return rows
