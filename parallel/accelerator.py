@@ -65,6 +65,11 @@ def peak_allocated() -> int | None:
     return None if name() == "cpu" else int(get_accelerator().max_memory_allocated())
 
 
+def reset_peak_memory() -> None:
+    if name() != "cpu":
+        get_accelerator().reset_peak_memory_stats()
+
+
 def memory_stats() -> dict[str, float]:
     """Allocated / peak allocated memory in GiB on this device; host RSS (max) on CPU."""
     if name() == "cpu":

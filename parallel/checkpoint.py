@@ -33,18 +33,25 @@ def complete_steps(directory: Path) -> list[int]:
 
 
 def save(trainer, directory: Path, step: int, keep: int, layout: dict) -> None:
-    """Write step{step} on every rank, then publish it (marker + `latest`) and prune, on rank 0."""
+    """Write step{step} on every rank, then publish it (marker + `latest`) and prune, on rank 0.
+
+    Pruning keeps the newest `keep` undamaged checkpoints up to this step; damaged ones and ones from a
+    later step (a run restarted before them) are left for the user to look at."""
     directory = Path(directory)
+    folder = directory / f"step{step}"
+    if dist.get_rank() == 0:            # writing over an earlier step{N}: it is incomplete until re-marked
+        (folder / MARKER).unlink(missing_ok=True)
+    dist.barrier()
     trainer.save(directory, step)
     dist.barrier()
     if dist.get_rank() == 0:
-        folder = directory / f"step{step}"
         files = {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*")) if f.is_file()}
         (folder / MARKER).write_text(json.dumps({"step": step, "layout": layout, "files": files}))
         tmp = directory / "latest.tmp"
         tmp.write_text(f"step{step}")
         os.replace(tmp, directory / "latest")
-        for old in complete_steps(directory)[:-keep] if keep > 0 else []:
+        good = [s for s in complete_steps(directory) if s <= step and damage(directory / f"step{s}") is None]
+        for old in good[:-keep] if keep > 0 else []:
             shutil.rmtree(directory / f"step{old}", ignore_errors=True)
     dist.barrier()
 

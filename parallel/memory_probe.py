@@ -97,7 +97,7 @@ class StepProbe:
         self.result = StepMeasurement()
         self._stack = ExitStack()
         self._saved: dict[int, torch.Tensor] | None = None      # open while a micro-batch's forward runs
-        self._last: tuple[dict, int] = ({}, 0)
+        self._last: tuple[dict[int, int], int] = ({}, 0)      # the last micro-batch's {storage: bytes}, total
 
     def _snapshot(self, step: Callable) -> Callable:
         def wrapped(*args, **kwargs):
@@ -109,7 +109,7 @@ class StepProbe:
         return wrapped
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self._saved is not None and not isinstance(t, nn.Parameter):    # ZeRO-3 frees gathered ones later
+        if self._saved is not None and not isinstance(t, nn.Parameter) and t.device.type != "meta":
             self._saved.setdefault(storage_key(t), t)
         return t
 
@@ -117,10 +117,12 @@ class StepProbe:
         self._saved = {}
 
     def _close(self, output) -> None:
+        """End of a micro-batch's forward: keep the sizes only, so the probe holds no activation alive."""
         graph_saved(output, self._saved)
         params = {storage_key(p) for p in self.engine.module.parameters()}
-        self._last = (self._saved, sum(t.untyped_storage().nbytes() for k, t in self._saved.items()
-                                       if k not in params and t.device.type != "meta"))
+        sizes = {k: v.untyped_storage().nbytes() if isinstance(v, torch.Tensor) else v
+                 for k, v in self._saved.items() if k not in params}
+        self._last = (sizes, sum(sizes.values()))
         self._saved = None
 
     def _forward_post(self, module: nn.Module, args, output) -> None:

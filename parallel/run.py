@@ -27,7 +27,7 @@ from parallel.memory_probe import StepMeasurement, StepProbe
 from parallel.replicas import replica_mismatches
 from parallel.seed import seed_all
 from parallel.topology import Grid, LaunchEnv, ParallelContext
-from parallel.validate import Validator
+from parallel.validate import Validator, check_outputs
 
 
 class StopSignal:
@@ -205,6 +205,11 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
         return 1
     dataset = build_dataset(cfg)               # a missing data file stops us before any process group
     val_dataset = build_val_dataset(cfg) if cfg.val.every else None
+    try:
+        check_outputs(cfg)
+    except ValueError as e:
+        print(f"refusing to start: {e}", file=sys.stderr)
+        return 1
 
     ctx, trainer = start_engine(cfg, ds, layout, env)
     plan = run_plan(cfg, ds, layout, accelerator.total_memory(env.local_rank))
@@ -237,6 +242,7 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
         for step in range(start, cfg.train.max_steps):
             tic = time.perf_counter()
             if step == probe_step:      # the second step: Adam moments exist, everything is allocated
+                accelerator.reset_peak_memory()
                 with StepProbe(trainer.engine) as probe:
                     result = trainer.train_step(batches)
                 elapsed = time.perf_counter() - tic

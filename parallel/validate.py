@@ -14,6 +14,7 @@ prediction is broadcast to the whole pipeline, so every rank can compute losses 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -232,6 +233,23 @@ def ema_weights(trainer) -> Iterator[None]:
                 p.data.copy_(old)
 
 
+def check_outputs(cfg: ExperimentConfig) -> None:
+    """What sampling needs, checked before training starts (on every rank): the sampler fits the
+    objective, the decoder imports, MP4 has its encoder."""
+    if not cfg.val.every or not cfg.val.num_prompts:
+        return
+    from models.sampling import check_sampler
+    from parallel.media import load_decoder
+    check_sampler(cfg.model.objective, cfg.val.sampler)
+    load_decoder(cfg.val.decoder)
+    if "mp4" in cfg.val.formats:
+        try:
+            import imageio_ffmpeg  # noqa: F401
+        except ImportError:
+            raise ValueError("val.formats has mp4, which needs imageio-ffmpeg: pip install imageio-ffmpeg, "
+                             "or use val.formats=[gif]") from None
+
+
 class Validator:
     """Validation for train.py: due every `val.every` steps and after the last; EMA weights if asked."""
 
@@ -258,10 +276,16 @@ class Validator:
         finally:
             module.train()
         if latents and self.out_dir is not None:
-            self.frames = write_samples(latents, self.dataset, self.cfg, self.out_dir, step)
+            try:                # the logging rank alone: a failure here must not stop (or hang) training
+                self.frames = write_samples(latents, self.dataset, self.cfg, self.out_dir, step)
+            except Exception as e:
+                print(f"step {step}: sample videos not written: {e!r}", file=sys.stderr)
         return result
 
     def publish(self) -> None:
         """Refresh the loss plots and index.html (logging rank, after the step's metrics are written)."""
         if self.out_dir is not None:
-            publish(self.out_dir, f"{self.cfg.model.name}: {self.out_dir.name}")
+            try:
+                publish(self.out_dir, f"{self.cfg.model.name}: {self.out_dir.name}")
+            except Exception as e:
+                print(f"index.html and loss plots not updated: {e!r}", file=sys.stderr)
