@@ -99,10 +99,20 @@ def replica_slice(n: int, dp_rank: int, dp_size: int) -> range:
     return range(dp_rank * n // dp_size, (dp_rank + 1) * n // dp_size)
 
 
+def replica_items(n: int, forward: StageForward, ctx) -> Iterator[tuple[int, bool]]:
+    """(item, counts) for this replica's slice of n items. ZeRO-3 gathers parameters across the replicas
+    in every forward, so there all take the same number of forwards: a replica with fewer items runs
+    (and discards: counts is False) extra ones of item 0."""
+    share = replica_slice(n, ctx.dp_rank, ctx.dp_size)
+    rounds = -(-n // ctx.dp_size) if forward.lockstep else len(share)
+    for k in range(rounds):
+        yield (share[k], True) if k < len(share) else (0, False)
+
+
 def _gather_rows(mine: dict[int, list[float]], ctx, contributes: bool) -> dict[int, list[float]]:
     """Every rank's {sample: values}, from one rank per data-parallel replica, on every rank."""
-    everyone = [None] * dist.get_world_size() if dist.is_initialized() else [None]
     if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine if contributes else {})
     else:
         everyone = [mine]
@@ -120,12 +130,7 @@ def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: E
     ts = cfg.val.timesteps
     chunk = cfg.val.micro_batch_size or len(ts)
     mine: dict[int, list[float]] = {}
-    share = replica_slice(len(dataset), ctx.dp_rank, ctx.dp_size)
-    # ZeRO-3 gathers parameters across the replicas in every forward: all take the same number of
-    # forwards, a replica with fewer samples running (and discarding) extra ones of sample 0.
-    rounds = -(-len(dataset) // ctx.dp_size) if forward.lockstep else len(share)
-    for k in range(rounds):
-        i = share[k] if k < len(share) else 0
+    for i, counts in replica_items(len(dataset), forward, ctx):
         x0, text = dataset[i]
         noise = validation_noise(cfg.train.seed, i, ts, x0.shape)
         losses = []
@@ -136,7 +141,7 @@ def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: E
             prediction = forward.predict((x_t, t, text.expand(len(t), *text.shape)), target)
             err = (prediction.cpu() - target.float()) ** 2
             losses += err.flatten(1).mean(1).tolist()
-        if k < len(share):
+        if counts:
             mine[i] = losses
     rows = _gather_rows(mine, ctx, ctx.tp_rank == 0 and ctx.pp_rank == 0)
     missing = sorted(set(range(len(dataset))) - set(rows))
@@ -155,11 +160,8 @@ def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: Ex
     from models.sampling import sample
 
     n = min(cfg.val.num_prompts, len(dataset))
-    share = replica_slice(n, ctx.dp_rank, ctx.dp_size)
-    rounds = -(-n // ctx.dp_size) if forward.lockstep else len(share)
     mine = {}
-    for k in range(rounds):
-        i = share[k] if k < len(share) else 0
+    for i, counts in replica_items(n, forward, ctx):
         x0, text = dataset[i]
         g = torch.Generator().manual_seed(derive_seed(cfg.train.seed, "sample", i))
         noise = torch.randn((1, *x0.shape), generator=g)
@@ -168,7 +170,7 @@ def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: Ex
             return forward.predict((x, t, text if conditional else torch.zeros_like(text)), x).cpu()
 
         latent = sample(predict, noise, objective, cfg.val.sample_steps, cfg.val.sampler, cfg.val.guidance_scale)
-        if k < len(share):
+        if counts:
             mine[i] = [latent[0]]
     return {i: v[0] for i, v in _gather_rows(mine, ctx, ctx.tp_rank == 0 and ctx.pp_rank == 0).items()}
 
