@@ -11,6 +11,8 @@ across tp ranks, because its inputs and gradients are.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -20,6 +22,7 @@ from models.embeddings import apply_rope, rope_3d, sincos_3d, timestep_embedding
 from parallel.comm import copy_to_tp
 from parallel.config import DataConfig, ModelConfig
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.sequence import SequenceAttention, gather_sequence, local_range, sp_size_of, split_sequence
 
 
 def latent_shape(model: ModelConfig, data: DataConfig) -> tuple[int, int, int]:
@@ -32,6 +35,26 @@ def token_grid(model: ModelConfig, data: DataConfig) -> tuple[int, int, int]:
     """Patch grid (t, h, w): latent shape divided by the patch sizes."""
     t, h, w = latent_shape(model, data)
     return t // model.patch_size_t, h // model.patch_size, w // model.patch_size
+
+
+def patchify(latents: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """[B, C, T, H, W] -> [B, t*h*w, C*pt*p*p] patch tokens in (t, h, w) order."""
+    p, pt = cfg.patch_size, cfg.patch_size_t
+    return rearrange(latents, "b c (t pt) (h p) (w q) -> b (t h w) (c pt p q)", pt=pt, p=p, q=p)
+
+
+def unpatchify(tokens: torch.Tensor, cfg: ModelConfig, grid) -> torch.Tensor:
+    """patchify's inverse: [B, t*h*w, C*pt*p*p] -> [B, C, T, H, W]."""
+    t, h, w = grid
+    p, pt = cfg.patch_size, cfg.patch_size_t
+    return rearrange(tokens, "b (t h w) (c pt p q) -> b c (t pt) (h p) (w q)", t=t, h=h, w=w, pt=pt, p=p, q=p)
+
+
+def sequence_tokens(model: ModelConfig, data: DataConfig) -> int:
+    """Length of the token sequence the blocks see (and sequence parallelism splits): CogVideoX
+    concatenates the text tokens with the video patches; STDiT's blocks hold video patches only."""
+    t, h, w = token_grid(model, data)
+    return (model.max_text_len if model.family == "cogvideox" else 0) + t * h * w
 
 
 class _PositionCache:
@@ -53,7 +76,7 @@ class EmbedStage(nn.Module):
 
     def __init__(self, cfg: ModelConfig, grid: tuple[int, int, int], ctx=None):
         super().__init__()
-        self.cfg, self.grid = cfg, grid
+        self.cfg, self.grid, self.ctx = cfg, grid, ctx
         p, pt, c, hid = cfg.patch_size, cfg.patch_size_t, cfg.in_channels, cfg.hidden_size
         self.patch_proj = nn.Linear(c * pt * p * p, hid)        # = Conv3d(kernel = stride = (pt, p, p))
         self.text_proj = nn.Linear(cfg.text_embed_dim, hid)
@@ -63,12 +86,12 @@ class EmbedStage(nn.Module):
 
     def forward(self, inputs):
         latents, timesteps, text = inputs
-        dtype, p, pt = self.patch_proj.weight.dtype, self.cfg.patch_size, self.cfg.patch_size_t
-        tokens = rearrange(latents.to(dtype), "b c (t pt) (h p) (w q) -> b (t h w) (c pt p q)", pt=pt, p=p, q=p)
-        video = self.patch_proj(tokens)                                   # (B, S_vid, H)
+        dtype = self.patch_proj.weight.dtype
+        video = self.patch_proj(patchify(latents.to(dtype), self.cfg))   # (B, S_vid, H)
         if self._pos is not None:
             video = video + self._pos.get(self.grid, video.device).to(dtype)
         x = torch.cat([self.text_proj(text.to(dtype)), video], dim=1)     # (B, S_txt + S_vid, H)
+        x = split_sequence(x, self.ctx)                                   # sp: this rank's S / sp tokens
         t_freq = timestep_embedding(timesteps, self.cfg.hidden_size).to(dtype)
         temb = self.time_linear_2(F.silu(self.time_linear_1(t_freq)))    # (B, D)
         return x, temb
@@ -96,11 +119,13 @@ def gated(update, gate, gate_txt, n_txt):
 
 
 class Attention(nn.Module):
-    """Full 3D attention over text + video tokens; heads split over tp ranks; LayerNorm on q and k."""
+    """Full 3D attention over text + video tokens; heads split over tp ranks (and, inside attention, over
+    sp ranks: parallel.sequence); LayerNorm on q and k."""
 
     def __init__(self, cfg: ModelConfig, grid, ctx):
         super().__init__()
         hid, self.head_dim, self.ctx, self.grid = cfg.hidden_size, cfg.head_dim, ctx, grid
+        self.n_txt = cfg.max_text_len
         self.to_qkv = ColumnParallelLinear(hid, [hid, hid, hid], ctx=ctx)
         self.to_out = RowParallelLinear(hid, hid, ctx=ctx)
         # q/k LayerNorm over head_dim, shared by all heads: each tp rank sees only its heads, so the
@@ -112,18 +137,25 @@ class Attention(nn.Module):
         self.norm_k_weight = nn.Parameter(torch.ones(self.head_dim))
         self._rope = _PositionCache(lambda t, h, w: rope_3d(self.head_dim, t, h, w)) \
             if cfg.pos_embed == "rope3d" else None
+        self.core = SequenceAttention(self._attend, ctx)
 
-    def forward(self, x, n_txt):
-        q, k, v = rearrange(self.to_qkv(x), "b s (three n d) -> three b n s d", three=3, d=self.head_dim)
+    def forward(self, x):
+        q, k, v = rearrange(self.to_qkv(x), "b s (three n d) -> three b s n d", three=3, d=self.head_dim)
+        o = self.core(q, k, v)                                             # (B, S/sp, heads/tp, d)
+        return self.to_out(o.flatten(2))                                   # (B, S/sp, H)
+
+    def _attend(self, q, k, v):
+        """[B, S, n, d] over the whole sequence (S = text + video tokens) -> [B, S, n, d]."""
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))                 # (B, n, S, d)
+        n_txt, d = self.n_txt, self.head_dim
         norm = copy_to_tp(torch.stack([self.norm_q_weight, self.norm_q_bias, self.norm_k_weight]), self.ctx)
-        q = F.layer_norm(q, (self.head_dim,), norm[0], norm[1], eps=1e-6)           # (B, heads/p, S, d)
-        k = F.layer_norm(k, (self.head_dim,), norm[2], None, eps=1e-6)
+        q = F.layer_norm(q, (d,), norm[0], norm[1], eps=1e-6)
+        k = F.layer_norm(k, (d,), norm[2], None, eps=1e-6)
         if self._rope is not None:                                         # video tokens only
-            cos, sin = self._rope.get(self.grid, x.device)
+            cos, sin = self._rope.get(self.grid, q.device)
             q = torch.cat([q[:, :, :n_txt], apply_rope(q[:, :, n_txt:], cos, sin)], dim=2)
             k = torch.cat([k[:, :, :n_txt], apply_rope(k[:, :, n_txt:], cos, sin)], dim=2)
-        o = F.scaled_dot_product_attention(q, k, v)                        # (B, heads/p, S, d)
-        return self.to_out(rearrange(o, "b n s d -> b s (n d)"))           # (B, S, H)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
 
 
 class DiTBlock(nn.Module):
@@ -131,7 +163,9 @@ class DiTBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, grid, ctx):
         super().__init__()
-        self.n_txt = cfg.max_text_len
+        # Text tokens in this rank's part of the sequence (all of them without sp; sp: text comes first).
+        start, stop = local_range(cfg.max_text_len + math.prod(grid), ctx)
+        self.n_txt = min(max(cfg.max_text_len - start, 0), stop - start)
         self.norm1 = AdaLayerNormZero(cfg.time_embed_dim, cfg.hidden_size)
         self.attn = Attention(cfg, grid, ctx)
         self.norm2 = AdaLayerNormZero(cfg.time_embed_dim, cfg.hidden_size)
@@ -141,7 +175,7 @@ class DiTBlock(nn.Module):
     def forward(self, inputs):
         x, temb = inputs
         h, gate, gate_txt = self.norm1(x, temb, self.n_txt)
-        x = x + gated(self.attn(h, self.n_txt), gate, gate_txt, self.n_txt)
+        x = x + gated(self.attn(h), gate, gate_txt, self.n_txt)
         h, gate, gate_txt = self.norm2(x, temb, self.n_txt)
         ff = self.ff_out(F.gelu(self.ff_in(h), approximate="tanh"))       # (B, S, H)
         return x + gated(ff, gate, gate_txt, self.n_txt), temb
@@ -152,7 +186,7 @@ class FinalStage(nn.Module):
 
     def __init__(self, cfg: ModelConfig, grid, ctx=None):
         super().__init__()
-        self.cfg, self.grid = cfg, grid
+        self.cfg, self.grid, self.ctx = cfg, grid, ctx
         p, pt = cfg.patch_size, cfg.patch_size_t
         self.norm_final = nn.LayerNorm(cfg.hidden_size, eps=1e-5)
         self.norm_out_linear = nn.Linear(cfg.time_embed_dim, 2 * cfg.hidden_size)
@@ -160,14 +194,21 @@ class FinalStage(nn.Module):
         self.proj_out = nn.Linear(cfg.hidden_size, cfg.in_channels * pt * p * p)
 
     def forward(self, inputs):
+        """[B, C, T, H, W]; with sp, this rank's S / sp tokens as patches [B, S/sp, C*pt*p*p], text rows
+        included (the loss skips them; `assemble` makes the full prediction)."""
         x, temb = inputs
-        v = self.norm_final(x[:, self.cfg.max_text_len:])                 # (B, S_vid, H)
+        sp = sp_size_of(self.ctx)
+        v = self.norm_final(x[:, self.cfg.max_text_len:] if sp == 1 else x)   # (B, S_vid, H)
         shift, scale = self.norm_out_linear(F.silu(temb)).chunk(2, dim=1)
         v = self.norm_out(v) * (1 + scale[:, None]) + shift[:, None]
-        t, h, w = self.grid
-        p, pt = self.cfg.patch_size, self.cfg.patch_size_t
-        return rearrange(self.proj_out(v), "b (t h w) (c pt p q) -> b c (t pt) (h p) (w q)",
-                         t=t, h=h, w=w, pt=pt, p=p, q=p)
+        out = self.proj_out(v)
+        return unpatchify(out, self.cfg, self.grid) if sp == 1 else out
+
+    def assemble(self, out: torch.Tensor) -> torch.Tensor:
+        """The full prediction [B, C, T, H, W] from forward's output on any sp rank (no gradient)."""
+        if sp_size_of(self.ctx) == 1:
+            return out
+        return unpatchify(gather_sequence(out, self.ctx)[:, self.cfg.max_text_len:], self.cfg, self.grid)
 
 
 def stage_classes(cfg: ModelConfig):

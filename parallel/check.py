@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from parallel import ds_config as dsc
+from models.dit import sequence_tokens, token_grid
 from parallel.config import ConfigError, ExperimentConfig, ModelConfig, load_config
 
 
@@ -25,10 +26,11 @@ class Layout:
     zero_stage: int
     precision: str
     global_batch: int
+    sp_size: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.pp_size * self.dp_size
+        return self.tp_size * self.sp_size * self.pp_size * self.dp_size
 
 
 def divisors(n: int) -> list[int]:
@@ -64,6 +66,33 @@ def _check_model_splits(cfg: ExperimentConfig) -> list[str]:
     return problems
 
 
+def valid_sp_sizes(cfg: ExperimentConfig) -> list[int]:
+    """sp sizes that divide the heads of one tp rank and the token sequence."""
+    heads, tp = cfg.model.num_heads, cfg.parallel.tp_size
+    return divisors(math.gcd(heads // tp, sequence_tokens(cfg.model, cfg.data))) if heads % tp == 0 else [1]
+
+
+def _check_sequence(cfg: ExperimentConfig) -> list[str]:
+    """Ulysses splits the token sequence over sp ranks and, inside attention, each tp rank's heads."""
+    sp, tp, m = cfg.parallel.sp_size, cfg.parallel.tp_size, cfg.model
+    if sp == 1 or m.num_heads % tp:
+        return []
+    problems, works = [], f"sp sizes that work with parallel.tp_size={tp}: {_fmt(valid_sp_sizes(cfg))}"
+    if (m.num_heads // tp) % sp:
+        problems.append(f"model.num_heads={m.num_heads} / parallel.tp_size={tp} = {m.num_heads // tp} heads per "
+                        f"tp rank is not divisible by parallel.sp_size={sp} (attention splits them over sp "
+                        f"ranks); {works}")
+    tokens = sequence_tokens(m, cfg.data)
+    if tokens % sp:
+        t, h, w = token_grid(m, cfg.data)
+        text = f"{m.max_text_len} text (model.max_text_len) + " if m.family == "cogvideox" else ""
+        d = cfg.data
+        problems.append(f"the token sequence, {text}{t * h * w} video ({t} x {h} x {w} patches of "
+                        f"data.num_frames={d.num_frames}, data.height={d.height}, data.width={d.width}) = "
+                        f"{tokens} tokens, is not divisible by parallel.sp_size={sp}; {works}")
+    return problems
+
+
 def _check_pipeline(cfg: ExperimentConfig) -> list[str]:
     layers, pp, part = cfg.model.num_layers, cfg.parallel.pp_size, cfg.parallel.pp_partition
     if part is not None:
@@ -78,16 +107,19 @@ def _check_pipeline(cfg: ExperimentConfig) -> list[str]:
 
 
 def _resolve_dp(cfg: ExperimentConfig, world_size: Optional[int]) -> tuple[int, list[str]]:
-    tp, pp, dp = cfg.parallel.tp_size, cfg.parallel.pp_size, cfg.parallel.dp_size
+    tp, sp, pp, dp = cfg.parallel.tp_size, cfg.parallel.sp_size, cfg.parallel.pp_size, cfg.parallel.dp_size
     if world_size is None:
         return dp or 1, []
-    model_size = tp * pp
+    model_size = tp * sp * pp
+    keys = "parallel.tp_size x parallel.pp_size" + (" x parallel.sp_size" if sp > 1 else "")
+    sizes = f"{tp} x {pp}" + (f" x {sp}" if sp > 1 else "")
     if world_size % model_size:
-        return dp or 1, [f"world size {world_size} is not divisible by parallel.tp_size x parallel.pp_size = "
-                         f"{tp} x {pp} = {model_size}; world sizes that work are multiples of {model_size}"]
+        return dp or 1, [f"world size {world_size} is not divisible by {keys} = {sizes} = {model_size}; "
+                         f"world sizes that work are multiples of {model_size}"]
     derived = world_size // model_size
     if dp is not None and dp != derived:
-        return dp, [f"parallel.dp_size={dp} but world size {world_size} = tp {tp} x pp {pp} x dp {derived}; "
+        shown = f"tp {tp} x pp {pp}" + (f" x sp {sp}" if sp > 1 else "")
+        return dp, [f"parallel.dp_size={dp} but world size {world_size} = {shown} x dp {derived}; "
                     f"set parallel.dp_size={derived} or null, or launch {model_size * dp} processes"]
     return derived, []
 
@@ -143,18 +175,19 @@ def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source:
           world_size: Optional[int] = None) -> tuple[Layout, list[str]]:
     """Return the layout and every problem found (an empty list means the layout is valid)."""
     ds = ds or {}
-    problems = _check_model_splits(cfg) + _check_pipeline(cfg)
+    problems = _check_model_splits(cfg) + _check_sequence(cfg) + _check_pipeline(cfg)
     dp, grid_problems = _resolve_dp(cfg, world_size)
     problems += grid_problems + _check_batch(cfg, ds, ds_source, dp) + _check_engine(cfg, ds, ds_source)
     layout = Layout(cfg.parallel.tp_size, cfg.parallel.pp_size, dp, dsc.zero_stage(ds), dsc.precision(ds),
-                    cfg.global_batch_size(dp))
+                    cfg.global_batch_size(dp), cfg.parallel.sp_size)
     return layout, problems
 
 
 def summary(cfg: ExperimentConfig, layout: Layout) -> str:
     t, tp = cfg.train, layout.tp_size
     splits = ", ".join(f"{k.split('.')[-1]} {v}/{tp}" for k, v in tp_split_dims(cfg.model).items())
-    return (f"ok: {cfg.model.name} tp={tp} pp={layout.pp_size} dp={layout.dp_size} (world {layout.world_size}), "
+    sp = f" sp={layout.sp_size}" if layout.sp_size > 1 else ""
+    return (f"ok: {cfg.model.name} tp={tp}{sp} pp={layout.pp_size} dp={layout.dp_size} (world {layout.world_size}), "
             f"ZeRO-{layout.zero_stage} {layout.precision}, global batch {layout.global_batch} = micro "
             f"{t.micro_batch_size} x accum {t.grad_accum_steps} x dp {layout.dp_size}; tp splits {splits}")
 

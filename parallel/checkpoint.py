@@ -78,7 +78,7 @@ def find_resume(directory: Path, layout: dict) -> Optional[str]:
         print(f"checkpoint {directory}/{tag} is damaged ({problem}); trying the previous one", file=sys.stderr)
     else:
         return None
-    saved = json.loads((Path(directory) / tag / MARKER).read_text())["layout"]
+    saved = {"sp_size": 1, **json.loads((Path(directory) / tag / MARKER).read_text())["layout"]}
     if saved != layout:
         raise ValueError(
             f"{directory}/{tag} was written with layout {saved}, this run is {layout}. Resume with the saved "

@@ -80,9 +80,11 @@ class DataConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    """Parallel sizes. world = tp_size x pp_size x dp_size; dp_size=null takes what the world size leaves."""
+    """Parallel sizes. world = tp_size x sp_size x pp_size x dp_size; dp_size=null takes what the world size
+    leaves."""
 
     tp_size: int = Field(1, ge=1)
+    sp_size: int = Field(1, ge=1, description="Ulysses sequence parallel: tokens split outside attention, heads inside")
     pp_size: int = Field(1, ge=1)
     dp_size: Optional[int] = Field(None, ge=1)
     pp_partition: Optional[list[int]] = Field(None, description="blocks per pipeline stage; default uniform")

@@ -27,6 +27,9 @@ from parallel.optim import build_optimizer
 def prepare_ds_config(ds: dict, cfg: ExperimentConfig, dp_size: int) -> dict:
     """The dict given to DeepSpeed: batch keys from the experiment; the optimizer is built by the toolkit.
 
+    `dp_size` is DeepSpeed's data-parallel size, dp x sp (its train_batch_size then counts each sample
+    once per sp rank; the toolkit's own figures count samples).
+
     Inter-stage tensors are not partitioned over tp ranks (DeepSpeed's pipe_partitioned lets only the
     first of several stage outputs carry a gradient; ours pass two).
     """
@@ -81,9 +84,9 @@ class Trainer:
                 self.engine.step()
                 total += loss.detach().double().cpu()
             total /= self.cfg.train.grad_accum_steps
-            if self.ctx.dp_size > 1:
-                dist.all_reduce(total, group=self.ctx.dp_group)
-                total /= self.ctx.dp_size
+            if self.ctx.data_size > 1:       # dp replicas' losses, and sp ranks' shares (SequenceLoss)
+                dist.all_reduce(total, group=self.ctx.data_group)
+                total /= self.ctx.data_size
             loss = float(total)
         norm = self.engine.get_global_grad_norm()
         return StepResult(loss=loss, grad_norm=None if norm is None else float(norm), lr=lr)
@@ -121,7 +124,7 @@ class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
 def build_trainer(cfg: ExperimentConfig, ds: dict, ctx) -> Trainer:
     """Configure activation checkpointing, build the model for the layout, and initialise DeepSpeed."""
     deepspeed.init_distributed(dist_backend=accelerator.backend())   # no-op when run.py already did it
-    ds_final = prepare_ds_config(ds, cfg, ctx.dp_size)
+    ds_final = prepare_ds_config(ds, cfg, ctx.data_size)
     checkpoint_fn = None
     if checkpoint_interval(ds_final, cfg.model.num_layers):
         deepspeed.checkpointing.configure(ctx, deepspeed_config=copy.deepcopy(ds_final))

@@ -16,9 +16,10 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 
 from models.diffusion import mse_loss
-from models.dit import stage_classes, token_grid
+from models.dit import patchify, sequence_tokens, stage_classes, token_grid
 from parallel.config import ExperimentConfig
 from parallel.seed import init_rng
+from parallel.sequence import local_range, sp_size_of
 
 
 class SeededLayerSpec(LayerSpec):
@@ -39,6 +40,29 @@ def layer_specs(cfg: ExperimentConfig, ctx) -> list[SeededLayerSpec]:
     return ([SeededLayerSpec(seed, "embed", embed, cfg.model, grid, ctx)]
             + [SeededLayerSpec(seed, f"blocks.{i}", block, cfg.model, grid, ctx) for i in range(cfg.model.num_layers)]
             + [SeededLayerSpec(seed, "final", final, cfg.model, grid, ctx)])
+
+
+class SequenceLoss:
+    """The diffusion MSE; with sequence parallelism, this rank's share of it, times sp.
+
+    Each sp rank holds S / sp tokens of the prediction (text rows first on the ranks that have them;
+    they are not predicted). The sum of its squared errors over the global element count, times sp,
+    averages over the sp ranks (DeepSpeed's data axis) to the serial loss, and so do the gradients.
+    """
+
+    def __init__(self, cfg: ExperimentConfig, ctx):
+        self.model, self.ctx, self.sp = cfg.model, ctx, sp_size_of(ctx)
+        self.total = sequence_tokens(cfg.model, cfg.data)
+        self.prefix = self.total - math.prod(token_grid(cfg.model, cfg.data))    # text tokens in the sequence
+
+    def __call__(self, prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.sp == 1:
+            return mse_loss(prediction, target)
+        start, stop = local_range(self.total, self.ctx)
+        skip = min(max(self.prefix - start, 0), stop - start)               # local text rows
+        first, last = start + skip - self.prefix, stop - self.prefix        # video tokens held here
+        err = prediction[:, skip:].float() - patchify(target, self.model)[:, first:last].float()
+        return err.square().sum() * (self.sp / target.numel())
 
 
 def blocks_per_stage(cfg: ExperimentConfig) -> list[int]:
@@ -77,8 +101,9 @@ class SequentialDiT(nn.Module):
     """pp = 1: the stages in order; forward(inputs, target) -> loss. Blocks checkpointed in segments."""
 
     def __init__(self, specs: list[SeededLayerSpec], checkpoint_every: int = 0,
-                 checkpoint_fn: Optional[Callable] = None):
+                 checkpoint_fn: Optional[Callable] = None, loss_fn: Callable = mse_loss):
         super().__init__()
+        self.sequence_loss = loss_fn       # not `loss_fn`: that name marks a pipeline module's external loss
         self.embed = specs[0].build()
         self.blocks = nn.ModuleList(spec.build() for spec in specs[1:-1])
         self.final = specs[-1].build()
@@ -101,19 +126,20 @@ class SequentialDiT(nn.Module):
         return self.final(h)
 
     def forward(self, inputs, target):
-        return mse_loss(self.predict(inputs), target)
+        return self.sequence_loss(self.predict(inputs), target)
 
 
 class DiTPipeline(PipelineModule):
     """pp > 1: stage s holds blocks_per_stage[s] blocks; embed on the first stage, final + loss on the last."""
 
     def __init__(self, specs, topology: PipeModelDataParallelTopology, blocks: list[int],
-                 checkpoint_every: int = 0, checkpoint_fn: Optional[Callable] = None):
+                 checkpoint_every: int = 0, checkpoint_fn: Optional[Callable] = None,
+                 loss_fn: Callable = mse_loss):
         bounds = [0] + [1 + sum(blocks[:s + 1]) for s in range(len(blocks))]
         bounds[-1] = len(specs)
         self._explicit_parts = bounds
         extra = {"activation_checkpoint_func": checkpoint_fn} if checkpoint_fn else {}
-        super().__init__(layers=specs, topology=topology, loss_fn=mse_loss, partition_method="explicit",
+        super().__init__(layers=specs, topology=topology, loss_fn=loss_fn, partition_method="explicit",
                          activation_checkpoint_interval=checkpoint_every, checkpointable_layers=["DiTBlock"],
                          **extra)
 
@@ -144,10 +170,12 @@ def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Ca
     specs = layer_specs(cfg, ctx)
     every = checkpoint_interval(ds, cfg.model.num_layers)
     checkpoint_fn = checkpoint_x_only(checkpoint_fn) if checkpoint_fn else None
+    loss_fn = SequenceLoss(cfg, ctx)
     if cfg.parallel.pp_size == 1:
-        return SequentialDiT(specs, every, checkpoint_fn)
-    topo = PipeModelDataParallelTopology(num_pp=ctx.pp_size, num_mp=ctx.tp_size, num_dp=ctx.dp_size)
-    return DiTPipeline(specs, topo, blocks_per_stage(cfg), every, checkpoint_fn)
+        return SequentialDiT(specs, every, checkpoint_fn, loss_fn)
+    # DeepSpeed's data axis holds dp x sp ranks (parallel.topology).
+    topo = PipeModelDataParallelTopology(num_pp=ctx.pp_size, num_mp=ctx.tp_size, num_dp=ctx.dp_size * ctx.sp_size)
+    return DiTPipeline(specs, topo, blocks_per_stage(cfg), every, checkpoint_fn, loss_fn)
 
 
 def count_parameters(module: nn.Module) -> int:

@@ -67,7 +67,8 @@ def plan_report(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer,
     memory = plan_memory(cfg, ds, dp, args.device_memory, tracer, args.margin, args.workspace)
     eng = EngineSettings.from_ds(ds, cfg.model.num_layers)
     return {"schema": SCHEMA, "mode": "plan", "model": _model_info(cfg, tracer, ds),
-            "layout": {"tp": cfg.parallel.tp_size, "pp": cfg.parallel.pp_size, "dp": dp, "world": args.devices,
+            "layout": {"tp": cfg.parallel.tp_size, "sp": cfg.parallel.sp_size, "pp": cfg.parallel.pp_size, "dp": dp,
+                       "world": args.devices,
                        "zero": eng.zero, "micro_batch": cfg.train.micro_batch_size,
                        "grad_accum": cfg.train.grad_accum_steps, "checkpoint_every": eng.checkpoint_every,
                        "partition_activations": eng.partition_activations,
@@ -89,7 +90,7 @@ def _candidate_dict(c: Candidate, args) -> dict:
     cfg_arg = " ".join(f"--set {o}" for o in c.overrides)
     launcher = f"--num_gpus {args.devices}" if args.devices <= args.devices_per_node else "--hostfile hosts"
     ds_arg = shipped or "PLANNED.json"
-    return {"tp": c.tp, "pp": c.pp, "dp": c.dp, "zero": c.zero, "checkpointing": c.checkpointing,
+    return {"tp": c.tp, "sp": c.sp, "pp": c.pp, "dp": c.dp, "zero": c.zero, "checkpointing": c.checkpointing,
             "micro_batch": c.micro_batch, "global_batch": c.cfg.global_batch_size(c.dp),
             "memory": {"total": c.memory.worst.total, "worst_stage": c.memory.worst.stage,
                        "headroom": c.memory.headroom, "lines": c.memory.worst.lines,
@@ -126,9 +127,9 @@ def render_plan_text(r: dict) -> str:
         ckpt = f"every {lay['checkpoint_every']} block(s)" + (", partitioned over tp" if lay["partition_activations"]
                                                             else "") + (", on host" if lay["cpu_checkpointing"] else "")
     out = _header(r) + [
-        f"layout: tp={lay['tp']} pp={lay['pp']} dp={lay['dp']}, ZeRO-{lay['zero']} ({r['optimizer']}), "
+        f"layout: tp={lay['tp']} sp={lay['sp']} pp={lay['pp']} dp={lay['dp']}, ZeRO-{lay['zero']} ({r['optimizer']}), "
         f"micro-batch {lay['micro_batch']} x {lay['grad_accum']} accumulation steps, activation checkpointing {ckpt}",
-        f"activations per micro-batch on one tp rank (traced): block {gib(acts['block_activations'])} GiB, "
+        f"activations per micro-batch on one tp{' x sp' if lay['sp'] > 1 else ''} rank (traced): block {gib(acts['block_activations'])} GiB, "
         f"its input {gib(acts['block_input'])} GiB (kept per checkpoint: {gib(acts['checkpoint_input'])}), "
         f"embed {gib(acts['embed_activations'])}, final + loss {gib(acts['final_activations'])}", ""]
     stages = r["stages"]
@@ -154,10 +155,10 @@ def render_plan_text(r: dict) -> str:
 def _row(rank, c: dict) -> str:
     t = c["step_time"] or {}
     ckpt = "on" if c["checkpointing"] else "off"
-    return (f"{rank:>4} {c['tp']:>3} {c['pp']:>3} {c['dp']:>4} {c['zero']:>5} {ckpt:>5} "
+    return (f"{rank:>4} {c['tp']:>3} {c['sp']:>3} {c['pp']:>3} {c['dp']:>4} {c['zero']:>5} {ckpt:>5} "
             f"{c['micro_batch']:>4} {gib(c['memory']['total']):>8} {gib(c['memory']['headroom']):>8} "
-            + (f"{t['total']:>8.2f} {t['samples_per_s']:>9.3f} {t['compute']:>8.2f} {t['tp']:>6.2f} {t['pp']:>6.2f} "
-               f"{t['dp']:>6.2f} {t['bubble']:>7.2f}" if t else ""))
+            + (f"{t['total']:>8.2f} {t['samples_per_s']:>9.3f} {t['compute']:>8.2f} {t['tp']:>6.2f} {t['sp']:>6.2f} "
+               f"{t['pp']:>6.2f} {t['dp']:>6.2f} {t['bubble']:>7.2f}" if t else ""))
 
 
 def render_search_text(r: dict) -> str:
@@ -165,8 +166,9 @@ def render_search_text(r: dict) -> str:
     out = _header(r) + [f"layouts: {n['fitting']} fit, {n['not_fitting']} valid but too big at micro-batch 1, "
                         f"{n['invalid']} refused by the checker; ranked by samples/s at "
                         f"{r['assumptions']['utilisation']:.0%} of peak, train.grad_accum_steps={r['grad_accum']}", ""]
-    head = (f"{'rank':>4} {'tp':>3} {'pp':>3} {'dp':>4} {'ZeRO':>5} {'ckpt':>5} {'mb':>4} {'GiB':>8} {'free':>8} "
-            f"{'step s':>8} {'samples/s':>9} {'compute':>8} {'tp':>6} {'pp':>6} {'dp':>6} {'bubble':>7}")
+    head = (f"{'rank':>4} {'tp':>3} {'sp':>3} {'pp':>3} {'dp':>4} {'ZeRO':>5} {'ckpt':>5} {'mb':>4} {'GiB':>8} "
+            f"{'free':>8} {'step s':>8} {'samples/s':>9} {'compute':>8} {'tp':>6} {'sp':>6} {'pp':>6} {'dp':>6} "
+            f"{'bubble':>7}")
     out += [head] + [_row(i + 1, c) for i, c in enumerate(r["ranked"])]
     if not r["ranked"]:
         out.append("  nothing fits: more devices, a smaller micro-batch or video, or offload (ds_configs/"
@@ -181,14 +183,15 @@ def render_search_text(r: dict) -> str:
             out.append(f"with PLANNED.json = {json.dumps(best['ds_config']['json'])}")
     if r["not_fitting"]:
         out += ["", "closest that do not fit (micro-batch 1):"] + [
-            f"  tp={c['tp']} pp={c['pp']} dp={c['dp']} ZeRO-{c['zero']} checkpointing "
+            f"  tp={c['tp']} sp={c['sp']} pp={c['pp']} dp={c['dp']} ZeRO-{c['zero']} checkpointing "
             f"{'on' if c['checkpointing'] else 'off'}: {gib(c['memory']['total'])} GiB" for c in r["not_fitting"][:3]]
     if r["invalid"]:
         out += ["", "refused by the checker (parallel.check):"]
         for item in r["invalid"][:INVALID_SHOWN]:
             lay, problems = item["layout"], item["problems"]
             more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-            out.append(f"  tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} ZeRO-{lay['zero']}: {problems[0]}{more}")
+            out.append(f"  tp={lay['tp']} sp={lay['sp']} pp={lay['pp']} dp={lay['dp']} ZeRO-{lay['zero']}: "
+                       f"{problems[0]}{more}")
         if len(r["invalid"]) > INVALID_SHOWN:
             out.append(f"  ... {len(r['invalid']) - INVALID_SHOWN} more (--format json lists every one)")
     return "\n".join(out)
@@ -204,11 +207,11 @@ def render_markdown(r: dict) -> str:
         verdict = "fits" if r["fits"] else "does not fit"
         return "\n".join(_header(r) + [""] + rows + ["", f"Worst rank {gib(r['total'])} GiB of "
                                                           f"{gib(r['device_memory'])} GiB: {verdict}."])
-    rows = ["| rank | tp | pp | dp | ZeRO | ckpt | micro-batch | GiB | step s | samples/s |", "|" + "---:|" * 10]
+    rows = ["| rank | tp | sp | pp | dp | ZeRO | ckpt | micro-batch | GiB | step s | samples/s |", "|" + "---:|" * 11]
     for i, c in enumerate(r["ranked"]):
         t = c["step_time"]
         ckpt = "on" if c["checkpointing"] else "off"
-        rows.append(f"| {i + 1} | {c['tp']} | {c['pp']} | {c['dp']} | {c['zero']} | {ckpt} | {c['micro_batch']} "
+        rows.append(f"| {i + 1} | {c['tp']} | {c['sp']} | {c['pp']} | {c['dp']} | {c['zero']} | {ckpt} | {c['micro_batch']} "
                     f"| {gib(c['memory']['total'])} | {t['total']:.2f} | {t['samples_per_s']:.3f} |")
     return "\n".join(_header(r) + [""] + rows)
 

@@ -20,7 +20,9 @@ kept whole on every rank.) EmaAdamW (optimizer.type FusedEmaAdam) adds one fp32 
 the optimizer steps, half the moments. Optimizer offload moves master, moments, EMA and the fp32
 gradients to host memory; parameter offload moves the ZeRO-3 partitions.
 
-Activations per micro-batch come from `parallel.plan_trace` (the model's own forward on the meta device).
+Activations per micro-batch come from `parallel.plan_trace` (the model's own forward on the meta device),
+at sequence parallel size sp for one sp rank's S / sp tokens. The sp ranks are DeepSpeed data-parallel
+ranks, so ZeRO shards over d = dp x sp.
 With activation checkpointing a stage keeps only each segment's input (divided by tp with
 `partition_activations`, in host memory with `cpu_checkpointing`) plus, during backward, one
 segment's full activations for the recompute. Under 1F1B stage s holds min(pp - s, m) micro-batches.
@@ -262,11 +264,12 @@ class MemoryPlan:
 
 def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tracer: ActivationTracer,
                 margin: float = 0.10, workspace: int = GiB) -> MemoryPlan:
-    """Memory per pipeline stage of the layout in cfg.parallel with ds's engine settings."""
+    """Memory per pipeline stage of the layout in cfg.parallel with ds's engine settings (dp: data replicas)."""
     tp, pp, m = cfg.parallel.tp_size, cfg.parallel.pp_size, cfg.train.grad_accum_steps
-    b = cfg.train.micro_batch_size
+    b, sp = cfg.train.micro_batch_size, cfg.parallel.sp_size
+    dp = dp * sp                        # DeepSpeed's data axis: ZeRO partitions over dp x sp
     eng = EngineSettings.from_ds(ds, cfg.model.num_layers)
-    embed, block, final = (tracer.trace(kind, tp, b) for kind in ("embed", "block", "final"))
+    embed, block, final = (tracer.trace(kind, tp, b, sp) for kind in ("embed", "block", "final"))
     k = eng.checkpoint_every
     # Checkpoint inputs: x per segment (temb passes as a view of the shared one unless DeepSpeed copies
     # inputs for partitioning or host offload), divided over tp ranks when partitioned.

@@ -20,7 +20,7 @@ def _bars(report: dict) -> tuple[list[str], list[dict]]:
     if report["mode"] == "plan":
         return [f"stage {s['stage']}" for s in report["stages"]], [s["lines"] for s in report["stages"]]
     shown = report["ranked"] or report["not_fitting"]
-    labels = [f"tp{c['tp']} pp{c['pp']} dp{c['dp']}\nZeRO-{c['zero']}{' ckpt' if c['checkpointing'] else ''}"
+    labels = [f"tp{c['tp']}{' sp' + str(c['sp']) if c.get('sp', 1) > 1 else ''} pp{c['pp']} dp{c['dp']}\nZeRO-{c['zero']}{' ckpt' if c['checkpointing'] else ''}"
               f" mb{c['micro_batch']}" for c in shown]
     return labels, [c["memory"]["lines"] for c in shown]
 

@@ -1,15 +1,18 @@
-"""Layout search: every (tp, pp, dp, ZeRO stage, checkpointing, micro-batch) for a device count, checked
+"""Layout search: every (tp, sp, pp, dp, ZeRO stage, checkpointing, micro-batch) for a device count, checked
 by `parallel.check`, sized by `parallel.plan_memory`, and ranked by an estimated step time.
 
 Step time of one optimizer step (m = train.grad_accum_steps micro-batches of b samples, S tokens,
 L blocks of hidden size H, N parameters):
 
-    compute  m b (6 N S + 12 L S^2 H) / (tp pp) / (peak x utilisation)     x 4/3 with full recompute
-    TP       m (L / pp) (4 [+2 recompute]) all-reduces of b S H, ring 2 (tp-1)/tp, intra-node bandwidth
+    compute  m b (6 N S + 12 L S^2 H) / (tp sp pp) / (peak x utilisation)  x 4/3 with full recompute
+    TP       m (L / pp) (4 [+2 recompute]) all-reduces of b S/sp H, ring 2 (tp-1)/tp, intra-node bandwidth
+    SP       m (L / pp) a (8 [+4 recompute]) all-to-alls of b S/sp H/tp (q, k, v, out forward and their
+             gradients backward; a = attentions per layer), each moving (sp-1)/sp of it, intra-node
+             while tp x sp fits a node
     PP       m x 2 (activation forward, gradient backward) of the stage boundary, p2p
     bubble   (compute + TP + PP) x (m + pp - 1) / m                   (1F1B: bubble (pp-1)/(m+pp-1))
-    DP       gradient reduce 2 (dp-1)/dp x grad bytes once a step (ZeRO-3 adds two parameter
-             all-gathers per micro-batch), over the inter-node network when the dp group spans nodes
+    DP       gradient reduce 2 (d-1)/d x grad bytes once a step over d = dp x sp ranks (ZeRO-3 adds two
+             parameter all-gathers per micro-batch), over the inter-node network when the group spans nodes
 
 Layouts are ranked by samples per second (global batch / step time), since the micro-batch and dp
 (and so the global batch) differ between layouts.
@@ -31,6 +34,7 @@ from parallel.plan_memory import EngineSettings, MemoryPlan, plan_memory
 from parallel.plan_trace import ActivationTracer, sequence_length
 
 DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
+ATTENTIONS_PER_LAYER = {"cogvideox": 1, "stdit": 2}      # STDiT: a spatial and a temporal attention
 MAX_MICRO_BATCH = 64
 
 
@@ -60,6 +64,7 @@ class StepTime:
     tp: float
     pp: float
     dp: float
+    sp: float
     bubble: float          # seconds lost to the pipeline bubble
     total: float
     samples_per_s: float
@@ -76,33 +81,39 @@ def estimate_step_time(cfg: ExperimentConfig, eng: EngineSettings, dp: int, devi
                        utilisation: float, tracer: ActivationTracer, stage_params: int) -> StepTime:
     m_cfg, t = cfg.model, cfg.train
     tp, pp, m, b = cfg.parallel.tp_size, cfg.parallel.pp_size, t.grad_accum_steps, t.micro_batch_size
-    trace = tracer.trace("block", tp, b)
+    sp = cfg.parallel.sp_size
+    trace = tracer.trace("block", tp, b, sp)
     seq = sequence_length(cfg)
     n_all, n_blocks = count_params(tracer)
     recompute = bool(eng.checkpoint_every)
     block_flops = 6 * n_blocks * seq + 12 * m_cfg.num_layers * seq ** 2 * m_cfg.hidden_size
     flops = b * (block_flops * (4 / 3 if recompute else 1) + 6 * (n_all - n_blocks) * seq)
     peak = device.bf16_flops if eng.lp == 2 else device.fp32_flops
-    compute = m * flops / (tp * pp) / (peak * utilisation)
+    compute = m * flops / (tp * sp * pp) / (peak * utilisation)
     ring = lambda n: 2 * (n - 1) / n  # noqa: E731  (bytes moved per device by a ring all-reduce, x size)
     tp_time = 0.0
     if tp > 1:
         per_block = (6 if recompute else 4) * ring(tp) * trace.input_bytes / device.intra_bw
         tp_time = m * (m_cfg.num_layers / pp) * per_block
+    sp_time = 0.0
+    if sp > 1:
+        link = device.inter_bw if tp * sp > per_node else device.intra_bw
+        per_attention = (12 if recompute else 8) * (sp - 1) / sp * trace.input_bytes / tp / link
+        sp_time = m * (m_cfg.num_layers / pp) * ATTENTIONS_PER_LAYER[m_cfg.family] * per_attention
     pp_time = 0.0
     if pp > 1:
-        link = device.inter_bw if tp * dp >= per_node else device.intra_bw    # stages are the outer axis
+        link = device.inter_bw if tp * sp * dp >= per_node else device.intra_bw    # stages are the outer axis
         pp_time = m * 2 * (trace.input_bytes + trace.temb_bytes) / link
-    dp_time = 0.0
-    if dp > 1:
-        link = device.inter_bw if tp * dp > per_node else device.intra_bw
-        volume = ring(dp) * stage_params * eng.comm_bytes        # gradients travel in the communication dtype
+    dp_time, d = 0.0, dp * sp
+    if d > 1:
+        link = device.inter_bw if tp * d > per_node else device.intra_bw
+        volume = ring(d) * stage_params * eng.comm_bytes        # gradients travel in the communication dtype
         if eng.zero == 3:
-            volume += m * 2 * (dp - 1) / dp * stage_params * eng.lp
+            volume += m * 2 * (d - 1) / d * stage_params * eng.lp
         dp_time = volume / link
-    work = compute + tp_time + pp_time
+    work = compute + tp_time + sp_time + pp_time
     total = work * (m + pp - 1) / m + dp_time
-    return StepTime(compute, tp_time, pp_time, dp_time, work * (pp - 1) / m, total, b * m * dp / total)
+    return StepTime(compute, tp_time, pp_time, dp_time, sp_time, work * (pp - 1) / m, total, b * m * dp / total)
 
 
 def ds_variant(ds: dict, zero: int, checkpointing: bool) -> dict:
@@ -155,11 +166,12 @@ class Candidate:
     ds: dict
     memory: MemoryPlan
     time: Optional[StepTime] = None
+    sp: int = 1
 
     @property
     def overrides(self) -> list[str]:
-        return [f"parallel.tp_size={self.tp}", f"parallel.pp_size={self.pp}",
-                f"train.micro_batch_size={self.micro_batch}"]
+        return [f"parallel.tp_size={self.tp}", f"parallel.pp_size={self.pp}"] \
+            + ([f"parallel.sp_size={self.sp}"] if self.sp > 1 else []) + [f"train.micro_batch_size={self.micro_batch}"]
 
 
 @dataclass
@@ -169,8 +181,9 @@ class SearchResult:
     invalid: list[tuple[dict, list[str]]]
 
 
-def with_layout(cfg: ExperimentConfig, tp: int, pp: int, micro_batch: int) -> ExperimentConfig:
-    parallel = cfg.parallel.model_copy(update={"tp_size": tp, "pp_size": pp, "dp_size": None, "pp_partition": None})
+def with_layout(cfg: ExperimentConfig, tp: int, pp: int, micro_batch: int, sp: int = 1) -> ExperimentConfig:
+    parallel = cfg.parallel.model_copy(update={"tp_size": tp, "pp_size": pp, "sp_size": sp, "dp_size": None,
+                                               "pp_partition": None})
     train = cfg.train.model_copy(update={"micro_batch_size": micro_batch})
     return cfg.model_copy(update={"parallel": parallel, "train": train})
 
@@ -178,25 +191,25 @@ def with_layout(cfg: ExperimentConfig, tp: int, pp: int, micro_batch: int) -> Ex
 def search(cfg: ExperimentConfig, ds: dict, devices: int, per_node: int, device_memory: int, device: Device,
            tracer: ActivationTracer, utilisation: float = 0.4, margin: float = 0.10,
            workspace: int = 2 ** 30, source: str = "deepspeed config") -> SearchResult:
-    """Every layout of `devices` devices; tp stays within a node (it divides the devices per node)."""
+    """Every layout of `devices` devices; tp and sp stay within a node (tp x sp divides the devices per node)."""
     node = min(devices, per_node)
     ranked, not_fitting, invalid = [], [], []
-    for tp in (d for d in divisors(node) if devices % d == 0):
-        for pp in (p for p in divisors(devices // tp) if p <= cfg.model.num_layers):
-            dp = devices // (tp * pp)
+    for tp, sp in ((t, s) for t in divisors(node) for s in divisors(node // t) if devices % (t * s) == 0):
+        for pp in (p for p in divisors(devices // (tp * sp)) if p <= cfg.model.num_layers):
+            dp = devices // (tp * sp * pp)
             for zero in range(4):
                 for checkpointing in (True, False):
-                    cfg_l, ds_l = with_layout(cfg, tp, pp, 1), ds_variant(ds, zero, checkpointing)
+                    cfg_l, ds_l = with_layout(cfg, tp, pp, 1, sp), ds_variant(ds, zero, checkpointing)
                     _, problems = check(cfg_l, ds_l, f"{source} at zero_optimization.stage={zero}", devices)
                     if problems:
                         if checkpointing:      # the verdict does not depend on checkpointing: report once
-                            invalid.append(({"tp": tp, "pp": pp, "dp": dp, "zero": zero}, problems))
+                            invalid.append(({"tp": tp, "sp": sp, "pp": pp, "dp": dp, "zero": zero}, problems))
                         continue
                     best = None
                     for b in (2 ** i for i in range(int(math.log2(MAX_MICRO_BATCH)) + 1)):
-                        cfg_b = with_layout(cfg, tp, pp, b)
+                        cfg_b = with_layout(cfg, tp, pp, b, sp)
                         memory = plan_memory(cfg_b, ds_l, dp, device_memory, tracer, margin, workspace)
-                        cand = Candidate(tp, pp, dp, zero, checkpointing, b, cfg_b, ds_l, memory)
+                        cand = Candidate(tp, pp, dp, zero, checkpointing, b, cfg_b, ds_l, memory, sp=sp)
                         if not memory.fits:
                             if best is None:
                                 not_fitting.append(cand)

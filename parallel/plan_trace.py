@@ -37,7 +37,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from models.diffusion import mse_loss
-from models.dit import latent_shape, token_grid
+from models.dit import latent_shape, sequence_tokens, token_grid
 from parallel.config import ExperimentConfig
 from parallel.model import layer_specs
 
@@ -56,11 +56,15 @@ def storage_bytes(t: torch.Tensor) -> int:
 
 
 class TraceContext:
-    """`ParallelContext` look-alike for building at `tp_size` and running with collectives as identities."""
+    """`ParallelContext` look-alike for building at `tp_size` and running with collectives as identities.
 
-    def __init__(self, tp_size: int):
-        self.built_tp_size = tp_size
-        self.tp_rank, self.tp_group = 0, None
+    With sp_size > 1 the model runs one sp rank's part of the sequence (the first) and attention sees
+    the shapes the all-to-alls would give (parallel.sequence.SequenceAttention without a group).
+    """
+
+    def __init__(self, tp_size: int, sp_size: int = 1):
+        self.built_tp_size, self.sp_size = tp_size, sp_size
+        self.tp_rank, self.tp_group, self.sp_rank, self.sp_group = 0, None, 0, None
         self._identity = False
 
     @property
@@ -159,8 +163,8 @@ class StageTrace:
 
 
 def sequence_length(cfg: ExperimentConfig) -> int:
-    """Tokens per sample: text tokens + video patches (CogVideoX-5B at 49 x 480 x 720: 226 + 17,550)."""
-    return cfg.model.max_text_len + math.prod(token_grid(cfg.model, cfg.data))
+    """Tokens per sample in the blocks' sequence (CogVideoX-5B at 49 x 480 x 720: 226 text + 17,550 video)."""
+    return sequence_tokens(cfg.model, cfg.data)
 
 
 def _affine(a: int, b: int, n: int) -> int:
@@ -176,19 +180,19 @@ class ActivationTracer:
         self._modules: dict = {}
         self._traces: dict = {}
 
-    def _module(self, kind: str, tp: int):
-        if (kind, tp) not in self._modules:
-            ctx = TraceContext(tp)
+    def _module(self, kind: str, tp: int, sp: int = 1):
+        if (kind, tp, sp) not in self._modules:
+            ctx = TraceContext(tp, sp)
             specs = layer_specs(self.cfg, ctx)
             spec = {"embed": specs[0], "block": specs[1], "final": specs[-1]}[kind]
             with torch.device("meta"):
                 module = spec.build().to(self.dtype)
-            self._modules[(kind, tp)] = (module, ctx)
-        return self._modules[(kind, tp)]
+            self._modules[(kind, tp, sp)] = (module, ctx)
+        return self._modules[(kind, tp, sp)]
 
-    def _inputs(self, kind: str, b: int):
+    def _inputs(self, kind: str, b: int, sp: int = 1):
         m, d = self.cfg.model, self.cfg.data
-        seq = sequence_length(self.cfg)
+        seq = sequence_length(self.cfg) // sp
         hidden = lambda: torch.empty(b, seq, m.hidden_size, dtype=self.dtype, requires_grad=True)  # noqa: E731
         temb = lambda: torch.empty(b, m.time_embed_dim, dtype=self.dtype, requires_grad=True)  # noqa: E731
         if kind == "embed":
@@ -196,10 +200,10 @@ class ActivationTracer:
                      torch.empty(b, m.max_text_len, m.text_embed_dim)),)
         return ((hidden(), temb()),)
 
-    def _trace(self, kind: str, tp: int, b: int) -> StageTrace:
-        module, ctx = self._module(kind, tp)
+    def _trace(self, kind: str, tp: int, b: int, sp: int = 1) -> StageTrace:
+        module, ctx = self._module(kind, tp, sp)
         with torch.device("meta"), ctx.collectives_as_identity(), fused_attention_on_meta():
-            inputs = self._inputs(kind, b)
+            inputs = self._inputs(kind, b, sp)
             with record_saved() as saved:
                 out = module(*inputs)
                 if kind == "final":
@@ -214,14 +218,14 @@ class ActivationTracer:
         params = tuple((p.numel(), p.dim()) for p in module.parameters())
         return StageTrace(acts, temb_key in saved, x_bytes, t_bytes, sum(held.values()), params)
 
-    def trace(self, kind: str, tp: int, b: int) -> StageTrace:
-        """The trace at micro-batch b: traced at 1 and 2, extrapolated linearly beyond."""
+    def trace(self, kind: str, tp: int, b: int, sp: int = 1) -> StageTrace:
+        """The trace at micro-batch b (one sp rank's tokens): traced at 1 and 2, extrapolated linearly beyond."""
         for n in (1, 2):
-            if (kind, tp, n) not in self._traces:
-                self._traces[(kind, tp, n)] = self._trace(kind, tp, n)
+            if (kind, tp, n, sp) not in self._traces:
+                self._traces[(kind, tp, n, sp)] = self._trace(kind, tp, n, sp)
         if b in (1, 2):
-            return self._traces[(kind, tp, b)]
-        one, two = self._traces[(kind, tp, 1)], self._traces[(kind, tp, 2)]
+            return self._traces[(kind, tp, b, sp)]
+        one, two = self._traces[(kind, tp, 1, sp)], self._traces[(kind, tp, 2, sp)]
         return StageTrace(_affine(one.activations, two.activations, b), one.temb_saved,
                           _affine(one.input_bytes, two.input_bytes, b), _affine(one.temb_bytes, two.temb_bytes, b),
                           one.buffers, one.params)

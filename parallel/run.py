@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from models.data import DiffusionBatches, DirectoryLatents, IndexRange, SyntheticLatents
 from models.diffusion import Objective
-from models.dit import latent_shape, token_grid
+from models.dit import latent_shape, sequence_tokens
 from parallel import accelerator, checkpoint
 from parallel.check import Layout
 from parallel.config import ExperimentConfig
@@ -155,14 +155,13 @@ def build_val_dataset(cfg: ExperimentConfig):
 
 
 def tokens_per_sample(cfg: ExperimentConfig) -> int:
-    t, h, w = token_grid(cfg.model, cfg.data)
-    return cfg.model.max_text_len + t * h * w
+    return sequence_tokens(cfg.model, cfg.data)
 
 
 def checkpoint_layout(layout: Layout) -> dict:
     """What a checkpoint must match to be resumed as it is."""
-    return {"tp_size": layout.tp_size, "pp_size": layout.pp_size, "dp_size": layout.dp_size,
-            "zero_stage": layout.zero_stage}
+    return {"tp_size": layout.tp_size, "sp_size": layout.sp_size, "pp_size": layout.pp_size,
+            "dp_size": layout.dp_size, "zero_stage": layout.zero_stage}
 
 
 def init_process_groups(timeout_s: int) -> None:
@@ -179,7 +178,7 @@ def start_engine(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
     export_launch_env(env)
     accelerator.set_device(env.local_rank)
     init_process_groups(cfg.train.collective_timeout_s)
-    ctx = ParallelContext.build(Grid(layout.pp_size, layout.dp_size, layout.tp_size))
+    ctx = ParallelContext.build(Grid(layout.pp_size, layout.dp_size, layout.tp_size, layout.sp_size))
     seed_all(cfg.train.seed)
     return ctx, build_trainer(cfg, ds, ctx)
 

@@ -65,13 +65,19 @@ class SequenceAttention(nn.Module):
 
     def __init__(self, attend: Callable, ctx):
         super().__init__()
-        self.attend = attend
+        self.attend, self.sp = attend, sp_size_of(ctx)
         self.ulysses = None
-        if sp_size_of(ctx) > 1:
+        if self.sp > 1 and ctx.sp_group is not None:
             from deepspeed.sequence.layer import DistributedAttention
             self.ulysses = DistributedAttention(attend, ctx.sp_group, scatter_idx=2, gather_idx=1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.ulysses is None:
+        if self.ulysses is not None:
+            return self.ulysses(q, k, v, 0)
+        if self.sp == 1:
             return self.attend(q, k, v)
-        return self.ulysses(q, k, v, 0)
+        # A planning context (no process group): one sp rank's shapes, [B, S/sp, n, d] <-> [B, S, n/sp, d].
+        # The all-to-all keeps nothing for backward, and neither does a reshape.
+        b, s, n, d = q.shape
+        full = [t.reshape(b, s * self.sp, n // self.sp, d) for t in (q, k, v)]
+        return self.attend(*full).reshape(b, s, n, d)

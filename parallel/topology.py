@@ -1,9 +1,14 @@
-"""The (pp, dp, tp) process grid: pure rank arithmetic, and the `ParallelContext` that owns the groups.
+"""The (pp, dp, sp, tp) process grid: pure rank arithmetic, and the `ParallelContext` that owns the groups.
 
 Axis order is DeepSpeed's `PipeModelDataParallelTopology` (pipe, data, model) with tp innermost, so
-tensor-parallel peers are neighbouring ranks (one node, fastest links):
+tensor-parallel peers are neighbouring ranks (one node, fastest links), and sequence-parallel peers
+next to them:
 
-    rank = (pp_rank * dp_size + dp_rank) * tp_size + tp_rank
+    rank = ((pp_rank * dp_size + dp_rank) * sp_size + sp_rank) * tp_size + tp_rank
+
+To DeepSpeed the sp ranks are data-parallel ranks (they hold the same parameters; ZeRO shards and the
+gradient average run over dp x sp, its "data" axis of size dp_size * sp_size), while the toolkit's
+own dp (data shards, validation replicas) counts only the replicas that read different samples.
 
 `Grid` needs no process group and is unit-tested in one process; `ParallelContext.build` creates every
 group on every rank in the same order (a torch.distributed requirement) and is passed explicitly to
@@ -24,6 +29,7 @@ class Coord:
     pp: int
     dp: int
     tp: int
+    sp: int = 0
 
 
 @dataclass(frozen=True)
@@ -31,43 +37,57 @@ class Grid:
     pp_size: int
     dp_size: int
     tp_size: int
+    sp_size: int = 1
 
     def __post_init__(self):
-        for name in ("pp_size", "dp_size", "tp_size"):
+        for name in ("pp_size", "dp_size", "tp_size", "sp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
     @property
     def world_size(self) -> int:
-        return self.pp_size * self.dp_size * self.tp_size
+        return self.pp_size * self.dp_size * self.sp_size * self.tp_size
 
-    def rank(self, pp: int, dp: int, tp: int) -> int:
-        return (pp * self.dp_size + dp) * self.tp_size + tp
+    def rank(self, pp: int, dp: int, tp: int, sp: int = 0) -> int:
+        return ((pp * self.dp_size + dp) * self.sp_size + sp) * self.tp_size + tp
 
     def coord(self, rank: int) -> Coord:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a world of {self.world_size}")
         rest, tp = divmod(rank, self.tp_size)
+        rest, sp = divmod(rest, self.sp_size)
         pp, dp = divmod(rest, self.dp_size)
-        return Coord(pp=pp, dp=dp, tp=tp)
+        return Coord(pp=pp, dp=dp, tp=tp, sp=sp)
+
+    def _groups(self, vary: str) -> list[list[int]]:
+        """Ranks that differ only in axis `vary`, one list per coordinate of the other axes."""
+        sizes = {"pp": self.pp_size, "dp": self.dp_size, "sp": self.sp_size, "tp": self.tp_size}
+        fixed = [a for a in sizes if a != vary]
+        return [[self.rank(**dict(zip(fixed, others)), **{vary: i}) for i in range(sizes[vary])]
+                for others in itertools.product(*(range(sizes[a]) for a in fixed))]
 
     def tp_groups(self) -> list[list[int]]:
-        """Ranks that share one (pp, dp) coordinate, in tp order."""
-        return [[self.rank(p, d, t) for t in range(self.tp_size)]
-                for p, d in itertools.product(range(self.pp_size), range(self.dp_size))]
+        """Ranks that share one (pp, dp, sp) coordinate, in tp order."""
+        return self._groups("tp")
+
+    def sp_groups(self) -> list[list[int]]:
+        return self._groups("sp")
 
     def dp_groups(self) -> list[list[int]]:
-        return [[self.rank(p, d, t) for d in range(self.dp_size)]
-                for p, t in itertools.product(range(self.pp_size), range(self.tp_size))]
+        return self._groups("dp")
 
     def pp_groups(self) -> list[list[int]]:
-        return [[self.rank(p, d, t) for p in range(self.pp_size)]
-                for d, t in itertools.product(range(self.dp_size), range(self.tp_size))]
+        return self._groups("pp")
+
+    def data_groups(self) -> list[list[int]]:
+        """DeepSpeed's data axis: dp x sp ranks of one (pp, tp) coordinate, in (dp, sp) order."""
+        return [[self.rank(p, d, t, s) for d in range(self.dp_size) for s in range(self.sp_size)]
+                for p, t in itertools.product(range(self.pp_size), range(self.tp_size))]
 
     def model_groups(self) -> list[list[int]]:
-        """Ranks holding one full model replica (pp x tp) for one dp index, sorted."""
-        return [sorted(self.rank(p, d, t) for p in range(self.pp_size) for t in range(self.tp_size))
-                for d in range(self.dp_size)]
+        """Ranks holding one full copy of the parameters (pp x tp) for one (dp, sp) coordinate, sorted."""
+        return [sorted(self.rank(p, d, t, s) for p in range(self.pp_size) for t in range(self.tp_size))
+                for d, s in itertools.product(range(self.dp_size), range(self.sp_size))]
 
 
 @dataclass(frozen=True)
@@ -112,6 +132,8 @@ class ParallelContext:
     """This rank's place in the grid and its process groups; also DeepSpeed's `mpu` interface.
 
     With tp_size == 1 (or on a single process) groups may be None: the layers then skip communication.
+    A context with sp_size > 1 and no sp_group is a planning context: the model is traced on the meta
+    device with one sp rank's shapes (parallel.sequence).
     """
 
     grid: Grid
@@ -120,31 +142,37 @@ class ParallelContext:
     dp_group: Optional[object] = None
     pp_group: Optional[object] = None
     model_group: Optional[object] = None
+    sp_group: Optional[object] = None
+    data_group: Optional[object] = None
     coord: Coord = field(init=False)
 
     def __post_init__(self):
         self.coord = self.grid.coord(self.rank)
 
     @classmethod
-    def single(cls, tp_size: int = 1) -> "ParallelContext":
+    def single(cls, tp_size: int = 1, sp_size: int = 1) -> "ParallelContext":
         """A context with no process groups: one process, or a meta-device build for planning."""
-        return cls(Grid(1, 1, tp_size), rank=0)
+        return cls(Grid(1, 1, tp_size, sp_size), rank=0)
 
     @classmethod
     def build(cls, grid: Grid) -> "ParallelContext":
         """Create every group of `grid`; call on every rank after `torch.distributed` is initialised."""
         if dist.get_world_size() != grid.world_size:
             raise ValueError(
-                f"world size {dist.get_world_size()} != tp_size x pp_size x dp_size = "
-                f"{grid.tp_size} x {grid.pp_size} x {grid.dp_size} = {grid.world_size}")
+                f"world size {dist.get_world_size()} != tp_size x sp_size x pp_size x dp_size = "
+                f"{grid.tp_size} x {grid.sp_size} x {grid.pp_size} x {grid.dp_size} = {grid.world_size}")
         rank = dist.get_rank()
         mine = {}
-        for name, lists in (("tp_group", grid.tp_groups()), ("dp_group", grid.dp_groups()),
-                            ("pp_group", grid.pp_groups()), ("model_group", grid.model_groups())):
+        kinds = [("tp_group", grid.tp_groups()), ("dp_group", grid.dp_groups()), ("pp_group", grid.pp_groups()),
+                 ("model_group", grid.model_groups())]
+        if grid.sp_size > 1:
+            kinds += [("sp_group", grid.sp_groups()), ("data_group", grid.data_groups())]
+        for name, lists in kinds:
             for ranks in lists:
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     mine[name] = group
+        mine.setdefault("data_group", mine.get("dp_group"))
         return cls(grid, rank=rank, **mine)
 
     # The vocabulary used across the toolkit.
@@ -163,6 +191,23 @@ class ParallelContext:
     @property
     def dp_rank(self) -> int:
         return self.coord.dp
+
+    @property
+    def sp_size(self) -> int:
+        return self.grid.sp_size
+
+    @property
+    def sp_rank(self) -> int:
+        return self.coord.sp
+
+    @property
+    def data_size(self) -> int:
+        """DeepSpeed's data-parallel size: dp x sp ranks share the gradient average and the ZeRO shards."""
+        return self.grid.dp_size * self.grid.sp_size
+
+    @property
+    def data_rank(self) -> int:
+        return self.coord.dp * self.grid.sp_size + self.coord.sp
 
     @property
     def pp_size(self) -> int:
@@ -187,16 +232,16 @@ class ParallelContext:
     get_tensor_model_parallel_group = get_model_parallel_group
 
     def get_tensor_model_parallel_src_rank(self) -> int:
-        return self.grid.rank(self.pp_rank, self.dp_rank, 0)
+        return self.grid.rank(self.pp_rank, self.dp_rank, 0, self.sp_rank)
 
     def get_data_parallel_rank(self) -> int:
-        return self.dp_rank
+        return self.data_rank
 
     def get_data_parallel_world_size(self) -> int:
-        return self.dp_size
+        return self.data_size
 
     def get_data_parallel_group(self):
-        return self.dp_group
+        return self.data_group
 
     def get_pipeline_model_parallel_rank(self) -> int:
         return self.pp_rank
@@ -209,4 +254,4 @@ class ParallelContext:
 
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.grid.world_size}: pp {self.pp_rank}/{self.pp_size} "
-                f"dp {self.dp_rank}/{self.dp_size} tp {self.tp_rank}/{self.tp_size}")
+                f"dp {self.dp_rank}/{self.dp_size} sp {self.sp_rank}/{self.sp_size} tp {self.tp_rank}/{self.tp_size}")

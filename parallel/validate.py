@@ -63,9 +63,9 @@ class StageForward:
     def __init__(self, engine, ctx):
         self.module, self.ctx, self.device = engine.module, ctx, engine.device
         g, c = ctx.grid, ctx.coord
-        self.prev = g.rank(c.pp - 1, c.dp, c.tp) if c.pp > 0 else None
-        self.next = g.rank(c.pp + 1, c.dp, c.tp) if c.pp < ctx.pp_size - 1 else None
-        self.last = g.rank(ctx.pp_size - 1, c.dp, c.tp)
+        self.prev = g.rank(c.pp - 1, c.dp, c.tp, c.sp) if c.pp > 0 else None
+        self.next = g.rank(c.pp + 1, c.dp, c.tp, c.sp) if c.pp < ctx.pp_size - 1 else None
+        self.last = g.rank(ctx.pp_size - 1, c.dp, c.tp, c.sp)
         # ZeRO-3: every forward gathers parameters from all data-parallel ranks.
         self.lockstep = any(hasattr(p, "ds_id") for p in self.module.parameters())
 
@@ -77,8 +77,11 @@ class StageForward:
     def predict(self, inputs: tuple[torch.Tensor, ...], like: torch.Tensor) -> torch.Tensor:
         """`like`: a tensor of the prediction's shape (the latents), for receiving the broadcast."""
         h = tuple(x.to(self.device) for x in inputs) if self.prev is None else _recv(self.prev, self.device)
-        for layer in self._layers():
+        layers = self._layers()
+        for layer in layers:
             h = layer(h)
+        if self.next is None:
+            h = layers[-1].assemble(h)          # sequence parallel: every sp rank's tokens
         if self.next is not None:
             _send(h, self.next)
         if self.ctx.pp_size == 1:
@@ -107,6 +110,11 @@ def replica_items(n: int, forward: StageForward, ctx) -> Iterator[tuple[int, boo
     rounds = -(-n // ctx.dp_size) if forward.lockstep else len(share)
     for k in range(rounds):
         yield (share[k], True) if k < len(share) else (0, False)
+
+
+def _replica_head(ctx) -> bool:
+    """One rank per data-parallel replica reports its rows (every rank of a replica has the prediction)."""
+    return ctx.tp_rank == 0 and ctx.pp_rank == 0 and ctx.sp_rank == 0
 
 
 def _gather_rows(mine: dict[int, list[float]], ctx, contributes: bool) -> dict[int, list[float]]:
@@ -143,7 +151,7 @@ def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: E
             losses += err.flatten(1).mean(1).tolist()
         if counts:
             mine[i] = losses
-    rows = _gather_rows(mine, ctx, ctx.tp_rank == 0 and ctx.pp_rank == 0)
+    rows = _gather_rows(mine, ctx, _replica_head(ctx))
     missing = sorted(set(range(len(dataset))) - set(rows))
     if missing:
         raise RuntimeError(f"validation samples {missing} were not evaluated")
@@ -172,7 +180,7 @@ def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: Ex
         latent = sample(predict, noise, objective, cfg.val.sample_steps, cfg.val.sampler, cfg.val.guidance_scale)
         if counts:
             mine[i] = [latent[0]]
-    return {i: v[0] for i, v in _gather_rows(mine, ctx, ctx.tp_rank == 0 and ctx.pp_rank == 0).items()}
+    return {i: v[0] for i, v in _gather_rows(mine, ctx, _replica_head(ctx)).items()}
 
 
 def write_samples(latents: dict, dataset, cfg: ExperimentConfig, out_dir: Path, step: int) -> dict:

@@ -122,3 +122,26 @@ def test_config_and_json_errors_reported_together(tmp_path, capsys):
     bad.write_text("[1, 2]")
     code, _, err = run(capsys, "--config", "debug", "--set", "parallel.tp_size=x", "--deepspeed_config", str(bad))
     assert code == 1 and "2 problems" in err and "parallel.tp_size" in err and "expected a JSON object" in err
+
+
+def test_sequence_parallel_sizes_are_checked_against_heads_and_tokens(capsys):
+    """sp splits the heads of a tp rank inside attention and the token sequence (text included) outside."""
+    code, _, err = run(capsys, "--config", "configs/cogvideox-2b.yaml", "--set", "parallel.sp_size=4")
+    assert code == 1 and ("model.num_heads=30 / parallel.tp_size=1 = 30 heads per tp rank is not divisible by "
+                          "parallel.sp_size=4 (attention splits them over sp ranks); sp sizes that work with "
+                          "parallel.tp_size=1: 1, 2") in err
+    # 226 text + 13 x 48 x 85 video tokens = 53,266 = 2 x 26,633: sp 4 divides the heads but not the tokens.
+    code, _, err = run(capsys, "--config", "configs/cogvideox-5b-long.yaml", "--set", "parallel.sp_size=4")
+    assert code == 1 and ("the token sequence, 226 text (model.max_text_len) + 53040 video (13 x 48 x 85 patches of "
+                          "data.num_frames=49, data.height=768, data.width=1360) = 53266 tokens, is not divisible by "
+                          "parallel.sp_size=4; sp sizes that work with parallel.tp_size=2: 1, 2") in err
+    assert "heads per tp rank" not in err
+    # The world size counts sp: tp 2 x sp 2 needs a multiple of 4 processes, and dp is what is left.
+    code, out, err = run(capsys, "--config", "configs/cogvideox-5b-long.yaml", "--world-size", "6")
+    assert code == 1 and "world size 6 is not divisible by parallel.tp_size x parallel.pp_size x parallel.sp_size = " \
+                         "2 x 1 x 2 = 4" in err
+    code, out, _ = run(capsys, "--config", "configs/cogvideox-5b-long.yaml", "--world-size", "8",
+                       "--deepspeed_config", "ds_configs/zero2_bf16_long.json")
+    assert code == 0 and out.startswith("ok: cogvideox-5b-long tp=2 sp=2 pp=1 dp=2 (world 8), ZeRO-2 bf16")
+    layout, problems = check(load_config("debug", ["parallel.sp_size=2", "parallel.tp_size=2"]), world_size=8)
+    assert problems == [] and (layout.dp_size, layout.world_size) == (2, 8)

@@ -118,8 +118,8 @@ def test_activations_are_affine_in_the_micro_batch():
 
 # (name, ds_configs file, (tp, pp, dp), DeepSpeed's optimizer class, config overrides): ZeRO 0-3 at
 # dp = 2, EmaAdamW, tensor parallelism (ZeRO-0 fp32), a two-stage pipeline (BF16_Optimizer), and a
-# mid-size model (9.7M parameters: matrices above ZeRO-3's persistence threshold, vectors below), all
-# with 2 ranks. tp = 2 x pp = 2 runs under train.py in tests/test_resume_cli.py.
+# mid-size model (9.7M parameters: matrices above ZeRO-3's persistence threshold, vectors below), and
+# sequence parallelism (sp = 2: half the tokens per rank, ZeRO shards over the sp ranks), all with 2 ranks. tp = 2 x pp = 2 runs under train.py in tests/test_resume_cli.py.
 MID = ["model.hidden_size=384", "model.num_heads=6", "model.head_dim=64", "model.time_embed_dim=128",
        "model.text_embed_dim=128"]
 CASES = [("zero0", "zero0_fp32", (1, 1, 2), "AdamW", []), ("zero1", "zero1_bf16", (1, 1, 2), "BF16_Optimizer", []),
@@ -130,7 +130,9 @@ CASES = [("zero0", "zero0_fp32", (1, 1, 2), "AdamW", []), ("zero1", "zero1_bf16"
          ("tp2 zero0", "zero0_fp32", (2, 1, 1), "AdamW", []),
          ("pp2 zero1", "zero1_bf16", (1, 2, 1), "BF16_Optimizer", []),
          ("mid zero1", "zero1_bf16", (1, 1, 2), "BF16_Optimizer", MID),
-         ("mid zero3", "zero3_bf16", (1, 1, 2), "DeepSpeedZeroOptimizer_Stage3", MID)]
+         ("mid zero3", "zero3_bf16", (1, 1, 2), "DeepSpeedZeroOptimizer_Stage3", MID),
+         ("sp2 zero1", "zero1_bf16", (1, 1, 1), "BF16_Optimizer", ["parallel.sp_size=2"]),
+         ("sp2 zero2", "zero2_bf16", (1, 1, 1), "DeepSpeedZeroOptimizer", ["parallel.sp_size=2"])]
 STATES = ("parameters", "gradients", "adam_moments", "master_weights", "ema_shadow")
 
 
@@ -179,9 +181,10 @@ def _states_rank(rank, world_size):
     deepspeed.comm.all_reduce = recording_all_reduce
     for name, file, (tp, pp, dp), _, extra in CASES:
         cfg = experiment(tp, pp, dp, extra)
-        if (tp, pp, dp) not in contexts:
-            contexts[(tp, pp, dp)] = ParallelContext.build(Grid(pp, dp, tp))
-        ctx = contexts[(tp, pp, dp)]
+        sp = cfg.parallel.sp_size
+        if (tp, pp, dp, sp) not in contexts:
+            contexts[(tp, pp, dp, sp)] = ParallelContext.build(Grid(pp, dp, tp, sp))
+        ctx = contexts[(tp, pp, dp, sp)]
         seed_all(cfg.train.seed)
         trainer = build_trainer(cfg, ds_case(name, file), ctx)
         trainer.engine.flatten = recording_flatten(trainer.engine.flatten)
@@ -196,7 +199,7 @@ def _states_rank(rank, world_size):
                      "stage": ctx.pp_rank, "largest_all_reduce": max(reduced, default=0)}
     # A real tp = 2 block (its collectives run): what its forward saves, for the tp trace below.
     from parallel.model import layer_specs
-    tp_ctx = contexts[(2, 1, 1)]
+    tp_ctx = contexts[(2, 1, 1, 1)]
     block = layer_specs(experiment(2, 1, 1), tp_ctx)[1].build()
     x = torch.randn(B, 56, 64, requires_grad=True)
     temb = torch.randn(B, 32, requires_grad=True)
@@ -359,20 +362,22 @@ def test_search_ranks_fitting_layouts_and_explains_refusals(capsys):
     from parallel.plan_search import ds_variant, with_layout
 
     code, out, _ = cli(capsys, *FIVE_B, "--deepspeed_config", "ds_configs/zero1_bf16.json", "--search",
-                       "--format", "json", "--top", "50")
+                       "--format", "json", "--top", "100")
     r = json.loads(out)
     ranked = r["ranked"]
     assert code == 0 and len(ranked) == r["counts"]["fitting"] >= 5
     speeds = [c["step_time"]["samples_per_s"] for c in ranked]
     assert speeds == sorted(speeds, reverse=True)
     for c in ranked:
-        assert c["tp"] * c["pp"] * c["dp"] == 8 and c["memory"]["total"] <= 80 * GiB
+        assert c["tp"] * c["sp"] * c["pp"] * c["dp"] == 8 and c["memory"]["total"] <= 80 * GiB
         assert c["memory"]["total"] == sum(c["memory"]["lines"].values())
         t = c["step_time"]
-        assert t["total"] == pytest.approx((t["compute"] + t["tp"] + t["pp"]) + t["bubble"] + t["dp"])
+        assert t["total"] == pytest.approx((t["compute"] + t["tp"] + t["sp"] + t["pp"]) + t["bubble"] + t["dp"])
+        assert (t["sp"] > 0) == (c["sp"] > 1)
+    assert {c["sp"] for c in ranked} > {1}
     best = ranked[0]
-    assert best["overrides"] == [f"parallel.tp_size={best['tp']}", f"parallel.pp_size={best['pp']}",
-                                 f"train.micro_batch_size={best['micro_batch']}"]
+    assert best["overrides"] == [f"parallel.tp_size={best['tp']}", f"parallel.pp_size={best['pp']}"] \
+        + ([f"parallel.sp_size={best['sp']}"] if best["sp"] > 1 else []) + [f"train.micro_batch_size={best['micro_batch']}"]
     # The best layout, run back through plan mode with its overrides and ds_config, gives the same total.
     cfg_path = "configs/cogvideox-5b.yaml"
     import tempfile
@@ -382,7 +387,9 @@ def test_search_ranks_fitting_layouts_and_explains_refusals(capsys):
                        *[a for o in best["overrides"] for a in ("--set", o)])
     assert code == 0 and json.loads(out)["total"] == best["memory"]["total"]
     # Refusals carry the checker's own messages: pp = 4 does not divide 42 blocks, ZeRO-2 needs pp = 1.
-    refused = {(i["layout"]["tp"], i["layout"]["pp"], i["layout"]["zero"]): i["problems"] for i in r["invalid"]}
+    refused = {(i["layout"]["tp"], i["layout"]["pp"], i["layout"]["zero"]): i["problems"] for i in r["invalid"]
+               if i["layout"]["sp"] == 1}
+    assert all(c["tp"] * c["sp"] <= 8 for c in ranked + [i["layout"] for i in r["invalid"]])   # within a node
     cfg = with_layout(load_config(cfg_path), 1, 4, 1)
     ds = ds_variant(json.load(open("ds_configs/zero1_bf16.json")), 1, True)
     expected = check(cfg, ds, "ds_configs/zero1_bf16.json at zero_optimization.stage=1", 8)[1]

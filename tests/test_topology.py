@@ -1,4 +1,4 @@
-"""Rank arithmetic of the (pp, dp, tp) grid against DeepSpeed's own topology, and launcher variables."""
+"""Rank arithmetic of the (pp, dp, sp, tp) grid against DeepSpeed's own topology, and launcher variables."""
 import pytest
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
@@ -19,6 +19,25 @@ def test_grid_matches_deepspeed_topology(pp, dp, tp):
     assert sorted(grid.tp_groups()) == sorted(topo.get_axis_comm_lists("model"))
     assert sorted(grid.dp_groups()) == sorted(topo.get_axis_comm_lists("data"))
     assert sorted(grid.pp_groups()) == sorted(topo.get_axis_comm_lists("pipe"))
+
+
+@pytest.mark.parametrize("pp, dp, sp, tp", [(1, 1, 2, 1), (1, 2, 2, 2), (2, 1, 2, 2), (2, 2, 4, 1), (1, 3, 2, 2)])
+def test_sequence_axis_is_inside_deepspeeds_data_axis(pp, dp, sp, tp):
+    """DeepSpeed sees dp x sp data ranks: its data coordinate is dp_rank * sp + sp_rank."""
+    grid = Grid(pp, dp, tp, sp)
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp * sp)
+    assert grid.world_size == topo.world_size()
+    for rank in range(grid.world_size):
+        c, ds = grid.coord(rank), topo.get_coord(rank)
+        assert (c.pp, c.dp * sp + c.sp, c.tp) == (ds.pipe, ds.data, ds.model)
+        assert grid.rank(c.pp, c.dp, c.tp, c.sp) == rank
+        ctx = ParallelContext(grid, rank=rank)
+        assert ctx.get_data_parallel_rank() == ds.data and ctx.get_data_parallel_world_size() == dp * sp
+    assert sorted(grid.data_groups()) == sorted(topo.get_axis_comm_lists("data"))
+    for group in grid.sp_groups():       # same (pp, dp, tp), consecutive sp coordinates
+        coords = [grid.coord(r) for r in group]
+        assert len({(c.pp, c.dp, c.tp) for c in coords}) == 1 and [c.sp for c in coords] == list(range(sp))
+    assert sorted(r for g in grid.sp_groups() for r in g) == list(range(grid.world_size))
 
 
 def test_tp_peers_are_neighbours():

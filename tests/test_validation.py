@@ -41,14 +41,16 @@ def _validate_rank(rank, world_size, layouts, extra):
     from models.diffusion import Objective
 
     out = []
-    for (tp, pp, dp), stage in layouts:
-        cfg = experiment(tp, pp, dp, VAL + extra)
-        ctx = ParallelContext.build(Grid(pp, dp, tp))
+    for (tp, pp, dp, *sp), stage in layouts:       # (tp, pp, dp) or (tp, pp, dp, sp)
+        sp = sp[0] if sp else 1
+        cfg = experiment(tp, pp, dp, VAL + extra, sp)
+        ctx = ParallelContext.build(Grid(pp, dp, tp, sp))
         seed_all(cfg.train.seed)
         trainer = build_trainer(cfg, fp32_config(stage), ctx)
         dataset = Recording(build_val_dataset(cfg))
         result = validation_loss(StageForward(trainer.engine, ctx), dataset, Objective(cfg.model.objective), cfg, ctx)
-        out.append({"result": result, "read": dataset.read, "replica": (ctx.dp_rank, ctx.tp_rank, ctx.pp_rank)})
+        out.append({"result": result, "read": dataset.read,
+                    "replica": (ctx.dp_rank, ctx.tp_rank, ctx.pp_rank, ctx.sp_rank)})
     return out
 
 
@@ -63,7 +65,11 @@ def _check(results, serial, n, lockstep=False):
     Under ZeRO-3 (lockstep) replicas with fewer samples run discarded forwards of sample 0."""
     for r in results:
         assert r["result"] == serial
-    reads = [i for r in results if r["replica"][1:] == (0, 0) for i in r["read"]]
+    _check_reads(results, n, lockstep)
+
+
+def _check_reads(results, n, lockstep=False):
+    reads = [i for r in results if r["replica"][1:] == (0, 0, 0) for i in r["read"]]
     replicas = len({r["replica"][0] for r in results})
     extra = -(-n // replicas) * replicas - n if lockstep else 0
     assert sorted(reads) == [0] * extra + list(range(n))
@@ -162,12 +168,14 @@ def _sample_rank(rank, world_size, layouts, out):
     from tests.train_utils import experiment
 
     frames = []
-    for (tp, pp, dp), stage in layouts:
-        cfg = experiment(tp, pp, dp, VAL + ["val.num_prompts=3", "val.sample_steps=4", "val.formats=[gif, mp4]"])
-        ctx = ParallelContext.build(Grid(pp, dp, tp))
+    for (tp, pp, dp, *sp), stage in layouts:
+        sp = sp[0] if sp else 1
+        cfg = experiment(tp, pp, dp, VAL + ["val.num_prompts=3", "val.sample_steps=4", "val.formats=[gif, mp4]"],
+                         sp)
+        ctx = ParallelContext.build(Grid(pp, dp, tp, sp))
         seed_all(cfg.train.seed)
         trainer = build_trainer(cfg, fp32_config(stage), ctx)
-        folder = Path(out) / f"tp{tp}pp{pp}dp{dp}z{stage}"
+        folder = Path(out) / f"tp{tp}pp{pp}dp{dp}z{stage}" if sp == 1 else Path(out) / f"tp{tp}pp{pp}dp{dp}sp{sp}z{stage}"
         validator = Validator(cfg, trainer, ctx, build_val_dataset(cfg), folder if ctx.rank == 0 else None)
         validator.run(1)
         validator.publish()

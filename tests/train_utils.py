@@ -22,14 +22,15 @@ def fp32_config(stage: int = 0, checkpointing: bool = True, optimizer: str = "Ad
     return ds
 
 
-def experiment(tp: int, pp: int, dp: int, extra=()):
+def experiment(tp: int, pp: int, dp: int, extra=(), sp: int = 1):
     """`debug` at a fixed global batch of 4 (micro-batch x 2 micro-steps x dp), so every layout sees the same data."""
     mb = GLOBAL_BATCH // (2 * dp)
-    return load_config("debug", [f"parallel.tp_size={tp}", f"parallel.pp_size={pp}", f"train.micro_batch_size={mb}",
-                                 "train.grad_accum_steps=2", "train.warmup_steps=0", *extra])
+    return load_config("debug", [f"parallel.tp_size={tp}", f"parallel.pp_size={pp}", f"parallel.sp_size={sp}",
+                                 f"train.micro_batch_size={mb}", "train.grad_accum_steps=2", "train.warmup_steps=0",
+                                 *extra])
 
 
-def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra):
+def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp=1):
     """Train `steps` steps; the losses, the full weights (and EMA) this rank holds, any replica drift."""
     import deepspeed
 
@@ -41,8 +42,8 @@ def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra):
     from parallel.seed import seed_all
     from parallel.topology import Grid, ParallelContext
 
-    cfg = experiment(tp, pp, dp, extra)
-    ctx = ParallelContext.build(Grid(pp, dp, tp))
+    cfg = experiment(tp, pp, dp, extra, sp)
+    ctx = ParallelContext.build(Grid(pp, dp, tp, sp))
     seed_all(cfg.train.seed)
     trainer = build_trainer(cfg, ds, ctx)
     batches = training_batches(cfg, ctx)
@@ -58,9 +59,9 @@ def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra):
     return {"losses": losses, "state": state, "ema": ema, "replica_mismatches": replica_mismatches(module, ctx)}
 
 
-def train(tp: int, pp: int, dp: int, ds: dict, steps: int = 3, extra=()):
+def train(tp: int, pp: int, dp: int, ds: dict, steps: int = 3, extra=(), sp: int = 1):
     """Per-step losses (rank 0's), the merged full fp32 weights (and EMA) of all ranks, any replica drift."""
-    results = run_ranks(_train_rank, tp * pp * dp, tp, pp, dp, ds, steps, tuple(extra))
+    results = run_ranks(_train_rank, tp * pp * dp * sp, tp, pp, dp, ds, steps, tuple(extra), sp)
     state: dict[str, torch.Tensor] = {}
     ema: dict[str, torch.Tensor] = {}
     for r in results:

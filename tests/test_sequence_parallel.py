@@ -1,0 +1,144 @@
+"""Ulysses sequence parallelism (parallel.sp_size) against one process, and its all-to-alls counted.
+
+The `debug` sequence is 8 text + 48 video = 56 tokens: at sp = 2 the first rank holds the 8 text tokens
+and 20 video tokens, the second 28 video tokens, so the text/video boundary falls inside a rank.
+"""
+import pytest
+import torch
+
+from tests.dist_utils import run_ranks
+from tests.train_utils import fp32_config, train
+
+B = 2
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train(1, 1, 1, fp32_config())
+
+
+def _assert_matches(run, reference):
+    """Losses to fp32 tolerance; weights to 1% of one step (train.lr = 3e-3): the sp ranks add a
+    gradient's token contributions in another order, and Adam divides each element by its own
+    magnitude, so for an element whose gradient is near zero the round-off becomes a visible part of
+    its update. The gradients themselves are compared at fp32 tolerance below."""
+    expected = torch.tensor(reference["losses"], dtype=torch.float32)
+    for rank_losses in run["all_losses"]:
+        torch.testing.assert_close(torch.tensor(rank_losses, dtype=torch.float32), expected)
+    assert run["state"].keys() == reference["state"].keys()
+    for name, value in reference["state"].items():
+        torch.testing.assert_close(run["state"][name], value, rtol=1.3e-6, atol=3e-5, msg=lambda m: f"{name}: {m}")
+    assert run["replica_mismatches"] == []
+
+
+LAYOUTS = [  # (tp, pp, dp, sp, zero stage)
+    (1, 1, 1, 2, 0), (2, 1, 1, 2, 0), (1, 2, 1, 2, 1), (1, 1, 2, 2, 2),
+]
+
+
+@pytest.mark.parametrize("tp, pp, dp, sp, stage", LAYOUTS,
+                         ids=[f"tp{t}-pp{p}-dp{d}-sp{s}-zero{z}" for t, p, d, s, z in LAYOUTS])
+def test_sequence_parallel_layout_matches_one_process(reference, tp, pp, dp, sp, stage):
+    _assert_matches(train(tp, pp, dp, fp32_config(stage), sp=sp), reference)
+
+
+def test_sequence_parallel_with_rotary_positions():
+    """3D RoPE is applied inside attention, on the whole sequence, after the all-to-all."""
+    extra = ("model.pos_embed=rope3d",)
+    _assert_matches(train(1, 1, 1, fp32_config(), sp=2, extra=extra), train(1, 1, 1, fp32_config(), extra=extra))
+
+
+def test_validation_and_samples_with_sequence_parallel(tmp_path):
+    """Validation at sp 2 x dp 2 and sample videos at sp 2 equal one process's (to fp32
+    round-off: the sp ranks' attention sums in another order); each sample is read by one replica."""
+    from tests.test_validation import _check_reads, _sample_rank, _validate_rank
+
+    (one,) = run_ranks(_validate_rank, 1, [((1, 1, 1), 0)], [])
+    by_rank = run_ranks(_validate_rank, 4, [((1, 1, 2, 2), 0)], [])
+    for r in by_rank:
+        assert r[0]["result"].keys() == one[0]["result"].keys()
+        for key, value in one[0]["result"].items():
+            assert r[0]["result"][key] == pytest.approx(value, rel=1e-5), key
+    _check_reads([r[0] for r in by_rank], 7)
+
+    (serial,) = run_ranks(_sample_rank, 1, [((1, 1, 1), 0)], str(tmp_path))
+    sp = run_ranks(_sample_rank, 2, [((1, 1, 1, 2), 0)], str(tmp_path))
+    for i, frames in serial[0].items():
+        diff = (sp[0][0][i].astype(int) - frames.astype(int))
+        assert abs(diff).max() <= 1 and (diff != 0).mean() < 0.01, i    # uint8 frames: rounding at most
+
+
+def _rank(rank, world_size):
+    import deepspeed
+    import torch.distributed as dist
+
+    from models.data import DiffusionBatches
+    from models.diffusion import Objective
+    from parallel import accelerator
+    from parallel.config import load_config
+    from parallel.model import build_model
+    from parallel.run import build_dataset
+    from parallel.topology import Grid, ParallelContext
+
+    calls = []
+    original = dist.all_to_all_single
+
+    def counted(output, input, *args, **kwargs):
+        calls.append(input.numel())
+        return original(output, input, *args, **kwargs)
+    dist.all_to_all_single = counted
+
+    deepspeed.init_distributed(dist_backend=accelerator.backend())
+    cfg = load_config("debug", [f"train.micro_batch_size={B}", "parallel.sp_size=2"])
+    ctx = ParallelContext.build(Grid(1, 1, 1, 2))
+    inputs, target = next(DiffusionBatches(build_dataset(cfg), Objective("v_prediction"), seed=0, micro_batch=B,
+                                           grad_accum=1, dp_rank=0, dp_size=1))
+    serial = build_model(cfg, {}, ParallelContext.single())     # the layers follow the context: sp = 1
+    serial_loss = serial(inputs, target)
+    serial_loss.backward()
+
+    deepspeed.checkpointing.configure(ctx, partition_activations=False)
+    out = {}
+    for name, (ds, fn) in {"plain": ({}, None),
+                           "recompute": ({"activation_checkpointing": {}}, deepspeed.checkpointing.checkpoint)}.items():
+        model = build_model(cfg, ds, ctx, fn)
+        calls.clear()
+        loss = model(inputs, target)
+        fwd = list(calls)
+        calls.clear()
+        loss.backward()
+        bwd = list(calls)
+        # The sp ranks' losses and gradients average to the serial ones (DeepSpeed averages over dp x sp).
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss, group=ctx.sp_group)
+        grads = {}
+        for n, p in model.named_parameters():
+            g = p.grad.clone()
+            dist.all_reduce(g, group=ctx.sp_group)
+            grads[n] = g / 2
+        out[name] = {"fwd": fwd, "bwd": bwd, "loss": mean_loss.item() / 2, "grads": grads}
+        if name == "plain":
+            with torch.no_grad():
+                out[name]["prediction"] = model.final.assemble(model.predict(inputs))
+    with torch.no_grad():
+        out["serial"] = {"loss": serial_loss.item(), "prediction": serial.predict(inputs),
+                         "grads": {n: p.grad for n, p in serial.named_parameters()}}
+    return out
+
+
+def test_four_all_to_alls_per_attention_each_way_and_serial_numbers():
+    results = run_ranks(_rank, 2)
+    layers, s, heads, d = 4, 8 + 48, 4, 16
+    chunk = B * (s // 2) * heads * d          # q, k, v and the output: [B, S/sp, heads, d] on each rank
+    for r in results:
+        plain, recompute, serial = r["plain"], r["recompute"], r["serial"]
+        assert plain["fwd"] == [chunk] * (4 * layers)
+        assert plain["bwd"] == [chunk] * (4 * layers)
+        # Recomputation repeats the forward's four inside backward.
+        assert recompute["fwd"] == plain["fwd"]
+        assert sorted(recompute["bwd"]) == [chunk] * (8 * layers)
+        torch.testing.assert_close(plain["prediction"], serial["prediction"])
+        for run in (plain, recompute):
+            torch.testing.assert_close(run["loss"], serial["loss"])
+            for name, grad in serial["grads"].items():
+                torch.testing.assert_close(run["grads"][name], grad, msg=lambda m: f"{name}: {m}")
