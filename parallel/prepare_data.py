@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import importlib.util
 import json
 import os
 import sys
@@ -69,6 +70,9 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
     from parallel.vae import check_vae, read_vae_config
 
     problems, entries, vae_config = [], [], {}
+    for module, role in (("diffusers", "the CogVideoX VAE"), ("av", "reading video files (PyAV)")):
+        if importlib.util.find_spec(module) is None:
+            problems.append(f"{module} is not installed, needed for {role}: pip install '.[data]'")
     try:
         entries = read_captions(args.videos, args.captions)
     except InputError as e:
@@ -78,7 +82,7 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
     except (FileNotFoundError, ValueError) as e:
         problems.append(str(e))
     if vae_config:
-        problems += check_vae(vae_config, cfg.model, cfg.data)
+        problems += check_vae(vae_config, cfg.model, cfg.data, key=f"--vae={args.vae}")
     if args.t5:
         try:
             d_model = json.loads((args.t5 / "config.json").read_text()).get("d_model")

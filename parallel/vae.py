@@ -51,13 +51,11 @@ def check_vae(config: dict, model, data, key: str = "--vae") -> list[str]:
     problems = []
     if config.get("latent_channels") != model.in_channels:
         problems.append(f"{key}: latent_channels={config.get('latent_channels')} != "
-                        f"model.in_channels={model.in_channels}")
-    if spatial != model.vae_scale_spatial:
-        problems.append(f"{key}: the VAE downsamples H and W by {spatial}, model.vae_scale_spatial="
-                        f"{model.vae_scale_spatial}")
-    if temporal != model.vae_scale_temporal:
-        problems.append(f"{key}: the VAE downsamples time by {temporal}, model.vae_scale_temporal="
-                        f"{model.vae_scale_temporal}")
+                        f"model.in_channels={model.in_channels} (use the VAE the model was made for)")
+    for what, factor, name in (("H and W", spatial, "vae_scale_spatial"), ("time", temporal, "vae_scale_temporal")):
+        if factor != getattr(model, name):
+            problems.append(f"{key}: the VAE downsamples {what} by {factor}, model.{name}={getattr(model, name)} "
+                            f"(use the VAE the model was made for, or --set model.{name}={factor})")
     for name, size in (("height", data.height), ("width", data.width)):
         if size % spatial:
             problems.append(f"data.{name}={size} is not a multiple of the VAE's spatial factor {spatial}")

@@ -214,8 +214,9 @@ def test_bad_input_is_refused_before_any_model_loads(videos, vae_dir, tmp_path, 
     assert f"--vae={tmp_path / 'no_vae'}: no such folder; expected a folder written by " \
            "AutoencoderKLCogVideoX.save_pretrained" in err
     err = refused(root, vae_dir, tmp_path / "o", sets=SETS[:3])           # debug's own VAE scales are 8 and 4
-    assert "the VAE downsamples H and W by 2, model.vae_scale_spatial=8" in err
-    assert "the VAE downsamples time by 2, model.vae_scale_temporal=4" in err
+    assert f"--vae={vae_dir}: the VAE downsamples H and W by 2, model.vae_scale_spatial=8 (use the VAE the model " \
+           "was made for, or --set model.vae_scale_spatial=2)" in err
+    assert f"--vae={vae_dir}: the VAE downsamples time by 2, model.vae_scale_temporal=4" in err
 
     bad = tmp_path / "listed"
     bad.mkdir()
@@ -271,3 +272,11 @@ def test_validation_decodes_with_the_vae_folder(vae_dir):
         x = vae.decode(latent[None] / vae.config.scaling_factor).sample[0]            # (3, T, H, W) in [-1, 1]
     assert frames.dtype == np.uint8 and frames.shape == (5, 16, 16, 3)
     np.testing.assert_array_equal(frames, to_uint8(((x.permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1)))
+
+
+def test_training_imports_neither_diffusers_nor_av():
+    """The [data] extra is optional: every training module imports with diffusers and av unavailable."""
+    code = ("import sys; sys.modules.update(diffusers=None, av=None)\n"
+            "import train, parallel.run, parallel.validate, parallel.media, parallel.prepare_data, parallel.vae\n"
+            "from parallel.media import load_decoder; load_decoder(None)")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
