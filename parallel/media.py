@@ -73,7 +73,10 @@ def load_decoder(spec: str | None) -> Decoder:
         return latent_preview
     if Path(spec).is_dir():
         from parallel.vae import vae_decoder
-        fn = vae_decoder(spec)
+        try:
+            fn = vae_decoder(spec)
+        except (FileNotFoundError, ImportError, ValueError) as e:
+            raise ValueError(str(e)) from None
         return lambda latent: to_uint8(fn(latent))
     form = ('expected "package.module:function", a callable taking a latent [C, T, H, W] and returning frames, '
             'or a CogVideoX VAE folder (AutoencoderKLCogVideoX.save_pretrained)')

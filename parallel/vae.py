@@ -11,6 +11,7 @@ in the first log2(temporal_compression_ratio) of those, so T frames -> (T - 1) /
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -109,19 +110,22 @@ def default_dtype() -> torch.dtype:
     return torch.bfloat16 if accelerator.name() != "cpu" and accelerator.is_bf16_supported() else torch.float32
 
 
+@functools.lru_cache(maxsize=1)
+def _decoding_vae(path: str):
+    from parallel import accelerator
+    vae = load_vae(path, accelerator.device(int(os.environ.get("LOCAL_RANK", 0))), default_dtype())
+    vae.enable_tiling()
+    return vae
+
+
 def vae_decoder(path: str | Path):
     """A validation decoder (latent [C, T, H, W] -> frames) backed by the VAE folder at `path`.
 
-    The folder is checked now; the VAE is loaded on the first call only (on the logging rank that
-    decodes), on this process's device, with tiling so a full-size video fits beside training.
+    The folder is checked now; the VAE is loaded at the first call (on the logging rank, which decodes)
+    and kept for later validations, on this process's device, with tiling so a full-size video fits
+    beside training.
     """
     read_vae_config(path, key="val.decoder")
-
-    @functools.cache
-    def vae():
-        from parallel import accelerator
-        model = load_vae(path, accelerator.device(int(os.environ.get("LOCAL_RANK", 0))), default_dtype())
-        model.enable_tiling()
-        return model
-
-    return lambda latent: decode(vae(), latent)
+    if importlib.util.find_spec("diffusers") is None:
+        raise ImportError(f"val.decoder={path}: decoding with the VAE needs diffusers: pip install '.[data]'")
+    return lambda latent: decode(_decoding_vae(str(Path(path).resolve())), latent)

@@ -264,14 +264,24 @@ def test_frame_choice_and_resize():
     np.testing.assert_array_equal(small, x[0].permute(1, 2, 0).round().to(torch.uint8).numpy()[:, 0:2])
 
 
-def test_validation_decodes_with_the_vae_folder(vae_dir):
+def test_validation_decodes_with_the_vae_folder(vae_dir, tmp_path):
+    from parallel.validate import write_samples
+
     vae = AutoencoderKLCogVideoX.from_pretrained(vae_dir).eval()
     latent = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
-    frames = load_decoder(str(vae_dir))(latent)
     with torch.no_grad():
         x = vae.decode(latent[None] / vae.config.scaling_factor).sample[0]            # (3, T, H, W) in [-1, 1]
+    expected = to_uint8(((x.permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1))
+    frames = load_decoder(str(vae_dir))(latent)
     assert frames.dtype == np.uint8 and frames.shape == (5, 16, 16, 3)
-    np.testing.assert_array_equal(frames, to_uint8(((x.permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1)))
+    np.testing.assert_array_equal(frames, expected)
+    # What validation writes with val.decoder set to the folder.
+    cfg = load_config("debug", [f"val.decoder={vae_dir}", "val.formats=[gif]"])
+    written = write_samples({0: latent}, [], cfg, tmp_path, step=2)
+    np.testing.assert_array_equal(written[0], expected)
+    assert (tmp_path / "samples/step2/prompt0.gif").is_file()
+    with pytest.raises(ValueError, match=f"val.decoder={tmp_path}: cannot read config.json"):
+        load_decoder(str(tmp_path))
 
 
 def test_training_imports_neither_diffusers_nor_av():
