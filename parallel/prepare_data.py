@@ -1,7 +1,7 @@
 """Videos + captions -> the latent folder that `data.kind: directory` trains from.
 
     python -m parallel.prepare_data --config configs/cogvideox-2b.yaml --videos clips/ --captions clips.csv \\
-        --vae CogVideoX-2b/vae --t5 CogVideoX-2b/text_encoder --out data/clips
+        --vae CogVideoX-2b/vae --t5 t5/ --out data/clips
     torchrun --nproc_per_node 8 -m parallel.prepare_data ...        # each rank takes every 8th video
 
 Each video becomes the clip training expects (data.num_frames x data.height x data.width, parallel.frames),
@@ -84,15 +84,17 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
     if vae_config:
         problems += check_vae(vae_config, cfg.model, cfg.data, key=f"--vae={args.vae}")
     if args.t5:
+        what = ("expected a folder written by T5EncoderModel.save_pretrained with its tokenizer beside it "
+                "(for a CogVideoX release: text_encoder/ with the files of tokenizer/ copied in)")
         try:
             d_model = json.loads((args.t5 / "config.json").read_text()).get("d_model")
             if d_model != cfg.model.text_embed_dim:
                 problems.append(f"--t5={args.t5}: d_model {d_model} != model.text_embed_dim "
                                 f"{cfg.model.text_embed_dim}")
+            if not (args.t5 / "tokenizer_config.json").is_file():
+                problems.append(f"--t5={args.t5}: no tokenizer_config.json in it; {what}")
         except (OSError, json.JSONDecodeError) as e:
-            problems.append(f"--t5={args.t5}: cannot read config.json ({e}); expected a folder written by "
-                            "T5EncoderModel.save_pretrained plus its tokenizer (e.g. text_encoder/ of a release "
-                            "with tokenizer/ copied into it)")
+            problems.append(f"--t5={args.t5}: cannot read config.json ({e}); {what}")
     if args.limit is not None and args.limit < 0:
         problems.append(f"--limit={args.limit}: give a number >= 0")
     stamp = args.out / "prepare.json"

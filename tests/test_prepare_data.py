@@ -231,6 +231,12 @@ def test_bad_input_is_refused_before_any_model_loads(videos, vae_dir, tmp_path, 
     assert f"--captions={bad / 'captions.csv'}: no such file (a CSV with video,caption columns" in \
         refused(bad, vae_dir, bad)
 
+    t5 = tmp_path / "t5"
+    t5.mkdir()
+    (t5 / "config.json").write_text(json.dumps({"d_model": 32}))
+    assert f"--t5={t5}: no tokenizer_config.json in it; expected a folder written by T5EncoderModel" in \
+        refused(root, vae_dir, tmp_path / "o", "--t5", str(t5))
+
     out = tmp_path / "stamped"
     out.mkdir()
     (out / "prepare.json").write_text(json.dumps({"num_frames": 17}))
