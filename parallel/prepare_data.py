@@ -26,7 +26,17 @@ import sys
 import uuid
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from models.dit import latent_shape
 from parallel.captions import InputError, read_captions, video_files
+from parallel.config import ConfigError, load_config
+from parallel.frames import VideoError, read_clip
+from parallel.seed import derive_seed
+from parallel.topology import read_launch_env
+from parallel.vae import check_vae, default_dtype, encode, load_vae, read_vae_config
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -67,8 +77,6 @@ def settings(args, cfg, vae_config: dict) -> dict:
 
 def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
     """Everything checked before a model loads: captions and videos, VAE, T5, --out's earlier settings."""
-    from parallel.vae import check_vae, read_vae_config
-
     problems, entries, vae_config = [], [], {}
     for module, role in (("diffusers", "the CogVideoX VAE"), ("av", "reading video files (PyAV)")):
         if importlib.util.find_spec(module) is None:
@@ -158,11 +166,7 @@ class ClipEncoder:
     """One video -> its latent file (and text file with a T5): decode, encode, write atomically."""
 
     def __init__(self, args, cfg, local_rank: int, tag: str):
-        import torch
-
-        from models.dit import latent_shape
         from parallel import accelerator
-        from parallel.vae import default_dtype, load_vae
 
         device = accelerator.device(local_rank)
         self.vae = load_vae(args.vae, device, getattr(torch, DTYPES[args.vae_dtype]) if args.vae_dtype
@@ -178,14 +182,7 @@ class ClipEncoder:
         self.expected = (cfg.model.in_channels, *latent_shape(cfg.model, cfg.data))
 
     def __call__(self, rel: str, caption: str) -> None:
-        """Writes the video's files; raises VideoError (parallel.frames) for an unusable video."""
-        import torch
-        from safetensors.torch import save_file
-
-        from parallel.frames import read_clip
-        from parallel.seed import derive_seed
-        from parallel.vae import encode
-
+        """Writes the video's files; raises VideoError for an unusable video."""
         args, data = self.args, self.data
         frames = read_clip(args.videos / rel, data.num_frames, data.height, data.width, args.fps)
         generator = torch.Generator().manual_seed(derive_seed(self.seed, "vae", rel)) \
@@ -204,10 +201,6 @@ class ClipEncoder:
 
 def prepare(args, cfg, env) -> dict:
     """This rank's share of the videos, then the merged manifest; counts for the summary line."""
-    from tqdm import tqdm
-
-    from parallel.frames import VideoError
-
     entries, vae_config = check_inputs(args, cfg)
     out, t5, rank, world = args.out, args.t5 is not None, env.rank, env.world_size
     tmp, tag = out / ".tmp", f"r{rank}"
@@ -230,12 +223,12 @@ def prepare(args, cfg, env) -> dict:
     skip_log = tmp / f"skipped.rank{rank}-of-{world}.jsonl"
     skip_log.write_text("")
     if todo:
-        prepare_one = ClipEncoder(args, cfg, env.local_rank, tag)
+        encode_clip = ClipEncoder(args, cfg, env.local_rank, tag)
         bar = tqdm(todo, desc=f"rank {rank}/{world}", unit="video", position=env.local_rank, file=sys.stderr,
                    dynamic_ncols=True)
         for rel, caption in bar:
             try:
-                prepare_one(rel, caption)
+                encode_clip(rel, caption)
                 counts["prepared"] += 1
             except VideoError as e:
                 bar.write(f"skipping {args.videos / rel}: {e}", file=sys.stderr)
@@ -249,9 +242,6 @@ def prepare(args, cfg, env) -> dict:
 
 
 def main(argv=None) -> int:
-    from parallel.config import ConfigError, load_config
-    from parallel.topology import read_launch_env
-
     args = parse_args(argv)
     env = read_launch_env()
     try:
