@@ -14,7 +14,8 @@ import torch
 
 
 class T5TextEncoder:
-    def __init__(self, path: str | Path, max_len: int, expected_dim: int | None = None, device="cpu"):
+    def __init__(self, path: str | Path, max_len: int, expected_dim: int | None = None, device="cpu",
+                 cache_size: int = 4096):
         from transformers import AutoTokenizer, T5EncoderModel
 
         path = Path(path)
@@ -27,7 +28,7 @@ class T5TextEncoder:
         if expected_dim is not None and dim != expected_dim:
             raise ValueError(f"data.text_encoder={path}: d_model {dim} != model.text_embed_dim {expected_dim}")
         self.max_len, self.device = max_len, device
-        self.encode = lru_cache(maxsize=4096)(self._encode)
+        self.encode = lru_cache(maxsize=cache_size)(self._encode)
 
     @torch.no_grad()
     def _encode(self, caption: str) -> torch.Tensor:

@@ -133,8 +133,8 @@ class ValConfig(_Section):
     guidance_scale: float = Field(1.0, ge=0, description="classifier-free guidance; 1 = off")
     formats: list[Literal["gif", "mp4"]] = Field(["gif"], min_length=1)
     fps: int = Field(8, ge=1)
-    decoder: Optional[str] = Field(None, description="'package.module:function' mapping a latent [C,T,H,W] "
-                                   "to frames; default: a latent-to-RGB preview")
+    decoder: Optional[str] = Field(None, description="a CogVideoX VAE folder (diffusers) or 'package.module:function' "
+                                   "mapping a latent [C,T,H,W] to frames; default: a latent-to-RGB preview")
 
     @field_validator("timesteps")
     @classmethod

@@ -1,7 +1,7 @@
 """What validation writes: videos (GIF, MP4), loss plots and a static index.html that shows them.
 
 Frames everywhere are uint8 numpy arrays [T, H, W, 3]. A sampled latent [C, T, H, W] becomes frames
-through a decoder: `load_decoder("package.module:function")` plugs a real VAE, and without one
+through a decoder: `load_decoder(VAE folder or "package.module:function")` plugs a real VAE, and without one
 `latent_preview` maps the latent channels to RGB so training progress is still visible.
 """
 from __future__ import annotations
@@ -62,17 +62,27 @@ def latent_preview(latent: torch.Tensor, scale: int = 4) -> np.ndarray:
 
 
 def load_decoder(spec: str | None) -> Decoder:
-    """The decoder named by `spec` ("package.module:function"), wrapped to return uint8 frames; None -> preview.
+    """The decoder `spec` names, wrapped to return uint8 frames; None -> preview.
 
-    The function takes a latent [C, T, H, W] fp32 tensor and returns frames [T, H, W, 3], uint8 or floats in
-    [0, 1]. It runs on every process that decodes, so it should load its VAE once (e.g. functools.cache).
+    `spec` is a CogVideoX VAE folder (`diffusers` AutoencoderKLCogVideoX, decoded with 1/scaling_factor,
+    see parallel.vae) or "package.module:function", a callable taking a latent [C, T, H, W] fp32 tensor
+    and returning frames [T, H, W, 3], uint8 or floats in [0, 1]. It runs on every process that decodes,
+    so it should load its VAE once (e.g. functools.cache).
     """
     if spec is None:
         return latent_preview
-    form = 'expected "package.module:function", a callable taking a latent [C, T, H, W] and returning frames'
+    if Path(spec).is_dir():
+        from parallel.vae import vae_decoder
+        try:
+            fn = vae_decoder(spec)
+        except (FileNotFoundError, ImportError, ValueError) as e:
+            raise ValueError(str(e)) from None
+        return lambda latent: to_uint8(fn(latent))
+    form = ('expected "package.module:function", a callable taking a latent [C, T, H, W] and returning frames, '
+            'or a CogVideoX VAE folder (AutoencoderKLCogVideoX.save_pretrained)')
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"decoder {spec!r}: {form}")
+        raise ValueError(f"decoder {spec!r}: not a folder; {form}")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:

@@ -12,7 +12,7 @@ if [ ! -f "$STAMP" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip >&2
   # torch first, pinned: 2.13.0 is the CPU build on this machine class; an unpinned torch pulls a CUDA build.
   "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[test]" >&2
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[test,data]" >&2
   rm -f "$VENV"/.installed-*
   touch "$STAMP"
 fi

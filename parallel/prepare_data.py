@@ -1,0 +1,262 @@
+"""Videos + captions -> the latent folder that `data.kind: directory` trains from.
+
+    python -m parallel.prepare_data --config configs/cogvideox-2b.yaml --videos clips/ --captions clips.csv \\
+        --vae CogVideoX-2b/vae --t5 t5/ --out data/clips
+    torchrun --nproc_per_node 8 -m parallel.prepare_data ...        # each rank takes every 8th video
+
+Each video becomes the clip training expects (data.num_frames x data.height x data.width, parallel.frames),
+then a VAE latent [C, T, H, W] (parallel.vae) in latents/<video>.safetensors and, with --t5, its caption's
+T5 embedding [model.max_text_len, model.text_embed_dim] in text/<video>.safetensors; without --t5 the
+manifest keeps the caption for training to encode (data.text_encoder). manifest.jsonl lists the prepared
+videos in captions order, skipped.jsonl the unusable ones with the reason, prepare.json the settings.
+
+Rank r of WORLD_SIZE takes videos r, r + WORLD_SIZE, ... . A video is done when its latent file exists
+(files are written to .tmp/ and renamed into place, text first), so a rerun after an interruption goes on
+with the rest. Every rank rebuilds the manifest from the files on disk when it finishes, one rank at a
+time (a file lock), so the last rank to finish writes the complete one.
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import importlib.util
+import json
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from models.dit import latent_shape
+from parallel.captions import InputError, read_captions, video_files
+from parallel.config import ConfigError, load_config
+from parallel.frames import VideoError, read_clip
+from parallel.seed import derive_seed
+from parallel.topology import read_launch_env
+from parallel.vae import check_vae, default_dtype, encode, load_vae, read_vae_config
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="experiment YAML file or preset name (data.num_frames, "
+                    "data.height, data.width; model.in_channels, vae scales, max_text_len, text_embed_dim)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key, as in train.py (repeatable)")
+    ap.add_argument("--videos", required=True, type=Path, help="folder of video files (searched recursively)")
+    ap.add_argument("--captions", type=Path, help="CSV with video,caption columns or JSONL of "
+                    '{"video": ..., "caption": ...}; video paths relative to --videos. '
+                    "Default: a .txt file next to each video")
+    ap.add_argument("--vae", required=True, type=Path, help="AutoencoderKLCogVideoX folder (save_pretrained)")
+    ap.add_argument("--t5", type=Path, help="T5 encoder + tokenizer folder; without it the manifest keeps captions")
+    ap.add_argument("--out", required=True, type=Path, help="output folder (data.path for training)")
+    ap.add_argument("--fps", type=float, help="take a clip at this frame rate from the start of each video; "
+                    "default: data.num_frames frames spread over the whole video")
+    ap.add_argument("--posterior", choices=["sample", "mode"], default="sample",
+                    help="sample: a draw from the VAE posterior seeded by (train.seed, video), as CogVideoX "
+                    "trains; mode: its mean")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the stored tensors")
+    ap.add_argument("--vae-dtype", choices=sorted(DTYPES), help="default: bf16 on accelerators with it, else fp32")
+    ap.add_argument("--tiling", action="store_true", help="encode in tiles (less device memory, large videos)")
+    ap.add_argument("--limit", type=int, help="prepare at most this many more videos on each rank (a trial run)")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def settings(args, cfg, vae_config: dict) -> dict:
+    """What the files in --out depend on; a rerun with different settings is refused."""
+    return {"num_frames": cfg.data.num_frames, "height": cfg.data.height, "width": cfg.data.width,
+            "fps": args.fps, "vae": str(args.vae.resolve()), "scaling_factor": vae_config.get("scaling_factor"),
+            "posterior": args.posterior, "seed": cfg.train.seed, "dtype": args.dtype,
+            "t5": str(args.t5.resolve()) if args.t5 else None, "max_text_len": cfg.model.max_text_len}
+
+
+def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
+    """Everything checked before a model loads: captions and videos, VAE, T5, --out's earlier settings."""
+    problems, entries, vae_config = [], [], {}
+    for module, role in (("diffusers", "the CogVideoX VAE"), ("av", "reading video files (PyAV)")):
+        if importlib.util.find_spec(module) is None:
+            problems.append(f"{module} is not installed, needed for {role}: pip install '.[data]'")
+    try:
+        entries = read_captions(args.videos, args.captions)
+    except InputError as e:
+        problems.append(str(e))
+    try:
+        vae_config = read_vae_config(args.vae)
+    except (FileNotFoundError, ValueError) as e:
+        problems.append(str(e))
+    if vae_config:
+        problems += check_vae(vae_config, cfg.model, cfg.data, key=f"--vae={args.vae}")
+    if args.t5:
+        what = ("expected a folder written by T5EncoderModel.save_pretrained with its tokenizer beside it "
+                "(for a CogVideoX release: text_encoder/ with the files of tokenizer/ copied in)")
+        try:
+            d_model = json.loads((args.t5 / "config.json").read_text()).get("d_model")
+            if d_model != cfg.model.text_embed_dim:
+                problems.append(f"--t5={args.t5}: d_model {d_model} != model.text_embed_dim "
+                                f"{cfg.model.text_embed_dim}")
+            if not (args.t5 / "tokenizer_config.json").is_file():
+                problems.append(f"--t5={args.t5}: no tokenizer_config.json in it; {what}")
+        except (OSError, json.JSONDecodeError) as e:
+            problems.append(f"--t5={args.t5}: cannot read config.json ({e}); {what}")
+    if args.limit is not None and args.limit < 0:
+        problems.append(f"--limit={args.limit}: give a number >= 0")
+    stamp = args.out / "prepare.json"
+    if vae_config and stamp.is_file():
+        before, now = json.loads(stamp.read_text()), settings(args, cfg, vae_config)
+        changed = [f"{k}={before.get(k)!r} (now {now[k]!r})" for k in now if before.get(k) != now[k]]
+        if changed:
+            problems.append(f"--out={args.out} holds files prepared with other settings: {', '.join(changed)}; "
+                            "use another --out, or delete the folder to start over")
+    if problems:
+        raise InputError("\n".join(problems))
+    return entries, vae_config
+
+
+def outputs(rel: str, t5: bool) -> tuple[str, str | None]:
+    """Manifest paths (relative to --out) of a video's latent and text-embedding files."""
+    return f"latents/{rel}.safetensors", (f"text/{rel}.safetensors" if t5 else None)
+
+
+def is_done(out: Path, rel: str, t5: bool) -> bool:
+    latent, text = outputs(rel, t5)
+    return (out / latent).is_file() and (text is None or (out / text).is_file())
+
+
+def write_atomic(out: Path, rel_path: str, write, tag: str) -> None:
+    """write(tmp_path) into out/.tmp, then rename it to out/rel_path (one filesystem, so atomic)."""
+    final = out / rel_path
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out / ".tmp" / f"{tag}-{uuid.uuid4().hex}{final.suffix}"
+    write(tmp)
+    os.replace(tmp, final)
+
+
+def merge(out: Path, entries: list[tuple[str, str]], t5: bool, world_size: int, tag: str) -> tuple[int, int]:
+    """manifest.jsonl and skipped.jsonl from the files on disk, in captions order; (prepared, skipped)."""
+    (out / ".tmp").mkdir(parents=True, exist_ok=True)
+    with open(out / ".tmp" / "merge.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        reasons = {}
+        for part in sorted((out / ".tmp").glob(f"skipped.rank*-of-{world_size}.jsonl")):
+            for line in part.read_text(encoding="utf-8").splitlines():
+                try:
+                    record = json.loads(line)
+                    reasons[record["video"]] = record["reason"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue                        # a line cut short when its rank was killed
+        manifest, skipped = [], []
+        for rel, caption in entries:
+            latent, text = outputs(rel, t5)
+            if is_done(out, rel, t5):
+                line = {"latent": latent, **({"text": text} if text else {}), "caption": caption, "video": rel}
+                manifest.append(json.dumps(line, ensure_ascii=False) + "\n")
+            elif rel in reasons:
+                skipped.append(json.dumps({"video": rel, "reason": reasons[rel]}, ensure_ascii=False) + "\n")
+        for name, lines in (("manifest.jsonl", manifest), ("skipped.jsonl", skipped)):
+            write_atomic(out, name, lambda p: p.write_text("".join(lines), encoding="utf-8"), tag)
+    return len(manifest), len(skipped)
+
+
+class ClipEncoder:
+    """One video -> its latent file (and text file with a T5): decode, encode, write atomically."""
+
+    def __init__(self, args, cfg, local_rank: int, tag: str):
+        from parallel import accelerator
+
+        device = accelerator.device(local_rank)
+        self.vae = load_vae(args.vae, device, getattr(torch, DTYPES[args.vae_dtype]) if args.vae_dtype
+                            else default_dtype())
+        if args.tiling:
+            self.vae.enable_tiling()
+        self.t5 = None
+        if args.t5:
+            from models.text_encoder import T5TextEncoder
+            self.t5 = T5TextEncoder(args.t5, cfg.model.max_text_len, cfg.model.text_embed_dim, device, cache_size=0)
+        self.args, self.data, self.seed, self.tag = args, cfg.data, cfg.train.seed, tag
+        self.store = getattr(torch, DTYPES[args.dtype])
+        self.expected = (cfg.model.in_channels, *latent_shape(cfg.model, cfg.data))
+
+    def __call__(self, rel: str, caption: str) -> None:
+        """Writes the video's files; raises VideoError for an unusable video."""
+        args, data = self.args, self.data
+        frames = read_clip(args.videos / rel, data.num_frames, data.height, data.width, args.fps)
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, "vae", rel)) \
+            if args.posterior == "sample" else None
+        latent = encode(self.vae, frames, generator).to(self.store).contiguous()
+        if tuple(latent.shape) != self.expected:
+            raise RuntimeError(f"{rel}: the VAE gave a latent of shape {list(latent.shape)}, the model expects "
+                               f"{list(self.expected)} (data.num_frames/height/width, model.vae_scale_*)")
+        latent_path, text_path = outputs(rel, self.t5 is not None)
+        meta = {"video": rel, "caption": caption}
+        if self.t5 is not None:
+            text = self.t5.encode(caption).to(self.store).contiguous()
+            write_atomic(args.out, text_path, lambda p: save_file({"text": text}, str(p), meta), self.tag)
+        write_atomic(args.out, latent_path, lambda p: save_file({"latent": latent}, str(p), meta), self.tag)
+
+
+def prepare(args, cfg, env) -> dict:
+    """This rank's share of the videos, then the merged manifest; counts for the summary line."""
+    entries, vae_config = check_inputs(args, cfg)
+    out, t5, rank, world = args.out, args.t5 is not None, env.rank, env.world_size
+    tmp, tag = out / ".tmp", f"r{rank}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    for leftover in tmp.glob(f"{tag}-*"):              # this rank's writes cut short by an interruption
+        leftover.unlink()
+    if rank == 0:
+        text = json.dumps(settings(args, cfg, vae_config), indent=1) + "\n"
+        write_atomic(out, "prepare.json", lambda p: p.write_text(text), tag)
+        if args.captions:
+            listed = {rel for rel, _ in entries}
+            unlisted = [p for p in video_files(args.videos) if p.relative_to(args.videos).as_posix() not in listed]
+            if unlisted:
+                print(f"note: {len(unlisted)} video(s) in --videos={args.videos} have no line in --captions and "
+                      f"are not prepared, e.g. {unlisted[0]}", file=sys.stderr)
+    share = entries[rank::world]
+    todo = [(rel, caption) for rel, caption in share if not is_done(out, rel, t5)]
+    counts = {"share": len(share), "done_before": len(share) - len(todo), "prepared": 0, "skipped": 0}
+    todo = todo[:args.limit] if args.limit is not None else todo
+    skip_log = tmp / f"skipped.rank{rank}-of-{world}.jsonl"
+    skip_log.write_text("")
+    if todo:
+        encode_clip = ClipEncoder(args, cfg, env.local_rank, tag)
+        bar = tqdm(todo, desc=f"rank {rank}/{world}", unit="video", position=env.local_rank, file=sys.stderr,
+                   dynamic_ncols=True)
+        for rel, caption in bar:
+            try:
+                encode_clip(rel, caption)
+                counts["prepared"] += 1
+            except VideoError as e:
+                bar.write(f"skipping {args.videos / rel}: {e}", file=sys.stderr)
+                with open(skip_log, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"video": rel, "reason": str(e)}, ensure_ascii=False) + "\n")
+                counts["skipped"] += 1
+        bar.close()
+    counts["manifest"], counts["manifest_skipped"] = merge(out, entries, t5, world, tag)
+    counts["total"] = len(entries)
+    return counts
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    env = read_launch_env()
+    try:
+        cfg = load_config(args.config, args.overrides)
+        counts = prepare(args, cfg, env)
+    except (ConfigError, InputError) as e:
+        if env.local_rank == 0:
+            print("refusing to prepare data:\n  - " + str(e).replace("\n", "\n  - "), file=sys.stderr)
+        return 1
+    print(f"rank {env.rank} of {env.world_size}: {counts['prepared']} prepared, {counts['skipped']} skipped, "
+          f"{counts['done_before']} done before, of {counts['share']} videos in this rank's share; "
+          f"{args.out / 'manifest.jsonl'}: {counts['manifest']} of {counts['total']} videos, "
+          f"{counts['manifest_skipped']} in skipped.jsonl", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

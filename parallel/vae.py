@@ -1,0 +1,131 @@
+"""The CogVideoX VAE (`diffusers.AutoencoderKLCogVideoX` from a local folder): frames -> latents and back.
+
+Training latents are z = scaling_factor * (x - shift_factor), x a draw from the VAE's posterior for the
+clip in [-1, 1] (CogVideoX trains on `latent_dist.sample() * scaling_factor`; its shift_factor is None,
+i.e. 0). Decoding inverts it: frames = vae.decode(z / scaling_factor + shift_factor). diffusers is an
+optional dependency (`pip install .[data]`), imported only when a VAE is loaded.
+
+Compression, from the config: the encoder halves H and W in every down block but the last, and halves T
+in the first log2(temporal_compression_ratio) of those, so T frames -> (T - 1) / 2^k + 1 latent frames.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+VAE_CLASS = "AutoencoderKLCogVideoX"
+
+
+def read_vae_config(path: str | Path, key: str = "--vae") -> dict:
+    """config.json of a VAE folder written by `save_pretrained` (the `vae/` folder of a CogVideoX release)."""
+    path = Path(path)
+    what = f"a folder written by {VAE_CLASS}.save_pretrained, e.g. the vae/ folder of a CogVideoX release"
+    if not path.is_dir():
+        raise FileNotFoundError(f"{key}={path}: no such folder; expected {what}")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise FileNotFoundError(f"{key}={path}: cannot read config.json ({e}); expected {what}") from None
+    if config.get("_class_name") != VAE_CLASS:
+        raise ValueError(f"{key}={path}: config.json is a {config.get('_class_name')!r}, not {VAE_CLASS}; "
+                         f"expected {what}")
+    return config
+
+
+def compression(config: dict) -> tuple[int, int]:
+    """(temporal, spatial) downsampling factors of the encoder described by `config`."""
+    down = len(config.get("down_block_types", ())) - 1
+    level = int(math.log2(config.get("temporal_compression_ratio", 4)))
+    return 2 ** min(level, down), 2 ** down
+
+
+def check_vae(config: dict, model, data, key: str = "--vae") -> list[str]:
+    """Disagreements between the VAE and the experiment's model (latent channels, VAE scales) and clip size."""
+    temporal, spatial = compression(config)
+    problems = []
+    if config.get("latent_channels") != model.in_channels:
+        problems.append(f"{key}: latent_channels={config.get('latent_channels')} != "
+                        f"model.in_channels={model.in_channels} (use the VAE the model was made for)")
+    for what, factor, name in (("H and W", spatial, "vae_scale_spatial"), ("time", temporal, "vae_scale_temporal")):
+        if factor != getattr(model, name):
+            problems.append(f"{key}: the VAE downsamples {what} by {factor}, model.{name}={getattr(model, name)} "
+                            f"(use the VAE the model was made for, or --set model.{name}={factor})")
+    for name, size in (("height", data.height), ("width", data.width)):
+        if size % spatial:
+            problems.append(f"data.{name}={size} is not a multiple of the VAE's spatial factor {spatial}")
+    if (data.num_frames - 1) % temporal:
+        good = ", ".join(str(k * temporal + 1) for k in range(max(0, (data.num_frames - 1) // temporal - 1),
+                                                              (data.num_frames - 1) // temporal + 2))
+        problems.append(f"data.num_frames={data.num_frames}: the VAE takes 1 + k x {temporal} frames ({good})")
+    return problems
+
+
+def load_vae(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32):
+    """The VAE in eval mode without gradients; nothing is downloaded."""
+    try:
+        from diffusers import AutoencoderKLCogVideoX
+    except ImportError as e:
+        raise ImportError(f"the VAE needs diffusers ({e}): pip install '.[data]'") from None
+    vae = AutoencoderKLCogVideoX.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
+    return vae.to(device).eval().requires_grad_(False)
+
+
+def _shift(vae) -> float:
+    return vae.config.shift_factor or 0.0
+
+
+@torch.no_grad()
+def encode(vae, frames: np.ndarray, generator: torch.Generator | None = None) -> torch.Tensor:
+    """uint8 frames [T, H, W, 3] -> scaled latent [C, T', H', W'] fp32 on the CPU.
+
+    With a generator the latent is a posterior draw (as CogVideoX trains); without, the posterior mode.
+    """
+    param = next(vae.parameters())
+    x = torch.from_numpy(frames).permute(3, 0, 1, 2)[None]                    # (1, 3, T, H, W)
+    x = (x.to(param.device, torch.float32) / 127.5 - 1.0).to(param.dtype)
+    dist = vae.encode(x).latent_dist
+    z = dist.sample(generator) if generator is not None else dist.mode()      # (1, C, T', H', W')
+    return ((z.float() - _shift(vae)) * vae.config.scaling_factor)[0].cpu()
+
+
+@torch.no_grad()
+def decode(vae, latent: torch.Tensor) -> torch.Tensor:
+    """Scaled latent [C, T', H', W'] -> frames [T, H, W, 3], floats in [0, 1] on the CPU."""
+    param = next(vae.parameters())
+    z = latent[None].to(param.device, torch.float32) / vae.config.scaling_factor + _shift(vae)
+    x = vae.decode(z.to(param.dtype)).sample[0].float()                        # (3, T, H, W) in [-1, 1]
+    return ((x.permute(1, 2, 3, 0) + 1.0) / 2.0).clamp(0.0, 1.0).cpu()
+
+
+def default_dtype() -> torch.dtype:
+    """bf16 on an accelerator that has it, else fp32 (CPUs run bf16 convolutions far slower)."""
+    from parallel import accelerator
+    return torch.bfloat16 if accelerator.name() != "cpu" and accelerator.is_bf16_supported() else torch.float32
+
+
+@functools.lru_cache(maxsize=1)
+def _decoding_vae(path: str):
+    from parallel import accelerator
+    vae = load_vae(path, accelerator.device(int(os.environ.get("LOCAL_RANK", 0))), default_dtype())
+    vae.enable_tiling()
+    return vae
+
+
+def vae_decoder(path: str | Path):
+    """A validation decoder (latent [C, T, H, W] -> frames) backed by the VAE folder at `path`.
+
+    The folder is checked now; the VAE is loaded at the first call (on the logging rank, which decodes)
+    and kept for later validations, on this process's device, with tiling so a full-size video fits
+    beside training.
+    """
+    read_vae_config(path, key="val.decoder")
+    if importlib.util.find_spec("diffusers") is None:
+        raise ImportError(f"val.decoder={path}: decoding with the VAE needs diffusers: pip install '.[data]'")
+    return lambda latent: decode(_decoding_vae(str(Path(path).resolve())), latent)

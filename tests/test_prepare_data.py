@@ -1,0 +1,298 @@
+"""Data preparation: generated videos -> tiny random CogVideoX VAE (+ tiny T5) -> the manifest training reads."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKLCogVideoX
+from safetensors.torch import load_file
+
+from models.data import DirectoryLatents
+from models.diffusion import Objective
+from parallel.config import load_config
+from parallel.frames import VideoError, clip_indices, frame_indices, read_clip, resize_crop
+from parallel.media import load_decoder, to_uint8
+from parallel.prepare_data import main
+from parallel.seed import derive_seed
+from tests.test_text_encoder import t5_dir  # noqa: F401  (fixture: tiny T5, d_model 32, 8 words)
+
+ROOT = Path(__file__).resolve().parent.parent
+# debug at 9 x 32 x 32 with the tiny VAE's factors (spatial 2, temporal 2): latents [4, 5, 16, 16].
+SETS = ["data.num_frames=9", "data.height=32", "data.width=32", "model.vae_scale_spatial=2",
+        "model.vae_scale_temporal=2"]
+CAPTIONS = {"a0.mkv": "a red square moving left", "a1.mkv": "a square moving", "bad.mp4": "a red square",
+            "sub/b.mp4": "red square moving left"}
+
+
+def squares(t: int, h: int, w: int, seed: int) -> np.ndarray:
+    """uint8 [t, h, w, 3]: a coloured square moving right over a textured background."""
+    rng = np.random.default_rng(seed)
+    frames = np.repeat(rng.integers(0, 120, (1, h, w, 3), dtype=np.uint8), t, axis=0)
+    for i in range(t):
+        frames[i, h // 4:h // 4 + 8, 2 + 3 * i:10 + 3 * i] = rng.integers(150, 256, 3, dtype=np.uint8)
+    return frames
+
+
+def write_video(path: Path, frames: np.ndarray, codec: str) -> None:
+    """ffv1 (lossless RGB, .mkv) or H.264 (.mp4), 8 fps."""
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=8)
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "bgr0" if codec == "ffv1" else "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory):
+    root = tmp_path_factory.mktemp("videos")
+    (root / "sub").mkdir()
+    frames = {"a0.mkv": squares(11, 32, 48, 0), "a1.mkv": squares(9, 32, 48, 1), "sub/b.mp4": squares(13, 40, 60, 2)}
+    for name, f in frames.items():
+        write_video(root / name, f, "ffv1" if name.endswith(".mkv") else "libx264")
+    (root / "bad.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 8)      # not decodable
+    (root / "captions.csv").write_text("video,caption\n" + "".join(f"{v},{c}\n" for v, c in CAPTIONS.items()))
+    return root, frames
+
+
+@pytest.fixture(scope="module")
+def vae_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vae")
+    torch.manual_seed(0)
+    AutoencoderKLCogVideoX(down_block_types=("CogVideoXDownBlock3D",) * 2, up_block_types=("CogVideoXUpBlock3D",) * 2,
+                           block_out_channels=(8, 16), latent_channels=4, layers_per_block=1, norm_num_groups=4,
+                           temporal_compression_ratio=4, sample_height=32, sample_width=32).save_pretrained(path)
+    return path
+
+
+def run(videos, vae, out, *extra, sets=SETS) -> int:
+    return main(["--config", "debug", *[a for s in sets for a in ("--set", s)], "--videos", str(videos),
+                 "--captions", str(videos / "captions.csv"), "--vae", str(vae), "--out", str(out), *extra])
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def prepared(videos, vae_dir, t5_dir, tmp_path_factory):   # noqa: F811
+    out = tmp_path_factory.mktemp("prepared")
+    assert run(videos[0], vae_dir, out, "--t5", str(t5_dir)) == 0
+    return out
+
+
+def test_latents_and_text_are_what_the_vae_and_t5_give(videos, vae_dir, t5_dir, prepared):   # noqa: F811
+    root, frames = videos
+    manifest = lines(prepared / "manifest.jsonl")
+    assert [m["video"] for m in manifest] == ["a0.mkv", "a1.mkv", "sub/b.mp4"]       # captions order, bad left out
+    assert manifest[0] == {"latent": "latents/a0.mkv.safetensors", "text": "text/a0.mkv.safetensors",
+                           "caption": CAPTIONS["a0.mkv"], "video": "a0.mkv"}
+    skipped = lines(prepared / "skipped.jsonl")
+    assert [s["video"] for s in skipped] == ["bad.mp4"] and "cannot be decoded" in skipped[0]["reason"]
+
+    vae = AutoencoderKLCogVideoX.from_pretrained(vae_dir).eval()
+    sf = vae.config.scaling_factor
+    for name in ("a0.mkv", "a1.mkv"):
+        # Lossless videos at 32 x 48: 9 frames spread over the video, the middle 32 columns, in [-1, 1].
+        clip = frames[name][frame_indices(len(frames[name]), 9)][:, :, 8:40]
+        x = torch.from_numpy(clip).permute(3, 0, 1, 2)[None].float() / 127.5 - 1
+        g = torch.Generator().manual_seed(derive_seed(1234, "vae", name))
+        with torch.no_grad():
+            expected = vae.encode(x).latent_dist.sample(g)[0] * sf
+        latent = load_file(prepared / f"latents/{name}.safetensors")["latent"]
+        assert latent.shape == (4, 5, 16, 16) and latent.dtype == torch.float32
+        torch.testing.assert_close(latent, expected)
+    assert load_file(prepared / "latents/sub/b.mp4.safetensors")["latent"].shape == (4, 5, 16, 16)
+
+    from models.text_encoder import T5TextEncoder
+    encoder = T5TextEncoder(t5_dir, max_len=8)
+    for m in manifest:
+        torch.testing.assert_close(load_file(prepared / m["text"])["text"], encoder.encode(m["caption"]))
+    assert json.loads((prepared / "prepare.json").read_text())["scaling_factor"] == sf
+
+
+def test_training_reads_the_prepared_folder(prepared):
+    from parallel.model import build_model
+    from parallel.run import build_dataset, training_batches
+    from parallel.topology import ParallelContext
+
+    cfg = load_config("debug", SETS + ["data.kind=directory", f"data.path={prepared}", "train.micro_batch_size=2",
+                                       "train.grad_accum_steps=1"])
+    dataset = build_dataset(cfg)
+    assert isinstance(dataset, DirectoryLatents) and len(dataset) == 3
+    latent, text = dataset[2]
+    assert torch.equal(latent, load_file(prepared / "latents/sub/b.mp4.safetensors")["latent"])
+    assert torch.equal(text, load_file(prepared / "text/sub/b.mp4.safetensors")["text"])
+
+    ctx = ParallelContext.single()
+    batches = training_batches(cfg, ctx, dataset)
+    (x_t, t, texts), target = next(batches)
+    assert x_t.shape == (2, 4, 5, 16, 16) and texts.shape == (2, 8, 32)
+    # Position p's sample, noise and timestep as DiffusionBatches draws them, from the prepared files.
+    x0 = torch.stack([dataset[batches.sample_index(p)][0] for p in (0, 1)])
+    gs = [torch.Generator().manual_seed(derive_seed(cfg.train.seed, "noise", p)) for p in (0, 1)]
+    noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gs])
+    steps = torch.cat([torch.randint(0, 1000, (1,), generator=g) for g in gs])
+    want_x, want_target = Objective(cfg.model.objective).noised(x0, noise, steps)
+    assert torch.equal(t, steps)
+    torch.testing.assert_close(x_t, want_x)
+    torch.testing.assert_close(target, want_target)
+
+    torch.manual_seed(0)
+    model = build_model(cfg, {}, ctx)
+    loss = model((x_t, t, texts), target)
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_rerun_after_interruption_does_not_redo_finished_files(videos, vae_dir, tmp_path, capsys):
+    root, _ = videos
+    out = tmp_path / "out"
+    assert run(root, vae_dir, out, "--posterior", "mode", "--limit", "1") == 0       # stops after one video
+    assert "1 prepared, 0 skipped, 0 done before" in capsys.readouterr().out
+    assert lines(out / "manifest.jsonl") == [{"latent": "latents/a0.mkv.safetensors",
+                                              "caption": CAPTIONS["a0.mkv"], "video": "a0.mkv"}]
+    first = (out / "latents/a0.mkv.safetensors").stat()
+    (out / "manifest.jsonl").unlink()
+    assert run(root, vae_dir, out, "--posterior", "mode") == 0
+    assert "2 prepared, 1 skipped, 1 done before" in capsys.readouterr().out
+    again = (out / "latents/a0.mkv.safetensors").stat()
+    assert (again.st_mtime_ns, again.st_ino) == (first.st_mtime_ns, first.st_ino)
+    assert [m["video"] for m in lines(out / "manifest.jsonl")] == ["a0.mkv", "a1.mkv", "sub/b.mp4"]
+    assert run(root, vae_dir, out, "--posterior", "mode") == 0              # nothing left but the bad video
+    assert "0 prepared, 1 skipped, 3 done before" in capsys.readouterr().out
+    assert not list((out / ".tmp").glob("r0-*"))                          # no temporary files left behind
+    # The mode is the posterior mean: what training on it sees is the VAE's encoding without noise.
+    vae = AutoencoderKLCogVideoX.from_pretrained(vae_dir).eval()
+    with torch.no_grad():
+        x = torch.from_numpy(read_clip(root / "a1.mkv", 9, 32, 32)).permute(3, 0, 1, 2)[None].float() / 127.5 - 1
+        mean = vae.encode(x).latent_dist.mean[0] * vae.config.scaling_factor
+    torch.testing.assert_close(load_file(out / "latents/a1.mkv.safetensors")["latent"], mean)
+
+
+def test_two_ranks_cover_every_video_once(videos, vae_dir, t5_dir, prepared, tmp_path):   # noqa: F811
+    root, _ = videos
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "parallel.prepare_data", "--config", "debug", *[a for s in SETS for a in ("--set", s)],
+           "--videos", str(root), "--captions", str(root / "captions.csv"), "--vae", str(vae_dir),
+           "--t5", str(t5_dir), "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    results = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in results]
+    # Rank 0 takes captions lines 1 and 3 (a0, bad), rank 1 lines 2 and 4 (a1, sub/b).
+    assert "rank 0 of 2: 1 prepared, 1 skipped, 0 done before, of 2" in results[0][0]
+    assert "rank 1 of 2: 2 prepared, 0 skipped, 0 done before, of 2" in results[1][0]
+    assert "skipping" in results[0][1] and "bad.mp4" in results[0][1]
+    # The merged files equal the one-process run's, and so does every tensor (posterior noise from the video).
+    for name in ("manifest.jsonl", "skipped.jsonl"):
+        assert (out / name).read_text() == (prepared / name).read_text()
+    for m in lines(out / "manifest.jsonl"):
+        for key in ("latent", "text"):
+            torch.testing.assert_close(load_file(out / m[key])[key], load_file(prepared / m[key])[key])
+
+
+def test_bad_input_is_refused_before_any_model_loads(videos, vae_dir, tmp_path, capsys, monkeypatch):
+    import parallel.vae
+    monkeypatch.setattr(parallel.vae, "load_vae", lambda *a, **k: pytest.fail("a model was loaded"))
+    root, _ = videos
+
+    def refused(*args, sets=SETS) -> str:
+        assert run(*args, sets=sets) == 1
+        return capsys.readouterr().err
+
+    err = refused(tmp_path / "nowhere", vae_dir, tmp_path / "o")
+    assert f"--videos={tmp_path / 'nowhere'}: no such folder" in err
+    err = refused(root, tmp_path / "no_vae", tmp_path / "o")
+    assert f"--vae={tmp_path / 'no_vae'}: no such folder; expected a folder written by " \
+           "AutoencoderKLCogVideoX.save_pretrained" in err
+    err = refused(root, vae_dir, tmp_path / "o", sets=SETS[:3])           # debug's own VAE scales are 8 and 4
+    assert f"--vae={vae_dir}: the VAE downsamples H and W by 2, model.vae_scale_spatial=8 (use the VAE the model " \
+           "was made for, or --set model.vae_scale_spatial=2)" in err
+    assert f"--vae={vae_dir}: the VAE downsamples time by 2, model.vae_scale_temporal=4" in err
+
+    bad = tmp_path / "listed"
+    bad.mkdir()
+    (bad / "captions.csv").write_text("video,caption\nmissing.mp4,a square\nempty.mkv,\n")
+    (bad / "empty.mkv").write_bytes(b"")
+    err = refused(bad, vae_dir, tmp_path / "o")
+    assert f"{bad / 'captions.csv'}:2: video {bad / 'missing.mp4'} does not exist" in err
+    assert f"{bad / 'captions.csv'}:3: video 'empty.mkv' has an empty caption" in err
+    (bad / "captions.csv").write_text("file,text\n")
+    assert "the header must name columns video and caption (it has ['file', 'text'])" in refused(bad, vae_dir, bad)
+    (bad / "captions.csv").unlink()
+    assert f"--captions={bad / 'captions.csv'}: no such file (a CSV with video,caption columns" in \
+        refused(bad, vae_dir, bad)
+
+    t5 = tmp_path / "t5"
+    t5.mkdir()
+    (t5 / "config.json").write_text(json.dumps({"d_model": 32}))
+    assert f"--t5={t5}: no tokenizer_config.json in it; expected a folder written by T5EncoderModel" in \
+        refused(root, vae_dir, tmp_path / "o", "--t5", str(t5))
+
+    out = tmp_path / "stamped"
+    out.mkdir()
+    (out / "prepare.json").write_text(json.dumps({"num_frames": 17}))
+    err = refused(root, vae_dir, out)
+    assert f"--out={out} holds files prepared with other settings: num_frames=17 (now 9)" in err
+
+
+def test_captions_from_txt_files_next_to_the_videos(videos, tmp_path):
+    from parallel.captions import InputError, read_captions
+    root, frames = videos
+    write_video(tmp_path / "x.mkv", frames["a1.mkv"], "ffv1")
+    with pytest.raises(InputError, match=f"{tmp_path / 'x.txt'}: missing; write the caption of x.mkv there"):
+        read_captions(tmp_path, None)
+    (tmp_path / "x.txt").write_text("a square moving\n")
+    assert read_captions(tmp_path, None) == [("x.mkv", "a square moving")]
+
+
+def test_frame_choice_and_resize():
+    assert frame_indices(11, 9) == [0, 1, 2, 4, 5, 6, 8, 9, 10]
+    assert frame_indices(5, 9) == [0, 0, 1, 2, 2, 2, 3, 4, 4]                # short videos repeat frames
+    times = [i / 8 for i in range(20)]                                     # 20 frames at 8 fps
+    assert clip_indices(times, 5, 4.0) == [0, 2, 4, 6, 8]
+    assert clip_indices(times, 5, 3.0) == [0, 3, 5, 8, 11]
+    with pytest.raises(VideoError, match="2.50 s long; 9 frames at 3 fps need 2.79 s"):
+        clip_indices(times, 9, 3.0)
+    frame = np.arange(4 * 6 * 3, dtype=np.uint8).reshape(4, 6, 3)
+    np.testing.assert_array_equal(resize_crop(frame, 4, 4), frame[:, 1:5])   # same height: centre columns
+    small = resize_crop(frame, 2, 2)                                       # 4 x 6 -> 2 x 3 -> 2 x 2
+    x = torch.nn.functional.interpolate(torch.from_numpy(frame).permute(2, 0, 1)[None].float(), size=(2, 3),
+                                        mode="bilinear", antialias=True)
+    np.testing.assert_array_equal(small, x[0].permute(1, 2, 0).round().to(torch.uint8).numpy()[:, 0:2])
+
+
+def test_validation_decodes_with_the_vae_folder(vae_dir, tmp_path):
+    from parallel.validate import write_samples
+
+    vae = AutoencoderKLCogVideoX.from_pretrained(vae_dir).eval()
+    latent = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        x = vae.decode(latent[None] / vae.config.scaling_factor).sample[0]            # (3, T, H, W) in [-1, 1]
+    expected = to_uint8(((x.permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1))
+    frames = load_decoder(str(vae_dir))(latent)
+    assert frames.dtype == np.uint8 and frames.shape == (5, 16, 16, 3)
+    np.testing.assert_array_equal(frames, expected)
+    # What validation writes with val.decoder set to the folder.
+    cfg = load_config("debug", [f"val.decoder={vae_dir}", "val.formats=[gif]"])
+    written = write_samples({0: latent}, [], cfg, tmp_path, step=2)
+    np.testing.assert_array_equal(written[0], expected)
+    assert (tmp_path / "samples/step2/prompt0.gif").is_file()
+    with pytest.raises(ValueError, match=f"val.decoder={tmp_path}: cannot read config.json"):
+        load_decoder(str(tmp_path))
+
+
+def test_training_imports_neither_diffusers_nor_av():
+    """The [data] extra is optional: every training module imports with diffusers and av unavailable."""
+    code = ("import sys; sys.modules.update(diffusers=None, av=None)\n"
+            "import train, parallel.run, parallel.validate, parallel.media, parallel.prepare_data, parallel.vae\n"
+            "from parallel.media import load_decoder; load_decoder(None)")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
