@@ -130,7 +130,10 @@ class CrossAttention(nn.Module):
         super().__init__()
         hid, self.head_dim = cfg.hidden_size, cfg.head_dim
         self.q_linear = ColumnParallelLinear(hid, hid, ctx=ctx)
-        self.kv_linear = ColumnParallelLinear(hid, [hid, hid], ctx=ctx)
+        # No bias, unlike Open-Sora's, at no loss: a key bias adds q.b to every logit of a query, which
+        # softmax ignores (its exact gradient is zero, so Adam would only turn round-off into updates),
+        # and a value bias reaches the output as the constant W_proj b, which proj's bias already is.
+        self.kv_linear = ColumnParallelLinear(hid, [hid, hid], ctx=ctx, bias=False)
         self.proj = RowParallelLinear(hid, hid, ctx=ctx)
 
     def forward(self, x, y):

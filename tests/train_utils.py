@@ -1,4 +1,5 @@
-"""Run a few training steps of the `debug` preset in spawned gloo ranks and collect comparable numbers."""
+"""Run a few training steps of a tiny preset (`debug`, `debug-stdit`) in spawned gloo ranks and collect
+comparable numbers."""
 from __future__ import annotations
 
 import copy
@@ -22,14 +23,14 @@ def fp32_config(stage: int = 0, checkpointing: bool = True, optimizer: str = "Ad
     return ds
 
 
-def experiment(tp: int, pp: int, dp: int, extra=()):
-    """`debug` at a fixed global batch of 4 (micro-batch x 2 micro-steps x dp), so every layout sees the same data."""
+def experiment(tp: int, pp: int, dp: int, extra=(), preset: str = "debug"):
+    """`preset` at a fixed global batch of 4 (micro-batch x 2 micro-steps x dp), so every layout sees the same data."""
     mb = GLOBAL_BATCH // (2 * dp)
-    return load_config("debug", [f"parallel.tp_size={tp}", f"parallel.pp_size={pp}", f"train.micro_batch_size={mb}",
+    return load_config(preset, [f"parallel.tp_size={tp}", f"parallel.pp_size={pp}", f"train.micro_batch_size={mb}",
                                  "train.grad_accum_steps=2", "train.warmup_steps=0", *extra])
 
 
-def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra):
+def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, preset):
     """Train `steps` steps; the losses, the full weights (and EMA) this rank holds, any replica drift."""
     import deepspeed
 
@@ -41,7 +42,7 @@ def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra):
     from parallel.seed import seed_all
     from parallel.topology import Grid, ParallelContext
 
-    cfg = experiment(tp, pp, dp, extra)
+    cfg = experiment(tp, pp, dp, extra, preset)
     ctx = ParallelContext.build(Grid(pp, dp, tp))
     seed_all(cfg.train.seed)
     trainer = build_trainer(cfg, ds, ctx)
@@ -58,9 +59,9 @@ def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra):
     return {"losses": losses, "state": state, "ema": ema, "replica_mismatches": replica_mismatches(module, ctx)}
 
 
-def train(tp: int, pp: int, dp: int, ds: dict, steps: int = 3, extra=()):
+def train(tp: int, pp: int, dp: int, ds: dict, steps: int = 3, extra=(), preset: str = "debug"):
     """Per-step losses (rank 0's), the merged full fp32 weights (and EMA) of all ranks, any replica drift."""
-    results = run_ranks(_train_rank, tp * pp * dp, tp, pp, dp, ds, steps, tuple(extra))
+    results = run_ranks(_train_rank, tp * pp * dp, tp, pp, dp, ds, steps, tuple(extra), preset)
     state: dict[str, torch.Tensor] = {}
     ema: dict[str, torch.Tensor] = {}
     for r in results:
