@@ -65,9 +65,8 @@ class EmbedStage(nn.Module):
         self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(hid, 6 * hid))
         self.y_embedder = nn.Sequential(nn.Linear(cfg.text_embed_dim, hid), nn.GELU(approximate="tanh"),
                                         nn.Linear(hid, hid))
-        _, h, w = grid
-        pixels = math.sqrt(h * w) * p * cfg.vae_scale_spatial           # sqrt(pixel height x width)
-        self._pos = _PositionCache(lambda h_, w_: sincos_2d(hid, h_, w_, pixels / INPUT_SQ_SIZE, round(math.sqrt(h_ * w_))))
+        scale = math.sqrt(grid[1] * grid[2]) * p * cfg.vae_scale_spatial / INPUT_SQ_SIZE   # from pixel h x w
+        self._pos = _PositionCache(lambda h, w: sincos_2d(hid, h, w, scale, base_size=round(math.sqrt(h * w))))
 
     def forward(self, inputs):
         latents, timesteps, text = inputs

@@ -155,8 +155,9 @@ def build_val_dataset(cfg: ExperimentConfig):
 
 
 def tokens_per_sample(cfg: ExperimentConfig) -> int:
+    """Tokens of the sequence: text + video (CogVideoX); video only (STDiT, whose text is cross-attended)."""
     t, h, w = token_grid(cfg.model, cfg.data)
-    return cfg.model.max_text_len + t * h * w
+    return (0 if cfg.model.family == "stdit" else cfg.model.max_text_len) + t * h * w
 
 
 def checkpoint_layout(layout: Layout) -> dict:

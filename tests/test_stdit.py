@@ -119,29 +119,41 @@ def test_tp2_equals_tp1_and_counts_its_all_reduces():
 VAL = ["val.every=1", "val.num_samples=3", "val.timesteps=[50, 950]", "val.num_prompts=2", "val.sample_steps=2"]
 
 
-def _validate_rank(rank, world_size, tp, pp, dp):
+def _validate(cfg, engine, ctx):
     from models.diffusion import Objective
-    from parallel.engine import build_trainer
     from parallel.run import build_val_dataset
-    from parallel.seed import seed_all
-    from parallel.topology import Grid, ParallelContext
     from parallel.validate import StageForward, sample_latents, validation_loss
-    from tests.train_utils import experiment, fp32_config
 
-    cfg = experiment(tp, pp, dp, VAL, preset="debug-stdit")
-    ctx = ParallelContext.build(Grid(pp, dp, tp))
-    seed_all(cfg.train.seed)
-    trainer = build_trainer(cfg, fp32_config(), ctx)
-    forward, dataset, objective = StageForward(trainer.engine, ctx), build_val_dataset(cfg), Objective(cfg.model.objective)
+    forward, dataset, objective = StageForward(engine, ctx), build_val_dataset(cfg), Objective(cfg.model.objective)
     return {"loss": validation_loss(forward, dataset, objective, cfg, ctx),
             "latents": sample_latents(forward, dataset, objective, cfg, ctx)}
 
 
+def _pipeline_rank(rank, world_size):
+    from parallel.engine import build_trainer
+    from parallel.seed import seed_all
+    from parallel.topology import Grid, ParallelContext
+    from tests.train_utils import experiment, fp32_config
+
+    cfg = experiment(1, 2, 1, VAL, preset="debug-stdit")
+    ctx = ParallelContext.build(Grid(2, 1, 1))
+    seed_all(cfg.train.seed)
+    return _validate(cfg, build_trainer(cfg, fp32_config(), ctx).engine, ctx)
+
+
 def test_validation_and_sampling_through_a_pipeline_equal_one_process():
-    """StageForward sends the four stage tensors between pipeline stages: pp = 2 gives the same bits."""
-    (one,) = run_ranks(_validate_rank, 1, 1, 1, 1)
+    """StageForward sends the four stage tensors between pipeline stages: pp = 2 gives the bits of the
+    one-process model (built here, same seed), on both stages."""
+    from parallel.model import SequentialDiT, layer_specs
+    from parallel.topology import ParallelContext
+    from tests.train_utils import experiment
+
+    cfg = experiment(1, 1, 1, VAL, preset="debug-stdit")
+    model = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
+    engine = type("Engine", (), {"module": model, "device": torch.device("cpu")})()
+    one = _validate(cfg, engine, ParallelContext.single())
     assert sorted(one["latents"]) == [0, 1] and one["latents"][0].shape == (4, 3, 8, 8)
-    for r in run_ranks(_validate_rank, 2, 1, 2, 1):
+    for r in run_ranks(_pipeline_rank, 2):
         assert r["loss"] == one["loss"]
         for i, latent in one["latents"].items():
             assert torch.equal(r["latents"][i], latent)
