@@ -12,6 +12,9 @@ all-gather's output, a reduce-scatter's input, an all-reduce's tensor, a send's 
                  keeps a gathered parameter for backward when it is reused soon enough
                  (stage3_max_reuse_distance), which a small model always is
       PP   per micro-batch and stage boundary: the activations forward and their gradients backward
+      SP   8 all-to-alls of b x s/sp x h per block per micro-batch (Ulysses: q, k, v and the output
+           forward, their gradients backward), plus the gradient all-reduce over the sp ranks (to
+           DeepSpeed they are data-parallel ranks: 1 x parameters at ZeRO-0)
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # op -> (keyword, position) of the tensor whose size is the collective's volume
 _OPS = {"all_reduce": ("tensor", 0), "broadcast": ("tensor", 0), "send": ("tensor", 0), "isend": ("tensor", 0),
         "reduce": ("tensor", 0), "all_gather_into_tensor": ("output_tensor", 0), "reduce_scatter_tensor": ("input", 1),
+        "all_to_all_single": ("input", 1),
         "all_gather": ("tensor_list", 0), "reduce_scatter": ("input_list", 1)}
 
 
@@ -48,7 +52,7 @@ def _install_counter(totals: dict) -> None:
         setattr(dist, op, counted)
 
 
-def _comm_rank(rank, world_size, tp, pp, dp, stage, overrides):
+def _comm_rank(rank, world_size, tp, pp, dp, stage, overrides, sp=1):
     import os
     import sys
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
@@ -61,11 +65,12 @@ def _comm_rank(rank, world_size, tp, pp, dp, stage, overrides):
     from parallel.seed import seed_all
     from parallel.topology import Grid, ParallelContext
 
-    cfg = load_config("debug", [*overrides, f"parallel.tp_size={tp}", f"parallel.pp_size={pp}"])
+    cfg = load_config("debug", [*overrides, f"parallel.tp_size={tp}", f"parallel.pp_size={pp}",
+                                f"parallel.sp_size={sp}"])
     ds = json.loads((ROOT / "ds_configs/zero0_fp32.json").read_text())
     ds.pop("activation_checkpointing")
     ds["zero_optimization"] = {"stage": stage}
-    ctx = ParallelContext.build(Grid(pp, dp, tp))
+    ctx = ParallelContext.build(Grid(pp, dp, tp, sp))
     seed_all(cfg.train.seed)
     trainer = build_trainer(cfg, ds, ctx)
     batches = training_batches(cfg, ctx)
@@ -78,7 +83,7 @@ def _comm_rank(rank, world_size, tp, pp, dp, stage, overrides):
 
 
 def measure(overrides: list[str]) -> list[dict]:
-    """Bytes per step, measured and in theory, for tp 2, dp 2 x ZeRO 1/2/3 and pp 2 (2 ranks each)."""
+    """Bytes per step, measured and in theory, for tp 2, dp 2 x ZeRO 1/2/3, pp 2 and sp 2 (2 ranks each)."""
     import torch
 
     from parallel.config import load_config
@@ -98,9 +103,12 @@ def measure(overrides: list[str]) -> list[dict]:
              ("ZeRO-2", (1, 1, 2, 2), 2 * params * 4, "2 x parameters"),
              ("ZeRO-3", (1, 1, 2, 3), 3 * params * 4, "3 x parameters"),
              ("PP", (1, 2, 1, 0), 2 * mb * (b * s * m.hidden_size + b * m.time_embed_dim) * 4,
-              "activations + their gradients per micro-batch")]
-    for name, (tp, pp, dp, stage), theory, formula in cases:
-        per_rank = run_ranks(_comm_rank, tp * pp * dp, tp, pp, dp, stage, overrides, timeout=600)
+              "activations + their gradients per micro-batch"),
+             ("SP", (1, 1, 1, 0, 2), (8 * m.num_layers * mb * b * s // 2 * m.hidden_size + params) * 4,
+              "8 x b*s/sp*h per block + 1 x parameters")]
+    for name, (tp, pp, dp, stage, *sp), theory, formula in cases:
+        sp = sp[0] if sp else 1
+        per_rank = run_ranks(_comm_rank, tp * pp * dp * sp, tp, pp, dp, stage, overrides, sp, timeout=600)
         if name == "PP":       # point to point: what the two stages sent, together
             measured = sum(r.get("send", 0) + r.get("isend", 0) + r.get("broadcast", 0) for r in per_rank)
         else:
@@ -109,6 +117,6 @@ def measure(overrides: list[str]) -> list[dict]:
         for r in per_rank[:1] if name != "PP" else per_rank:
             for op, n in r.items():
                 ops[op] += n
-        rows.append({"kind": name, "layout": {"tp": tp, "pp": pp, "dp": dp, "zero": stage}, "measured": measured,
+        rows.append({"kind": name, "layout": {"tp": tp, "pp": pp, "dp": dp, "sp": sp, "zero": stage}, "measured": measured,
                      "theory": theory, "formula": formula, "ratio": measured / theory, "by_op": dict(ops)})
     return rows

@@ -20,14 +20,18 @@ def summary(cfg) -> str:
         model = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     m, (t, h, w) = cfg.model, token_grid(cfg.model, cfg.data)
+    layers = f"{m.num_layers} layers ({m.num_layers} spatial + {m.num_layers} temporal blocks)" \
+        if m.family == "stdit" else f"{m.num_layers} blocks"
+    tokens = f"{t * h * w} video tokens, cross-attending to {m.max_text_len} text tokens" if m.family == "stdit" \
+        else f"{t * h * w} video tokens + {m.max_text_len} text tokens = {t * h * w + m.max_text_len}"
     lines = [
-        f"model: {m.name} ({m.family}), {m.num_layers} blocks, hidden {m.hidden_size} = {m.num_heads} heads x "
+        f"model: {m.name} ({m.family}), {layers}, hidden {m.hidden_size} = {m.num_heads} heads x "
         f"{m.head_dim}, FFN {m.ffn_size}, time embedding {m.time_embed_dim}, positions {m.pos_embed}",
         f"video: {cfg.data.num_frames} x {cfg.data.height} x {cfg.data.width} -> latents "
         f"{'x'.join(map(str, latent_shape(m, cfg.data)))} x {m.in_channels} ch -> {t} x {h} x {w} patches = "
-        f"{t * h * w} video tokens + {m.max_text_len} text tokens = {t * h * w + m.max_text_len}",
+        f"{tokens}",
         f"embed:  {count(model.embed):>14,d}",
-        f"blocks: {count(model.blocks):>14,d}  ({count(model.blocks[0]):,d} per block)",
+        f"blocks: {count(model.blocks):>14,d}  ({count(model.blocks[0]):,d} per {'layer' if m.family == 'stdit' else 'block'})",
         f"final:  {count(model.final):>14,d}",
         f"parameters: {count(model)}",
     ]

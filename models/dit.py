@@ -212,7 +212,10 @@ class FinalStage(nn.Module):
 
 
 def stage_classes(cfg: ModelConfig):
-    """(embed, block, final) classes of a model family."""
+    """(embed, block, final) classes of a model family; the block class is what pipelines checkpoint."""
     if cfg.family == "cogvideox":
         return EmbedStage, DiTBlock, FinalStage
-    raise NotImplementedError(f"model.family={cfg.family!r} has no model code in this version; use cogvideox")
+    if cfg.family == "stdit":
+        from models import stdit            # imported here: models.stdit builds on this module
+        return stdit.EmbedStage, stdit.STDiT3Layer, stdit.FinalStage
+    raise NotImplementedError(f"model.family={cfg.family!r} has no model code; use cogvideox or stdit")

@@ -1,4 +1,4 @@
-"""Positional and timestep embeddings of the CogVideoX family (no parameters here except in callers).
+"""Positional and timestep embeddings of the CogVideoX and STDiT families (no parameters here except in callers).
 
 Latent video [B, C, T, H, W] becomes T x (H/p) x (W/p) patch tokens, ordered (t, h, w).
 """
@@ -41,6 +41,28 @@ def sincos_3d(dim: int, t: int, h: int, w: int, spatial_scale: float = 1.875) ->
     pos = torch.cat([temporal[:, None, :].expand(t, h * w, dim_t),
                      spatial[None].expand(t, h * w, dim_s)], dim=-1)      # (t, h*w, dim)
     return pos.reshape(t * h * w, dim).float()
+
+
+def sincos_2d(dim: int, h: int, w: int, scale: float = 1.0, base_size: float | None = None) -> torch.Tensor:
+    """Fixed 2D sin-cos positions [h*w, dim] of one frame (Open-Sora STDiT3): half of dim for the column, half
+    for the row. Positions are patch indices / scale, stretched to a base_size x base_size grid when given
+    (Open-Sora: scale = sqrt(pixel height x width) / 512, base_size = round(sqrt(h w)))."""
+    if dim % 4:
+        raise ValueError(f"sin-cos 2D positions need hidden_size divisible by 4, got {dim}")
+    gh = torch.arange(h, dtype=torch.float64) / scale * (base_size / h if base_size else 1.0)
+    gw = torch.arange(w, dtype=torch.float64) / scale * (base_size / w if base_size else 1.0)
+    grid_h, grid_w = torch.meshgrid(gh, gw, indexing="ij")
+    return torch.cat([_sincos_1d(dim // 2, grid_w.flatten()), _sincos_1d(dim // 2, grid_h.flatten())], 1).float()
+
+
+def rope_1d(head_dim: int, n: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """1D rotary frequencies for positions 0..n-1 (STDiT3's temporal attention): cos, sin of shape [n, head_dim],
+    channel pairs (2i, 2i+1) rotating at theta^(-2i/head_dim), as rotary-embedding-torch does."""
+    if head_dim % 2:
+        raise ValueError(f"rotary positions need an even head_dim, got {head_dim}")
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    freqs = torch.outer(torch.arange(n, dtype=torch.float64), inv).repeat_interleave(2, dim=1)  # (n, head_dim)
+    return freqs.cos().float(), freqs.sin().float()
 
 
 def rope_3d(head_dim: int, t: int, h: int, w: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:

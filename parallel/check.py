@@ -41,7 +41,10 @@ def tp_split_dims(model: ModelConfig) -> dict[str, int]:
     """Dimensions tensor parallelism splits: heads (QKV columns, attention-out rows) and the FFN width.
 
     hidden_size = num_heads x head_dim is split through the heads; norms, adaLN modulation, the time
-    embedding and the text projection are replicated, so they impose nothing.
+    embedding and the text projection are replicated, so they impose nothing. The stdit family splits
+    the same three: its spatial and temporal self-attention (QKV, out) and cross-attention (Q from the
+    video tokens, K and V from the text, out) by heads, each num_heads x head_dim wide, and its MLP
+    by ffn_hidden_size; scale_shift_tables, t_block, the caption MLP and the final layer are replicated.
     """
     return {"model.num_heads": model.num_heads, "model.hidden_size": model.hidden_size,
             "model.ffn_hidden_size": model.ffn_size}

@@ -25,7 +25,7 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    """Video DiT dimensions (CogVideoX family); defaults are CogVideoX-2B's where one exists."""
+    """Video DiT dimensions (CogVideoX and STDiT families); defaults are CogVideoX-2B's where one exists."""
 
     name: str = Field("custom", description="preset name, for reports")
     family: Literal["cogvideox", "stdit"] = Field(
@@ -35,16 +35,35 @@ class ModelConfig(_Section):
     num_heads: int = Field(ge=1)
     head_dim: int = Field(ge=1)
     ffn_hidden_size: Optional[int] = Field(None, ge=1, description="default 4 x hidden_size")
-    time_embed_dim: int = Field(512, ge=1)
+    time_embed_dim: int = Field(512, ge=1, description="cogvideox: time embedding width; stdit: size of the "
+                                "sinusoidal timestep features (Open-Sora's frequency_embedding_size, 256)")
     in_channels: int = Field(16, ge=1, description="latent channels")
     patch_size: int = Field(2, ge=1)
     patch_size_t: int = Field(1, ge=1)
     text_embed_dim: int = Field(4096, ge=1, description="T5 hidden size")
     max_text_len: int = Field(226, ge=1)
-    pos_embed: Literal["sincos", "rope3d"] = "sincos"
+    pos_embed: Literal["sincos", "rope3d", "sincos2d_rope1d"] = Field(
+        "sincos", description="cogvideox: sincos (3D sin-cos added to tokens) or rope3d (3D rotary); stdit: "
+        "sincos2d_rope1d, its only (and default) value: 2D sin-cos added per frame, 1D rotary in temporal attention")
     objective: Literal["v_prediction", "flow_matching"] = "v_prediction"
     vae_scale_spatial: int = Field(8, ge=1)
     vae_scale_temporal: int = Field(4, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _family_positions(cls, data: Any) -> Any:
+        """pos_embed defaults to the family's own: sincos (cogvideox), sincos2d_rope1d (stdit)."""
+        if isinstance(data, dict) and data.get("pos_embed") is None and data.get("family") == "stdit":
+            data = {**data, "pos_embed": "sincos2d_rope1d"}
+        return data
+
+    @model_validator(mode="after")
+    def _positions_fit_family(self) -> "ModelConfig":
+        if (self.family == "stdit") != (self.pos_embed == "sincos2d_rope1d"):
+            allowed = "sincos2d_rope1d (or leave it out)" if self.family == "stdit" else "sincos or rope3d"
+            raise ValueError(f"model.pos_embed={self.pos_embed} does not fit model.family={self.family}; "
+                             f"use model.pos_embed={allowed}")
+        return self
 
     @model_validator(mode="after")
     def _heads_times_dim(self) -> "ModelConfig":

@@ -84,16 +84,17 @@ def checkpoint_interval(ds: dict, num_blocks: int) -> int:
 
 
 def checkpoint_x_only(checkpoint_fn: Callable) -> Callable:
-    """Recompute a range of blocks for x; temb goes around the checkpoint, not through it.
+    """Recompute a range of blocks for x; the other stage tensors (temb; STDiT: t, t_mlp, y), which
+    blocks read but pass on unchanged, go around the checkpoint, not through it.
 
     Two DeepSpeed behaviours make this necessary: partition_activations and cpu_checkpointing free a
-    checkpoint's inputs in place (`arg.data = empty`), so the checkpoint gets a fresh view of temb and
-    the caller's temb survives; and the 0.19 pipeline engine backpropagates each stage output
-    separately, which a checkpoint node cannot serve twice, so temb must not be one of its outputs.
+    checkpoint's inputs in place (`arg.data = empty`), so the checkpoint gets fresh views of them and
+    the caller's tensors survive; and the 0.19 pipeline engine backpropagates each stage output
+    separately, which a checkpoint node cannot serve twice, so they must not be among its outputs.
     """
-    def run(fn, x, temb):
-        x = checkpoint_fn(lambda x_, temb_: fn(x_, temb_)[0], x, temb.view_as(temb))
-        return x, temb
+    def run(fn, x, *rest):
+        x = checkpoint_fn(lambda x_, *rest_: fn(x_, *rest_)[0], x, *(r.view_as(r) for r in rest))
+        return (x, *rest)
     return run
 
 
@@ -135,12 +136,13 @@ class DiTPipeline(PipelineModule):
     def __init__(self, specs, topology: PipeModelDataParallelTopology, blocks: list[int],
                  checkpoint_every: int = 0, checkpoint_fn: Optional[Callable] = None,
                  loss_fn: Callable = mse_loss):
+        block_class = specs[1].typename.__name__          # the family's block: DiTBlock, STDiT3Layer
         bounds = [0] + [1 + sum(blocks[:s + 1]) for s in range(len(blocks))]
         bounds[-1] = len(specs)
         self._explicit_parts = bounds
         extra = {"activation_checkpoint_func": checkpoint_fn} if checkpoint_fn else {}
         super().__init__(layers=specs, topology=topology, loss_fn=loss_fn, partition_method="explicit",
-                         activation_checkpoint_interval=checkpoint_every, checkpointable_layers=["DiTBlock"],
+                         activation_checkpoint_interval=checkpoint_every, checkpointable_layers=[block_class],
                          **extra)
 
     def _partition_layers(self, method="explicit"):

@@ -271,10 +271,11 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
     eng = EngineSettings.from_ds(ds, cfg.model.num_layers)
     embed, block, final = (tracer.trace(kind, tp, b, sp) for kind in ("embed", "block", "final"))
     k = eng.checkpoint_every
-    # Checkpoint inputs: x per segment (temb passes as a view of the shared one unless DeepSpeed copies
-    # inputs for partitioning or host offload), divided over tp ranks when partitioned.
+    # Checkpoint inputs: x per segment (the side tensors, temb or STDiT's t, t_mlp, y, pass as views of the
+    # shared ones unless DeepSpeed copies inputs for partitioning or host offload), divided over tp ranks
+    # when partitioned.
     copies = eng.partition_activations or eng.cpu_checkpointing
-    seg_input = (block.input_bytes + (block.temb_bytes if copies else 0)) // (tp if eng.partition_activations else 1)
+    seg_input = (block.input_bytes + (block.side_total if copies else 0)) // (tp if eng.partition_activations else 1)
     stages = []
     for s, n in enumerate(blocks_per_stage(cfg)):
         first, last = s == 0, s == pp - 1
@@ -282,7 +283,10 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
         params = list(embed.params if first else ()) + list(block.params) * n + list(final.params if last else ())
         dev, host = model_states(params, eng, dp, pp)
         own = (embed.activations if first else 0) + (final.activations if last else 0)
-        shared = block.temb_bytes if (n and block.temb_saved) or (last and final.temb_saved) else 0
+        # Side tensors are held once per stage: those its blocks save (all of them when checkpoints keep
+        # views of them) or its final layer saves.
+        shared = sum(size for size, in_block, in_final in zip(block.side_bytes, block.side_saved, final.side_saved)
+                     if (n and (k or in_block)) or (last and in_final))
         host_acts = 0
         if k:
             segments = math.ceil(n / k)
@@ -291,7 +295,7 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
             acts, recompute = flight * (kept + shared + own), min(k, n) * block.activations
         else:
             acts, recompute = flight * (n * block.activations + shared + own), 0
-        boundary = block.input_bytes + block.temb_bytes
+        boundary = block.input_bytes + block.side_total
         pipe = (boundary if not first else 0) + ((1 + flight) * boundary if not last else 0) if pp > 1 else 0
         numel = sum(n_ for n_, _ in params)
         gathered = 0
@@ -306,6 +310,6 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
         stages.append(StageMemory(s, n, flight, {key: lines[key] for key, _ in LINES},
                                   {**host, "activations": host_acts}, numel))
     per_block = {"block_activations": block.activations, "block_input": block.input_bytes,
-                 "checkpoint_input": seg_input, "temb": block.temb_bytes, "embed_activations": embed.activations,
+                 "checkpoint_input": seg_input, "side_inputs": block.side_total, "embed_activations": embed.activations,
                  "final_activations": final.activations, "block_params": sum(n_ for n_, _ in block.params)}
     return MemoryPlan(stages, device_memory, eng.optimizer_path(pp), per_block)

@@ -4,10 +4,13 @@ by `parallel.check`, sized by `parallel.plan_memory`, and ranked by an estimated
 Step time of one optimizer step (m = train.grad_accum_steps micro-batches of b samples, S tokens,
 L blocks of hidden size H, N parameters):
 
-    compute  m b (6 N S + 12 L S^2 H) / (tp sp pp) / (peak x utilisation)  x 4/3 with full recompute
+    compute  m b (6 N S + 12 L A H) / (tp sp pp) / (peak x utilisation)  x 4/3 with full recompute
+             (A = attention pairs per layer: S^2; STDiT: t (hw)^2 + hw t^2 + 2 S L_text, whose text
+             K/V projections, 1/8 of a block's weights, 6 N S counts over S tokens instead of L: an overestimate)
     TP       m (L / pp) (4 [+2 recompute]) all-reduces of b S/sp H, ring 2 (tp-1)/tp, intra-node bandwidth
+             (STDiT: 12 [+6] per layer, 3 row-parallel outputs in each of its two blocks)
     SP       m (L / pp) a (8 [+4 recompute]) all-to-alls of b S/sp H/tp (q, k, v, out forward and their
-             gradients backward; a = attentions per layer), each moving (sp-1)/sp of it, intra-node
+             gradients backward; a = self-attentions per layer), each moving (sp-1)/sp of it, intra-node
              while tp x sp fits a node
     PP       m x 2 (activation forward, gradient backward) of the stage boundary, p2p
     bubble   (compute + TP + PP) x (m + pp - 1) / m                   (1F1B: bubble (pp-1)/(m+pp-1))
@@ -31,7 +34,7 @@ import torch
 from parallel.check import check, divisors
 from parallel.config import ExperimentConfig
 from parallel.plan_memory import EngineSettings, MemoryPlan, plan_memory
-from parallel.plan_trace import ActivationTracer, sequence_length
+from parallel.plan_trace import ActivationTracer, attention_pairs, sequence_length
 
 DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
 ATTENTIONS_PER_LAYER = {"cogvideox": 1, "stdit": 2}      # STDiT: a spatial and a temporal attention
@@ -86,14 +89,15 @@ def estimate_step_time(cfg: ExperimentConfig, eng: EngineSettings, dp: int, devi
     seq = sequence_length(cfg)
     n_all, n_blocks = count_params(tracer)
     recompute = bool(eng.checkpoint_every)
-    block_flops = 6 * n_blocks * seq + 12 * m_cfg.num_layers * seq ** 2 * m_cfg.hidden_size
+    block_flops = 6 * n_blocks * seq + 12 * m_cfg.num_layers * attention_pairs(cfg) * m_cfg.hidden_size
     flops = b * (block_flops * (4 / 3 if recompute else 1) + 6 * (n_all - n_blocks) * seq)
     peak = device.bf16_flops if eng.lp == 2 else device.fp32_flops
     compute = m * flops / (tp * sp * pp) / (peak * utilisation)
     ring = lambda n: 2 * (n - 1) / n  # noqa: E731  (bytes moved per device by a ring all-reduce, x size)
     tp_time = 0.0
     if tp > 1:
-        per_block = (6 if recompute else 4) * ring(tp) * trace.input_bytes / device.intra_bw
+        row_parallel = 6 if m_cfg.family == "stdit" else 2     # b S H all-reduces per layer's forward
+        per_block = row_parallel * (3 if recompute else 2) * ring(tp) * trace.input_bytes / device.intra_bw
         tp_time = m * (m_cfg.num_layers / pp) * per_block
     sp_time = 0.0
     if sp > 1:
@@ -103,7 +107,7 @@ def estimate_step_time(cfg: ExperimentConfig, eng: EngineSettings, dp: int, devi
     pp_time = 0.0
     if pp > 1:
         link = device.inter_bw if tp * sp * dp >= per_node else device.intra_bw    # stages are the outer axis
-        pp_time = m * 2 * (trace.input_bytes + trace.temb_bytes) / link
+        pp_time = m * 2 * (trace.input_bytes + trace.side_total) / link
     dp_time, d = 0.0, dp * sp
     if d > 1:
         link = device.inter_bw if tp * d > per_node else device.intra_bw

@@ -22,7 +22,10 @@ the model cannot disagree. Two pieces make that possible without devices or proc
 per storage (views of one tensor are counted once); `held_storages()` finds tensors a module keeps
 outside its parameters (position tables cached on first use), which are model state, not activations.
 `ActivationTracer` puts these together per stage kind (embed, one block, final + loss), tp size and
-micro-batch. tests/test_plan.py checks it against real CPU forwards at tp = 1 and tp = 2.
+micro-batch, for any model family: the inputs of a block and of the final stage are the embed stage's
+own outputs on meta, x [B, S, H] first, then the tensors a stage's blocks share and pass on unchanged
+(CogVideoX: temb; STDiT: t, t_mlp, y), called side tensors here. tests/test_plan.py checks it against
+real CPU forwards at tp = 1 and tp = 2.
 """
 from __future__ import annotations
 
@@ -154,17 +157,35 @@ def parameter_storages(module: nn.Module) -> set[int]:
 class StageTrace:
     """What one stage kind (embed, block, final) saves for one micro-batch on one tp rank."""
 
-    activations: int          # saved bytes, without parameters, cached tables and the shared temb
-    temb_saved: bool          # whether it saves the time embedding (shared by the stage's blocks)
+    activations: int          # saved bytes, without parameters, cached tables and the side tensors
     input_bytes: int          # bytes of its hidden-state input x [B, S, H] (what a checkpoint keeps)
-    temb_bytes: int
+    side_bytes: tuple         # bytes of each side tensor (shared by the stage's blocks, passed on)
+    side_saved: tuple         # whether it saves each side tensor for backward
     buffers: int              # tables cached in attributes (position tables), held once
     params: tuple             # ((numel, ndim), ...) of this tp rank's parameters
 
+    @property
+    def side_total(self) -> int:
+        return sum(self.side_bytes)
+
+    @property
+    def side_saved_bytes(self) -> int:
+        return sum(n for n, saved in zip(self.side_bytes, self.side_saved) if saved)
+
 
 def sequence_length(cfg: ExperimentConfig) -> int:
-    """Tokens per sample in the blocks' sequence (CogVideoX-5B at 49 x 480 x 720: 226 text + 17,550 video)."""
+    """Tokens of the sequence x per sample: text tokens + video patches (CogVideoX-5B at 49 x 480 x 720:
+    226 + 17,550); STDiT's x holds the video patches only (the text enters through cross-attention)."""
     return sequence_tokens(cfg.model, cfg.data)
+
+
+def attention_pairs(cfg: ExperimentConfig) -> int:
+    """(query, key) pairs one layer's attention scores per sample: S^2 for full attention; STDiT: spatial
+    t (hw)^2 + temporal hw t^2 + two cross-attentions 2 t hw L."""
+    if cfg.model.family != "stdit":
+        return sequence_length(cfg) ** 2
+    t, h, w = token_grid(cfg.model, cfg.data)
+    return t * (h * w) ** 2 + h * w * t ** 2 + 2 * t * h * w * cfg.model.max_text_len
 
 
 def _affine(a: int, b: int, n: int) -> int:
@@ -190,33 +211,35 @@ class ActivationTracer:
             self._modules[(kind, tp, sp)] = (module, ctx)
         return self._modules[(kind, tp, sp)]
 
-    def _inputs(self, kind: str, b: int, sp: int = 1):
-        m, d = self.cfg.model, self.cfg.data
-        seq = sequence_length(self.cfg) // sp
-        hidden = lambda: torch.empty(b, seq, m.hidden_size, dtype=self.dtype, requires_grad=True)  # noqa: E731
-        temb = lambda: torch.empty(b, m.time_embed_dim, dtype=self.dtype, requires_grad=True)  # noqa: E731
+    def _inputs(self, kind: str, tp: int, b: int, sp: int = 1):
+        """Meta tensors of the stage's input; a block's and final's are the embed stage's outputs, as leaves
+        (with sp, one sp rank's part of the sequence)."""
+        m = self.cfg.model
+        raw = (torch.empty(b, m.in_channels, *latent_shape(m, self.cfg.data)), torch.zeros(b, dtype=torch.long),
+               torch.empty(b, m.max_text_len, m.text_embed_dim))
         if kind == "embed":
-            return ((torch.empty(b, m.in_channels, *latent_shape(m, d)), torch.zeros(b, dtype=torch.long),
-                     torch.empty(b, m.max_text_len, m.text_embed_dim)),)
-        return ((hidden(), temb()),)
+            return raw
+        embed, _ = self._module("embed", tp, sp)
+        with torch.no_grad():
+            out = embed(raw)
+        return tuple(torch.empty(t.shape, dtype=t.dtype, requires_grad=t.is_floating_point()) for t in out)
 
     def _trace(self, kind: str, tp: int, b: int, sp: int = 1) -> StageTrace:
         module, ctx = self._module(kind, tp, sp)
         with torch.device("meta"), ctx.collectives_as_identity(), fused_attention_on_meta():
-            inputs = self._inputs(kind, b, sp)
+            inputs = self._inputs(kind, tp, b, sp)
             with record_saved() as saved:
-                out = module(*inputs)
+                out = module(inputs)
                 if kind == "final":
                     out = mse_loss(out, torch.empty(out.shape))  # the last stage's loss
         skip = parameter_storages(module)
         held = held_storages(module)
-        x, temb = (None, None) if kind == "embed" else inputs[0]
-        temb_key = None if temb is None else storage_key(temb)
-        acts = sum(storage_bytes(t) for k, t in saved.items() if k not in skip and k not in held and k != temb_key)
-        x_bytes = storage_bytes(x) if x is not None else storage_bytes(out[0])
-        t_bytes = storage_bytes(temb) if temb is not None else storage_bytes(out[1])
+        x, *side = out if kind == "embed" else inputs
+        side_keys = [storage_key(t) for t in side]
+        acts = sum(storage_bytes(t) for k, t in saved.items() if k not in skip and k not in held and k not in side_keys)
         params = tuple((p.numel(), p.dim()) for p in module.parameters())
-        return StageTrace(acts, temb_key in saved, x_bytes, t_bytes, sum(held.values()), params)
+        return StageTrace(acts, storage_bytes(x), tuple(storage_bytes(t) for t in side),
+                          tuple(kind != "embed" and k in saved for k in side_keys), sum(held.values()), params)
 
     def trace(self, kind: str, tp: int, b: int, sp: int = 1) -> StageTrace:
         """The trace at micro-batch b (one sp rank's tokens): traced at 1 and 2, extrapolated linearly beyond."""
@@ -226,6 +249,6 @@ class ActivationTracer:
         if b in (1, 2):
             return self._traces[(kind, tp, b, sp)]
         one, two = self._traces[(kind, tp, 1, sp)], self._traces[(kind, tp, 2, sp)]
-        return StageTrace(_affine(one.activations, two.activations, b), one.temb_saved,
-                          _affine(one.input_bytes, two.input_bytes, b), _affine(one.temb_bytes, two.temb_bytes, b),
+        return StageTrace(_affine(one.activations, two.activations, b), _affine(one.input_bytes, two.input_bytes, b),
+                          tuple(_affine(a, c, b) for a, c in zip(one.side_bytes, two.side_bytes)), one.side_saved,
                           one.buffers, one.params)

@@ -155,6 +155,8 @@ def build_val_dataset(cfg: ExperimentConfig):
 
 
 def tokens_per_sample(cfg: ExperimentConfig) -> int:
+    """Tokens of the sequence the blocks see: text + video (CogVideoX); video only (STDiT, whose text is
+    cross-attended)."""
     return sequence_tokens(cfg.model, cfg.data)
 
 

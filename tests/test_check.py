@@ -34,6 +34,7 @@ def test_cogvideox_2b_tp2_passes_with_one_line(capsys):
     ("cogvideox-5b", [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]),
     ("opensora-stdit3", [1, 2, 4, 8, 16]),
     ("debug", [1, 2, 4]),
+    ("debug-stdit", [1, 2, 4]),
 ])
 def test_valid_tp_sizes_per_preset(preset, expected):
     assert valid_tp_sizes(load_config(preset).model) == expected

@@ -11,6 +11,7 @@ def test_presets_carry_the_published_dimensions():
     assert (m5.num_layers, m5.hidden_size, m5.num_heads, m5.pos_embed) == (42, 3072, 48, "rope3d")
     st = load_config("opensora-stdit3").model
     assert (st.num_layers, st.hidden_size, st.num_heads, st.head_dim) == (28, 1152, 16, 72)
+    assert (st.family, st.pos_embed) == ("stdit", "sincos2d_rope1d")
     assert load_config("debug").model.num_layers == 4
 
 
@@ -27,6 +28,8 @@ def test_overrides_are_typed_and_nested():
     ("model.head_dim=17", "model.num_heads x model.head_dim = 4 x 17 = 68 must equal model.hidden_size=64"),
     ("data.kind=directory", "data.kind=directory needs data.path"),
     ("tp_size", "expected dotted.key=value"),
+    ("model.pos_embed=sincos2d_rope1d", "model.pos_embed=sincos2d_rope1d does not fit model.family=cogvideox; "
+                                        "use model.pos_embed=sincos or rope3d"),
 ])
 def test_bad_overrides_name_the_key(override, expected):
     with pytest.raises(ConfigError) as e:
@@ -61,3 +64,12 @@ def test_missing_file_lists_presets():
     with pytest.raises(ConfigError) as e:
         load_config("cogvideox-3b")
     assert "cogvideox-2b" in str(e.value) and "debug" in str(e.value)
+
+
+def test_stdit_positions_default_to_its_own_and_refuse_cogvideox_ones(tmp_path):
+    path = tmp_path / "stdit.yaml"
+    path.write_text((CONFIG_DIR / "debug-stdit.yaml").read_text().replace("  pos_embed: sincos2d_rope1d\n", ""))
+    assert load_config(path).model.pos_embed == "sincos2d_rope1d"
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["model.pos_embed=rope3d"])
+    assert "model.pos_embed=rope3d does not fit model.family=stdit; use model.pos_embed=sincos2d_rope1d" in str(e.value)

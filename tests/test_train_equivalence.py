@@ -44,3 +44,37 @@ def test_activation_checkpointing_changes_nothing(reference):
     torch.testing.assert_close(torch.tensor(off["losses"]), torch.tensor(reference["losses"]))
     for name, value in reference["state"].items():
         torch.testing.assert_close(off["state"][name], value, msg=lambda m: f"{name}: {m}")
+
+
+def stdit_fp32_config(stage: int = 0) -> dict:
+    """fp32_config with Adam's eps at 1e-6. Adam moves a weight by lr g / (|g| + eps), so a gradient's
+    absolute round-off d (about 1e-10 here, from the layout's summation order) moves it by up to
+    lr d / eps: 3e-5 at eps 1e-8 and lr 3e-3, above assert_close's 1e-5 for the few of debug-stdit's
+    573k gradient elements that happen to be near 1e-8 in size; 3e-7 at eps 1e-6."""
+    ds = fp32_config(stage)
+    ds["optimizer"]["params"]["eps"] = 1e-6
+    return ds
+
+
+@pytest.fixture(scope="module")
+def stdit_reference():
+    return train(1, 1, 1, stdit_fp32_config(), preset="debug-stdit")
+
+
+STDIT_LAYOUTS = [(2, 1, 1, 0), (1, 2, 1, 0), (2, 2, 1, 0), (1, 1, 2, 1)]
+
+
+@pytest.mark.parametrize("tp, pp, dp, stage", STDIT_LAYOUTS,
+                         ids=[f"tp{t}-pp{p}-dp{d}-zero{z}" for t, p, d, z in STDIT_LAYOUTS])
+def test_stdit_layout_matches_one_process(stdit_reference, tp, pp, dp, stage):
+    """The STDiT3-style family (four stage tensors x, t, t_mlp, y between pipeline stages, each layer a
+    spatial and a temporal block, recomputed in backward): the same guarantee."""
+    run = train(tp, pp, dp, stdit_fp32_config(stage), preset="debug-stdit")
+    assert len(set(stdit_reference["losses"])) == 3
+    expected = torch.tensor(stdit_reference["losses"], dtype=torch.float32)
+    for rank_losses in run["all_losses"]:
+        torch.testing.assert_close(torch.tensor(rank_losses, dtype=torch.float32), expected)
+    assert run["state"].keys() == stdit_reference["state"].keys()
+    for name, value in stdit_reference["state"].items():
+        torch.testing.assert_close(run["state"][name], value, msg=lambda m: f"{name}: {m}")
+    assert run["replica_mismatches"] == []

@@ -1,4 +1,5 @@
-"""Run a few training steps of the `debug` preset in spawned gloo ranks and collect comparable numbers."""
+"""Run a few training steps of a tiny preset (`debug`, `debug-stdit`) in spawned gloo ranks and collect
+comparable numbers."""
 from __future__ import annotations
 
 import copy
@@ -22,15 +23,15 @@ def fp32_config(stage: int = 0, checkpointing: bool = True, optimizer: str = "Ad
     return ds
 
 
-def experiment(tp: int, pp: int, dp: int, extra=(), sp: int = 1):
-    """`debug` at a fixed global batch of 4 (micro-batch x 2 micro-steps x dp), so every layout sees the same data."""
+def experiment(tp: int, pp: int, dp: int, extra=(), sp: int = 1, preset: str = "debug"):
+    """`preset` at a fixed global batch of 4 (micro-batch x 2 micro-steps x dp), so every layout sees the same data."""
     mb = GLOBAL_BATCH // (2 * dp)
-    return load_config("debug", [f"parallel.tp_size={tp}", f"parallel.pp_size={pp}", f"parallel.sp_size={sp}",
-                                 f"train.micro_batch_size={mb}", "train.grad_accum_steps=2", "train.warmup_steps=0",
-                                 *extra])
+    return load_config(preset, [f"parallel.tp_size={tp}", f"parallel.pp_size={pp}", f"parallel.sp_size={sp}",
+                                f"train.micro_batch_size={mb}", "train.grad_accum_steps=2", "train.warmup_steps=0",
+                                *extra])
 
 
-def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp=1):
+def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp, preset):
     """Train `steps` steps; the losses, the full weights (and EMA) this rank holds, any replica drift."""
     import deepspeed
 
@@ -42,7 +43,7 @@ def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp=1):
     from parallel.seed import seed_all
     from parallel.topology import Grid, ParallelContext
 
-    cfg = experiment(tp, pp, dp, extra, sp)
+    cfg = experiment(tp, pp, dp, extra, sp, preset)
     ctx = ParallelContext.build(Grid(pp, dp, tp, sp))
     seed_all(cfg.train.seed)
     trainer = build_trainer(cfg, ds, ctx)
@@ -59,9 +60,9 @@ def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp=1):
     return {"losses": losses, "state": state, "ema": ema, "replica_mismatches": replica_mismatches(module, ctx)}
 
 
-def train(tp: int, pp: int, dp: int, ds: dict, steps: int = 3, extra=(), sp: int = 1):
+def train(tp: int, pp: int, dp: int, ds: dict, steps: int = 3, extra=(), sp: int = 1, preset: str = "debug"):
     """Per-step losses (rank 0's), the merged full fp32 weights (and EMA) of all ranks, any replica drift."""
-    results = run_ranks(_train_rank, tp * pp * dp * sp, tp, pp, dp, ds, steps, tuple(extra), sp)
+    results = run_ranks(_train_rank, tp * pp * dp * sp, tp, pp, dp, ds, steps, tuple(extra), sp, preset)
     state: dict[str, torch.Tensor] = {}
     ema: dict[str, torch.Tensor] = {}
     for r in results:

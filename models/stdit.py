@@ -1,0 +1,206 @@
+"""Open-Sora STDiT3-style video DiT (Open-Sora 1.2/1.3) as a list of stages: embed -> layers -> final.
+
+One pipeline layer (`STDiT3Layer`) is one spatial block followed by one temporal block, so
+`model.num_layers: 28` is Open-Sora's depth 28 (28 spatial + 28 temporal blocks). Between stages flow
+
+    x      [B, S, H]   video tokens, S = T*h*w in (t, h, w) order (no text tokens in the sequence)
+    t      [B, H]      timestep embedding (the final layer's modulation)
+    t_mlp  [B, 6H]     t_block(t), every block's modulation (Open-Sora's `t_mlp`)
+    y      [B, L, H]   projected caption tokens, the keys and values of every cross-attention
+
+and all four receive gradients, as DeepSpeed's pipeline requires. A block (names follow Open-Sora):
+
+    shift, scale, gate (msa and mlp) = scale_shift_table [6, H] + t_mlp
+    x = x + gate_msa * SelfAttn(LN(x) * (1 + scale_msa) + shift_msa)     spatial: within a frame
+                                                                          temporal: one (h, w) across frames
+    x = x + CrossAttn(x, y)                                               every token attends to the text
+    x = x + gate_mlp * MLP(LN(x) * (1 + scale_mlp) + shift_mlp)           GELU (tanh), 4x
+
+Positions: a fixed 2D sin-cos table added to every frame's tokens in the embed stage, and 1D rotary
+positions over frames inside temporal attention (`model.pos_embed: sincos2d_rope1d`). Open-Sora's fps
+embedding, caption dropout (its learned null caption) and zero initialisation of output layers are not
+reproduced: unconditional sampling uses a zero text embedding, as for the CogVideoX family.
+
+Tensor parallelism (ctx.tp_size = p): self-attention QKV, cross-attention Q and KV and the MLP input
+are column-parallel (heads and MLP width split p ways); the three output projections are row-parallel.
+
+Sequence parallelism: everything but self-attention works token by token, so it runs on any contiguous
+chunk of x. Self-attention projects q, k, v to [B, S, n, d] and calls `SequenceAttention`, whose
+`_attend` sees the full sequence (the whole token grid) for its heads and regroups it into frames or
+into per-position time series itself.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from models.dit import _PositionCache, patchify, unpatchify
+from models.embeddings import apply_rope, rope_1d, sincos_2d, timestep_embedding
+from parallel.comm import copy_to_tp
+from parallel.config import ModelConfig
+from parallel.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.sequence import SequenceAttention, gather_sequence, sp_size_of, split_sequence
+
+INPUT_SQ_SIZE = 512         # Open-Sora: sin-cos positions are scaled by sqrt(pixel height x width) / 512
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Open-Sora's t2i_modulate: x (B, S, H), shift and scale (B, 1, H)."""
+    return x * (1 + scale) + shift
+
+
+class EmbedStage(nn.Module):
+    """(latents [B,C,T,H,W], timesteps [B], text [B,L,text_dim]) -> (x [B,S,H], t [B,H], t_mlp [B,6H], y [B,L,H])."""
+
+    def __init__(self, cfg: ModelConfig, grid: tuple[int, int, int], ctx=None):
+        super().__init__()
+        self.cfg, self.grid, self.ctx = cfg, grid, ctx
+        p, pt, c, hid = cfg.patch_size, cfg.patch_size_t, cfg.in_channels, cfg.hidden_size
+        self.x_embedder = nn.Linear(c * pt * p * p, hid)               # = Conv3d(kernel = stride = (pt, p, p))
+        self.t_embedder = nn.Sequential(nn.Linear(cfg.time_embed_dim, hid), nn.SiLU(), nn.Linear(hid, hid))
+        self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(hid, 6 * hid))
+        self.y_embedder = nn.Sequential(nn.Linear(cfg.text_embed_dim, hid), nn.GELU(approximate="tanh"),
+                                        nn.Linear(hid, hid))
+        scale = math.sqrt(grid[1] * grid[2]) * p * cfg.vae_scale_spatial / INPUT_SQ_SIZE   # from pixel h x w
+        self._pos = _PositionCache(lambda h, w: sincos_2d(hid, h, w, scale, base_size=round(math.sqrt(h * w))))
+
+    def forward(self, inputs):
+        latents, timesteps, text = inputs
+        dtype = self.x_embedder.weight.dtype
+        t_, h, w = self.grid
+        tokens = patchify(latents.to(dtype), self.cfg)
+        pos = self._pos.get((h, w), tokens.device).to(dtype)                       # (h*w, H), every frame
+        x = (self.x_embedder(tokens).unflatten(1, (t_, h * w)) + pos).flatten(1, 2)  # (B, S, H)
+        x = split_sequence(x, self.ctx)                                             # sp: this rank's S / sp
+        t = self.t_embedder(timestep_embedding(timesteps, self.cfg.time_embed_dim).to(dtype))  # (B, H)
+        t_mlp = self.t_block(t)                                                     # (B, 6H)
+        y = self.y_embedder(text.to(dtype))                                         # (B, L, H)
+        return x, t, t_mlp, y
+
+
+class SelfAttention(nn.Module):
+    """Spatial (tokens of one frame) or temporal (one (h, w) position across frames) attention.
+
+    Heads split over tp ranks; RMSNorm on q and k over head_dim; temporal attention rotates q and k by
+    their frame index (1D rotary). `forward` is per token apart from `_attend`, which gets the full
+    sequence [B, S, n, d] (through Ulysses when sp_size > 1).
+    """
+
+    def __init__(self, cfg: ModelConfig, grid, ctx, temporal: bool):
+        super().__init__()
+        hid, self.head_dim, self.grid, self.ctx, self.temporal = cfg.hidden_size, cfg.head_dim, grid, ctx, temporal
+        self.qkv = ColumnParallelLinear(hid, [hid, hid, hid], ctx=ctx)
+        self.proj = RowParallelLinear(hid, hid, ctx=ctx)
+        # Shared by all heads, so each tp rank's gradient is a partial sum: all-reduced by copy_to_tp.
+        self.q_norm_weight = nn.Parameter(torch.ones(self.head_dim))
+        self.k_norm_weight = nn.Parameter(torch.ones(self.head_dim))
+        self._rope = _PositionCache(lambda n: rope_1d(self.head_dim, n)) if temporal else None
+        self.core = SequenceAttention(self._attend, ctx)
+
+    def forward(self, x):
+        q, k, v = rearrange(self.qkv(x), "b s (three n d) -> three b s n d", three=3, d=self.head_dim)
+        o = self.core(q, k, v)                                                    # (B, S, heads/p, d)
+        return self.proj(rearrange(o, "b s n d -> b s (n d)"))                    # (B, S, H)
+
+    def _attend(self, q, k, v):
+        """[B, S, n, d] over the whole (t, h, w) grid -> [B, S, n, d]."""
+        t, h, w = self.grid
+        group = "b (t s) n d -> (b s) n t d" if self.temporal else "b (t s) n d -> (b t) n s d"
+        back = "(b s) n t d -> b (t s) n d" if self.temporal else "(b t) n s d -> b (t s) n d"
+        batch = q.shape[0]
+        q, k, v = (rearrange(z, group, t=t) for z in (q, k, v))                   # (groups, n, len, d)
+        norm = copy_to_tp(torch.stack([self.q_norm_weight, self.k_norm_weight]), self.ctx)
+        q = F.rms_norm(q, (self.head_dim,), norm[0], eps=1e-6)
+        k = F.rms_norm(k, (self.head_dim,), norm[1], eps=1e-6)
+        if self._rope is not None:
+            cos, sin = self._rope.get((t,), q.device)                             # (T, d)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = F.scaled_dot_product_attention(q, k, v)
+        return rearrange(o, back, b=batch)
+
+
+class CrossAttention(nn.Module):
+    """Each video token attends to the caption tokens y; heads split over tp ranks (no mask: fixed-length text)."""
+
+    def __init__(self, cfg: ModelConfig, ctx):
+        super().__init__()
+        hid, self.head_dim = cfg.hidden_size, cfg.head_dim
+        self.q_linear = ColumnParallelLinear(hid, hid, ctx=ctx)
+        # No bias, unlike Open-Sora's, at no loss: a key bias adds q.b to every logit of a query, which
+        # softmax ignores (its exact gradient is zero, so Adam would only turn round-off into updates),
+        # and a value bias reaches the output as the constant W_proj b, which proj's bias already is.
+        self.kv_linear = ColumnParallelLinear(hid, [hid, hid], ctx=ctx, bias=False)
+        self.proj = RowParallelLinear(hid, hid, ctx=ctx)
+
+    def forward(self, x, y):
+        q = rearrange(self.q_linear(x), "b s (n d) -> b n s d", d=self.head_dim)
+        k, v = rearrange(self.kv_linear(y), "b l (two n d) -> two b n l d", two=2, d=self.head_dim)
+        o = F.scaled_dot_product_attention(q, k, v)                               # (B, heads/p, S, d)
+        return self.proj(rearrange(o, "b n s d -> b s (n d)"))
+
+
+class STDiT3Block(nn.Module):
+    """Modulated self-attention (spatial or temporal), cross-attention to the text, modulated MLP."""
+
+    def __init__(self, cfg: ModelConfig, grid, ctx, temporal: bool):
+        super().__init__()
+        hid = cfg.hidden_size
+        self.scale_shift_table = nn.Parameter(torch.randn(6, hid) / hid ** 0.5)
+        self.attn = SelfAttention(cfg, grid, ctx, temporal)
+        self.cross_attn = CrossAttention(cfg, ctx)
+        self.mlp_fc1 = ColumnParallelLinear(hid, cfg.ffn_size, ctx=ctx)
+        self.mlp_fc2 = RowParallelLinear(cfg.ffn_size, hid, ctx=ctx)
+
+    def forward(self, x, y, t_mlp):
+        hid = x.shape[-1]
+        mod = self.scale_shift_table[None] + t_mlp.unflatten(1, (6, hid))         # (B, 6, H)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.chunk(6, dim=1)
+        h = modulate(F.layer_norm(x, (hid,), eps=1e-6), shift_msa, scale_msa)
+        x = x + gate_msa * self.attn(h)
+        x = x + self.cross_attn(x, y)
+        h = modulate(F.layer_norm(x, (hid,), eps=1e-6), shift_mlp, scale_mlp)
+        return x + gate_mlp * self.mlp_fc2(F.gelu(self.mlp_fc1(h), approximate="tanh"))
+
+
+class STDiT3Layer(nn.Module):
+    """One pipeline layer: a spatial block, then a temporal block. (x, t, t_mlp, y) -> same, x updated."""
+
+    def __init__(self, cfg: ModelConfig, grid, ctx):
+        super().__init__()
+        self.spatial = STDiT3Block(cfg, grid, ctx, temporal=False)
+        self.temporal = STDiT3Block(cfg, grid, ctx, temporal=True)
+
+    def forward(self, inputs):
+        x, t, t_mlp, y = inputs
+        x = self.temporal(self.spatial(x, y, t_mlp), y, t_mlp)
+        return x, t, t_mlp, y
+
+
+class FinalStage(nn.Module):
+    """Open-Sora's T2IFinalLayer: LayerNorm -> shift, scale from scale_shift_table [2, H] + t -> linear ->
+    unpatchify to [B, C, T, H, W]; with sp, this rank's tokens as patches [B, S/sp, C*pt*p*p] (`assemble`
+    makes the full prediction)."""
+
+    def __init__(self, cfg: ModelConfig, grid, ctx=None):
+        super().__init__()
+        self.cfg, self.grid, self.ctx = cfg, grid, ctx
+        p, pt, hid = cfg.patch_size, cfg.patch_size_t, cfg.hidden_size
+        self.scale_shift_table = nn.Parameter(torch.randn(2, hid) / hid ** 0.5)
+        self.linear = nn.Linear(hid, cfg.in_channels * pt * p * p)
+
+    def forward(self, inputs):
+        x, t, _, _ = inputs
+        shift, scale = (self.scale_shift_table[None] + t[:, None]).chunk(2, dim=1)   # (B, 1, H) each
+        x = modulate(F.layer_norm(x, (x.shape[-1],), eps=1e-6), shift, scale)
+        out = self.linear(x)
+        return unpatchify(out, self.cfg, self.grid) if sp_size_of(self.ctx) == 1 else out
+
+    def assemble(self, out: torch.Tensor) -> torch.Tensor:
+        """The full prediction [B, C, T, H, W] from forward's output on any sp rank (no gradient)."""
+        if sp_size_of(self.ctx) == 1:
+            return out
+        return unpatchify(gather_sequence(out, self.ctx), self.cfg, self.grid)
