@@ -129,7 +129,8 @@ class Attention(nn.Module):
         k_trained = isinstance(self.norm_k_bias, nn.Parameter)
         norm = copy_to_tp(torch.stack(qk + [self.norm_k_bias] if k_trained else qk), self.ctx)
         q = F.layer_norm(q, (self.head_dim,), norm[0], norm[1], eps=1e-6)           # (B, heads/p, S, d)
-        k = F.layer_norm(k, (self.head_dim,), norm[2], norm[3] if k_trained else self.norm_k_bias, eps=1e-6)
+        k_bias = norm[3] if k_trained else self.norm_k_bias.to(k.dtype)   # buffers stay fp32 under bf16 ZeRO
+        k = F.layer_norm(k, (self.head_dim,), norm[2], k_bias, eps=1e-6)
         if self._rope is not None:                                         # video tokens only
             cos, sin = self._rope.get(self.grid, x.device)
             q = torch.cat([q[:, :, :n_txt], apply_rope(q[:, :, n_txt:], cos, sin)], dim=2)
