@@ -59,7 +59,7 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
     step = trainer.load(cfg.ckpt_dir, tag)
     module, n = trainer.engine.module, cfg.model.num_layers
     if fmt == "diffusers":
-        from parallel.released import export_diffusers
+        from parallel.released_export import export_diffusers
         if ema and not has_ema(trainer.optimizer):
             raise ValueError(f"--ema: the checkpoint {cfg.ckpt_dir}/{tag} has no EMA (its optimizer is "
                              f"{type(trainer.optimizer).__name__}; FusedEmaAdam/EmaAdamW keep one)")

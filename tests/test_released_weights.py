@@ -85,7 +85,7 @@ def _layouts_rank(rank, world_size, folders, export_dir):
 
     from parallel import accelerator
     from parallel.model import build_model
-    from parallel.released import export_diffusers
+    from parallel.released_export import export_diffusers
     from parallel.topology import Grid, ParallelContext
     from parallel.validate import StageForward
 
@@ -109,7 +109,7 @@ def _layouts_rank(rank, world_size, folders, export_dir):
 def _zero3(world_size, folder, export_dir):
     """The training path at dp = 4, ZeRO-3: load before deepspeed.initialize, export gathers."""
     from parallel.engine import build_trainer
-    from parallel.released import export_diffusers
+    from parallel.released_export import export_diffusers
     from parallel.seed import seed_all
     from parallel.topology import Grid, ParallelContext
     from tests.train_utils import fp32_config
