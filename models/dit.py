@@ -82,7 +82,9 @@ class EmbedStage(nn.Module):
         self.text_proj = nn.Linear(cfg.text_embed_dim, hid)
         self.time_linear_1 = nn.Linear(hid, cfg.time_embed_dim)
         self.time_linear_2 = nn.Linear(cfg.time_embed_dim, cfg.time_embed_dim)
-        self._pos = _PositionCache(lambda t, h, w: sincos_3d(hid, t, h, w)) if cfg.pos_embed == "sincos" else None
+        self._pos = _PositionCache(lambda t, h, w: sincos_3d(
+            hid, t, h, w, cfg.spatial_interpolation_scale, cfg.temporal_interpolation_scale)) \
+            if cfg.pos_embed == "sincos" else None
 
     def forward(self, inputs):
         latents, timesteps, text = inputs
@@ -92,7 +94,8 @@ class EmbedStage(nn.Module):
             video = video + self._pos.get(self.grid, video.device).to(dtype)
         x = torch.cat([self.text_proj(text.to(dtype)), video], dim=1)     # (B, S_txt + S_vid, H)
         x = split_sequence(x, self.ctx)                                   # sp: this rank's S / sp tokens
-        t_freq = timestep_embedding(timesteps, self.cfg.hidden_size).to(dtype)
+        t_freq = timestep_embedding(timesteps, self.cfg.hidden_size, self.cfg.flip_sin_to_cos,
+                                    self.cfg.freq_shift).to(dtype)
         temb = self.time_linear_2(F.silu(self.time_linear_1(t_freq)))    # (B, D)
         return x, temb
 
@@ -130,12 +133,19 @@ class Attention(nn.Module):
         self.to_out = RowParallelLinear(hid, hid, ctx=ctx)
         # q/k LayerNorm over head_dim, shared by all heads: each tp rank sees only its heads, so the
         # gradients of these replicated parameters are partial sums, all-reduced by copy_to_tp below.
-        # k's norm has no bias: a bias b adds q.b to every logit of a query, which softmax ignores, so
-        # its exact gradient is zero and Adam would only turn round-off into updates.
+        # k's norm bias b: without rotary positions it adds q.b to every logit of a query, which softmax
+        # ignores (its exact gradient is zero and Adam would only turn round-off into updates), so it is a
+        # buffer, kept for released weights. With rope3d the keys rotate after the norm and q_i.R_j b depends
+        # on the key's position j: then it is a trained parameter.
         self.norm_q_weight = nn.Parameter(torch.ones(self.head_dim))
         self.norm_q_bias = nn.Parameter(torch.zeros(self.head_dim))
         self.norm_k_weight = nn.Parameter(torch.ones(self.head_dim))
-        self._rope = _PositionCache(lambda t, h, w: rope_3d(self.head_dim, t, h, w)) \
+        if cfg.pos_embed == "rope3d":
+            self.norm_k_bias = nn.Parameter(torch.zeros(self.head_dim))
+        else:
+            self.register_buffer("norm_k_bias", torch.zeros(self.head_dim))
+        base = (cfg.sample_height // cfg.patch_size, cfg.sample_width // cfg.patch_size)
+        self._rope = _PositionCache(lambda t, h, w: rope_3d(self.head_dim, t, h, w, base)) \
             if cfg.pos_embed == "rope3d" else None
         self.core = SequenceAttention(self._attend, ctx)
 
@@ -148,9 +158,12 @@ class Attention(nn.Module):
         """[B, S, n, d] over the whole sequence (S = text + video tokens) -> [B, S, n, d]."""
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))                 # (B, n, S, d)
         n_txt, d = self.n_txt, self.head_dim
-        norm = copy_to_tp(torch.stack([self.norm_q_weight, self.norm_q_bias, self.norm_k_weight]), self.ctx)
+        qk = [self.norm_q_weight, self.norm_q_bias, self.norm_k_weight]
+        k_trained = isinstance(self.norm_k_bias, nn.Parameter)
+        norm = copy_to_tp(torch.stack(qk + [self.norm_k_bias] if k_trained else qk), self.ctx)
         q = F.layer_norm(q, (d,), norm[0], norm[1], eps=1e-6)
-        k = F.layer_norm(k, (d,), norm[2], None, eps=1e-6)
+        k_bias = norm[3] if k_trained else self.norm_k_bias.to(k.dtype)   # buffers stay fp32 under bf16 ZeRO
+        k = F.layer_norm(k, (d,), norm[2], k_bias, eps=1e-6)
         if self._rope is not None:                                         # video tokens only
             cos, sin = self._rope.get(self.grid, q.device)
             q = torch.cat([q[:, :, :n_txt], apply_rope(q[:, :, n_txt:], cos, sin)], dim=2)
@@ -190,7 +203,7 @@ class FinalStage(nn.Module):
         p, pt = cfg.patch_size, cfg.patch_size_t
         self.norm_final = nn.LayerNorm(cfg.hidden_size, eps=1e-5)
         self.norm_out_linear = nn.Linear(cfg.time_embed_dim, 2 * cfg.hidden_size)
-        self.norm_out = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
+        self.norm_out = nn.LayerNorm(cfg.hidden_size, eps=1e-5)
         self.proj_out = nn.Linear(cfg.hidden_size, cfg.in_channels * pt * p * p)
 
     def forward(self, inputs):

@@ -1,6 +1,8 @@
 """Positional and timestep embeddings of the CogVideoX and STDiT families (no parameters here except in callers).
 
-Latent video [B, C, T, H, W] becomes T x (H/p) x (W/p) patch tokens, ordered (t, h, w).
+Latent video [B, C, T, H, W] becomes T x (H/p) x (W/p) patch tokens, ordered (t, h, w). The tables are
+computed as diffusers' CogVideoXTransformer3DModel and its pipeline compute them (same dtypes, same
+order of operations), so released weights give the released model's outputs.
 """
 from __future__ import annotations
 
@@ -9,35 +11,42 @@ import math
 import torch
 
 
-def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
-    """Sinusoidal embedding of (possibly fractional) timesteps: [B] -> [B, dim], cos half first."""
+def timestep_embedding(t: torch.Tensor, dim: int, flip_sin_to_cos: bool = True, freq_shift: float = 0.0,
+                       max_period: float = 10000.0) -> torch.Tensor:
+    """Sinusoidal embedding of (possibly fractional) timesteps: [B] -> [B, dim].
+
+    freqs_i = exp(-ln(max_period) i / (dim/2 - freq_shift)); [cos, sin] with flip_sin_to_cos (CogVideoX),
+    else [sin, cos].
+    """
     half = dim // 2
-    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
-    args = t.float()[:, None] * freqs[None]                           # (B, half)
-    emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device)
+    args = t.float()[:, None] * torch.exp(exponent / (half - freq_shift))[None]     # (B, half)
+    emb = torch.cat([torch.cos(args), torch.sin(args)] if flip_sin_to_cos else [torch.sin(args), torch.cos(args)],
+                    dim=-1)
     return torch.nn.functional.pad(emb, (0, dim % 2))
 
 
 def _sincos_1d(dim: int, pos: torch.Tensor) -> torch.Tensor:
-    """[N] positions -> [N, dim] (sin half, cos half), as in MAE/DiT."""
+    """[N] positions -> [N, dim] (sin half, cos half) in float64, as in MAE/DiT."""
     omega = 1.0 / 10000 ** (torch.arange(dim // 2, dtype=torch.float64) / (dim / 2.0))
     out = pos.double()[:, None] * omega[None]
     return torch.cat([torch.sin(out), torch.cos(out)], dim=1)
 
 
-def sincos_3d(dim: int, t: int, h: int, w: int, spatial_scale: float = 1.875) -> torch.Tensor:
-    """Fixed 3D sin-cos positions [t*h*w, dim]: 3/4 of dim for (h, w), 1/4 for time (CogVideoX-2B).
+def sincos_3d(dim: int, t: int, h: int, w: int, spatial_scale: float = 1.875,
+              temporal_scale: float = 1.0) -> torch.Tensor:
+    """Fixed 3D sin-cos positions [t*h*w, dim]: 1/4 of dim for time, then 3/4 for (w, h) (CogVideoX-2B).
 
-    spatial_scale is CogVideoX's interpolation scale (positions divided by it).
+    Positions are divided by the interpolation scales (in float32, as diffusers does); text tokens get none.
     """
     if dim % 16:
         raise ValueError(f"sin-cos 3D positions need hidden_size divisible by 16, got {dim}")
     dim_s, dim_t = dim // 4 * 3, dim // 4
-    gh = torch.arange(h, dtype=torch.float64) / spatial_scale
-    gw = torch.arange(w, dtype=torch.float64) / spatial_scale
+    gh = torch.arange(h, dtype=torch.float32) / spatial_scale
+    gw = torch.arange(w, dtype=torch.float32) / spatial_scale
     grid_h, grid_w = torch.meshgrid(gh, gw, indexing="ij")
     spatial = torch.cat([_sincos_1d(dim_s // 2, grid_w.flatten()), _sincos_1d(dim_s // 2, grid_h.flatten())], 1)
-    temporal = _sincos_1d(dim_t, torch.arange(t, dtype=torch.float64))  # (t, dim_t)
+    temporal = _sincos_1d(dim_t, torch.arange(t, dtype=torch.float32) / temporal_scale)   # (t, dim_t)
     pos = torch.cat([temporal[:, None, :].expand(t, h * w, dim_t),
                      spatial[None].expand(t, h * w, dim_s)], dim=-1)      # (t, h*w, dim)
     return pos.reshape(t * h * w, dim).float()
@@ -65,24 +74,49 @@ def rope_1d(head_dim: int, n: int, theta: float = 10000.0) -> tuple[torch.Tensor
     return freqs.cos().float(), freqs.sin().float()
 
 
-def rope_3d(head_dim: int, t: int, h: int, w: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """3D rotary frequencies for (t, h, w) tokens: cos, sin of shape [t*h*w, head_dim].
+def resize_crop_region(grid: tuple[int, int], base: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((top, left), (bottom, right)): the (h, w) patch grid resized to fit the base grid, centred.
 
-    head_dim is split 1/4 time, 3/8 height, 3/8 width (CogVideoX-5B); each pair of channels rotates.
+    base is the (height, width) patch grid the model was trained at (sample size / patch size); a grid of
+    another aspect ratio gets fractional rotary positions inside it (CogVideoX's get_resize_crop_region_for_grid).
+    """
+    (h, w), (th, tw) = grid, base
+    if h / w > th / tw:
+        rh, rw = th, int(round(th / h * w))
+    else:
+        rw, rh = tw, int(round(tw / w * h))
+    top, left = int(round((th - rh) / 2.0)), int(round((tw - rw) / 2.0))
+    return (top, left), (top + rh, left + rw)
+
+
+def _rope_1d(dim: int, pos: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, dim] of positions [N]; each frequency repeated for its channel pair (float32)."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))   # (dim/2,)
+    freqs = torch.outer(pos, inv)
+    return freqs.cos().repeat_interleave(2, dim=1), freqs.sin().repeat_interleave(2, dim=1)
+
+
+def rope_3d(head_dim: int, t: int, h: int, w: int, base: tuple[int, int] | None = None,
+            theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """3D rotary frequencies for (t, h, w) tokens: cos, sin of shape [t*h*w, head_dim] (CogVideoX-5B).
+
+    head_dim is split 1/4 time, 3/8 height, 3/8 width; each pair of channels rotates. Spatial positions
+    span the grid's crop region inside `base` (the model's (h, w) patch grid; default: the grid itself):
+    h positions evenly from top to bottom (h-1)/h, likewise w.
     """
     dim_t, dim_h = head_dim // 4, head_dim // 8 * 3
-    dim_w = head_dim - dim_t - dim_h
-    if min(dim_t, dim_h, dim_w) % 2:
+    if head_dim % 16:
         raise ValueError(f"3D rotary positions need head_dim divisible by 16, got {head_dim}")
+    (top, left), (bottom, right) = resize_crop_region((h, w), base or (h, w))
+    grid_h = torch.linspace(top, bottom * (h - 1) / h, h, dtype=torch.float32)
+    grid_w = torch.linspace(left, right * (w - 1) / w, w, dtype=torch.float32)
+    grid_t = torch.linspace(0, t * (t - 1) / t, t, dtype=torch.float32)
+    tables = [_rope_1d(dim_t, grid_t, theta), _rope_1d(dim_h, grid_h, theta), _rope_1d(dim_h, grid_w, theta)]
 
-    def axis(dim: int, n: int) -> torch.Tensor:
-        inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        return torch.outer(torch.arange(n, dtype=torch.float64), inv).repeat_interleave(2, dim=1)  # (n, dim)
-
-    ft, fh, fw = axis(dim_t, t), axis(dim_h, h), axis(dim_w, w)
-    freqs = torch.cat([ft[:, None, None].expand(t, h, w, dim_t), fh[None, :, None].expand(t, h, w, dim_h),
-                       fw[None, None].expand(t, h, w, dim_w)], dim=-1).reshape(t * h * w, head_dim)
-    return freqs.cos().float(), freqs.sin().float()
+    def combine(ft, fh, fw):
+        return torch.cat([ft[:, None, None].expand(t, h, w, dim_t), fh[None, :, None].expand(t, h, w, dim_h),
+                          fw[None, None].expand(t, h, w, dim_h)], dim=-1).reshape(t * h * w, head_dim)
+    return combine(*(c for c, _ in tables)).float(), combine(*(s for _, s in tables)).float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

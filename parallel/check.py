@@ -214,6 +214,9 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
         raise ConfigError("\n".join(problems))
     layout, found = check(cfg, ds, deepspeed_config or "deepspeed config", world_size)
     problems += found
+    if cfg.model.init_from:                   # config.json and safetensors headers only, no tensor data
+        from parallel.released import check_released
+        problems += check_released(cfg.model, cfg.model.init_from)
     if problems:
         raise ConfigError("\n".join(problems))
     return cfg, ds, layout

@@ -48,6 +48,15 @@ class ModelConfig(_Section):
     objective: Literal["v_prediction", "flow_matching"] = "v_prediction"
     vae_scale_spatial: int = Field(8, ge=1)
     vae_scale_temporal: int = Field(4, ge=1)
+    flip_sin_to_cos: bool = Field(True, description="timestep embedding order [cos, sin] (CogVideoX) or [sin, cos]")
+    freq_shift: float = Field(0.0, description="timestep frequencies exp(-ln(1e4) i / (dim/2 - freq_shift))")
+    spatial_interpolation_scale: float = Field(1.875, gt=0, description="sin-cos positions: (h, w) divided by it")
+    temporal_interpolation_scale: float = Field(1.0, gt=0, description="sin-cos positions: frames divided by it")
+    sample_height: int = Field(60, ge=1, description="latent height the model was trained at; rope3d positions "
+                               "of other sizes are fitted into its patch grid (diffusers' sample_height)")
+    sample_width: int = Field(90, ge=1, description="latent width, likewise (diffusers' sample_width)")
+    init_from: Optional[str] = Field(None, description="folder of released weights in the diffusers layout "
+                                     "(config.json + *.safetensors) to start from; a resumed checkpoint wins")
 
     @model_validator(mode="before")
     @classmethod

@@ -121,8 +121,13 @@ class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
             return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def build_trainer(cfg: ExperimentConfig, ds: dict, ctx) -> Trainer:
-    """Configure activation checkpointing, build the model for the layout, and initialise DeepSpeed."""
+def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True) -> Trainer:
+    """Configure activation checkpointing, build the model for the layout, and initialise DeepSpeed.
+
+    With model.init_from (and init_from=True; a run resuming a checkpoint passes False) every rank reads
+    its part of the released weights into the built model before deepspeed.initialize, when parameters
+    are still whole local tensors under every ZeRO stage (ZeRO-3 partitions them in initialize).
+    """
     deepspeed.init_distributed(dist_backend=accelerator.backend())   # no-op when run.py already did it
     ds_final = prepare_ds_config(ds, cfg, ctx.data_size)
     checkpoint_fn = None
@@ -130,6 +135,9 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx) -> Trainer:
         deepspeed.checkpointing.configure(ctx, deepspeed_config=copy.deepcopy(ds_final))
         checkpoint_fn = deepspeed.checkpointing.checkpoint
     model = build_model(cfg, ds_final, ctx, checkpoint_fn)
+    if init_from and cfg.model.init_from:
+        from parallel.released import load_released
+        load_released(model, ctx, cfg.model, cfg.model.init_from)
     optimizer = build_optimizer(model, ds, cfg.train)
     schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.train))  # noqa: E731
     mpu = None if cfg.parallel.pp_size > 1 else ctx      # the pipeline engine takes its grid from the module

@@ -7,6 +7,12 @@ Launch with the layout that wrote the checkpoint (the same flags as train.py):
         --out runs/debug/export            # -> model.safetensors, ema.safetensors (if the optimizer keeps one)
 
 Tensors are fp32, named canonically (`embed.*`, `blocks.{i}.*`, `final.*`), gathered over tp, pp and dp.
+
+`--format diffusers` writes the weights (`--ema`: the EMA) as a diffusers CogVideoXTransformer3DModel
+folder instead: config.json plus diffusion_pytorch_model.safetensors, or shards of at most
+`--max-shard-size` (default 5GB) with diffusion_pytorch_model.safetensors.index.json, in `--dtype`
+(fp32 default; bf16, fp16), loadable with `CogVideoXTransformer3DModel.from_pretrained(OUT)` and by
+`--set model.init_from=OUT` (parallel/released.py).
 """
 from __future__ import annotations
 
@@ -19,8 +25,25 @@ from parallel.config import ConfigError
 from parallel.topology import read_launch_env
 
 
-def export(cfg, ds, layout, env, out: Path, tag: str | None) -> list[Path]:
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def parse_size(text: str) -> int:
+    """`5GB` -> 5 * 10**9 bytes, `500MiB` -> 500 * 2**20, `1000` -> 1000."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    low = text.strip().lower()
+    for unit, scale in units.items():
+        if low.endswith(unit) and low[:-len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(low[:-len(unit)]) * scale)
+    if low.isdigit():
+        return int(low)
+    raise argparse.ArgumentTypeError(f"{text!r}: give a size such as 5GB, 500MiB or 1000000 (bytes)")
+
+
+def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit", ema: bool = False,
+           max_shard_bytes: int = 5 * 10**9, dtype: str = "fp32") -> list[Path]:
     import deepspeed
+    import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
 
@@ -29,12 +52,24 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None) -> list[Path]:
     from parallel.model import full_state
     from parallel.run import checkpoint_layout, start_engine
 
-    ctx, trainer = start_engine(cfg, ds, layout, env)
     tag = tag or checkpoint.find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout))
     if tag is None:
         raise FileNotFoundError(f"no complete checkpoint in {cfg.ckpt_dir} (ckpt.dir)")
+    ctx, trainer = start_engine(cfg, ds, layout, env, init_from=False)
     step = trainer.load(cfg.ckpt_dir, tag)
     module, n = trainer.engine.module, cfg.model.num_layers
+    if fmt == "diffusers":
+        from parallel.released_export import export_diffusers
+        if ema and not has_ema(trainer.optimizer):
+            raise ValueError(f"--ema: the checkpoint {cfg.ckpt_dir}/{tag} has no EMA (its optimizer is "
+                             f"{type(trainer.optimizer).__name__}; FusedEmaAdam/EmaAdamW keep one)")
+        value = full_ema(trainer.optimizer, trainer.engine.optimizer) if ema else None
+        written = export_diffusers(module, ctx, cfg, out, value, zero3=layout.zero_stage == 3,
+                                   max_shard_bytes=max_shard_bytes, dtype=getattr(torch, DTYPES[dtype]),
+                                   metadata={"step": str(step), "checkpoint": f"{cfg.ckpt_dir}/{tag}",
+                                             "weights": "ema" if ema else "model"})
+        dist.destroy_process_group()
+        return written
     if layout.zero_stage == 3:
         with deepspeed.zero.GatheredParameters(list(module.parameters())):
             weights = full_state(module, ctx, n)
@@ -64,7 +99,14 @@ def main(argv=None) -> int:
     ap.add_argument("--deepspeed_config", "--deepspeed-config", required=True)
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--tag", default=None, help="checkpoint tag (step{N}); default: the newest complete one")
-    ap.add_argument("--out", required=True, help="folder for model.safetensors and ema.safetensors")
+    ap.add_argument("--out", required=True, help="folder for model.safetensors and ema.safetensors, or the "
+                    "diffusers folder")
+    ap.add_argument("--format", choices=["toolkit", "diffusers"], default="toolkit",
+                    help="toolkit: canonical names, weights and EMA; diffusers: a CogVideoXTransformer3DModel folder")
+    ap.add_argument("--ema", action="store_true", help="--format diffusers: export the EMA instead of the weights")
+    ap.add_argument("--max-shard-size", "--max_shard_size", type=parse_size, default="5GB",
+                    help="--format diffusers: largest shard file (5GB, 500MiB, bytes)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="--format diffusers: tensor dtype")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     env = read_launch_env()
@@ -73,7 +115,12 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print("refusing to export:\n  - " + str(e).replace("\n", "\n  - "), file=sys.stderr)
         return 1
-    for path in export(cfg, ds, layout, env, Path(args.out), args.tag):
+    if args.ema and args.format != "diffusers":
+        print("refusing to export: --ema selects the weights of --format diffusers; the toolkit format "
+              "writes ema.safetensors next to model.safetensors anyway", file=sys.stderr)
+        return 1
+    for path in export(cfg, ds, layout, env, Path(args.out), args.tag, args.format, args.ema,
+                       args.max_shard_size, args.dtype):
         print(f"wrote {path}")
     return 0
 

@@ -50,10 +50,12 @@ def held_by(roots: dict, max_depth: int = 12) -> dict[int, tuple[int, str]]:
 
 
 def held_kinds(found: dict[int, tuple[int, str]]) -> dict[str, int]:
-    """Bytes by kind: ZeRO's gradient buckets, cached position tables ("buffers"), model states."""
+    """Bytes by kind: ZeRO's gradient buckets, cached position tables and registered buffers ("buffers"),
+    model states."""
     kinds = {"states": 0, "buckets": 0, "buffers": 0}
     for nbytes, path in found.values():
-        kinds["buckets" if "ipg_bucket" in path else "buffers" if ".tables" in path else "states"] += nbytes
+        buffer = ".tables" in path or "._buffers" in path
+        kinds["buckets" if "ipg_bucket" in path else "buffers" if buffer else "states"] += nbytes
     return kinds
 
 
@@ -119,7 +121,8 @@ class StepProbe:
     def _close(self, output) -> None:
         """End of a micro-batch's forward: keep the sizes only, so the probe holds no activation alive."""
         graph_saved(output, self._saved)
-        params = {storage_key(p) for p in self.engine.module.parameters()}
+        module = self.engine.module            # its parameters and buffers are model state, not activations
+        params = {storage_key(t) for t in (*module.parameters(), *module.buffers())}
         sizes = {k: v.untyped_storage().nbytes() if isinstance(v, torch.Tensor) else v
                  for k, v in self._saved.items() if k not in params}
         self._last = (sizes, sum(sizes.values()))

@@ -186,7 +186,8 @@ def count_parameters(module: nn.Module) -> int:
 
 @torch.no_grad()
 def full_state(module: nn.Module, ctx, num_blocks: int, value=None) -> dict[str, torch.Tensor]:
-    """This rank's parameters (or `value(param)`, e.g. their EMA) as full fp32 tensors, canonical names.
+    """This rank's parameters (or `value(param)`, e.g. their EMA) and buffers as full fp32 tensors, canonical
+    names (what load_state_dict of the one-process model takes).
 
     Tensor-parallel shards are gathered over the tp group, so call on every rank of it. Under ZeRO-3
     wrap the call in `deepspeed.zero.GatheredParameters(module.parameters())` (parameters) or pass a
@@ -199,4 +200,6 @@ def full_state(module: nn.Module, ctx, num_blocks: int, value=None) -> dict[str,
         if getattr(p, "tensor_model_parallel", False) and ctx.tp_size > 1:
             t = gather_shards(t, ctx, p.partition_dim, getattr(p, "tp_parts", None))
         out[canonical_name(name, num_blocks)] = t.cpu().clone()
+    for name, b in module.named_buffers():                # replicated, never sharded
+        out[canonical_name(name, num_blocks)] = b.detach().float().cpu().clone()
     return out

@@ -207,7 +207,9 @@ class ActivationTracer:
             specs = layer_specs(self.cfg, ctx)
             spec = {"embed": specs[0], "block": specs[1], "final": specs[-1]}[kind]
             with torch.device("meta"):
-                module = spec.build().to(self.dtype)
+                module = spec.build()
+                for param in module.parameters():     # as DeepSpeed 0.19 casts: parameters, not buffers
+                    param.data = param.data.to(self.dtype)
             self._modules[(kind, tp, sp)] = (module, ctx)
         return self._modules[(kind, tp, sp)]
 

@@ -175,14 +175,15 @@ def init_process_groups(timeout_s: int) -> None:
     deepspeed.init_distributed(dist_backend=accelerator.backend(), timeout=timeout)
 
 
-def start_engine(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv):
-    """Process groups, the (pp, dp, tp) context and the DeepSpeed engine for a checked layout."""
+def start_engine(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv, init_from: bool = True):
+    """Process groups, the (pp, dp, tp) context and the DeepSpeed engine for a checked layout
+    (init_from=False: do not read model.init_from, a checkpoint will be loaded)."""
     export_launch_env(env)
     accelerator.set_device(env.local_rank)
     init_process_groups(cfg.train.collective_timeout_s)
     ctx = ParallelContext.build(Grid(layout.pp_size, layout.dp_size, layout.tp_size, layout.sp_size))
     seed_all(cfg.train.seed)
-    return ctx, build_trainer(cfg, ds, ctx)
+    return ctx, build_trainer(cfg, ds, ctx, init_from)
 
 
 def report_memory(plan, measured: StepMeasurement, ctx, out_dir, step: int) -> None:
@@ -212,10 +213,10 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
         print(f"refusing to start: {e}", file=sys.stderr)
         return 1
 
-    ctx, trainer = start_engine(cfg, ds, layout, env)
-    plan = run_plan(cfg, ds, layout, accelerator.total_memory(env.local_rank))
     ckpt_dir, ckpt_layout = Path(cfg.ckpt_dir), checkpoint_layout(layout)
     tag = checkpoint.find_resume(ckpt_dir, ckpt_layout) if resume else None
+    ctx, trainer = start_engine(cfg, ds, layout, env, init_from=tag is None)   # a checkpoint wins over init_from
+    plan = run_plan(cfg, ds, layout, accelerator.total_memory(env.local_rank))
     start = trainer.load(ckpt_dir, tag) if tag else 0
     batches = training_batches(cfg, ctx, dataset, start)
     stop = StopSignal(accelerator.device(env.local_rank))
@@ -230,6 +231,9 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
               f"global batch {layout.global_batch}, {cfg.train.max_steps} steps -> {out_dir}/metrics.jsonl",
               flush=True)
         print(f"optimizer: {trainer.optimizer.implementation}", flush=True)
+        if cfg.model.init_from:
+            print("initial weights: the checkpoint's (model.init_from is not read when resuming)" if tag else
+                  f"initial weights: {cfg.model.init_from} (model.init_from)", flush=True)
         if tag:
             done = "; train.max_steps reached, nothing to do (raise it, or --resume never)" \
                 if start >= cfg.train.max_steps else ""

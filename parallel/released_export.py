@@ -1,0 +1,116 @@
+"""Write a model of any layout (its weights or EMA) as a diffusers CogVideoXTransformer3DModel folder.
+
+The inverse of parallel/released.py's loading, with the same name map: config.json, and
+diffusion_pytorch_model.safetensors or shards with diffusion_pytorch_model.safetensors.index.json.
+Tensor-parallel shards are gathered one tensor at a time (ZeRO-3 parameters one at a time too), and each
+pipeline stage writes its own shards, so no rank holds more than one shard of full tensors.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from parallel.config import ModelConfig
+from parallel.released import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, diffusers_shapes, diffusers_config
+
+
+def _full_tensors(module: nn.Module, ctx, num_blocks: int, value: Optional[Callable], zero3: bool
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(canonical name, full fp32 tensor on CPU) one at a time; tp shards gathered (every tp rank calls)."""
+    from parallel.comm import gather_shards
+    from parallel.model import canonical_name
+    for n, p in module.named_parameters():
+        if zero3 and value is None:
+            import deepspeed
+            with deepspeed.zero.GatheredParameters([p]):
+                t = (p if value is None else value(p)).detach().float().clone()
+        else:
+            t = (p if value is None else value(p)).detach().float()
+        if getattr(p, "tensor_model_parallel", False) and ctx.tp_size > 1:
+            t = gather_shards(t, ctx, p.partition_dim, getattr(p, "tp_parts", None))
+        yield canonical_name(n, num_blocks), t.cpu()
+    for n, b in module.named_buffers():
+        yield canonical_name(n, num_blocks), b.detach().float().cpu()
+
+
+def to_diffusers(name: str, full: torch.Tensor, m: ModelConfig) -> dict[str, torch.Tensor]:
+    """One full toolkit tensor as its diffusers tensor(s)."""
+    shapes = diffusers_shapes(name, full, m)
+    if len(shapes) == 1:
+        (source, shape), = shapes.items()
+        return {source: full.reshape(shape).contiguous()}
+    return {s: piece.contiguous() for s, piece in zip(shapes, full.chunk(len(shapes), dim=0))}
+
+
+def export_diffusers(module: nn.Module, ctx, cfg, out: str | Path, value: Optional[Callable] = None,
+                     zero3: bool = False, max_shard_bytes: int = 5 * 2**30, dtype=torch.float32,
+                     metadata: Optional[dict] = None) -> list[Path]:
+    """Write this model (or `value(param)`, e.g. its EMA) of experiment `cfg` as a diffusers folder; call on
+    every rank.
+
+    Tensor-parallel shards are gathered one tensor at a time; the first data-parallel, first tp rank of
+    each pipeline stage writes its stage's shards of at most max_shard_bytes, and rank 0 names them
+    diffusion_pytorch_model-0000k-of-0000n.safetensors with the index (or one file when n = 1) and
+    config.json. Returns the files written (on rank 0).
+    """
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from models.dit import latent_shape
+
+    m, out = cfg.model, Path(out)
+    writer = ctx.dp_rank == 0 and ctx.tp_rank == 0
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        for old in out.glob("diffusion_pytorch_model*.safetensors*"):     # an earlier export's shards
+            old.unlink()
+    dist.barrier()
+    meta = {"format": "pt", **(metadata or {})}
+    written, shard, size = [], {}, 0
+
+    def flush():
+        nonlocal shard, size
+        if shard:
+            path = out / f".stage{ctx.pp_rank}-{len(written)}.safetensors"
+            save_file(shard, str(path), metadata=meta)
+            written.append((path.name, sorted(shard), size))
+        shard, size = {}, 0
+
+    for name, full in _full_tensors(module, ctx, m.num_layers, value, zero3):
+        if not writer:
+            continue
+        for source, t in to_diffusers(name, full, m).items():
+            t = t.to(dtype)
+            if shard and size + t.numel() * t.element_size() > max_shard_bytes:
+                flush()
+            shard[source] = t
+            size += t.numel() * t.element_size()
+    if writer:
+        flush()
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (ctx.pp_rank, written) if writer else None)
+    result = []
+    if dist.get_rank() == 0:
+        shards = [s for _, stage in sorted(p for p in parts if p is not None) for s in stage]
+        weight_map, total = {}, 0
+        for k, (tmp, names, nbytes) in enumerate(shards):
+            final = WEIGHTS_NAME if len(shards) == 1 else \
+                f"diffusion_pytorch_model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            os.replace(out / tmp, out / final)
+            weight_map.update({n: final for n in names})
+            total += nbytes
+            result.append(out / final)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+            result.append(out / INDEX_NAME)
+        frames = (latent_shape(m, cfg.data)[0] - 1) * m.vae_scale_temporal + 1
+        (out / CONFIG_NAME).write_text(json.dumps(diffusers_config(m, frames), indent=2) + "\n")
+        result.append(out / CONFIG_NAME)
+    dist.barrier()
+    return result
