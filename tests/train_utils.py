@@ -70,3 +70,16 @@ def train(tp: int, pp: int, dp: int, ds: dict, steps: int = 3, extra=(), sp: int
         ema.update(r["ema"])
     return {"losses": results[0]["losses"], "all_losses": [r["losses"] for r in results], "state": state,
             "ema": ema, "replica_mismatches": sorted({n for r in results for n in r["replica_mismatches"]})}
+
+
+def assert_matches(run: dict, reference: dict) -> None:
+    """Per-step losses on every rank, final weights and replica drift of `run` against the one-process
+    `reference`, at fp32 tolerances (the losses compared as fp32, not float64's)."""
+    assert len(set(reference["losses"])) == len(reference["losses"]), "the reference does not train"
+    expected = torch.tensor(reference["losses"], dtype=torch.float32)
+    for rank_losses in run["all_losses"]:
+        torch.testing.assert_close(torch.tensor(rank_losses, dtype=torch.float32), expected)
+    assert run["state"].keys() == reference["state"].keys()
+    for name, value in reference["state"].items():
+        torch.testing.assert_close(run["state"][name], value, msg=lambda m: f"{name}: {m}")
+    assert run["replica_mismatches"] == []
