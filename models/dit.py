@@ -57,17 +57,25 @@ def sequence_tokens(model: ModelConfig, data: DataConfig) -> int:
     return (model.max_text_len if model.family == "cogvideox" else 0) + t * h * w
 
 
-class _PositionCache:
-    """Fixed positional tables per token grid, built on first use, on the device that asks."""
+_SHARED_TABLES: dict = {}    # (table, its arguments, grid, device) -> tensors, one per process
 
-    def __init__(self, fn):
-        self.fn, self.tables = fn, {}
+
+class _PositionCache:
+    """Fixed positional tables per token grid, built on first use on the device that asks, and shared by
+    every module that asks for the same table: the 42 blocks of CogVideoX-5B hold one RoPE table (at
+    53,040 video tokens 25 MiB, not 1 GiB). `ident` names the table and the arguments `fn` closes over."""
+
+    def __init__(self, fn, ident: tuple):
+        self.fn, self.ident, self.tables = fn, ident, {}
 
     def get(self, key: tuple, device):
         if (key, device) not in self.tables:
-            value = self.fn(*key)
-            self.tables[(key, device)] = tuple(v.to(device) for v in value) if isinstance(value, tuple) \
-                else value.to(device)
+            shared = (self.ident, key, str(device))
+            if shared not in _SHARED_TABLES:
+                value = self.fn(*key)
+                _SHARED_TABLES[shared] = tuple(v.to(device) for v in value) if isinstance(value, tuple) \
+                    else value.to(device)
+            self.tables[(key, device)] = _SHARED_TABLES[shared]
         return self.tables[(key, device)]
 
 
@@ -82,8 +90,8 @@ class EmbedStage(nn.Module):
         self.text_proj = nn.Linear(cfg.text_embed_dim, hid)
         self.time_linear_1 = nn.Linear(hid, cfg.time_embed_dim)
         self.time_linear_2 = nn.Linear(cfg.time_embed_dim, cfg.time_embed_dim)
-        self._pos = _PositionCache(lambda t, h, w: sincos_3d(
-            hid, t, h, w, cfg.spatial_interpolation_scale, cfg.temporal_interpolation_scale)) \
+        scales = (cfg.spatial_interpolation_scale, cfg.temporal_interpolation_scale)
+        self._pos = _PositionCache(lambda t, h, w: sincos_3d(hid, t, h, w, *scales), ("sincos_3d", hid, scales)) \
             if cfg.pos_embed == "sincos" else None
 
     def forward(self, inputs):
@@ -145,8 +153,8 @@ class Attention(nn.Module):
         else:
             self.register_buffer("norm_k_bias", torch.zeros(self.head_dim))
         base = (cfg.sample_height // cfg.patch_size, cfg.sample_width // cfg.patch_size)
-        self._rope = _PositionCache(lambda t, h, w: rope_3d(self.head_dim, t, h, w, base)) \
-            if cfg.pos_embed == "rope3d" else None
+        self._rope = _PositionCache(lambda t, h, w: rope_3d(self.head_dim, t, h, w, base),
+                                    ("rope_3d", self.head_dim, base)) if cfg.pos_embed == "rope3d" else None
         self.core = SequenceAttention(self._attend, ctx)
 
     def forward(self, x):

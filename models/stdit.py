@@ -66,7 +66,8 @@ class EmbedStage(nn.Module):
         self.y_embedder = nn.Sequential(nn.Linear(cfg.text_embed_dim, hid), nn.GELU(approximate="tanh"),
                                         nn.Linear(hid, hid))
         scale = math.sqrt(grid[1] * grid[2]) * p * cfg.vae_scale_spatial / INPUT_SQ_SIZE   # from pixel h x w
-        self._pos = _PositionCache(lambda h, w: sincos_2d(hid, h, w, scale, base_size=round(math.sqrt(h * w))))
+        self._pos = _PositionCache(lambda h, w: sincos_2d(hid, h, w, scale, base_size=round(math.sqrt(h * w))),
+                                   ("sincos_2d", hid, scale))
 
     def forward(self, inputs):
         latents, timesteps, text = inputs
@@ -98,7 +99,8 @@ class SelfAttention(nn.Module):
         # Shared by all heads, so each tp rank's gradient is a partial sum: all-reduced by copy_to_tp.
         self.q_norm_weight = nn.Parameter(torch.ones(self.head_dim))
         self.k_norm_weight = nn.Parameter(torch.ones(self.head_dim))
-        self._rope = _PositionCache(lambda n: rope_1d(self.head_dim, n)) if temporal else None
+        self._rope = _PositionCache(lambda n: rope_1d(self.head_dim, n), ("rope_1d", self.head_dim)) \
+            if temporal else None
         self.core = SequenceAttention(self._attend, ctx)
 
     def forward(self, x):

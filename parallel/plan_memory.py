@@ -302,7 +302,8 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
         if eng.zero == 3:
             big = sum(n_ for n_, _ in block.params if n_ >= eng.persistence_threshold)
             gathered = eng.lp * min(eng.max_live, big + eng.prefetch_bucket)
-        lines = {**dev, "buffers": block.buffers * n + (embed.buffers if first else 0)
+        own_buffers = block.buffers - block.tables               # registered buffers; tables once a stage
+        lines = {**dev, "buffers": own_buffers * n + (block.tables if n else 0) + (embed.buffers if first else 0)
                  + (final.buffers if last else 0), "activations": acts, "recompute": recompute,
                  "zero_buckets": zero_buckets(eng, pp, params, dp), "zero3_gathered": gathered,
                  "pipeline_buffers": pipe}

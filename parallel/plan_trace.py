@@ -149,6 +149,20 @@ def held_storages(module: nn.Module) -> dict[int, int]:
     return found
 
 
+def table_storages(module: nn.Module) -> dict[int, int]:
+    """The position tables among `held_storages`: one table serves every module that asks for it (every
+    block of a stage), so a stage holds each once. {storage key: bytes}."""
+    from models.dit import _PositionCache
+    found: dict[int, int] = {}
+    for m in module.modules():
+        for value in vars(m).values():
+            if isinstance(value, _PositionCache):
+                for table in value.tables.values():
+                    for t in table if isinstance(table, tuple) else (table,):
+                        found.setdefault(storage_key(t), storage_bytes(t))
+    return found
+
+
 def parameter_storages(module: nn.Module) -> set[int]:
     return {storage_key(p) for p in module.parameters()}
 
@@ -161,8 +175,9 @@ class StageTrace:
     input_bytes: int          # bytes of its hidden-state input x [B, S, H] (what a checkpoint keeps)
     side_bytes: tuple         # bytes of each side tensor (shared by the stage's blocks, passed on)
     side_saved: tuple         # whether it saves each side tensor for backward
-    buffers: int              # tables cached in attributes (position tables), held once
+    buffers: int              # registered buffers and tables cached in attributes (position tables)
     params: tuple             # ((numel, ndim), ...) of this tp rank's parameters
+    tables: int = 0           # the position tables among `buffers`: shared by a stage's blocks, held once
 
     @property
     def side_total(self) -> int:
@@ -241,7 +256,8 @@ class ActivationTracer:
         acts = sum(storage_bytes(t) for k, t in saved.items() if k not in skip and k not in held and k not in side_keys)
         params = tuple((p.numel(), p.dim()) for p in module.parameters())
         return StageTrace(acts, storage_bytes(x), tuple(storage_bytes(t) for t in side),
-                          tuple(kind != "embed" and k in saved for k in side_keys), sum(held.values()), params)
+                          tuple(kind != "embed" and k in saved for k in side_keys), sum(held.values()), params,
+                          sum(table_storages(module).values()))
 
     def trace(self, kind: str, tp: int, b: int, sp: int = 1) -> StageTrace:
         """The trace at micro-batch b (one sp rank's tokens): traced at 1 and 2, extrapolated linearly beyond."""
@@ -253,4 +269,4 @@ class ActivationTracer:
         one, two = self._traces[(kind, tp, 1, sp)], self._traces[(kind, tp, 2, sp)]
         return StageTrace(_affine(one.activations, two.activations, b), _affine(one.input_bytes, two.input_bytes, b),
                           tuple(_affine(a, c, b) for a, c in zip(one.side_bytes, two.side_bytes)), one.side_saved,
-                          one.buffers, one.params)
+                          one.buffers, one.params, one.tables)

@@ -122,7 +122,8 @@ def test_activations_are_affine_in_the_micro_batch():
 # (name, ds_configs file, (tp, pp, dp), DeepSpeed's optimizer class, config overrides): ZeRO 0-3 at
 # dp = 2, EmaAdamW, tensor parallelism (ZeRO-0 fp32), a two-stage pipeline (BF16_Optimizer), and a
 # mid-size model (9.7M parameters: matrices above ZeRO-3's persistence threshold, vectors below), and
-# sequence parallelism (sp = 2: half the tokens per rank, ZeRO shards over the sp ranks), all with 2 ranks. tp = 2 x pp = 2 runs under train.py in tests/test_resume_cli.py.
+# sequence parallelism (sp = 2: half the tokens per rank, ZeRO shards over the sp ranks), and 3D RoPE (the
+# 4 blocks share one table: the buffers line counts it once), all with 2 ranks. tp = 2 x pp = 2 runs under train.py in tests/test_resume_cli.py.
 MID = ["model.hidden_size=384", "model.num_heads=6", "model.head_dim=64", "model.time_embed_dim=128",
        "model.text_embed_dim=128"]
 CASES = [("zero0", "zero0_fp32", (1, 1, 2), "AdamW", []), ("zero1", "zero1_bf16", (1, 1, 2), "BF16_Optimizer", []),
@@ -135,7 +136,8 @@ CASES = [("zero0", "zero0_fp32", (1, 1, 2), "AdamW", []), ("zero1", "zero1_bf16"
          ("mid zero1", "zero1_bf16", (1, 1, 2), "BF16_Optimizer", MID),
          ("mid zero3", "zero3_bf16", (1, 1, 2), "DeepSpeedZeroOptimizer_Stage3", MID),
          ("sp2 zero1", "zero1_bf16", (1, 1, 1), "BF16_Optimizer", ["parallel.sp_size=2"]),
-         ("sp2 zero2", "zero2_bf16", (1, 1, 1), "DeepSpeedZeroOptimizer", ["parallel.sp_size=2"])]
+         ("sp2 zero2", "zero2_bf16", (1, 1, 1), "DeepSpeedZeroOptimizer", ["parallel.sp_size=2"]),
+         ("rope zero1", "zero1_bf16", (1, 1, 2), "BF16_Optimizer", ["model.pos_embed=rope3d"])]
 STATES = ("parameters", "gradients", "adam_moments", "master_weights", "ema_shadow")
 
 
