@@ -101,7 +101,7 @@ class DirectoryLatents:
         if not manifest.is_file():
             raise FileNotFoundError(f"data.path={root}: no manifest.jsonl in it (lines of "
                                     '{"latent": "x.safetensors", "text": "x_text.safetensors"})')
-        self.items = []
+        self.items, self.captions = [], []
         for n, line in enumerate(manifest.read_text().splitlines(), 1):
             if not line.strip():
                 continue
@@ -117,6 +117,7 @@ class DirectoryLatents:
                 if isinstance(f, Path) and not f.is_file():
                     raise FileNotFoundError(f"{manifest}:{n}: data file {f} does not exist")
             self.items.append((latent, text))
+            self.captions.append(entry.get("caption") if isinstance(entry.get("caption"), str) else None)
         if not self.items:
             raise ValueError(f"{manifest}: no samples listed")
 
@@ -124,8 +125,8 @@ class DirectoryLatents:
         return len(self.items)
 
     def label(self, i: int) -> str:
-        latent, text = self.items[i]
-        return text if isinstance(text, str) else latent.name
+        """The sample's caption when the manifest has one (parallel.prepare_data writes it), else its file."""
+        return self.captions[i] or self.items[i][0].name
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         latent, text = self.items[i]

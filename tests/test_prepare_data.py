@@ -129,6 +129,9 @@ def test_training_reads_the_prepared_folder(prepared):
     latent, text = dataset[2]
     assert torch.equal(latent, load_file(prepared / "latents/sub/b.mp4.safetensors")["latent"])
     assert torch.equal(text, load_file(prepared / "text/sub/b.mp4.safetensors")["text"])
+    # Validation pages and sample labels show the manifest's caption.
+    captions = [json.loads(line)["caption"] for line in (prepared / "manifest.jsonl").read_text().splitlines()]
+    assert [dataset.label(i) for i in range(3)] == captions and all(captions)
 
     ctx = ParallelContext.single()
     batches = training_batches(cfg, ctx, dataset)
