@@ -154,12 +154,6 @@ def build_val_dataset(cfg: ExperimentConfig):
     return IndexRange(base, cfg.data.num_samples, cfg.val.num_samples)
 
 
-def tokens_per_sample(cfg: ExperimentConfig) -> int:
-    """Tokens of the sequence the blocks see: text + video (CogVideoX); video only (STDiT, whose text is
-    cross-attended)."""
-    return sequence_tokens(cfg.model, cfg.data)
-
-
 def checkpoint_layout(layout: Layout) -> dict:
     """What a checkpoint must match to be resumed as it is."""
     return {"tp_size": layout.tp_size, "sp_size": layout.sp_size, "pp_size": layout.pp_size,
@@ -239,7 +233,7 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
                 if start >= cfg.train.max_steps else ""
             print(f"resumed from {ckpt_dir}/{tag} at step {start}{done}", flush=True)
     metrics = open(out_dir / "metrics.jsonl", "a") if is_logger else None   # append: earlier runs are kept
-    tokens = layout.global_batch * tokens_per_sample(cfg)
+    tokens = layout.global_batch * sequence_tokens(cfg.model, cfg.data)
     losses: list[float] = []
     probe_step = start + 1 if cfg.train.memory_check else -1
     bar = tqdm(total=cfg.train.max_steps, initial=start, disable=not is_logger, dynamic_ncols=True, file=sys.stderr)

@@ -82,7 +82,7 @@ class StageForward:
             h = layer(h)
         if self.next is None:
             h = layers[-1].assemble(h)          # sequence parallel: every sp rank's tokens
-        if self.next is not None:
+        else:
             _send(h, self.next)
         if self.ctx.pp_size == 1:
             return h.float()
