@@ -12,7 +12,7 @@ import sys
 
 from parallel.check import load_and_check
 from parallel.config import ConfigError
-from parallel.topology import read_launch_env
+from parallel.dist.topology import read_launch_env
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
                   str(e).replace("\n", "\n  - "), file=sys.stderr)
         return 1
 
-    from parallel.run import run_training     # heavy imports (deepspeed, torch) only after the checks
+    from parallel.train.run import run_training     # heavy imports (deepspeed, torch) only after the checks
     return run_training(cfg, ds, layout, env, resume=args.resume == "auto")
 
 

@@ -48,9 +48,9 @@ def matmul_flops(n: int = 1024, seconds: float = 2.0) -> float:
 def step_flops(cfg) -> float:
     """Model FLOPs of one training step (forward + backward): 6 x parameters x tokens for the matrices,
     12 x layers x seq^2 x hidden for attention, per sample, times the micro-batch."""
-    from parallel.model import SequentialDiT, layer_specs
-    from parallel.plan_trace import sequence_length
-    from parallel.topology import ParallelContext
+    from parallel.build import SequentialDiT, layer_specs
+    from parallel.plan.trace import sequence_length
+    from parallel.dist.topology import ParallelContext
 
     with torch.device("meta"):
         model = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
@@ -63,10 +63,10 @@ def _engines(cfg, variants: dict):
     """One DeepSpeed engine per variant {name: (ds, plain_linear)}, all from the same initial weights."""
     import deepspeed
 
-    from parallel.engine import build_optimizer, lr_factor, prepare_ds_config
-    from parallel.model import build_model
-    from parallel.seed import seed_all
-    from parallel.topology import ParallelContext
+    from parallel.train.engine import build_optimizer, lr_factor, prepare_ds_config
+    from parallel.build import build_model
+    from parallel.dist.seed import seed_all
+    from parallel.dist.topology import ParallelContext
 
     engines = {}
     for name, (ds, plain) in variants.items():
@@ -90,14 +90,14 @@ def in_process(steps: int) -> dict:
     blocks of 5 steps so the machine's noise falls on all of them alike."""
     import deepspeed
 
-    from models.data import DiffusionBatches
+    from parallel.train.data import DiffusionBatches
     from models.diffusion import Objective
     from parallel.config import load_config
-    from parallel.memory_probe import StepProbe
-    from parallel.plan_memory import plan_memory
-    from parallel.plan_trace import ActivationTracer
-    from parallel.run import build_dataset, export_launch_env
-    from parallel.topology import read_launch_env
+    from parallel.plan.probe import StepProbe
+    from parallel.plan.memory import plan_memory
+    from parallel.plan.trace import ActivationTracer
+    from parallel.train.run import build_dataset, export_launch_env
+    from parallel.dist.topology import read_launch_env
 
     export_launch_env(read_launch_env())
     deepspeed.init_distributed(dist_backend="gloo")

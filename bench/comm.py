@@ -60,10 +60,10 @@ def _comm_rank(rank, world_size, tp, pp, dp, stage, overrides, sp=1):
     _install_counter(totals)
 
     from parallel.config import load_config
-    from parallel.engine import build_trainer
-    from parallel.run import training_batches
-    from parallel.seed import seed_all
-    from parallel.topology import Grid, ParallelContext
+    from parallel.train.engine import build_trainer
+    from parallel.train.run import training_batches
+    from parallel.dist.seed import seed_all
+    from parallel.dist.topology import Grid, ParallelContext
 
     cfg = load_config("debug", [*overrides, f"parallel.tp_size={tp}", f"parallel.pp_size={pp}",
                                 f"parallel.sp_size={sp}"])
@@ -87,9 +87,9 @@ def measure(overrides: list[str]) -> list[dict]:
     import torch
 
     from parallel.config import load_config
-    from parallel.model import SequentialDiT, layer_specs
-    from parallel.plan_trace import sequence_length
-    from parallel.topology import ParallelContext
+    from parallel.build import SequentialDiT, layer_specs
+    from parallel.plan.trace import sequence_length
+    from parallel.dist.topology import ParallelContext
     from tests.dist_utils import run_ranks
 
     cfg = load_config("debug", overrides)

@@ -27,7 +27,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from parallel.dist.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 
 MID = ["model.name=mid", "model.hidden_size=256", "model.num_heads=8", "model.head_dim=32",
        "model.time_embed_dim=128", "model.text_embed_dim=128", "model.max_text_len=16",
@@ -53,14 +53,14 @@ def to_plain_linear(module: nn.Module) -> nn.Module:
 def measure_overhead(steps: int) -> dict:
     import deepspeed
 
-    from models.data import DiffusionBatches
+    from parallel.train.data import DiffusionBatches
     from models.diffusion import Objective
     from parallel.config import load_config
-    from parallel.engine import build_optimizer, lr_factor, prepare_ds_config
-    from parallel.model import build_model
-    from parallel.run import build_dataset, export_launch_env
-    from parallel.seed import seed_all
-    from parallel.topology import ParallelContext, read_launch_env
+    from parallel.train.engine import build_optimizer, lr_factor, prepare_ds_config
+    from parallel.build import build_model
+    from parallel.train.run import build_dataset, export_launch_env
+    from parallel.dist.seed import seed_all
+    from parallel.dist.topology import ParallelContext, read_launch_env
 
     export_launch_env(read_launch_env())
     deepspeed.init_distributed(dist_backend="gloo")

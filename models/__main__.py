@@ -9,10 +9,10 @@ import sys
 
 import torch
 
-from models.dit import latent_shape, token_grid
+from models.cogvideox.model import latent_shape, token_grid
 from parallel.config import ConfigError, load_config
-from parallel.model import SequentialDiT, layer_specs
-from parallel.topology import ParallelContext
+from parallel.build import SequentialDiT, layer_specs
+from parallel.dist.topology import ParallelContext
 
 
 def summary(cfg) -> str:

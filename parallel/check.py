@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from parallel import ds_config as dsc
-from models.dit import sequence_tokens, token_grid
+from models.cogvideox.model import sequence_tokens, token_grid
 from parallel.config import ConfigError, ExperimentConfig, ModelConfig, load_config
 
 
@@ -215,7 +215,7 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
     layout, found = check(cfg, ds, deepspeed_config or "deepspeed config", world_size)
     problems += found
     if cfg.model.init_from:                   # config.json and safetensors headers only, no tensor data
-        from parallel.released import check_released
+        from parallel.weights.diffusers import check_released
         problems += check_released(cfg.model, cfg.model.init_from)
     if problems:
         raise ConfigError("\n".join(problems))

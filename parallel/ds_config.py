@@ -28,7 +28,7 @@ tensor_parallel expert_parallel use_data_before_expert_parallelism graph_harvest
 managed_gradient_accumulation random_ltd datastates_ckpt zero_optimization_stage legacy_fusion
 """.split())
 
-# Optimizer types the toolkit builds (parallel/optim.py), lower-cased: EMA ones keep a shadow of the weights.
+# Optimizer types the toolkit builds (parallel/train/optim.py), lower-cased: EMA ones keep a shadow of the weights.
 EMA_OPTIMIZERS = ("fusedemaadam", "emaadamw")
 ADAM_OPTIMIZERS = ("adamw", "adam")
 

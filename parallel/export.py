@@ -12,7 +12,7 @@ Tensors are fp32, named canonically (`embed.*`, `blocks.{i}.*`, `final.*`), gath
 folder instead: config.json plus diffusion_pytorch_model.safetensors, or shards of at most
 `--max-shard-size` (default 5GB) with diffusion_pytorch_model.safetensors.index.json, in `--dtype`
 (fp32 default; bf16, fp16), loadable with `CogVideoXTransformer3DModel.from_pretrained(OUT)` and by
-`--set model.init_from=OUT` (parallel/released.py).
+`--set model.init_from=OUT` (parallel/weights/diffusers.py).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from parallel.check import load_and_check
 from parallel.config import ConfigError
-from parallel.topology import read_launch_env
+from parallel.dist.topology import read_launch_env
 
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -47,10 +47,10 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from parallel import checkpoint
-    from parallel.ema import full_ema, has_ema
-    from parallel.model import full_state
-    from parallel.run import checkpoint_layout, start_engine
+    from parallel.train import checkpoint
+    from parallel.train.ema import full_ema, has_ema
+    from parallel.build import full_state
+    from parallel.train.run import checkpoint_layout, start_engine
 
     tag = tag or checkpoint.find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout))
     if tag is None:
@@ -59,7 +59,7 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
     step = trainer.load(cfg.ckpt_dir, tag)
     module, n = trainer.engine.module, cfg.model.num_layers
     if fmt == "diffusers":
-        from parallel.released_export import export_diffusers
+        from parallel.weights.diffusers_export import export_diffusers
         if ema and not has_ema(trainer.optimizer):
             raise ValueError(f"--ema: the checkpoint {cfg.ckpt_dir}/{tag} has no EMA (its optimizer is "
                              f"{type(trainer.optimizer).__name__}; FusedEmaAdam/EmaAdamW keep one)")

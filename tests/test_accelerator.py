@@ -1,10 +1,10 @@
-"""Device specifics live in parallel/accelerator.py only; its answers per accelerator name."""
+"""Device specifics live in parallel/dist/accelerator.py only; its answers per accelerator name."""
 import pathlib
 import re
 
 import pytest
 
-from parallel import accelerator
+from parallel.dist import accelerator
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FORBIDDEN = re.compile(r"\.cuda\(|torch\.cuda\.|[\"']nccl[\"']")

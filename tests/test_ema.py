@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from parallel.config import load_config
-from parallel.model import SequentialDiT, layer_specs
-from parallel.optim import EmaAdamW, adamw_implementation, build_optimizer
-from parallel.topology import ParallelContext
+from parallel.build import SequentialDiT, layer_specs
+from parallel.train.optim import EmaAdamW, adamw_implementation, build_optimizer
+from parallel.dist.topology import ParallelContext
 from tests.train_utils import fp32_config, train
 
 

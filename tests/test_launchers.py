@@ -261,8 +261,8 @@ def test_collective_timeout_covers_every_group(tmp_path):
         import deepspeed.comm
         import torch
         import torch.distributed as dist
-        from parallel.run import init_process_groups
-        from parallel.topology import Grid, ParallelContext
+        from parallel.train.run import init_process_groups
+        from parallel.dist.topology import Grid, ParallelContext
 
         init_process_groups(timeout_s=2)
         ctx = ParallelContext.build(Grid(1, 1, 2))

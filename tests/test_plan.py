@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from parallel.config import load_config
-from parallel.memory_probe import graph_saved, storage_key
-from parallel.plan_memory import plan_memory
-from parallel.plan_trace import ActivationTracer
+from parallel.plan.probe import graph_saved, storage_key
+from parallel.plan.memory import plan_memory
+from parallel.plan.trace import ActivationTracer
 from tests.dist_utils import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 2 ** 30
 
 
-# ---- measurement instruments (parallel/memory_probe.py: independent of the planner's code) --------
+# ---- measurement instruments (parallel/plan/probe.py: independent of the planner's code) --------
 
 def saved_bytes(run, module):
     """Run `run()` under saved-tensor hooks, plus the inputs DeepSpeed's checkpoints keep on the graph.
@@ -47,7 +47,7 @@ B = 2
 
 
 def _real_inputs(cfg, dtype):
-    from models.dit import latent_shape
+    from models.cogvideox.model import latent_shape
     m = cfg.model
     torch.manual_seed(0)
     return (torch.randn(B, m.in_channels, *latent_shape(m, cfg.data)), torch.randint(0, 1000, (B,)),
@@ -61,8 +61,8 @@ def test_block_activations_match_the_real_block(dtype, preset):
     real embed stage's outputs: saved bytes with and without checkpointing."""
     import deepspeed
 
-    from parallel.model import checkpoint_x_only, layer_specs
-    from parallel.topology import ParallelContext
+    from parallel.build import checkpoint_x_only, layer_specs
+    from parallel.dist.topology import ParallelContext
 
     cfg = load_config(preset)
     trace = ActivationTracer(cfg, dtype).trace("block", 1, B)
@@ -91,8 +91,8 @@ def test_model_activations_match_a_real_forward(checkpointing, preset):
     a real fp32 forward of embed, 4 blocks, final and loss through build_model."""
     import deepspeed
 
-    from parallel.model import build_model
-    from parallel.topology import ParallelContext
+    from parallel.build import build_model
+    from parallel.dist.topology import ParallelContext
     from tests.train_utils import fp32_config
 
     cfg = load_config(preset, [f"train.micro_batch_size={B}"])
@@ -154,11 +154,11 @@ def _states_rank(rank, world_size):
     # DeepSpeed loads its shared-memory comm op (JIT) at init; with another ninja first on PATH it
     # rebuilds it (30-60 s). scripts/test.sh puts the venv first; do the same when run without it.
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    from parallel.engine import build_trainer
-    from parallel.memory_probe import StepProbe
-    from parallel.run import training_batches
-    from parallel.seed import seed_all
-    from parallel.topology import Grid, ParallelContext
+    from parallel.train.engine import build_trainer
+    from parallel.plan.probe import StepProbe
+    from parallel.train.run import training_batches
+    from parallel.dist.seed import seed_all
+    from parallel.dist.topology import Grid, ParallelContext
     from tests.train_utils import experiment
 
     import deepspeed.comm
@@ -203,7 +203,7 @@ def _states_rank(rank, world_size):
                      "activations": m.activations, "optimizer": type(trainer.engine.optimizer).__name__,
                      "stage": ctx.pp_rank, "largest_all_reduce": max(reduced, default=0)}
     # A real tp = 2 block (its collectives run): what its forward saves, for the tp trace below.
-    from parallel.model import layer_specs
+    from parallel.build import layer_specs
     tp_ctx = contexts[(2, 1, 1, 1)]
     block = layer_specs(experiment(2, 1, 1), tp_ctx)[1].build()
     x = torch.randn(B, 56, 64, requires_grad=True)
@@ -217,7 +217,7 @@ def test_model_states_match_deepspeed_on_each_rank():
     DeepSpeed holds at its peak (the optimizer steps of the second step) on each rank, for the worst
     rank of each pipeline stage; ZeRO-3's reduce bucket and the cached position table exactly; the
     activations each micro-batch's forward saved in that real step within 5%."""
-    from parallel.plan_memory import EngineSettings
+    from parallel.plan.memory import EngineSettings
     from tests.train_utils import experiment
     results = run_ranks(_states_rank, 2)
     for name, file, (tp, pp, dp), optimizer, extra in CASES:
@@ -259,8 +259,8 @@ def test_model_states_against_deepspeeds_estimators(stage):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    from parallel.model import SequentialDiT, layer_specs
-    from parallel.topology import ParallelContext
+    from parallel.build import SequentialDiT, layer_specs
+    from parallel.dist.topology import ParallelContext
 
     cfg = load_config("cogvideox-5b")
     ds = json.load(open(f"ds_configs/zero{stage}_bf16.json"))
@@ -289,7 +289,7 @@ FIVE_B = ["--config", "configs/cogvideox-5b.yaml", "--devices", "8", "--device-m
 
 
 def cli(capsys, *argv):
-    from parallel.plan import main
+    from parallel.plan.cli import main
     code = main(list(argv))
     out = capsys.readouterr()
     return code, out.out, out.err
@@ -297,8 +297,8 @@ def cli(capsys, *argv):
 
 def rank_params(preset: str, tp: int) -> list[tuple[int, int]]:
     """(numel, ndim) of one tp rank's parameters, from the model built on the meta device."""
-    from parallel.model import SequentialDiT, layer_specs
-    from parallel.topology import ParallelContext
+    from parallel.build import SequentialDiT, layer_specs
+    from parallel.dist.topology import ParallelContext
     with torch.device("meta"):
         model = SequentialDiT(layer_specs(load_config(preset), ParallelContext.single(tp)))
     return [(p.numel(), p.dim()) for p in model.parameters()]
@@ -383,7 +383,7 @@ def test_plan_that_does_not_fit_says_by_how_much(capsys, tmp_path):
 
 def test_search_ranks_fitting_layouts_and_explains_refusals(capsys):
     from parallel.check import check
-    from parallel.plan_search import ds_variant, with_layout
+    from parallel.plan.search import ds_variant, with_layout
 
     code, out, _ = cli(capsys, *FIVE_B, "--deepspeed_config", "ds_configs/zero1_bf16.json", "--search",
                        "--format", "json", "--top", "100")
@@ -441,7 +441,7 @@ def test_cli_stdout_is_only_the_report():
     """As users pipe it: a fresh process, `--format json` on stdout, DeepSpeed's log lines elsewhere."""
     import subprocess
     import sys
-    proc = subprocess.run([sys.executable, "-m", "parallel.plan", "--config", "debug", "--deepspeed_config",
+    proc = subprocess.run([sys.executable, "-m", "parallel.plan.cli", "--config", "debug", "--deepspeed_config",
                            "ds_configs/zero1_bf16.json", "--devices", "2", "--device-memory", "4GiB",
                            "--device", "cpu", "--format", "json"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -451,11 +451,11 @@ def test_cli_stdout_is_only_the_report():
 
 def test_png_bars_are_the_report_totals(tmp_path):
     """The chart's stacked bars add up to the totals the text/JSON report gives, stage by stage."""
-    from parallel.plan_png import draw
+    from parallel.plan.render import draw
 
     out = tmp_path / "plan.json"
     png = tmp_path / "plan.png"
-    code = subprocess.run([sys.executable, "-m", "parallel.plan", "--config", "configs/debug.yaml",
+    code = subprocess.run([sys.executable, "-m", "parallel.plan.cli", "--config", "configs/debug.yaml",
                            "--deepspeed_config", "ds_configs/zero1_bf16.json", "--devices", "4",
                            "--device-memory", "4GiB", "--set", "parallel.pp_size=2", "--set", "parallel.tp_size=2",
                            "--format", "json", "--png", str(png)], cwd=ROOT, capture_output=True, text=True)

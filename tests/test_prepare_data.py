@@ -12,13 +12,13 @@ import torch
 from diffusers import AutoencoderKLCogVideoX
 from safetensors.torch import load_file
 
-from models.data import DirectoryLatents
+from parallel.train.data import DirectoryLatents
 from models.diffusion import Objective
 from parallel.config import load_config
-from parallel.frames import VideoError, clip_indices, frame_indices, read_clip, resize_crop
-from parallel.media import load_decoder, to_uint8
-from parallel.prepare_data import main
-from parallel.seed import derive_seed
+from parallel.prepare_data.frames import VideoError, clip_indices, frame_indices, read_clip, resize_crop
+from parallel.train.media import load_decoder, to_uint8
+from parallel.prepare_data.prepare import main
+from parallel.dist.seed import derive_seed
 from tests.test_text_encoder import t5_dir  # noqa: F401  (fixture: tiny T5, d_model 32, 8 words)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,9 +118,9 @@ def test_latents_and_text_are_what_the_vae_and_t5_give(videos, vae_dir, t5_dir, 
 
 
 def test_training_reads_the_prepared_folder(prepared):
-    from parallel.model import build_model
-    from parallel.run import build_dataset, training_batches
-    from parallel.topology import ParallelContext
+    from parallel.build import build_model
+    from parallel.train.run import build_dataset, training_batches
+    from parallel.dist.topology import ParallelContext
 
     cfg = load_config("debug", SETS + ["data.kind=directory", f"data.path={prepared}", "train.micro_batch_size=2",
                                        "train.grad_accum_steps=1"])
@@ -182,7 +182,7 @@ def test_rerun_after_interruption_does_not_redo_finished_files(videos, vae_dir, 
 def test_two_ranks_cover_every_video_once(videos, vae_dir, t5_dir, prepared, tmp_path):   # noqa: F811
     root, _ = videos
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "parallel.prepare_data", "--config", "debug", *[a for s in SETS for a in ("--set", s)],
+    cmd = [sys.executable, "-m", "parallel.prepare_data.prepare", "--config", "debug", *[a for s in SETS for a in ("--set", s)],
            "--videos", str(root), "--captions", str(root / "captions.csv"), "--vae", str(vae_dir),
            "--t5", str(t5_dir), "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
@@ -203,8 +203,8 @@ def test_two_ranks_cover_every_video_once(videos, vae_dir, t5_dir, prepared, tmp
 
 
 def test_bad_input_is_refused_before_any_model_loads(videos, vae_dir, tmp_path, capsys, monkeypatch):
-    import parallel.vae
-    monkeypatch.setattr(parallel.vae, "load_vae", lambda *a, **k: pytest.fail("a model was loaded"))
+    import parallel.prepare_data.vae
+    monkeypatch.setattr(parallel.prepare_data.vae, "load_vae", lambda *a, **k: pytest.fail("a model was loaded"))
     root, _ = videos
 
     def refused(*args, sets=SETS) -> str:
@@ -248,7 +248,7 @@ def test_bad_input_is_refused_before_any_model_loads(videos, vae_dir, tmp_path, 
 
 
 def test_captions_from_txt_files_next_to_the_videos(videos, tmp_path):
-    from parallel.captions import InputError, read_captions
+    from parallel.prepare_data.captions import InputError, read_captions
     root, frames = videos
     write_video(tmp_path / "x.mkv", frames["a1.mkv"], "ffv1")
     with pytest.raises(InputError, match=f"{tmp_path / 'x.txt'}: missing; write the caption of x.mkv there"):
@@ -274,7 +274,7 @@ def test_frame_choice_and_resize():
 
 
 def test_validation_decodes_with_the_vae_folder(vae_dir, tmp_path):
-    from parallel.validate import write_samples
+    from parallel.train.validate import write_samples
 
     vae = AutoencoderKLCogVideoX.from_pretrained(vae_dir).eval()
     latent = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
@@ -296,6 +296,6 @@ def test_validation_decodes_with_the_vae_folder(vae_dir, tmp_path):
 def test_training_imports_neither_diffusers_nor_av():
     """The [data] extra is optional: every training module imports with diffusers and av unavailable."""
     code = ("import sys; sys.modules.update(diffusers=None, av=None)\n"
-            "import train, parallel.run, parallel.validate, parallel.media, parallel.prepare_data, parallel.vae\n"
-            "from parallel.media import load_decoder; load_decoder(None)")
+            "import train, parallel.train.run, parallel.train.validate, parallel.train.media, parallel.prepare_data.prepare, parallel.prepare_data.vae\n"
+            "from parallel.train.media import load_decoder; load_decoder(None)")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from parallel.check import load_and_check
 from parallel.config import ConfigError, load_config
-from parallel.released import INDEX_NAME, check_released, load_released
+from parallel.weights.diffusers import INDEX_NAME, check_released, load_released
 from tests.dist_utils import run_ranks
 
 B, FRAMES, SIZE, HEADS, HEAD_DIM = 2, 3, 8, 2, 16        # latents [B, 4, 3, 8, 8] -> 48 video + 8 text tokens
@@ -83,11 +83,11 @@ def _layouts_rank(rank, world_size, folders, export_dir):
 
     import deepspeed
 
-    from parallel import accelerator
-    from parallel.model import build_model
-    from parallel.released_export import export_diffusers
-    from parallel.topology import Grid, ParallelContext
-    from parallel.validate import StageForward
+    from parallel.dist import accelerator
+    from parallel.build import build_model
+    from parallel.weights.diffusers_export import export_diffusers
+    from parallel.dist.topology import Grid, ParallelContext
+    from parallel.train.validate import StageForward
 
     deepspeed.init_distributed(dist_backend=accelerator.backend())
     inputs, out = _inputs(), {}
@@ -108,10 +108,10 @@ def _layouts_rank(rank, world_size, folders, export_dir):
 
 def _zero3(world_size, folder, export_dir):
     """The training path at dp = 4, ZeRO-3: load before deepspeed.initialize, export gathers."""
-    from parallel.engine import build_trainer
-    from parallel.released_export import export_diffusers
-    from parallel.seed import seed_all
-    from parallel.topology import Grid, ParallelContext
+    from parallel.train.engine import build_trainer
+    from parallel.weights.diffusers_export import export_diffusers
+    from parallel.dist.seed import seed_all
+    from parallel.dist.topology import Grid, ParallelContext
     from tests.train_utils import fp32_config
 
     cfg = load_config("debug", overrides("rope3d", folder) + ["train.micro_batch_size=1", "train.grad_accum_steps=1"])
@@ -193,8 +193,8 @@ def test_missing_and_unexpected_tensors_are_listed(released, tmp_path):
     assert check_released(cfg.model, folder) == [
         f"{folder}: 1 tensors of CogVideoXTransformer3DModel are missing: {gone}",
         f"{folder}: 1 tensors have no place in the toolkit's model: transformer_blocks.1.attn1.to_added.weight"]
-    from parallel.model import SequentialDiT, layer_specs
-    from parallel.topology import ParallelContext
+    from parallel.build import SequentialDiT, layer_specs
+    from parallel.dist.topology import ParallelContext
     model = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
     before = {n: p.clone() for n, p in model.state_dict().items()}
     with pytest.raises(ValueError, match=f"missing: {gone}"):

@@ -70,13 +70,13 @@ def _rank(rank, world_size, preset):
     import deepspeed
     import torch.distributed as dist
 
-    from models.data import DiffusionBatches
+    from parallel.train.data import DiffusionBatches
     from models.diffusion import Objective
-    from parallel import accelerator
+    from parallel.dist import accelerator
     from parallel.config import load_config
-    from parallel.model import build_model
-    from parallel.run import build_dataset
-    from parallel.topology import Grid, ParallelContext
+    from parallel.build import build_model
+    from parallel.train.run import build_dataset
+    from parallel.dist.topology import Grid, ParallelContext
 
     calls = []
     original = dist.all_to_all_single

@@ -12,8 +12,8 @@ S = T * H * W
 
 
 def _block(temporal: bool):
-    from parallel.model import layer_specs
-    from parallel.topology import ParallelContext
+    from parallel.build import layer_specs
+    from parallel.dist.topology import ParallelContext
     layer = layer_specs(load_config("debug-stdit"), ParallelContext.single())[1].build()
     return layer.temporal if temporal else layer.spatial
 
@@ -55,14 +55,14 @@ def test_temporal_attention_sees_frame_order():
 def _tp_rank(rank, world_size):
     import deepspeed
 
-    from models.data import DiffusionBatches
+    from parallel.train.data import DiffusionBatches
     from models.diffusion import Objective
-    from parallel import accelerator
-    from parallel.comm import count_comm, gather_shards
-    from parallel.model import build_model
-    from parallel.replicas import replica_mismatches
-    from parallel.run import build_dataset
-    from parallel.topology import Grid, ParallelContext
+    from parallel.dist import accelerator
+    from parallel.dist.comm import count_comm, gather_shards
+    from parallel.build import build_model
+    from parallel.dist.replicas import replica_mismatches
+    from parallel.train.run import build_dataset
+    from parallel.dist.topology import Grid, ParallelContext
 
     cfg = load_config("debug-stdit", [f"train.micro_batch_size={B}"])
     inputs, target = next(DiffusionBatches(build_dataset(cfg), Objective("v_prediction"), seed=0, micro_batch=B,
@@ -121,8 +121,8 @@ VAL = ["val.every=1", "val.num_samples=3", "val.timesteps=[50, 950]", "val.num_p
 
 def _validate(cfg, engine, ctx):
     from models.diffusion import Objective
-    from parallel.run import build_val_dataset
-    from parallel.validate import StageForward, sample_latents, validation_loss
+    from parallel.train.run import build_val_dataset
+    from parallel.train.validate import StageForward, sample_latents, validation_loss
 
     forward, dataset, objective = StageForward(engine, ctx), build_val_dataset(cfg), Objective(cfg.model.objective)
     return {"loss": validation_loss(forward, dataset, objective, cfg, ctx),
@@ -130,9 +130,9 @@ def _validate(cfg, engine, ctx):
 
 
 def _pipeline_rank(rank, world_size):
-    from parallel.engine import build_trainer
-    from parallel.seed import seed_all
-    from parallel.topology import Grid, ParallelContext
+    from parallel.train.engine import build_trainer
+    from parallel.dist.seed import seed_all
+    from parallel.dist.topology import Grid, ParallelContext
     from tests.train_utils import experiment, fp32_config
 
     cfg = experiment(1, 2, 1, VAL, preset="debug-stdit")
@@ -144,8 +144,8 @@ def _pipeline_rank(rank, world_size):
 def test_validation_and_sampling_through_a_pipeline_equal_one_process():
     """StageForward sends the four stage tensors between pipeline stages: pp = 2 gives the bits of the
     one-process model (built here, same seed), on both stages."""
-    from parallel.model import SequentialDiT, layer_specs
-    from parallel.topology import ParallelContext
+    from parallel.build import SequentialDiT, layer_specs
+    from parallel.dist.topology import ParallelContext
     from tests.train_utils import experiment
 
     cfg = experiment(1, 1, 1, VAL, preset="debug-stdit")

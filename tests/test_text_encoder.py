@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
 from parallel.config import load_config
-from parallel.run import build_dataset
+from parallel.train.run import build_dataset
 
 VOCAB = {"<pad>": 0, "</s>": 1, "<unk>": 2, "a": 3, "red": 4, "square": 5, "moving": 6, "left": 7}
 

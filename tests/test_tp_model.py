@@ -9,15 +9,15 @@ B = 2
 def _rank(rank, world_size):
     import deepspeed
 
-    from models.data import DiffusionBatches
+    from parallel.train.data import DiffusionBatches
     from models.diffusion import Objective
-    from parallel import accelerator
-    from parallel.comm import count_comm
+    from parallel.dist import accelerator
+    from parallel.dist.comm import count_comm
     from parallel.config import load_config
-    from parallel.model import build_model
-    from parallel.replicas import replica_mismatches
-    from parallel.run import build_dataset
-    from parallel.topology import Grid, ParallelContext
+    from parallel.build import build_model
+    from parallel.dist.replicas import replica_mismatches
+    from parallel.train.run import build_dataset
+    from parallel.dist.topology import Grid, ParallelContext
 
     cfg = load_config("debug", ["parallel.tp_size=2", f"train.micro_batch_size={B}"])
     ctx = ParallelContext.build(Grid(1, 1, 2))

@@ -31,11 +31,11 @@ def _validate_rank(rank, world_size, layouts, extra):
     import os
     import sys
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    from parallel.engine import build_trainer
-    from parallel.run import build_val_dataset
-    from parallel.seed import seed_all
-    from parallel.topology import Grid, ParallelContext
-    from parallel.validate import StageForward, validation_loss
+    from parallel.train.engine import build_trainer
+    from parallel.train.run import build_val_dataset
+    from parallel.dist.seed import seed_all
+    from parallel.dist.topology import Grid, ParallelContext
+    from parallel.train.validate import StageForward, validation_loss
     from tests.train_utils import experiment
 
     from models.diffusion import Objective
@@ -100,13 +100,13 @@ def _ema_rank(rank, world_size, tp, pp, dp, stage):
     import os
     import sys
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    from parallel.ema import full_ema
-    from parallel.engine import build_trainer
-    from parallel.model import full_state
-    from parallel.run import build_val_dataset, training_batches
-    from parallel.seed import seed_all
-    from parallel.topology import Grid, ParallelContext
-    from parallel.validate import Validator
+    from parallel.train.ema import full_ema
+    from parallel.train.engine import build_trainer
+    from parallel.build import full_state
+    from parallel.train.run import build_val_dataset, training_batches
+    from parallel.dist.seed import seed_all
+    from parallel.dist.topology import Grid, ParallelContext
+    from parallel.train.validate import Validator
     from tests.train_utils import experiment
 
     cfg = experiment(tp, pp, dp, VAL + ["val.use_ema=true"])
@@ -128,10 +128,10 @@ def _ema_rank(rank, world_size, tp, pp, dp, stage):
 def _serial_from_weights(weights: dict) -> dict:
     """Validation of the one-process model loaded with `weights` (canonical names), in this process."""
     from models.diffusion import Objective
-    from parallel.model import SequentialDiT, layer_specs
-    from parallel.run import build_val_dataset
-    from parallel.topology import ParallelContext
-    from parallel.validate import StageForward, validation_loss
+    from parallel.build import SequentialDiT, layer_specs
+    from parallel.train.run import build_val_dataset
+    from parallel.dist.topology import ParallelContext
+    from parallel.train.validate import StageForward, validation_loss
     from tests.train_utils import experiment
 
     cfg = experiment(1, 1, 1, VAL)
@@ -160,11 +160,11 @@ def _sample_rank(rank, world_size, layouts, out):
     import sys
     from pathlib import Path
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    from parallel.engine import build_trainer
-    from parallel.run import build_val_dataset
-    from parallel.seed import seed_all
-    from parallel.topology import Grid, ParallelContext
-    from parallel.validate import Validator
+    from parallel.train.engine import build_trainer
+    from parallel.train.run import build_val_dataset
+    from parallel.dist.seed import seed_all
+    from parallel.dist.topology import Grid, ParallelContext
+    from parallel.train.validate import Validator
     from tests.train_utils import experiment
 
     frames = []

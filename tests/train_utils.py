@@ -35,13 +35,13 @@ def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp, preset):
     """Train `steps` steps; the losses, the full weights (and EMA) this rank holds, any replica drift."""
     import deepspeed
 
-    from parallel.ema import full_ema, has_ema
-    from parallel.engine import build_trainer
-    from parallel.model import full_state
-    from parallel.replicas import replica_mismatches
-    from parallel.run import training_batches
-    from parallel.seed import seed_all
-    from parallel.topology import Grid, ParallelContext
+    from parallel.train.ema import full_ema, has_ema
+    from parallel.train.engine import build_trainer
+    from parallel.build import full_state
+    from parallel.dist.replicas import replica_mismatches
+    from parallel.train.run import training_batches
+    from parallel.dist.seed import seed_all
+    from parallel.dist.topology import Grid, ParallelContext
 
     cfg = experiment(tp, pp, dp, extra, sp, preset)
     ctx = ParallelContext.build(Grid(pp, dp, tp, sp))

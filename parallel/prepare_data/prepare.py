@@ -4,8 +4,8 @@
         --vae CogVideoX-2b/vae --t5 t5/ --out data/clips
     torchrun --nproc_per_node 8 -m parallel.prepare_data ...        # each rank takes every 8th video
 
-Each video becomes the clip training expects (data.num_frames x data.height x data.width, parallel.frames),
-then a VAE latent [C, T, H, W] (parallel.vae) in latents/<video>.safetensors and, with --t5, its caption's
+Each video becomes the clip training expects (data.num_frames x data.height x data.width, parallel.prepare_data.frames),
+then a VAE latent [C, T, H, W] (parallel.prepare_data.vae) in latents/<video>.safetensors and, with --t5, its caption's
 T5 embedding [model.max_text_len, model.text_embed_dim] in text/<video>.safetensors; without --t5 the
 manifest keeps the caption for training to encode (data.text_encoder). manifest.jsonl lists the prepared
 videos in captions order, skipped.jsonl the unusable ones with the reason, prepare.json the settings.
@@ -30,13 +30,13 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from models.dit import latent_shape
-from parallel.captions import InputError, read_captions, video_files
+from models.cogvideox.model import latent_shape
+from parallel.prepare_data.captions import InputError, read_captions, video_files
 from parallel.config import ConfigError, load_config
-from parallel.frames import VideoError, read_clip
-from parallel.seed import derive_seed
-from parallel.topology import read_launch_env
-from parallel.vae import check_vae, default_dtype, encode, load_vae, read_vae_config
+from parallel.prepare_data.frames import VideoError, read_clip
+from parallel.dist.seed import derive_seed
+from parallel.dist.topology import read_launch_env
+from parallel.prepare_data.vae import check_vae, default_dtype, encode, load_vae, read_vae_config
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -166,7 +166,7 @@ class ClipEncoder:
     """One video -> its latent file (and text file with a T5): decode, encode, write atomically."""
 
     def __init__(self, args, cfg, local_rank: int, tag: str):
-        from parallel import accelerator
+        from parallel.dist import accelerator
 
         device = accelerator.device(local_rank)
         self.vae = load_vae(args.vae, device, getattr(torch, DTYPES[args.vae_dtype]) if args.vae_dtype
@@ -257,6 +257,3 @@ def main(argv=None) -> int:
           f"{counts['manifest_skipped']} in skipped.jsonl", flush=True)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

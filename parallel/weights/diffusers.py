@@ -20,7 +20,7 @@ listed in `diffusion_pytorch_model.safetensors.index.json`. Toolkit names map to
 `check_released` reads only config.json and the safetensors headers, so train.py refuses a mismatched
 folder before any process group exists. `load_released` fills a built (not yet DeepSpeed-initialised)
 model: each rank reads only the tensors of its pipeline stage, and of tensor-parallel ones only its
-slice (`safe_open(...).get_slice(name)[rows]`). parallel/released_export.py writes any layout's weights (or
+slice (`safe_open(...).get_slice(name)[rows]`). parallel/weights/diffusers_export.py writes any layout's weights (or
 EMA) back in this layout.
 """
 from __future__ import annotations
@@ -181,7 +181,7 @@ def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
 
 def model_tensors(module: nn.Module, num_blocks: int) -> Iterator[tuple[str, torch.Tensor]]:
     """(canonical name, tensor) of every parameter and persistent buffer this rank holds."""
-    from parallel.model import canonical_name
+    from parallel.build import canonical_name
     yield from ((canonical_name(n, num_blocks), p) for n, p in module.named_parameters())
     yield from ((canonical_name(n, num_blocks), b) for n, b in module.named_buffers())
 
@@ -198,8 +198,8 @@ def diffusers_shapes(name: str, full: torch.Tensor, m: ModelConfig) -> dict[str,
 def expected_tensors(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every diffusers tensor name of this model with its shape (the model built on the meta device)."""
     from parallel.config import ExperimentConfig
-    from parallel.model import SequentialDiT, layer_specs
-    from parallel.topology import ParallelContext
+    from parallel.build import SequentialDiT, layer_specs
+    from parallel.dist.topology import ParallelContext
     with torch.device("meta"):
         model = SequentialDiT(layer_specs(ExperimentConfig(model=m), ParallelContext.single()))
     out = {}

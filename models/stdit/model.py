@@ -38,12 +38,12 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from models.dit import _PositionCache, patchify, unpatchify
+from models.cogvideox.model import _PositionCache, patchify, unpatchify
 from models.embeddings import apply_rope, rope_1d, sincos_2d, timestep_embedding
-from parallel.comm import copy_to_tp
+from parallel.dist.comm import copy_to_tp
 from parallel.config import ModelConfig
-from parallel.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.sequence import SequenceAttention, gather_sequence, sp_size_of, split_sequence
+from parallel.dist.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.dist.sequence import SequenceAttention, gather_sequence, sp_size_of, split_sequence
 
 INPUT_SQ_SIZE = 512         # Open-Sora: sin-cos positions are scaled by sqrt(pixel height x width) / 512
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from models.diffusion import Objective
 from parallel.config import ExperimentConfig
-from parallel.seed import derive_seed
+from parallel.dist.seed import derive_seed
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
 _HEADER = 64                     # int64 slots: count, then (dtype, ndim, *shape) per tensor
@@ -185,7 +185,7 @@ def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: Ex
 
 def write_samples(latents: dict, dataset, cfg: ExperimentConfig, out_dir: Path, step: int) -> dict:
     """Decode and write each prompt's video under out_dir/samples/step<N>/; {prompt: frames}."""
-    from parallel.media import load_decoder, write_gif, write_mp4
+    from parallel.train.media import load_decoder, write_gif, write_mp4
 
     decode, frames = load_decoder(cfg.val.decoder), {}
     folder = out_dir / "samples" / f"step{step}"
@@ -201,7 +201,7 @@ def write_samples(latents: dict, dataset, cfg: ExperimentConfig, out_dir: Path, 
 
 def publish(out_dir: Path, title: str) -> Path:
     """Loss plots from metrics.jsonl and index.html over every step's samples found under out_dir/samples."""
-    from parallel.media import Sample, plot_losses, write_index
+    from parallel.train.media import Sample, plot_losses, write_index
 
     metrics = out_dir / "metrics.jsonl"
     plots = plot_losses(metrics, out_dir) if metrics.is_file() else []
@@ -223,7 +223,7 @@ def ema_weights(trainer) -> Iterator[None]:
     under ZeRO-3 each parameter is gathered in turn to be swapped. Keeps a host copy of this rank's
     parameters (ZeRO-3: gathered) for the restore.
     """
-    from parallel.ema import full_ema, has_ema
+    from parallel.train.ema import full_ema, has_ema
     if not has_ema(trainer.optimizer):
         raise RuntimeError("val.use_ema=true, but the optimizer keeps no EMA: use \"type\": \"FusedEmaAdam\" "
                            "(or EmaAdamW) in the DeepSpeed JSON, and validate after the first step")
@@ -249,7 +249,7 @@ def check_outputs(cfg: ExperimentConfig) -> None:
     if not cfg.val.every or not cfg.val.num_prompts:
         return
     from models.sampling import check_sampler
-    from parallel.media import load_decoder
+    from parallel.train.media import load_decoder
     check_sampler(cfg.model.objective, cfg.val.sampler)
     load_decoder(cfg.val.decoder)
     if "mp4" in cfg.val.formats:

@@ -17,11 +17,11 @@ import torch.distributed as dist
 
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
-from parallel import accelerator
+from parallel.dist import accelerator
 from parallel import ds_config as dsc
 from parallel.config import ExperimentConfig, TrainConfig
-from parallel.model import build_model, checkpoint_interval
-from parallel.optim import build_optimizer
+from parallel.build import build_model, checkpoint_interval
+from parallel.train.optim import build_optimizer
 
 
 def prepare_ds_config(ds: dict, cfg: ExperimentConfig, dp_size: int) -> dict:
@@ -94,7 +94,7 @@ class Trainer:
     def save(self, directory, step: int) -> None:
         """Model, optimizer (with the EMA), LR schedule and step, in DeepSpeed's format, tag `step{N}`.
 
-        Publishing it (marker, `latest`) is parallel.checkpoint.save's job, once every rank has written.
+        Publishing it (marker, `latest`) is parallel.train.checkpoint.save's job, once every rank has written.
         """
         self.engine.save_checkpoint(str(directory), tag=f"step{step}", client_state={"step": step},
                                     save_latest=False)
@@ -136,7 +136,7 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True) 
         checkpoint_fn = deepspeed.checkpointing.checkpoint
     model = build_model(cfg, ds_final, ctx, checkpoint_fn)
     if init_from and cfg.model.init_from:
-        from parallel.released import load_released
+        from parallel.weights.diffusers import load_released
         load_released(model, ctx, cfg.model, cfg.model.init_from)
     optimizer = build_optimizer(model, ds, cfg.train)
     schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.train))  # noqa: E731

@@ -20,7 +20,7 @@ kept whole on every rank.) EmaAdamW (optimizer.type FusedEmaAdam) adds one fp32 
 the optimizer steps, half the moments. Optimizer offload moves master, moments, EMA and the fp32
 gradients to host memory; parameter offload moves the ZeRO-3 partitions.
 
-Activations per micro-batch come from `parallel.plan_trace` (the model's own forward on the meta device),
+Activations per micro-batch come from `parallel.plan.trace` (the model's own forward on the meta device),
 at sequence parallel size sp for one sp rank's S / sp tokens. The sp ranks are DeepSpeed data-parallel
 ranks, so ZeRO shards over d = dp x sp.
 With activation checkpointing a stage keeps only each segment's input (divided by tp with
@@ -38,8 +38,8 @@ import torch
 
 from parallel import ds_config as dsc
 from parallel.config import ExperimentConfig
-from parallel.model import blocks_per_stage, checkpoint_interval
-from parallel.plan_trace import ActivationTracer
+from parallel.build import blocks_per_stage, checkpoint_interval
+from parallel.plan.trace import ActivationTracer
 
 GiB = 2 ** 30
 DEFAULT_BUCKET = 500_000_000              # DeepSpeed 0.19's reduce/allgather bucket default (elements)

@@ -16,18 +16,19 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from tqdm import tqdm
 
-from models.data import DiffusionBatches, DirectoryLatents, IndexRange, SyntheticLatents
+from parallel.train.data import DiffusionBatches, DirectoryLatents, IndexRange, SyntheticLatents
 from models.diffusion import Objective
-from models.dit import latent_shape, sequence_tokens
-from parallel import accelerator, checkpoint
+from models.cogvideox.model import latent_shape, sequence_tokens
+from parallel.dist import accelerator
+from parallel.train import checkpoint
 from parallel.check import Layout
 from parallel.config import ExperimentConfig
-from parallel.engine import build_trainer
-from parallel.memory_probe import StepMeasurement, StepProbe
-from parallel.replicas import replica_mismatches
-from parallel.seed import seed_all
-from parallel.topology import Grid, LaunchEnv, ParallelContext
-from parallel.validate import Validator, check_outputs
+from parallel.train.engine import build_trainer
+from parallel.plan.probe import StepMeasurement, StepProbe
+from parallel.dist.replicas import replica_mismatches
+from parallel.dist.seed import seed_all
+from parallel.dist.topology import Grid, LaunchEnv, ParallelContext
+from parallel.train.validate import Validator, check_outputs
 
 
 class StopSignal:
@@ -72,9 +73,9 @@ def _size(n: float) -> str:
 
 
 def run_plan(cfg: ExperimentConfig, ds: dict, layout: Layout, device_memory: int):
-    """The memory planner's prediction for this run's own layout (parallel/plan.py prints the table)."""
-    from parallel.plan_memory import EngineSettings, plan_memory
-    from parallel.plan_trace import ActivationTracer
+    """The memory planner's prediction for this run's own layout (parallel/plan/cli.py prints the table)."""
+    from parallel.plan.memory import EngineSettings, plan_memory
+    from parallel.plan.trace import ActivationTracer
 
     tracer = ActivationTracer(cfg, EngineSettings.from_ds(ds, 1).dtype)
     return plan_memory(cfg, ds, layout.dp_size, device_memory, tracer)

@@ -1,6 +1,6 @@
 """A stacked-bar PNG of a memory plan: one bar per pipeline stage (plan) or per layout (search).
 
-Each bar stacks the breakdown lines of parallel/plan_memory.py (worst rank of the stage or layout);
+Each bar stacks the breakdown lines of parallel/plan/memory.py (worst rank of the stage or layout);
 the dashed line is the device memory. `draw` returns the bar totals it drew, in GiB, so a test can
 compare the picture with the report.
 """
@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from parallel.plan_memory import LINES  # noqa: E402
+from parallel.plan.memory import LINES  # noqa: E402
 
 GIB = 2**30
 

@@ -19,10 +19,10 @@ from einops import rearrange
 from torch import nn
 
 from models.embeddings import apply_rope, rope_3d, sincos_3d, timestep_embedding
-from parallel.comm import copy_to_tp
+from parallel.dist.comm import copy_to_tp
 from parallel.config import DataConfig, ModelConfig
-from parallel.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.sequence import SequenceAttention, gather_sequence, local_range, sp_size_of, split_sequence
+from parallel.dist.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.dist.sequence import SequenceAttention, gather_sequence, local_range, sp_size_of, split_sequence
 
 
 def latent_shape(model: ModelConfig, data: DataConfig) -> tuple[int, int, int]:
@@ -131,7 +131,7 @@ def gated(update, gate, gate_txt, n_txt):
 
 class Attention(nn.Module):
     """Full 3D attention over text + video tokens; heads split over tp ranks (and, inside attention, over
-    sp ranks: parallel.sequence); LayerNorm on q and k."""
+    sp ranks: parallel.dist.sequence); LayerNorm on q and k."""
 
     def __init__(self, cfg: ModelConfig, grid, ctx):
         super().__init__()
@@ -237,6 +237,6 @@ def stage_classes(cfg: ModelConfig):
     if cfg.family == "cogvideox":
         return EmbedStage, DiTBlock, FinalStage
     if cfg.family == "stdit":
-        from models import stdit            # imported here: models.stdit builds on this module
+        from models.stdit.model import model as stdit  # imported here: models.stdit.model builds on this module
         return stdit.EmbedStage, stdit.STDiT3Layer, stdit.FinalStage
     raise NotImplementedError(f"model.family={cfg.family!r} has no model code; use cogvideox or stdit")

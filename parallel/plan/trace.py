@@ -5,7 +5,7 @@ the model cannot disagree. Two pieces make that possible without devices or proc
 
 - `TraceContext`, a stand-in for `ParallelContext`: while the model is built it reports the layout's
   `tp_size`, so `ColumnParallelLinear` / `RowParallelLinear` allocate their shards; inside
-  `collectives_as_identity()` it reports `tp_size = 1`, so the four regions of `parallel/comm.py`
+  `collectives_as_identity()` it reports `tp_size = 1`, so the four regions of `parallel/dist/comm.py`
   (`copy_to_tp`, `reduce_from_tp`, ...) take their identity branch instead of calling a process group.
   This changes nothing that is saved: none of those autograd functions saves a tensor for backward
   (they keep only the group, size and rank), and an all-reduce returns a tensor of its input's size.
@@ -40,9 +40,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from models.diffusion import mse_loss
-from models.dit import latent_shape, sequence_tokens, token_grid
+from models.cogvideox.model import latent_shape, sequence_tokens, token_grid
 from parallel.config import ExperimentConfig
-from parallel.model import layer_specs
+from parallel.build import layer_specs
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -62,7 +62,7 @@ class TraceContext:
     """`ParallelContext` look-alike for building at `tp_size` and running with collectives as identities.
 
     With sp_size > 1 the model runs one sp rank's part of the sequence (the first) and attention sees
-    the shapes the all-to-alls would give (parallel.sequence.SequenceAttention without a group).
+    the shapes the all-to-alls would give (parallel.dist.sequence.SequenceAttention without a group).
     """
 
     def __init__(self, tp_size: int, sp_size: int = 1):
@@ -152,7 +152,7 @@ def held_storages(module: nn.Module) -> dict[int, int]:
 def table_storages(module: nn.Module) -> dict[int, int]:
     """The position tables among `held_storages`: one table serves every module that asks for it (every
     block of a stage), so a stage holds each once. {storage key: bytes}."""
-    from models.dit import _PositionCache
+    from models.cogvideox.model import _PositionCache
     found: dict[int, int] = {}
     for m in module.modules():
         for value in vars(m).values():

@@ -1,6 +1,6 @@
 """Write a model of any layout (its weights or EMA) as a diffusers CogVideoXTransformer3DModel folder.
 
-The inverse of parallel/released.py's loading, with the same name map: config.json, and
+The inverse of parallel/weights/diffusers.py's loading, with the same name map: config.json, and
 diffusion_pytorch_model.safetensors or shards with diffusion_pytorch_model.safetensors.index.json.
 Tensor-parallel shards are gathered one tensor at a time (ZeRO-3 parameters one at a time too), and each
 pipeline stage writes its own shards, so no rank holds more than one shard of full tensors.
@@ -16,14 +16,14 @@ import torch
 from torch import nn
 
 from parallel.config import ModelConfig
-from parallel.released import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, diffusers_shapes, diffusers_config
+from parallel.weights.diffusers import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, diffusers_shapes, diffusers_config
 
 
 def _full_tensors(module: nn.Module, ctx, num_blocks: int, value: Optional[Callable], zero3: bool
                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """(canonical name, full fp32 tensor on CPU) one at a time; tp shards gathered (every tp rank calls)."""
-    from parallel.comm import gather_shards
-    from parallel.model import canonical_name
+    from parallel.dist.comm import gather_shards
+    from parallel.build import canonical_name
     for n, p in module.named_parameters():
         if zero3 and value is None:
             import deepspeed
@@ -61,7 +61,7 @@ def export_diffusers(module: nn.Module, ctx, cfg, out: str | Path, value: Option
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from models.dit import latent_shape
+    from models.cogvideox.model import latent_shape
 
     m, out = cfg.model, Path(out)
     writer = ctx.dp_rank == 0 and ctx.tp_rank == 0

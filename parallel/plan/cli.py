@@ -23,10 +23,10 @@ with contextlib.redirect_stdout(sys.stderr):
 from parallel import ds_config as dsc  # noqa: E402
 from parallel.check import check  # noqa: E402
 from parallel.config import ConfigError, ExperimentConfig, load_config  # noqa: E402
-from parallel.plan_memory import GiB, LINES, EngineSettings, MemoryPlan, plan_memory  # noqa: E402
-from parallel.plan_search import (DEVICES, Candidate, SearchResult, count_params, default_dtype,  # noqa: E402
+from parallel.plan.memory import GiB, LINES, EngineSettings, MemoryPlan, plan_memory  # noqa: E402
+from parallel.plan.search import (DEVICES, Candidate, SearchResult, count_params, default_dtype,  # noqa: E402
                                   search, shipped_config)
-from parallel.plan_trace import ActivationTracer, sequence_length  # noqa: E402
+from parallel.plan.trace import ActivationTracer, sequence_length  # noqa: E402
 
 SCHEMA = "video-dit-parallel/memory-plan/1"
 INVALID_SHOWN = 8
@@ -263,11 +263,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         print(render_plan_text(report) if report["mode"] == "plan" else render_search_text(report))
     if args.png:
-        from parallel.plan_png import draw
+        from parallel.plan.render import draw
         draw(report, args.png)
         print(f"wrote {args.png}", file=sys.stderr)
     return status
 
-
-if __name__ == "__main__":
-    sys.exit(main())

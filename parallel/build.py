@@ -16,10 +16,10 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 
 from models.diffusion import mse_loss
-from models.dit import patchify, sequence_tokens, stage_classes, token_grid
+from models.cogvideox.model import patchify, sequence_tokens, stage_classes, token_grid
 from parallel.config import ExperimentConfig
-from parallel.seed import init_rng
-from parallel.sequence import local_range, sp_size_of
+from parallel.dist.seed import init_rng
+from parallel.dist.sequence import local_range, sp_size_of
 
 
 class SeededLayerSpec(LayerSpec):
@@ -175,7 +175,7 @@ def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Ca
     loss_fn = SequenceLoss(cfg, ctx)
     if cfg.parallel.pp_size == 1:
         return SequentialDiT(specs, every, checkpoint_fn, loss_fn)
-    # DeepSpeed's data axis holds dp x sp ranks (parallel.topology).
+    # DeepSpeed's data axis holds dp x sp ranks (parallel.dist.topology).
     topo = PipeModelDataParallelTopology(num_pp=ctx.pp_size, num_mp=ctx.tp_size, num_dp=ctx.dp_size * ctx.sp_size)
     return DiTPipeline(specs, topo, blocks_per_stage(cfg), every, checkpoint_fn, loss_fn)
 
@@ -191,9 +191,9 @@ def full_state(module: nn.Module, ctx, num_blocks: int, value=None) -> dict[str,
 
     Tensor-parallel shards are gathered over the tp group, so call on every rank of it. Under ZeRO-3
     wrap the call in `deepspeed.zero.GatheredParameters(module.parameters())` (parameters) or pass a
-    `value` that gathers (parallel.ema.full_ema).
+    `value` that gathers (parallel.train.ema.full_ema).
     """
-    from parallel.comm import gather_shards
+    from parallel.dist.comm import gather_shards
     out = {}
     for name, p in module.named_parameters():
         t = (p if value is None else value(p)).detach().float()

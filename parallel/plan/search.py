@@ -1,5 +1,5 @@
 """Layout search: every (tp, sp, pp, dp, ZeRO stage, checkpointing, micro-batch) for a device count, checked
-by `parallel.check`, sized by `parallel.plan_memory`, and ranked by an estimated step time.
+by `parallel.check`, sized by `parallel.plan.memory`, and ranked by an estimated step time.
 
 Step time of one optimizer step (m = train.grad_accum_steps micro-batches of b samples, S tokens,
 L blocks of hidden size H, N parameters):
@@ -33,8 +33,8 @@ import torch
 
 from parallel.check import check, divisors
 from parallel.config import ExperimentConfig
-from parallel.plan_memory import EngineSettings, MemoryPlan, plan_memory
-from parallel.plan_trace import ActivationTracer, attention_pairs, sequence_length
+from parallel.plan.memory import EngineSettings, MemoryPlan, plan_memory
+from parallel.plan.trace import ActivationTracer, attention_pairs, sequence_length
 
 DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
 ATTENTIONS_PER_LAYER = {"cogvideox": 1, "stdit": 2}      # STDiT: a spatial and a temporal attention

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from models.diffusion import NUM_TRAIN_TIMESTEPS, Objective
-from parallel.seed import derive_seed
+from parallel.dist.seed import derive_seed
 
 
 def _generator(*key) -> torch.Generator:
@@ -125,7 +125,7 @@ class DirectoryLatents:
         return len(self.items)
 
     def label(self, i: int) -> str:
-        """The sample's caption when the manifest has one (parallel.prepare_data writes it), else its file."""
+        """The sample's caption when the manifest has one (parallel.prepare_data.prepare writes it), else its file."""
         return self.captions[i] or self.items[i][0].name
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:

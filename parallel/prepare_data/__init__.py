@@ -1,0 +1,1 @@
+"""Data preparation: videos and captions -> VAE latents, text embeddings and a manifest."""

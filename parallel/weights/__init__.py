@@ -1,0 +1,1 @@
+"""Released weights: reading and writing the layouts other libraries publish (diffusers)."""
