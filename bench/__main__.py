@@ -48,7 +48,8 @@ def matmul_flops(n: int = 1024, seconds: float = 2.0) -> float:
 def step_flops(cfg) -> float:
     """Model FLOPs of one training step (forward + backward): 6 x parameters x tokens for the matrices,
     12 x layers x seq^2 x hidden for attention, per sample, times the micro-batch."""
-    from parallel.build import SequentialDiT, layer_specs
+    from parallel.build import layer_specs
+    from parallel.dist.pipeline import SequentialDiT
     from parallel.plan.trace import sequence_length
     from parallel.dist.topology import ParallelContext
 

@@ -63,14 +63,14 @@ def _comm_rank(rank, world_size, tp, pp, dp, stage, overrides, sp=1):
     from parallel.train.engine import build_trainer
     from parallel.train.run import training_batches
     from parallel.dist.seed import seed_all
-    from parallel.dist.topology import Grid, ParallelContext
+    from parallel.dist.topology import ParallelContext, ParallelDims
 
     cfg = load_config("debug", [*overrides, f"parallel.tp_size={tp}", f"parallel.pp_size={pp}",
                                 f"parallel.sp_size={sp}"])
     ds = json.loads((ROOT / "ds_configs/zero0_fp32.json").read_text())
     ds.pop("activation_checkpointing")
     ds["zero_optimization"] = {"stage": stage}
-    ctx = ParallelContext.build(Grid(pp, dp, tp, sp))
+    ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp))
     seed_all(cfg.train.seed)
     trainer = build_trainer(cfg, ds, ctx)
     batches = training_batches(cfg, ctx)
@@ -87,7 +87,8 @@ def measure(overrides: list[str]) -> list[dict]:
     import torch
 
     from parallel.config import load_config
-    from parallel.build import SequentialDiT, layer_specs
+    from parallel.build import layer_specs
+    from parallel.dist.pipeline import SequentialDiT
     from parallel.plan.trace import sequence_length
     from parallel.dist.topology import ParallelContext
     from tests.dist_utils import run_ranks

@@ -9,9 +9,11 @@ import sys
 
 import torch
 
-from models.cogvideox.model import latent_shape, token_grid
+from models.geometry import latent_shape, token_grid
+from models.registry import family
+from parallel.build import layer_specs
 from parallel.config import ConfigError, load_config
-from parallel.build import SequentialDiT, layer_specs
+from parallel.dist.pipeline import SequentialDiT
 from parallel.dist.topology import ParallelContext
 
 
@@ -19,19 +21,16 @@ def summary(cfg) -> str:
     with torch.device("meta"):
         model = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    m, (t, h, w) = cfg.model, token_grid(cfg.model, cfg.data)
-    layers = f"{m.num_layers} layers ({m.num_layers} spatial + {m.num_layers} temporal blocks)" \
-        if m.family == "stdit" else f"{m.num_layers} blocks"
-    tokens = f"{t * h * w} video tokens, cross-attending to {m.max_text_len} text tokens" if m.family == "stdit" \
-        else f"{t * h * w} video tokens + {m.max_text_len} text tokens = {t * h * w + m.max_text_len}"
+    m, spec = cfg.model, family(cfg.model)
+    t, h, w = token_grid(m, cfg.data)
     lines = [
-        f"model: {m.name} ({m.family}), {layers}, hidden {m.hidden_size} = {m.num_heads} heads x "
+        f"model: {m.name} ({m.family}), {spec.describe_layers(m)}, hidden {m.hidden_size} = {m.num_heads} heads x "
         f"{m.head_dim}, FFN {m.ffn_size}, time embedding {m.time_embed_dim}, positions {m.pos_embed}",
         f"video: {cfg.data.num_frames} x {cfg.data.height} x {cfg.data.width} -> latents "
         f"{'x'.join(map(str, latent_shape(m, cfg.data)))} x {m.in_channels} ch -> {t} x {h} x {w} patches = "
-        f"{tokens}",
+        f"{spec.describe_tokens(m, cfg.data)}",
         f"embed:  {count(model.embed):>14,d}",
-        f"blocks: {count(model.blocks):>14,d}  ({count(model.blocks[0]):,d} per {'layer' if m.family == 'stdit' else 'block'})",
+        f"blocks: {count(model.blocks):>14,d}  ({count(model.blocks[0]):,d} per {spec.layer_noun})",
         f"final:  {count(model.final):>14,d}",
         f"parameters: {count(model)}",
     ]

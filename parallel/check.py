@@ -14,23 +14,24 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from parallel import ds_config as dsc
-from models.cogvideox.model import sequence_tokens, token_grid
-from parallel.config import ConfigError, ExperimentConfig, ModelConfig, load_config
+from models.config import ModelConfig
+from models.geometry import token_grid
+from models.registry import family, sequence_tokens
+from parallel.config import ConfigError, ExperimentConfig, load_config
+from parallel.dist.topology import ParallelDims
 
 
-@dataclass(frozen=True)
-class Layout:
-    tp_size: int
-    pp_size: int
-    dp_size: int
+@dataclass(frozen=True, kw_only=True)
+class Layout(ParallelDims):
+    """A checked run: the parallel sizes and the engine settings that go with them."""
+
     zero_stage: int
     precision: str
     global_batch: int
-    sp_size: int = 1
 
     @property
-    def world_size(self) -> int:
-        return self.tp_size * self.sp_size * self.pp_size * self.dp_size
+    def dims(self) -> ParallelDims:
+        return ParallelDims(**self.as_dict())
 
 
 def divisors(n: int) -> list[int]:
@@ -88,7 +89,7 @@ def _check_sequence(cfg: ExperimentConfig) -> list[str]:
     tokens = sequence_tokens(m, cfg.data)
     if tokens % sp:
         t, h, w = token_grid(m, cfg.data)
-        text = f"{m.max_text_len} text (model.max_text_len) + " if m.family == "cogvideox" else ""
+        text = f"{m.max_text_len} text (model.max_text_len) + " if family(m).text_in_sequence else ""
         d = cfg.data
         problems.append(f"the token sequence, {text}{t * h * w} video ({t} x {h} x {w} patches of "
                         f"data.num_frames={d.num_frames}, data.height={d.height}, data.width={d.width}) = "
@@ -181,16 +182,16 @@ def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source:
     problems = _check_model_splits(cfg) + _check_sequence(cfg) + _check_pipeline(cfg)
     dp, grid_problems = _resolve_dp(cfg, world_size)
     problems += grid_problems + _check_batch(cfg, ds, ds_source, dp) + _check_engine(cfg, ds, ds_source)
-    layout = Layout(cfg.parallel.tp_size, cfg.parallel.pp_size, dp, dsc.zero_stage(ds), dsc.precision(ds),
-                    cfg.global_batch_size(dp), cfg.parallel.sp_size)
+    p = cfg.parallel
+    layout = Layout(tp_size=p.tp_size, sp_size=p.sp_size, pp_size=p.pp_size, dp_size=dp, zero_stage=dsc.zero_stage(ds),
+                    precision=dsc.precision(ds), global_batch=cfg.global_batch_size(dp))
     return layout, problems
 
 
 def summary(cfg: ExperimentConfig, layout: Layout) -> str:
     t, tp = cfg.train, layout.tp_size
     splits = ", ".join(f"{k.split('.')[-1]} {v}/{tp}" for k, v in tp_split_dims(cfg.model).items())
-    sp = f" sp={layout.sp_size}" if layout.sp_size > 1 else ""
-    return (f"ok: {cfg.model.name} tp={tp}{sp} pp={layout.pp_size} dp={layout.dp_size} (world {layout.world_size}), "
+    return (f"ok: {cfg.model.name} {layout.describe()} (world {layout.world_size}), "
             f"ZeRO-{layout.zero_stage} {layout.precision}, global batch {layout.global_batch} = micro "
             f"{t.micro_batch_size} x accum {t.grad_accum_steps} x dp {layout.dp_size}; tp splits {splits}")
 

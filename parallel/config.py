@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+
+from models.config import ModelConfig, Section
+from models.registry import FAMILIES
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -20,75 +23,7 @@ class ConfigError(ValueError):
     """A configuration problem a user can fix; the message names the file and the key."""
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class ModelConfig(_Section):
-    """Video DiT dimensions (CogVideoX and STDiT families); defaults are CogVideoX-2B's where one exists."""
-
-    name: str = Field("custom", description="preset name, for reports")
-    family: Literal["cogvideox", "stdit"] = Field(
-        "cogvideox", description="cogvideox: full 3D attention over text+video; stdit: spatial-temporal blocks")
-    num_layers: int = Field(ge=1)
-    hidden_size: int = Field(ge=1)
-    num_heads: int = Field(ge=1)
-    head_dim: int = Field(ge=1)
-    ffn_hidden_size: Optional[int] = Field(None, ge=1, description="default 4 x hidden_size")
-    time_embed_dim: int = Field(512, ge=1, description="cogvideox: time embedding width; stdit: size of the "
-                                "sinusoidal timestep features (Open-Sora's frequency_embedding_size, 256)")
-    in_channels: int = Field(16, ge=1, description="latent channels")
-    patch_size: int = Field(2, ge=1)
-    patch_size_t: int = Field(1, ge=1)
-    text_embed_dim: int = Field(4096, ge=1, description="T5 hidden size")
-    max_text_len: int = Field(226, ge=1)
-    pos_embed: Literal["sincos", "rope3d", "sincos2d_rope1d"] = Field(
-        "sincos", description="cogvideox: sincos (3D sin-cos added to tokens) or rope3d (3D rotary); stdit: "
-        "sincos2d_rope1d, its only (and default) value: 2D sin-cos added per frame, 1D rotary in temporal attention")
-    objective: Literal["v_prediction", "flow_matching"] = "v_prediction"
-    vae_scale_spatial: int = Field(8, ge=1)
-    vae_scale_temporal: int = Field(4, ge=1)
-    flip_sin_to_cos: bool = Field(True, description="timestep embedding order [cos, sin] (CogVideoX) or [sin, cos]")
-    freq_shift: float = Field(0.0, description="timestep frequencies exp(-ln(1e4) i / (dim/2 - freq_shift))")
-    spatial_interpolation_scale: float = Field(1.875, gt=0, description="sin-cos positions: (h, w) divided by it")
-    temporal_interpolation_scale: float = Field(1.0, gt=0, description="sin-cos positions: frames divided by it")
-    sample_height: int = Field(60, ge=1, description="latent height the model was trained at; rope3d positions "
-                               "of other sizes are fitted into its patch grid (diffusers' sample_height)")
-    sample_width: int = Field(90, ge=1, description="latent width, likewise (diffusers' sample_width)")
-    init_from: Optional[str] = Field(None, description="folder of released weights in the diffusers layout "
-                                     "(config.json + *.safetensors) to start from; a resumed checkpoint wins")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _family_positions(cls, data: Any) -> Any:
-        """pos_embed defaults to the family's own: sincos (cogvideox), sincos2d_rope1d (stdit)."""
-        if isinstance(data, dict) and data.get("pos_embed") is None and data.get("family") == "stdit":
-            data = {**data, "pos_embed": "sincos2d_rope1d"}
-        return data
-
-    @model_validator(mode="after")
-    def _positions_fit_family(self) -> "ModelConfig":
-        if (self.family == "stdit") != (self.pos_embed == "sincos2d_rope1d"):
-            allowed = "sincos2d_rope1d (or leave it out)" if self.family == "stdit" else "sincos or rope3d"
-            raise ValueError(f"model.pos_embed={self.pos_embed} does not fit model.family={self.family}; "
-                             f"use model.pos_embed={allowed}")
-        return self
-
-    @model_validator(mode="after")
-    def _heads_times_dim(self) -> "ModelConfig":
-        if self.num_heads * self.head_dim != self.hidden_size:
-            raise ValueError(
-                f"model.num_heads x model.head_dim = {self.num_heads} x {self.head_dim} = "
-                f"{self.num_heads * self.head_dim} must equal model.hidden_size={self.hidden_size}"
-            )
-        return self
-
-    @property
-    def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
-
-
-class DataConfig(_Section):
+class DataConfig(Section):
     """Where samples come from and their pixel-space size (latents are derived via the VAE scales)."""
 
     kind: Literal["synthetic", "directory"] = "synthetic"
@@ -107,7 +42,7 @@ class DataConfig(_Section):
         return self
 
 
-class ParallelConfig(_Section):
+class ParallelConfig(Section):
     """Parallel sizes. world = tp_size x sp_size x pp_size x dp_size; dp_size=null takes what the world size
     leaves."""
 
@@ -118,7 +53,7 @@ class ParallelConfig(_Section):
     pp_partition: Optional[list[int]] = Field(None, description="blocks per pipeline stage; default uniform")
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     seed: int = 1234
     max_steps: int = Field(100, ge=0)
     micro_batch_size: int = Field(1, ge=1)
@@ -135,7 +70,7 @@ class TrainConfig(_Section):
     memory_check: bool = Field(True, description="measure the second step's memory against the plan")
 
 
-class CkptConfig(_Section):
+class CkptConfig(Section):
     """Checkpoints: every `every` steps (0 = only at the end), on SIGTERM/SIGUSR1, keeping the newest `keep`."""
 
     every: int = Field(0, ge=0)
@@ -143,7 +78,7 @@ class CkptConfig(_Section):
     keep: int = Field(3, ge=1)
 
 
-class ValConfig(_Section):
+class ValConfig(Section):
     """Validation every `every` steps (and after the last): loss over the whole validation set at fixed
     timesteps, equal whatever the layout, and optionally sample videos of the first `num_prompts` prompts."""
 
@@ -172,13 +107,25 @@ class ValConfig(_Section):
         return timesteps
 
 
-class ExperimentConfig(_Section):
-    model: ModelConfig
+# The `model:` section is the config class of its family (models/registry.py), picked by `model.family`.
+FamilyConfig = Annotated[Union[tuple(spec.config for spec in FAMILIES.values())], Field(discriminator="family")]
+DEFAULT_FAMILY = "cogvideox"
+
+
+class ExperimentConfig(Section):
+    model: FamilyConfig
     data: DataConfig = DataConfig()
     parallel: ParallelConfig = ParallelConfig()
     train: TrainConfig = TrainConfig()
     ckpt: CkptConfig = CkptConfig()
     val: ValConfig = ValConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_family(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("model"), dict) and "family" not in data["model"]:
+            data = {**data, "model": {**data["model"], "family": DEFAULT_FAMILY}}
+        return data
 
     @property
     def ckpt_dir(self) -> str:
@@ -242,13 +189,20 @@ def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
         dotted = f"{prefix}{name}"
         keys.append(dotted)
         ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            keys += _known_keys(ann, dotted + ".")
+        for section in get_args(ann) or (ann,):          # a family union: every family's keys
+            if isinstance(section, type) and issubclass(section, BaseModel):
+                keys += [k for k in _known_keys(section, dotted + ".") if k not in keys]
     return keys
 
 
 def _describe(error: dict, source: str, overridden: set[str]) -> str:
-    dotted = ".".join(str(p) for p in error["loc"])
+    loc = error["loc"]
+    if loc[:1] == ("model",) and len(loc) > 1 and loc[1] in FAMILIES:   # the family union's tag
+        loc = loc[:1] + loc[2:]
+    dotted = ".".join(str(p) for p in loc)
+    if error["type"] == "union_tag_invalid":
+        return (f"{source if 'model.family' not in overridden else '--set'}: model.family="
+                f"{error['ctx']['tag']!r} is not a model family; families: {', '.join(FAMILIES)}")
     origin = "--set" if dotted in overridden else source
     if error["type"] == "extra_forbidden":
         close = difflib.get_close_matches(dotted, _known_keys(ExperimentConfig), n=1, cutoff=0.6)

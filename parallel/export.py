@@ -49,7 +49,7 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
 
     from parallel.train import checkpoint
     from parallel.train.ema import full_ema, has_ema
-    from parallel.build import full_state
+    from parallel.weights.gather import full_state
     from parallel.train.run import checkpoint_layout, start_engine
 
     tag = tag or checkpoint.find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout))

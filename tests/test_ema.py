@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from parallel.config import load_config
-from parallel.build import SequentialDiT, layer_specs
+from parallel.build import layer_specs
+from parallel.dist.pipeline import SequentialDiT
 from parallel.train.optim import EmaAdamW, adamw_implementation, build_optimizer
 from parallel.dist.topology import ParallelContext
 from tests.train_utils import fp32_config, train

@@ -262,10 +262,10 @@ def test_collective_timeout_covers_every_group(tmp_path):
         import torch
         import torch.distributed as dist
         from parallel.train.run import init_process_groups
-        from parallel.dist.topology import Grid, ParallelContext
+        from parallel.dist.topology import ParallelContext, ParallelDims
 
         init_process_groups(timeout_s=2)
-        ctx = ParallelContext.build(Grid(1, 1, 2))
+        ctx = ParallelContext.build(ParallelDims(tp_size=2, pp_size=1, dp_size=1))
         groups = {"tp_group": ctx.tp_group, "deepspeed group": deepspeed.comm.new_group([0, 1])}
         if ctx.rank == 1:
             time.sleep(60)                   # a stuck rank

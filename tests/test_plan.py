@@ -47,7 +47,7 @@ B = 2
 
 
 def _real_inputs(cfg, dtype):
-    from models.cogvideox.model import latent_shape
+    from models.geometry import latent_shape
     m = cfg.model
     torch.manual_seed(0)
     return (torch.randn(B, m.in_channels, *latent_shape(m, cfg.data)), torch.randint(0, 1000, (B,)),
@@ -61,7 +61,9 @@ def test_block_activations_match_the_real_block(dtype, preset):
     real embed stage's outputs: saved bytes with and without checkpointing."""
     import deepspeed
 
-    from parallel.build import checkpoint_x_only, layer_specs
+    from parallel.build import layer_specs
+
+    from parallel.dist.pipeline import checkpoint_x_only
     from parallel.dist.topology import ParallelContext
 
     cfg = load_config(preset)
@@ -158,7 +160,7 @@ def _states_rank(rank, world_size):
     from parallel.plan.probe import StepProbe
     from parallel.train.run import training_batches
     from parallel.dist.seed import seed_all
-    from parallel.dist.topology import Grid, ParallelContext
+    from parallel.dist.topology import ParallelContext, ParallelDims
     from tests.train_utils import experiment
 
     import deepspeed.comm
@@ -188,7 +190,7 @@ def _states_rank(rank, world_size):
         cfg = experiment(tp, pp, dp, extra)
         sp = cfg.parallel.sp_size
         if (tp, pp, dp, sp) not in contexts:
-            contexts[(tp, pp, dp, sp)] = ParallelContext.build(Grid(pp, dp, tp, sp))
+            contexts[(tp, pp, dp, sp)] = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp))
         ctx = contexts[(tp, pp, dp, sp)]
         seed_all(cfg.train.seed)
         trainer = build_trainer(cfg, ds_case(name, file), ctx)
@@ -259,7 +261,9 @@ def test_model_states_against_deepspeeds_estimators(stage):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    from parallel.build import SequentialDiT, layer_specs
+    from parallel.build import layer_specs
+
+    from parallel.dist.pipeline import SequentialDiT
     from parallel.dist.topology import ParallelContext
 
     cfg = load_config("cogvideox-5b")
@@ -297,7 +301,8 @@ def cli(capsys, *argv):
 
 def rank_params(preset: str, tp: int) -> list[tuple[int, int]]:
     """(numel, ndim) of one tp rank's parameters, from the model built on the meta device."""
-    from parallel.build import SequentialDiT, layer_specs
+    from parallel.build import layer_specs
+    from parallel.dist.pipeline import SequentialDiT
     from parallel.dist.topology import ParallelContext
     with torch.device("meta"):
         model = SequentialDiT(layer_specs(load_config(preset), ParallelContext.single(tp)))
@@ -383,6 +388,7 @@ def test_plan_that_does_not_fit_says_by_how_much(capsys, tmp_path):
 
 def test_search_ranks_fitting_layouts_and_explains_refusals(capsys):
     from parallel.check import check
+    from parallel.dist.topology import ParallelDims
     from parallel.plan.search import ds_variant, with_layout
 
     code, out, _ = cli(capsys, *FIVE_B, "--deepspeed_config", "ds_configs/zero1_bf16.json", "--search",
@@ -414,7 +420,7 @@ def test_search_ranks_fitting_layouts_and_explains_refusals(capsys):
     refused = {(i["layout"]["tp"], i["layout"]["pp"], i["layout"]["zero"]): i["problems"] for i in r["invalid"]
                if i["layout"]["sp"] == 1}
     assert all(c["tp"] * c["sp"] <= 8 for c in ranked + [i["layout"] for i in r["invalid"]])   # within a node
-    cfg = with_layout(load_config(cfg_path), 1, 4, 1)
+    cfg = with_layout(load_config(cfg_path), ParallelDims(tp_size=1, pp_size=4), 1)
     ds = ds_variant(json.load(open("ds_configs/zero1_bf16.json")), 1, True)
     expected = check(cfg, ds, "ds_configs/zero1_bf16.json at zero_optimization.stage=1", 8)[1]
     assert refused[(1, 4, 1)] == expected
@@ -441,7 +447,7 @@ def test_cli_stdout_is_only_the_report():
     """As users pipe it: a fresh process, `--format json` on stdout, DeepSpeed's log lines elsewhere."""
     import subprocess
     import sys
-    proc = subprocess.run([sys.executable, "-m", "parallel.plan.cli", "--config", "debug", "--deepspeed_config",
+    proc = subprocess.run([sys.executable, "-m", "parallel.plan", "--config", "debug", "--deepspeed_config",
                            "ds_configs/zero1_bf16.json", "--devices", "2", "--device-memory", "4GiB",
                            "--device", "cpu", "--format", "json"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -455,7 +461,7 @@ def test_png_bars_are_the_report_totals(tmp_path):
 
     out = tmp_path / "plan.json"
     png = tmp_path / "plan.png"
-    code = subprocess.run([sys.executable, "-m", "parallel.plan.cli", "--config", "configs/debug.yaml",
+    code = subprocess.run([sys.executable, "-m", "parallel.plan", "--config", "configs/debug.yaml",
                            "--deepspeed_config", "ds_configs/zero1_bf16.json", "--devices", "4",
                            "--device-memory", "4GiB", "--set", "parallel.pp_size=2", "--set", "parallel.tp_size=2",
                            "--format", "json", "--png", str(png)], cwd=ROOT, capture_output=True, text=True)

@@ -182,7 +182,7 @@ def test_rerun_after_interruption_does_not_redo_finished_files(videos, vae_dir, 
 def test_two_ranks_cover_every_video_once(videos, vae_dir, t5_dir, prepared, tmp_path):   # noqa: F811
     root, _ = videos
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "parallel.prepare_data.prepare", "--config", "debug", *[a for s in SETS for a in ("--set", s)],
+    cmd = [sys.executable, "-m", "parallel.prepare_data", "--config", "debug", *[a for s in SETS for a in ("--set", s)],
            "--videos", str(root), "--captions", str(root / "captions.csv"), "--vae", str(vae_dir),
            "--t5", str(t5_dir), "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}

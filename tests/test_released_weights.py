@@ -86,7 +86,7 @@ def _layouts_rank(rank, world_size, folders, export_dir):
     from parallel.dist import accelerator
     from parallel.build import build_model
     from parallel.weights.diffusers_export import export_diffusers
-    from parallel.dist.topology import Grid, ParallelContext
+    from parallel.dist.topology import ParallelContext, ParallelDims
     from parallel.train.validate import StageForward
 
     deepspeed.init_distributed(dist_backend=accelerator.backend())
@@ -94,7 +94,7 @@ def _layouts_rank(rank, world_size, folders, export_dir):
     for pos, folder in folders.items():
         for tp, pp in LAYOUTS:
             cfg = load_config("debug", overrides(pos, folder) + [f"parallel.tp_size={tp}", f"parallel.pp_size={pp}"])
-            ctx = ParallelContext.build(Grid(pp, world_size // (tp * pp), tp))
+            ctx = ParallelContext.build(ParallelDims(tp_size=tp, pp_size=pp, dp_size=world_size // (tp * pp)))
             model = build_model(cfg, {}, ctx)
             load_released(model, ctx, cfg.model, folder)
             forward = StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx)
@@ -111,13 +111,13 @@ def _zero3(world_size, folder, export_dir):
     from parallel.train.engine import build_trainer
     from parallel.weights.diffusers_export import export_diffusers
     from parallel.dist.seed import seed_all
-    from parallel.dist.topology import Grid, ParallelContext
+    from parallel.dist.topology import ParallelContext, ParallelDims
     from tests.train_utils import fp32_config
 
     cfg = load_config("debug", overrides("rope3d", folder) + ["train.micro_batch_size=1", "train.grad_accum_steps=1"])
     ds = fp32_config(stage=3, checkpointing=False)
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0     # partition even tiny tensors
-    ctx = ParallelContext.build(Grid(1, world_size, 1))
+    ctx = ParallelContext.build(ParallelDims(tp_size=1, pp_size=1, dp_size=world_size))
     seed_all(cfg.train.seed)
     trainer = build_trainer(cfg, ds, ctx)
     partitioned = all(p.numel() == 0 for p in trainer.engine.module.parameters())
@@ -193,7 +193,8 @@ def test_missing_and_unexpected_tensors_are_listed(released, tmp_path):
     assert check_released(cfg.model, folder) == [
         f"{folder}: 1 tensors of CogVideoXTransformer3DModel are missing: {gone}",
         f"{folder}: 1 tensors have no place in the toolkit's model: transformer_blocks.1.attn1.to_added.weight"]
-    from parallel.build import SequentialDiT, layer_specs
+    from parallel.build import layer_specs
+    from parallel.dist.pipeline import SequentialDiT
     from parallel.dist.topology import ParallelContext
     model = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
     before = {n: p.clone() for n, p in model.state_dict().items()}

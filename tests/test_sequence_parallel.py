@@ -76,7 +76,7 @@ def _rank(rank, world_size, preset):
     from parallel.config import load_config
     from parallel.build import build_model
     from parallel.train.run import build_dataset
-    from parallel.dist.topology import Grid, ParallelContext
+    from parallel.dist.topology import ParallelContext, ParallelDims
 
     calls = []
     original = dist.all_to_all_single
@@ -88,7 +88,7 @@ def _rank(rank, world_size, preset):
 
     deepspeed.init_distributed(dist_backend=accelerator.backend())
     cfg = load_config(preset, [f"train.micro_batch_size={B}", "parallel.sp_size=2"])
-    ctx = ParallelContext.build(Grid(1, 1, 1, 2))
+    ctx = ParallelContext.build(ParallelDims(tp_size=1, sp_size=2, pp_size=1, dp_size=1))
     inputs, target = next(DiffusionBatches(build_dataset(cfg), Objective("v_prediction"), seed=0, micro_batch=B,
                                            grad_accum=1, dp_rank=0, dp_size=1))
     serial = build_model(cfg, {}, ParallelContext.single())     # the layers follow the context: sp = 1

@@ -62,12 +62,12 @@ def _tp_rank(rank, world_size):
     from parallel.build import build_model
     from parallel.dist.replicas import replica_mismatches
     from parallel.train.run import build_dataset
-    from parallel.dist.topology import Grid, ParallelContext
+    from parallel.dist.topology import ParallelContext, ParallelDims
 
     cfg = load_config("debug-stdit", [f"train.micro_batch_size={B}"])
     inputs, target = next(DiffusionBatches(build_dataset(cfg), Objective("v_prediction"), seed=0, micro_batch=B,
                                            grad_accum=1, dp_rank=0, dp_size=1))
-    ctx = ParallelContext.build(Grid(1, 1, 2))
+    ctx = ParallelContext.build(ParallelDims(tp_size=2, pp_size=1, dp_size=1))
     deepspeed.init_distributed(dist_backend=accelerator.backend())
     deepspeed.checkpointing.configure(ctx, partition_activations=True)
     ds = {"activation_checkpointing": {"partition_activations": True}}
@@ -132,11 +132,11 @@ def _validate(cfg, engine, ctx):
 def _pipeline_rank(rank, world_size):
     from parallel.train.engine import build_trainer
     from parallel.dist.seed import seed_all
-    from parallel.dist.topology import Grid, ParallelContext
+    from parallel.dist.topology import ParallelContext, ParallelDims
     from tests.train_utils import experiment, fp32_config
 
     cfg = experiment(1, 2, 1, VAL, preset="debug-stdit")
-    ctx = ParallelContext.build(Grid(2, 1, 1))
+    ctx = ParallelContext.build(ParallelDims(tp_size=1, pp_size=2, dp_size=1))
     seed_all(cfg.train.seed)
     return _validate(cfg, build_trainer(cfg, fp32_config(), ctx).engine, ctx)
 
@@ -144,7 +144,8 @@ def _pipeline_rank(rank, world_size):
 def test_validation_and_sampling_through_a_pipeline_equal_one_process():
     """StageForward sends the four stage tensors between pipeline stages: pp = 2 gives the bits of the
     one-process model (built here, same seed), on both stages."""
-    from parallel.build import SequentialDiT, layer_specs
+    from parallel.build import layer_specs
+    from parallel.dist.pipeline import SequentialDiT
     from parallel.dist.topology import ParallelContext
     from tests.train_utils import experiment
 

@@ -2,20 +2,20 @@
 import pytest
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-from parallel.dist.topology import Grid, ParallelContext, read_launch_env
+from parallel.dist.topology import ParallelContext, ParallelDims, read_launch_env
 
 SHAPES = [(1, 1, 1), (2, 1, 2), (2, 2, 1), (1, 2, 2), (2, 2, 2), (3, 2, 4), (4, 1, 2), (2, 4, 3)]
 
 
 @pytest.mark.parametrize("pp, dp, tp", SHAPES)
 def test_grid_matches_deepspeed_topology(pp, dp, tp):
-    grid = Grid(pp_size=pp, dp_size=dp, tp_size=tp)
+    grid = ParallelDims(tp_size=tp, pp_size=pp, dp_size=dp)
     topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
     assert grid.world_size == topo.world_size()
     for rank in range(grid.world_size):
         c, ds = grid.coord(rank), topo.get_coord(rank)
         assert (c.pp, c.dp, c.tp) == (ds.pipe, ds.data, ds.model)
-        assert grid.rank(c.pp, c.dp, c.tp) == rank
+        assert grid.rank(pp=c.pp, dp=c.dp, tp=c.tp) == rank
     assert sorted(grid.tp_groups()) == sorted(topo.get_axis_comm_lists("model"))
     assert sorted(grid.dp_groups()) == sorted(topo.get_axis_comm_lists("data"))
     assert sorted(grid.pp_groups()) == sorted(topo.get_axis_comm_lists("pipe"))
@@ -24,13 +24,13 @@ def test_grid_matches_deepspeed_topology(pp, dp, tp):
 @pytest.mark.parametrize("pp, dp, sp, tp", [(1, 1, 2, 1), (1, 2, 2, 2), (2, 1, 2, 2), (2, 2, 4, 1), (1, 3, 2, 2)])
 def test_sequence_axis_is_inside_deepspeeds_data_axis(pp, dp, sp, tp):
     """DeepSpeed sees dp x sp data ranks: its data coordinate is dp_rank * sp + sp_rank."""
-    grid = Grid(pp, dp, tp, sp)
+    grid = ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp)
     topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp * sp)
     assert grid.world_size == topo.world_size()
     for rank in range(grid.world_size):
         c, ds = grid.coord(rank), topo.get_coord(rank)
         assert (c.pp, c.dp * sp + c.sp, c.tp) == (ds.pipe, ds.data, ds.model)
-        assert grid.rank(c.pp, c.dp, c.tp, c.sp) == rank
+        assert grid.rank(pp=c.pp, dp=c.dp, tp=c.tp, sp=c.sp) == rank
         ctx = ParallelContext(grid, rank=rank)
         assert ctx.get_data_parallel_rank() == ds.data and ctx.get_data_parallel_world_size() == dp * sp
     assert sorted(grid.data_groups()) == sorted(topo.get_axis_comm_lists("data"))
@@ -41,11 +41,11 @@ def test_sequence_axis_is_inside_deepspeeds_data_axis(pp, dp, sp, tp):
 
 
 def test_tp_peers_are_neighbours():
-    assert Grid(2, 2, 4).tp_groups()[0] == [0, 1, 2, 3]
+    assert ParallelDims(tp_size=4, pp_size=2, dp_size=2).tp_groups()[0] == [0, 1, 2, 3]
 
 
 def test_context_without_groups_exposes_mpu_interface():
-    ctx = ParallelContext(Grid(2, 2, 2), rank=5)   # pp 1, dp 0, tp 1
+    ctx = ParallelContext(ParallelDims(tp_size=2, pp_size=2, dp_size=2), rank=5)   # pp 1, dp 0, tp 1
     assert (ctx.pp_rank, ctx.dp_rank, ctx.tp_rank) == (1, 0, 1)
     assert ctx.get_model_parallel_rank() == 1 and ctx.get_model_parallel_world_size() == 2
     assert ctx.get_data_parallel_world_size() == 2 and ctx.get_tensor_model_parallel_src_rank() == 4

@@ -26,7 +26,7 @@ from torch import nn
 
 from parallel.dist.comm import count_comm
 from parallel.dist.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.dist.topology import Grid, ParallelContext
+from parallel.dist.topology import ParallelContext, ParallelDims
 from tests.dist_utils import run_ranks
 
 WORLD_SIZES = (2, 4)
@@ -222,7 +222,7 @@ def _comm_log(ctx) -> dict:
 
 
 def _rank_main(rank: int, world_size: int) -> dict:
-    ctx = ParallelContext.build(Grid(pp_size=1, dp_size=1, tp_size=world_size))
+    ctx = ParallelContext.build(ParallelDims(tp_size=world_size, pp_size=1, dp_size=1))
     assert ctx.tp_rank == rank and ctx.tp_size == world_size
     return {"shards": _shards(ctx), "comm": _comm_log(ctx),
             "checks": {name: check(ctx) for name, check in CHECKS.items()}}

@@ -17,10 +17,10 @@ def _rank(rank, world_size):
     from parallel.build import build_model
     from parallel.dist.replicas import replica_mismatches
     from parallel.train.run import build_dataset
-    from parallel.dist.topology import Grid, ParallelContext
+    from parallel.dist.topology import ParallelContext, ParallelDims
 
     cfg = load_config("debug", ["parallel.tp_size=2", f"train.micro_batch_size={B}"])
-    ctx = ParallelContext.build(Grid(1, 1, 2))
+    ctx = ParallelContext.build(ParallelDims(tp_size=2, pp_size=1, dp_size=1))
     inputs, target = next(DiffusionBatches(build_dataset(cfg), Objective("v_prediction"), seed=0, micro_batch=B,
                                            grad_accum=1, dp_rank=0, dp_size=1))
     deepspeed.init_distributed(dist_backend=accelerator.backend())

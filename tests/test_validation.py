@@ -34,7 +34,7 @@ def _validate_rank(rank, world_size, layouts, extra):
     from parallel.train.engine import build_trainer
     from parallel.train.run import build_val_dataset
     from parallel.dist.seed import seed_all
-    from parallel.dist.topology import Grid, ParallelContext
+    from parallel.dist.topology import ParallelContext, ParallelDims
     from parallel.train.validate import StageForward, validation_loss
     from tests.train_utils import experiment
 
@@ -44,7 +44,7 @@ def _validate_rank(rank, world_size, layouts, extra):
     for (tp, pp, dp, *sp), stage in layouts:       # (tp, pp, dp) or (tp, pp, dp, sp)
         sp = sp[0] if sp else 1
         cfg = experiment(tp, pp, dp, VAL + extra, sp)
-        ctx = ParallelContext.build(Grid(pp, dp, tp, sp))
+        ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp))
         seed_all(cfg.train.seed)
         trainer = build_trainer(cfg, fp32_config(stage), ctx)
         dataset = Recording(build_val_dataset(cfg))
@@ -102,15 +102,15 @@ def _ema_rank(rank, world_size, tp, pp, dp, stage):
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     from parallel.train.ema import full_ema
     from parallel.train.engine import build_trainer
-    from parallel.build import full_state
+    from parallel.weights.gather import full_state
     from parallel.train.run import build_val_dataset, training_batches
     from parallel.dist.seed import seed_all
-    from parallel.dist.topology import Grid, ParallelContext
+    from parallel.dist.topology import ParallelContext, ParallelDims
     from parallel.train.validate import Validator
     from tests.train_utils import experiment
 
     cfg = experiment(tp, pp, dp, VAL + ["val.use_ema=true"])
-    ctx = ParallelContext.build(Grid(pp, dp, tp))
+    ctx = ParallelContext.build(ParallelDims(tp_size=tp, pp_size=pp, dp_size=dp))
     seed_all(cfg.train.seed)
     trainer = build_trainer(cfg, fp32_config(stage, optimizer="FusedEmaAdam"), ctx)
     batches = training_batches(cfg, ctx)
@@ -128,7 +128,8 @@ def _ema_rank(rank, world_size, tp, pp, dp, stage):
 def _serial_from_weights(weights: dict) -> dict:
     """Validation of the one-process model loaded with `weights` (canonical names), in this process."""
     from models.diffusion import Objective
-    from parallel.build import SequentialDiT, layer_specs
+    from parallel.build import layer_specs
+    from parallel.dist.pipeline import SequentialDiT
     from parallel.train.run import build_val_dataset
     from parallel.dist.topology import ParallelContext
     from parallel.train.validate import StageForward, validation_loss
@@ -163,7 +164,7 @@ def _sample_rank(rank, world_size, layouts, out):
     from parallel.train.engine import build_trainer
     from parallel.train.run import build_val_dataset
     from parallel.dist.seed import seed_all
-    from parallel.dist.topology import Grid, ParallelContext
+    from parallel.dist.topology import ParallelContext, ParallelDims
     from parallel.train.validate import Validator
     from tests.train_utils import experiment
 
@@ -172,7 +173,7 @@ def _sample_rank(rank, world_size, layouts, out):
         sp = sp[0] if sp else 1
         cfg = experiment(tp, pp, dp, VAL + ["val.num_prompts=3", "val.sample_steps=4", "val.formats=[gif, mp4]"],
                          sp)
-        ctx = ParallelContext.build(Grid(pp, dp, tp, sp))
+        ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp))
         seed_all(cfg.train.seed)
         trainer = build_trainer(cfg, fp32_config(stage), ctx)
         folder = Path(out) / f"tp{tp}pp{pp}dp{dp}z{stage}" if sp == 1 else Path(out) / f"tp{tp}pp{pp}dp{dp}sp{sp}z{stage}"

@@ -37,14 +37,14 @@ def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp, preset):
 
     from parallel.train.ema import full_ema, has_ema
     from parallel.train.engine import build_trainer
-    from parallel.build import full_state
+    from parallel.weights.gather import full_state
     from parallel.dist.replicas import replica_mismatches
     from parallel.train.run import training_batches
     from parallel.dist.seed import seed_all
-    from parallel.dist.topology import Grid, ParallelContext
+    from parallel.dist.topology import ParallelContext, ParallelDims
 
     cfg = experiment(tp, pp, dp, extra, sp, preset)
-    ctx = ParallelContext.build(Grid(pp, dp, tp, sp))
+    ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp))
     seed_all(cfg.train.seed)
     trainer = build_trainer(cfg, ds, ctx)
     batches = training_batches(cfg, ctx)

@@ -1,0 +1,23 @@
+"""CogVideoX 1.0 (2B, 5B): full 3D attention over text + video tokens, adaLN-zero blocks."""
+from __future__ import annotations
+
+import math
+
+from models.cogvideox.config import CogVideoXConfig
+from models.cogvideox.model import DiTBlock, EmbedStage, FinalStage
+from models.cogvideox.released import DIFFUSERS
+from models.spec import FamilySpec
+
+SPEC = FamilySpec(
+    name="cogvideox",
+    config=CogVideoXConfig,
+    embed=EmbedStage,
+    layer=DiTBlock,
+    final=FinalStage,
+    text_in_sequence=True,
+    row_parallel_per_layer=2,                # attention output, FFN output
+    attentions_per_layer=1,
+    attention_pairs=lambda m, grid: (m.max_text_len + math.prod(grid)) ** 2,
+    describe_layers=lambda m: f"{m.num_layers} blocks",
+    released=DIFFUSERS,
+)

@@ -11,6 +11,7 @@ across tp ranks, because its inputs and gradients are.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -18,71 +19,18 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from models.cogvideox.config import CogVideoXConfig
 from models.embeddings import apply_rope, rope_3d, sincos_3d, timestep_embedding
+from models.geometry import PositionCache, patchify, unpatchify
 from parallel.dist.comm import copy_to_tp
-from parallel.config import DataConfig, ModelConfig
 from parallel.dist.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.dist.sequence import SequenceAttention, gather_sequence, local_range, sp_size_of, split_sequence
-
-
-def latent_shape(model: ModelConfig, data: DataConfig) -> tuple[int, int, int]:
-    """Latent (frames, height, width) of a data.num_frames x data.height x data.width video."""
-    t = (data.num_frames - 1) // model.vae_scale_temporal + 1
-    return t, data.height // model.vae_scale_spatial, data.width // model.vae_scale_spatial
-
-
-def token_grid(model: ModelConfig, data: DataConfig) -> tuple[int, int, int]:
-    """Patch grid (t, h, w): latent shape divided by the patch sizes."""
-    t, h, w = latent_shape(model, data)
-    return t // model.patch_size_t, h // model.patch_size, w // model.patch_size
-
-
-def patchify(latents: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """[B, C, T, H, W] -> [B, t*h*w, C*pt*p*p] patch tokens in (t, h, w) order."""
-    p, pt = cfg.patch_size, cfg.patch_size_t
-    return rearrange(latents, "b c (t pt) (h p) (w q) -> b (t h w) (c pt p q)", pt=pt, p=p, q=p)
-
-
-def unpatchify(tokens: torch.Tensor, cfg: ModelConfig, grid) -> torch.Tensor:
-    """patchify's inverse: [B, t*h*w, C*pt*p*p] -> [B, C, T, H, W]."""
-    t, h, w = grid
-    p, pt = cfg.patch_size, cfg.patch_size_t
-    return rearrange(tokens, "b (t h w) (c pt p q) -> b c (t pt) (h p) (w q)", t=t, h=h, w=w, pt=pt, p=p, q=p)
-
-
-def sequence_tokens(model: ModelConfig, data: DataConfig) -> int:
-    """Length of the token sequence the blocks see (and sequence parallelism splits): CogVideoX
-    concatenates the text tokens with the video patches; STDiT's blocks hold video patches only."""
-    t, h, w = token_grid(model, data)
-    return (model.max_text_len if model.family == "cogvideox" else 0) + t * h * w
-
-
-_SHARED_TABLES: dict = {}    # (table, its arguments, grid, device) -> tensors, one per process
-
-
-class _PositionCache:
-    """Fixed positional tables per token grid, built on first use on the device that asks, and shared by
-    every module that asks for the same table: the 42 blocks of CogVideoX-5B hold one RoPE table (at
-    53,040 video tokens 25 MiB, not 1 GiB). `ident` names the table and the arguments `fn` closes over."""
-
-    def __init__(self, fn, ident: tuple):
-        self.fn, self.ident, self.tables = fn, ident, {}
-
-    def get(self, key: tuple, device):
-        if (key, device) not in self.tables:
-            shared = (self.ident, key, str(device))
-            if shared not in _SHARED_TABLES:
-                value = self.fn(*key)
-                _SHARED_TABLES[shared] = tuple(v.to(device) for v in value) if isinstance(value, tuple) \
-                    else value.to(device)
-            self.tables[(key, device)] = _SHARED_TABLES[shared]
-        return self.tables[(key, device)]
 
 
 class EmbedStage(nn.Module):
     """(latents [B,C,T,H,W], timesteps [B], text [B,S_txt,text_dim]) -> (x [B,S,H], temb [B,D])."""
 
-    def __init__(self, cfg: ModelConfig, grid: tuple[int, int, int], ctx=None):
+    def __init__(self, cfg: CogVideoXConfig, grid: tuple[int, int, int], ctx=None):
         super().__init__()
         self.cfg, self.grid, self.ctx = cfg, grid, ctx
         p, pt, c, hid = cfg.patch_size, cfg.patch_size_t, cfg.in_channels, cfg.hidden_size
@@ -90,8 +38,8 @@ class EmbedStage(nn.Module):
         self.text_proj = nn.Linear(cfg.text_embed_dim, hid)
         self.time_linear_1 = nn.Linear(hid, cfg.time_embed_dim)
         self.time_linear_2 = nn.Linear(cfg.time_embed_dim, cfg.time_embed_dim)
-        scales = (cfg.spatial_interpolation_scale, cfg.temporal_interpolation_scale)
-        self._pos = _PositionCache(lambda t, h, w: sincos_3d(hid, t, h, w, *scales), ("sincos_3d", hid, scales)) \
+        self._pos = PositionCache(functools.partial(sincos_3d, hid, spatial_scale=cfg.spatial_interpolation_scale,
+                                                    temporal_scale=cfg.temporal_interpolation_scale)) \
             if cfg.pos_embed == "sincos" else None
 
     def forward(self, inputs):
@@ -133,7 +81,7 @@ class Attention(nn.Module):
     """Full 3D attention over text + video tokens; heads split over tp ranks (and, inside attention, over
     sp ranks: parallel.dist.sequence); LayerNorm on q and k."""
 
-    def __init__(self, cfg: ModelConfig, grid, ctx):
+    def __init__(self, cfg: CogVideoXConfig, grid, ctx):
         super().__init__()
         hid, self.head_dim, self.ctx, self.grid = cfg.hidden_size, cfg.head_dim, ctx, grid
         self.n_txt = cfg.max_text_len
@@ -153,8 +101,8 @@ class Attention(nn.Module):
         else:
             self.register_buffer("norm_k_bias", torch.zeros(self.head_dim))
         base = (cfg.sample_height // cfg.patch_size, cfg.sample_width // cfg.patch_size)
-        self._rope = _PositionCache(lambda t, h, w: rope_3d(self.head_dim, t, h, w, base),
-                                    ("rope_3d", self.head_dim, base)) if cfg.pos_embed == "rope3d" else None
+        self._rope = PositionCache(functools.partial(rope_3d, self.head_dim, base=base)) \
+            if cfg.pos_embed == "rope3d" else None
         self.core = SequenceAttention(self._attend, ctx)
 
     def forward(self, x):
@@ -182,7 +130,7 @@ class Attention(nn.Module):
 class DiTBlock(nn.Module):
     """adaLN-zero -> attention -> gated residual; adaLN-zero -> GELU FFN -> gated residual."""
 
-    def __init__(self, cfg: ModelConfig, grid, ctx):
+    def __init__(self, cfg: CogVideoXConfig, grid, ctx):
         super().__init__()
         # Text tokens in this rank's part of the sequence (all of them without sp; sp: text comes first).
         start, stop = local_range(cfg.max_text_len + math.prod(grid), ctx)
@@ -205,7 +153,7 @@ class DiTBlock(nn.Module):
 class FinalStage(nn.Module):
     """Video tokens -> LayerNorm -> adaLN (shift, scale) -> linear -> unpatchify to [B, C, T, H, W]."""
 
-    def __init__(self, cfg: ModelConfig, grid, ctx=None):
+    def __init__(self, cfg: CogVideoXConfig, grid, ctx=None):
         super().__init__()
         self.cfg, self.grid, self.ctx = cfg, grid, ctx
         p, pt = cfg.patch_size, cfg.patch_size_t
@@ -230,13 +178,3 @@ class FinalStage(nn.Module):
         if sp_size_of(self.ctx) == 1:
             return out
         return unpatchify(gather_sequence(out, self.ctx)[:, self.cfg.max_text_len:], self.cfg, self.grid)
-
-
-def stage_classes(cfg: ModelConfig):
-    """(embed, block, final) classes of a model family; the block class is what pipelines checkpoint."""
-    if cfg.family == "cogvideox":
-        return EmbedStage, DiTBlock, FinalStage
-    if cfg.family == "stdit":
-        from models.stdit.model import model as stdit  # imported here: models.stdit.model builds on this module
-        return stdit.EmbedStage, stdit.STDiT3Layer, stdit.FinalStage
-    raise NotImplementedError(f"model.family={cfg.family!r} has no model code; use cogvideox or stdit")

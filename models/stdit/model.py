@@ -31,6 +31,7 @@ into per-position time series itself.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -38,14 +39,19 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from models.cogvideox.model import _PositionCache, patchify, unpatchify
 from models.embeddings import apply_rope, rope_1d, sincos_2d, timestep_embedding
+from models.geometry import PositionCache, patchify, unpatchify
+from models.stdit.config import STDiTConfig
 from parallel.dist.comm import copy_to_tp
-from parallel.config import ModelConfig
 from parallel.dist.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.dist.sequence import SequenceAttention, gather_sequence, sp_size_of, split_sequence
 
 INPUT_SQ_SIZE = 512         # Open-Sora: sin-cos positions are scaled by sqrt(pixel height x width) / 512
+
+
+def frame_positions(dim: int, h: int, w: int, scale: float) -> torch.Tensor:
+    """Open-Sora's 2D sin-cos table of one frame's h x w patches, stretched to a square of the same area."""
+    return sincos_2d(dim, h, w, scale, base_size=round(math.sqrt(h * w)))
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -56,7 +62,7 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
 class EmbedStage(nn.Module):
     """(latents [B,C,T,H,W], timesteps [B], text [B,L,text_dim]) -> (x [B,S,H], t [B,H], t_mlp [B,6H], y [B,L,H])."""
 
-    def __init__(self, cfg: ModelConfig, grid: tuple[int, int, int], ctx=None):
+    def __init__(self, cfg: STDiTConfig, grid: tuple[int, int, int], ctx=None):
         super().__init__()
         self.cfg, self.grid, self.ctx = cfg, grid, ctx
         p, pt, c, hid = cfg.patch_size, cfg.patch_size_t, cfg.in_channels, cfg.hidden_size
@@ -66,8 +72,7 @@ class EmbedStage(nn.Module):
         self.y_embedder = nn.Sequential(nn.Linear(cfg.text_embed_dim, hid), nn.GELU(approximate="tanh"),
                                         nn.Linear(hid, hid))
         scale = math.sqrt(grid[1] * grid[2]) * p * cfg.vae_scale_spatial / INPUT_SQ_SIZE   # from pixel h x w
-        self._pos = _PositionCache(lambda h, w: sincos_2d(hid, h, w, scale, base_size=round(math.sqrt(h * w))),
-                                   ("sincos_2d", hid, scale))
+        self._pos = PositionCache(functools.partial(frame_positions, hid, scale=scale))
 
     def forward(self, inputs):
         latents, timesteps, text = inputs
@@ -91,7 +96,7 @@ class SelfAttention(nn.Module):
     sequence [B, S, n, d] (through Ulysses when sp_size > 1).
     """
 
-    def __init__(self, cfg: ModelConfig, grid, ctx, temporal: bool):
+    def __init__(self, cfg: STDiTConfig, grid, ctx, temporal: bool):
         super().__init__()
         hid, self.head_dim, self.grid, self.ctx, self.temporal = cfg.hidden_size, cfg.head_dim, grid, ctx, temporal
         self.qkv = ColumnParallelLinear(hid, [hid, hid, hid], ctx=ctx)
@@ -99,8 +104,7 @@ class SelfAttention(nn.Module):
         # Shared by all heads, so each tp rank's gradient is a partial sum: all-reduced by copy_to_tp.
         self.q_norm_weight = nn.Parameter(torch.ones(self.head_dim))
         self.k_norm_weight = nn.Parameter(torch.ones(self.head_dim))
-        self._rope = _PositionCache(lambda n: rope_1d(self.head_dim, n), ("rope_1d", self.head_dim)) \
-            if temporal else None
+        self._rope = PositionCache(functools.partial(rope_1d, self.head_dim)) if temporal else None
         self.core = SequenceAttention(self._attend, ctx)
 
     def forward(self, x):
@@ -128,7 +132,7 @@ class SelfAttention(nn.Module):
 class CrossAttention(nn.Module):
     """Each video token attends to the caption tokens y; heads split over tp ranks (no mask: fixed-length text)."""
 
-    def __init__(self, cfg: ModelConfig, ctx):
+    def __init__(self, cfg: STDiTConfig, ctx):
         super().__init__()
         hid, self.head_dim = cfg.hidden_size, cfg.head_dim
         self.q_linear = ColumnParallelLinear(hid, hid, ctx=ctx)
@@ -148,7 +152,7 @@ class CrossAttention(nn.Module):
 class STDiT3Block(nn.Module):
     """Modulated self-attention (spatial or temporal), cross-attention to the text, modulated MLP."""
 
-    def __init__(self, cfg: ModelConfig, grid, ctx, temporal: bool):
+    def __init__(self, cfg: STDiTConfig, grid, ctx, temporal: bool):
         super().__init__()
         hid = cfg.hidden_size
         self.scale_shift_table = nn.Parameter(torch.randn(6, hid) / hid ** 0.5)
@@ -171,7 +175,7 @@ class STDiT3Block(nn.Module):
 class STDiT3Layer(nn.Module):
     """One pipeline layer: a spatial block, then a temporal block. (x, t, t_mlp, y) -> same, x updated."""
 
-    def __init__(self, cfg: ModelConfig, grid, ctx):
+    def __init__(self, cfg: STDiTConfig, grid, ctx):
         super().__init__()
         self.spatial = STDiT3Block(cfg, grid, ctx, temporal=False)
         self.temporal = STDiT3Block(cfg, grid, ctx, temporal=True)
@@ -187,7 +191,7 @@ class FinalStage(nn.Module):
     unpatchify to [B, C, T, H, W]; with sp, this rank's tokens as patches [B, S/sp, C*pt*p*p] (`assemble`
     makes the full prediction)."""
 
-    def __init__(self, cfg: ModelConfig, grid, ctx=None):
+    def __init__(self, cfg: STDiTConfig, grid, ctx=None):
         super().__init__()
         self.cfg, self.grid, self.ctx = cfg, grid, ctx
         p, pt, hid = cfg.patch_size, cfg.patch_size_t, cfg.hidden_size

@@ -10,7 +10,7 @@ To DeepSpeed the sp ranks are data-parallel ranks (they hold the same parameters
 gradient average run over dp x sp, its "data" axis of size dp_size * sp_size), while the toolkit's
 own dp (data shards, validation replicas) counts only the replicas that read different samples.
 
-`Grid` needs no process group and is unit-tested in one process; `ParallelContext.build` creates every
+`ParallelDims` needs no process group and is unit-tested in one process; `ParallelContext.build` creates every
 group on every rank in the same order (a torch.distributed requirement) and is passed explicitly to
 the model, to `deepspeed.initialize(mpu=...)` and to `deepspeed.checkpointing.configure(mpu, ...)`.
 """
@@ -32,23 +32,37 @@ class Coord:
     sp: int = 0
 
 
-@dataclass(frozen=True)
-class Grid:
-    pp_size: int
-    dp_size: int
-    tp_size: int
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """The layout: tp_size x sp_size x pp_size x dp_size ranks, keyword-only, validated once, and the rank
+    arithmetic of the grid they make. The one value the checker, the context, checkpoints and the
+    planner's candidates carry."""
+
+    tp_size: int = 1
     sp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
 
     def __post_init__(self):
-        for name in ("pp_size", "dp_size", "tp_size", "sp_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("tp_size", "sp_size", "pp_size", "dp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
 
     @property
     def world_size(self) -> int:
         return self.pp_size * self.dp_size * self.sp_size * self.tp_size
 
-    def rank(self, pp: int, dp: int, tp: int, sp: int = 0) -> int:
+    def as_dict(self) -> dict[str, int]:
+        """{"tp_size": .., "sp_size": .., "pp_size": .., "dp_size": ..}: checkpoints and reports."""
+        return {"tp_size": self.tp_size, "sp_size": self.sp_size, "pp_size": self.pp_size, "dp_size": self.dp_size}
+
+    def describe(self) -> str:
+        """`tp=2 sp=2 pp=1 dp=2` (sp only when > 1)."""
+        sp = f" sp={self.sp_size}" if self.sp_size > 1 else ""
+        return f"tp={self.tp_size}{sp} pp={self.pp_size} dp={self.dp_size}"
+
+    def rank(self, *, pp: int, dp: int, tp: int, sp: int = 0) -> int:
         return ((pp * self.dp_size + dp) * self.sp_size + sp) * self.tp_size + tp
 
     def coord(self, rank: int) -> Coord:
@@ -81,12 +95,12 @@ class Grid:
 
     def data_groups(self) -> list[list[int]]:
         """DeepSpeed's data axis: dp x sp ranks of one (pp, tp) coordinate, in (dp, sp) order."""
-        return [[self.rank(p, d, t, s) for d in range(self.dp_size) for s in range(self.sp_size)]
+        return [[self.rank(pp=p, dp=d, tp=t, sp=s) for d in range(self.dp_size) for s in range(self.sp_size)]
                 for p, t in itertools.product(range(self.pp_size), range(self.tp_size))]
 
     def model_groups(self) -> list[list[int]]:
         """Ranks holding one full copy of the parameters (pp x tp) for one (dp, sp) coordinate, sorted."""
-        return [sorted(self.rank(p, d, t, s) for p in range(self.pp_size) for t in range(self.tp_size))
+        return [sorted(self.rank(pp=p, dp=d, tp=t, sp=s) for p in range(self.pp_size) for t in range(self.tp_size))
                 for d, s in itertools.product(range(self.dp_size), range(self.sp_size))]
 
 
@@ -136,7 +150,7 @@ class ParallelContext:
     device with one sp rank's shapes (parallel.dist.sequence).
     """
 
-    grid: Grid
+    dims: ParallelDims
     rank: int = 0
     tp_group: Optional[object] = None
     dp_group: Optional[object] = None
@@ -147,38 +161,38 @@ class ParallelContext:
     coord: Coord = field(init=False)
 
     def __post_init__(self):
-        self.coord = self.grid.coord(self.rank)
+        self.coord = self.dims.coord(self.rank)
 
     @classmethod
     def single(cls, tp_size: int = 1, sp_size: int = 1) -> "ParallelContext":
         """A context with no process groups: one process, or a meta-device build for planning."""
-        return cls(Grid(1, 1, tp_size, sp_size), rank=0)
+        return cls(ParallelDims(tp_size=tp_size, sp_size=sp_size), rank=0)
 
     @classmethod
-    def build(cls, grid: Grid) -> "ParallelContext":
-        """Create every group of `grid`; call on every rank after `torch.distributed` is initialised."""
-        if dist.get_world_size() != grid.world_size:
+    def build(cls, dims: ParallelDims) -> "ParallelContext":
+        """Create every group of `dims`; call on every rank after `torch.distributed` is initialised."""
+        if dist.get_world_size() != dims.world_size:
             raise ValueError(
                 f"world size {dist.get_world_size()} != tp_size x sp_size x pp_size x dp_size = "
-                f"{grid.tp_size} x {grid.sp_size} x {grid.pp_size} x {grid.dp_size} = {grid.world_size}")
+                f"{dims.tp_size} x {dims.sp_size} x {dims.pp_size} x {dims.dp_size} = {dims.world_size}")
         rank = dist.get_rank()
         mine = {}
-        kinds = [("tp_group", grid.tp_groups()), ("dp_group", grid.dp_groups()), ("pp_group", grid.pp_groups()),
-                 ("model_group", grid.model_groups())]
-        if grid.sp_size > 1:
-            kinds += [("sp_group", grid.sp_groups()), ("data_group", grid.data_groups())]
+        kinds = [("tp_group", dims.tp_groups()), ("dp_group", dims.dp_groups()), ("pp_group", dims.pp_groups()),
+                 ("model_group", dims.model_groups())]
+        if dims.sp_size > 1:
+            kinds += [("sp_group", dims.sp_groups()), ("data_group", dims.data_groups())]
         for name, lists in kinds:
             for ranks in lists:
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     mine[name] = group
         mine.setdefault("data_group", mine.get("dp_group"))
-        return cls(grid, rank=rank, **mine)
+        return cls(dims, rank=rank, **mine)
 
     # The vocabulary used across the toolkit.
     @property
     def tp_size(self) -> int:
-        return self.grid.tp_size
+        return self.dims.tp_size
 
     @property
     def tp_rank(self) -> int:
@@ -186,7 +200,7 @@ class ParallelContext:
 
     @property
     def dp_size(self) -> int:
-        return self.grid.dp_size
+        return self.dims.dp_size
 
     @property
     def dp_rank(self) -> int:
@@ -194,7 +208,7 @@ class ParallelContext:
 
     @property
     def sp_size(self) -> int:
-        return self.grid.sp_size
+        return self.dims.sp_size
 
     @property
     def sp_rank(self) -> int:
@@ -203,15 +217,15 @@ class ParallelContext:
     @property
     def data_size(self) -> int:
         """DeepSpeed's data-parallel size: dp x sp ranks share the gradient average and the ZeRO shards."""
-        return self.grid.dp_size * self.grid.sp_size
+        return self.dims.dp_size * self.dims.sp_size
 
     @property
     def data_rank(self) -> int:
-        return self.coord.dp * self.grid.sp_size + self.coord.sp
+        return self.coord.dp * self.dims.sp_size + self.coord.sp
 
     @property
     def pp_size(self) -> int:
-        return self.grid.pp_size
+        return self.dims.pp_size
 
     @property
     def pp_rank(self) -> int:
@@ -232,7 +246,7 @@ class ParallelContext:
     get_tensor_model_parallel_group = get_model_parallel_group
 
     def get_tensor_model_parallel_src_rank(self) -> int:
-        return self.grid.rank(self.pp_rank, self.dp_rank, 0, self.sp_rank)
+        return self.dims.rank(pp=self.pp_rank, dp=self.dp_rank, tp=0, sp=self.sp_rank)
 
     def get_data_parallel_rank(self) -> int:
         return self.data_rank
@@ -253,5 +267,5 @@ class ParallelContext:
         return self.pp_group
 
     def describe(self) -> str:
-        return (f"rank {self.rank}/{self.grid.world_size}: pp {self.pp_rank}/{self.pp_size} "
+        return (f"rank {self.rank}/{self.dims.world_size}: pp {self.pp_rank}/{self.pp_size} "
                 f"dp {self.dp_rank}/{self.dp_size} sp {self.sp_rank}/{self.sp_size} tp {self.tp_rank}/{self.tp_size}")

@@ -90,8 +90,10 @@ def _candidate_dict(c: Candidate, args) -> dict:
     cfg_arg = " ".join(f"--set {o}" for o in c.overrides)
     launcher = f"--num_gpus {args.devices}" if args.devices <= args.devices_per_node else "--hostfile hosts"
     ds_arg = shipped or "PLANNED.json"
-    return {"tp": c.tp, "sp": c.sp, "pp": c.pp, "dp": c.dp, "zero": c.zero, "checkpointing": c.checkpointing,
-            "micro_batch": c.micro_batch, "global_batch": c.cfg.global_batch_size(c.dp),
+    d = c.dims
+    return {"tp": d.tp_size, "sp": d.sp_size, "pp": d.pp_size, "dp": d.dp_size, "zero": c.zero,
+            "checkpointing": c.checkpointing, "micro_batch": c.micro_batch,
+            "global_batch": c.cfg.global_batch_size(d.dp_size),
             "memory": {"total": c.memory.worst.total, "worst_stage": c.memory.worst.stage,
                        "headroom": c.memory.headroom, "lines": c.memory.worst.lines,
                        "optimizer": c.memory.optimizer_path},

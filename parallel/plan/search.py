@@ -31,13 +31,14 @@ from typing import Optional
 
 import torch
 
+from models.registry import family
 from parallel.check import check, divisors
 from parallel.config import ExperimentConfig
+from parallel.dist.topology import ParallelDims
 from parallel.plan.memory import EngineSettings, MemoryPlan, plan_memory
 from parallel.plan.trace import ActivationTracer, attention_pairs, sequence_length
 
 DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
-ATTENTIONS_PER_LAYER = {"cogvideox": 1, "stdit": 2}      # STDiT: a spatial and a temporal attention
 MAX_MICRO_BATCH = 64
 
 
@@ -96,14 +97,14 @@ def estimate_step_time(cfg: ExperimentConfig, eng: EngineSettings, dp: int, devi
     ring = lambda n: 2 * (n - 1) / n  # noqa: E731  (bytes moved per device by a ring all-reduce, x size)
     tp_time = 0.0
     if tp > 1:
-        row_parallel = 6 if m_cfg.family == "stdit" else 2     # b S H all-reduces per layer's forward
+        row_parallel = family(m_cfg).row_parallel_per_layer     # b S H all-reduces per layer's forward
         per_block = row_parallel * (3 if recompute else 2) * ring(tp) * trace.input_bytes / device.intra_bw
         tp_time = m * (m_cfg.num_layers / pp) * per_block
     sp_time = 0.0
     if sp > 1:
         link = device.inter_bw if tp * sp > per_node else device.intra_bw
         per_attention = (12 if recompute else 8) * (sp - 1) / sp * trace.input_bytes / tp / link
-        sp_time = m * (m_cfg.num_layers / pp) * ATTENTIONS_PER_LAYER[m_cfg.family] * per_attention
+        sp_time = m * (m_cfg.num_layers / pp) * family(m_cfg).attentions_per_layer * per_attention
     pp_time = 0.0
     if pp > 1:
         link = device.inter_bw if tp * sp * dp >= per_node else device.intra_bw    # stages are the outer axis
@@ -160,9 +161,7 @@ def shipped_config(ds: dict) -> Optional[str]:
 
 @dataclass
 class Candidate:
-    tp: int
-    pp: int
-    dp: int
+    dims: ParallelDims
     zero: int
     checkpointing: bool
     micro_batch: int
@@ -170,12 +169,12 @@ class Candidate:
     ds: dict
     memory: MemoryPlan
     time: Optional[StepTime] = None
-    sp: int = 1
 
     @property
     def overrides(self) -> list[str]:
-        return [f"parallel.tp_size={self.tp}", f"parallel.pp_size={self.pp}"] \
-            + ([f"parallel.sp_size={self.sp}"] if self.sp > 1 else []) + [f"train.micro_batch_size={self.micro_batch}"]
+        d = self.dims
+        return [f"parallel.tp_size={d.tp_size}", f"parallel.pp_size={d.pp_size}"] \
+            + ([f"parallel.sp_size={d.sp_size}"] if d.sp_size > 1 else []) + [f"train.micro_batch_size={self.micro_batch}"]
 
 
 @dataclass
@@ -185,9 +184,9 @@ class SearchResult:
     invalid: list[tuple[dict, list[str]]]
 
 
-def with_layout(cfg: ExperimentConfig, tp: int, pp: int, micro_batch: int, sp: int = 1) -> ExperimentConfig:
-    parallel = cfg.parallel.model_copy(update={"tp_size": tp, "pp_size": pp, "sp_size": sp, "dp_size": None,
-                                               "pp_partition": None})
+def with_layout(cfg: ExperimentConfig, dims: ParallelDims, micro_batch: int) -> ExperimentConfig:
+    parallel = cfg.parallel.model_copy(update={"tp_size": dims.tp_size, "pp_size": dims.pp_size,
+                                               "sp_size": dims.sp_size, "dp_size": None, "pp_partition": None})
     train = cfg.train.model_copy(update={"micro_batch_size": micro_batch})
     return cfg.model_copy(update={"parallel": parallel, "train": train})
 
@@ -201,9 +200,10 @@ def search(cfg: ExperimentConfig, ds: dict, devices: int, per_node: int, device_
     for tp, sp in ((t, s) for t in divisors(node) for s in divisors(node // t) if devices % (t * s) == 0):
         for pp in (p for p in divisors(devices // (tp * sp)) if p <= cfg.model.num_layers):
             dp = devices // (tp * sp * pp)
+            dims = ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp)
             for zero in range(4):
                 for checkpointing in (True, False):
-                    cfg_l, ds_l = with_layout(cfg, tp, pp, 1, sp), ds_variant(ds, zero, checkpointing)
+                    cfg_l, ds_l = with_layout(cfg, dims, 1), ds_variant(ds, zero, checkpointing)
                     _, problems = check(cfg_l, ds_l, f"{source} at zero_optimization.stage={zero}", devices)
                     if problems:
                         if checkpointing:      # the verdict does not depend on checkpointing: report once
@@ -211,9 +211,9 @@ def search(cfg: ExperimentConfig, ds: dict, devices: int, per_node: int, device_
                         continue
                     best = None
                     for b in (2 ** i for i in range(int(math.log2(MAX_MICRO_BATCH)) + 1)):
-                        cfg_b = with_layout(cfg, tp, pp, b, sp)
+                        cfg_b = with_layout(cfg, dims, b)
                         memory = plan_memory(cfg_b, ds_l, dp, device_memory, tracer, margin, workspace)
-                        cand = Candidate(tp, pp, dp, zero, checkpointing, b, cfg_b, ds_l, memory, sp=sp)
+                        cand = Candidate(dims, zero, checkpointing, b, cfg_b, ds_l, memory)
                         if not memory.fits:
                             if best is None:
                                 not_fitting.append(cand)

@@ -40,7 +40,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from models.diffusion import mse_loss
-from models.cogvideox.model import latent_shape, sequence_tokens, token_grid
+from models.geometry import PositionCache, latent_shape, token_grid
+from models.registry import family, sequence_tokens
 from parallel.config import ExperimentConfig
 from parallel.build import layer_specs
 
@@ -136,7 +137,7 @@ def _walk(obj, found: dict[int, int], seen: set[int], depth: int) -> None:
 
 def held_storages(module: nn.Module) -> dict[int, int]:
     """Tensors a module holds besides its parameters: registered buffers and caches in plain attributes
-    (the models' `_PositionCache` tables). {storage key: bytes}."""
+    (the models' `PositionCache` tables). {storage key: bytes}."""
     found: dict[int, int] = {}
     seen: set[int] = set()
     for m in module.modules():
@@ -152,11 +153,10 @@ def held_storages(module: nn.Module) -> dict[int, int]:
 def table_storages(module: nn.Module) -> dict[int, int]:
     """The position tables among `held_storages`: one table serves every module that asks for it (every
     block of a stage), so a stage holds each once. {storage key: bytes}."""
-    from models.cogvideox.model import _PositionCache
     found: dict[int, int] = {}
     for m in module.modules():
         for value in vars(m).values():
-            if isinstance(value, _PositionCache):
+            if isinstance(value, PositionCache):
                 for table in value.tables.values():
                     for t in table if isinstance(table, tuple) else (table,):
                         found.setdefault(storage_key(t), storage_bytes(t))
@@ -195,12 +195,9 @@ def sequence_length(cfg: ExperimentConfig) -> int:
 
 
 def attention_pairs(cfg: ExperimentConfig) -> int:
-    """(query, key) pairs one layer's attention scores per sample: S^2 for full attention; STDiT: spatial
-    t (hw)^2 + temporal hw t^2 + two cross-attentions 2 t hw L."""
-    if cfg.model.family != "stdit":
-        return sequence_length(cfg) ** 2
-    t, h, w = token_grid(cfg.model, cfg.data)
-    return t * (h * w) ** 2 + h * w * t ** 2 + 2 * t * h * w * cfg.model.max_text_len
+    """(query, key) pairs one layer's attention scores per sample (the family's count: S^2 for CogVideoX's
+    full attention; STDiT: spatial t (hw)^2 + temporal hw t^2 + two cross-attentions 2 t hw L)."""
+    return family(cfg.model).attention_pairs(cfg.model, token_grid(cfg.model, cfg.data))
 
 
 def _affine(a: int, b: int, n: int) -> int:

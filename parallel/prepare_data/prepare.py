@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from models.cogvideox.model import latent_shape
+from models.geometry import latent_shape
 from parallel.prepare_data.captions import InputError, read_captions, video_files
 from parallel.config import ConfigError, load_config
 from parallel.prepare_data.frames import VideoError, read_clip

@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from parallel.train.data import DiffusionBatches, DirectoryLatents, IndexRange, SyntheticLatents
 from models.diffusion import Objective
-from models.cogvideox.model import latent_shape, sequence_tokens
+from models.geometry import latent_shape
+from models.registry import sequence_tokens
 from parallel.dist import accelerator
 from parallel.train import checkpoint
 from parallel.check import Layout
@@ -27,7 +28,7 @@ from parallel.train.engine import build_trainer
 from parallel.plan.probe import StepMeasurement, StepProbe
 from parallel.dist.replicas import replica_mismatches
 from parallel.dist.seed import seed_all
-from parallel.dist.topology import Grid, LaunchEnv, ParallelContext
+from parallel.dist.topology import LaunchEnv, ParallelContext
 from parallel.train.validate import Validator, check_outputs
 
 
@@ -157,8 +158,7 @@ def build_val_dataset(cfg: ExperimentConfig):
 
 def checkpoint_layout(layout: Layout) -> dict:
     """What a checkpoint must match to be resumed as it is."""
-    return {"tp_size": layout.tp_size, "sp_size": layout.sp_size, "pp_size": layout.pp_size,
-            "dp_size": layout.dp_size, "zero_stage": layout.zero_stage}
+    return {**layout.as_dict(), "zero_stage": layout.zero_stage}
 
 
 def init_process_groups(timeout_s: int) -> None:
@@ -176,7 +176,7 @@ def start_engine(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
     export_launch_env(env)
     accelerator.set_device(env.local_rank)
     init_process_groups(cfg.train.collective_timeout_s)
-    ctx = ParallelContext.build(Grid(layout.pp_size, layout.dp_size, layout.tp_size, layout.sp_size))
+    ctx = ParallelContext.build(layout.dims)
     seed_all(cfg.train.seed)
     return ctx, build_trainer(cfg, ds, ctx, init_from)
 

@@ -62,10 +62,10 @@ class StageForward:
 
     def __init__(self, engine, ctx):
         self.module, self.ctx, self.device = engine.module, ctx, engine.device
-        g, c = ctx.grid, ctx.coord
-        self.prev = g.rank(c.pp - 1, c.dp, c.tp, c.sp) if c.pp > 0 else None
-        self.next = g.rank(c.pp + 1, c.dp, c.tp, c.sp) if c.pp < ctx.pp_size - 1 else None
-        self.last = g.rank(ctx.pp_size - 1, c.dp, c.tp, c.sp)
+        g, c = ctx.dims, ctx.coord
+        self.prev = g.rank(pp=c.pp - 1, dp=c.dp, tp=c.tp, sp=c.sp) if c.pp > 0 else None
+        self.next = g.rank(pp=c.pp + 1, dp=c.dp, tp=c.tp, sp=c.sp) if c.pp < ctx.pp_size - 1 else None
+        self.last = g.rank(pp=ctx.pp_size - 1, dp=c.dp, tp=c.tp, sp=c.sp)
         # ZeRO-3: every forward gathers parameters from all data-parallel ranks.
         self.lockstep = any(hasattr(p, "ds_id") for p in self.module.parameters())
 

@@ -1,4 +1,4 @@
-"""Write a model of any layout (its weights or EMA) as a diffusers CogVideoXTransformer3DModel folder.
+"""Write a model of any layout (its weights or EMA) as a diffusers folder of its family's released class.
 
 The inverse of parallel/weights/diffusers.py's loading, with the same name map: config.json, and
 diffusion_pytorch_model.safetensors or shards with diffusion_pytorch_model.safetensors.index.json.
@@ -10,37 +10,19 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from parallel.config import ModelConfig
-from parallel.weights.diffusers import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, diffusers_shapes, diffusers_config
-
-
-def _full_tensors(module: nn.Module, ctx, num_blocks: int, value: Optional[Callable], zero3: bool
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(canonical name, full fp32 tensor on CPU) one at a time; tp shards gathered (every tp rank calls)."""
-    from parallel.dist.comm import gather_shards
-    from parallel.build import canonical_name
-    for n, p in module.named_parameters():
-        if zero3 and value is None:
-            import deepspeed
-            with deepspeed.zero.GatheredParameters([p]):
-                t = (p if value is None else value(p)).detach().float().clone()
-        else:
-            t = (p if value is None else value(p)).detach().float()
-        if getattr(p, "tensor_model_parallel", False) and ctx.tp_size > 1:
-            t = gather_shards(t, ctx, p.partition_dim, getattr(p, "tp_parts", None))
-        yield canonical_name(n, num_blocks), t.cpu()
-    for n, b in module.named_buffers():
-        yield canonical_name(n, num_blocks), b.detach().float().cpu()
+from models.config import ModelConfig
+from parallel.weights.diffusers import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, diffusers_config, released_format
+from parallel.weights.gather import full_tensors
 
 
 def to_diffusers(name: str, full: torch.Tensor, m: ModelConfig) -> dict[str, torch.Tensor]:
-    """One full toolkit tensor as its diffusers tensor(s)."""
-    shapes = diffusers_shapes(name, full, m)
+    """One full toolkit tensor as its released tensor(s)."""
+    shapes = released_format(m).shapes(name, tuple(full.shape), m)
     if len(shapes) == 1:
         (source, shape), = shapes.items()
         return {source: full.reshape(shape).contiguous()}
@@ -61,7 +43,6 @@ def export_diffusers(module: nn.Module, ctx, cfg, out: str | Path, value: Option
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from models.cogvideox.model import latent_shape
 
     m, out = cfg.model, Path(out)
     writer = ctx.dp_rank == 0 and ctx.tp_rank == 0
@@ -81,7 +62,7 @@ def export_diffusers(module: nn.Module, ctx, cfg, out: str | Path, value: Option
             written.append((path.name, sorted(shard), size))
         shard, size = {}, 0
 
-    for name, full in _full_tensors(module, ctx, m.num_layers, value, zero3):
+    for name, full in full_tensors(module, ctx, m.num_layers, value, zero3):
         if not writer:
             continue
         for source, t in to_diffusers(name, full, m).items():
@@ -109,8 +90,7 @@ def export_diffusers(module: nn.Module, ctx, cfg, out: str | Path, value: Option
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
             result.append(out / INDEX_NAME)
-        frames = (latent_shape(m, cfg.data)[0] - 1) * m.vae_scale_temporal + 1
-        (out / CONFIG_NAME).write_text(json.dumps(diffusers_config(m, frames), indent=2) + "\n")
+        (out / CONFIG_NAME).write_text(json.dumps(diffusers_config(m, cfg.data), indent=2) + "\n")
         result.append(out / CONFIG_NAME)
     dist.barrier()
     return result

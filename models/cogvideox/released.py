@@ -1,0 +1,136 @@
+"""CogVideoX as diffusers publishes it (`CogVideoXTransformer3DModel`): config translation and tensor names.
+
+    toolkit                     diffusers
+    embed.patch_proj            patch_embed.proj (Conv2d [H, C, p, p] = our Linear [H, (C p q)], reshaped)
+    embed.text_proj             patch_embed.text_proj
+    embed.time_linear_{1,2}     time_embedding.linear_{1,2}
+    blocks.i.norm{1,2}.*        transformer_blocks.i.norm{1,2}.*
+    blocks.i.attn.to_qkv        transformer_blocks.i.attn1.to_{q,k,v} (fused: rows [q; k; v])
+    blocks.i.attn.norm_{q,k}_{weight,bias}  transformer_blocks.i.attn1.norm_{q,k}.{weight,bias}
+    blocks.i.attn.to_out        transformer_blocks.i.attn1.to_out.0
+    blocks.i.ff_in / ff_out     transformer_blocks.i.ff.net.0.proj / ff.net.2
+    final.norm_final            norm_final
+    final.norm_out_linear       norm_out.linear
+    final.norm_out              norm_out.norm
+    final.proj_out              proj_out
+
+Reading and writing the folders is parallel/weights/'s job, for every family.
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from models.cogvideox.config import CogVideoXConfig
+from models.geometry import latent_shape
+
+_EMBED = {"patch_proj": "patch_embed.proj", "text_proj": "patch_embed.text_proj",
+          "time_linear_1": "time_embedding.linear_1", "time_linear_2": "time_embedding.linear_2"}
+_BLOCK = {"norm1.linear": "norm1.linear", "norm1.norm": "norm1.norm", "norm2.linear": "norm2.linear",
+          "norm2.norm": "norm2.norm", "attn.to_out": "attn1.to_out.0", "ff_in": "ff.net.0.proj", "ff_out": "ff.net.2"}
+_BLOCK_LEAF = {"attn.norm_q_weight": "attn1.norm_q.weight", "attn.norm_q_bias": "attn1.norm_q.bias",
+               "attn.norm_k_weight": "attn1.norm_k.weight", "attn.norm_k_bias": "attn1.norm_k.bias"}
+_FINAL = {"norm_final": "norm_final", "norm_out_linear": "norm_out.linear", "norm_out": "norm_out.norm",
+          "proj_out": "proj_out"}
+PATCH_WEIGHT = "embed.patch_proj.weight"
+
+
+# diffusers' CogVideoXTransformer3DModel arguments: (config.json key, its default, our key or None, ours).
+def _config_pairs(m: CogVideoXConfig) -> list[tuple[str, object, Optional[str], object]]:
+    return [
+        ("num_attention_heads", 30, "model.num_heads", m.num_heads),
+        ("attention_head_dim", 64, "model.head_dim", m.head_dim),
+        ("num_layers", 30, "model.num_layers", m.num_layers),
+        ("in_channels", 16, "model.in_channels", m.in_channels),
+        ("out_channels", 16, "model.in_channels", m.in_channels),
+        ("time_embed_dim", 512, "model.time_embed_dim", m.time_embed_dim),
+        ("text_embed_dim", 4096, "model.text_embed_dim", m.text_embed_dim),
+        ("max_text_seq_length", 226, "model.max_text_len", m.max_text_len),
+        ("patch_size", 2, "model.patch_size", m.patch_size),
+        ("temporal_compression_ratio", 4, "model.vae_scale_temporal", m.vae_scale_temporal),
+        ("flip_sin_to_cos", True, "model.flip_sin_to_cos", m.flip_sin_to_cos),
+        ("freq_shift", 0, "model.freq_shift", m.freq_shift),
+        ("spatial_interpolation_scale", 1.875, "model.spatial_interpolation_scale", m.spatial_interpolation_scale),
+        ("temporal_interpolation_scale", 1.0, "model.temporal_interpolation_scale", m.temporal_interpolation_scale),
+        ("sample_height", 60, "model.sample_height", m.sample_height),
+        ("sample_width", 90, "model.sample_width", m.sample_width),
+        ("use_rotary_positional_embeddings", False, "model.pos_embed", m.pos_embed == "rope3d"),
+        # What the toolkit's model always is: these have no model.* key.
+        ("patch_size_t", None, None, None),
+        ("ofs_embed_dim", None, None, None),
+        ("use_learned_positional_embeddings", False, None, False),
+        ("patch_bias", True, None, True),
+        ("attention_bias", True, None, True),
+        ("activation_fn", "gelu-approximate", None, "gelu-approximate"),
+        ("timestep_activation_fn", "silu", None, "silu"),
+        ("norm_elementwise_affine", True, None, True),
+        ("norm_eps", 1e-5, None, 1e-5),
+        ("dropout", 0.0, None, 0.0),
+    ]
+
+
+def _show(value) -> str:
+    return json.dumps(value)
+
+
+class CogVideoXDiffusers:
+    """The `ReleasedFormat` (models/spec.py) of diffusers' CogVideoXTransformer3DModel."""
+
+    class_name = "CogVideoXTransformer3DModel"
+
+    def check_config(self, m: CogVideoXConfig, config: dict, path: str) -> list[str]:
+        problems = []
+        for key, default, ours, value in _config_pairs(m):
+            theirs = config.get(key, default)
+            if key == "use_rotary_positional_embeddings":
+                if bool(theirs) != value:
+                    problems.append(f"{path}: {key} {_show(theirs)} != model.pos_embed {m.pos_embed}; set "
+                                    f"--set model.pos_embed={'rope3d' if theirs else 'sincos'}")
+            elif ours is None:
+                if theirs != value:
+                    problems.append(f"{path}: {key} {_show(theirs)} is not supported (the toolkit's CogVideoX model "
+                                    f"has {_show(value)}; CogVideoX 1.0 text-to-video transformers, 2B and 5B, qualify)")
+            elif theirs != value:
+                problems.append(f"{path}: {key} {_show(theirs)} != {ours} {_show(value)}; set --set {ours}={_show(theirs)} "
+                                f"or use the matching preset")
+        if m.ffn_hidden_size not in (None, 4 * m.hidden_size):
+            problems.append(f"{path}: the released FFN is 4 x hidden = {4 * m.hidden_size} wide, model.ffn_hidden_size "
+                            f"is {m.ffn_hidden_size}; remove it")
+        if m.patch_size_t != 1:
+            problems.append(f"{path}: model.patch_size_t={m.patch_size_t}; CogVideoX 1.0 weights have no temporal "
+                            f"patches (patch_size_t 1)")
+        return problems
+
+    def config(self, m: CogVideoXConfig, data) -> dict:
+        """sample_frames (diffusers: (latent frames - 1) x temporal compression + 1) only sizes a cache there."""
+        config = {key: value for key, _, _, value in _config_pairs(m)}
+        config["sample_frames"] = (latent_shape(m, data)[0] - 1) * m.vae_scale_temporal + 1
+        return config
+
+    def names(self, name: str) -> list[str]:
+        section, _, rest = name.partition(".")
+        if section == "blocks":
+            index, _, rest = rest.partition(".")
+            prefix = f"transformer_blocks.{index}."
+            if rest in _BLOCK_LEAF:
+                return [prefix + _BLOCK_LEAF[rest]]
+            module, _, leaf = rest.rpartition(".")
+            if module == "attn.to_qkv":
+                return [f"{prefix}attn1.to_{x}.{leaf}" for x in "qkv"]
+            table = _BLOCK
+        else:
+            table, prefix = {"embed": _EMBED, "final": _FINAL}.get(section, {}), ""
+            module, _, leaf = rest.rpartition(".")
+        if module not in table:
+            raise KeyError(f"{name} has no counterpart in diffusers' {self.class_name}")
+        return [f"{prefix}{table[module]}.{leaf}"]
+
+    def shapes(self, name: str, shape: tuple[int, ...], m: CogVideoXConfig) -> dict[str, tuple[int, ...]]:
+        sources = self.names(name)
+        if name == PATCH_WEIGHT:
+            return {sources[0]: (m.hidden_size, m.in_channels, m.patch_size, m.patch_size)}
+        rows = shape[0] // len(sources)
+        return {s: (rows, *shape[1:]) for s in sources}
+
+
+DIFFUSERS = CogVideoXDiffusers()

@@ -1,0 +1,77 @@
+"""The `model:` section every family shares; each family subclasses it with its own fields (models/<family>/).
+
+Typed with pydantic (`extra="forbid"`): a misspelt key, a wrong type or an impossible value is refused
+with its dotted name when the experiment is loaded (parallel/config.py), before anything expensive.
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Section(BaseModel):
+    """A config section: unknown keys refused, assignments validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    """Video DiT dimensions common to every family; defaults are CogVideoX-2B's where one exists."""
+
+    # Positional schemes this family implements, the first being its default (set by each family).
+    POS_EMBEDS: ClassVar[tuple[str, ...]] = ()
+
+    name: str = Field("custom", description="preset name, for reports")
+    family: str = Field(description="the model family (models/registry.py)")
+    num_layers: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    num_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    ffn_hidden_size: Optional[int] = Field(None, ge=1, description="default 4 x hidden_size")
+    time_embed_dim: int = Field(512, ge=1, description="cogvideox: time embedding width; stdit: size of the "
+                                "sinusoidal timestep features (Open-Sora's frequency_embedding_size, 256)")
+    in_channels: int = Field(16, ge=1, description="latent channels")
+    patch_size: int = Field(2, ge=1)
+    patch_size_t: int = Field(1, ge=1)
+    text_embed_dim: int = Field(4096, ge=1, description="T5 hidden size")
+    max_text_len: int = Field(226, ge=1)
+    pos_embed: Optional[str] = Field(None, description="positional scheme; default: the family's own")
+    objective: Literal["v_prediction", "flow_matching"] = "v_prediction"
+    vae_scale_spatial: int = Field(8, ge=1)
+    vae_scale_temporal: int = Field(4, ge=1)
+    init_from: Optional[str] = Field(None, description="folder of released weights in the diffusers layout "
+                                     "(config.json + *.safetensors) to start from; a resumed checkpoint wins")
+
+    @field_validator("pos_embed")
+    @classmethod
+    def _family_positions(cls, value: Optional[str]) -> str:
+        if value is None:
+            return cls.POS_EMBEDS[0]
+        if value not in cls.POS_EMBEDS:
+            family = cls.model_fields["family"].default
+            allowed = " or ".join(cls.POS_EMBEDS) + (" (or leave it out)" if len(cls.POS_EMBEDS) == 1 else "")
+            raise ValueError(f"model.pos_embed={value} does not fit model.family={family}; "
+                             f"use model.pos_embed={allowed}")
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_positions(cls, data):
+        """An absent pos_embed is the family's own (field validators do not run on defaults)."""
+        if isinstance(data, dict) and data.get("pos_embed") is None and cls.POS_EMBEDS:
+            data = {**data, "pos_embed": cls.POS_EMBEDS[0]}
+        return data
+
+    @model_validator(mode="after")
+    def _heads_times_dim(self) -> "ModelConfig":
+        if self.num_heads * self.head_dim != self.hidden_size:
+            raise ValueError(
+                f"model.num_heads x model.head_dim = {self.num_heads} x {self.head_dim} = "
+                f"{self.num_heads * self.head_dim} must equal model.hidden_size={self.hidden_size}"
+            )
+        return self
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size

@@ -1,0 +1,66 @@
+"""Token geometry every family shares: latent shape, patch grid, patchify, and the position-table cache.
+
+A video of F x H x W pixels is a latent of T x h x w (the VAE's compression), cut into patches of
+pt x p x p: the token grid (T/pt, h/p, w/p), flattened in (t, h, w) order. `data` below is anything with
+num_frames, height and width (the experiment's `data:` section).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from einops import rearrange
+
+
+def latent_shape(model, data) -> tuple[int, int, int]:
+    """Latent (frames, height, width) of a data.num_frames x data.height x data.width video."""
+    t = (data.num_frames - 1) // model.vae_scale_temporal + 1
+    return t, data.height // model.vae_scale_spatial, data.width // model.vae_scale_spatial
+
+
+def token_grid(model, data) -> tuple[int, int, int]:
+    """Patch grid (t, h, w): latent shape divided by the patch sizes."""
+    t, h, w = latent_shape(model, data)
+    return t // model.patch_size_t, h // model.patch_size, w // model.patch_size
+
+
+def patchify(latents: torch.Tensor, model) -> torch.Tensor:
+    """[B, C, T, H, W] -> [B, t*h*w, C*pt*p*p] patch tokens in (t, h, w) order."""
+    p, pt = model.patch_size, model.patch_size_t
+    return rearrange(latents, "b c (t pt) (h p) (w q) -> b (t h w) (c pt p q)", pt=pt, p=p, q=p)
+
+
+def unpatchify(tokens: torch.Tensor, model, grid) -> torch.Tensor:
+    """patchify's inverse: [B, t*h*w, C*pt*p*p] -> [B, C, T, H, W]."""
+    t, h, w = grid
+    p, pt = model.patch_size, model.patch_size_t
+    return rearrange(tokens, "b (t h w) (c pt p q) -> b c (t pt) (h p) (w q)", t=t, h=h, w=w, pt=pt, p=p, q=p)
+
+
+_SHARED_TABLES: dict = {}    # (table function and its fixed arguments, grid, device) -> tensors, one per process
+
+
+class PositionCache:
+    """Fixed positional tables per token grid, built on first use on the device that asks, and shared by
+    every module that asks for the same table: the 42 blocks of CogVideoX-5B hold one RoPE table (at
+    53,040 video tokens 25 MiB, not 1 GiB).
+
+    `table` is a module-level function with its fixed arguments bound by `functools.partial`
+    (`partial(rope_3d, head_dim, base=base)`); `get(grid)` calls `table(*grid)`. The sharing key is the
+    function and its bound arguments, so two caches share a table exactly when they would compute it.
+    """
+
+    def __init__(self, table: functools.partial):
+        self.fn = table
+        self.ident = (table.func.__module__, table.func.__qualname__, table.args, tuple(sorted(table.keywords.items())))
+        self.tables = {}
+
+    def get(self, key: tuple, device):
+        if (key, device) not in self.tables:
+            shared = (self.ident, key, str(device))
+            if shared not in _SHARED_TABLES:
+                value = self.fn(*key)
+                _SHARED_TABLES[shared] = tuple(v.to(device) for v in value) if isinstance(value, tuple) \
+                    else value.to(device)
+            self.tables[(key, device)] = _SHARED_TABLES[shared]
+        return self.tables[(key, device)]

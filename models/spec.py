@@ -1,0 +1,69 @@
+"""What a model family is, in one place: the `FamilySpec` every family folder exports.
+
+The checker, the planner and its tracer, `python -m models`, the model builder and the released-weights
+reader and writer ask a family's spec; none of them tests a family's name. Adding a family is one folder
+under models/ that defines a spec, and one line in models/registry.py.
+
+A family's network is a list of stages, embed -> layer_0 .. layer_{L-1} -> final, each taking and
+returning a tuple (the stage tuple: the hidden states x [B, S, H] first, then tensors every layer reads
+and passes on unchanged), so the same list runs in one module or as DeepSpeed pipeline stages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol
+
+from torch import nn
+
+from models.config import ModelConfig
+from models.geometry import token_grid
+
+
+class ReleasedFormat(Protocol):
+    """How another library publishes this family's transformer (diffusers' `save_pretrained` folder):
+    the config translation and the tensor-name map; parallel/weights/ does the reading and writing."""
+
+    class_name: str                    # the `_class_name` in config.json
+
+    def check_config(self, model: ModelConfig, config: dict, path: str) -> list[str]:
+        """Every key of a released config.json that disagrees with the model section, named."""
+
+    def config(self, model: ModelConfig, data) -> dict:
+        """The config.json of a released model equal to this one."""
+
+    def names(self, name: str) -> list[str]:
+        """The released tensors behind one canonical toolkit name (`blocks.3.attn.to_qkv.weight`), in
+        row order when several are fused into one toolkit tensor."""
+
+    def shapes(self, name: str, shape: tuple[int, ...], model: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Shapes of the released tensors behind one full (tp = 1) toolkit tensor of `shape`."""
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """A model family: its config, its stages, its token geometry and its published-weights format."""
+
+    name: str
+    config: type[ModelConfig]                 # the `model:` section of this family (fields, defaults, checks)
+    embed: type[nn.Module]                    # (latents, timesteps, text) -> stage tuple
+    layer: type[nn.Module]                    # stage tuple -> stage tuple; the unit pipelines split and recompute
+    final: type[nn.Module]                    # stage tuple -> prediction [B, C, T, H, W]; .assemble() under sp
+    text_in_sequence: bool                    # text tokens join x (CogVideoX) or enter by cross-attention (STDiT)
+    row_parallel_per_layer: int               # b x S x H all-reduces in one layer's forward under tp
+    attentions_per_layer: int                 # self-attentions per layer: Ulysses all-to-all sets
+    attention_pairs: Callable[[ModelConfig, tuple[int, int, int]], int]   # (query, key) pairs a layer scores
+    describe_layers: Callable[[ModelConfig], str]                         # "30 blocks", "28 layers (...)"
+    layer_noun: str = "block"
+    released: Optional[ReleasedFormat] = None
+
+    def sequence_tokens(self, model: ModelConfig, data) -> int:
+        """Length of the sequence x the layers see (and sequence parallelism splits)."""
+        t, h, w = token_grid(model, data)
+        return (model.max_text_len if self.text_in_sequence else 0) + t * h * w
+
+    def describe_tokens(self, model: ModelConfig, data) -> str:
+        t, h, w = token_grid(model, data)
+        video = t * h * w
+        if self.text_in_sequence:
+            return f"{video} video tokens + {model.max_text_len} text tokens = {video + model.max_text_len}"
+        return f"{video} video tokens, cross-attending to {model.max_text_len} text tokens"

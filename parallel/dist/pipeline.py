@@ -1,0 +1,112 @@
+"""A list of stages as what DeepSpeed runs: one sequential module (pp = 1) or pipeline stages (pp > 1).
+
+The layer list is [embed, layer_0 .. layer_{L-1}, final], each a `SeededLayerSpec` built inside
+`init_rng(seed, name)`, so its weights depend on the seed and its name only, not on the stage that
+builds it. Canonical parameter names are `embed.*`, `blocks.{i}.*`, `final.*` in both forms
+(`canonical_name`). Nothing here knows a model family: parallel/build.py makes the list from one.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Optional
+
+from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+from torch import nn
+
+from parallel.dist.seed import init_rng
+
+
+class SeededLayerSpec(LayerSpec):
+    """A LayerSpec built under its own RNG stream (seed, name)."""
+
+    def __init__(self, seed: int, name: str, typename, *args, **kwargs):
+        super().__init__(typename, *args, **kwargs)
+        self.seed, self.name = seed, name
+
+    def build(self, log=False):
+        with init_rng(self.seed, self.name):
+            return super().build(log=log)
+
+
+def checkpoint_x_only(checkpoint_fn: Callable) -> Callable:
+    """Recompute a range of blocks for x; the other stage tensors (temb; STDiT: t, t_mlp, y), which
+    blocks read but pass on unchanged, go around the checkpoint, not through it.
+
+    Two DeepSpeed behaviours make this necessary: partition_activations and cpu_checkpointing free a
+    checkpoint's inputs in place (`arg.data = empty`), so the checkpoint gets fresh views of them and
+    the caller's tensors survive; and the 0.19 pipeline engine backpropagates each stage output
+    separately, which a checkpoint node cannot serve twice, so they must not be among its outputs.
+    """
+    def run(fn, x, *rest):
+        x = checkpoint_fn(lambda x_, *rest_: fn(x_, *rest_)[0], x, *(r.view_as(r) for r in rest))
+        return (x, *rest)
+    return run
+
+
+class SequentialDiT(nn.Module):
+    """pp = 1: the stages in order; forward(inputs, target) -> loss. Blocks checkpointed in segments."""
+
+    def __init__(self, specs: list[SeededLayerSpec], checkpoint_every: int = 0,
+                 checkpoint_fn: Optional[Callable] = None, loss_fn: Optional[Callable] = None):
+        super().__init__()
+        self.sequence_loss = loss_fn       # not `loss_fn`: that name marks a pipeline module's external loss
+        self.embed = specs[0].build()
+        self.blocks = nn.ModuleList(spec.build() for spec in specs[1:-1])
+        self.final = specs[-1].build()
+        self.checkpoint_every, self.checkpoint_fn = checkpoint_every, checkpoint_fn
+
+    def _segment(self, start: int, stop: int):
+        def run(*h):
+            for block in self.blocks[start:stop]:
+                h = block(h)
+            return h
+        return run
+
+    def predict(self, inputs):
+        h = self.embed(inputs)
+        k = self.checkpoint_every
+        for start in range(0, len(self.blocks), k or len(self.blocks)):
+            stop = start + (k or len(self.blocks))
+            run = self._segment(start, stop)
+            h = self.checkpoint_fn(run, *h) if k else run(*h)
+        return self.final(h)
+
+    def forward(self, inputs, target):
+        return self.sequence_loss(self.predict(inputs), target)
+
+
+class DiTPipeline(PipelineModule):
+    """pp > 1: stage s holds blocks_per_stage[s] blocks; embed on the first stage, final + loss on the last."""
+
+    def __init__(self, specs, topology: PipeModelDataParallelTopology, blocks: list[int],
+                 loss_fn: Callable, checkpoint_every: int = 0, checkpoint_fn: Optional[Callable] = None):
+        block_class = specs[1].typename.__name__          # the family's layer: DiTBlock, STDiT3Layer
+        bounds = [0] + [1 + sum(blocks[:s + 1]) for s in range(len(blocks))]
+        bounds[-1] = len(specs)
+        self._explicit_parts = bounds
+        extra = {"activation_checkpoint_func": checkpoint_fn} if checkpoint_fn else {}
+        super().__init__(layers=specs, topology=topology, loss_fn=loss_fn, partition_method="explicit",
+                         activation_checkpoint_interval=checkpoint_every, checkpointable_layers=[block_class],
+                         **extra)
+
+    def _partition_layers(self, method="explicit"):
+        self.parts = self._explicit_parts
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+_PIPE_NAME = re.compile(r"^(\d+)\.(.*)$")
+
+
+def canonical_name(name: str, num_blocks: int) -> str:
+    """`3.attn.to_qkv.weight` (pipeline layer index) -> `blocks.2.attn.to_qkv.weight`; others unchanged."""
+    m = _PIPE_NAME.match(name)
+    if not m:
+        return name
+    idx, rest = int(m.group(1)), m.group(2)
+    if idx == 0:
+        return f"embed.{rest}"
+    if idx == num_blocks + 1:
+        return f"final.{rest}"
+    return f"blocks.{idx - 1}.{rest}"

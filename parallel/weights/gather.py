@@ -1,0 +1,44 @@
+"""Full tensors from any layout: the one gather every exporter and every equivalence test uses.
+
+A rank holds its pipeline stage's parameters, tensor-parallel ones as shards, and under ZeRO-3 a
+partition of each. `full_tensors` yields (canonical name, full fp32 CPU tensor) one at a time, so an
+exporter never holds more than one full tensor beyond what it writes; `full_state` collects them.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from parallel.dist.comm import gather_shards
+from parallel.dist.pipeline import canonical_name
+
+
+@torch.no_grad()
+def full_tensors(module: nn.Module, ctx, num_blocks: int, value: Optional[Callable] = None, zero3: bool = False
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's parameters (or `value(param)`, e.g. their EMA: parallel.train.ema.full_ema) and buffers as
+    full fp32 CPU tensors with canonical names, one at a time.
+
+    Tensor-parallel shards are gathered over the tp group, so every rank of it calls. `zero3`: each
+    parameter is gathered from its ZeRO-3 partitions while it is read (a `value` gathers by itself).
+    """
+    for name, p in module.named_parameters():
+        if zero3 and value is None:
+            import deepspeed
+            with deepspeed.zero.GatheredParameters([p]):
+                t = p.detach().float().clone()
+        else:
+            t = (p if value is None else value(p)).detach().float()
+        if getattr(p, "tensor_model_parallel", False) and ctx.tp_size > 1:
+            t = gather_shards(t, ctx, p.partition_dim, getattr(p, "tp_parts", None))
+        yield canonical_name(name, num_blocks), t.cpu().clone()
+    for name, b in module.named_buffers():                # replicated, never sharded
+        yield canonical_name(name, num_blocks), b.detach().float().cpu().clone()
+
+
+def full_state(module: nn.Module, ctx, num_blocks: int, value: Optional[Callable] = None, zero3: bool = False
+               ) -> dict[str, torch.Tensor]:
+    """`full_tensors` as a dict: what load_state_dict of the one-process model takes."""
+    return dict(full_tensors(module, ctx, num_blocks, value, zero3))
