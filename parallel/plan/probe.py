@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from parallel.dist.deepspeed_compat import ZERO_BUCKETS, checkpoint_saved_tensors, engine_optimizers
+
 _WALKED_MODULES = ("deepspeed", "torch", "parallel", "models")
 
 
@@ -55,7 +57,7 @@ def held_kinds(found: dict[int, tuple[int, str]]) -> dict[str, int]:
     kinds = {"states": 0, "buckets": 0, "buffers": 0}
     for nbytes, path in found.values():
         buffer = ".tables" in path or "._buffers" in path
-        kinds["buckets" if "ipg_bucket" in path else "buffers" if buffer else "states"] += nbytes
+        kinds["buckets" if ZERO_BUCKETS in path else "buffers" if buffer else "states"] += nbytes
     return kinds
 
 
@@ -70,10 +72,8 @@ def graph_saved(outputs, into: dict[int, torch.Tensor]) -> None:
         if node is None or node in nodes:
             continue
         nodes.add(node)
-        for t in getattr(node, "deepspeed_saved_tensors", ()) or ():
-            if isinstance(t, torch.Tensor):
-                t = getattr(t, "saved_data", t)
-                into.setdefault(storage_key(t), t)
+        for t in checkpoint_saved_tensors(node):
+            into.setdefault(storage_key(t), t)
         stack += [fn for fn, _ in node.next_functions]
 
 
@@ -144,8 +144,7 @@ class StepProbe:
 
     def __enter__(self) -> StepProbe:
         engine, stack = self.engine, self._stack
-        for owner in {id(o): o for o in (engine.optimizer, getattr(engine, "basic_optimizer", None))
-                      if o is not None}.values():
+        for owner in engine_optimizers(engine):
             own = vars(owner).get("step")               # an instance attribute to put back, or none
             owner.step = self._snapshot(owner.step)
             stack.callback(lambda o=owner, s=own: setattr(o, "step", s) if s else delattr(o, "step"))

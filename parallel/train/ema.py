@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from deepspeed.utils import safe_get_full_optimizer_state
 
+from parallel.dist.deepspeed_compat import relink_optimizer_fragments
+
 EMA_KEY = "ema"
 
 
@@ -17,25 +19,13 @@ def has_ema(optimizer) -> bool:
     return any(EMA_KEY in state for state in optimizer.state.values())
 
 
-def relink_fragments(wrapper) -> None:
-    """Point DeepSpeed's per-parameter views of optimizer state at the current state tensors.
-
-    ZeRO-1/2 and BF16_Optimizer build these views once, after the first optimizer step of the *first*
-    parameter group, so later groups get none, and a checkpoint load replaces the state tensors they
-    view. Rebuilding them before reading is cheap and always right.
-    """
-    if hasattr(wrapper, "_hp_optimizer_states_linked"):
-        wrapper._hp_optimizer_states_linked = False
-        wrapper._lazy_init_hp_params_optimizer_state()
-
-
 def full_ema(optimizer, wrapper=None):
     """A `value(param)` function for `full_state`: the parameter's full (dp-gathered) EMA shadow.
 
     `optimizer` is the toolkit's EmaAdamW, `wrapper` the DeepSpeed optimizer around it (engine.optimizer).
     """
-    if wrapper is not None:
-        relink_fragments(wrapper)
+    if wrapper is not None:             # ZeRO-1/2 and BF16_Optimizer views may be stale or missing
+        relink_optimizer_fragments(wrapper)
 
     def value(param: torch.nn.Parameter) -> torch.Tensor:
         shadow = safe_get_full_optimizer_state(param, EMA_KEY)

@@ -15,9 +15,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
-
-from parallel.dist import accelerator
+from parallel.dist import accelerator, deepspeed_compat
 from parallel import ds_config as dsc
 from parallel.config import ExperimentConfig, TrainConfig
 from parallel.build import build_model, checkpoint_interval
@@ -107,20 +105,6 @@ class Trainer:
         return int(client["step"])
 
 
-class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed's torch checkpoint engine, loading with `weights_only=True`: a checkpoint file can hold
-    tensors, containers, plain values and the three DeepSpeed records its optimizers save (allowed by
-    name), never code that runs when it is loaded."""
-
-    def load(self, path: str, map_location=None):
-        from deepspeed.runtime.fp16.loss_scaler import LossScaler
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-        from deepspeed.utils.tensor_fragment import fragment_address
-
-        with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
-            return torch.load(path, map_location=map_location, weights_only=True)
-
-
 def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True) -> Trainer:
     """Configure activation checkpointing, build the model for the layout, and initialise DeepSpeed.
 
@@ -129,6 +113,7 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True) 
     are still whole local tensors under every ZeRO stage (ZeRO-3 partitions them in initialize).
     """
     deepspeed.init_distributed(dist_backend=accelerator.backend())   # no-op when run.py already did it
+    deepspeed_compat.check_deepspeed_version()
     ds_final = prepare_ds_config(ds, cfg, ctx.data_size)
     checkpoint_fn = None
     if checkpoint_interval(ds_final, cfg.model.num_layers):
@@ -143,9 +128,8 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True) 
     mpu = None if cfg.parallel.pp_size > 1 else ctx      # the pipeline engine takes its grid from the module
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            config=ds_final, mpu=mpu)
-    if type(engine.checkpoint_engine) is TorchCheckpointEngine:
-        engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)
-    _clip_with_recorded_norm(engine, ctx)
+    deepspeed_compat.use_weights_only_checkpoints(engine)
+    deepspeed_compat.clip_with_replica_norm(engine, lambda params: grad_norm(params, ctx))
     return Trainer(engine, cfg, ctx, optimizer)
 
 
@@ -159,18 +143,3 @@ def grad_norm(params, ctx) -> torch.Tensor:
     if ctx.model_group is not None:
         dist.all_reduce(sq, group=ctx.model_group)
     return sq.sqrt()
-
-
-def _clip_with_recorded_norm(engine, ctx) -> None:
-    """fp32 ZeRO-0 clipping: DeepSpeed's computes the norm and drops it, and under the pipeline grid it
-    skips replicated parameters on every stage but the first (it reads the pipe x model rank as the tp
-    rank). This computes the norm over the whole replica, clips as DeepSpeed does and keeps the norm."""
-    def clip_and_record():
-        params = [p for p in engine.module.parameters() if p.grad is not None]
-        norm = grad_norm(params, ctx)
-        coef = engine.gradient_clipping() / (norm + 1e-6)
-        if coef < 1:
-            for p in params:
-                p.grad.detach().mul_(coef)
-        engine._global_grad_norm = float(norm)
-    engine.clip_fp32_gradients = clip_and_record

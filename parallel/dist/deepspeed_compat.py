@@ -1,0 +1,162 @@
+"""The one place the toolkit touches DeepSpeed's private internals.
+
+Each patch below was written against DeepSpeed 0.19.8 (`WRITTEN_AGAINST`). tests/test_deepspeed_compat.py
+checks, per patch, every DeepSpeed symbol it relies on, and fails naming the patch and the symbol when an
+upgrade removes or changes one. `check_deepspeed_version()` warns once at engine set-up when the installed
+major.minor differs.
+
+Patch (DeepSpeed version written against)
+    does     what the toolkit changes
+    why      the DeepSpeed behaviour it works around
+    relies   the DeepSpeed internals an upgrade must keep
+
+use_weights_only_checkpoints(engine)  (0.19.8)
+    does     swaps engine.checkpoint_engine, when exactly TorchCheckpointEngine, for
+             WeightsOnlyCheckpointEngine: torch.load(weights_only=True) with LossScaler, ZeroStageEnum and
+             fragment_address allowed by name
+    why      TorchCheckpointEngine.load unpickles with weights_only=False: a checkpoint can run any code
+    relies   engine.checkpoint_engine, engine._config, TorchCheckpointEngine(config_params) and
+             .load(path, map_location=None), the three classes at their import paths
+
+clip_with_replica_norm(engine, norm_fn)  (0.19.8)
+    does     replaces engine.clip_fp32_gradients: norm_fn's norm, clipped as DeepSpeed clips, kept in
+             engine._global_grad_norm
+    why      fp32 ZeRO-0 clipping (clip_grad_norm_(..., mpu=engine.mpu)) drops the norm, so
+             get_global_grad_norm() is None; under the pipeline grid it reads the pipe x model rank as the
+             tp rank, so replicated parameters of every stage but the first are left out of the norm
+    relies   _take_model_step calling self.clip_fp32_gradients() (fp32, no ZeRO); get_global_grad_norm
+             returning self._global_grad_norm; gradient_clipping()
+
+relink_optimizer_fragments(wrapper)  (0.19.8)
+    does     clears wrapper._hp_optimizer_states_linked, calls wrapper._lazy_init_hp_params_optimizer_state()
+    why      ZeRO-1/2 (DeepSpeedZeroOptimizer) and BF16_Optimizer build each parameter's views of optimizer
+             state once, after the first step of the first parameter group: later groups get none, and a
+             checkpoint load replaces the tensors they view
+    relies   that flag and that method on both optimizers
+
+set_stage_bounds(pipeline_module, parts)  (0.19.8)
+    does     the body of a PipelineModule._partition_layers override: module.parts = parts, and this rank's
+             stage s builds layers [parts[s], parts[s + 1]) through _set_bounds
+    why      PipelineModule partitions only by 'uniform', 'parameters' or 'type:'; an explicit per-stage
+             split needs the private hook, which __init__ calls after _topo and global_rank are set and
+             before _build()
+    relies   _partition_layers(method), _set_bounds(start, stop), _topo.get_coord(rank).pipe, global_rank,
+             parts (returned by partitions())
+
+Read, not patched (parallel/plan/probe.py measures through them; renamed, the probe would under-count
+silently, so the tests check them too):
+    CHECKPOINT_SAVED_TENSORS, OFFLOADED_DATA   CheckpointFunction.forward keeps its inputs as
+                                               ctx.deepspeed_saved_tensors, partitioned or offloaded
+                                               data as .saved_data
+    ZERO_BUCKETS                               ZeRO-1/2/3 gradient buckets, self.ipg_buckets
+    engine_optimizers(engine)                  engine.basic_optimizer, the client optimizer DeepSpeed wraps
+Elsewhere, read the same way: ZeRO-3's parameter attributes ds_tensor, ds_shape, ds_id (dist/replicas.py,
+train/validate.py, train/ema.py) and MEMORY_OPT_ALLREDUCE_SIZE (mirrored in plan/memory.py).
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Sequence
+
+import deepspeed
+import torch
+from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+TESTED_DEEPSPEED = "0.19"             # the series check_deepspeed_version accepts
+WRITTEN_AGAINST = "0.19.8"            # the release every patch below was written and tested against
+
+CHECKPOINT_SAVED_TENSORS = "deepspeed_saved_tensors"
+OFFLOADED_DATA = "saved_data"
+ZERO_BUCKETS = "ipg_bucket"          # a substring of held-tensor paths: `.ipg_buckets[...]`
+
+
+def major_minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def check_deepspeed_version(installed: str | None = None) -> bool:
+    """True when the installed DeepSpeed is the major.minor these patches were written against; else
+    warn (once per version and process) and return False."""
+    installed = installed or deepspeed.__version__
+    if major_minor(installed) == TESTED_DEEPSPEED:
+        return True
+    _warn_untested(installed)
+    return False
+
+
+@functools.cache
+def _warn_untested(installed: str) -> None:
+    warnings.warn(f"deepspeed {installed} is installed; parallel/dist/deepspeed_compat.py was written against "
+                  f"{TESTED_DEEPSPEED}.x. Run `python -m pytest tests/test_deepspeed_compat.py`: it names any "
+                  f"patch whose DeepSpeed internals changed.", RuntimeWarning, stacklevel=3)
+
+
+def safe_globals() -> list[type]:
+    """The DeepSpeed records its optimizers pickle into checkpoints, allowed by name under weights_only."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's torch checkpoint engine, loading with `weights_only=True`: a checkpoint file can hold
+    tensors, containers, plain values and the three DeepSpeed records its optimizers save (allowed by
+    name), never code that runs when it is loaded."""
+
+    def load(self, path: str, map_location=None):
+        with torch.serialization.safe_globals(safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def use_weights_only_checkpoints(engine) -> None:
+    """Load this engine's checkpoints with weights_only=True (other checkpoint engines are left alone)."""
+    if type(engine.checkpoint_engine) is TorchCheckpointEngine:
+        engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)
+
+
+def clip_with_replica_norm(engine, norm_fn: Callable[[list[torch.nn.Parameter]], torch.Tensor]) -> None:
+    """fp32 ZeRO-0 clipping with `norm_fn(params)` (the L2 norm of the whole replica's gradients, given this
+    rank's parameters that have one): coef = clip / (norm + 1e-6), applied when < 1, as DeepSpeed does;
+    the norm is kept for `engine.get_global_grad_norm()`."""
+    def clip_and_record():
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        norm = norm_fn(params)
+        coef = engine.gradient_clipping() / (norm + 1e-6)
+        if coef < 1:
+            for p in params:
+                p.grad.detach().mul_(coef)
+        engine._global_grad_norm = float(norm)
+    engine.clip_fp32_gradients = clip_and_record
+
+
+def relink_optimizer_fragments(wrapper) -> None:
+    """Rebuild a ZeRO-1/2 or BF16_Optimizer wrapper's per-parameter views of optimizer state onto the
+    current state tensors; a no-op for optimizers without them (ZeRO-0, ZeRO-3)."""
+    if hasattr(wrapper, "_hp_optimizer_states_linked"):
+        wrapper._hp_optimizer_states_linked = False
+        wrapper._lazy_init_hp_params_optimizer_state()
+
+
+def set_stage_bounds(pipeline_module, parts: Sequence[int]) -> None:
+    """Explicit pipeline partition, from a `PipelineModule._partition_layers` override: stage s builds
+    layers [parts[s], parts[s + 1]), len(parts) = pp_size + 1; `parts` is kept as `module.parts`
+    (DeepSpeed's `partitions()`)."""
+    pipeline_module.parts = parts
+    stage = pipeline_module._topo.get_coord(pipeline_module.global_rank).pipe
+    pipeline_module._set_bounds(start=parts[stage], stop=parts[stage + 1])
+
+
+def engine_optimizers(engine) -> list:
+    """The optimizer objects whose `step` an engine step calls: DeepSpeed's wrapper and the client
+    optimizer it wraps (`basic_optimizer`), each once."""
+    owners = (engine.optimizer, getattr(engine, "basic_optimizer", None))
+    return list({id(o): o for o in owners if o is not None}.values())
+
+
+def checkpoint_saved_tensors(node) -> list[torch.Tensor]:
+    """Tensors DeepSpeed's activation checkpoint keeps on its autograd node (not through
+    save_for_backward, so saved-tensor hooks miss them); a partitioned or offloaded one by its data."""
+    return [getattr(t, OFFLOADED_DATA, t) for t in getattr(node, CHECKPOINT_SAVED_TENSORS, ()) or ()
+            if isinstance(t, torch.Tensor)]

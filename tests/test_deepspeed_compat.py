@@ -1,0 +1,258 @@
+"""parallel/dist/deepspeed_compat.py against the installed DeepSpeed: every internal a patch relies on is
+still there and still used as the patch assumes (each failure names the patch and the DeepSpeed symbol),
+and each patch does what it says. One process, no process group."""
+import inspect
+import pickle
+import types
+import warnings
+
+import deepspeed
+import pytest
+import torch
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.activation_checkpointing import checkpointing
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+from deepspeed.runtime.zero import partition_parameters
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+from parallel.dist import deepspeed_compat as compat
+
+
+def relies(patch: str, symbol: str, ok: bool, detail: str) -> None:
+    assert ok, (f"deepspeed_compat.{patch} relies on DeepSpeed's {symbol}, changed in the installed deepspeed "
+                f"{deepspeed.__version__} (the patch was written against {compat.WRITTEN_AGAINST}): {detail}. "
+                f"Rewrite the patch in parallel/dist/deepspeed_compat.py for this version, or pin deepspeed.")
+
+
+def member(patch: str, owner, name: str):
+    """owner.name, or a failure naming the patch and the symbol when an upgrade removed it."""
+    relies(patch, f"{owner.__name__}.{name}", hasattr(owner, name), "it no longer exists")
+    return getattr(owner, name)
+
+
+def params(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def source(obj) -> str:
+    return inspect.getsource(obj)
+
+
+def appears_in_order(src: str, *needles: str) -> bool:
+    at = [src.find(n) for n in needles]
+    return all(i >= 0 for i in at) and at == sorted(at)
+
+
+# -- version check ------------------------------------------------------------------------------------
+
+def test_version_check_passes_the_tested_series_and_warns_once_for_another():
+    assert compat.major_minor("0.19.8+cu121") == "0.19"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compat.check_deepspeed_version("0.19.3")
+    with pytest.warns(RuntimeWarning, match=r"deepspeed 0\.98\.1 .* 0\.19"):
+        assert not compat.check_deepspeed_version("0.98.1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                     # the second call is silent
+        assert not compat.check_deepspeed_version("0.98.1")
+
+
+# -- use_weights_only_checkpoints ------------------------------------------------------------------------
+
+class Payload:
+    """Stands for arbitrary pickled code in a checkpoint."""
+
+
+def test_weights_only_engine_relies_on_torch_checkpoint_engine():
+    p = "use_weights_only_checkpoints"
+    load = params(member(p, TorchCheckpointEngine, "load"))
+    relies(p, "TorchCheckpointEngine.load(path, map_location=None)", load == ["self", "path", "map_location"],
+           f"its parameters are {load}")
+    relies(p, "TorchCheckpointEngine(config_params)", params(TorchCheckpointEngine.__init__)[:2] ==
+           ["self", "config_params"], f"its parameters are {params(TorchCheckpointEngine.__init__)}")
+    init = source(member(p, DeepSpeedEngine, "_configure_checkpointing"))
+    relies(p, "DeepSpeedEngine._configure_checkpointing",
+           "self.checkpoint_engine =" in init and "config_params=self._config" in init,
+           "it no longer builds self.checkpoint_engine from self._config")
+    load = "".join(source(member(p, DeepSpeedEngine, m)) for m in ("_load_checkpoint", "_load_zero_checkpoint",
+                                                            "_get_all_zero_checkpoint_state_dicts"))
+    relies(p, "DeepSpeedEngine._load_checkpoint / _load_zero_checkpoint",
+           "checkpoint_engine=self.checkpoint_engine" in load and "self.checkpoint_engine.load(" in load,
+           "checkpoints are no longer read through self.checkpoint_engine")
+
+
+def test_safe_globals_import():
+    try:
+        names = [c.__name__ for c in compat.safe_globals()]
+    except ImportError as e:
+        relies("use_weights_only_checkpoints", "LossScaler / ZeroStageEnum / fragment_address", False, str(e))
+    assert names == ["LossScaler", "ZeroStageEnum", "fragment_address"]
+
+
+def test_weights_only_engine_loads_deepspeed_records_and_refuses_other_classes(tmp_path):
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    engine = compat.WeightsOnlyCheckpointEngine(None)
+    good = {"scaler": LossScaler(scale=4.0), "stage": ZeroStageEnum.optimizer_states,
+            "address": fragment_address(numel=3, start=5), "w": torch.arange(4.0)}
+    engine.save(good, str(tmp_path / "good.pt"))
+    out = engine.load(str(tmp_path / "good.pt"), map_location="cpu")
+    assert out["scaler"].cur_scale == 4.0 and out["stage"] is ZeroStageEnum.optimizer_states
+    assert out["address"] == fragment_address(numel=3, start=5)
+    torch.testing.assert_close(out["w"], torch.arange(4.0))
+
+    engine.save({"w": torch.zeros(1), "payload": Payload()}, str(tmp_path / "bad.pt"))
+    with pytest.raises(pickle.UnpicklingError, match="Payload"):
+        engine.load(str(tmp_path / "bad.pt"))
+
+
+def test_use_weights_only_checkpoints_replaces_only_the_torch_engine():
+    engine = types.SimpleNamespace(checkpoint_engine=TorchCheckpointEngine(None), _config=None)
+    compat.use_weights_only_checkpoints(engine)
+    assert type(engine.checkpoint_engine) is compat.WeightsOnlyCheckpointEngine
+    other = object()
+    engine = types.SimpleNamespace(checkpoint_engine=other, _config=None)
+    compat.use_weights_only_checkpoints(engine)
+    assert engine.checkpoint_engine is other
+
+
+# -- clip_with_replica_norm ------------------------------------------------------------------------------
+
+def test_clip_relies_on_engine_clip_fp32_gradients_and_global_grad_norm():
+    p = "clip_with_replica_norm"
+    clip = params(member(p, DeepSpeedEngine, "clip_fp32_gradients"))
+    relies(p, "DeepSpeedEngine.clip_fp32_gradients", clip == ["self"], f"its parameters are {clip}")
+    step = source(member(p, DeepSpeedEngine, "_take_model_step"))
+    relies(p, "DeepSpeedEngine._take_model_step", "self.clip_fp32_gradients()" in step,
+           "it no longer calls self.clip_fp32_gradients() (fp32 ZeRO-0 clipping moved)")
+    relies(p, "DeepSpeedEngine._take_model_step", "if hasattr(self.optimizer, '_global_grad_norm')" in step,
+           "it may now overwrite _global_grad_norm after clipping")
+    read = source(member(p, DeepSpeedEngine, "get_global_grad_norm"))
+    relies(p, "DeepSpeedEngine.get_global_grad_norm", "return self._global_grad_norm" in read,
+           "it no longer returns self._global_grad_norm")
+    limit = params(member(p, DeepSpeedEngine, "gradient_clipping"))
+    relies(p, "DeepSpeedEngine.gradient_clipping", limit == ["self"], f"its parameters are {limit}")
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    relies(p, "PipelineEngine._take_model_step / clip_fp32_gradients",
+           PipelineEngine._take_model_step is DeepSpeedEngine._take_model_step
+           and PipelineEngine.clip_fp32_gradients is DeepSpeedEngine.clip_fp32_gradients,
+           "the pipeline engine now overrides the step or the clipping")
+
+
+def test_clip_with_replica_norm_clips_as_deepspeed_and_records_the_norm():
+    layer = torch.nn.Linear(3, 2)
+    layer.weight.grad = torch.full((2, 3), 2.0)              # bias has no gradient: left out
+    engine = types.SimpleNamespace(module=layer, gradient_clipping=lambda: 1.0, _global_grad_norm=None)
+    seen = []
+
+    def norm_fn(ps):
+        seen.append(ps)
+        return torch.stack([p.grad.norm() for p in ps]).norm() * 2     # e.g. another tp rank's equal share
+
+    compat.clip_with_replica_norm(engine, norm_fn)
+    engine.clip_fp32_gradients()
+    norm = 2.0 * 6 ** 0.5 * 2
+    assert seen == [[layer.weight]] and engine._global_grad_norm == pytest.approx(norm)
+    torch.testing.assert_close(layer.weight.grad, torch.full((2, 3), 2.0 / (norm + 1e-6)))
+
+    layer.weight.grad = torch.full((2, 3), 1e-3)             # under the clip: unchanged, norm still kept
+    engine.clip_fp32_gradients()
+    torch.testing.assert_close(layer.weight.grad, torch.full((2, 3), 1e-3))
+    assert engine._global_grad_norm == pytest.approx(1e-3 * 6 ** 0.5 * 2)
+
+
+# -- relink_optimizer_fragments ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("optimizer", [DeepSpeedZeroOptimizer, BF16_Optimizer], ids=lambda c: c.__name__)
+def test_relink_relies_on_lazy_hp_state_linking(optimizer):
+    p, name = "relink_optimizer_fragments", optimizer.__name__
+    method = member(p, optimizer, "_lazy_init_hp_params_optimizer_state")
+    relies(p, f"{name}._lazy_init_hp_params_optimizer_state", params(method) == ["self"], "it takes arguments")
+    body = source(method)
+    relies(p, f"{name}._hp_optimizer_states_linked", "if not self._hp_optimizer_states_linked" in body
+           and "self._hp_optimizer_states_linked = True" in body,
+           "linking is no longer guarded by this flag, so clearing it does not rebuild the views")
+    relies(p, f"{name}._hp_optimizer_states_linked", "self._hp_optimizer_states_linked = False"
+           in source(optimizer), "set-up no longer sets the flag: the patch finds these optimizers by it")
+
+
+def test_relink_clears_the_flag_and_relinks_and_skips_other_optimizers():
+    calls = []
+
+    class Wrapper:
+        _hp_optimizer_states_linked = True
+
+        def _lazy_init_hp_params_optimizer_state(self):
+            calls.append(self._hp_optimizer_states_linked)
+            self._hp_optimizer_states_linked = True
+
+    compat.relink_optimizer_fragments(Wrapper())
+    assert calls == [False]
+    compat.relink_optimizer_fragments(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+
+
+# -- set_stage_bounds -------------------------------------------------------------------------------------
+
+def test_stage_bounds_relies_on_pipeline_module_partition_hook():
+    p = "set_stage_bounds"
+    relies(p, "PipelineModule._partition_layers(method)",
+           params(member(p, PipelineModule, "_partition_layers")) == ["self", "method"],
+           "its parameters changed")
+    relies(p, "PipelineModule._set_bounds(start, stop)",
+           params(member(p, PipelineModule, "_set_bounds")) == ["self", "start", "stop"],
+           "its parameters changed")
+    init = source(PipelineModule.__init__)
+    relies(p, "PipelineModule.__init__", appears_in_order(init, "self.global_rank =", "self._topo = topology",
+           "self._partition_layers(method=partition_method)", "self._build()"),
+           "_partition_layers is no longer called after _topo/global_rank are set and before _build()")
+    build = source(member(p, PipelineModule, "_build"))
+    relies(p, "PipelineModule._build", "self._local_start:self._local_stop" in build,
+           "_build no longer builds the layers in [_local_start, _local_stop)")
+
+
+def test_set_stage_bounds_gives_each_rank_its_stage_range():
+    topo = PipeModelDataParallelTopology(num_pp=3, num_mp=2, num_dp=1)
+    parts = [0, 2, 5, 9]
+    for rank in range(topo.world_size()):
+        module = PipelineModule.__new__(PipelineModule)
+        torch.nn.Module.__init__(module)
+        module._topo, module.global_rank = topo, rank
+        compat.set_stage_bounds(module, parts)
+        stage = topo.get_coord(rank).pipe
+        assert (module._local_start, module._local_stop) == (parts[stage], parts[stage + 1])
+        assert module.partitions() is parts
+
+
+# -- read, not patched (plan/probe.py, plan/memory.py, ZeRO-3 parameter attributes) ---------------------
+
+def test_probe_relies_on_checkpoint_and_bucket_names():
+    p = "checkpoint_saved_tensors"
+    forward = source(member(p, checkpointing.CheckpointFunction, "forward"))
+    relies(p, "CheckpointFunction.forward", f"ctx.{compat.CHECKPOINT_SAVED_TENSORS} =" in forward,
+           "inputs are no longer kept there")
+    relies(p, "checkpointing.py", f".{compat.OFFLOADED_DATA} =" in source(checkpointing),
+           "partitioned/offloaded activations no longer keep their data there")
+    for cls in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3):
+        relies("ZERO_BUCKETS", f"{cls.__name__}.__init__", f"self.{compat.ZERO_BUCKETS}" in source(cls.__init__),
+               "the gradient buckets were renamed")
+    configure = source(member("engine_optimizers", DeepSpeedEngine, "_configure_optimizer"))
+    relies("engine_optimizers", "DeepSpeedEngine.basic_optimizer",
+           "self.basic_optimizer = basic_optimizer" in configure, "the client optimizer is no longer kept there")
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert compat.engine_optimizers(types.SimpleNamespace(optimizer=opt, basic_optimizer=opt)) == [opt]
+
+
+def test_zero3_parameter_attributes_and_allreduce_size():
+    src = source(partition_parameters)
+    for attr in ("ds_shape", "ds_tensor", "ds_id"):
+        relies("(read) ZeRO-3 parameters", f"param.{attr}", f"param.{attr} =" in src, "no longer set")
+    from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
+    from parallel.plan.memory import ENGINE_ALLREDUCE_BUCKET
+    relies("(read) plan/memory.py", "engine.MEMORY_OPT_ALLREDUCE_SIZE", MEMORY_OPT_ALLREDUCE_SIZE ==
+           ENGINE_ALLREDUCE_BUCKET, f"{MEMORY_OPT_ALLREDUCE_SIZE} != ENGINE_ALLREDUCE_BUCKET")
