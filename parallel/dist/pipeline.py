@@ -14,6 +14,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 
+from parallel.dist.deepspeed_compat import set_stage_bounds
 from parallel.dist.seed import init_rng
 
 
@@ -91,9 +92,7 @@ class DiTPipeline(PipelineModule):
                          **extra)
 
     def _partition_layers(self, method="explicit"):
-        self.parts = self._explicit_parts
-        stage = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+        set_stage_bounds(self, self._explicit_parts)
 
 
 _PIPE_NAME = re.compile(r"^(\d+)\.(.*)$")
