@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Optional, Union, get_args
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from models.config import ModelConfig, Section
+from models.config import Section
 from models.registry import FAMILIES
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -196,16 +196,24 @@ def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def _describe(error: dict, source: str, overridden: set[str]) -> str:
-    loc = error["loc"]
+    loc, family = error["loc"], None
     if loc[:1] == ("model",) and len(loc) > 1 and loc[1] in FAMILIES:   # the family union's tag
-        loc = loc[:1] + loc[2:]
+        loc, family = loc[:1] + loc[2:], loc[1]
     dotted = ".".join(str(p) for p in loc)
     if error["type"] == "union_tag_invalid":
         return (f"{source if 'model.family' not in overridden else '--set'}: model.family="
                 f"{error['ctx']['tag']!r} is not a model family; families: {', '.join(FAMILIES)}")
     origin = "--set" if dotted in overridden else source
     if error["type"] == "extra_forbidden":
-        close = difflib.get_close_matches(dotted, _known_keys(ExperimentConfig), n=1, cutoff=0.6)
+        if family is not None:                        # a key of the model section: this family's keys
+            known = _known_keys(FAMILIES[family].config, "model.")
+            others = [name for name, spec in FAMILIES.items() if dotted[len("model."):] in spec.config.model_fields]
+            if others:
+                return (f"{origin}: {dotted} is a key of model.family={' or '.join(others)}, not of "
+                        f"model.family={family}; remove it")
+        else:
+            known = _known_keys(ExperimentConfig)
+        close = difflib.get_close_matches(dotted, known, n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]}?)" if close else ""
         return f"{origin}: unknown key {dotted}{hint}"
     if error["type"] == "missing":

@@ -1,7 +1,8 @@
 """Experiment config: presets load, overrides apply, and bad input is refused naming file and key."""
 import pytest
+import yaml
 
-from parallel.config import CONFIG_DIR, ConfigError, load_config
+from parallel.config import CONFIG_DIR, ConfigError, ExperimentConfig, load_config
 
 
 def test_presets_carry_the_published_dimensions():
@@ -73,3 +74,22 @@ def test_stdit_positions_default_to_its_own_and_refuse_cogvideox_ones(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(path, ["model.pos_embed=rope3d"])
     assert "model.pos_embed=rope3d does not fit model.family=stdit; use model.pos_embed=sincos2d_rope1d" in str(e.value)
+
+
+def test_the_model_section_is_its_familys_own():
+    """Each family's `model:` section has its own keys (models/<family>/config.py): a key of another
+    family is refused naming both families, an unknown family naming the ones there are, and the
+    family defaults to cogvideox when left out."""
+    from models.cogvideox.config import CogVideoXConfig
+    from models.stdit.config import STDiTConfig
+    assert type(load_config("debug").model) is CogVideoXConfig and type(load_config("debug-stdit").model) is STDiTConfig
+    with pytest.raises(ConfigError) as e:
+        load_config("debug-stdit", ["model.sample_height=30"])
+    assert str(e.value) == ("--set: model.sample_height is a key of model.family=cogvideox, not of "
+                            "model.family=stdit; remove it")
+    with pytest.raises(ConfigError) as e:
+        load_config("debug", ["model.family=sora"])
+    assert str(e.value) == "--set: model.family='sora' is not a model family; families: cogvideox, stdit"
+    tree = yaml.safe_load((CONFIG_DIR / "debug.yaml").read_text())
+    del tree["model"]["family"]
+    assert ExperimentConfig.model_validate(tree).model == load_config("debug").model

@@ -30,7 +30,6 @@ real CPU forwards at tp = 1 and tp = 2.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import Iterator
 
