@@ -19,9 +19,9 @@ from parallel.prepare_data.frames import VideoError, clip_indices, frame_indices
 from parallel.train.media import load_decoder, to_uint8
 from parallel.prepare_data.prepare import main
 from parallel.dist.seed import derive_seed
-from tests.test_text_encoder import t5_dir  # noqa: F401  (fixture: tiny T5, d_model 32, 8 words)
+from tests.unit.test_text_encoder import t5_dir  # noqa: F401  (fixture: tiny T5, d_model 32, 8 words)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # debug at 9 x 32 x 32 with the tiny VAE's factors (spatial 2, temporal 2): latents [4, 5, 16, 16].
 SETS = ["data.num_frames=9", "data.height=32", "data.width=32", "model.vae_scale_spatial=2",
         "model.vae_scale_temporal=2"]

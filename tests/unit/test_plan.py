@@ -17,7 +17,7 @@ from parallel.plan.memory import plan_memory
 from parallel.plan.trace import ActivationTracer
 from tests.dist_utils import run_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 GiB = 2 ** 30
 

@@ -9,7 +9,7 @@ import pytest
 from models.__main__ import summary
 from parallel.config import load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def train_py(*args, env_extra=None):
