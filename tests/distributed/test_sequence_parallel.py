@@ -18,7 +18,7 @@ def sp_config(stage: int = 0) -> dict:
     """fp32_config with Adam's eps at 1e-6: Adam moves a weight by lr g / (|g| + eps), so the round-off
     d of a gradient element near eps in size (the sp ranks add its token contributions in another order)
     moves the weight by up to lr d / eps; at eps 1e-6 that stays under assert_close's fp32 tolerance
-    (tests/test_train_equivalence.py's stdit_fp32_config, for the same reason)."""
+    (tests/distributed/test_train_equivalence.py's stdit_fp32_config, for the same reason)."""
     ds = fp32_config(stage)
     ds["optimizer"]["params"]["eps"] = 1e-6
     return ds

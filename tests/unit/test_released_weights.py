@@ -1,30 +1,22 @@
-"""Released weights in the diffusers layout against diffusers itself, at tiny random CogVideoX configs.
-
-Both position variants (sin-cos like 2B, 3D RoPE like 5B, with a non-square sample size so the rotary
-grid is a crop) are written by `save_pretrained`, loaded into the toolkit at (tp, pp) = (1, 1), (2, 1),
-(1, 2), (2, 2) and run forward: the prediction equals `CogVideoXTransformer3DModel`'s (fp32). Exported
-back from tp 2 x pp 2 and from ZeRO-3 (dp 4, through build_trainer), `from_pretrained` gives the
-original tensors bit for bit. Wrong configs and incomplete folders are refused with the names.
+"""Released weights in the diffusers layout, at tiny random CogVideoX configs: both position variants
+(sin-cos like 2B, 3D RoPE like 5B) written by `save_pretrained` (the `released` fixture); wrong configs and
+incomplete folders are refused with the names. Forward in every (tp, pp) layout and the exports, in 4
+gloo ranks: tests/distributed/test_released_weights_layouts.py.
 """
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 from diffusers import CogVideoXTransformer3DModel
-from diffusers.models.embeddings import get_3d_rotary_pos_embed
-from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
 from safetensors.torch import load_file, save_file
 
 from parallel.check import load_and_check
 from parallel.config import ConfigError, load_config
 from parallel.weights.diffusers import INDEX_NAME, check_released, load_released
-from tests.dist_utils import run_ranks
 
 B, FRAMES, SIZE, HEADS, HEAD_DIM = 2, 3, 8, 2, 16        # latents [B, 4, 3, 8, 8] -> 48 video + 8 text tokens
 VARIANTS = {"sincos": {"sample_width": SIZE}, "rope3d": {"sample_width": 12}}   # rope3d: 4x4 grid in a 4x6 base
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]                # (tp, pp); dp fills the 4 ranks
 
 
 def overrides(pos: str, folder) -> list[str]:
@@ -47,18 +39,6 @@ def released_model(pos: str) -> CogVideoXTransformer3DModel:
     return model
 
 
-def diffusers_forward(model, pos, latents, timesteps, text) -> torch.Tensor:
-    """diffusers' prediction as [B, C, T, H, W]; the rotary tables as CogVideoXPipeline builds them."""
-    rotary = None
-    if pos == "rope3d":
-        grid, cfg = SIZE // 2, model.config
-        crop = get_resize_crop_region_for_grid((grid, grid), cfg.sample_width // 2, cfg.sample_height // 2)
-        rotary = get_3d_rotary_pos_embed(HEAD_DIM, crop, (grid, grid), FRAMES)
-    with torch.no_grad():
-        out = model(latents.transpose(1, 2), text, timesteps, image_rotary_emb=rotary).sample
-    return out.transpose(1, 2)
-
-
 @pytest.fixture(scope="module")
 def released(tmp_path_factory):
     """{pos: (folder, diffusers model)}; the sin-cos folder in several shards with an index."""
@@ -70,91 +50,6 @@ def released(tmp_path_factory):
         out[pos] = (folder, model)
     assert (out["sincos"][0] / INDEX_NAME).is_file() and not (out["rope3d"][0] / INDEX_NAME).exists()
     return out
-
-
-def _inputs():
-    g = torch.Generator().manual_seed(7)
-    return (torch.randn(B, 4, FRAMES, SIZE, SIZE, generator=g), torch.tensor([3.0, 811.0]),
-            torch.randn(B, 8, 32, generator=g))
-
-
-def _layouts_rank(rank, world_size, folders, export_dir):
-    import types
-
-    import deepspeed
-
-    from parallel.dist import accelerator
-    from parallel.build import build_model
-    from parallel.weights.diffusers_export import export_diffusers
-    from parallel.dist.topology import Grid, ParallelContext
-    from parallel.train.validate import StageForward
-
-    deepspeed.init_distributed(dist_backend=accelerator.backend())
-    inputs, out = _inputs(), {}
-    for pos, folder in folders.items():
-        for tp, pp in LAYOUTS:
-            cfg = load_config("debug", overrides(pos, folder) + [f"parallel.tp_size={tp}", f"parallel.pp_size={pp}"])
-            ctx = ParallelContext.build(Grid(pp, world_size // (tp * pp), tp))
-            model = build_model(cfg, {}, ctx)
-            load_released(model, ctx, cfg.model, folder)
-            forward = StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx)
-            out[(pos, tp, pp)] = forward.predict(inputs, inputs[0])
-        # Back to the diffusers layout from tp 2 x pp 2; 20 KB shards for the sharded variant.
-        export_diffusers(model, ctx, cfg, Path(export_dir) / pos,
-                         max_shard_bytes=20_000 if pos == "sincos" else 2**30)
-    out["zero3_partitioned"] = _zero3(world_size, folders["rope3d"], Path(export_dir) / "zero3")
-    return out
-
-
-def _zero3(world_size, folder, export_dir):
-    """The training path at dp = 4, ZeRO-3: load before deepspeed.initialize, export gathers."""
-    from parallel.train.engine import build_trainer
-    from parallel.weights.diffusers_export import export_diffusers
-    from parallel.dist.seed import seed_all
-    from parallel.dist.topology import Grid, ParallelContext
-    from tests.train_utils import fp32_config
-
-    cfg = load_config("debug", overrides("rope3d", folder) + ["train.micro_batch_size=1", "train.grad_accum_steps=1"])
-    ds = fp32_config(stage=3, checkpointing=False)
-    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0     # partition even tiny tensors
-    ctx = ParallelContext.build(Grid(1, world_size, 1))
-    seed_all(cfg.train.seed)
-    trainer = build_trainer(cfg, ds, ctx)
-    partitioned = all(p.numel() == 0 for p in trainer.engine.module.parameters())
-    export_diffusers(trainer.engine.module, ctx, cfg, export_dir, zero3=True)
-    return partitioned
-
-
-def test_forward_equals_diffusers_in_every_layout_and_export_round_trips(released, tmp_path):
-    """One spawn of 4 ranks: every (tp, pp) layout of both variants, the exports, and ZeRO-3 at dp 4."""
-    folders = {pos: str(folder) for pos, (folder, _) in released.items()}
-    results = run_ranks(_layouts_rank, 4, folders, str(tmp_path))
-    inputs = _inputs()
-    for pos, (_, model) in released.items():
-        want = diffusers_forward(model, pos, *inputs)
-        for rank, out in enumerate(results):
-            for tp, pp in LAYOUTS:
-                torch.testing.assert_close(out[(pos, tp, pp)], want,
-                                           msg=lambda m: f"{pos} tp={tp} pp={pp} rank {rank}: {m}")
-        exported = tmp_path / pos           # each pipeline stage writes its own shards, 20 KB ones for sincos
-        shards = len(list(exported.glob("*.safetensors")))
-        assert (exported / INDEX_NAME).is_file() and (shards > 2 if pos == "sincos" else shards == 2)
-        again = CogVideoXTransformer3DModel.from_pretrained(exported)
-        public = lambda config: {k: v for k, v in config.items() if not k.startswith("_")}  # noqa: E731
-        assert public(again.config) == public(model.config)
-        original = model.state_dict()
-        assert again.state_dict().keys() == original.keys()
-        for name, value in again.state_dict().items():
-            assert torch.equal(value, original[name]), name
-
-
-    # ZeRO-3 (pp = 1, one stage): parameters partitioned after initialize, exported to one file.
-    assert [r["zero3_partitioned"] for r in results] == [True] * 4
-    exported = load_file(str(tmp_path / "zero3" / "diffusion_pytorch_model.safetensors"))
-    original = released["rope3d"][1].state_dict()
-    assert exported.keys() == original.keys() and not (tmp_path / "zero3" / INDEX_NAME).exists()
-    for name, value in exported.items():
-        assert torch.equal(value, original[name]), name
 
 
 def test_wrong_config_is_refused_with_the_keys(released):
