@@ -14,13 +14,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.dist_utils import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 6
 
 
 def command(module_or_script, out, ranks, layout, *args):
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    return [deepspeed, "--num_gpus", str(ranks), "--master_port", str(29500 + os.getpid() % 1000),
+    return [deepspeed, "--num_gpus", str(ranks), "--master_port", str(free_port()),
             *module_or_script, "--config", "debug", "--deepspeed_config", str(out / "ds.json"), *layout,
             "--set", "train.warmup_steps=0", "--set", f"train.decay_steps={STEPS}",
             "--set", f"train.output_dir={out}", *args]
