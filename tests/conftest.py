@@ -1,5 +1,32 @@
+"""The tests, in three tiers: one directory each, every test module in exactly one of them.
+
+tests/unit/         One process: no process group, no subprocess. Configs, the checker, models on CPU or
+                    the meta device, the planner and the CLIs' main() called in-process. About 1.5 min.
+                        python -m pytest tests/unit            (or anywhere: -m unit)
+tests/distributed/  2-4 gloo ranks spawned in-process by tests.dist_utils.run_ranks (they meet through a
+                    file, no port), often through tests.train_utils.train. Minutes.
+                        python -m pytest tests/distributed     (or: -m distributed)
+tests/cli/          Real commands as subprocesses: train.py, launch.sh and the deepspeed / torchrun / pdsh /
+                    mpirun launchers (ports from tests.dist_utils.free_port), SIGTERM and resume, the plan
+                    and prepare_data CLIs. The slowest; the launcher tests need sshd, pdsh and mpirun
+                    (scripts/test.sh installs them).
+                        python -m pytest tests/cli             (or: -m cli)
+All of them: python -m pytest (testpaths = ["tests"]), about 16 minutes on 2 cores. One test: add -k.
+
+A new test goes to the first tier that fits: unit unless it needs ranks (distributed) or a separate process
+(cli). A module whose tests span tiers is split along test functions; the split-off module imports the
+helpers and fixtures it shares from the unit module (tests.unit.<module>).
+
+Shared helpers stay in tests/ (a package): tests.dist_utils, tests.train_utils, importable from every tier
+because this file puts the repository root first on sys.path (the ranks run_ranks spawns inherit it).
+Each collected test gets its tier's marker (registered below); a test module outside the tiers is
+collected and run as before, with a warning.
+"""
 import os
+import pathlib
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -10,3 +37,26 @@ os.environ.setdefault("PYTHONPATH", ROOT)
 _bin = os.path.dirname(sys.executable)
 if not os.environ.get("PATH", "").startswith(_bin + os.pathsep):
     os.environ["PATH"] = _bin + os.pathsep + os.environ.get("PATH", "")
+
+TIERS = {"unit": "one process, no process group, no subprocess (tests/unit)",
+         "distributed": "gloo ranks spawned in-process by tests.dist_utils.run_ranks (tests/distributed)",
+         "cli": "real commands and launchers as subprocesses (tests/cli)"}
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def pytest_configure(config):
+    for name, description in TIERS.items():
+        config.addinivalue_line("markers", f"{name}: {description}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its tier (the first directory under tests/), so `-m unit` etc. select them."""
+    outside = set()
+    for item in items:
+        parts = item.path.resolve().relative_to(HERE).parts if item.path.resolve().is_relative_to(HERE) else ()
+        if len(parts) > 1 and parts[0] in TIERS:
+            item.add_marker(parts[0])
+        elif parts and item.path not in outside:
+            outside.add(item.path)
+            item.warn(pytest.PytestWarning(f"{item.path.name} is in none of tests/{{{','.join(TIERS)}}}: "
+                                           "move it to its tier (tests/conftest.py says which)"))

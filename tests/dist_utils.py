@@ -1,11 +1,25 @@
-"""Spawn gloo ranks in-process with torch.multiprocessing, so distributed tests need no launcher.
+"""Spawn gloo ranks in-process with torch.multiprocessing, so distributed tests need no launcher; and pick
+the ports that tests starting real launchers must pass them.
 
 `run_ranks(fn, world_size, *args)` runs `fn(rank, world_size, *args)` in every rank with the
 process group initialised, and returns the ranks' return values (picklable) in rank order.
 An exception in any rank fails the test with that rank's traceback.
+
+The ranks meet through a file, not a TCP port: `init_method="file://<the run's temp dir>/rendezvous"`.
+Nothing is chosen in advance that another process could take before the ranks bind it (the race the
+old free_port() + MASTER_PORT had: it was seen as a flaky failure); gloo's own connections between the
+ranks bind port 0 and exchange their addresses through that file. MASTER_ADDR/MASTER_PORT are removed
+from the ranks' environment, so code that would initialise from env:// fails loudly instead of racing.
+`deepspeed.init_distributed` (build_trainer calls it in the ranks) finds torch.distributed initialised
+and only wraps the existing group.
+
+`free_port()` is for the tests that start launchers (deepspeed, torchrun, mpirun, pdsh, sshd) and so
+need a real port: see its docstring.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import socket
 import tempfile
@@ -16,18 +30,113 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Candidate launcher ports: below the kernel's ephemeral range, and below 29500 (torch's and DeepSpeed's
+# default MASTER_PORT, which a launcher started without a port takes).
+PORT_RANGE = (20000, 29500)
+PORT_LOCK_DIR = os.path.join(tempfile.gettempdir(), "vdp-test-ports")
+_held_locks: dict[int, int] = {}       # port -> lock file descriptor, held until this process exits
+_next_port: list[int] = []
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999                 # Linux's default
+
+
+def _candidates() -> list[int]:
+    low, high = _ephemeral_range()
+    ports = [p for p in range(*PORT_RANGE) if not low <= p <= high]
+    return ports or [p for p in range(1024, 65536) if not low <= p <= high and p != 29500]
+
+
+def _nobody_listens(port: int) -> bool:
+    """Bind the port as a launcher will (any address; SO_REUSEADDR as torch's TCPStore and sshd set it, so
+    connections of an earlier run in TIME_WAIT do not count), on IPv4 and, where present, IPv6."""
+    families = [(socket.AF_INET, "0.0.0.0")] + ([(socket.AF_INET6, "::")] if socket.has_ipv6 else [])
+    for family, host in families:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                s.bind((host, port))
+        except OSError as e:
+            if family == socket.AF_INET6 and e.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):   # no IPv6
+                continue
+            return False
+    return True
+
+
+def _lock(port: int) -> bool:
+    """Take <tmp>/vdp-test-ports/<port>.lock with flock, without waiting; kept until this process exits
+    (the kernel releases it then, also after a crash or kill -9)."""
+    if not os.path.isdir(PORT_LOCK_DIR):
+        os.makedirs(PORT_LOCK_DIR, exist_ok=True)
+        try:
+            os.chmod(PORT_LOCK_DIR, 0o1777)         # shared by every user's test runs, like /tmp
+        except OSError:
+            pass
+    try:
+        fd = os.open(os.path.join(PORT_LOCK_DIR, f"{port}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _held_locks[port] = fd
+    return True
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a launcher's rendezvous (`--master_port`, MASTER_PORT) or a test's sshd, that no other
+    process on this machine will be given before the launcher binds it.
+
+    Why not bind port 0 and release it (the old way): the kernel hands out ports from the ephemeral
+    range (net.ipv4.ip_local_port_range, 32768-60999 by default) to every bind(0) and every outgoing
+    connect() on the machine, e.g. the gloo connections of other tests' ranks, so the released port
+    could be given away before the launcher bound it. Why not retry the launch on "address already in
+    use": the launcher tests start several processes (nodes, launchers, sshd) whose failure surfaces
+    in a child's log, sometimes after the other node already trained or hung until a timeout; telling a
+    port clash from a real failure there, and re-running the test bodies, is not something a helper can
+    do reliably. Instead the port is chosen so that the race cannot happen:
+
+      * from PORT_RANGE, outside the ephemeral range: the kernel never hands these out on its own, only
+        a program naming the port can take it;
+      * reserved among test processes (every worktree's pytest on this machine) by a lock file per port,
+        flock'ed until this process exits, so two test processes never get the same port, and one
+        process never gets a port twice (no reuse while a previous run's sockets linger);
+      * starting at an offset keyed by the pid, so concurrent test processes do not contend for the
+        same locks; a port that some other program already listens on is skipped.
+
+    What remains is a program outside this scheme binding a fixed port of PORT_RANGE in the moment
+    between this check and the launcher's bind.
+    """
+    ports = _candidates()
+    if not _next_port:
+        _next_port.append((os.getpid() * 37) % len(ports))
+    for _ in range(len(ports)):
+        port = ports[_next_port[0] % len(ports)]
+        _next_port[0] += 1
+        if port not in _held_locks and _lock(port):
+            if _nobody_listens(port):
+                return port
+            os.close(_held_locks.pop(port))
+    raise RuntimeError(f"no free port in {PORT_RANGE} (locks in {PORT_LOCK_DIR})")
 
 
-def _entry(rank, world_size, port, fn, args, result_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+def _entry(rank, world_size, rendezvous, fn, args, result_dir):
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     path = os.path.join(result_dir, f"rank{rank}.pt")
     try:
         out = fn(rank, world_size, *args)
@@ -42,7 +151,8 @@ def _entry(rank, world_size, port, fn, args, result_dir):
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 300):
     with tempfile.TemporaryDirectory() as result_dir:
-        ctx = mp.start_processes(_entry, args=(world_size, free_port(), fn, args, result_dir),
+        rendezvous = os.path.join(result_dir, "rendezvous")       # a fresh file per run: torch's FileStore
+        ctx = mp.start_processes(_entry, args=(world_size, rendezvous, fn, args, result_dir),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:

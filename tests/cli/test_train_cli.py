@@ -6,10 +6,9 @@ import sys
 
 import pytest
 
-from models.__main__ import summary
 from parallel.config import load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def train_py(*args, env_extra=None):
@@ -70,14 +69,3 @@ def test_one_process_trains_from_a_latent_directory_and_appends_metrics(tmp_path
         assert r["grad_norm"] > 0 and r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 56, rel=1e-2)
     csv_rows = (tmp_path / "csv" / "job" / "train_loss.csv").read_text().splitlines()[1:]
     assert [float(row.split(",")[1]) for row in csv_rows] == pytest.approx([r["loss"] for r in records[1:]])
-
-
-def test_model_summary_counts_published_sizes():
-    """Meta-device counts equal the layer arithmetic (and land on CogVideoX-2B's 1.69B)."""
-    text = summary(load_config("cogvideox-2b"))
-    h, f, d, p, c, e = 1920, 7680, 512, 2, 16, 4096
-    block = (6 * h * d + 6 * h) * 2 + 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 3 * 64 + (h * f + f) + (f * h + h)
-    embed = (c * p * p * h + h) + (e * h + h) + (h * d + d) + (d * d + d)
-    final = 2 * h + (2 * h * d + 2 * h) + 2 * h + (h * c * p * p + c * p * p)
-    assert f"parameters: {embed + 30 * block + final}" in text
-    assert 1.68e9 < embed + 30 * block + final < 1.70e9

@@ -1,5 +1,5 @@
-"""EmaAdamW: FusedEmaAdam's math in one process and the same EMA from every layout (exact resume with
-the EMA: tests/test_resume_cli.py)."""
+"""EmaAdamW: FusedEmaAdam's math in one process (the same EMA from every layout:
+tests/distributed/test_ema_layouts.py; exact resume with the EMA: tests/cli/test_resume_cli.py)."""
 import pytest
 import torch
 
@@ -8,7 +8,6 @@ from parallel.build import layer_specs
 from parallel.dist.pipeline import SequentialDiT
 from parallel.train.optim import EmaAdamW, adamw_implementation, build_optimizer
 from parallel.dist.topology import ParallelContext
-from tests.train_utils import fp32_config, train
 
 
 def _model():
@@ -49,20 +48,3 @@ def test_fused_ema_adam_resolves_per_device(device, impl):
     assert opt.defaults[impl] is True
     assert opt.implementation.startswith(f"FusedEmaAdam -> EmaAdamW with {impl} AdamW (")
     assert adamw_implementation(device)[0] == impl
-
-
-@pytest.fixture(scope="module")
-def ema_reference():
-    return train(1, 1, 1, fp32_config(optimizer="FusedEmaAdam"), steps=4)
-
-
-LAYOUTS = [(1, 1, 2, 2), (1, 1, 2, 3), (2, 2, 1, 1)]       # ZeRO-2 and -3 partitions, ZeRO-1 with a pipeline
-
-
-@pytest.mark.parametrize("tp, pp, dp, stage", LAYOUTS, ids=[f"tp{t}-pp{p}-dp{d}-zero{z}" for t, p, d, z in LAYOUTS])
-def test_consolidated_ema_equals_one_process(ema_reference, tp, pp, dp, stage):
-    run = train(tp, pp, dp, fp32_config(stage, optimizer="FusedEmaAdam"), steps=4)
-    assert run["ema"].keys() == ema_reference["ema"].keys() == ema_reference["state"].keys()
-    for name, value in ema_reference["ema"].items():
-        torch.testing.assert_close(run["ema"][name], value, msg=lambda m: f"{name}: {m}")
-        assert not torch.equal(value, ema_reference["state"][name]) or value.abs().sum() == 0 or "norm" in name

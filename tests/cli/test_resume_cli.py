@@ -14,13 +14,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.dist_utils import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 6
 
 
 def command(module_or_script, out, ranks, layout, *args):
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    return [deepspeed, "--num_gpus", str(ranks), "--master_port", str(29500 + os.getpid() % 1000),
+    return [deepspeed, "--num_gpus", str(ranks), "--master_port", str(free_port()),
             *module_or_script, "--config", "debug", "--deepspeed_config", str(out / "ds.json"), *layout,
             "--set", "train.warmup_steps=0", "--set", f"train.decay_steps={STEPS}",
             "--set", f"train.output_dir={out}", *args]
@@ -114,13 +116,13 @@ def test_sigterm_and_resume_equal_one_uninterrupted_run(tmp_path, name):
         assert f"checkpoint {damaged}/checkpoints/step{STEPS} is damaged ({victim.name} has" in p.stderr
         assert f"resumed from {damaged}/checkpoints/step{stopped} at step {stopped}" in p.stdout
         assert [r["loss"] for r in metrics(damaged)] == [r["loss"] for r in metrics(whole)][stopped:]
-        # Export: full fp32 weights and EMA (tp shards are gathered by the same full_state, tests/test_ema.py).
+        # Export: full fp32 weights and EMA (tp shards are gathered by the same full_state, tests/distributed/test_ema_layouts.py).
         launch(["--module", "parallel.export"], parts, ranks, layout, "--out", str(parts / "export"))
         model, ema = (load_file(parts / "export" / f"{n}.safetensors") for n in ("model", "ema"))
         assert model.keys() == ema.keys() and model["blocks.3.attn.to_qkv.weight"].shape == (3 * 64, 64)
         assert not torch.equal(model["blocks.0.ff_in.weight"], ema["blocks.0.ff_in.weight"])
     else:
-        # The run's own check of the memory plan (tests/test_plan.py covers the other layouts).
+        # The run's own check of the memory plan (tests/distributed/test_plan_states.py covers the other layouts).
         check = json.loads((whole / "memory_check.json").read_text())
         assert [s["stage"] for s in check["stages"]] == [0, 1]
         for s in check["stages"]:

@@ -14,8 +14,8 @@ def reference():
     return train(1, 1, 1, fp32_config())
 
 
-# (tp, pp, dp, zero stage). ZeRO-2 at dp 2 is trained in tests/test_sequence_parallel.py (sp 2 x dp 2),
-# tests/test_ema.py and tests/test_resume_cli.py; ZeRO-1 at dp 2 here with tp and with pp.
+# (tp, pp, dp, zero stage). ZeRO-2 at dp 2 is trained in tests/distributed/test_sequence_parallel.py (sp 2 x dp 2),
+# tests/distributed/test_ema_layouts.py and tests/cli/test_resume_cli.py; ZeRO-1 at dp 2 here with tp and with pp.
 LAYOUTS = [(2, 1, 1, 0), (1, 2, 1, 0), (1, 1, 2, 3), (2, 2, 1, 0), (2, 1, 2, 1), (1, 2, 2, 1)]
 
 
@@ -54,7 +54,7 @@ def stdit_reference():
     return train(1, 1, 1, stdit_fp32_config(), preset="debug-stdit")
 
 
-STDIT_LAYOUTS = [(2, 2, 1, 0), (1, 1, 2, 1)]      # tp 2 alone: tests/test_stdit.py and test_sequence_parallel.py
+STDIT_LAYOUTS = [(2, 2, 1, 0), (1, 1, 2, 1)]      # tp 2 alone: tests/distributed/test_stdit_parallel.py and test_sequence_parallel.py
 
 
 @pytest.mark.parametrize("tp, pp, dp, stage", STDIT_LAYOUTS,

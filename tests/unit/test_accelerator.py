@@ -6,7 +6,7 @@ import pytest
 
 from parallel.dist import accelerator
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FORBIDDEN = re.compile(r"\.cuda\(|torch\.cuda\.|[\"']nccl[\"']")
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from tests.dist_utils import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAYOUT = ["--set", "parallel.tp_size=2", "--set", "parallel.pp_size=2"]
 
 

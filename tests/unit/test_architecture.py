@@ -11,7 +11,7 @@ from pathlib import Path
 
 from models.registry import FAMILIES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("parallel", "models")
 
 

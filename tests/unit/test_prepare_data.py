@@ -1,8 +1,7 @@
-"""Data preparation: generated videos -> tiny random CogVideoX VAE (+ tiny T5) -> the manifest training reads."""
+"""Data preparation: generated videos -> tiny random CogVideoX VAE (+ tiny T5) -> the manifest training reads.
+In-process here; the CLI as two rank processes, and imports without the [data] extra:
+tests/cli/test_prepare_data_cli.py (which takes its fixtures from this module)."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import av
@@ -19,9 +18,8 @@ from parallel.prepare_data.frames import VideoError, clip_indices, frame_indices
 from parallel.train.media import load_decoder, to_uint8
 from parallel.prepare_data.prepare import main
 from parallel.dist.seed import derive_seed
-from tests.test_text_encoder import t5_dir  # noqa: F401  (fixture: tiny T5, d_model 32, 8 words)
+from tests.unit.test_text_encoder import t5_dir  # noqa: F401  (fixture: tiny T5, d_model 32, 8 words)
 
-ROOT = Path(__file__).resolve().parent.parent
 # debug at 9 x 32 x 32 with the tiny VAE's factors (spatial 2, temporal 2): latents [4, 5, 16, 16].
 SETS = ["data.num_frames=9", "data.height=32", "data.width=32", "model.vae_scale_spatial=2",
         "model.vae_scale_temporal=2"]
@@ -179,29 +177,6 @@ def test_rerun_after_interruption_does_not_redo_finished_files(videos, vae_dir, 
     torch.testing.assert_close(load_file(out / "latents/a1.mkv.safetensors")["latent"], mean)
 
 
-def test_two_ranks_cover_every_video_once(videos, vae_dir, t5_dir, prepared, tmp_path):   # noqa: F811
-    root, _ = videos
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "parallel.prepare_data", "--config", "debug", *[a for s in SETS for a in ("--set", s)],
-           "--videos", str(root), "--captions", str(root / "captions.csv"), "--vae", str(vae_dir),
-           "--t5", str(t5_dir), "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    results = [p.communicate(timeout=180) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in results]
-    # Rank 0 takes captions lines 1 and 3 (a0, bad), rank 1 lines 2 and 4 (a1, sub/b).
-    assert "rank 0 of 2: 1 prepared, 1 skipped, 0 done before, of 2" in results[0][0]
-    assert "rank 1 of 2: 2 prepared, 0 skipped, 0 done before, of 2" in results[1][0]
-    assert "skipping" in results[0][1] and "bad.mp4" in results[0][1]
-    # The merged files equal the one-process run's, and so does every tensor (posterior noise from the video).
-    for name in ("manifest.jsonl", "skipped.jsonl"):
-        assert (out / name).read_text() == (prepared / name).read_text()
-    for m in lines(out / "manifest.jsonl"):
-        for key in ("latent", "text"):
-            torch.testing.assert_close(load_file(out / m[key])[key], load_file(prepared / m[key])[key])
-
-
 def test_bad_input_is_refused_before_any_model_loads(videos, vae_dir, tmp_path, capsys, monkeypatch):
     import parallel.prepare_data.vae
     monkeypatch.setattr(parallel.prepare_data.vae, "load_vae", lambda *a, **k: pytest.fail("a model was loaded"))
@@ -291,11 +266,3 @@ def test_validation_decodes_with_the_vae_folder(vae_dir, tmp_path):
     assert (tmp_path / "samples/step2/prompt0.gif").is_file()
     with pytest.raises(ValueError, match=f"val.decoder={tmp_path}: cannot read config.json"):
         load_decoder(str(tmp_path))
-
-
-def test_training_imports_neither_diffusers_nor_av():
-    """The [data] extra is optional: every training module imports with diffusers and av unavailable."""
-    code = ("import sys; sys.modules.update(diffusers=None, av=None)\n"
-            "import train, parallel.train.run, parallel.train.validate, parallel.train.media, parallel.prepare_data.prepare, parallel.prepare_data.vae\n"
-            "from parallel.train.media import load_decoder; load_decoder(None)")
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -1,0 +1,101 @@
+"""Released weights in the diffusers layout, at tiny random CogVideoX configs: both position variants
+(sin-cos like 2B, 3D RoPE like 5B) written by `save_pretrained` (the `released` fixture); wrong configs and
+incomplete folders are refused with the names. Forward in every (tp, pp) layout and the exports, in 4
+gloo ranks: tests/distributed/test_released_weights_layouts.py.
+"""
+import json
+import shutil
+
+import pytest
+import torch
+from diffusers import CogVideoXTransformer3DModel
+from safetensors.torch import load_file, save_file
+
+from parallel.check import load_and_check
+from parallel.config import ConfigError, load_config
+from parallel.weights.diffusers import INDEX_NAME, check_released, load_released
+
+B, FRAMES, SIZE, HEADS, HEAD_DIM = 2, 3, 8, 2, 16        # latents [B, 4, 3, 8, 8] -> 48 video + 8 text tokens
+VARIANTS = {"sincos": {"sample_width": SIZE}, "rope3d": {"sample_width": 12}}   # rope3d: 4x4 grid in a 4x6 base
+
+
+def overrides(pos: str, folder) -> list[str]:
+    return ["model.num_layers=2", f"model.hidden_size={HEADS * HEAD_DIM}", f"model.num_heads={HEADS}",
+            f"model.head_dim={HEAD_DIM}", "model.time_embed_dim=24", f"model.pos_embed={pos}",
+            f"model.sample_height={SIZE}", f"model.sample_width={VARIANTS[pos]['sample_width']}",
+            f"model.init_from={folder}"]
+
+
+def released_model(pos: str) -> CogVideoXTransformer3DModel:
+    torch.manual_seed(0 if pos == "sincos" else 1)
+    model = CogVideoXTransformer3DModel(
+        num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4, out_channels=4, time_embed_dim=24,
+        text_embed_dim=32, num_layers=2, sample_height=SIZE, sample_width=VARIANTS[pos]["sample_width"],
+        sample_frames=(FRAMES - 1) * 4 + 1, max_text_seq_length=8,
+        use_rotary_positional_embeddings=pos == "rope3d").eval()
+    with torch.no_grad():              # every tensor non-trivial, norm biases (norm_k's too) included
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    """{pos: (folder, diffusers model)}; the sin-cos folder in several shards with an index."""
+    out = {}
+    for pos in VARIANTS:
+        folder = tmp_path_factory.mktemp(pos)
+        model = released_model(pos)
+        model.save_pretrained(folder, max_shard_size="20KB" if pos == "sincos" else "10GB")
+        out[pos] = (folder, model)
+    assert (out["sincos"][0] / INDEX_NAME).is_file() and not (out["rope3d"][0] / INDEX_NAME).exists()
+    return out
+
+
+def test_wrong_config_is_refused_with_the_keys(released):
+    folder, _ = released["sincos"]
+    cfg = load_config("debug", overrides("sincos", folder) + ["model.num_heads=4", "model.head_dim=8"])
+    problems = check_released(cfg.model, folder)
+    config = folder / "config.json"
+    assert f"{config}: num_attention_heads 2 != model.num_heads 4; set --set model.num_heads=2 or use the " \
+           f"matching preset" in problems
+    assert any(p.startswith(f"{config}: attention_head_dim 16 != model.head_dim 8") for p in problems)
+    cfg = load_config("debug", overrides("rope3d", folder))
+    assert check_released(cfg.model, folder) == [
+        f"{config}: sample_width 8 != model.sample_width 12; set --set model.sample_width=8 or use the matching preset",
+        f"{config}: use_rotary_positional_embeddings false != model.pos_embed rope3d; set --set model.pos_embed=sincos"]
+    # train.py's path: refused in load_and_check, before any process group, with the others' problems.
+    with pytest.raises(ConfigError, match="num_attention_heads 2 != model.num_heads 4"):
+        load_and_check("debug", overrides("sincos", folder) + ["model.num_heads=4", "model.head_dim=8"],
+                       "ds_configs/zero0_fp32.json", 1)
+
+
+def test_missing_and_unexpected_tensors_are_listed(released, tmp_path):
+    source, _ = released["sincos"]
+    folder = tmp_path / "broken"
+    shutil.copytree(source, folder)
+    index = json.loads((folder / INDEX_NAME).read_text())
+    gone = "transformer_blocks.1.attn1.norm_k.bias"
+    shard = folder / index["weight_map"][gone]
+    tensors = load_file(str(shard))
+    del tensors[gone]
+    tensors["transformer_blocks.1.attn1.to_added.weight"] = torch.zeros(2)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    del index["weight_map"][gone]
+    index["weight_map"]["transformer_blocks.1.attn1.to_added.weight"] = shard.name
+    (folder / INDEX_NAME).write_text(json.dumps(index))
+    cfg = load_config("debug", overrides("sincos", folder))
+    assert check_released(cfg.model, folder) == [
+        f"{folder}: 1 tensors of CogVideoXTransformer3DModel are missing: {gone}",
+        f"{folder}: 1 tensors have no place in the toolkit's model: transformer_blocks.1.attn1.to_added.weight"]
+    from parallel.build import layer_specs
+    from parallel.dist.pipeline import SequentialDiT
+    from parallel.dist.topology import ParallelContext
+    model = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    with pytest.raises(ValueError, match=f"missing: {gone}"):
+        load_released(model, ParallelContext.single(), cfg.model, folder)
+    assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())     # nothing loaded
+    (folder / INDEX_NAME).unlink()
+    assert check_released(cfg.model, folder)[0].startswith(
+        f"{folder}: expected diffusion_pytorch_model.safetensors, or shards with {INDEX_NAME} (found: ")
