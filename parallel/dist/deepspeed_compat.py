@@ -1,6 +1,6 @@
 """The one place the toolkit touches DeepSpeed's private internals.
 
-Each patch below was written against DeepSpeed 0.19.8 (`WRITTEN_AGAINST`). tests/test_deepspeed_compat.py
+Each patch below was written against DeepSpeed 0.19.8 (`WRITTEN_AGAINST`). tests/unit/test_deepspeed_compat.py
 checks, per patch, every DeepSpeed symbol it relies on, and fails naming the patch and the symbol when an
 upgrade removes or changes one. `check_deepspeed_version()` warns once at engine set-up when the installed
 major.minor differs.
@@ -88,7 +88,7 @@ def check_deepspeed_version(installed: str | None = None) -> bool:
 @functools.cache
 def _warn_untested(installed: str) -> None:
     warnings.warn(f"deepspeed {installed} is installed; parallel/dist/deepspeed_compat.py was written against "
-                  f"{TESTED_DEEPSPEED}.x. Run `python -m pytest tests/test_deepspeed_compat.py`: it names any "
+                  f"{TESTED_DEEPSPEED}.x. Run `python -m pytest tests/unit/test_deepspeed_compat.py`: it names any "
                   f"patch whose DeepSpeed internals changed.", RuntimeWarning, stacklevel=3)
 
 

@@ -2,7 +2,7 @@
 block, communication buckets, pipeline buffers and a margin, for the worst rank of each pipeline stage.
 
 Model states are what DeepSpeed 0.19 holds at the optimizer step, their peak (read from its source
-and checked against the tensors it holds in tests/test_plan.py). P = this rank's parameters after tp
+and checked against the tensors it holds in tests/unit/test_plan.py). P = this rank's parameters after tp
 sharding, d = dp_size, lp = 2 bytes for bf16/fp16 and 4 for fp32, P' = P padded per optimizer group
 (matrices / the rest) to a multiple of 2d, G' = the largest group's part of P'/d, W = the rank's
 gradient partition as whole parameters (a parameter straddling two ranks' slices is held by both):

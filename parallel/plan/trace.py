@@ -24,7 +24,7 @@ outside its parameters (position tables cached on first use), which are model st
 `ActivationTracer` puts these together per stage kind (embed, one block, final + loss), tp size and
 micro-batch, for any model family: the inputs of a block and of the final stage are the embed stage's
 own outputs on meta, x [B, S, H] first, then the tensors a stage's blocks share and pass on unchanged
-(CogVideoX: temb; STDiT: t, t_mlp, y), called side tensors here. tests/test_plan.py checks it against
+(CogVideoX: temb; STDiT: t, t_mlp, y), called side tensors here. tests/unit/test_plan.py checks it against
 real CPU forwards at tp = 1 and tp = 2.
 """
 from __future__ import annotations
