@@ -217,7 +217,8 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
     problems += found
     if cfg.model.init_from:                   # config.json and safetensors headers only, no tensor data
         from parallel.weights.diffusers import check_released
-        problems += check_released(cfg.model, cfg.model.init_from)
+        from parallel.weights.scheduler import check_scheduler
+        problems += check_released(cfg.model, cfg.model.init_from) + check_scheduler(cfg.model, cfg.model.init_from)
     if problems:
         raise ConfigError("\n".join(problems))
     return cfg, ds, layout

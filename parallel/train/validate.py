@@ -267,7 +267,7 @@ class Validator:
         self.cfg, self.trainer, self.ctx, self.dataset = cfg, trainer, ctx, dataset
         self.out_dir = out_dir                    # the logging rank's output directory, None elsewhere
         self.forward = StageForward(trainer.engine, ctx)
-        self.objective = Objective(cfg.model.objective)
+        self.objective = Objective.of(cfg.model)
         self.frames: dict = {}                   # the last videos written, {prompt: uint8 [T, H, W, 3]}
 
     def due(self, step: int) -> bool:
