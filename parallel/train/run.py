@@ -143,7 +143,7 @@ def training_batches(cfg: ExperimentConfig, ctx, dataset=None, start_step: int =
     return DiffusionBatches(dataset if dataset is not None else build_dataset(cfg), Objective.of(cfg.model),
                             seed=cfg.train.seed, micro_batch=cfg.train.micro_batch_size,
                             grad_accum=cfg.train.grad_accum_steps, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
-                            start_step=start_step)
+                            start_step=start_step, caption_dropout=cfg.data.caption_dropout)
 
 
 def build_val_dataset(cfg: ExperimentConfig):
