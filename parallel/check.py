@@ -175,7 +175,7 @@ def _check_engine(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
     return problems + dsc.unknown_key_problems(ds, src)
 
 
-def _check_unconditional(cfg: ExperimentConfig) -> list[str]:
+def check_unconditional(cfg: ExperimentConfig) -> list[str]:
     """The unconditional text embedding (T5 of "") of a prepared folder, where caption dropout or guidance
     needs it and no data.text_encoder can encode it; synthetic data has its own."""
     from pathlib import Path
@@ -201,7 +201,7 @@ def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source:
           world_size: Optional[int] = None) -> tuple[Layout, list[str]]:
     """Return the layout and every problem found (an empty list means the layout is valid)."""
     ds = ds or {}
-    problems = _check_model_splits(cfg) + _check_sequence(cfg) + _check_pipeline(cfg) + _check_unconditional(cfg)
+    problems = _check_model_splits(cfg) + _check_sequence(cfg) + _check_pipeline(cfg)
     dp, grid_problems = _resolve_dp(cfg, world_size)
     problems += grid_problems + _check_batch(cfg, ds, ds_source, dp) + _check_engine(cfg, ds, ds_source)
     p = cfg.parallel
@@ -237,6 +237,7 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
         raise ConfigError("\n".join(problems))
     layout, found = check(cfg, ds, deepspeed_config or "deepspeed config", world_size)
     problems += found
+    problems += check_unconditional(cfg)
     if cfg.model.init_from:                   # config.json and safetensors headers only, no tensor data
         from parallel.weights.diffusers import check_released
         from parallel.weights.scheduler import check_scheduler

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from models.diffusion import Objective
-from parallel.check import check
-from parallel.config import load_config
+from parallel.check import check_unconditional, load_and_check
+from parallel.config import ConfigError, load_config
 from parallel.dist.topology import ParallelContext
 from parallel.train.data import DiffusionBatches, DirectoryLatents, SyntheticLatents
 from parallel.train.run import build_val_dataset
@@ -73,16 +73,19 @@ def _prepared(root, with_uncond: bool):
 
 def test_missing_unconditional_is_refused_by_name_before_training(tmp_path):
     bare, ready = _prepared(tmp_path / "bare", False), _prepared(tmp_path / "ready", True)
-    cfg = load_config("debug", ["data.kind=directory", f"data.path={bare}", "data.caption_dropout=0.1"])
-    assert check(cfg)[1] == [
+    sets = ["data.kind=directory", f"data.path={bare}", "data.caption_dropout=0.1"]
+    with pytest.raises(ConfigError) as e:                 # train.py's checks, before any process group
+        load_and_check("debug", sets, "ds_configs/zero0_fp32.json", 1)
+    assert str(e.value) == (
         f"{bare / 'uncond.safetensors'} does not exist: data.caption_dropout=0.1 needs the unconditional text "
         f"embedding (T5 of the empty prompt); python -m parallel.prepare_data --t5 writes it, or set "
-        f"data.text_encoder to encode it, or set data.caption_dropout=0"]
+        f"data.text_encoder to encode it, or set data.caption_dropout=0")
     cfg = load_config("debug", ["data.kind=directory", f"data.path={ready}", "data.caption_dropout=0.1",
                                 "val.every=5", "val.num_prompts=1", "val.guidance_scale=6", f"val.path={bare}"])
-    assert [p.split(":")[0] for p in check(cfg)[1]] == [f"{bare / 'uncond.safetensors'} does not exist"]
-    assert "val.guidance_scale=6.0 needs" in check(cfg)[1][0]
-    assert check(load_config("debug", ["data.kind=directory", f"data.path={bare}"]))[1] == []   # no dropout: fine
+    problems = check_unconditional(cfg)
+    assert [p.split(":")[0] for p in problems] == [f"{bare / 'uncond.safetensors'} does not exist"]
+    assert "val.guidance_scale=6.0 needs" in problems[0]
+    assert check_unconditional(load_config("debug", ["data.kind=directory", f"data.path={bare}"])) == []
     # The dataset's own start-up check names it too; a prepared folder's file is what it reads.
     with pytest.raises(FileNotFoundError, match=f"{bare / 'uncond.safetensors'} does not exist"):
         DiffusionBatches(DirectoryLatents(bare), Objective("v_prediction"), seed=0, micro_batch=1, grad_accum=1,
