@@ -159,3 +159,51 @@ def test_pipeline_latents_equal_the_toolkit_sampler(tmp_path, kind, pos, shift, 
     got = sample(predict, noise, Objective.of(cfg.model), steps, kind, g, use_dynamic_cfg=dynamic,
                  generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(got, want.transpose(1, 2))
+
+
+# --- python -m parallel.sample ---------------------------------------------------------------------------------
+
+def test_sample_command_writes_the_pipelines_latents(tmp_path, capsys):
+    """The command (5B-like: rope3d, dpm, dynamic CFG) from a transformer folder and embedding files: its latent
+    equals CogVideoXPipeline's from the same noise and generator, and the video files are written."""
+    from safetensors.torch import load_file, save_file
+
+    from parallel.dist.seed import derive_seed
+    from parallel.sample import main
+
+    folder = tmp_path / "transformer"
+    transformer = _transformer("rope3d", folder)
+    gen = torch.Generator().manual_seed(11)
+    text, uncond = torch.randn(TEXT, 32, generator=gen), torch.randn(TEXT, 32, generator=gen)
+    save_file({"text": text}, str(tmp_path / "prompt.safetensors"))
+    save_file({"text": uncond}, str(tmp_path / "negative.safetensors"))
+    sets = ["model.num_layers=2", f"model.hidden_size={HEADS * HEAD_DIM}", f"model.num_heads={HEADS}",
+            f"model.head_dim={HEAD_DIM}", "model.time_embed_dim=24", "model.pos_embed=rope3d",
+            f"model.sample_height={SIZE}", f"model.sample_width={SIZE}", f"model.init_from={folder}",
+            f"data.num_frames={(FRAMES - 1) * 4 + 1}", f"data.height={SIZE * 8}", f"data.width={SIZE * 8}",
+            "val.sampler=dpm", "val.guidance_scale=6", "val.use_dynamic_cfg=true"]
+    out = tmp_path / "out"
+    argv = ["--config", "debug", *[a for s in sets for a in ("--set", s)], "--prompt-embeds",
+            str(tmp_path / "prompt.safetensors"), "--negative-embeds", str(tmp_path / "negative.safetensors"),
+            "--steps", "5", "--seed", "3", "--out", str(out)]
+    assert main(argv) == 0
+    got = load_file(str(out / "latents.safetensors"))["prompt0"]
+    assert (out / "prompt0.gif").is_file() and (out / "prompt0.txt").read_text().strip().endswith("prompt.safetensors")
+
+    g = torch.Generator().manual_seed(derive_seed(3, "sample", 0))
+    noise = torch.randn(1, 4, FRAMES, SIZE, SIZE, generator=g)
+    pipe = CogVideoXPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=transformer,
+                             scheduler=CogVideoXDPMScheduler(**RELEASE, snr_shift_scale=1.0))
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        want = pipe(prompt_embeds=text[None], negative_prompt_embeds=uncond[None], latents=noise.transpose(1, 2),
+                    num_frames=(FRAMES - 1) * 4 + 1, height=SIZE * 8, width=SIZE * 8, num_inference_steps=5,
+                    guidance_scale=6, use_dynamic_cfg=True, output_type="latent", generator=g).frames
+    torch.testing.assert_close(got, want[0].transpose(0, 1))
+
+    # Refused before any model loads, every problem at once.
+    capsys.readouterr()
+    assert main(["--config", "debug", "--set", "val.guidance_scale=6", "--prompt", "a cat", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "model.init_from is not set" in err and "--prompt needs a T5 encoder" in err
+    assert "val.guidance_scale=6.0 needs the unconditional embedding" in err
