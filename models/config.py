@@ -16,6 +16,22 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class NoiseSchedule(Section):
+    """The DDPM noise schedule of v_prediction, under the names of diffusers' scheduler_config.json (CogVideoX's
+    CogVideoXDDIMScheduler / CogVideoXDPMScheduler); its prediction_type is model.objective. Defaults are 5B's;
+    CogVideoX-2B sets snr_shift_scale 3.0 (SAT: ZeroSNRDDPMDiscretization shift_scale 3.0)."""
+
+    beta_start: float = Field(0.00085, gt=0, lt=1)
+    beta_end: float = Field(0.012, gt=0, lt=1)
+    beta_schedule: Literal["scaled_linear"] = Field("scaled_linear", description="betas = linspace(sqrt(beta_start), "
+                                                    "sqrt(beta_end), 1000) ** 2")
+    snr_shift_scale: float = Field(1.0, gt=0, description="alphas_cumprod / (s + (1 - s) alphas_cumprod): the SNR "
+                                   "divided by s, before the zero-SNR rescale")
+    rescale_betas_zero_snr: bool = Field(True, description="rescale sqrt(alphas_cumprod) to reach 0 at t = 999")
+    timestep_spacing: Literal["trailing", "leading", "linspace"] = Field("trailing", description="sampling timesteps "
+                                                                         "(ddim and dpm), as diffusers spaces them")
+
+
 class ModelConfig(Section):
     """Video DiT dimensions common to every family; defaults are CogVideoX-2B's where one exists."""
 
@@ -38,6 +54,7 @@ class ModelConfig(Section):
     max_text_len: int = Field(226, ge=1)
     pos_embed: Optional[str] = Field(None, description="positional scheme; default: the family's own")
     objective: Literal["v_prediction", "flow_matching"] = "v_prediction"
+    schedule: NoiseSchedule = Field(default_factory=NoiseSchedule, description="v_prediction's noise schedule")
     vae_scale_spatial: int = Field(8, ge=1)
     vae_scale_temporal: int = Field(4, ge=1)
     init_from: Optional[str] = Field(None, description="folder of released weights in the diffusers layout "

@@ -5,34 +5,57 @@ Both turn a clean latent x0, noise e and a timestep into (model input x_t, regre
     v-prediction   x_t = sqrt(a_t) x0 + sqrt(1 - a_t) e,   target v = sqrt(a_t) e - sqrt(1 - a_t) x0
     flow matching  x_t = (1 - s) x0 + s e  (s = t / T),     target u = e - x0
 
-The DDPM schedule is CogVideoX's: scaled-linear betas from 0.00085 to 0.012 over 1000 steps, rescaled
-to zero terminal SNR.
+The DDPM schedule is the release's, as diffusers' CogVideoXDDIMScheduler builds it from the
+scheduler_config.json keys of `model.schedule` (models/config.py NoiseSchedule): scaled-linear betas from
+0.00085 to 0.012 over 1000 steps, alpha_bar = cumprod(1 - beta), the SNR shift
+alpha_bar / (s + (1 - s) alpha_bar) (s = snr_shift_scale: 3.0 for CogVideoX-2B, 1.0 for 5B), then the
+rescale to zero terminal SNR.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+from models.config import NoiseSchedule
 
 NUM_TRAIN_TIMESTEPS = 1000
 
 
 def ddpm_alphas_cumprod(num_steps: int = NUM_TRAIN_TIMESTEPS, beta_start: float = 0.00085,
-                        beta_end: float = 0.012) -> torch.Tensor:
+                        beta_end: float = 0.012, snr_shift_scale: float = 1.0,
+                        rescale_betas_zero_snr: bool = True) -> torch.Tensor:
+    """alpha_bar_t, t = 0..num_steps-1, in float64 (diffusers' order of operations)."""
     betas = torch.linspace(beta_start ** 0.5, beta_end ** 0.5, num_steps, dtype=torch.float64) ** 2
-    sqrt_ab = torch.cumprod(1.0 - betas, 0).sqrt()
+    ab = torch.cumprod(1.0 - betas, 0)
+    ab = ab / (snr_shift_scale + (1 - snr_shift_scale) * ab)     # s = 1: exactly ab
+    if not rescale_betas_zero_snr:
+        return ab
+    sqrt_ab = ab.sqrt()
     # Zero terminal SNR (Lin et al. 2024): shift and scale sqrt(alpha_bar) so the last step is pure noise.
     first, last = sqrt_ab[0].clone(), sqrt_ab[-1].clone()
     sqrt_ab = (sqrt_ab - last) * first / (first - last)
-    return (sqrt_ab ** 2).float()
+    return sqrt_ab ** 2
 
 
 class Objective:
-    """Noising and targets for one objective; `alphas_cumprod` is built once."""
+    """Noising and targets for one objective; `alphas_cumprod` (fp32; `alphas_cumprod64` in float64) is
+    built once from `schedule` (default: NoiseSchedule(), CogVideoX-5B's)."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, schedule: Optional[NoiseSchedule] = None):
         if kind not in ("v_prediction", "flow_matching"):
             raise ValueError(f"unknown objective {kind!r}; use v_prediction or flow_matching")
         self.kind = kind
-        self.alphas_cumprod = ddpm_alphas_cumprod()
+        self.schedule = schedule or NoiseSchedule()
+        s = self.schedule
+        self.alphas_cumprod64 = ddpm_alphas_cumprod(NUM_TRAIN_TIMESTEPS, s.beta_start, s.beta_end, s.snr_shift_scale,
+                                                    s.rescale_betas_zero_snr)
+        self.alphas_cumprod = self.alphas_cumprod64.float()
+
+    @classmethod
+    def of(cls, model) -> "Objective":
+        """The objective of a `model:` section: model.objective on model.schedule."""
+        return cls(model.objective, model.schedule)
 
     def noised(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x0, noise: [B, C, T, H, W]; t: [B] integer timesteps in [0, 1000). Returns (x_t, target)."""

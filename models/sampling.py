@@ -1,20 +1,29 @@
-"""Deterministic samplers for the two objectives of models/diffusion.py, free of any distribution.
+"""Samplers for the two objectives of models/diffusion.py, free of any distribution.
 
-    ddim   (v_prediction)   DDIM with eta = 0 on the zero-terminal-SNR schedule, "trailing" spacing
-                            t_i = round(1000 - i * 1000 / steps) - 1, i = 0..steps-1 (so t_0 = 999, pure noise).
-                            From the model's v:  x0 = sqrt(a) x_t - sqrt(1 - a) v,  e = sqrt(1 - a) x_t + sqrt(a) v,
-                            then x_prev = sqrt(a_prev) x0 + sqrt(1 - a_prev) e, with a_prev = 1 after the last step.
+    ddim   (v_prediction)   CogVideoXDDIMScheduler with eta = 0. Timesteps spaced as model.schedule.timestep_spacing
+                            says, as diffusers' set_timesteps does (trailing: t_i = round(1000 - i * 1000 / steps) - 1,
+                            so t_0 = 999, pure noise). From the model's v:  x0 = sqrt(a) x_t - sqrt(1 - a) v,
+                            e = sqrt(1 - a) x_t + sqrt(a) v, then x_prev = sqrt(a_prev) x0 + sqrt(1 - a_prev) e with
+                            a_prev = alpha_bar at t - 1000 // steps (diffusers' rule), 1 below 0.
+    dpm    (v_prediction)   CogVideoXDPMScheduler: DPM-Solver++(2M) SDE in log-SNR l = log sqrt(a / (1 - a)),
+                            h = l_prev - l:  x_prev = sqrt((1 - a_prev) / (1 - a)) e^-h x_t + (1 - e^-2h) sqrt(a_prev) D
+                            + sqrt(1 - a_prev) sqrt(1 - e^-2h) z, with D = x0 on the first and last steps and
+                            D = (1 + 1/2r) x0 - 1/2r x0_last otherwise (r = h_last / h); z ~ N(0, 1) drawn from the
+                            caller's generator in diffusers' [B, T, C, H, W] order, so a generator gives the pipeline's.
     euler  (flow_matching)  s goes 1 -> 0 in `steps` equal steps: x <- x + (s_next - s) u. The model sees the
                             integer timestep min(999, round(s * 1000)); the update uses the exact s.
 
 Classifier-free guidance mixes the two predictions as u + g (c - u) (c conditional, u unconditional);
-with g = 1 only the conditional call is made. There is no randomness inside: the same `noise` gives the
-same sample bit for bit.
+with g = 1 only the conditional call is made. CogVideoXPipeline's use_dynamic_cfg (with g > 1) replaces g at
+timestep t by 1 + g (1 - cos(pi ((steps - t) / steps) ** 5)) / 2. ddim and euler have no randomness inside:
+the same `noise` gives the same sample bit for bit; dpm adds the generator's draws.
 """
 from __future__ import annotations
 
-from typing import Callable
+import math
+from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from models.diffusion import NUM_TRAIN_TIMESTEPS, Objective
@@ -22,21 +31,22 @@ from models.diffusion import NUM_TRAIN_TIMESTEPS, Objective
 # predict(x_t [B, C, T, H, W], t [B] int64, conditional) -> v (v_prediction) or u (flow_matching)
 Predictor = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
-SAMPLERS = {"v_prediction": "ddim", "flow_matching": "euler"}
+SAMPLERS = {"v_prediction": ("ddim", "dpm"), "flow_matching": ("euler",)}   # the first is the default
 
 
 def check_sampler(objective_kind: str, sampler: str | None) -> str:
     """The sampler to use for `objective_kind`: `sampler`, or the objective's own when None."""
     if objective_kind not in SAMPLERS:
         raise ValueError(f"unknown objective {objective_kind!r}; use one of {sorted(SAMPLERS)}")
-    natural = SAMPLERS[objective_kind]
+    fitting = SAMPLERS[objective_kind]
     if sampler is None:
-        return natural
-    if sampler not in SAMPLERS.values():
-        raise ValueError(f"unknown sampler {sampler!r}; use one of {sorted(SAMPLERS.values())}")
-    if sampler != natural:
+        return fitting[0]
+    known = sorted(s for group in SAMPLERS.values() for s in group)
+    if sampler not in known:
+        raise ValueError(f"unknown sampler {sampler!r}; use one of {known}")
+    if sampler not in fitting:
         raise ValueError(f"sampler {sampler!r} does not fit objective {objective_kind!r}: "
-                         f"{objective_kind} samples with {natural!r} (or leave sampler unset)")
+                         f"{objective_kind} samples with {' or '.join(map(repr, fitting))} (or leave sampler unset)")
     return sampler
 
 
@@ -45,15 +55,35 @@ def _flow_sigmas(steps: int) -> list[float]:
     return [1.0 - i / steps for i in range(steps)] + [0.0]
 
 
-def sampling_timesteps(objective_kind: str, steps: int, sampler: str | None = None) -> list[int]:
+def ddpm_timesteps(steps: int, spacing: str = "trailing") -> list[int]:
+    """diffusers' set_timesteps of the CogVideoX schedulers (steps_offset 0), in its numpy arithmetic."""
+    n = NUM_TRAIN_TIMESTEPS
+    if spacing == "trailing":
+        return (np.round(np.arange(n, 0, -n / steps)).astype(np.int64) - 1).tolist()
+    if spacing == "leading":
+        return (np.arange(0, steps) * (n // steps)).round()[::-1].astype(np.int64).tolist()
+    if spacing == "linspace":
+        return np.linspace(0, n - 1, steps).round()[::-1].astype(np.int64).tolist()
+    raise ValueError(f"unknown timestep_spacing {spacing!r}; use trailing, leading or linspace")
+
+
+def sampling_timesteps(objective_kind: str, steps: int, sampler: str | None = None,
+                       spacing: str = "trailing") -> list[int]:
     """The integer timesteps the model is called with, in order (one per step)."""
     sampler = check_sampler(objective_kind, sampler)
     if not 1 <= steps <= NUM_TRAIN_TIMESTEPS:
         raise ValueError(f"steps must be in [1, {NUM_TRAIN_TIMESTEPS}], got {steps}")
+    if sampler in ("ddim", "dpm"):
+        return ddpm_timesteps(steps, spacing)
     n = NUM_TRAIN_TIMESTEPS
-    if sampler == "ddim":
-        return [round(n - i * n / steps) - 1 for i in range(steps)]
     return [min(n - 1, round(s * n)) for s in _flow_sigmas(steps)[:-1]]
+
+
+def guidance_at(guidance_scale: float, t: int, steps: int, use_dynamic_cfg: bool) -> float:
+    """The guidance scale at timestep t: g, or CogVideoXPipeline's dynamic one (when g > 1)."""
+    if not use_dynamic_cfg or guidance_scale <= 1.0:
+        return guidance_scale
+    return 1 + guidance_scale * (1 - math.cos(math.pi * ((steps - t) / steps) ** 5.0)) / 2
 
 
 def _guided(predict: Predictor, x: torch.Tensor, t: int, guidance_scale: float) -> torch.Tensor:
@@ -70,23 +100,58 @@ def _coef(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return a.sqrt().float(), (1 - a).sqrt().float()
 
 
+def _dpm_step(x: torch.Tensor, v: torch.Tensor, ab: torch.Tensor, t: int, t_prev: int, t_back: Optional[int],
+              x0_last: Optional[torch.Tensor], generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One CogVideoXDPMScheduler step (eta = 0, v_prediction), its float64 scalars and order of operations."""
+    def noise():     # diffusers draws z in its latent order [B, T, C, H, W]
+        return torch.randn(x.transpose(1, 2).shape, generator=generator, dtype=x.dtype).transpose(1, 2)
+
+    a, one = ab[t], torch.tensor(1.0, dtype=torch.float64)
+    a_prev = ab[t_prev] if t_prev >= 0 else one
+    x0 = (a ** 0.5) * x - ((1 - a) ** 0.5) * v
+    lamb = ((a / (1 - a)) ** 0.5).log()
+    h = ((a_prev / (1 - a_prev)) ** 0.5).log() - lamb
+    mult1 = ((1 - a_prev) / (1 - a)) ** 0.5 * (-h).exp()
+    mult2 = (-2 * h).expm1() * a_prev ** 0.5
+    mult_noise = (1 - a_prev) ** 0.5 * (1 - (-2 * h).exp()) ** 0.5
+    x_prev = mult1 * x - mult2 * x0 + mult_noise * noise()
+    if x0_last is None or t_prev < 0:
+        return x_prev, x0
+    a_back = ab[t_back]
+    r = (lamb - ((a_back / (1 - a_back)) ** 0.5).log()) / h
+    denoised = (1 + 1 / (2 * r)) * x0 - (1 / (2 * r)) * x0_last
+    return mult1 * x - mult2 * denoised + mult_noise * noise(), x0
+
+
 @torch.no_grad()
 def sample(predict: Predictor, noise: torch.Tensor, objective: Objective, steps: int,
-           sampler: str | None = None, guidance_scale: float = 1.0) -> torch.Tensor:
-    """Integrate from `noise` (x_T, [B, C, T, H, W], seeded by the caller) to a clean latent, in fp32."""
+           sampler: str | None = None, guidance_scale: float = 1.0, *, use_dynamic_cfg: bool = False,
+           generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Integrate from `noise` (x_T, [B, C, T, H, W], seeded by the caller) to a clean latent, in fp32.
+    dpm draws its step noise from `generator`."""
     sampler = check_sampler(objective.kind, sampler)
-    timesteps = sampling_timesteps(objective.kind, steps, sampler)
+    spacing = objective.schedule.timestep_spacing
+    timesteps = sampling_timesteps(objective.kind, steps, sampler, spacing)
     x = noise.float()
     if sampler == "euler":
         sigmas = _flow_sigmas(steps)
         for i, t in enumerate(timesteps):
             x = x + (sigmas[i + 1] - sigmas[i]) * _guided(predict, x, t, guidance_scale)
         return x
-    # DDIM; a_prev = 1 after the last step, so it returns the model's x0.
+    stride = NUM_TRAIN_TIMESTEPS // steps            # diffusers: the previous timestep is t - 1000 // steps
+    if sampler == "dpm":
+        if generator is None:
+            raise ValueError("the dpm sampler draws noise at every step: pass a torch.Generator")
+        ab, x0_last = objective.alphas_cumprod64, None
+        for i, t in enumerate(timesteps):
+            v = _guided(predict, x, t, guidance_at(guidance_scale, t, steps, use_dynamic_cfg))
+            x, x0_last = _dpm_step(x, v, ab, t, t - stride, timesteps[i - 1] if i > 0 else None, x0_last, generator)
+        return x
+    # DDIM; a_prev = 1 below timestep 0, so the last step returns the model's x0.
     ab = objective.alphas_cumprod.double()
-    for i, t in enumerate(timesteps):
-        (sa, s1a), v = _coef(ab[t]), _guided(predict, x, t, guidance_scale)
+    for t in timesteps:
+        (sa, s1a), v = _coef(ab[t]), _guided(predict, x, t, guidance_at(guidance_scale, t, steps, use_dynamic_cfg))
         x0, e = sa * x - s1a * v, s1a * x + sa * v
-        sa_prev, s1a_prev = _coef(ab[timesteps[i + 1]] if i + 1 < steps else torch.tensor(1.0, dtype=torch.float64))
+        sa_prev, s1a_prev = _coef(ab[t - stride] if t - stride >= 0 else torch.tensor(1.0, dtype=torch.float64))
         x = sa_prev * x0 + s1a_prev * e
     return x

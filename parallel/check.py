@@ -175,6 +175,28 @@ def _check_engine(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
     return problems + dsc.unknown_key_problems(ds, src)
 
 
+def check_unconditional(cfg: ExperimentConfig) -> list[str]:
+    """The unconditional text embedding (T5 of "") of a prepared folder, where caption dropout or guidance
+    needs it and no data.text_encoder can encode it; synthetic data has its own."""
+    from pathlib import Path
+
+    from parallel.config import UNCOND_FILE
+    needs = []
+    if cfg.data.caption_dropout > 0 and cfg.data.kind == "directory":
+        needs.append((cfg.data.path, f"data.caption_dropout={cfg.data.caption_dropout}", "data.caption_dropout=0"))
+    v = cfg.val
+    if v.every and v.num_prompts and v.guidance_scale != 1 and v.path:
+        needs.append((v.path, f"val.guidance_scale={v.guidance_scale}", "val.guidance_scale=1"))
+    problems = []
+    for folder, why, off in needs:
+        path = Path(folder) / UNCOND_FILE
+        if not cfg.data.text_encoder and not path.is_file():
+            problems.append(f"{path} does not exist: {why} needs the unconditional text embedding (T5 of the empty "
+                            f"prompt); python -m parallel.prepare_data --t5 writes it, or set data.text_encoder to "
+                            f"encode it, or set {off}")
+    return problems
+
+
 def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source: str = "deepspeed config",
           world_size: Optional[int] = None) -> tuple[Layout, list[str]]:
     """Return the layout and every problem found (an empty list means the layout is valid)."""
@@ -215,9 +237,11 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
         raise ConfigError("\n".join(problems))
     layout, found = check(cfg, ds, deepspeed_config or "deepspeed config", world_size)
     problems += found
+    problems += check_unconditional(cfg)
     if cfg.model.init_from:                   # config.json and safetensors headers only, no tensor data
         from parallel.weights.diffusers import check_released
-        problems += check_released(cfg.model, cfg.model.init_from)
+        from parallel.weights.scheduler import check_scheduler
+        problems += check_released(cfg.model, cfg.model.init_from) + check_scheduler(cfg.model, cfg.model.init_from)
     if problems:
         raise ConfigError("\n".join(problems))
     return cfg, ds, layout

@@ -23,6 +23,9 @@ class ConfigError(ValueError):
     """A configuration problem a user can fix; the message names the file and the key."""
 
 
+UNCOND_FILE = "uncond.safetensors"       # beside manifest.jsonl: T5 of the empty prompt, {"text": [S_txt, D]}
+
+
 class DataConfig(Section):
     """Where samples come from and their pixel-space size (latents are derived via the VAE scales)."""
 
@@ -34,6 +37,9 @@ class DataConfig(Section):
     num_samples: int = Field(64, ge=1, description="synthetic dataset size")
     text_encoder: Optional[str] = Field(None, description="local T5 encoder folder; manifest lines may then "
                                         "give a caption string instead of a text-embedding file")
+    caption_dropout: float = Field(0.0, ge=0, lt=1, description="probability that a training sample's text "
+                                   "embedding is the unconditional one (T5 of \"\": uncond.safetensors beside the "
+                                   "manifest), drawn from (train.seed, step, sample position); CogVideoX: 0.1")
 
     @model_validator(mode="after")
     def _directory_needs_path(self) -> "DataConfig":
@@ -91,9 +97,13 @@ class ValConfig(Section):
     use_ema: bool = Field(False, description="validate and sample with the EMA weights (FusedEmaAdam/EmaAdamW)")
     num_prompts: int = Field(0, ge=0, description="prompts to sample videos for; 0 = no videos")
     sample_steps: int = Field(20, ge=1)
-    sampler: Optional[Literal["ddim", "euler"]] = Field(None, description="default: ddim for v_prediction, "
-                                                        "euler for flow_matching")
-    guidance_scale: float = Field(1.0, ge=0, description="classifier-free guidance; 1 = off")
+    sampler: Optional[Literal["ddim", "dpm", "euler"]] = Field(None, description="default: ddim for v_prediction, "
+                                                               "euler for flow_matching; dpm: v_prediction, "
+                                                               "CogVideoXDPMScheduler's DPM-Solver++(2M) SDE step")
+    guidance_scale: float = Field(1.0, ge=0, description="classifier-free guidance; 1 = off. The unconditional "
+                                  "input is the data's unconditional embedding (T5 of the empty prompt)")
+    use_dynamic_cfg: bool = Field(False, description="the guidance scale of CogVideoXPipeline's use_dynamic_cfg: "
+                                  "1 + g (1 - cos(pi ((N - t) / N) ** 5)) / 2 at timestep t of N steps")
     formats: list[Literal["gif", "mp4"]] = Field(["gif"], min_length=1)
     fps: int = Field(8, ge=1)
     decoder: Optional[str] = Field(None, description="a CogVideoX VAE folder (diffusers) or 'package.module:function' "

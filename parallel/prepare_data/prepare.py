@@ -6,7 +6,8 @@
 
 Each video becomes the clip training expects (data.num_frames x data.height x data.width, parallel.prepare_data.frames),
 then a VAE latent [C, T, H, W] (parallel.prepare_data.vae) in latents/<video>.safetensors and, with --t5, its caption's
-T5 embedding [model.max_text_len, model.text_embed_dim] in text/<video>.safetensors; without --t5 the
+T5 embedding [model.max_text_len, model.text_embed_dim] in text/<video>.safetensors, and once the empty
+prompt's, uncond.safetensors (caption dropout's and guidance's unconditional input); without --t5 the
 manifest keeps the caption for training to encode (data.text_encoder). manifest.jsonl lists the prepared
 videos in captions order, skipped.jsonl the unusable ones with the reason, prepare.json the settings.
 
@@ -32,7 +33,7 @@ from tqdm import tqdm
 
 from models.geometry import latent_shape
 from parallel.prepare_data.captions import InputError, read_captions, video_files
-from parallel.config import ConfigError, load_config
+from parallel.config import UNCOND_FILE, ConfigError, load_config
 from parallel.prepare_data.frames import VideoError, read_clip
 from parallel.dist.seed import derive_seed
 from parallel.dist.topology import read_launch_env
@@ -198,6 +199,15 @@ class ClipEncoder:
             write_atomic(args.out, text_path, lambda p: save_file({"text": text}, str(p), meta), self.tag)
         write_atomic(args.out, latent_path, lambda p: save_file({"latent": latent}, str(p), meta), self.tag)
 
+    def write_unconditional(self) -> None:
+        """uncond.safetensors: T5 of the empty prompt, what CogVideoX's pipelines feed as the negative prompt."""
+        write_unconditional(self.args.out, self.t5, self.store, self.tag)
+
+
+def write_unconditional(out: Path, t5, dtype: torch.dtype, tag: str) -> None:
+    text = t5.encode("").to(dtype).contiguous()
+    write_atomic(out, UNCOND_FILE, lambda p: save_file({"text": text}, str(p), {"caption": ""}), tag)
+
 
 def prepare(args, cfg, env) -> dict:
     """This rank's share of the videos, then the merged manifest; counts for the summary line."""
@@ -222,8 +232,12 @@ def prepare(args, cfg, env) -> dict:
     todo = todo[:args.limit] if args.limit is not None else todo
     skip_log = tmp / f"skipped.rank{rank}-of-{world}.jsonl"
     skip_log.write_text("")
-    if todo:
+    need_uncond = t5 and rank == 0 and not (out / UNCOND_FILE).is_file()
+    if todo or need_uncond:
         encode_clip = ClipEncoder(args, cfg, env.local_rank, tag)
+    if need_uncond:
+        encode_clip.write_unconditional()
+    if todo:
         bar = tqdm(todo, desc=f"rank {rank}/{world}", unit="video", position=env.local_rank, file=sys.stderr,
                    dynamic_ncols=True)
         for rel, caption in bar:

@@ -4,6 +4,8 @@ Which samples a step uses, their noise and their timesteps depend only on (seed,
 global batch), never on the layout: position j of global step s is sample position s*G + j (G = global
 batch), and data-parallel rank d takes positions [(a*dp + d)*mb, (a*dp + d + 1)*mb) at micro-step a.
 So every (tp, pp, dp) layout sees the same global batch, and resuming at step s needs nothing but s.
+Caption dropout (data.caption_dropout = p) is decided the same way: position j of step s trains on the
+dataset's unconditional text embedding (T5 of the empty prompt) when rand(seed, step, s*G + j) < p.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import torch
 
 from models.diffusion import NUM_TRAIN_TIMESTEPS, Objective
+from parallel.config import UNCOND_FILE
 from parallel.dist.seed import derive_seed
 
 
@@ -43,6 +46,10 @@ class SyntheticLatents:
 
     def text(self, k: int) -> torch.Tensor:
         return torch.randn(self.text_len, self.text_dim, generator=_generator(self.seed, "caption", k))
+
+    def unconditional(self) -> torch.Tensor:
+        """The empty prompt's embedding [S_txt, D]: a table of its own, from the seed."""
+        return torch.randn(self.text_len, self.text_dim, generator=_generator(self.seed, "unconditional"))
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         t, h, w = self.shape
@@ -77,6 +84,9 @@ class IndexRange:
     def label(self, i: int) -> str:
         return self.base.label(self.start + i)
 
+    def unconditional(self) -> torch.Tensor:
+        return self.base.unconditional()
+
 
 def _load_tensor(path: Path, key: str) -> torch.Tensor:
     if path.suffix == ".safetensors":
@@ -92,7 +102,8 @@ class DirectoryLatents:
     Latents are [C, T, H, W] (VAE-scaled), text embeddings [S_txt, text_dim]. With a `text_encoder`
     (models.text_encoder.T5TextEncoder) a line may give {"latent": file, "caption": "..."} instead and
     the caption is encoded when the sample is read. Every listed file is checked to exist when the
-    dataset is opened, so a missing one is named before training starts.
+    dataset is opened, so a missing one is named before training starts. The unconditional embedding
+    (caption dropout, guidance) is uncond.safetensors beside the manifest, or the encoder's T5("").
     """
 
     def __init__(self, root: str | Path, text_encoder=None):
@@ -128,6 +139,16 @@ class DirectoryLatents:
         """The sample's caption when the manifest has one (parallel.prepare_data.prepare writes it), else its file."""
         return self.captions[i] or self.items[i][0].name
 
+    def unconditional(self) -> torch.Tensor:
+        path = self.root / UNCOND_FILE
+        if path.is_file():
+            return _load_tensor(path, "text").float()
+        if self.text_encoder is not None:
+            return self.text_encoder.encode("").float()
+        raise FileNotFoundError(f"{path} does not exist: the unconditional text embedding (T5 of the empty prompt) "
+                                f"that caption dropout and guidance use; python -m parallel.prepare_data --t5 writes "
+                                f"it, or set data.text_encoder to encode it")
+
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         latent, text = self.items[i]
         embedding = self.text_encoder.encode(text) if isinstance(text, str) else _load_tensor(text, "text")
@@ -138,8 +159,11 @@ class DiffusionBatches:
     """Infinite iterator of this rank's micro-batches: ((x_t, t, text), target), grad_accum per step."""
 
     def __init__(self, dataset, objective: Objective, *, seed: int, micro_batch: int, grad_accum: int,
-                 dp_rank: int, dp_size: int, start_step: int = 0):
+                 dp_rank: int, dp_size: int, start_step: int = 0, caption_dropout: float = 0.0):
         self.dataset, self.objective, self.seed = dataset, objective, seed
+        self.caption_dropout = caption_dropout
+        # Loaded once, at start-up: a missing file is named before the first step.
+        self.uncond = dataset.unconditional() if caption_dropout > 0 else None
         self.mb, self.accum, self.dp_rank, self.dp_size = micro_batch, grad_accum, dp_rank, dp_size
         self.global_batch = micro_batch * grad_accum * dp_size
         self.step, self.micro = start_step, 0
@@ -152,11 +176,20 @@ class DiffusionBatches:
             self._perms = {epoch: torch.randperm(n, generator=_generator(self.seed, "epoch", epoch))}
         return int(self._perms[epoch][position % n])
 
+    def dropped(self, step: int, position: int) -> bool:
+        """Whether global sample `position` of `step` trains on the unconditional embedding."""
+        if self.caption_dropout <= 0:
+            return False
+        return float(torch.rand(1, generator=_generator(self.seed, "caption_dropout", step, position))) \
+            < self.caption_dropout
+
     def micro_batch(self, step: int, micro: int):
         first = step * self.global_batch + (micro * self.dp_size + self.dp_rank) * self.mb
         x0s, texts, noises, ts = [], [], [], []
         for pos in range(first, first + self.mb):
             x0, text = self.dataset[self.sample_index(pos)]
+            if self.dropped(step, pos):
+                text = self.uncond.to(text.dtype)
             g = _generator(self.seed, "noise", pos)
             noises.append(torch.randn(x0.shape, generator=g))
             ts.append(torch.randint(0, NUM_TRAIN_TIMESTEPS, (1,), generator=g))

@@ -140,10 +140,10 @@ def build_dataset(cfg: ExperimentConfig):
 
 def training_batches(cfg: ExperimentConfig, ctx, dataset=None, start_step: int = 0) -> DiffusionBatches:
     """This rank's micro-batches of the run (dataset: build_dataset(cfg) unless given), from `start_step`."""
-    return DiffusionBatches(dataset if dataset is not None else build_dataset(cfg), Objective(cfg.model.objective),
+    return DiffusionBatches(dataset if dataset is not None else build_dataset(cfg), Objective.of(cfg.model),
                             seed=cfg.train.seed, micro_batch=cfg.train.micro_batch_size,
                             grad_accum=cfg.train.grad_accum_steps, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
-                            start_step=start_step)
+                            start_step=start_step, caption_dropout=cfg.data.caption_dropout)
 
 
 def build_val_dataset(cfg: ExperimentConfig):

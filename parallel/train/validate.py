@@ -164,10 +164,13 @@ def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: E
 
 def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: ExperimentConfig, ctx) -> dict:
     """Sampled latents of the first `val.num_prompts` validation prompts, {prompt: [C, T, H, W]}, on every
-    rank. Prompt i starts from noise drawn from (seed, i) alone; replicas split the prompts like samples."""
+    rank. Prompt i starts from noise drawn from (seed, i) alone (the dpm sampler's step noise continues that
+    generator); the unconditional input of guidance is the dataset's unconditional embedding (T5 of "");
+    replicas split the prompts like samples."""
     from models.sampling import sample
 
     n = min(cfg.val.num_prompts, len(dataset))
+    uncond = dataset.unconditional()[None] if cfg.val.guidance_scale != 1 and n else None
     mine = {}
     for i, counts in replica_items(n, forward, ctx):
         x0, text = dataset[i]
@@ -175,9 +178,10 @@ def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: Ex
         noise = torch.randn((1, *x0.shape), generator=g)
 
         def predict(x, t, conditional, text=text[None]):
-            return forward.predict((x, t, text if conditional else torch.zeros_like(text)), x).cpu()
+            return forward.predict((x, t, text if conditional else uncond.to(text.dtype)), x).cpu()
 
-        latent = sample(predict, noise, objective, cfg.val.sample_steps, cfg.val.sampler, cfg.val.guidance_scale)
+        latent = sample(predict, noise, objective, cfg.val.sample_steps, cfg.val.sampler, cfg.val.guidance_scale,
+                        use_dynamic_cfg=cfg.val.use_dynamic_cfg, generator=g)
         if counts:
             mine[i] = [latent[0]]
     return {i: v[0] for i, v in _gather_rows(mine, ctx, _replica_head(ctx)).items()}
@@ -267,7 +271,7 @@ class Validator:
         self.cfg, self.trainer, self.ctx, self.dataset = cfg, trainer, ctx, dataset
         self.out_dir = out_dir                    # the logging rank's output directory, None elsewhere
         self.forward = StageForward(trainer.engine, ctx)
-        self.objective = Objective(cfg.model.objective)
+        self.objective = Objective.of(cfg.model)
         self.frames: dict = {}                   # the last videos written, {prompt: uint8 [T, H, W, 3]}
 
     def due(self, step: int) -> bool:

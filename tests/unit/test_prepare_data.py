@@ -112,6 +112,8 @@ def test_latents_and_text_are_what_the_vae_and_t5_give(videos, vae_dir, t5_dir, 
     encoder = T5TextEncoder(t5_dir, max_len=8)
     for m in manifest:
         torch.testing.assert_close(load_file(prepared / m["text"])["text"], encoder.encode(m["caption"]))
+    # Written once beside the manifest: the empty prompt's embedding, caption dropout's and guidance's input.
+    torch.testing.assert_close(load_file(prepared / "uncond.safetensors")["text"], encoder.encode(""))
     assert json.loads((prepared / "prepare.json").read_text())["scaling_factor"] == sf
 
 
