@@ -1,5 +1,6 @@
-"""Caption dropout and the unconditional embedding: the same samples dropped in every layout (unit: the
-batches of dp 1 and dp 2; distributed: dp 2 and tp 2 training against one process), the unconditional
+"""Caption dropout and the unconditional embedding: the same samples dropped in every layout (here: the
+batches of dp 1 and dp 2; tests/distributed/test_release_dropout_layouts.py: dp 2 and tp 2 training against
+one process), the unconditional
 embedding from the data (synthetic: its own; prepared: uncond.safetensors), refused by name when missing,
 and used by guided validation sampling."""
 import json
@@ -15,7 +16,6 @@ from parallel.config import ConfigError, load_config
 from parallel.dist.topology import ParallelContext
 from parallel.train.data import DiffusionBatches, DirectoryLatents, SyntheticLatents
 from parallel.train.run import build_val_dataset
-from tests.train_utils import assert_matches, fp32_config, train
 
 P = 0.5
 
@@ -108,17 +108,3 @@ def test_guided_validation_samples_feed_the_unconditional_embedding():
     sample_latents(forward, dataset, Objective.of(cfg.model), cfg, ParallelContext.single())
     assert len(seen) == 4                                  # 2 steps x (conditional, unconditional)
     assert torch.equal(seen[0][0], dataset[0][1]) and torch.equal(seen[1][0], dataset.unconditional())
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return train(1, 1, 1, fp32_config(), extra=["data.caption_dropout=0.5"])
-
-
-@pytest.mark.parametrize("tp, dp", [(1, 2), (2, 1)])
-def test_dropout_training_in_every_layout_equals_one_process(reference, tp, dp):
-    assert_matches(train(tp, 1, dp, fp32_config(), extra=["data.caption_dropout=0.5"]), reference)
-
-
-def test_dropout_changes_what_is_trained(reference):
-    assert train(1, 1, 1, fp32_config())["losses"] != reference["losses"]
