@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from models.cogvideox.model import latent_shape
+from parallel.cli import CONFIG_HELP, add_experiment_args
 from parallel.prepare_data.captions import InputError, read_captions, video_files
 from parallel.config import ConfigError, load_config
 from parallel.prepare_data.frames import VideoError, read_clip
@@ -43,10 +44,8 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True, help="experiment YAML file or preset name (data.num_frames, "
-                    "data.height, data.width; model.in_channels, vae scales, max_text_len, text_embed_dim)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config key, as in train.py (repeatable)")
+    add_experiment_args(ap, deepspeed=False, config_help=CONFIG_HELP + " (data.num_frames, data.height, "
+                        "data.width; model.in_channels, vae scales, max_text_len, text_embed_dim)")
     ap.add_argument("--videos", required=True, type=Path, help="folder of video files (searched recursively)")
     ap.add_argument("--captions", type=Path, help="CSV with video,caption columns or JSONL of "
                     '{"video": ..., "caption": ...}; video paths relative to --videos. '
