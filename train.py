@@ -11,16 +11,14 @@ import argparse
 import sys
 
 from parallel.check import load_and_check
+from parallel.cli import add_experiment_args
 from parallel.config import ConfigError
 from parallel.dist.topology import read_launch_env
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True, help="experiment YAML file or preset name")
-    ap.add_argument("--deepspeed_config", "--deepspeed-config", required=True, help="DeepSpeed JSON file")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config key, e.g. --set parallel.tp_size=2 (repeatable)")
+    add_experiment_args(ap)
     ap.add_argument("--resume", default="auto", choices=["auto", "never"],
                     help="auto: continue from the newest complete checkpoint in ckpt.dir, if there is one")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)

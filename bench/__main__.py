@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import comm  # noqa: E402
-from bench.overhead import MID, to_plain_linear  # noqa: E402
+from bench.overhead import MID, build_engines  # noqa: E402
 
 
 def matmul_flops(n: int = 1024, seconds: float = 2.0) -> float:
@@ -52,38 +52,13 @@ def step_flops(cfg) -> float:
     from parallel.dist.pipeline import SequentialDiT
     from parallel.plan.trace import sequence_length
     from parallel.dist.topology import ParallelContext
+    from parallel.units import count_parameters
 
     with torch.device("meta"):
         model = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
-    n = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+    n = count_parameters(model, matrices_only=True)
     seq, m = sequence_length(cfg), cfg.model
     return cfg.train.micro_batch_size * (6 * n * seq + 12 * m.num_layers * seq ** 2 * m.hidden_size)
-
-
-def _engines(cfg, variants: dict):
-    """One DeepSpeed engine per variant {name: (ds, plain_linear)}, all from the same initial weights."""
-    import deepspeed
-
-    from parallel.train.engine import build_optimizer, lr_factor, prepare_ds_config
-    from parallel.build import build_model
-    from parallel.dist.seed import seed_all
-    from parallel.dist.topology import ParallelContext
-
-    engines = {}
-    for name, (ds, plain) in variants.items():
-        seed_all(cfg.train.seed)
-        checkpoint_fn = None
-        if ds.get("activation_checkpointing"):
-            deepspeed.checkpointing.configure(ParallelContext.single(), deepspeed_config=prepare_ds_config(ds, cfg, 1))
-            checkpoint_fn = deepspeed.checkpointing.checkpoint
-        model = build_model(cfg, ds, ParallelContext.single(), checkpoint_fn)
-        if plain:
-            model = to_plain_linear(model)
-        opt = build_optimizer(model, ds, cfg.train)
-        sched = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_factor(s, cfg.train))  # noqa: E731
-        engines[name], *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
-                                                 config=prepare_ds_config(ds, cfg, 1))
-    return engines
 
 
 def in_process(steps: int) -> dict:
@@ -99,14 +74,15 @@ def in_process(steps: int) -> dict:
     from parallel.plan.trace import ActivationTracer
     from parallel.train.run import build_dataset, export_launch_env
     from parallel.dist.topology import read_launch_env
+    from parallel.units import TiB
 
     export_launch_env(read_launch_env())
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = load_config("debug", MID)
     with_ckpt = json.loads((ROOT / "ds_configs/zero0_fp32.json").read_text())
     without = {k: v for k, v in with_ckpt.items() if k != "activation_checkpointing"}
-    engines = _engines(cfg, {"toolkit": (without, False), "nn.Linear": (without, True),
-                             "toolkit, checkpointing": (with_ckpt, False)})
+    engines = build_engines(cfg, {"toolkit": (without, False), "nn.Linear": (without, True),
+                                  "toolkit, checkpointing": (with_ckpt, False)})
     data = DiffusionBatches(build_dataset(cfg), Objective(cfg.model.objective), seed=0, micro_batch=2,
                             grad_accum=1, dp_rank=0, dp_size=1)
     batches = [next(data) for _ in range(5)]
@@ -130,7 +106,7 @@ def in_process(steps: int) -> dict:
     peak, flops = matmul_flops(), step_flops(cfg)
     planner = {}
     for name, ds in (("toolkit", without), ("toolkit, checkpointing", with_ckpt)):
-        stage = plan_memory(cfg, ds, 1, 2**40, ActivationTracer(cfg, torch.float32)).stages[0]
+        stage = plan_memory(cfg, ds, 1, TiB, ActivationTracer(cfg, torch.float32)).stages[0]
         states = sum(stage.lines[k] for k in ("parameters", "gradients", "adam_moments", "master_weights",
                                                "ema_shadow"))
         planner[name] = {"model_states": {"predicted": states, "measured": probes[name].states},

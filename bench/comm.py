@@ -91,12 +91,13 @@ def measure(overrides: list[str]) -> list[dict]:
     from parallel.dist.pipeline import SequentialDiT
     from parallel.plan.trace import sequence_length
     from parallel.dist.topology import ParallelContext
+    from parallel.units import count_parameters
     from tests.dist_utils import run_ranks
 
     cfg = load_config("debug", overrides)
     m, t = cfg.model, cfg.train
     with torch.device("meta"):
-        params = sum(p.numel() for p in SequentialDiT(layer_specs(cfg, ParallelContext.single())).parameters())
+        params = count_parameters(SequentialDiT(layer_specs(cfg, ParallelContext.single())))
     b, s, mb = t.micro_batch_size, sequence_length(cfg), t.grad_accum_steps
     rows = []
     cases = [("TP", (2, 1, 1, 0), 4 * m.num_layers * mb * b * s * m.hidden_size * 4, "4 x b*s*h per block"),

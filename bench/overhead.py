@@ -50,34 +50,38 @@ def to_plain_linear(module: nn.Module) -> nn.Module:
     return module
 
 
+def build_engines(cfg, variants: dict) -> dict:
+    """One DeepSpeed engine per variant {name: (ds, plain_linear)}, all from the same initial weights,
+    set up by train.py's build_trainer (plain_linear: on the model with its layers made nn.Linear), in one
+    process whose torch.distributed is initialised (the context is DeepSpeed's mpu: it needs groups)."""
+    from parallel.build import build_model
+    from parallel.dist.seed import seed_all
+    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.train.engine import build_trainer
+
+    ctx, engines = ParallelContext.build(ParallelDims()), {}
+    for name, (ds, plain) in variants.items():
+        seed_all(cfg.train.seed)
+        model = to_plain_linear(build_model(cfg, ds, ctx)) if plain else None
+        engines[name] = build_trainer(cfg, ds, ctx, model=model).engine
+    return engines
+
+
 def measure_overhead(steps: int) -> dict:
     import deepspeed
 
     from parallel.train.data import DiffusionBatches
     from models.diffusion import Objective
     from parallel.config import load_config
-    from parallel.train.engine import build_optimizer, lr_factor, prepare_ds_config
-    from parallel.build import build_model
     from parallel.train.run import build_dataset, export_launch_env
-    from parallel.dist.seed import seed_all
-    from parallel.dist.topology import ParallelContext, read_launch_env
+    from parallel.dist.topology import read_launch_env
 
     export_launch_env(read_launch_env())
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = load_config("debug", MID)
     ds = json.loads((ROOT / "ds_configs/zero0_fp32.json").read_text())
     ds.pop("activation_checkpointing")
-    ctx = ParallelContext.single()
-    engines = {}
-    for kind in ("toolkit", "nn.Linear"):
-        seed_all(cfg.train.seed)
-        model = build_model(cfg, ds, ctx)
-        if kind == "nn.Linear":
-            model = to_plain_linear(model)
-        opt = build_optimizer(model, ds, cfg.train)
-        sched = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_factor(s, cfg.train))  # noqa: E731
-        engines[kind], *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
-                                                 config=prepare_ds_config(ds, cfg, 1))
+    engines = build_engines(cfg, {"toolkit": (ds, False), "nn.Linear": (ds, True)})
     data = DiffusionBatches(build_dataset(cfg), Objective("v_prediction"), seed=0, micro_batch=2, grad_accum=1,
                             dp_rank=0, dp_size=1)
     batches = [next(data) for _ in range(4)]

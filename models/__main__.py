@@ -15,12 +15,12 @@ from parallel.build import layer_specs
 from parallel.config import ConfigError, load_config
 from parallel.dist.pipeline import SequentialDiT
 from parallel.dist.topology import ParallelContext
+from parallel.units import count_parameters
 
 
 def summary(cfg) -> str:
     with torch.device("meta"):
         model = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
-    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     m, spec = cfg.model, family(cfg.model)
     t, h, w = token_grid(m, cfg.data)
     lines = [
@@ -29,10 +29,10 @@ def summary(cfg) -> str:
         f"video: {cfg.data.num_frames} x {cfg.data.height} x {cfg.data.width} -> latents "
         f"{'x'.join(map(str, latent_shape(m, cfg.data)))} x {m.in_channels} ch -> {t} x {h} x {w} patches = "
         f"{spec.describe_tokens(m, cfg.data)}",
-        f"embed:  {count(model.embed):>14,d}",
-        f"blocks: {count(model.blocks):>14,d}  ({count(model.blocks[0]):,d} per {spec.layer_noun})",
-        f"final:  {count(model.final):>14,d}",
-        f"parameters: {count(model)}",
+        f"embed:  {count_parameters(model.embed):>14,d}",
+        f"blocks: {count_parameters(model.blocks):>14,d}  ({count_parameters(model.blocks[0]):,d} per {spec.layer_noun})",
+        f"final:  {count_parameters(model.final):>14,d}",
+        f"parameters: {count_parameters(model)}",
     ]
     return "\n".join(lines)
 

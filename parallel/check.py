@@ -248,12 +248,11 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from parallel.cli import add_experiment_args
+
     ap = argparse.ArgumentParser(prog="python -m parallel.check", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True, help="experiment YAML file or preset name")
-    ap.add_argument("--deepspeed_config", "--deepspeed-config", default=None, help="DeepSpeed JSON file")
+    add_experiment_args(ap, deepspeed_required=False)
     ap.add_argument("--world-size", "--world_size", type=int, default=None, help="number of processes")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config key, e.g. --set parallel.tp_size=2 (repeatable)")
     args = ap.parse_args(argv)
     try:
         cfg, _, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, args.world_size)

@@ -21,29 +21,15 @@ import sys
 from pathlib import Path
 
 from parallel.check import load_and_check
+from parallel.cli import add_experiment_args, size_arg
 from parallel.config import ConfigError
 from parallel.dist.topology import read_launch_env
-
-
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-def parse_size(text: str) -> int:
-    """`5GB` -> 5 * 10**9 bytes, `500MiB` -> 500 * 2**20, `1000` -> 1000."""
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-    low = text.strip().lower()
-    for unit, scale in units.items():
-        if low.endswith(unit) and low[:-len(unit)].strip().replace(".", "", 1).isdigit():
-            return int(float(low[:-len(unit)]) * scale)
-    if low.isdigit():
-        return int(low)
-    raise argparse.ArgumentTypeError(f"{text!r}: give a size such as 5GB, 500MiB or 1000000 (bytes)")
+from parallel.units import DTYPES
 
 
 def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit", ema: bool = False,
            max_shard_bytes: int = 5 * 10**9, dtype: str = "fp32") -> list[Path]:
     import deepspeed
-    import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
 
@@ -65,7 +51,7 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
                              f"{type(trainer.optimizer).__name__}; FusedEmaAdam/EmaAdamW keep one)")
         value = full_ema(trainer.optimizer, trainer.engine.optimizer) if ema else None
         written = export_diffusers(module, ctx, cfg, out, value, zero3=layout.zero_stage == 3,
-                                   max_shard_bytes=max_shard_bytes, dtype=getattr(torch, DTYPES[dtype]),
+                                   max_shard_bytes=max_shard_bytes, dtype=DTYPES[dtype],
                                    metadata={"step": str(step), "checkpoint": f"{cfg.ckpt_dir}/{tag}",
                                              "weights": "ema" if ema else "model"})
         dist.destroy_process_group()
@@ -95,16 +81,14 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m parallel.export", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--deepspeed_config", "--deepspeed-config", required=True)
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_experiment_args(ap)
     ap.add_argument("--tag", default=None, help="checkpoint tag (step{N}); default: the newest complete one")
     ap.add_argument("--out", required=True, help="folder for model.safetensors and ema.safetensors, or the "
                     "diffusers folder")
     ap.add_argument("--format", choices=["toolkit", "diffusers"], default="toolkit",
                     help="toolkit: canonical names, weights and EMA; diffusers: a CogVideoXTransformer3DModel folder")
     ap.add_argument("--ema", action="store_true", help="--format diffusers: export the EMA instead of the weights")
-    ap.add_argument("--max-shard-size", "--max_shard_size", type=parse_size, default="5GB",
+    ap.add_argument("--max-shard-size", "--max_shard_size", type=size_arg, default="5GB",
                     help="--format diffusers: largest shard file (5GB, 500MiB, bytes)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="--format diffusers: tensor dtype")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import re
 import sys
 from typing import Optional
 
@@ -23,28 +22,22 @@ with contextlib.redirect_stdout(sys.stderr):
 from parallel import ds_config as dsc  # noqa: E402
 from parallel.check import check  # noqa: E402
 from parallel.config import ConfigError, ExperimentConfig, load_config  # noqa: E402
-from parallel.plan.memory import GiB, LINES, EngineSettings, MemoryPlan, plan_memory  # noqa: E402
-from parallel.plan.search import (DEVICES, Candidate, SearchResult, count_params, default_dtype,  # noqa: E402
-                                  search, shipped_config)
+from parallel.cli import add_experiment_args  # noqa: E402
+from parallel.plan.memory import LINES, EngineSettings, MemoryPlan, plan_memory  # noqa: E402
+from parallel.plan.search import DEVICES, Candidate, SearchResult, count_params, search, shipped_config  # noqa: E402
 from parallel.plan.trace import ActivationTracer, sequence_length  # noqa: E402
+from parallel.units import gib, parse_size  # noqa: E402
 
 SCHEMA = "video-dit-parallel/memory-plan/1"
 INVALID_SHOWN = 8
-UNITS = {"kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40, "kb": 10 ** 3, "mb": 10 ** 6,
-         "gb": 10 ** 9, "tb": 10 ** 12}
 
 
 def parse_bytes(text: str, option: str) -> int:
-    """'80GiB' -> 85899345920; '80GB' -> 80e9. A unit is required (GiB and GB differ by 7%)."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]+)\s*", text)
-    if not m or m.group(2).lower() not in UNITS:
-        raise ConfigError(f"{option} {text!r}: give a number with a unit, e.g. 80GiB (2^30 bytes) or 80GB "
-                          f"(10^9 bytes); units: KiB MiB GiB TiB KB MB GB TB")
-    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
-
-
-def gib(n: int) -> str:
-    return f"{n / GiB:.2f}"
+    """A size flag with its unit required (GiB and GB differ by 7%); a ConfigError naming the flag."""
+    try:
+        return parse_size(text, unit_required=True)
+    except ValueError as e:
+        raise ConfigError(f"{option} {e}") from None
 
 
 def _model_info(cfg: ExperimentConfig, tracer: ActivationTracer, ds: dict) -> dict:
@@ -220,13 +213,11 @@ def render_markdown(r: dict) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m parallel.plan", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True, help="experiment YAML file or preset name")
-    ap.add_argument("--deepspeed_config", "--deepspeed-config", required=True, help="DeepSpeed JSON file")
+    add_experiment_args(ap)
     ap.add_argument("--devices", type=int, required=True, help="number of devices (processes)")
     ap.add_argument("--device-memory", "--device_memory", required=True, help="per device, with a unit: 80GiB")
     ap.add_argument("--devices-per-node", "--devices_per_node", type=int, default=8)
     ap.add_argument("--device", choices=sorted(DEVICES), default="a100-80gb", help="peak FLOP/s and bandwidths")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--format", choices=("text", "json", "markdown"), default="text")
     ap.add_argument("--search", action="store_true", help="try every layout of --devices devices")
     ap.add_argument("--top", type=int, default=10, help="layouts shown by --search")
@@ -242,7 +233,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.workspace = parse_bytes(args.workspace, "--workspace")
         cfg = load_config(args.config, args.overrides)
         ds = dsc.read_ds_config(args.deepspeed_config)
-        tracer = ActivationTracer(cfg, default_dtype(ds))
+        tracer = ActivationTracer(cfg, EngineSettings.from_ds(ds, 1).dtype)
         if args.search:
             report = search_report(cfg, ds, args, tracer)
             status = 0 if report["ranked"] else 2
@@ -270,3 +261,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"wrote {args.png}", file=sys.stderr)
     return status
 
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -40,9 +40,9 @@ from parallel import ds_config as dsc
 from parallel.config import ExperimentConfig
 from parallel.build import blocks_per_stage, checkpoint_interval
 from parallel.plan.trace import ActivationTracer
+from parallel.units import BYTES, DTYPES, GiB
 
-GiB = 2 ** 30
-DEFAULT_BUCKET = 500_000_000              # DeepSpeed 0.19's reduce/allgather bucket default (elements)
+DEFAULT_BUCKET = 500_000_000              # DeepSpeed 0.19's reduce bucket default (elements)
 DEFAULT_PREFETCH = 50_000_000
 DEFAULT_PERSISTENCE = 100_000
 DEFAULT_MAX_LIVE = 1_000_000_000
@@ -54,7 +54,6 @@ LINES = (("parameters", "parameters"), ("gradients", "gradients"), ("adam_moment
          ("activations", "activations"), ("recompute", "recompute (1 segment)"),
          ("zero_buckets", "gradient reduce buffers"), ("zero3_gathered", "ZeRO-3 gathered params"),
          ("pipeline_buffers", "pipeline buffers"), ("margin", "margin"))
-COMM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass
@@ -68,7 +67,6 @@ class EngineSettings:
     partition_activations: bool
     cpu_checkpointing: bool
     reduce_bucket: int
-    allgather_bucket: int
     prefetch_bucket: int
     persistence_threshold: int
     max_live: int
@@ -89,7 +87,6 @@ class EngineSettings:
         return cls(stage, dsc.precision(ds), dsc.grad_accum_dtype(ds) == "fp32",
                    checkpoint_interval(ds, num_layers), bool(ac.get("partition_activations")),
                    bool(ac.get("cpu_checkpointing")), int(z.get("reduce_bucket_size", DEFAULT_BUCKET)),
-                   int(z.get("allgather_bucket_size", DEFAULT_BUCKET)),
                    int(z.get("stage3_prefetch_bucket_size", DEFAULT_PREFETCH)),
                    int(z.get("stage3_param_persistence_threshold", DEFAULT_PERSISTENCE)),
                    int(z.get("stage3_max_live_parameters", DEFAULT_MAX_LIVE)),
@@ -97,15 +94,16 @@ class EngineSettings:
                    bool(z.get("overlap_comm", stage == 3)), bool(z.get("contiguous_gradients", True)),
                    off("offload_optimizer"), off("offload_param"),
                    str((ds.get("optimizer") or {}).get("type", "AdamW")).lower() in dsc.EMA_OPTIMIZERS,
-                   COMM_BYTES.get(ds.get("communication_data_type") or dsc.precision(ds), 2))
+                   BYTES.get(ds.get("communication_data_type") or dsc.precision(ds), 2))
 
     @property
     def lp(self) -> int:
-        return 2 if self.precision in ("bf16", "fp16") else 4
+        return self.dtype.itemsize
 
     @property
     def dtype(self) -> torch.dtype:
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
+        """The precision's dtype; fp32 for the refused 'bf16+fp16' too (plan mode traces before checking)."""
+        return DTYPES.get(self.precision, torch.float32)
 
     def optimizer_path(self, pp: int) -> str:
         """The optimizer class DeepSpeed 0.19 wraps around ours for these settings."""

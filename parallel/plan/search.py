@@ -29,8 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from models.registry import family
 from parallel.check import check, divisors
 from parallel.config import ExperimentConfig
@@ -227,7 +225,3 @@ def search(cfg: ExperimentConfig, ds: dict, devices: int, per_node: int, device_
                         ranked.append(best)
     ranked.sort(key=lambda c: -c.time.samples_per_s)
     return SearchResult(ranked, not_fitting, invalid)
-
-
-def default_dtype(ds: dict) -> torch.dtype:
-    return EngineSettings.from_ds(ds, 1).dtype

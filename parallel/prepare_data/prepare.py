@@ -32,6 +32,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from models.geometry import latent_shape
+from parallel.cli import CONFIG_HELP, add_experiment_args
+from parallel.units import DTYPES
 from parallel.prepare_data.captions import InputError, read_captions, video_files
 from parallel.config import UNCOND_FILE, ConfigError, load_config
 from parallel.prepare_data.frames import VideoError, read_clip
@@ -39,15 +41,12 @@ from parallel.dist.seed import derive_seed
 from parallel.dist.topology import read_launch_env
 from parallel.prepare_data.vae import check_vae, default_dtype, encode, load_vae, read_vae_config
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True, help="experiment YAML file or preset name (data.num_frames, "
-                    "data.height, data.width; model.in_channels, vae scales, max_text_len, text_embed_dim)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config key, as in train.py (repeatable)")
+    add_experiment_args(ap, deepspeed=False, config_help=CONFIG_HELP + " (data.num_frames, data.height, "
+                        "data.width; model.in_channels, vae scales, max_text_len, text_embed_dim)")
     ap.add_argument("--videos", required=True, type=Path, help="folder of video files (searched recursively)")
     ap.add_argument("--captions", type=Path, help="CSV with video,caption columns or JSONL of "
                     '{"video": ..., "caption": ...}; video paths relative to --videos. '
@@ -170,7 +169,7 @@ class ClipEncoder:
         from parallel.dist import accelerator
 
         device = accelerator.device(local_rank)
-        self.vae = load_vae(args.vae, device, getattr(torch, DTYPES[args.vae_dtype]) if args.vae_dtype
+        self.vae = load_vae(args.vae, device, DTYPES[args.vae_dtype] if args.vae_dtype
                             else default_dtype())
         if args.tiling:
             self.vae.enable_tiling()
@@ -179,7 +178,7 @@ class ClipEncoder:
             from models.text_encoder import T5TextEncoder
             self.t5 = T5TextEncoder(args.t5, cfg.model.max_text_len, cfg.model.text_embed_dim, device, cache_size=0)
         self.args, self.data, self.seed, self.tag = args, cfg.data, cfg.train.seed, tag
-        self.store = getattr(torch, DTYPES[args.dtype])
+        self.store = DTYPES[args.dtype]
         self.expected = (cfg.model.in_channels, *latent_shape(cfg.model, cfg.data))
 
     def __call__(self, rel: str, caption: str) -> None:

@@ -105,12 +105,15 @@ class Trainer:
         return int(client["step"])
 
 
-def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True) -> Trainer:
+def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
+                  model: Optional[torch.nn.Module] = None) -> Trainer:
     """Configure activation checkpointing, build the model for the layout, and initialise DeepSpeed.
 
     With model.init_from (and init_from=True; a run resuming a checkpoint passes False) every rank reads
     its part of the released weights into the built model before deepspeed.initialize, when parameters
     are still whole local tensors under every ZeRO stage (ZeRO-3 partitions them in initialize).
+    `model`: a module the caller built for the layout (bench: the network with plain nn.Linear), used
+    instead of building one.
     """
     deepspeed.init_distributed(dist_backend=accelerator.backend())   # no-op when run.py already did it
     deepspeed_compat.check_deepspeed_version()
@@ -119,7 +122,8 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True) 
     if checkpoint_interval(ds_final, cfg.model.num_layers):
         deepspeed.checkpointing.configure(ctx, deepspeed_config=copy.deepcopy(ds_final))
         checkpoint_fn = deepspeed.checkpointing.checkpoint
-    model = build_model(cfg, ds_final, ctx, checkpoint_fn)
+    if model is None:
+        model = build_model(cfg, ds_final, ctx, checkpoint_fn)
     if init_from and cfg.model.init_from:
         from parallel.weights.diffusers import load_released
         load_released(model, ctx, cfg.model, cfg.model.init_from)

@@ -30,6 +30,7 @@ from parallel.dist.replicas import replica_mismatches
 from parallel.dist.seed import seed_all
 from parallel.dist.topology import LaunchEnv, ParallelContext
 from parallel.train.validate import Validator, check_outputs
+from parallel.units import format_size
 
 
 class StopSignal:
@@ -66,13 +67,6 @@ def export_launch_env(env: LaunchEnv) -> None:
 STATE_LINES = ("parameters", "gradients", "adam_moments", "master_weights", "ema_shadow")
 
 
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
-    return f"{n:.0f} B"
-
-
 def run_plan(cfg: ExperimentConfig, ds: dict, layout: Layout, device_memory: int):
     """The memory planner's prediction for this run's own layout (parallel/plan/cli.py prints the table)."""
     from parallel.plan.memory import EngineSettings, plan_memory
@@ -86,9 +80,10 @@ def plan_line(plan) -> str:
     """The plan's verdict in one line."""
     w = plan.worst
     states = sum(w.lines[k] for k in STATE_LINES)
-    return (f"memory plan: worst rank (stage {w.stage}) {_size(w.total)} of {_size(plan.device_memory)} "
-            f"({'fits' if plan.fits else 'DOES NOT FIT'}; activations {_size(w.lines['activations'])}, model states "
-            f"{_size(states)}, margin {_size(w.lines['margin'])}); python -m parallel.plan for the breakdown")
+    return (f"memory plan: worst rank (stage {w.stage}) {format_size(w.total)} of "
+            f"{format_size(plan.device_memory)} ({'fits' if plan.fits else 'DOES NOT FIT'}; activations "
+            f"{format_size(w.lines['activations'])}, model states {format_size(states)}, margin "
+            f"{format_size(w.lines['margin'])}); python -m parallel.plan for the breakdown")
 
 
 def memory_check(plan, measured: list[dict]) -> dict:
@@ -118,7 +113,8 @@ def memory_check_lines(report: dict, step: int) -> list[str]:
                            ("device_peak", "device peak")):
             if key in row:
                 p, m = row[key]["predicted"], row[key]["measured"]
-                parts.append(f"{label} {_size(m)} vs {_size(p)} ({m / p - 1:+.1%})" if p else f"{label} {_size(m)}")
+                parts.append(f"{label} {format_size(m)} vs {format_size(p)} ({m / p - 1:+.1%})" if p
+                             else f"{label} {format_size(m)}")
         out.append(f"memory measured at step {step} vs plan, stage {row['stage']}: " + "; ".join(parts))
     return out
 

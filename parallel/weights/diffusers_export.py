@@ -30,7 +30,7 @@ def to_diffusers(name: str, full: torch.Tensor, m: ModelConfig) -> dict[str, tor
 
 
 def export_diffusers(module: nn.Module, ctx, cfg, out: str | Path, value: Optional[Callable] = None,
-                     zero3: bool = False, max_shard_bytes: int = 5 * 2**30, dtype=torch.float32,
+                     zero3: bool = False, max_shard_bytes: int = 5 * 10**9, dtype=torch.float32,
                      metadata: Optional[dict] = None) -> list[Path]:
     """Write this model (or `value(param)`, e.g. its EMA) of experiment `cfg` as a diffusers folder; call on
     every rank.
