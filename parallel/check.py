@@ -19,6 +19,7 @@ from models.geometry import token_grid
 from models.registry import family, sequence_tokens
 from parallel.config import ConfigError, ExperimentConfig, load_config
 from parallel.dist.topology import ParallelDims
+from parallel.train.schedule import scheduler_problems
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,7 +173,7 @@ def _check_engine(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
     if lr is not None and float(lr) != cfg.train.lr:
         problems.append(f"{src}: optimizer.params.lr={lr} != train.lr={cfg.train.lr}; the schedule starts from "
                         f"train.lr: set --set train.lr={lr} or remove optimizer.params.lr")
-    return problems + dsc.unknown_key_problems(ds, src)
+    return problems + scheduler_problems(ds, cfg.train, src) + dsc.unknown_key_problems(ds, src)
 
 
 def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source: str = "deepspeed config",
