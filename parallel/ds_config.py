@@ -62,7 +62,7 @@ def unknown_key_problems(ds: dict[str, Any], source: str) -> list[str]:
     return problems
 
 
-def _enabled(ds: dict[str, Any], section: str) -> bool:
+def enabled(ds: dict[str, Any], section: str) -> bool:
     value = ds.get(section, {})
     return bool(value.get("enabled", False)) if isinstance(value, dict) else False
 
@@ -74,7 +74,7 @@ def zero_stage(ds: dict[str, Any]) -> int:
 def precision(ds: dict[str, Any]) -> str:
     """'bf16', 'fp16', 'fp32' (or 'bf16+fp16' when both are on, which the checker refuses)."""
     on = [name for name, sections in (("bf16", ("bf16", "bfloat16")), ("fp16", ("fp16",)))
-          if any(_enabled(ds, s) for s in sections)]
+          if any(enabled(ds, s) for s in sections)]
     return "+".join(on) if on else "fp32"
 
 
