@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from parallel import ds_config as dsc
+from parallel.ds_keys import key_problems
 from models.config import ModelConfig
 from models.geometry import token_grid
 from models.registry import family, sequence_tokens
@@ -188,7 +189,7 @@ def _check_engine(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
     if lr is not None and float(lr) != cfg.train.lr:
         problems.append(f"{src}: optimizer.params.lr={lr} != train.lr={cfg.train.lr}; the schedule starts from "
                         f"train.lr: set --set train.lr={lr} or remove optimizer.params.lr")
-    return problems + scheduler_problems(ds, cfg.train, src) + dsc.unknown_key_problems(ds, src)
+    return problems + scheduler_problems(ds, cfg.train, src) + key_problems(ds, src, pp, cfg.train.max_steps)
 
 
 def _check_device(ds: dict, src: str, device: DeviceDtypes) -> list[str]:
