@@ -157,3 +157,25 @@ def test_train_refuses_a_disagreeing_scheduler_before_any_process_group(tmp_path
     assert (f"{tmp_path / 'ds.json'}: scheduler.params.warmup_max_lr=0.001 != train.lr=0.003; set --set "
             f"train.lr=0.001 or remove scheduler.params.warmup_max_lr") in p.stderr
     assert "deepspeed" not in p.stdout.lower()
+
+
+def test_resumed_run_continues_the_json_schedule_exactly(tmp_path):
+    """WarmupCosineLR, stopped after 3 steps and resumed to 6 (the checkpoint carries the schedule's position):
+    the lr and the loss of steps 4-6 equal one uninterrupted run's."""
+    ds = json.load(open("ds_configs/zero0_fp32.json"))
+    ds["scheduler"] = {"type": "WarmupCosineLR", "params": {"warmup_type": "linear", "warmup_min_ratio": 0.1}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+
+    def run(out, steps):
+        p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"), "--set",
+                     f"train.max_steps={steps}", "--set", "train.decay_steps=6", "--set", "train.warmup_steps=3",
+                     "--set", f"train.output_dir={out}", "--set", "train.memory_check=false")
+        assert p.returncode == 0, p.stderr[-3000:]
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    whole = run(tmp_path / "whole", 6)
+    run(tmp_path / "parts", 3)
+    parts = run(tmp_path / "parts", 6)
+    assert [r["step"] for r in parts] == [1, 2, 3, 4, 5, 6]
+    assert [(r["lr"], r["loss"]) for r in parts] == [(r["lr"], r["loss"]) for r in whole]
+    assert len({r["lr"] for r in whole}) == 6
