@@ -154,6 +154,48 @@ KEYS: dict[str, Key] = {
     "nebula": Key(REFUSED, "Nebula checkpointing, " + _REMOVED),
 }
 
+_PASSED = "passed to DeepSpeed"
+_STAGE3 = "passed to DeepSpeed at stage 3; refused below (only ZeRO-3 reads it)"
+_UNTESTED = "untested with the toolkit's layers and optimizer; remove it"
+
+# zero_optimization's keys: DeepSpeedZeroConfig's fields and their stage3_ aliases (DeepSpeed accepts both).
+# DeepSpeed refuses an unknown one itself, but inside initialize; here it is refused before launch.
+ZERO_KEYS: dict[str, Key] = {
+    "stage": Key(HONOURED, "0, 1, 2 or 3; 2 and 3 need parallel.pp_size=1", "test_check, test_train_equivalence"),
+    **{k: Key(HONOURED, _PASSED + " (communication buckets and overlap; the planner reads the sizes)")
+       for k in ("contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
+                 "allgather_partitions", "allgather_bucket_size", "overlap_comm", "round_robin_gradients")},
+    **{k: Key(HONOURED, _PASSED) for k in ("load_from_fp32_weights", "elastic_checkpoint", "ignore_unused_parameters",
+                                            "parameter_alignment", "log_trace_cache_warnings", "enable_sanity_checks")},
+    "compute_grad_norm": Key(HONOURED, "true (the default) is passed on; false is refused: the toolkit logs grad_norm "
+                             "and clips with it"),
+    "offload_optimizer": Key(HONOURED, "passed to DeepSpeed at stages 1-3 (the toolkit's torch AdamW runs on the "
+                             "CPU); refused at stage 0, where DeepSpeed ignores it"),
+    "offload_param": Key(HONOURED, _STAGE3 + " (test_check: zero3_bf16_offload passes)"),
+    **{k: Key(HONOURED, _STAGE3) for k in (
+        "sub_group_size", "memory_efficient_linear", "override_module_apply", "leaf_module",
+        "prefetch_bucket_size", "stage3_prefetch_bucket_size", "param_persistence_threshold",
+        "stage3_param_persistence_threshold", "model_persistence_threshold", "stage3_model_persistence_threshold",
+        "max_live_parameters", "stage3_max_live_parameters", "max_reuse_distance", "stage3_max_reuse_distance",
+        "module_granularity_threshold", "stage3_module_granularity_threshold", "use_all_reduce_for_fetch_params",
+        "stage3_use_all_reduce_for_fetch_params", "allgather_sequential", "stage3_allgather_sequential")},
+    **{k: Key(REFUSED, "read only by engine.save_16bit_model(), which the toolkit never calls; export weights "
+              "with python -m parallel.export") for k in (
+        "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save")},
+    **{k: Key(REFUSED, "deprecated by DeepSpeed; use offload_optimizer / offload_param")
+       for k in ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory")},
+    **{k: Key(REFUSED, "ZeRO++ (hierarchical partitions, quantized weights and gradients): " + _UNTESTED)
+       for k in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                 "zero_quantized_gradients")},
+    "zenflow": Key(REFUSED, "ZenFlow's stall-free offload: " + _UNTESTED),
+    "legacy_stage1": Key(REFUSED, "DeepSpeed's old stage-1 code path: " + _UNTESTED),
+    "pipeline_loading_checkpoint": Key(REFUSED, "applies to models built under deepspeed.zero.Init, which the "
+                                       "toolkit does not use"),
+    "save_muon_momentum_buffer_in_memory": Key(REFUSED, "for DeepSpeed's Muon optimizer; the toolkit builds AdamW"),
+}
+STAGE3_ONLY = frozenset(k for k, v in ZERO_KEYS.items() if v.how.startswith(_STAGE3))
+
 OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
 EMA_PARAMS = ("ema_decay",)
 PIPELINE_HONOURED = ("pipe_partitioned", "grad_partitioned")
@@ -203,6 +245,9 @@ def _conditions(ds: dict[str, Any], src: str, pp_size: int, max_steps: int) -> l
         if _on(ds.get(key)) and importlib.util.find_spec(package) is None:
             problems.append(f"{src}: {key}.enabled=true but the {package} package is not installed (DeepSpeed would "
                             f"fail in initialize); install it or use csv_monitor")
+    zero = ds.get("zero_optimization")
+    if isinstance(zero, dict):
+        problems += _zero_problems(zero, src)
     optimizer = ds.get("optimizer")
     if isinstance(optimizer, dict):
         for key in optimizer:
@@ -218,6 +263,28 @@ def _conditions(ds: dict[str, Any], src: str, pp_size: int, max_steps: int) -> l
                 why = " (ema_decay needs FusedEmaAdam or EmaAdamW)" if key in EMA_PARAMS else ""
                 problems.append(f"{src}: optimizer.params.{key} is refused{hint}{why}: the toolkit's "
                                 f"{optimizer.get('type', 'AdamW')} takes {', '.join(allowed)}")
+    return problems
+
+
+def _zero_problems(zero: dict[str, Any], src: str) -> list[str]:
+    stage, problems = zero.get("stage", 0), []
+    for key, value in zero.items():
+        if key not in ZERO_KEYS:
+            close = difflib.get_close_matches(key, sorted(ZERO_KEYS), n=1, cutoff=0.6)
+            hint = f" (did you mean \"{close[0]}\"?)" if close else ""
+            problems.append(f"{src}: unknown key zero_optimization.{key}{hint}; DeepSpeed would refuse it inside "
+                            f"initialize")
+        elif ZERO_KEYS[key].verdict == REFUSED:
+            problems.append(f"{src}: zero_optimization.{key} is refused: {ZERO_KEYS[key].how}")
+        elif key in STAGE3_ONLY and stage != 3 and value is not None:
+            problems.append(f"{src}: zero_optimization.{key} with zero_optimization.stage={stage} is refused: only "
+                            f"ZeRO-3 reads it; remove it or use stage 3")
+        elif key == "offload_optimizer" and stage == 0 and value:
+            problems.append(f"{src}: zero_optimization.offload_optimizer with zero_optimization.stage=0 is refused: "
+                            f"DeepSpeed offloads only under ZeRO 1-3; use stage 1 or 2")
+        elif key == "compute_grad_norm" and value is False:
+            problems.append(f"{src}: zero_optimization.compute_grad_norm=false is refused: the toolkit logs "
+                            f"grad_norm and clips with it; remove it")
     return problems
 
 
@@ -251,7 +318,11 @@ def render() -> str:
                 lines.append(f"| `{key}` | {k.how} | {k.tests or 'not exercised by a test'} |" if verdict == HONOURED
                              else f"| `{key}` | {k.how} |")
         lines.append("")
-    return "\n".join(lines)
+    lines += ["## zero_optimization", "", "DeepSpeedZeroConfig's fields, with the `stage3_` names DeepSpeed also "
+              "accepts; an unknown one is refused before launch (DeepSpeed would refuse it inside initialize).", "",
+              "| key | verdict | what the toolkit does, or why it is refused |", "|---|---|---|"]
+    lines += [f"| `{key}` | {k.verdict} | {k.how} |" for key, k in sorted(ZERO_KEYS.items())]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import pytest
 
 from parallel.check import check
 from parallel.config import load_config
-from parallel.ds_keys import KEYS, REFUSED, render
+from parallel.ds_keys import KEYS, REFUSED, STAGE3_ONLY, ZERO_KEYS, render
 from tests.test_train_cli import ROOT, train_py
 
 
@@ -184,3 +184,37 @@ def test_gradient_clipping_reaches_the_step():
     assert norm == pytest.approx(norm_clipped) and norm > 1e-3          # the norm reported is before clipping
     assert lr * 0.5 < free <= lr * 1.0001
     assert clipped < lr * 1e-3
+
+
+def test_zero_table_is_deepspeeds_zero_config():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    theirs = set(DeepSpeedZeroConfig.model_fields) | {f.alias for f in DeepSpeedZeroConfig.model_fields.values() if f.alias}
+    assert sorted(theirs - ZERO_KEYS.keys()) == [], "zero_optimization keys DeepSpeed reads that the table lacks"
+    assert sorted(ZERO_KEYS.keys() - theirs) == [], "zero_optimization keys in the table DeepSpeed no longer reads"
+
+
+@pytest.mark.parametrize("key", sorted(k for k, v in ZERO_KEYS.items() if v.verdict == REFUSED))
+def test_every_refused_zero_key_is_refused_with_the_reason(key):
+    _, problems = check(load_config("debug"), {"zero_optimization": {"stage": 3, key: 1}}, "z.json")
+    assert problems == [f"z.json: zero_optimization.{key} is refused: {ZERO_KEYS[key].how}"]
+
+
+def test_zero_keys_against_the_stage():
+    cfg = load_config("debug")
+    for key in sorted(STAGE3_ONLY):
+        assert check(cfg, {"zero_optimization": {"stage": 3, key: 1}}, "z.json")[1] == [], key
+        assert check(cfg, {"zero_optimization": {"stage": 2, key: 1}}, "z.json")[1] == [
+            f"z.json: zero_optimization.{key} with zero_optimization.stage=2 is refused: only ZeRO-3 reads it; "
+            f"remove it or use stage 3"], key
+    offload = {"offload_optimizer": {"device": "cpu"}}
+    assert check(cfg, {"zero_optimization": {"stage": 2, **offload}}, "z.json")[1] == []
+    assert check(cfg, {"zero_optimization": {"stage": 0, **offload}}, "z.json")[1] == [
+        "z.json: zero_optimization.offload_optimizer with zero_optimization.stage=0 is refused: DeepSpeed offloads "
+        "only under ZeRO 1-3; use stage 1 or 2"]
+    assert check(cfg, {"zero_optimization": {"stage": 2, "reduce_bucket_sz": 1}}, "z.json")[1] == [
+        'z.json: unknown key zero_optimization.reduce_bucket_sz (did you mean "reduce_bucket_size"?); DeepSpeed '
+        'would refuse it inside initialize']
+    assert check(cfg, {"zero_optimization": {"stage": 2, "compute_grad_norm": False}}, "z.json")[1] == [
+        "z.json: zero_optimization.compute_grad_norm=false is refused: the toolkit logs grad_norm and clips with it; "
+        "remove it"]
