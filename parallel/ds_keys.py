@@ -59,7 +59,8 @@ KEYS: dict[str, Key] = {
                           "the pipeline engine; use \"bf16\" (mixed precision with fp32 master weights)"),
     # ZeRO
     "zero_optimization": Key(HONOURED, "passed to DeepSpeed: stage 0-3 (2 and 3 need parallel.pp_size=1), buckets, "
-                             "offload_optimizer, offload_param", "test_train_equivalence, test_check"),
+                             "offload_optimizer, offload_param; its keys are checked (the zero_optimization table "
+                             "below)", "test_train_equivalence, test_check, test_ds_keys, test_ds_passthrough"),
     "zero_allow_untested_optimizer": Key(HONOURED, "passed to DeepSpeed; the toolkit sets it true when absent (its "
                                          "EmaAdamW is an AdamW subclass, tested under ZeRO)"),
     "zero_force_ds_cpu_optimizer": Key(HONOURED, "false (the toolkit's default with offload) is passed on; true is "
@@ -100,7 +101,7 @@ KEYS: dict[str, Key] = {
     "tensorboard": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure; refused when enabled "
                        "and the tensorboard package is not installed", "test_ds_keys: test_conditional_refusals"),
     "csv_monitor": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure",
-                       "test_train_cli: test_one_process_trains_from_a_latent_directory_and_appends_metrics"),
+                       "test_ds_passthrough: test_csv_monitor_gets_every_figure_of_metrics_jsonl"),
     "wandb": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure (WANDB_MODE=offline works "
                  "offline); refused when enabled and wandb is not installed"),
     "comet": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure; refused when enabled and "
@@ -170,7 +171,8 @@ ZERO_KEYS: dict[str, Key] = {
     "compute_grad_norm": Key(HONOURED, "true (the default) is passed on; false is refused: the toolkit logs grad_norm "
                              "and clips with it"),
     "offload_optimizer": Key(HONOURED, "passed to DeepSpeed at stages 1-3 (the toolkit's torch AdamW runs on the "
-                             "CPU); refused at stage 0, where DeepSpeed ignores it"),
+                             "CPU); refused at stage 0, where DeepSpeed ignores it",
+                             "test_ds_passthrough: test_zero2_cpu_optimizer_offload_trains_like_one_process"),
     "offload_param": Key(HONOURED, _STAGE3 + " (test_check: zero3_bf16_offload passes)"),
     **{k: Key(HONOURED, _STAGE3) for k in (
         "sub_group_size", "memory_efficient_linear", "override_module_apply", "leaf_module",
