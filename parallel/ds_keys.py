@@ -277,7 +277,8 @@ def _zero_problems(zero: dict[str, Any], src: str) -> list[str]:
             problems.append(f"{src}: unknown key zero_optimization.{key}{hint}; DeepSpeed would refuse it inside "
                             f"initialize")
         elif ZERO_KEYS[key].verdict == REFUSED:
-            problems.append(f"{src}: zero_optimization.{key} is refused: {ZERO_KEYS[key].how}")
+            problems.append(f"{src}: zero_optimization.{key} is refused: {ZERO_KEYS[key].how.removesuffix('; remove it')}"
+                            f"; remove it")
         elif key in STAGE3_ONLY and stage != 3 and value is not None:
             problems.append(f"{src}: zero_optimization.{key} with zero_optimization.stage={stage} is refused: only "
                             f"ZeRO-3 reads it; remove it or use stage 3")
@@ -299,7 +300,7 @@ def key_problems(ds: dict[str, Any], src: str, pp_size: int = 1, max_steps: int 
             hint = f" (did you mean \"{close[0]}\"?)" if close else ""
             problems.append(f"{src}: unknown DeepSpeed key \"{key}\"{hint}; DeepSpeed would ignore it silently")
         elif KEYS[key].verdict == REFUSED:
-            problems.append(f"{src}: \"{key}\" is refused: {KEYS[key].how}")
+            problems.append(f"{src}: \"{key}\" is refused: {KEYS[key].how}; remove it")
     return problems + _conditions(ds, src, pp_size, max_steps)
 
 

@@ -64,7 +64,7 @@ def test_docs_are_the_rendered_table():
 @pytest.mark.parametrize("key", sorted(k for k, v in KEYS.items() if v.verdict == REFUSED))
 def test_every_refused_key_is_refused_with_the_reason(key):
     _, problems = check(load_config("debug"), {key: {}}, "r.json")
-    assert problems == [f'r.json: "{key}" is refused: {KEYS[key].how}']
+    assert problems == [f'r.json: "{key}" is refused: {KEYS[key].how}; remove it']
 
 
 def test_unknown_keys_get_a_did_you_mean():
@@ -197,7 +197,8 @@ def test_zero_table_is_deepspeeds_zero_config():
 @pytest.mark.parametrize("key", sorted(k for k, v in ZERO_KEYS.items() if v.verdict == REFUSED))
 def test_every_refused_zero_key_is_refused_with_the_reason(key):
     _, problems = check(load_config("debug"), {"zero_optimization": {"stage": 3, key: 1}}, "z.json")
-    assert problems == [f"z.json: zero_optimization.{key} is refused: {ZERO_KEYS[key].how}"]
+    assert problems == [f"z.json: zero_optimization.{key} is refused: {ZERO_KEYS[key].how.removesuffix('; remove it')}; "
+                        f"remove it"]
 
 
 def test_zero_keys_against_the_stage():
@@ -218,3 +219,21 @@ def test_zero_keys_against_the_stage():
     assert check(cfg, {"zero_optimization": {"stage": 2, "compute_grad_norm": False}}, "z.json")[1] == [
         "z.json: zero_optimization.compute_grad_norm=false is refused: the toolkit logs grad_norm and clips with it; "
         "remove it"]
+
+
+def test_train_refuses_table_keys_before_any_process_group(tmp_path):
+    """A refused key, a refused zero_optimization key and an unknown key, reported together by train.py."""
+    ds = json.load(open(os.path.join(ROOT, "ds_configs/zero2_bf16.json")))
+    ds.update(tensor_parallel={"autotp_size": 2}, wall_clock_breakdwn=True)
+    ds["zero_optimization"]["stage3_max_live_parameters"] = 10**8
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    out = tmp_path / "run"
+    p = train_py("--config", "debug", "--deepspeed_config", str(path), "--set", f"train.output_dir={out}")
+    assert p.returncode == 1 and not out.exists()
+    assert f'{path}: "tensor_parallel" is refused: DeepSpeed\'s AutoTP would re-shard the toolkit\'s ' \
+           f"tensor-parallel layers; use parallel.tp_size; remove it" in p.stderr
+    assert f"{path}: zero_optimization.stage3_max_live_parameters with zero_optimization.stage=2 is refused: only " \
+           f"ZeRO-3 reads it; remove it or use stage 3" in p.stderr
+    assert f'{path}: unknown DeepSpeed key "wall_clock_breakdwn" (did you mean "wall_clock_breakdown"?)' in p.stderr
+    assert "Traceback" not in p.stderr

@@ -67,6 +67,17 @@ def test_no_section_is_the_toolkits_schedule():
     assert toolkit_lrs({}, cfg, 10) == pytest.approx([cfg.train.lr * lr_factor(n, cfg.train) for n in range(10)])
 
 
+def test_cosine_after_warmup_is_the_toolkits_schedule_and_auto_is_filled_in():
+    """WarmupCosineLR with the keys filled in from train.* equals the toolkit's own schedule after warmup."""
+    cfg = load_config("debug", ["train.max_steps=20", "train.warmup_steps=4", "train.min_lr=3e-4"])
+    ds = {"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_type": "linear", "total_num_steps": "auto",
+                                                               "cos_min_ratio": "auto"}}}
+    assert check(cfg, ds, "s.json")[1] == []
+    ours, theirs = toolkit_lrs({}, cfg, 20), toolkit_lrs(ds, cfg, 20)
+    assert theirs[5:] == pytest.approx(ours[5:], rel=1e-12)
+    assert theirs[:5] == pytest.approx([0.0] + [cfg.train.lr * (n - 1) / 4 for n in range(1, 5)])
+
+
 def test_parameter_names_are_deepspeeds():
     from deepspeed.runtime import lr_schedules
 

@@ -24,8 +24,12 @@ W = max(2, warmup_num_steps), T = total_num_steps:
 
 The section's keys that say what train.* already says (warmup_max_lr = train.lr, warmup_num_steps =
 train.warmup_steps, total_num_steps = train.decay_steps or train.max_steps, cos_min_ratio = train.min_lr /
-train.lr) are filled in from the experiment when absent and refused when they disagree, so the numbers
-live in one place and the logged lr is the one the JSON describes.
+train.lr) are filled in from the experiment when absent (or "auto") and refused when they disagree, so
+the numbers live in one place and the logged lr is the one the JSON describes.
+
+Where the two overlap they agree: after warmup (step n > W) WarmupCosineLR so filled in is the toolkit's
+cosine step for step (DeepSpeed's i - W + 1 = n - W); during warmup DeepSpeed's ramp runs two steps
+behind the toolkit's ((n - 1) / W from 0 at step 0, against (n + 1) / W).
 """
 from __future__ import annotations
 
@@ -83,17 +87,18 @@ def _shared(kind: str, train: TrainConfig) -> dict[str, tuple[str, float, str]]:
     return out
 
 
-def section(ds: dict[str, Any]) -> dict[str, Any] | None:
-    value = ds.get("scheduler")
-    return value if isinstance(value, dict) else None if value is None else {"type": value}
+def _params(sched: dict[str, Any]) -> dict[str, Any]:
+    """The section's params; "auto" (as Hugging Face writes it) counts as absent."""
+    params = sched.get("params") or {}
+    return {k: v for k, v in params.items() if v != "auto"} if isinstance(params, dict) else params
 
 
 def scheduler_problems(ds: dict[str, Any], train: TrainConfig, src: str) -> list[str]:
     """Everything in the "scheduler" section the toolkit would not run exactly as DeepSpeed describes it."""
     if "scheduler" not in ds:
         return []
-    sched = section(ds)
-    if not isinstance(ds["scheduler"], dict) or "type" not in sched:
+    sched = ds["scheduler"]
+    if not isinstance(sched, dict) or "type" not in sched:
         return [f"{src}: scheduler needs a \"type\" (DeepSpeed ignores a section without one); {USE_INSTEAD}"]
     kind = sched["type"]
     if kind in REFUSED_SCHEDULERS:
@@ -101,7 +106,7 @@ def scheduler_problems(ds: dict[str, Any], train: TrainConfig, src: str) -> list
     if kind not in SCHEDULERS:
         return [f"{src}: scheduler.type={kind!r} is not one the toolkit runs (DeepSpeed would build torch's "
                 f"lr_scheduler.{kind} if it exists, and ignore it beside the toolkit's); {USE_INSTEAD}"]
-    params = sched.get("params") or {}
+    params = _params(sched)
     if not isinstance(params, dict):
         return [f"{src}: scheduler.params must be an object of {', '.join(SCHEDULERS[kind])}"]
     problems = []
@@ -150,13 +155,13 @@ def scheduler_problems(ds: dict[str, Any], train: TrainConfig, src: str) -> list
 def scheduler_params(ds: dict[str, Any], train: TrainConfig) -> tuple[str, dict[str, Any]] | None:
     """(type, every parameter with DeepSpeed's defaults and the experiment's values filled in), or None
     when the JSON has no "scheduler" section. Assumes scheduler_problems() found nothing."""
-    sched = section(ds)
+    sched = ds.get("scheduler")
     if sched is None:
         return None
     kind = sched["type"]
     params = {"warmup_min_lr": 0.0, "warmup_min_ratio": 0.0, "warmup_type": "log"}
     params.update({key: value for key, (_, value, _) in _shared(kind, train).items()})
-    params.update(sched.get("params") or {})
+    params.update(_params(sched))
     return kind, {k: v for k, v in params.items() if k in SCHEDULERS[kind]}
 
 
