@@ -197,7 +197,8 @@ def _check_device(ds: dict, src: str, device: DeviceDtypes) -> list[str]:
     fp32 = "fp32 (drop the section, e.g. ds_configs/zero0_fp32.json)"
     problems = []
     if dsc.precision(ds) == "fp16" and not device.fp16:
-        alt = f"bf16 (\"bf16\": {{\"enabled\": true}}, e.g. ds_configs/zero1_bf16.json) or {fp32}" if device.bf16 else fp32
+        bf16 = "bf16 (\"bf16\": {\"enabled\": true}, e.g. ds_configs/zero1_bf16.json)"
+        alt = f"{bf16} or {fp32}" if device.bf16 else fp32
         problems.append(f"{src}: fp16.enabled=true but the {device.name} accelerator on this machine has no fp16 "
                         f"(DeepSpeed's is_fp16_supported() is false); use {alt}")
     if dsc.precision(ds) == "bf16" and not device.bf16:

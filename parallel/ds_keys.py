@@ -42,12 +42,13 @@ KEYS: dict[str, Key] = {
                      "test_optimizer_params_are_checked"),
     "scheduler": Key(HONOURED, "WarmupLR, WarmupDecayLR, WarmupCosineLR built by the toolkit with DeepSpeed's "
                      "formulas, keys shared with train.* filled in or refused; OneCycle, LRRangeTest and torch "
-                     "scheduler names refused (parallel/train/schedule.py)", "test_ds_schedule"),
+                     "scheduler names refused (parallel/train/schedule.py)", "test_ds_schedule, test_ds_json_cli"),
     "gradient_clipping": Key(HONOURED, "DeepSpeed clips to it, with the toolkit's replica grad norm (tensor-parallel "
-                             "shards counted once)", "test_ds_keys: test_gradient_clipping_reaches_the_step"),
+                             "shards counted once)",
+                             "test_ds_json_distributed: test_gradient_clipping_reaches_the_step"),
     # precision
     "fp16": Key(HONOURED, "passed to DeepSpeed; refused before launch where the accelerator has no fp16 (DeepSpeed's "
-                "CPU accelerator here), naming bf16 or fp32", "test_ds_precision"),
+                "CPU accelerator here), naming bf16 or fp32", "test_ds_precision, test_ds_json_cli"),
     "bf16": Key(HONOURED, "passed to DeepSpeed; refused where the accelerator has no bf16; with a pipeline needs "
                 "ZeRO-1 and data_types.grad_accum_dtype fp32", "test_train_bf16, test_ds_precision, test_check"),
     "bfloat16": Key(HONOURED, "DeepSpeed's other name for bf16, checked the same way", "test_ds_precision"),
@@ -60,7 +61,7 @@ KEYS: dict[str, Key] = {
     # ZeRO
     "zero_optimization": Key(HONOURED, "passed to DeepSpeed: stage 0-3 (2 and 3 need parallel.pp_size=1), buckets, "
                              "offload_optimizer, offload_param; its keys are checked (the zero_optimization table "
-                             "below)", "test_train_equivalence, test_check, test_ds_keys, test_ds_passthrough"),
+                             "below)", "test_train_equivalence, test_check, test_ds_keys, test_ds_json_distributed"),
     "zero_allow_untested_optimizer": Key(HONOURED, "passed to DeepSpeed; the toolkit sets it true when absent (its "
                                          "EmaAdamW is an AdamW subclass, tested under ZeRO)"),
     "zero_force_ds_cpu_optimizer": Key(HONOURED, "false (the toolkit's default with offload) is passed on; true is "
@@ -79,17 +80,18 @@ KEYS: dict[str, Key] = {
                       "use_node_local_storage, parallel_write"),
     "steps_per_print": Key(HONOURED, "passed to DeepSpeed (its progress line every N steps); DeepSpeed logs it at "
                            "INFO, so a value <= train.max_steps without \"log_level\": \"info\" is refused",
-                           "test_ds_keys: test_engine_keys_reach_deepspeed, test_conditional_refusals"),
+                           "test_ds_json_cli: test_engine_keys_reach_deepspeed; "
+                           "test_ds_keys: test_conditional_refusals"),
     "wall_clock_breakdown": Key(HONOURED, "passed to DeepSpeed (its forward/backward/step timers, printed every "
-                                "steps_per_print)", "test_ds_keys: test_engine_keys_reach_deepspeed"),
+                                "steps_per_print)", "test_ds_json_cli: test_engine_keys_reach_deepspeed"),
     "memory_breakdown": Key(HONOURED, "passed to DeepSpeed (memory logged at INFO during the step); refused true "
                             "without \"log_level\": \"info\"", "test_ds_keys: test_conditional_refusals"),
     "dump_state": Key(HONOURED, "passed to DeepSpeed (logs the engine's configuration at start, at INFO); refused "
                       "true without \"log_level\": \"info\"",
-                      "test_ds_keys: test_engine_keys_reach_deepspeed, test_conditional_refusals"),
+                      "test_ds_json_cli: test_engine_keys_reach_deepspeed; test_ds_keys: test_conditional_refusals"),
     "timers": Key(HONOURED, "passed to DeepSpeed (throughput timer settings)"),
     "log_level": Key(HONOURED, "passed to DeepSpeed (its logger's level; WARNING when absent)",
-                     "test_ds_keys: test_engine_keys_reach_deepspeed"),
+                     "test_ds_json_cli: test_engine_keys_reach_deepspeed"),
     "prescale_gradients": Key(HONOURED, "passed to DeepSpeed (gradient reduction)"),
     "gradient_predivide_factor": Key(HONOURED, "passed to DeepSpeed (gradient reduction)"),
     "gradient_allreduce_op": Key(HONOURED, "passed to DeepSpeed (mean or sum over data-parallel ranks)"),
@@ -101,7 +103,7 @@ KEYS: dict[str, Key] = {
     "tensorboard": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure; refused when enabled "
                        "and the tensorboard package is not installed", "test_ds_keys: test_conditional_refusals"),
     "csv_monitor": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure",
-                       "test_ds_passthrough: test_csv_monitor_gets_every_figure_of_metrics_jsonl"),
+                       "test_ds_json_cli: test_csv_monitor_gets_every_figure_of_metrics_jsonl"),
     "wandb": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure (WANDB_MODE=offline works "
                  "offline); refused when enabled and wandb is not installed"),
     "comet": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure; refused when enabled and "
@@ -172,7 +174,7 @@ ZERO_KEYS: dict[str, Key] = {
                              "and clips with it"),
     "offload_optimizer": Key(HONOURED, "passed to DeepSpeed at stages 1-3 (the toolkit's torch AdamW runs on the "
                              "CPU); refused at stage 0, where DeepSpeed ignores it",
-                             "test_ds_passthrough: test_zero2_cpu_optimizer_offload_trains_like_one_process"),
+                             "test_ds_json_distributed: test_zero2_cpu_optimizer_offload_trains_like_one_process"),
     "offload_param": Key(HONOURED, _STAGE3 + " (test_check: zero3_bf16_offload passes)"),
     **{k: Key(HONOURED, _STAGE3) for k in (
         "sub_group_size", "memory_efficient_linear", "override_module_apply", "leaf_module",
@@ -277,8 +279,8 @@ def _zero_problems(zero: dict[str, Any], src: str) -> list[str]:
             problems.append(f"{src}: unknown key zero_optimization.{key}{hint}; DeepSpeed would refuse it inside "
                             f"initialize")
         elif ZERO_KEYS[key].verdict == REFUSED:
-            problems.append(f"{src}: zero_optimization.{key} is refused: {ZERO_KEYS[key].how.removesuffix('; remove it')}"
-                            f"; remove it")
+            how = ZERO_KEYS[key].how.removesuffix("; remove it")
+            problems.append(f"{src}: zero_optimization.{key} is refused: {how}; remove it")
         elif key in STAGE3_ONLY and stage != 3 and value is not None:
             problems.append(f"{src}: zero_optimization.{key} with zero_optimization.stage={stage} is refused: only "
                             f"ZeRO-3 reads it; remove it or use stage 3")

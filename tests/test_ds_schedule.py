@@ -1,7 +1,5 @@
 """The DeepSpeed JSON's "scheduler" section: run as DeepSpeed's own classes run it, or refused before launch."""
 import inspect
-import json
-import math
 
 import pytest
 import torch
@@ -9,7 +7,7 @@ import torch
 from parallel.check import check
 from parallel.config import load_config
 from parallel.train.schedule import SCHEDULERS, schedule_factor
-from tests.test_train_cli import train_py
+
 
 STEPS, WARMUP, LR = 14, 4, 3e-3
 
@@ -44,7 +42,8 @@ CASES = [
     ("WarmupDecayLR", {"warmup_min_lr": 2e-4}, {"warmup_max_lr": LR, "warmup_num_steps": WARMUP,
                                                 "total_num_steps": 10}, ["train.decay_steps=10"]),
     ("WarmupCosineLR", {"warmup_min_ratio": 0.1}, {"warmup_num_steps": WARMUP, "total_num_steps": 12,
-                                                   "cos_min_ratio": 0.05}, ["train.min_lr=1.5e-4", "train.decay_steps=12"]),
+                                                   "cos_min_ratio": 0.05},
+     ["train.min_lr=1.5e-4", "train.decay_steps=12"]),
 ]
 
 
@@ -139,54 +138,3 @@ def test_schedule_shape_must_match_train_keys():
         "s.json: scheduler.type='WarmupLR' holds the lr at train.lr after warmup, but train.min_lr=1e-05")
     assert problems({"scheduler": {"type": "WarmupDecayLR"}}, "train.min_lr=1e-5")[0].startswith(
         "s.json: scheduler.type='WarmupDecayLR' decays to 0, but train.min_lr=1e-05")
-
-
-def test_train_logs_warmup_lr_per_step(tmp_path):
-    """One process under train.py: metrics.jsonl's lr is WarmupLR's log warmup, as DeepSpeed defines it:
-    step k runs at min + (max - min) log(k - 1) / log(W) (step 1 at min), then max."""
-    ds = json.load(open("ds_configs/zero0_fp32.json"))
-    ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_type": "log"}}
-    (tmp_path / "ds.json").write_text(json.dumps(ds))
-    out = tmp_path / "run"
-    p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"), "--set", "train.max_steps=7",
-                 "--set", "train.warmup_steps=4", "--set", f"train.output_dir={out}", "--set", "train.memory_check=false")
-    assert p.returncode == 0, p.stderr[-3000:]
-    logged = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    low, high, w = 1e-4, 3e-3, 4
-    expected = [low] + [low + (high - low) * min(1.0, math.log(k - 1) / math.log(w)) for k in range(2, 8)]
-    assert logged == pytest.approx(expected, rel=1e-12)
-    assert logged[1] == pytest.approx(low) and logged[5:] == pytest.approx([high, high])
-
-
-def test_train_refuses_a_disagreeing_scheduler_before_any_process_group(tmp_path):
-    (tmp_path / "ds.json").write_text(json.dumps({"scheduler": {"type": "WarmupLR",
-                                                                "params": {"warmup_max_lr": 1e-3}}}))
-    out = tmp_path / "run"
-    p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"),
-                 "--set", f"train.output_dir={out}")
-    assert p.returncode == 1 and not out.exists()
-    assert (f"{tmp_path / 'ds.json'}: scheduler.params.warmup_max_lr=0.001 != train.lr=0.003; set --set "
-            f"train.lr=0.001 or remove scheduler.params.warmup_max_lr") in p.stderr
-    assert "deepspeed" not in p.stdout.lower()
-
-
-def test_resumed_run_continues_the_json_schedule_exactly(tmp_path):
-    """WarmupCosineLR, stopped after 3 steps and resumed to 6 (the checkpoint carries the schedule's position):
-    the lr and the loss of steps 4-6 equal one uninterrupted run's."""
-    ds = json.load(open("ds_configs/zero0_fp32.json"))
-    ds["scheduler"] = {"type": "WarmupCosineLR", "params": {"warmup_type": "linear", "warmup_min_ratio": 0.1}}
-    (tmp_path / "ds.json").write_text(json.dumps(ds))
-
-    def run(out, steps):
-        p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"), "--set",
-                     f"train.max_steps={steps}", "--set", "train.decay_steps=6", "--set", "train.warmup_steps=3",
-                     "--set", f"train.output_dir={out}", "--set", "train.memory_check=false")
-        assert p.returncode == 0, p.stderr[-3000:]
-        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-    whole = run(tmp_path / "whole", 6)
-    run(tmp_path / "parts", 3)
-    parts = run(tmp_path / "parts", 6)
-    assert [r["step"] for r in parts] == [1, 2, 3, 4, 5, 6]
-    assert [(r["lr"], r["loss"]) for r in parts] == [(r["lr"], r["loss"]) for r in whole]
-    assert len({r["lr"] for r in whole}) == 6
