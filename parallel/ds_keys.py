@@ -200,6 +200,30 @@ ZERO_KEYS: dict[str, Key] = {
 }
 STAGE3_ONLY = frozenset(k for k, v in ZERO_KEYS.items() if v.how.startswith(_STAGE3))
 
+# The keys DeepSpeed reads inside other honoured sections -> whether it ignores an unknown one silently
+# (its dict-style readers) or refuses it inside initialize (its pydantic ones). Checked before launch.
+SUBKEYS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "activation_checkpointing": (("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+                                  "number_checkpoints", "synchronize_checkpoint_boundary", "profile"), True),
+    "aio": (("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events", "use_gds"), True),
+    "checkpoint": (("tag_validation", "load_universal", "use_node_local_storage", "parallel_write", "writer",
+                    "checkpoint_serialization"), True),
+    "data_types": (("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules"), True),
+    "flops_profiler": (("enabled", "recompute_fwd_factor", "profile_step", "module_depth", "top_modules", "detailed",
+                        "output_file"), True),
+    "timers": (("throughput",), True),
+    "fp16": (("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+              "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"), False),
+    "bf16": (("enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+              "bf16_optimizer_states"), False),
+    "tensorboard": (("enabled", "output_path", "job_name"), False),
+    "csv_monitor": (("enabled", "output_path", "job_name"), False),
+    "wandb": (("enabled", "group", "team", "project"), False),
+    "comet": (("enabled", "samples_log_interval", "project", "workspace", "api_key", "experiment_name",
+               "experiment_key", "online", "mode"), False),
+}
+SUBKEYS["bfloat16"] = SUBKEYS["bf16"]
+
 OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
 EMA_PARAMS = ("ema_decay",)
 PIPELINE_HONOURED = ("pipe_partitioned", "grad_partitioned")
@@ -249,6 +273,14 @@ def _conditions(ds: dict[str, Any], src: str, pp_size: int, max_steps: int) -> l
         if _on(ds.get(key)) and importlib.util.find_spec(package) is None:
             problems.append(f"{src}: {key}.enabled=true but the {package} package is not installed (DeepSpeed would "
                             f"fail in initialize); install it or use csv_monitor")
+    for section, (known, silently) in SUBKEYS.items():
+        for key in ds.get(section) if isinstance(ds.get(section), dict) else ():
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+                hint = f" (did you mean \"{close[0]}\"?)" if close else ""
+                fate = "ignore it silently" if silently else "refuse it inside initialize"
+                problems.append(f"{src}: unknown key {section}.{key}{hint}; DeepSpeed would {fate}; it reads "
+                                f"{', '.join(known)}")
     zero = ds.get("zero_optimization")
     if isinstance(zero, dict):
         problems += _zero_problems(zero, src)
@@ -327,6 +359,11 @@ def render() -> str:
               "accepts; an unknown one is refused before launch (DeepSpeed would refuse it inside initialize).", "",
               "| key | verdict | what the toolkit does, or why it is refused |", "|---|---|---|"]
     lines += [f"| `{key}` | {k.verdict} | {k.how} |" for key, k in sorted(ZERO_KEYS.items())]
+    lines += ["", "## Keys inside the other sections", "", "Checked before launch; an unknown one is refused with a "
+              "did-you-mean (DeepSpeed would ignore it, or refuse it inside initialize).", "",
+              "| section | keys DeepSpeed reads | DeepSpeed on an unknown one |", "|---|---|---|"]
+    lines += [f"| `{s}` | {', '.join(known)} | {'ignores it' if silently else 'refuses it in initialize'} |"
+              for s, (known, silently) in sorted(SUBKEYS.items())]
     return "\n".join(lines) + "\n"
 
 

@@ -8,14 +8,15 @@ import pytest
 
 from parallel.check import check
 from parallel.config import load_config
-from parallel.ds_keys import KEYS, REFUSED, STAGE3_ONLY, ZERO_KEYS, render
+from parallel.ds_keys import KEYS, REFUSED, STAGE3_ONLY, SUBKEYS, ZERO_KEYS, render
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def keys_deepspeed_reads(monkeypatch) -> set[str]:
+def keys_deepspeed_reads(monkeypatch, section=None) -> set[str]:
     """Every top-level key DeepSpeedConfig looks up (get, [], in, keys()), from an almost empty JSON; with a
-    world of one so the branch that reads sequence_parallel_size runs too."""
+    world of one so the branch that reads sequence_parallel_size runs too. With `section`: the keys it
+    looks up inside that (empty) section."""
     from deepspeed.runtime import config as ds_config
 
     seen = set()
@@ -43,6 +44,9 @@ def keys_deepspeed_reads(monkeypatch) -> set[str]:
 
     monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
     monkeypatch.setattr(ds_config.dist, "get_world_size", lambda *a, **k: 1)
+    if section is not None:
+        ds_config.DeepSpeedConfig({"train_batch_size": 1, section: Recording()})
+        return seen
     ds_config.DeepSpeedConfig(Recording({"train_batch_size": 1}))
     return seen | set(ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS)
 
@@ -172,3 +176,29 @@ def test_zero_keys_against_the_stage():
     assert check(cfg, {"zero_optimization": {"stage": 2, "compute_grad_norm": False}}, "z.json")[1] == [
         "z.json: zero_optimization.compute_grad_norm=false is refused: the toolkit logs grad_norm and clips with it; "
         "remove it"]
+
+
+def test_keys_inside_sections_are_deepspeeds(monkeypatch):
+    """Dict-style sections: the keys DeepSpeed looks up in them; pydantic ones: the model's fields."""
+    from deepspeed.monitor.config import DeepSpeedMonitorConfig
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+
+    models = {"fp16": DeepSpeedFP16Config, "bf16": DeepSpeedBF16Config, "bfloat16": DeepSpeedBF16Config,
+              **{k: f.annotation for k, f in DeepSpeedMonitorConfig.model_fields.items()}}
+    for section, (known, silently) in SUBKEYS.items():
+        if silently:
+            assert keys_deepspeed_reads(monkeypatch, section) == set(known), section
+        else:
+            fields = models[section].model_fields
+            assert set(fields) | {f.alias for f in fields.values() if f.alias} == set(known), section
+    assert sorted(set(models) - SUBKEYS.keys()) == []
+
+
+def test_unknown_keys_inside_sections_are_refused():
+    ds = {"activation_checkpointing": {"partition_activation": True}, "bf16": {"enabled": True, "loss_scale": 0}}
+    assert check(load_config("debug"), ds, "s.json")[1] == [
+        's.json: unknown key activation_checkpointing.partition_activation (did you mean "partition_activations"?); '
+        "DeepSpeed would ignore it silently; it reads partition_activations, contiguous_memory_optimization, "
+        "cpu_checkpointing, number_checkpoints, synchronize_checkpoint_boundary, profile",
+        "s.json: unknown key bf16.loss_scale; DeepSpeed would refuse it inside initialize; it reads enabled, "
+        "immediate_grad_update, check_grad_overflow, bf16_master_weights_and_grads, bf16_optimizer_states"]
