@@ -8,6 +8,8 @@ the keys and values involved and the sizes that would work:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import math
 import sys
 from dataclasses import dataclass
@@ -274,9 +276,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="check bf16/fp16 against this machine's accelerator (--no-device-check when checking "
                          "a run for another machine)")
     args = ap.parse_args(argv)
+    # The output is the report alone: DeepSpeed, imported for the device check, logs its accelerator
+    # auto-detection to stdout (a refusal names the accelerator itself).
     try:
-        cfg, _, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, args.world_size,
-                                        args.device_check)
+        with contextlib.redirect_stdout(io.StringIO()):
+            cfg, _, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, args.world_size,
+                                            args.device_check)
     except ConfigError as e:
         lines = str(e).splitlines()
         print(f"{len(lines)} problem{'s' if len(lines) > 1 else ''} in {args.config}"
