@@ -8,17 +8,21 @@ the keys and values involved and the sizes that would work:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from parallel import ds_config as dsc
+from parallel.ds_keys import key_problems
 from models.config import ModelConfig
 from models.geometry import token_grid
 from models.registry import family, sequence_tokens
 from parallel.config import ConfigError, ExperimentConfig, load_config
 from parallel.dist.topology import ParallelDims
+from parallel.train.schedule import scheduler_problems
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +36,21 @@ class Layout(ParallelDims):
     @property
     def dims(self) -> ParallelDims:
         return ParallelDims(**self.as_dict())
+
+
+@dataclass(frozen=True)
+class DeviceDtypes:
+    """Which reduced precisions the accelerator a run will use supports (DeepSpeed's own answer)."""
+
+    name: str
+    fp16: bool
+    bf16: bool
+
+    @classmethod
+    def here(cls) -> "DeviceDtypes":
+        """This machine's accelerator (DS_ACCELERATOR or DeepSpeed's auto-detection); imports deepspeed."""
+        from parallel.dist import accelerator
+        return cls(accelerator.name(), accelerator.is_fp16_supported(), accelerator.is_bf16_supported())
 
 
 def divisors(n: int) -> list[int]:
@@ -172,7 +191,24 @@ def _check_engine(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
     if lr is not None and float(lr) != cfg.train.lr:
         problems.append(f"{src}: optimizer.params.lr={lr} != train.lr={cfg.train.lr}; the schedule starts from "
                         f"train.lr: set --set train.lr={lr} or remove optimizer.params.lr")
-    return problems + dsc.unknown_key_problems(ds, src)
+    return problems + scheduler_problems(ds, cfg.train, src) + key_problems(ds, src, pp, cfg.train.max_steps)
+
+
+def _check_device(ds: dict, src: str, device: DeviceDtypes) -> list[str]:
+    """bf16 / fp16 against what the accelerator supports: DeepSpeed would otherwise fail inside initialize."""
+    fp32 = "fp32 (drop the section, e.g. ds_configs/zero0_fp32.json)"
+    problems = []
+    if dsc.precision(ds) == "fp16" and not device.fp16:
+        bf16 = "bf16 (\"bf16\": {\"enabled\": true}, e.g. ds_configs/zero1_bf16.json)"
+        alt = f"{bf16} or {fp32}" if device.bf16 else fp32
+        problems.append(f"{src}: fp16.enabled=true but the {device.name} accelerator on this machine has no fp16 "
+                        f"(DeepSpeed's is_fp16_supported() is false); use {alt}")
+    if dsc.precision(ds) == "bf16" and not device.bf16:
+        key = "bf16" if dsc.enabled(ds, "bf16") else "bfloat16"
+        alt = f"fp16 (\"fp16\": {{\"enabled\": true}}) or {fp32}" if device.fp16 else fp32
+        problems.append(f"{src}: {key}.enabled=true but the {device.name} accelerator on this machine has no bf16 "
+                        f"(DeepSpeed's is_bf16_supported() is false); use {alt}")
+    return problems
 
 
 def check_unconditional(cfg: ExperimentConfig) -> list[str]:
@@ -198,12 +234,15 @@ def check_unconditional(cfg: ExperimentConfig) -> list[str]:
 
 
 def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source: str = "deepspeed config",
-          world_size: Optional[int] = None) -> tuple[Layout, list[str]]:
-    """Return the layout and every problem found (an empty list means the layout is valid)."""
+          world_size: Optional[int] = None, device: Optional[DeviceDtypes] = None) -> tuple[Layout, list[str]]:
+    """Return the layout and every problem found (an empty list means the layout is valid); with `device`,
+    the precision is checked against it too."""
     ds = ds or {}
     problems = _check_model_splits(cfg) + _check_sequence(cfg) + _check_pipeline(cfg)
     dp, grid_problems = _resolve_dp(cfg, world_size)
     problems += grid_problems + _check_batch(cfg, ds, ds_source, dp) + _check_engine(cfg, ds, ds_source)
+    if device is not None:
+        problems += _check_device(ds, ds_source, device)
     p = cfg.parallel
     layout = Layout(tp_size=p.tp_size, sp_size=p.sp_size, pp_size=p.pp_size, dp_size=dp, zero_stage=dsc.zero_stage(ds),
                     precision=dsc.precision(ds), global_batch=cfg.global_batch_size(dp))
@@ -219,8 +258,10 @@ def summary(cfg: ExperimentConfig, layout: Layout) -> str:
 
 
 def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional[str],
-                   world_size: Optional[int]) -> tuple[ExperimentConfig, dict, Layout]:
-    """Load both files and check them; raise ConfigError listing every problem (used by train.py)."""
+                   world_size: Optional[int], device_check: bool = True) -> tuple[ExperimentConfig, dict, Layout]:
+    """Load both files and check them; raise ConfigError listing every problem (used by train.py).
+
+    device_check: bf16/fp16 against this machine's accelerator (asked only when the JSON enables one)."""
     problems: list[str] = []
     try:
         cfg = load_config(config, overrides)
@@ -235,7 +276,8 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
             problems.append(str(e))
     if cfg is None:
         raise ConfigError("\n".join(problems))
-    layout, found = check(cfg, ds, deepspeed_config or "deepspeed config", world_size)
+    device = DeviceDtypes.here() if device_check and dsc.precision(ds) != "fp32" else None
+    layout, found = check(cfg, ds, deepspeed_config or "deepspeed config", world_size, device)
     problems += found
     problems += check_unconditional(cfg)
     if cfg.model.init_from:                   # config.json and safetensors headers only, no tensor data
@@ -253,9 +295,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m parallel.check", description=__doc__.splitlines()[0])
     add_experiment_args(ap, deepspeed_required=False)
     ap.add_argument("--world-size", "--world_size", type=int, default=None, help="number of processes")
+    ap.add_argument("--device-check", action=argparse.BooleanOptionalAction, default=True,
+                    help="check bf16/fp16 against this machine's accelerator (--no-device-check when checking "
+                         "a run for another machine)")
     args = ap.parse_args(argv)
+    # The output is the report alone: DeepSpeed, imported for the device check, logs its accelerator
+    # auto-detection to stdout (a refusal names the accelerator itself).
     try:
-        cfg, _, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, args.world_size)
+        with contextlib.redirect_stdout(io.StringIO()):
+            cfg, _, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, args.world_size,
+                                            args.device_check)
     except ConfigError as e:
         lines = str(e).splitlines()
         print(f"{len(lines)} problem{'s' if len(lines) > 1 else ''} in {args.config}"

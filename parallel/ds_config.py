@@ -1,32 +1,16 @@
-"""DeepSpeed JSON files: reading them with line-numbered errors, refusing unknown keys, filling batch keys.
+"""DeepSpeed JSON files: reading them with line-numbered errors, the engine settings in them, filling batch keys.
 
-DeepSpeed silently ignores a misspelt top-level key (`"activation_checkpoint"` turns checkpointing off
-without a word), so every top-level key is checked against the keys DeepSpeed 0.19 reads.
+What the toolkit does with each top-level key (honoured or refused, unknown ones refused with a
+did-you-mean) is parallel/ds_keys.py's table.
 """
 from __future__ import annotations
 
 import copy
-import difflib
 import json
 from pathlib import Path
 from typing import Any
 
 from parallel.config import ConfigError, ExperimentConfig
-
-# Top-level keys read by DeepSpeed 0.19's runtime (runtime/config.py and the section configs it calls).
-KNOWN_TOP_LEVEL_KEYS = frozenset("""
-train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps steps_per_print
-optimizer scheduler fp16 bf16 bfloat16 amp torch_autocast data_types communication_data_type
-seq_parallel_communication_data_type prescale_gradients gradient_predivide_factor gradient_allreduce_op
-sparse_gradients gradient_clipping zero_optimization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer
-activation_checkpointing flops_profiler comms_logger tensorboard csv_monitor wandb comet monitor_config
-wall_clock_breakdown memory_breakdown dump_state timers disable_allgather disable_python_gc
-dataloader_drop_last checkpoint data_efficiency curriculum_learning compression_training sparse_attention
-pipeline elasticity autotuning aio nebula compile eigenvalue progressive_layer_drop quantize_training
-hybrid_engine weight_quantization mics_shard_size mics_hierarchical_params_gather sequence_parallel_size
-tensor_parallel expert_parallel use_data_before_expert_parallelism graph_harvesting log_level
-managed_gradient_accumulation random_ltd datastates_ckpt zero_optimization_stage legacy_fusion
-""".split())
 
 # Optimizer types the toolkit builds (parallel/train/optim.py), lower-cased: EMA ones keep a shadow of the weights.
 EMA_OPTIMIZERS = ("fusedemaadam", "emaadamw")
@@ -51,18 +35,7 @@ def read_ds_config(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def unknown_key_problems(ds: dict[str, Any], source: str) -> list[str]:
-    problems = []
-    for key in ds:
-        if key in KNOWN_TOP_LEVEL_KEYS:
-            continue
-        close = difflib.get_close_matches(key, sorted(KNOWN_TOP_LEVEL_KEYS), n=1, cutoff=0.6)
-        hint = f" (did you mean \"{close[0]}\"?)" if close else ""
-        problems.append(f"{source}: unknown DeepSpeed key \"{key}\"{hint}; DeepSpeed would ignore it silently")
-    return problems
-
-
-def _enabled(ds: dict[str, Any], section: str) -> bool:
+def enabled(ds: dict[str, Any], section: str) -> bool:
     value = ds.get(section, {})
     return bool(value.get("enabled", False)) if isinstance(value, dict) else False
 
@@ -74,7 +47,7 @@ def zero_stage(ds: dict[str, Any]) -> int:
 def precision(ds: dict[str, Any]) -> str:
     """'bf16', 'fp16', 'fp32' (or 'bf16+fp16' when both are on, which the checker refuses)."""
     on = [name for name, sections in (("bf16", ("bf16", "bfloat16")), ("fp16", ("fp16",)))
-          if any(_enabled(ds, s) for s in sections)]
+          if any(enabled(ds, s) for s in sections)]
     return "+".join(on) if on else "fp32"
 
 

@@ -7,7 +7,6 @@ pipeline partitioning flags), `build_trainer` calls `deepspeed.initialize` for t
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -17,13 +16,15 @@ import torch.distributed as dist
 
 from parallel.dist import accelerator, deepspeed_compat
 from parallel import ds_config as dsc
-from parallel.config import ExperimentConfig, TrainConfig
+from parallel.config import ExperimentConfig
 from parallel.build import build_model, checkpoint_interval
 from parallel.train.optim import build_optimizer
+from parallel.train.schedule import lr_factor, schedule_factor  # noqa: F401  (lr_factor: bench/)
 
 
 def prepare_ds_config(ds: dict, cfg: ExperimentConfig, dp_size: int) -> dict:
-    """The dict given to DeepSpeed: batch keys from the experiment; the optimizer is built by the toolkit.
+    """The dict given to DeepSpeed: batch keys from the experiment; the optimizer and the lr schedule
+    (parallel/train/schedule.py) are built by the toolkit.
 
     `dp_size` is DeepSpeed's data-parallel size, dp x sp (its train_batch_size then counts each sample
     once per sp rank; the toolkit's own figures count samples).
@@ -33,6 +34,7 @@ def prepare_ds_config(ds: dict, cfg: ExperimentConfig, dp_size: int) -> dict:
     """
     out = dsc.with_batch_keys(ds, cfg, dp_size)
     out.pop("optimizer", None)
+    out.pop("scheduler", None)
     out.setdefault("zero_allow_untested_optimizer", True)     # EmaAdamW: an AdamW subclass, tested under ZeRO here
     out.setdefault("pipeline", {})
     out["pipeline"].setdefault("pipe_partitioned", False)
@@ -40,17 +42,6 @@ def prepare_ds_config(ds: dict, cfg: ExperimentConfig, dp_size: int) -> dict:
     if (out.get("zero_optimization") or {}).get("offload_optimizer"):
         out.setdefault("zero_force_ds_cpu_optimizer", False)
     return out
-
-
-def lr_factor(step: int, train: TrainConfig) -> float:
-    """Linear warmup over train.warmup_steps, then cosine decay to train.min_lr at train.decay_steps
-    (default train.max_steps)."""
-    if train.warmup_steps and step < train.warmup_steps:
-        return (step + 1) / train.warmup_steps
-    span = max(1, (train.decay_steps or train.max_steps) - train.warmup_steps)
-    progress = min(1.0, (step - train.warmup_steps) / span)
-    floor = train.min_lr / train.lr
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 @dataclass
@@ -128,7 +119,8 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
         from parallel.weights.diffusers import load_released
         load_released(model, ctx, cfg.model, cfg.model.init_from)
     optimizer = build_optimizer(model, ds, cfg.train)
-    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.train))  # noqa: E731
+    factor = schedule_factor(ds, cfg.train)
+    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)  # noqa: E731
     mpu = None if cfg.parallel.pp_size > 1 else ctx      # the pipeline engine takes its grid from the module
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            config=ds_final, mpu=mpu)

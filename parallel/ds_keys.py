@@ -1,0 +1,371 @@
+"""Every top-level key DeepSpeed 0.19 reads from its JSON, and what the toolkit does with it.
+
+A key is honoured (the toolkit acts on it, or hands it to DeepSpeed, which does the work) or refused
+before launch with the reason and what to use instead; none is accepted and then ignored. A key
+DeepSpeed does not read is refused as unknown, with a did-you-mean. `tests/unit/test_ds_keys.py` walks the
+keys DeepSpeed's own `DeepSpeedConfig` reads and fails when one is missing here, and checks that
+docs/deepspeed-keys.md is this table as `python -m parallel.ds_keys` renders it.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import sys
+from typing import Any, NamedTuple
+
+from parallel.ds_config import EMA_OPTIMIZERS
+
+
+class Key(NamedTuple):
+    verdict: str      # "honoured" or "refused"
+    how: str          # what the toolkit does with it, or why it is refused and what to use instead
+    tests: str = ""   # the tests that exercise it
+
+
+HONOURED, REFUSED = "honoured", "refused"
+_REMOVED = "removed from DeepSpeed 0.19 (its initialize refuses it, after the process groups exist)"
+_NOT_HERE = "the toolkit's training loop never calls it"
+
+KEYS: dict[str, Key] = {
+    # batch
+    "train_batch_size": Key(HONOURED, "derived: train.micro_batch_size x train.grad_accum_steps x dp; \"auto\" or "
+                            "absent is filled in, a different number is refused", "test_check: "
+                            "test_dp_and_batch_keys_must_agree, test_every_violation_is_reported_at_once"),
+    "train_micro_batch_size_per_gpu": Key(HONOURED, "must equal train.micro_batch_size (filled in when absent or "
+                                          "\"auto\")", "test_check: test_dp_and_batch_keys_must_agree"),
+    "gradient_accumulation_steps": Key(HONOURED, "must equal train.grad_accum_steps (filled in when absent or "
+                                       "\"auto\")", "test_check: test_dp_and_batch_keys_must_agree"),
+    # optimizer and schedule
+    "optimizer": Key(HONOURED, "built by the toolkit (parallel/train/optim.py): type AdamW, Adam, FusedEmaAdam or "
+                     "EmaAdamW; params lr (= train.lr), betas, eps, weight_decay, amsgrad, ema_decay; other "
+                     "types and params refused", "test_check: test_optimizer_type_and_lr_are_checked; test_ds_keys: "
+                     "test_optimizer_params_are_checked"),
+    "scheduler": Key(HONOURED, "WarmupLR, WarmupDecayLR, WarmupCosineLR built by the toolkit with DeepSpeed's "
+                     "formulas, keys shared with train.* filled in or refused; OneCycle, LRRangeTest and torch "
+                     "scheduler names refused (parallel/train/schedule.py)", "test_ds_schedule, test_ds_json_cli"),
+    "gradient_clipping": Key(HONOURED, "DeepSpeed clips to it, with the toolkit's replica grad norm (tensor-parallel "
+                             "shards counted once)",
+                             "test_ds_json_distributed: test_gradient_clipping_reaches_the_step"),
+    # precision
+    "fp16": Key(HONOURED, "passed to DeepSpeed; refused before launch where the accelerator has no fp16 (DeepSpeed's "
+                "CPU accelerator here), naming bf16 or fp32", "test_ds_precision, test_ds_json_cli"),
+    "bf16": Key(HONOURED, "passed to DeepSpeed; refused where the accelerator has no bf16; with a pipeline needs "
+                "ZeRO-1 and data_types.grad_accum_dtype fp32", "test_train_bf16, test_ds_precision, test_check"),
+    "bfloat16": Key(HONOURED, "DeepSpeed's other name for bf16, checked the same way", "test_ds_precision"),
+    "data_types": Key(HONOURED, "passed to DeepSpeed; grad_accum_dtype checked against the ZeRO stage and the "
+                      "pipeline", "test_check: test_bf16_zero0_with_fp32_accumulation_is_refused"),
+    "communication_data_type": Key(HONOURED, "passed to DeepSpeed (the dtype of gradient reduction); the planner "
+                                   "sizes buckets with it"),
+    "torch_autocast": Key(REFUSED, "DeepSpeed's torch.autocast mode is not exercised with the toolkit's models or "
+                          "the pipeline engine; use \"bf16\" (mixed precision with fp32 master weights)"),
+    # ZeRO
+    "zero_optimization": Key(HONOURED, "passed to DeepSpeed: stage 0-3 (2 and 3 need parallel.pp_size=1), buckets, "
+                             "offload_optimizer, offload_param; its keys are checked (the zero_optimization table "
+                             "below)", "test_train_equivalence, test_check, test_ds_keys, test_ds_json_distributed"),
+    "zero_allow_untested_optimizer": Key(HONOURED, "passed to DeepSpeed; the toolkit sets it true when absent (its "
+                                         "EmaAdamW is an AdamW subclass, tested under ZeRO)"),
+    "zero_force_ds_cpu_optimizer": Key(HONOURED, "false (the toolkit's default with offload) is passed on; true is "
+                                       "refused: it demands DeepSpeed's CPU Adam, and the toolkit builds the "
+                                       "optimizer", "test_ds_keys: test_conditional_refusals"),
+    "aio": Key(HONOURED, "passed to DeepSpeed (asynchronous I/O for offload to nvme)"),
+    # engine and pipeline
+    "pipeline": Key(HONOURED, "pipe_partitioned and grad_partitioned false (the toolkit's default: its stages pass "
+                    "two tensors, DeepSpeed partitions only the first); stages, partition, seed_layers, "
+                    "activation_checkpoint_interval and use_reentrant are refused (parallel.pp_size, "
+                    "parallel.pp_partition and the activation_checkpointing section say those)",
+                    "test_ds_keys: test_conditional_refusals"),
+    "activation_checkpointing": Key(HONOURED, "configures deepspeed.checkpointing for the toolkit's blocks "
+                                    "(number_checkpoints groups them)", "test_train_equivalence"),
+    "checkpoint": Key(HONOURED, "passed to DeepSpeed: tag_validation, load_universal (universal checkpoints), "
+                      "use_node_local_storage, parallel_write"),
+    "steps_per_print": Key(HONOURED, "passed to DeepSpeed (its progress line every N steps); DeepSpeed logs it at "
+                           "INFO, so a value <= train.max_steps without \"log_level\": \"info\" is refused",
+                           "test_ds_json_cli: test_engine_keys_reach_deepspeed; "
+                           "test_ds_keys: test_conditional_refusals"),
+    "wall_clock_breakdown": Key(HONOURED, "passed to DeepSpeed (its forward/backward/step timers, printed every "
+                                "steps_per_print)", "test_ds_json_cli: test_engine_keys_reach_deepspeed"),
+    "memory_breakdown": Key(HONOURED, "passed to DeepSpeed (memory logged at INFO during the step); refused true "
+                            "without \"log_level\": \"info\"", "test_ds_keys: test_conditional_refusals"),
+    "dump_state": Key(HONOURED, "passed to DeepSpeed (logs the engine's configuration at start, at INFO); refused "
+                      "true without \"log_level\": \"info\"",
+                      "test_ds_json_cli: test_engine_keys_reach_deepspeed; test_ds_keys: test_conditional_refusals"),
+    "timers": Key(HONOURED, "passed to DeepSpeed (throughput timer settings)"),
+    "log_level": Key(HONOURED, "passed to DeepSpeed (its logger's level; WARNING when absent)",
+                     "test_ds_json_cli: test_engine_keys_reach_deepspeed"),
+    "prescale_gradients": Key(HONOURED, "passed to DeepSpeed (gradient reduction)"),
+    "gradient_predivide_factor": Key(HONOURED, "passed to DeepSpeed (gradient reduction)"),
+    "gradient_allreduce_op": Key(HONOURED, "passed to DeepSpeed (mean or sum over data-parallel ranks)"),
+    "managed_gradient_accumulation": Key(HONOURED, "true (DeepSpeed's default) is passed on; false is refused: "
+                                         "DeepSpeed refuses it with a pipeline, and the toolkit's accumulation "
+                                         "is tested with DeepSpeed managing it", "test_ds_keys: "
+                                         "test_conditional_refusals"),
+    # monitors and profilers
+    "tensorboard": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure; refused when enabled "
+                       "and the tensorboard package is not installed", "test_ds_keys: test_conditional_refusals"),
+    "csv_monitor": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure",
+                       "test_ds_json_cli: test_csv_monitor_gets_every_figure_of_metrics_jsonl"),
+    "wandb": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure (WANDB_MODE=offline works "
+                 "offline); refused when enabled and wandb is not installed"),
+    "comet": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure; refused when enabled and "
+                 "comet_ml is not installed"),
+    "flops_profiler": Key(HONOURED, "passed to DeepSpeed with parallel.pp_size=1; refused enabled with a pipeline "
+                          "(DeepSpeed's pipeline engine never prints it)", "test_ds_keys: test_conditional_refusals"),
+    "comms_logger": Key(REFUSED, "DeepSpeed records collectives but prints only when the script calls "
+                        "deepspeed.comm.log_summary(), which train.py does not call, and its busbw uses the "
+                        "global world size; count collectives with parallel.dist.comm.count_comm"),
+    # parallelism the toolkit does itself
+    "tensor_parallel": Key(REFUSED, "DeepSpeed's AutoTP would re-shard the toolkit's tensor-parallel layers; use "
+                           "parallel.tp_size"),
+    "sequence_parallel_size": Key(REFUSED, "DeepSpeed's own Ulysses groups are not the toolkit's; use "
+                                  "parallel.sp_size"),
+    "seq_parallel_communication_data_type": Key(REFUSED, "DeepSpeed applies it only to its own sequence-parallel "
+                                                "groups, which the toolkit does not use (parallel.sp_size); "
+                                                "communication_data_type sets gradient reduction"),
+    "expert_parallel": Key(REFUSED, "mixture-of-experts; these models have no expert layers"),
+    "use_data_before_expert_parallelism": Key(REFUSED, "mixture-of-experts; these models have no expert layers"),
+    "autotuning": Key(REFUSED, "read only by `deepspeed --autotuning`, which relaunches with its own batch and "
+                      "ZeRO choices; the toolkit derives the batch from the experiment: use python -m parallel.plan"),
+    # features the toolkit's loop does not drive
+    "dataloader_drop_last": Key(REFUSED, "applies to DeepSpeed's own dataloader (training_data=), which the toolkit "
+                                "does not use: it feeds every sample of the data set, sharded over dp ranks"),
+    "data_efficiency": Key(REFUSED, "curriculum sampling and random-LTD need DeepSpeed's dataloader and "
+                           "layer hooks, which the toolkit does not use"),
+    "compile": Key(REFUSED, "DeepSpeed compiles only when the script calls engine.compile(); " + _NOT_HERE),
+    "disable_python_gc": Key(REFUSED, "turns off Python's cyclic garbage collector and expects the script to call "
+                             "engine.collect_python_gc(); " + _NOT_HERE),
+    "hybrid_engine": Key(REFUSED, "DeepSpeed's RLHF generation engine for transformers models; not a "
+                         "diffusion-training feature"),
+    "weight_quantization": Key(REFUSED, "weight quantization for inference (ZeRO-Inference); these are "
+                               "training runs"),
+    "datastates_ckpt": Key(REFUSED, "DataStates asynchronous checkpointing needs the datastates package and is "
+                           "untested with the toolkit's atomic checkpoint publishing (parallel/train/checkpoint.py)"),
+    "disable_allgather": Key(REFUSED, "DeepSpeed 0.19 reads it and never uses it"),
+    "vocabulary_size": Key(REFUSED, "a language-model setting (DeepSpeed only warns when it is not a multiple of "
+                           "8); these models have no vocabulary"),
+    # removed from DeepSpeed itself
+    "amp": Key(REFUSED, "NVIDIA Apex AMP, " + _REMOVED + "; use \"bf16\" or \"fp16\""),
+    "elasticity": Key(REFUSED, "elastic training, " + _REMOVED + "; the toolkit derives the batch from the "
+                      "experiment"),
+    "sparse_attention": Key(REFUSED, "DeepSpeed sparse attention, " + _REMOVED),
+    "sparse_gradients": Key(REFUSED, "sparse embedding-gradient compression, " + _REMOVED),
+    "compression_training": Key(REFUSED, "the compression library, " + _REMOVED),
+    "quantize_training": Key(REFUSED, "Mixture-of-Quantization, " + _REMOVED),
+    "eigenvalue": Key(REFUSED, "eigenvalue-based MoQ, " + _REMOVED),
+    "progressive_layer_drop": Key(REFUSED, "progressive layer dropping, " + _REMOVED),
+    "curriculum_learning": Key(REFUSED, "the top-level curriculum_learning section, " + _REMOVED),
+    "graph_harvesting": Key(REFUSED, "graph harvesting, " + _REMOVED),
+    "nebula": Key(REFUSED, "Nebula checkpointing, " + _REMOVED),
+}
+
+_PASSED = "passed to DeepSpeed"
+_STAGE3 = "passed to DeepSpeed at stage 3; refused below (only ZeRO-3 reads it)"
+_UNTESTED = "untested with the toolkit's layers and optimizer; remove it"
+
+# zero_optimization's keys: DeepSpeedZeroConfig's fields and their stage3_ aliases (DeepSpeed accepts both).
+# DeepSpeed refuses an unknown one itself, but inside initialize; here it is refused before launch.
+ZERO_KEYS: dict[str, Key] = {
+    "stage": Key(HONOURED, "0, 1, 2 or 3; 2 and 3 need parallel.pp_size=1", "test_check, test_train_equivalence"),
+    **{k: Key(HONOURED, _PASSED + " (communication buckets and overlap; the planner reads the sizes)")
+       for k in ("contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
+                 "allgather_partitions", "allgather_bucket_size", "overlap_comm", "round_robin_gradients")},
+    **{k: Key(HONOURED, _PASSED) for k in ("load_from_fp32_weights", "elastic_checkpoint", "ignore_unused_parameters",
+                                            "parameter_alignment", "log_trace_cache_warnings", "enable_sanity_checks")},
+    "compute_grad_norm": Key(HONOURED, "true (the default) is passed on; false is refused: the toolkit logs grad_norm "
+                             "and clips with it"),
+    "offload_optimizer": Key(HONOURED, "passed to DeepSpeed at stages 1-3 (the toolkit's torch AdamW runs on the "
+                             "CPU); refused at stage 0, where DeepSpeed ignores it",
+                             "test_ds_json_distributed: test_zero2_cpu_optimizer_offload_trains_like_one_process"),
+    "offload_param": Key(HONOURED, _STAGE3 + " (test_check: zero3_bf16_offload passes)"),
+    **{k: Key(HONOURED, _STAGE3) for k in (
+        "sub_group_size", "memory_efficient_linear", "override_module_apply", "leaf_module",
+        "prefetch_bucket_size", "stage3_prefetch_bucket_size", "param_persistence_threshold",
+        "stage3_param_persistence_threshold", "model_persistence_threshold", "stage3_model_persistence_threshold",
+        "max_live_parameters", "stage3_max_live_parameters", "max_reuse_distance", "stage3_max_reuse_distance",
+        "module_granularity_threshold", "stage3_module_granularity_threshold", "use_all_reduce_for_fetch_params",
+        "stage3_use_all_reduce_for_fetch_params", "allgather_sequential", "stage3_allgather_sequential")},
+    **{k: Key(REFUSED, "read only by engine.save_16bit_model(), which the toolkit never calls; export weights "
+              "with python -m parallel.export") for k in (
+        "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save")},
+    **{k: Key(REFUSED, "deprecated by DeepSpeed; use offload_optimizer / offload_param")
+       for k in ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory")},
+    **{k: Key(REFUSED, "ZeRO++ (hierarchical partitions, quantized weights and gradients): " + _UNTESTED)
+       for k in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                 "zero_quantized_gradients")},
+    "zenflow": Key(REFUSED, "ZenFlow's stall-free offload: " + _UNTESTED),
+    "legacy_stage1": Key(REFUSED, "DeepSpeed's old stage-1 code path: " + _UNTESTED),
+    "pipeline_loading_checkpoint": Key(REFUSED, "applies to models built under deepspeed.zero.Init, which the "
+                                       "toolkit does not use"),
+    "save_muon_momentum_buffer_in_memory": Key(REFUSED, "for DeepSpeed's Muon optimizer; the toolkit builds AdamW"),
+}
+STAGE3_ONLY = frozenset(k for k, v in ZERO_KEYS.items() if v.how.startswith(_STAGE3))
+
+# The keys DeepSpeed reads inside other honoured sections -> whether it ignores an unknown one silently
+# (its dict-style readers) or refuses it inside initialize (its pydantic ones). Checked before launch.
+SUBKEYS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "activation_checkpointing": (("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+                                  "number_checkpoints", "synchronize_checkpoint_boundary", "profile"), True),
+    "aio": (("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events", "use_gds"), True),
+    "checkpoint": (("tag_validation", "load_universal", "use_node_local_storage", "parallel_write", "writer",
+                    "checkpoint_serialization"), True),
+    "data_types": (("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules"), True),
+    "flops_profiler": (("enabled", "recompute_fwd_factor", "profile_step", "module_depth", "top_modules", "detailed",
+                        "output_file"), True),
+    "timers": (("throughput",), True),
+    "fp16": (("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+              "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"), False),
+    "bf16": (("enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+              "bf16_optimizer_states"), False),
+    "tensorboard": (("enabled", "output_path", "job_name"), False),
+    "csv_monitor": (("enabled", "output_path", "job_name"), False),
+    "wandb": (("enabled", "group", "team", "project"), False),
+    "comet": (("enabled", "samples_log_interval", "project", "workspace", "api_key", "experiment_name",
+               "experiment_key", "online", "mode"), False),
+}
+SUBKEYS["bfloat16"] = SUBKEYS["bf16"]
+
+OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+EMA_PARAMS = ("ema_decay",)
+PIPELINE_HONOURED = ("pipe_partitioned", "grad_partitioned")
+MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
+
+
+def _on(value: Any) -> bool:
+    return isinstance(value, dict) and bool(value.get("enabled", False))
+
+
+def _conditions(ds: dict[str, Any], src: str, pp_size: int, max_steps: int) -> list[str]:
+    """The honoured keys' values that cannot work, each with what would."""
+    problems = []
+    if str(ds.get("log_level", "warning")).lower() not in ("info", "debug"):
+        quiet = f"DeepSpeed logs it at INFO and its logger is at {ds.get('log_level', 'WARNING')}"
+        spp = ds.get("steps_per_print")
+        if isinstance(spp, int) and 0 < spp <= max_steps:
+            problems.append(f"{src}: steps_per_print={spp} would print nothing: {quiet}; add \"log_level\": \"info\" "
+                            f"(or set steps_per_print above train.max_steps={max_steps} to say never)")
+        for key in ("dump_state", "memory_breakdown"):
+            if ds.get(key) is True:
+                problems.append(f"{src}: {key}=true would print nothing: {quiet}; add \"log_level\": \"info\" "
+                                f"or remove it")
+    if ds.get("zero_force_ds_cpu_optimizer") is True:
+        problems.append(f"{src}: zero_force_ds_cpu_optimizer=true is refused: it demands DeepSpeed's CPU Adam, and "
+                        f"the toolkit builds the optimizer (torch's AdamW, which offload runs on the CPU); remove it")
+    if ds.get("managed_gradient_accumulation") is False:
+        problems.append(f"{src}: managed_gradient_accumulation=false is refused: DeepSpeed refuses it with a "
+                        f"pipeline, and the toolkit's accumulation is tested with DeepSpeed managing it; remove it")
+    pipeline = ds.get("pipeline")
+    if isinstance(pipeline, dict):
+        for key, value in pipeline.items():
+            if key in PIPELINE_HONOURED:
+                if value is not False:
+                    problems.append(f"{src}: pipeline.{key}={value!r} is refused: the toolkit's stages pass two "
+                                    f"tensors and DeepSpeed partitions only the first; remove it (false is the "
+                                    f"toolkit's default)")
+            else:
+                problems.append(f"{src}: pipeline.{key} is refused: DeepSpeed's engine does not read it from the "
+                                f"JSON (or, activation_checkpoint_interval, would checkpoint the stages a second "
+                                f"time); use parallel.pp_size / parallel.pp_partition / the activation_checkpointing "
+                                f"section")
+    if pp_size > 1 and _on(ds.get("flops_profiler")):
+        problems.append(f"{src}: flops_profiler.enabled=true with parallel.pp_size={pp_size} is refused: DeepSpeed's "
+                        f"pipeline engine never prints it; profile with parallel.pp_size=1")
+    for key, package in MONITOR_PACKAGES.items():
+        if _on(ds.get(key)) and importlib.util.find_spec(package) is None:
+            problems.append(f"{src}: {key}.enabled=true but the {package} package is not installed (DeepSpeed would "
+                            f"fail in initialize); install it or use csv_monitor")
+    for section, (known, silently) in SUBKEYS.items():
+        for key in ds.get(section) if isinstance(ds.get(section), dict) else ():
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+                hint = f" (did you mean \"{close[0]}\"?)" if close else ""
+                fate = "ignore it silently" if silently else "refuse it inside initialize"
+                problems.append(f"{src}: unknown key {section}.{key}{hint}; DeepSpeed would {fate}; it reads "
+                                f"{', '.join(known)}")
+    zero = ds.get("zero_optimization")
+    if isinstance(zero, dict):
+        problems += _zero_problems(zero, src)
+    optimizer = ds.get("optimizer")
+    if isinstance(optimizer, dict):
+        for key in optimizer:
+            if key not in ("type", "params"):
+                problems.append(f"{src}: optimizer.{key} is refused: the toolkit builds the optimizer from type "
+                                f"and params only; remove it")
+        ema = str(optimizer.get("type", "AdamW")).lower() in EMA_OPTIMIZERS
+        allowed = OPTIMIZER_PARAMS + (EMA_PARAMS if ema else ())
+        for key in optimizer.get("params") or {}:
+            if key not in allowed:
+                close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6) if key not in EMA_PARAMS else []
+                hint = f" (did you mean \"{close[0]}\"?)" if close else ""
+                why = " (ema_decay needs FusedEmaAdam or EmaAdamW)" if key in EMA_PARAMS else ""
+                problems.append(f"{src}: optimizer.params.{key} is refused{hint}{why}: the toolkit's "
+                                f"{optimizer.get('type', 'AdamW')} takes {', '.join(allowed)}")
+    return problems
+
+
+def _zero_problems(zero: dict[str, Any], src: str) -> list[str]:
+    stage, problems = zero.get("stage", 0), []
+    for key, value in zero.items():
+        if key not in ZERO_KEYS:
+            close = difflib.get_close_matches(key, sorted(ZERO_KEYS), n=1, cutoff=0.6)
+            hint = f" (did you mean \"{close[0]}\"?)" if close else ""
+            problems.append(f"{src}: unknown key zero_optimization.{key}{hint}; DeepSpeed would refuse it inside "
+                            f"initialize")
+        elif ZERO_KEYS[key].verdict == REFUSED:
+            how = ZERO_KEYS[key].how.removesuffix("; remove it")
+            problems.append(f"{src}: zero_optimization.{key} is refused: {how}; remove it")
+        elif key in STAGE3_ONLY and stage != 3 and value is not None:
+            problems.append(f"{src}: zero_optimization.{key} with zero_optimization.stage={stage} is refused: only "
+                            f"ZeRO-3 reads it; remove it or use stage 3")
+        elif key == "offload_optimizer" and stage == 0 and value:
+            problems.append(f"{src}: zero_optimization.offload_optimizer with zero_optimization.stage=0 is refused: "
+                            f"DeepSpeed offloads only under ZeRO 1-3; use stage 1 or 2")
+        elif key == "compute_grad_norm" and value is False:
+            problems.append(f"{src}: zero_optimization.compute_grad_norm=false is refused: the toolkit logs "
+                            f"grad_norm and clips with it; remove it")
+    return problems
+
+
+def key_problems(ds: dict[str, Any], src: str, pp_size: int = 1, max_steps: int = 0) -> list[str]:
+    """Every top-level key refused (unknown ones with a did-you-mean), and honoured keys' unworkable values."""
+    problems = []
+    for key in ds:
+        if key not in KEYS:
+            close = difflib.get_close_matches(key, sorted(KEYS), n=1, cutoff=0.6)
+            hint = f" (did you mean \"{close[0]}\"?)" if close else ""
+            problems.append(f"{src}: unknown DeepSpeed key \"{key}\"{hint}; DeepSpeed would ignore it silently")
+        elif KEYS[key].verdict == REFUSED:
+            problems.append(f"{src}: \"{key}\" is refused: {KEYS[key].how}; remove it")
+    return problems + _conditions(ds, src, pp_size, max_steps)
+
+
+def render() -> str:
+    """docs/deepspeed-keys.md."""
+    lines = ["# DeepSpeed JSON keys", "",
+             "Generated by `python -m parallel.ds_keys > docs/deepspeed-keys.md` from `parallel/ds_keys.py` "
+             "(`tests/unit/test_ds_keys.py` fails when they differ,", "or when DeepSpeed reads a top-level key missing "
+             "here). Every key DeepSpeed 0.19 reads is honoured or refused before launch", "(`python -m "
+             "parallel.check` and `train.py`, exit 1, naming the file and the key); a key it does not read is "
+             "refused as unknown.", ""]
+    for verdict in (HONOURED, REFUSED):
+        lines += [f"## {verdict.capitalize()}", "", "| key | " + ("what the toolkit does | tested by |"
+                  if verdict == HONOURED else "why, and what to use instead |"),
+                  "|---|---|---|" if verdict == HONOURED else "|---|---|"]
+        for key, k in sorted(KEYS.items()):
+            if k.verdict == verdict:
+                lines.append(f"| `{key}` | {k.how} | {k.tests or 'not exercised by a test'} |" if verdict == HONOURED
+                             else f"| `{key}` | {k.how} |")
+        lines.append("")
+    lines += ["## zero_optimization", "", "DeepSpeedZeroConfig's fields, with the `stage3_` names DeepSpeed also "
+              "accepts; an unknown one is refused before launch (DeepSpeed would refuse it inside initialize).", "",
+              "| key | verdict | what the toolkit does, or why it is refused |", "|---|---|---|"]
+    lines += [f"| `{key}` | {k.verdict} | {k.how} |" for key, k in sorted(ZERO_KEYS.items())]
+    lines += ["", "## Keys inside the other sections", "", "Checked before launch; an unknown one is refused with a "
+              "did-you-mean (DeepSpeed would ignore it, or refuse it inside initialize).", "",
+              "| section | keys DeepSpeed reads | DeepSpeed on an unknown one |", "|---|---|---|"]
+    lines += [f"| `{s}` | {', '.join(known)} | {'ignores it' if silently else 'refuses it in initialize'} |"
+              for s, (known, silently) in sorted(SUBKEYS.items())]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())

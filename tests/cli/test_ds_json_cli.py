@@ -1,0 +1,123 @@
+"""The DeepSpeed JSON through train.py as users run it: the JSON's scheduler is the lr logged and resumed,
+refusals (scheduler, precision, the key table) stop before any process group, and the keys handed to
+DeepSpeed show their effect (its progress line, state dump, timers, csv monitor)."""
+import json
+import math
+import os
+
+import pytest
+
+from tests.unit.test_ds_precision import fp16_json  # noqa: F401, F811  (a fixture)
+from tests.cli.test_train_cli import ROOT, train_py
+
+
+def test_train_logs_warmup_lr_per_step(tmp_path):
+    """One process under train.py: metrics.jsonl's lr is WarmupLR's log warmup, as DeepSpeed defines it:
+    step k runs at min + (max - min) log(k - 1) / log(W) (step 1 at min), then max."""
+    ds = json.load(open("ds_configs/zero0_fp32.json"))
+    ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_type": "log"}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    out = tmp_path / "run"
+    p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"), "--set", "train.max_steps=7",
+                 "--set", "train.warmup_steps=4", "--set", f"train.output_dir={out}",
+                 "--set", "train.memory_check=false")
+    assert p.returncode == 0, p.stderr[-3000:]
+    logged = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    low, high, w = 1e-4, 3e-3, 4
+    expected = [low] + [low + (high - low) * min(1.0, math.log(k - 1) / math.log(w)) for k in range(2, 8)]
+    assert logged == pytest.approx(expected, rel=1e-12)
+    assert logged[1] == pytest.approx(low) and logged[5:] == pytest.approx([high, high])
+
+
+def test_train_refuses_a_disagreeing_scheduler_before_any_process_group(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({"scheduler": {"type": "WarmupLR",
+                                                                "params": {"warmup_max_lr": 1e-3}}}))
+    out = tmp_path / "run"
+    p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"),
+                 "--set", f"train.output_dir={out}")
+    assert p.returncode == 1 and not out.exists()
+    assert (f"{tmp_path / 'ds.json'}: scheduler.params.warmup_max_lr=0.001 != train.lr=0.003; set --set "
+            f"train.lr=0.001 or remove scheduler.params.warmup_max_lr") in p.stderr
+    assert "deepspeed" not in p.stdout.lower()
+
+
+def test_resumed_run_continues_the_json_schedule_exactly(tmp_path):
+    """WarmupCosineLR, stopped after 3 steps and resumed to 6 (the checkpoint carries the schedule's position):
+    the lr and the loss of steps 4-6 equal one uninterrupted run's."""
+    ds = json.load(open("ds_configs/zero0_fp32.json"))
+    ds["scheduler"] = {"type": "WarmupCosineLR", "params": {"warmup_type": "linear", "warmup_min_ratio": 0.1}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+
+    def run(out, steps):
+        p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"), "--set",
+                     f"train.max_steps={steps}", "--set", "train.decay_steps=6", "--set", "train.warmup_steps=3",
+                     "--set", f"train.output_dir={out}", "--set", "train.memory_check=false")
+        assert p.returncode == 0, p.stderr[-3000:]
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    whole = run(tmp_path / "whole", 6)
+    run(tmp_path / "parts", 3)
+    parts = run(tmp_path / "parts", 6)
+    assert [r["step"] for r in parts] == [1, 2, 3, 4, 5, 6]
+    assert [(r["lr"], r["loss"]) for r in parts] == [(r["lr"], r["loss"]) for r in whole]
+    assert len({r["lr"] for r in whole}) == 6
+
+
+def test_train_refuses_fp16_before_any_process_group(fp16_json, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    p = train_py("--config", "debug", "--deepspeed_config", str(fp16_json), "--set", f"train.output_dir={out}")
+    assert p.returncode == 1 and not out.exists()
+    assert (f"{fp16_json}: fp16.enabled=true but the cpu accelerator on this machine has no fp16 (DeepSpeed's "
+            f"is_fp16_supported() is false); use bf16") in p.stderr
+    assert "Traceback" not in p.stderr and "init_distributed" not in p.stdout + p.stderr
+
+
+def test_engine_keys_reach_deepspeed(tmp_path):
+    """One process under train.py: DeepSpeed's progress line every steps_per_print steps (at log_level info),
+    its configuration dump, and its wall-clock timers once per step."""
+    ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
+    ds.update(steps_per_print=2, log_level="info", dump_state=True, wall_clock_breakdown=True)
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"), "--set", "train.max_steps=4",
+                 "--set", f"train.output_dir={tmp_path / 'run'}", "--set", "train.memory_check=false")
+    assert p.returncode == 0, p.stderr[-3000:]
+    progress = [line.split("[Rank 0] ")[1].split(",")[0] for line in p.stdout.splitlines() if "[Rank 0] step=" in line]
+    assert progress == ["step=0", "step=2", "step=4"]        # DeepSpeed also reports its step 0
+    assert p.stdout.count("DeepSpeedEngine configuration:") == 1
+    assert sum(1 for line in p.stdout.splitlines() if "time (ms) | fwd:" in line) == 4
+
+
+def test_train_refuses_table_keys_before_any_process_group(tmp_path):
+    """A refused key, a refused zero_optimization key and an unknown key, reported together by train.py."""
+    ds = json.load(open(os.path.join(ROOT, "ds_configs/zero2_bf16.json")))
+    ds.update(tensor_parallel={"autotp_size": 2}, wall_clock_breakdwn=True)
+    ds["zero_optimization"]["stage3_max_live_parameters"] = 10**8
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    out = tmp_path / "run"
+    p = train_py("--config", "debug", "--deepspeed_config", str(path), "--set", f"train.output_dir={out}")
+    assert p.returncode == 1 and not out.exists()
+    assert f'{path}: "tensor_parallel" is refused: DeepSpeed\'s AutoTP would re-shard the toolkit\'s ' \
+           f"tensor-parallel layers; use parallel.tp_size; remove it" in p.stderr
+    assert f"{path}: zero_optimization.stage3_max_live_parameters with zero_optimization.stage=2 is refused: only " \
+           f"ZeRO-3 reads it; remove it or use stage 3" in p.stderr
+    assert f'{path}: unknown DeepSpeed key "wall_clock_breakdwn" (did you mean "wall_clock_breakdown"?)' in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_csv_monitor_gets_every_figure_of_metrics_jsonl(tmp_path):
+    ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
+    ds["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "job"}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    out = tmp_path / "run"
+    p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"), "--set", "train.max_steps=3",
+                 "--set", f"train.output_dir={out}", "--set", "train.memory_check=false")
+    assert p.returncode == 0, p.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    figures = sorted(k for k in records[0] if k != "step" and records[0][k] is not None)
+    assert {"loss", "lr", "grad_norm", "step_time_s", "samples_per_s", "tokens_per_s"} <= set(figures)
+    for name in figures:
+        csv = (tmp_path / "csv" / "job" / f"train_{name}.csv").read_text()
+        rows = [line.split(",") for line in csv.splitlines()[1:]]
+        assert [int(r[0]) for r in rows] == [1, 2, 3], name
+        assert [float(r[1]) for r in rows] == pytest.approx([r[name] for r in records], rel=1e-12), name

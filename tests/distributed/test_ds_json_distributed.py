@@ -1,0 +1,65 @@
+"""DeepSpeed JSON keys handed to DeepSpeed, checked in spawned gloo ranks: gradient_clipping reaches the step,
+and ZeRO-2 optimizer offload to the CPU trains like one process."""
+import copy
+import json
+import os
+
+import pytest
+
+from parallel.config import load_config
+from tests.dist_utils import run_ranks
+from tests.train_utils import assert_matches, fp32_config, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _first_update(rank, world_size, clips):
+    """The largest weight change of the first AdamW step under each gradient_clipping value."""
+    import copy
+
+    from parallel.dist.seed import seed_all
+    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.train.engine import build_trainer
+    from parallel.train.run import training_batches
+
+    cfg = load_config("debug", ["train.warmup_steps=0"])
+    ctx = ParallelContext.build(ParallelDims(tp_size=1, sp_size=1, pp_size=1, dp_size=1))
+    out = []
+    for clip in clips:
+        ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
+        ds["gradient_clipping"] = clip
+        seed_all(cfg.train.seed)
+        trainer = build_trainer(cfg, ds, ctx)
+        before = copy.deepcopy(trainer.engine.module.state_dict())
+        result = trainer.train_step(training_batches(cfg, ctx))
+        after = trainer.engine.module.state_dict()
+        out.append((result.lr, result.grad_norm, max(float((after[k] - v).abs().max()) for k, v in before.items())))
+    return out
+
+
+def test_gradient_clipping_reaches_the_step():
+    """Adam's first step moves a weight by lr g / (|g| + eps): about lr unclipped, and about lr x clip-scaled g /
+    eps when the gradient is clipped to a norm of 1e-12 (eps 1e-8): DeepSpeed clips with the JSON's value."""
+    (lr, norm, free), (_, norm_clipped, clipped) = run_ranks(_first_update, 1, (1e9, 1e-12))[0]
+    assert norm == pytest.approx(norm_clipped) and norm > 1e-3          # the norm reported is before clipping
+    assert lr * 0.5 < free <= lr * 1.0001
+    assert clipped < lr * 1e-3
+
+
+def _offloaded(rank, world_size, ds):
+    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.train.engine import build_trainer
+
+    ctx = ParallelContext.build(ParallelDims(tp_size=1, sp_size=1, pp_size=1, dp_size=world_size))
+    zero = build_trainer(load_config("debug"), ds, ctx).engine.optimizer
+    return type(zero).__name__, zero.cpu_offload
+
+
+def test_zero2_cpu_optimizer_offload_trains_like_one_process():
+    """ZeRO-2 at dp 2 with the optimizer states and step on the CPU (DeepSpeed's offload_optimizer, running
+    the toolkit's torch AdamW): per-step losses on both ranks and the final weights equal one process's."""
+    ds = fp32_config(stage=2)
+    ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    assert run_ranks(_offloaded, 1, copy.deepcopy(ds)) == [("DeepSpeedZeroOptimizer", True)]
+    reference = train(1, 1, 1, fp32_config())
+    assert_matches(train(1, 1, 2, copy.deepcopy(ds)), reference)
