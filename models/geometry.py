@@ -59,7 +59,8 @@ class PositionCache:
         if (key, device) not in self.tables:
             shared = (self.ident, key, str(device))
             if shared not in _SHARED_TABLES:
-                value = self.fn(*key)
+                with torch.device("cpu"):     # the same numbers whatever device or trace context asks
+                    value = self.fn(*key)
                 _SHARED_TABLES[shared] = tuple(v.to(device) for v in value) if isinstance(value, tuple) \
                     else value.to(device)
             self.tables[(key, device)] = _SHARED_TABLES[shared]

@@ -10,7 +10,7 @@ from parallel.check import check
 from parallel.config import load_config
 from parallel.ds_keys import KEYS, REFUSED, STAGE3_ONLY, SUBKEYS, ZERO_KEYS, render
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def keys_deepspeed_reads(monkeypatch, section=None) -> set[str]:
