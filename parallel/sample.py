@@ -114,6 +114,11 @@ def check_args(args, cfg, layout) -> list[str]:
             rows += n if path in args.prompt_embeds else 0
         except ValueError as e:
             problems.append(str(e))
+            continue
+        want = [cfg.model.max_text_len, cfg.model.text_embed_dim]
+        if list(shapes[path][-2:]) != want:
+            problems.append(f"{path}: embeddings [.., L, D] = {list(shapes[path])}, the model takes [L, D] = {want} "
+                            "(model.max_text_len, model.text_embed_dim)")
     neg = shapes.get(args.negative_embeds)
     if neg and len(neg) == 3 and neg[0] not in (1, rows):
         problems.append(f"--negative-embeds {args.negative_embeds}: {neg[0]} rows for {rows} prompts; "

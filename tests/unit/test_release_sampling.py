@@ -283,10 +283,12 @@ def test_sample_command_refuses_mismatched_batches(tmp_path, capsys):
     batch_files(tmp_path)
     save_file({"noise": torch.randn(3, 4, FRAMES, SIZE + 2, SIZE)}, str(tmp_path / "noise.safetensors"))
     save_file({"negative": torch.randn(3, TEXT, 32)}, str(tmp_path / "negative.safetensors"))
+    save_file({"prompt": torch.randn(BATCH, TEXT + 1, 32)}, str(tmp_path / "prompt.safetensors"))
     argv = sample_argv("ddim", tmp_path / "transformer", tmp_path, tmp_path / "x.safetensors")
     assert main(argv + ["--ema", "--sampler", "euler"]) == 1
     err = capsys.readouterr().err
     want = f"[2, 4, {FRAMES}, {SIZE}, {SIZE}]"
     assert f"shape [3, 4, {FRAMES}, {SIZE + 2}, {SIZE}], expected [B, C, T, H, W] = {want}" in err
     assert "3 rows for 2 prompts; give 1 or 2" in err
+    assert f"[.., L, D] = [2, {TEXT + 1}, 32], the model takes [L, D] = [{TEXT}, 32]" in err
     assert "--ema reads a checkpoint's EMA" in err and "sampler 'euler' does not fit objective 'v_prediction'" in err
