@@ -32,7 +32,6 @@ DIR/prompt<i>.{gif,mp4,txt} (the latent preview when no decoder is given). Forma
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from pathlib import Path
 from typing import Optional
@@ -148,6 +147,7 @@ def _check_weights(args, cfg, layout) -> list[str]:
         return ["--ema reads a checkpoint's EMA; model.init_from is set (released weights have none): "
                 "--set model.init_from=null to sample the newest checkpoint"] if args.ema else []
     from parallel.train.checkpoint import find_resume
+    from parallel.train.run import checkpoint_layout
     try:
         tag = find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout))
     except ValueError as e:
@@ -156,11 +156,6 @@ def _check_weights(args, cfg, layout) -> list[str]:
         return [f"no weights: model.init_from is not set and {cfg.ckpt_dir} (ckpt.dir) has no complete checkpoint; "
                 "give --set model.init_from=<diffusers transformer folder> or train.output_dir of a run"]
     return []
-
-
-def checkpoint_layout(layout) -> dict:
-    """What a checkpoint must match (parallel.train.run.checkpoint_layout, without importing the loop)."""
-    return {**layout.as_dict(), "zero_stage": layout.zero_stage}
 
 
 def load_prompts(args, cfg):
@@ -184,99 +179,6 @@ def load_prompts(args, cfg):
         encoder.encode("").float() if encoder else _tensor(Path(cfg.data.path) / UNCOND_FILE)
     uncond = uncond[None] if uncond.dim() == 2 else uncond
     return labels, text, uncond.expand(len(text), *uncond.shape[1:]).contiguous()
-
-
-@contextlib.contextmanager
-def sampling_model(args, cfg, ds, layout, env):
-    """(StageForward, ctx) over this rank's part of the layout, with the weights args and cfg name; the body
-    runs in the layout's process groups (created here unless the caller already has them)."""
-    import types
-
-    import torch.distributed as dist
-
-    from parallel.dist import accelerator
-    from parallel.dist.topology import ParallelContext
-    from parallel.train.validate import StageForward
-
-    owned = False
-    if layout.world_size > 1 or not cfg.model.init_from:
-        if not dist.is_initialized():
-            from parallel.train.run import export_launch_env, init_process_groups
-            export_launch_env(env)
-            accelerator.set_device(env.local_rank)
-            init_process_groups(cfg.train.collective_timeout_s)
-            owned = True
-        else:                       # torch.distributed is up (a test's ranks): DeepSpeed wraps its group
-            import deepspeed
-            deepspeed.init_distributed(dist_backend=accelerator.backend())
-        ctx = ParallelContext.build(layout.dims)
-    else:
-        ctx = ParallelContext.single()
-    try:
-        if cfg.model.init_from:
-            from parallel.build import build_model
-            from parallel.weights.diffusers import load_released
-            model = build_model(cfg, ds, ctx)
-            load_released(model, ctx, cfg.model, cfg.model.init_from)
-            device = accelerator.device(env.local_rank)
-            model.to(device).eval()
-            yield StageForward(types.SimpleNamespace(module=model, device=device), ctx), ctx
-        else:
-            from parallel.dist.seed import seed_all
-            from parallel.train.checkpoint import find_resume
-            from parallel.train.engine import build_trainer
-            from parallel.train.validate import ema_weights
-            tag = find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout))
-            seed_all(cfg.train.seed)
-            trainer = build_trainer(cfg, ds, ctx, init_from=False)
-            step = trainer.load(cfg.ckpt_dir, tag)
-            if ctx.rank == 0:
-                print(f"weights: {cfg.ckpt_dir}/{tag} (step {step}){', EMA' if args.ema else ''}", flush=True)
-            trainer.engine.module.eval()
-            with ema_weights(trainer) if args.ema else contextlib.nullcontext():
-                yield StageForward(trainer.engine, ctx), ctx
-    finally:
-        if owned:
-            dist.destroy_process_group()
-
-
-def sample_batch(forward, ctx, objective, text, uncond, noise, shape, seed: int, steps: int, sampler,
-                 guidance: float, dynamic: bool):
-    """Latents [B, C, T, H, W] of the batch, on every rank; data-parallel replicas sample contiguous rows.
-
-    noise [B, C, T, H, W]: one generator (seed) for the whole batch, as the pipeline's; None: row i starts
-    from noise drawn from (seed, i) of `shape` [C, T, H, W] and continues that generator (validation's rule)."""
-    import torch
-    import torch.distributed as dist
-
-    from models.sampling import sample
-    from parallel.dist.seed import derive_seed
-    from parallel.train.validate import replica_items, replica_slice
-
-    def run(r: range, x, g, rows=None):
-        def predict(x, t, conditional):
-            return forward.predict((x, t, (text if conditional else uncond)[r.start:r.stop]), x).cpu()
-        return sample(predict, x, objective, steps, sampler, guidance, use_dynamic_cfg=dynamic, generator=g, rows=rows)
-
-    n, mine = len(text), {}
-    if noise is not None:
-        share = replica_slice(n, ctx.dp_rank, ctx.dp_size)
-        if len(share) or forward.lockstep:        # ZeRO-3: an idle replica joins every forward with row 0
-            r = share if len(share) else range(1)
-            out = run(r, noise[r.start:r.stop], torch.Generator().manual_seed(seed), (r, n))
-            mine = {i: out[k] for k, i in enumerate(share)}
-    else:
-        for i, counts in replica_items(n, forward, ctx):
-            g = torch.Generator().manual_seed(derive_seed(seed, "sample", i))
-            out = run(range(i, i + 1), torch.randn((1, *shape), generator=g), g)
-            if counts:
-                mine[i] = out[0]
-    if dist.is_initialized() and ctx.dims.world_size > 1:
-        everyone = [None] * dist.get_world_size()
-        head = ctx.tp_rank == 0 and ctx.pp_rank == 0 and ctx.sp_rank == 0
-        dist.all_gather_object(everyone, mine if head else {})
-        mine = {i: v for part in everyone for i, v in part.items()}
-    return torch.stack([mine[i] for i in range(n)])
 
 
 def write_outputs(out: Path, latents, labels: list[str], cfg, decoder: Optional[str]) -> list[Path]:
@@ -314,12 +216,13 @@ def sample_videos(args, cfg, ds: dict, layout, env):
     """The batch's latents [B, C, T, H, W] (every rank), written by rank 0 under args.out."""
     from models.diffusion import Objective
     from models.geometry import latent_shape
+    from parallel.train.sampling import sample_batch, sampling_model
 
     steps, guidance, sampler, seed = _settings(args, cfg)
     labels, text, uncond = load_prompts(args, cfg)
     noise = _tensor(args.noise) if args.noise else None
     shape = (cfg.model.in_channels, *latent_shape(cfg.model, cfg.data))
-    with sampling_model(args, cfg, ds, layout, env) as (forward, ctx):
+    with sampling_model(cfg, ds, layout, env, args.ema) as (forward, ctx):
         latents = sample_batch(forward, ctx, Objective.of(cfg.model), text, uncond, noise, shape, seed, steps,
                                sampler, guidance, cfg.val.use_dynamic_cfg)
         if ctx.rank == 0:

@@ -36,11 +36,11 @@ def _train_and_save(argv, export_dir):
     from parallel.dist import accelerator
     from parallel.dist.seed import seed_all
     from parallel.dist.topology import ParallelContext
-    from parallel.sample import checkpoint_layout, parse_args
+    from parallel.sample import parse_args
     from parallel.train import checkpoint
     from parallel.train.ema import full_ema
     from parallel.train.engine import build_trainer
-    from parallel.train.run import training_batches
+    from parallel.train.run import checkpoint_layout, training_batches
     from parallel.weights.diffusers_export import export_diffusers
 
     args = parse_args(argv)
