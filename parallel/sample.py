@@ -87,7 +87,7 @@ def _settings(args, cfg) -> tuple[int, float, Optional[str], int]:
             args.sampler or cfg.val.sampler, cfg.train.seed if args.seed is None else args.seed)
 
 
-def check_args(args, cfg, layout) -> list[str]:
+def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
     """Every problem with the command line, before a model loads."""
     from models.geometry import latent_shape
     from models.sampling import check_sampler
@@ -139,10 +139,12 @@ def check_args(args, cfg, layout) -> list[str]:
         check_sampler(cfg.model.objective, sampler)
     except ValueError as e:
         problems.append(f"--sampler / val.sampler: {e}")
-    return problems + _check_weights(args, cfg, layout)
+    return problems + _check_weights(args, cfg, layout, ds or {})
 
 
-def _check_weights(args, cfg, layout) -> list[str]:
+def _check_weights(args, cfg, layout, ds: dict) -> list[str]:
+    from parallel.ds_config import EMA_OPTIMIZERS
+
     if cfg.model.init_from:
         return ["--ema reads a checkpoint's EMA; model.init_from is set (released weights have none): "
                 "--set model.init_from=null to sample the newest checkpoint"] if args.ema else []
@@ -155,6 +157,10 @@ def _check_weights(args, cfg, layout) -> list[str]:
     if tag is None:
         return [f"no weights: model.init_from is not set and {cfg.ckpt_dir} (ckpt.dir) has no complete checkpoint; "
                 "give --set model.init_from=<diffusers transformer folder> or train.output_dir of a run"]
+    kind = str((ds.get("optimizer") or {}).get("type", "AdamW"))
+    if args.ema and kind.lower() not in EMA_OPTIMIZERS:
+        return [f"--ema: the DeepSpeed JSON's optimizer.type={kind!r} keeps no EMA; give the JSON the run trained "
+                f"with (\"type\": \"FusedEmaAdam\" or \"EmaAdamW\"), or leave out --ema"]
     return []
 
 
@@ -236,7 +242,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     env = read_launch_env()
     try:
         cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size)
-        problems = check_args(args, cfg, layout)
+        problems = check_args(args, cfg, layout, ds)
     except ConfigError as e:
         problems = str(e).splitlines()
     if problems:
