@@ -101,10 +101,15 @@ def _coef(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _dpm_step(x: torch.Tensor, v: torch.Tensor, ab: torch.Tensor, t: int, t_prev: int, t_back: Optional[int],
-              x0_last: Optional[torch.Tensor], generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+              x0_last: Optional[torch.Tensor], generator: torch.Generator,
+              rows: Optional[tuple[range, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One CogVideoXDPMScheduler step (eta = 0, v_prediction), its float64 scalars and order of operations."""
-    def noise():     # diffusers draws z in its latent order [B, T, C, H, W]
-        return torch.randn(x.transpose(1, 2).shape, generator=generator, dtype=x.dtype).transpose(1, 2)
+    def noise():     # diffusers draws z in its latent order [B, T, C, H, W]; rows: this part's rows of the batch's
+        shape = x.transpose(1, 2).shape
+        if rows is None:
+            return torch.randn(shape, generator=generator, dtype=x.dtype).transpose(1, 2)
+        z = torch.randn((rows[1], *shape[1:]), generator=generator, dtype=x.dtype)
+        return z[rows[0].start:rows[0].stop].transpose(1, 2)
 
     a, one = ab[t], torch.tensor(1.0, dtype=torch.float64)
     a_prev = ab[t_prev] if t_prev >= 0 else one
@@ -126,9 +131,13 @@ def _dpm_step(x: torch.Tensor, v: torch.Tensor, ab: torch.Tensor, t: int, t_prev
 @torch.no_grad()
 def sample(predict: Predictor, noise: torch.Tensor, objective: Objective, steps: int,
            sampler: str | None = None, guidance_scale: float = 1.0, *, use_dynamic_cfg: bool = False,
-           generator: Optional[torch.Generator] = None) -> torch.Tensor:
+           generator: Optional[torch.Generator] = None, rows: Optional[tuple[range, int]] = None) -> torch.Tensor:
     """Integrate from `noise` (x_T, [B, C, T, H, W], seeded by the caller) to a clean latent, in fp32.
-    dpm draws its step noise from `generator`."""
+    dpm draws its step noise from `generator`. rows = (r, N): `noise` is rows r of a batch of N (a data-parallel
+    replica's share); dpm then draws the whole batch's step noise and keeps rows r, so the share's sample
+    equals those rows of the whole batch's."""
+    if rows is not None and len(rows[0]) != noise.shape[0]:
+        raise ValueError(f"rows {rows[0]} of {rows[1]} do not fit a noise batch of {noise.shape[0]}")
     sampler = check_sampler(objective.kind, sampler)
     spacing = objective.schedule.timestep_spacing
     timesteps = sampling_timesteps(objective.kind, steps, sampler, spacing)
@@ -145,7 +154,8 @@ def sample(predict: Predictor, noise: torch.Tensor, objective: Objective, steps:
         ab, x0_last = objective.alphas_cumprod64, None
         for i, t in enumerate(timesteps):
             v = _guided(predict, x, t, guidance_at(guidance_scale, t, steps, use_dynamic_cfg))
-            x, x0_last = _dpm_step(x, v, ab, t, t - stride, timesteps[i - 1] if i > 0 else None, x0_last, generator)
+            x, x0_last = _dpm_step(x, v, ab, t, t - stride, timesteps[i - 1] if i > 0 else None, x0_last, generator,
+                                   rows)
         return x
     # DDIM; a_prev = 1 below timestep 0, so the last step returns the model's x0.
     ab = objective.alphas_cumprod.double()

@@ -1,16 +1,33 @@
-"""Sample videos from a diffusers transformer folder as the release's pipeline does, in one process.
+"""Sample videos from released weights or a checkpoint, in one process or in any layout, as the release's pipeline does.
 
     python -m parallel.sample --config cogvideox-2b --set model.init_from=CogVideoX-2b/transformer \\
-        --set data.text_encoder=t5/ --set val.decoder=CogVideoX-2b/vae --prompt "a cat on a wall" --out samples/
+        --set data.text_encoder=t5/ --vae CogVideoX-2b/vae --prompt "a cat on a wall" --out samples/
+    deepspeed --num_gpus 4 --module parallel.sample --config run.yaml --deepspeed_config ds.json \\
+        --set parallel.tp_size=2 --set parallel.pp_size=2 --prompt-embeds p.safetensors \\
+        --negative-embeds n.safetensors --noise noise.safetensors --steps 50 --guidance 6 --sampler dpm \\
+        --out latents.safetensors
 
-The weights are `model.init_from` (a released transformer/ folder, or a checkpoint exported with
-`python -m parallel.export --format diffusers`). Sampler, steps, guidance, dynamic CFG, decoder, formats
-and fps are the `val:` keys (`--set val.sampler=dpm`, `--steps`); the schedule is `model.schedule`.
-Prompts are captions (encoded with data.text_encoder) or `--prompt-embeds` files ([S_txt, D] safetensors);
-the unconditional input is `--negative-embeds`, else T5 of "" (data.text_encoder), else data.path's
-uncond.safetensors. Prompt i starts from noise drawn from (--seed, i), the generator the dpm sampler continues,
-so a latent equals CogVideoXPipeline's given that noise and generator. Writes prompt<i>.{gif,mp4,txt} and
-latents.safetensors ({"prompt<i>": [C, T, H, W]}).
+Weights: `model.init_from` (a released transformer/ folder, or `python -m parallel.export --format diffusers`'s),
+read by every rank for its part of the layout, in fp32; without it, the newest complete checkpoint of ckpt.dir
+(<train.output_dir>/checkpoints), launched with the layout and DeepSpeed JSON that wrote it (`--ema`: its EMA
+weights). A run that started from init_from: `--set model.init_from=null` samples its checkpoints.
+
+Prompts, a batch of B rows in this order: captions (`--prompt`, encoded with data.text_encoder), then each
+`--prompt-embeds` file's rows (one tensor, [L, D] or [B_i, L, D]). The unconditional input (guidance != 1) is
+`--negative-embeds` ([L, D] or [1, L, D] for every row, or [B, L, D]), else T5 of "" (data.text_encoder), else
+data.path's uncond.safetensors. `--steps`, `--guidance`, `--sampler` default to the `val:` keys (sample_steps,
+guidance_scale, sampler); dynamic CFG is val.use_dynamic_cfg; the schedule is model.schedule.
+
+Noise: `--noise FILE` (one tensor [B, C, T, H, W], the toolkit's latent layout; T, H, W from data.num_frames,
+data.height, data.width) samples the batch as CogVideoXPipeline(..., latents=noise.transpose(1, 2),
+generator=torch.Generator().manual_seed(seed)) does: the dpm sampler draws the whole batch's step noise from
+that one generator. Without it, prompt i starts from noise drawn from (--seed, i), the generator its dpm sampler
+continues (as validation samples). seed: --seed, default train.seed. Data-parallel replicas split the rows.
+
+Output (rank 0): `--out FILE.safetensors` writes {"latents": [B, C, T, H, W]}, and with a decoder (--vae DIR or
+val.decoder) the videos FILE/prompt<i>.{gif,mp4,txt} (FILE without the suffix). `--out DIR` (any other name)
+writes DIR/latents.safetensors ({"latents": [B, C, T, H, W], "prompt<i>": [C, T, H, W]}) and the videos
+DIR/prompt<i>.{gif,mp4,txt} (the latent preview when no decoder is given). Formats and fps are val.formats, val.fps.
 """
 from __future__ import annotations
 
@@ -20,123 +37,218 @@ from pathlib import Path
 from typing import Optional
 
 from parallel.check import load_and_check
+from parallel.cli import add_experiment_args
 from parallel.config import UNCOND_FILE, ConfigError
+from parallel.dist.topology import read_launch_env
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m parallel.sample", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True, help="experiment YAML file or preset name")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config key, as in train.py (repeatable)")
+    add_experiment_args(ap, deepspeed_required=False)
     ap.add_argument("--prompt", action="append", default=[], help="a caption (needs data.text_encoder); repeatable")
     ap.add_argument("--prompt-embeds", "--prompt_embeds", action="append", default=[], type=Path,
-                    help="a T5 embedding file [model.max_text_len, model.text_embed_dim]; repeatable")
+                    help="T5 embeddings, one tensor [L, D] or [B, L, D] (L = model.max_text_len); repeatable")
     ap.add_argument("--negative-embeds", "--negative_embeds", type=Path, default=None,
-                    help="the unconditional embedding file; default: T5 of \"\" or data.path's " + UNCOND_FILE)
+                    help="the unconditional embeddings [L, D] or [B, L, D]; default: T5 of \"\" or data.path's "
+                         + UNCOND_FILE)
+    ap.add_argument("--noise", type=Path, default=None, help="the initial latents, one tensor [B, C, T, H, W]; "
+                    "default: drawn per prompt from (--seed, i)")
     ap.add_argument("--steps", type=int, default=None, help="sampling steps; default val.sample_steps")
+    ap.add_argument("--guidance", type=float, default=None, help="guidance scale; default val.guidance_scale")
+    ap.add_argument("--sampler", choices=["ddim", "dpm", "euler"], default=None, help="default val.sampler")
     ap.add_argument("--seed", type=int, default=None, help="noise seed; default train.seed")
-    ap.add_argument("--out", required=True, type=Path, help="output folder")
+    ap.add_argument("--ema", action="store_true", help="a checkpoint's EMA weights instead of its weights")
+    ap.add_argument("--vae", default=None, help="decoder for the videos (CogVideoX VAE folder); default val.decoder")
+    ap.add_argument("--out", required=True, type=Path, help="FILE.safetensors (latents) or a folder (latents, videos)")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
-def check_args(args, cfg) -> list[str]:
+def _tensor(path: Path, load: bool = True):
+    """The file's tensor ("text" if present, else its only one): the tensor, or (load=False) its shape."""
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        keys = list(f.keys())
+        if "text" not in keys and len(keys) != 1:
+            raise ValueError(f"{path}: expected one tensor, found {len(keys)} ({', '.join(keys[:5])})")
+        key = "text" if "text" in keys else keys[0]
+        return f.get_tensor(key).float() if load else tuple(f.get_slice(key).get_shape())
+
+
+def _rows(path: Path, shape: tuple) -> int:
+    if len(shape) not in (2, 3):
+        raise ValueError(f"{path}: embeddings are [L, D] or [B, L, D], got {list(shape)}")
+    return 1 if len(shape) == 2 else shape[0]
+
+
+def _settings(args, cfg) -> tuple[int, float, Optional[str], int]:
+    """(steps, guidance, sampler, seed): the flags, else the val: keys and train.seed."""
+    return (args.steps or cfg.val.sample_steps, cfg.val.guidance_scale if args.guidance is None else args.guidance,
+            args.sampler or cfg.val.sampler, cfg.train.seed if args.seed is None else args.seed)
+
+
+def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
     """Every problem with the command line, before a model loads."""
-    problems = []
-    if not cfg.model.init_from:
-        problems.append("model.init_from is not set: give --set model.init_from=<diffusers transformer folder> "
-                        "(python -m parallel.export --format diffusers turns a checkpoint into one)")
+    from models.geometry import latent_shape
+    from models.sampling import check_sampler
+
+    problems, rows = [], len(args.prompt)
+    steps, guidance, sampler, _ = _settings(args, cfg)
     if not args.prompt and not args.prompt_embeds:
         problems.append("nothing to sample: give --prompt or --prompt-embeds")
     if args.prompt and not cfg.data.text_encoder:
         problems.append("--prompt needs a T5 encoder: --set data.text_encoder=<folder>, or give --prompt-embeds")
-    for path in args.prompt_embeds + ([args.negative_embeds] if args.negative_embeds else []):
-        if not path.is_file():
-            problems.append(f"{path}: no such embedding file")
+    shapes = {}
+    for path in args.prompt_embeds + [p for p in (args.negative_embeds, args.noise) if p]:
+        try:
+            shapes[path] = _tensor(path, load=False) if path.is_file() else None
+        except Exception as e:                   # not a safetensors file, or several tensors
+            problems.append(f"{path}: {e}")
+            continue
+        if shapes[path] is None:
+            problems.append(f"{path}: no such file")
+    for path in [p for p in args.prompt_embeds + [args.negative_embeds] if p and shapes.get(p)]:
+        try:
+            n = _rows(path, shapes[path])
+            rows += n if path in args.prompt_embeds else 0
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        want = [cfg.model.max_text_len, cfg.model.text_embed_dim]
+        if list(shapes[path][-2:]) != want:
+            problems.append(f"{path}: embeddings [.., L, D] = {list(shapes[path])}, the model takes [L, D] = {want} "
+                            "(model.max_text_len, model.text_embed_dim)")
+    neg = shapes.get(args.negative_embeds)
+    if neg and len(neg) == 3 and neg[0] not in (1, rows):
+        problems.append(f"--negative-embeds {args.negative_embeds}: {neg[0]} rows for {rows} prompts; "
+                        f"give 1 or {rows}")
+    if args.noise and shapes.get(args.noise):
+        want = (rows, cfg.model.in_channels, *latent_shape(cfg.model, cfg.data))
+        if tuple(shapes[args.noise]) != want:
+            problems.append(f"--noise {args.noise}: shape {list(shapes[args.noise])}, expected [B, C, T, H, W] = "
+                            f"{list(want)} ({rows} prompts, model.in_channels; T, H, W from data.num_frames, "
+                            f"data.height, data.width)")
     uncond = Path(cfg.data.path) / UNCOND_FILE if cfg.data.path else None
-    if cfg.val.guidance_scale != 1 and not args.negative_embeds and not cfg.data.text_encoder \
-            and not (uncond and uncond.is_file()):
-        problems.append(f"val.guidance_scale={cfg.val.guidance_scale} needs the unconditional embedding: give "
-                        f"--negative-embeds, or set data.text_encoder (T5 of \"\"), or data.path with {UNCOND_FILE}")
-    if args.steps is not None and not 1 <= args.steps <= 1000:
-        problems.append(f"--steps={args.steps}: give a number in [1, 1000]")
-    return problems
+    if guidance != 1 and not args.negative_embeds and not cfg.data.text_encoder and not (uncond and uncond.is_file()):
+        key = f"val.guidance_scale={guidance}" if args.guidance is None else f"--guidance {guidance}"
+        problems.append(f"{key} needs the unconditional embedding: give --negative-embeds, or set "
+                        f"data.text_encoder (T5 of \"\"), or data.path with {UNCOND_FILE}")
+    if not 1 <= steps <= 1000:
+        problems.append(f"--steps={steps}: give a number in [1, 1000]")
+    try:
+        check_sampler(cfg.model.objective, sampler)
+    except ValueError as e:
+        problems.append(f"--sampler / val.sampler: {e}")
+    return problems + _check_weights(args, cfg, layout, ds or {})
 
 
-def _embedding(path: Path):
-    from safetensors.torch import load_file
-    tensors = load_file(str(path))
-    return (tensors["text"] if "text" in tensors else next(iter(tensors.values()))).float()
+def _check_weights(args, cfg, layout, ds: dict) -> list[str]:
+    from parallel.ds_config import EMA_OPTIMIZERS
+
+    if cfg.model.init_from:
+        return ["--ema reads a checkpoint's EMA; model.init_from is set (released weights have none): "
+                "--set model.init_from=null to sample the newest checkpoint"] if args.ema else []
+    from parallel.train.checkpoint import find_resume
+    from parallel.train.run import checkpoint_layout
+    try:
+        tag = find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout))
+    except ValueError as e:
+        return [str(e)]
+    if tag is None:
+        return [f"no weights: model.init_from is not set and {cfg.ckpt_dir} (ckpt.dir) has no complete checkpoint; "
+                "give --set model.init_from=<diffusers transformer folder> or train.output_dir of a run"]
+    kind = str((ds.get("optimizer") or {}).get("type", "AdamW"))
+    if args.ema and kind.lower() not in EMA_OPTIMIZERS:
+        return [f"--ema: the DeepSpeed JSON's optimizer.type={kind!r} keeps no EMA; give the JSON the run trained "
+                f"with (\"type\": \"FusedEmaAdam\" or \"EmaAdamW\"), or leave out --ema"]
+    return []
 
 
-def sample_videos(args, cfg) -> dict[str, object]:
-    """{"prompt<i>": latent [C, T, H, W]} for every prompt, with its files written under args.out."""
-    import types
-
+def load_prompts(args, cfg):
+    """(labels, text [B, L, D], uncond [B, L, D] or None) from the captions and embedding files."""
     import torch
-    from safetensors.torch import save_file
-
-    from models.diffusion import Objective
-    from models.geometry import latent_shape
-    from models.sampling import sample
-    from parallel.build import build_model
-    from parallel.dist.seed import derive_seed
-    from parallel.dist.topology import ParallelContext
-    from parallel.train.media import load_decoder, write_gif, write_mp4
-    from parallel.train.validate import StageForward
-    from parallel.weights.diffusers import load_released
 
     encoder = None
     if cfg.data.text_encoder:
         from models.text_encoder import T5TextEncoder
         encoder = T5TextEncoder(cfg.data.text_encoder, cfg.model.max_text_len, cfg.model.text_embed_dim)
-    prompts = [(text, encoder.encode(text).float()) for text in args.prompt] + \
-        [(str(path), _embedding(path)) for path in args.prompt_embeds]
-    uncond = None
-    if cfg.val.guidance_scale != 1:
-        uncond = _embedding(args.negative_embeds) if args.negative_embeds else \
-            encoder.encode("").float() if encoder else _embedding(Path(cfg.data.path) / UNCOND_FILE)
+    labels, texts = list(args.prompt), [encoder.encode(text).float()[None] for text in args.prompt]
+    for path in args.prompt_embeds:
+        t = _tensor(path)
+        t = t[None] if t.dim() == 2 else t
+        labels += [str(path)] if len(t) == 1 else [f"{path}[{j}]" for j in range(len(t))]
+        texts.append(t)
+    text = torch.cat(texts)
+    if _settings(args, cfg)[1] == 1:
+        return labels, text, None
+    uncond = _tensor(args.negative_embeds) if args.negative_embeds else \
+        encoder.encode("").float() if encoder else _tensor(Path(cfg.data.path) / UNCOND_FILE)
+    uncond = uncond[None] if uncond.dim() == 2 else uncond
+    return labels, text, uncond.expand(len(text), *uncond.shape[1:]).contiguous()
 
-    ctx = ParallelContext.single()
-    model = build_model(cfg, {}, ctx)
-    load_released(model, ctx, cfg.model, cfg.model.init_from)
-    model.eval()
-    forward = StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx)
-    objective, decode = Objective.of(cfg.model), load_decoder(cfg.val.decoder)
-    shape = (1, cfg.model.in_channels, *latent_shape(cfg.model, cfg.data))
-    seed = cfg.train.seed if args.seed is None else args.seed
-    args.out.mkdir(parents=True, exist_ok=True)
-    latents = {}
-    for i, (label, text) in enumerate(prompts):
-        g = torch.Generator().manual_seed(derive_seed(seed, "sample", i))
-        noise = torch.randn(shape, generator=g)
 
-        def predict(x, t, conditional, text=text[None]):
-            return forward.predict((x, t, text if conditional else uncond[None]), x)
+def write_outputs(out: Path, latents, labels: list[str], cfg, decoder: Optional[str]) -> list[Path]:
+    """The latents file and (folder form, or with a decoder) the videos; the paths written."""
+    from safetensors.torch import save_file
 
-        latent = sample(predict, noise, objective, args.steps or cfg.val.sample_steps, cfg.val.sampler,
-                        cfg.val.guidance_scale, use_dynamic_cfg=cfg.val.use_dynamic_cfg, generator=g)[0]
-        latents[f"prompt{i}"] = latent.contiguous()
-        frames = decode(latent)
-        for fmt in cfg.val.formats:
-            path = args.out / f"prompt{i}.{fmt}"
-            (write_gif if fmt == "gif" else write_mp4)(frames, path, fps=cfg.val.fps)
-            print(f"wrote {path}")
-        (args.out / f"prompt{i}.txt").write_text(label + "\n")
-    save_file(latents, str(args.out / "latents.safetensors"))
+    from parallel.train.media import load_decoder, write_gif, write_mp4
+
+    written = []
+    if out.suffix == ".safetensors":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"latents": latents.contiguous()}, str(out))
+        written.append(out)
+        folder = out.with_suffix("") if decoder else None
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({"latents": latents.contiguous(), **{f"prompt{i}": v.clone() for i, v in enumerate(latents)}},
+                  str(out / "latents.safetensors"))
+        written.append(out / "latents.safetensors")
+        folder = out
+    if folder is not None:
+        decode = load_decoder(decoder)
+        folder.mkdir(parents=True, exist_ok=True)
+        for i, latent in enumerate(latents):
+            frames = decode(latent)
+            for fmt in cfg.val.formats:
+                path = folder / f"prompt{i}.{fmt}"
+                (write_gif if fmt == "gif" else write_mp4)(frames, path, fps=cfg.val.fps)
+                written.append(path)
+            (folder / f"prompt{i}.txt").write_text(labels[i] + "\n")
+    return written
+
+
+def sample_videos(args, cfg, ds: dict, layout, env):
+    """The batch's latents [B, C, T, H, W] (every rank), written by rank 0 under args.out."""
+    from models.diffusion import Objective
+    from models.geometry import latent_shape
+    from parallel.train.sampling import sample_batch, sampling_model
+
+    steps, guidance, sampler, seed = _settings(args, cfg)
+    labels, text, uncond = load_prompts(args, cfg)
+    noise = _tensor(args.noise) if args.noise else None
+    shape = (cfg.model.in_channels, *latent_shape(cfg.model, cfg.data))
+    with sampling_model(cfg, ds, layout, env, args.ema) as (forward, ctx):
+        latents = sample_batch(forward, ctx, Objective.of(cfg.model), text, uncond, noise, shape, seed, steps,
+                               sampler, guidance, cfg.val.use_dynamic_cfg)
+        if ctx.rank == 0:
+            for path in write_outputs(args.out, latents, labels, cfg, args.vae or cfg.val.decoder):
+                print(f"wrote {path}", flush=True)
     return latents
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    env = read_launch_env()
     try:
-        cfg, _, _ = load_and_check(args.config, args.overrides, None, 1)
-        problems = check_args(args, cfg)
+        cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size)
+        problems = check_args(args, cfg, layout, ds)
     except ConfigError as e:
         problems = str(e).splitlines()
     if problems:
         print("refusing to sample:\n  - " + "\n  - ".join(problems), file=sys.stderr)
         return 1
-    sample_videos(args, cfg)
+    sample_videos(args, cfg, ds, layout, env)
     return 0
 
 

@@ -207,3 +207,88 @@ def test_sample_command_writes_the_pipelines_latents(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "model.init_from is not set" in err and "--prompt needs a T5 encoder" in err
     assert "val.guidance_scale=6.0 needs the unconditional embedding" in err
+
+
+# --- a batch from --noise: the pipeline's batch, one process here (tp 2 x pp 2: tests/distributed) -------------
+
+CASES = {"ddim": ("sincos", 3.0), "dpm": ("rope3d", 1.0)}     # sampler: (positions, snr_shift_scale), 2B / 5B-like
+BATCH, STEPS, GUIDANCE, SEED = 2, 4, 6.0, 5
+
+
+def batch_files(folder):
+    """Prompt and negative embeddings [B, L, D] and noise [B, C, T, H, W] written to `folder`; the tensors."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(21)
+    tensors = {"prompt": torch.randn(BATCH, TEXT, 32, generator=g),
+               "negative": torch.randn(BATCH, TEXT, 32, generator=g),
+               "noise": torch.randn(BATCH, 4, FRAMES, SIZE, SIZE, generator=g)}
+    for name, t in tensors.items():
+        save_file({name: t}, str(folder / f"{name}.safetensors"))
+    return tensors
+
+
+def sample_argv(kind, transformer_folder, files_folder, out, extra=()):
+    """python -m parallel.sample's arguments for `kind` on the tiny transformer, the batch files and --noise."""
+    pos, shift = CASES[kind]
+    sets = ["model.num_layers=2", f"model.hidden_size={HEADS * HEAD_DIM}", f"model.num_heads={HEADS}",
+            f"model.head_dim={HEAD_DIM}", "model.time_embed_dim=24", f"model.pos_embed={pos}",
+            f"model.sample_height={SIZE}", f"model.sample_width={SIZE}", f"model.schedule.snr_shift_scale={shift}",
+            f"model.init_from={transformer_folder}", f"data.num_frames={(FRAMES - 1) * 4 + 1}",
+            f"data.height={SIZE * 8}", f"data.width={SIZE * 8}", *extra]
+    return ["--config", "debug", *[a for s in sets for a in ("--set", s)],
+            "--prompt-embeds", f"{files_folder}/prompt.safetensors", "--negative-embeds",
+            f"{files_folder}/negative.safetensors", "--noise", f"{files_folder}/noise.safetensors",
+            "--steps", str(STEPS), "--guidance", str(GUIDANCE), "--sampler", kind, "--seed", str(SEED),
+            "--out", str(out)]
+
+
+def pipeline_latents(kind, transformer, tensors):
+    """CogVideoXPipeline(output_type="latent") on the batch, generator seeded with SEED, as [B, C, T, H, W]."""
+    pipe = CogVideoXPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=transformer,
+                             scheduler=SCHEDULERS[kind](**RELEASE, snr_shift_scale=CASES[kind][1]))
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        want = pipe(prompt_embeds=tensors["prompt"], negative_prompt_embeds=tensors["negative"],
+                    latents=tensors["noise"].transpose(1, 2).clone(), num_frames=(FRAMES - 1) * 4 + 1,
+                    height=SIZE * 8, width=SIZE * 8, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
+                    output_type="latent", generator=torch.Generator().manual_seed(SEED)).frames
+    return want.transpose(1, 2)
+
+
+@pytest.mark.parametrize("kind", ["ddim", "dpm"])
+def test_sample_command_batch_from_noise_equals_the_pipeline(tmp_path, kind):
+    """--prompt-embeds/--negative-embeds [2, L, D], --noise [2, C, T, H, W], --out FILE.safetensors: the file's
+    `latents` equal the pipeline's batch (one generator for both rows); no videos without a decoder."""
+    from safetensors.torch import load_file
+
+    from parallel.sample import main
+
+    transformer = _transformer(CASES[kind][0], tmp_path / "transformer")
+    tensors = batch_files(tmp_path)
+    out = tmp_path / "latents.safetensors"
+    assert main(sample_argv(kind, tmp_path / "transformer", tmp_path, out)) == 0
+    got = load_file(str(out))
+    assert list(got) == ["latents"] and not (tmp_path / "latents").exists()
+    torch.testing.assert_close(got["latents"], pipeline_latents(kind, transformer, tensors))
+
+
+def test_sample_command_refuses_mismatched_batches(tmp_path, capsys):
+    """Noise of the wrong batch and size, negative embeddings of the wrong batch, no weights: one message each."""
+    from safetensors.torch import save_file
+
+    from parallel.sample import main
+
+    _transformer("sincos", tmp_path / "transformer")
+    batch_files(tmp_path)
+    save_file({"noise": torch.randn(3, 4, FRAMES, SIZE + 2, SIZE)}, str(tmp_path / "noise.safetensors"))
+    save_file({"negative": torch.randn(3, TEXT, 32)}, str(tmp_path / "negative.safetensors"))
+    save_file({"prompt": torch.randn(BATCH, TEXT + 1, 32)}, str(tmp_path / "prompt.safetensors"))
+    argv = sample_argv("ddim", tmp_path / "transformer", tmp_path, tmp_path / "x.safetensors")
+    assert main(argv + ["--ema", "--sampler", "euler"]) == 1
+    err = capsys.readouterr().err
+    want = f"[2, 4, {FRAMES}, {SIZE}, {SIZE}]"
+    assert f"shape [3, 4, {FRAMES}, {SIZE + 2}, {SIZE}], expected [B, C, T, H, W] = {want}" in err
+    assert "3 rows for 2 prompts; give 1 or 2" in err
+    assert f"[.., L, D] = [2, {TEXT + 1}, 32], the model takes [L, D] = [{TEXT}, 32]" in err
+    assert "--ema reads a checkpoint's EMA" in err and "sampler 'euler' does not fit objective 'v_prediction'" in err

@@ -1,0 +1,106 @@
+"""Sampling a batch in any layout: the model with released weights or a checkpoint, and the batch's latents.
+
+`sampling_model` builds this rank's part of the layout and reads `model.init_from` (every rank its slices,
+fp32, no DeepSpeed engine: ZeRO and precision settings do not apply) or, without it, the newest checkpoint
+through the trainer (the layout and engine that wrote it; the EMA swapped in as validation does with
+val.use_ema). `sample_batch` runs the sampler through `StageForward` (pipeline stages exchange activations;
+tp and sp as in validation) with data-parallel replicas on contiguous rows, and gathers the rows on every
+rank. Used by `python -m parallel.sample`.
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Optional
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from models.diffusion import Objective
+from models.sampling import sample
+from parallel.build import build_model
+from parallel.dist import accelerator
+from parallel.dist.seed import derive_seed, seed_all
+from parallel.dist.topology import ParallelContext
+from parallel.train import checkpoint
+from parallel.train.engine import build_trainer
+from parallel.train.run import checkpoint_layout, export_launch_env, init_process_groups
+from parallel.train.validate import StageForward, ema_weights, replica_items, replica_slice
+from parallel.weights.diffusers import load_released
+
+
+@contextlib.contextmanager
+def sampling_model(cfg, ds: dict, layout, env, ema: bool = False) -> Iterator[tuple[StageForward, object]]:
+    """(StageForward, ctx) over this rank's part of the layout: model.init_from's weights, else the newest
+    checkpoint of ckpt.dir (ema: its EMA). The body runs in the layout's process groups, created here
+    unless torch.distributed is already up (a test's ranks); one process with init_from needs none."""
+    owned = False
+    if layout.world_size > 1 or not cfg.model.init_from:
+        if not dist.is_initialized():
+            export_launch_env(env)
+            accelerator.set_device(env.local_rank)
+            init_process_groups(cfg.train.collective_timeout_s)
+            owned = True
+        else:                       # torch.distributed is up (a test's ranks): DeepSpeed wraps its group
+            deepspeed.init_distributed(dist_backend=accelerator.backend())
+        ctx = ParallelContext.build(layout.dims)
+    else:
+        ctx = ParallelContext.single()
+    try:
+        if cfg.model.init_from:
+            model = build_model(cfg, ds, ctx)
+            load_released(model, ctx, cfg.model, cfg.model.init_from)
+            device = accelerator.device(env.local_rank)
+            model.to(device).eval()
+            yield StageForward(types.SimpleNamespace(module=model, device=device), ctx), ctx
+        else:
+            tag = checkpoint.find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout))
+            seed_all(cfg.train.seed)
+            trainer = build_trainer(cfg, ds, ctx, init_from=False)
+            step = trainer.load(cfg.ckpt_dir, tag)
+            if ctx.rank == 0:
+                print(f"weights: {cfg.ckpt_dir}/{tag} (step {step}){', EMA' if ema else ''}", flush=True)
+            trainer.engine.module.eval()
+            with ema_weights(trainer) if ema else contextlib.nullcontext():
+                yield StageForward(trainer.engine, ctx), ctx
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def sample_batch(forward: StageForward, ctx, objective: Objective, text: torch.Tensor, uncond: Optional[torch.Tensor],
+                 noise: Optional[torch.Tensor], shape: tuple[int, ...], seed: int, steps: int, sampler: Optional[str],
+                 guidance: float, dynamic: bool) -> torch.Tensor:
+    """Latents [B, C, T, H, W] of the batch on every rank, from text and uncond [B, L, D] (uncond: None when
+    guidance is 1); data-parallel replicas sample contiguous rows.
+
+    noise [B, C, T, H, W]: one generator (seed) for the whole batch, as the pipeline's; None: row i starts
+    from noise drawn from (seed, i) of `shape` [C, T, H, W] and continues that generator (validation's rule).
+    """
+    def run(r: range, x, g, rows=None):
+        def predict(x, t, conditional):
+            return forward.predict((x, t, (text if conditional else uncond)[r.start:r.stop]), x).cpu()
+        return sample(predict, x, objective, steps, sampler, guidance, use_dynamic_cfg=dynamic, generator=g, rows=rows)
+
+    n, mine = len(text), {}
+    if noise is not None:
+        share = replica_slice(n, ctx.dp_rank, ctx.dp_size)
+        if len(share) or forward.lockstep:        # ZeRO-3: an idle replica joins every forward with row 0
+            r = share if len(share) else range(1)
+            out = run(r, noise[r.start:r.stop], torch.Generator().manual_seed(seed), (r, n))
+            mine = {i: out[k] for k, i in enumerate(share)}
+    else:
+        for i, counts in replica_items(n, forward, ctx):
+            g = torch.Generator().manual_seed(derive_seed(seed, "sample", i))
+            out = run(range(i, i + 1), torch.randn((1, *shape), generator=g), g)
+            if counts:
+                mine[i] = out[0]
+    if dist.is_initialized() and ctx.dims.world_size > 1:
+        everyone = [None] * dist.get_world_size()
+        head = ctx.tp_rank == 0 and ctx.pp_rank == 0 and ctx.sp_rank == 0
+        dist.all_gather_object(everyone, mine if head else {})
+        mine = {i: v for part in everyone for i, v in part.items()}
+    return torch.stack([mine[i] for i in range(n)])
