@@ -10,7 +10,7 @@ from parallel.config import load_config
 from tests.dist_utils import run_ranks
 from tests.train_utils import assert_matches, fp32_config, train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _first_update(rank, world_size, clips):
