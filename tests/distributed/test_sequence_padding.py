@@ -3,12 +3,15 @@
 Both families at 12 heads (divisible by 3 and 4) on 5 frames of 80 x 80 pixels: 2 latent frames of
 5 x 5 patches, 50 video tokens. CogVideoX's sequence is 8 text + 50 video = 58 tokens (padded to 60 at
 sp 3 and sp 4), STDiT's the 50 video tokens (padded to 51 at sp 3, 52 at sp 4). One spawn per world
-size runs every case against the same process's serial model.
+size runs every case against the same process's serial model; two training runs through DeepSpeed's
+engine (the sp ranks as its data axis) train to one process's losses and weights.
 """
 import pytest
 import torch
 
 from tests.dist_utils import run_ranks
+from tests.distributed.test_sequence_parallel import sp_config
+from tests.train_utils import assert_matches, train
 
 B = 2
 SHAPE = ("model.num_heads=12", "model.head_dim=16", "model.hidden_size=192",
@@ -83,3 +86,13 @@ def test_padded_sequence_matches_one_process(sp):
                 assert got["grads"].keys() == serial["grads"].keys()
                 for n, grad in serial["grads"].items():
                     torch.testing.assert_close(got["grads"][n], grad, msg=lambda m: f"{name} {run} {n}: {m}")
+
+
+# (preset, sp, ZeRO stage): DeepSpeed averages the padded ranks' losses and gradients (ZeRO-2 shards over them).
+TRAINED = [("debug", 3, 0), ("debug-stdit", 4, 2)]
+
+
+@pytest.mark.parametrize("preset, sp, stage", TRAINED, ids=[f"{p}-sp{s}-zero{z}" for p, s, z in TRAINED])
+def test_padded_sequence_trains_like_one_process(preset, sp, stage):
+    reference = train(1, 1, 1, sp_config(), extra=SHAPE, preset=preset)
+    assert_matches(train(1, 1, 1, sp_config(stage), sp=sp, extra=SHAPE, preset=preset), reference)
