@@ -31,9 +31,10 @@ def layer_specs(cfg: ExperimentConfig, ctx) -> list[SeededLayerSpec]:
 class SequenceLoss:
     """The diffusion MSE; with sequence parallelism, this rank's share of it, times sp.
 
-    Each sp rank holds S / sp tokens of the prediction (text rows first on the ranks that have them;
-    they are not predicted). The sum of its squared errors over the global element count, times sp,
-    averages over the sp ranks (DeepSpeed's data axis) to the serial loss, and so do the gradients.
+    Each sp rank holds S_pad / sp tokens of the prediction (text rows first on the ranks that have them,
+    padding rows last when sp does not divide S; neither is predicted, so both are skipped and get no
+    gradient). The sum of its squared errors over the global element count, times sp, averages over
+    the sp ranks (DeepSpeed's data axis) to the serial loss, and so do the gradients.
     """
 
     def __init__(self, cfg: ExperimentConfig, ctx):
@@ -45,9 +46,10 @@ class SequenceLoss:
         if self.sp == 1:
             return mse_loss(prediction, target)
         start, stop = local_range(self.total, self.ctx)
+        stop = max(min(stop, self.total), start)                            # padding rows from self.total on
         skip = min(max(self.prefix - start, 0), stop - start)               # local text rows
         first, last = start + skip - self.prefix, stop - self.prefix        # video tokens held here
-        err = prediction[:, skip:].float() - patchify(target, self.model)[:, first:last].float()
+        err = prediction[:, skip:skip + last - first].float() - patchify(target, self.model)[:, first:last].float()
         return err.square().sum() * (self.sp / target.numel())
 
 

@@ -18,9 +18,9 @@ from typing import Any, Optional
 from parallel import ds_config as dsc
 from parallel.ds_keys import key_problems
 from models.config import ModelConfig
-from models.geometry import token_grid
-from models.registry import family, sequence_tokens
+from models.registry import sequence_tokens
 from parallel.config import ConfigError, ExperimentConfig, load_config
+from parallel.dist.sequence import padded_length
 from parallel.dist.topology import ParallelDims
 from parallel.train.schedule import scheduler_problems
 
@@ -90,30 +90,27 @@ def _check_model_splits(cfg: ExperimentConfig) -> list[str]:
 
 
 def valid_sp_sizes(cfg: ExperimentConfig) -> list[int]:
-    """sp sizes that divide the heads of one tp rank and the token sequence."""
+    """sp sizes that divide the heads of one tp rank (any token count works: it is padded)."""
     heads, tp = cfg.model.num_heads, cfg.parallel.tp_size
-    return divisors(math.gcd(heads // tp, sequence_tokens(cfg.model, cfg.data))) if heads % tp == 0 else [1]
+    return divisors(heads // tp) if heads % tp == 0 else [1]
 
 
 def _check_sequence(cfg: ExperimentConfig) -> list[str]:
-    """Ulysses splits the token sequence over sp ranks and, inside attention, each tp rank's heads."""
-    sp, tp, m = cfg.parallel.sp_size, cfg.parallel.tp_size, cfg.model
-    if sp == 1 or m.num_heads % tp:
+    """Ulysses splits each tp rank's heads over the sp ranks inside attention (the token sequence outside
+    it is padded to a multiple of sp: `sequence_padding`)."""
+    sp, tp, heads = cfg.parallel.sp_size, cfg.parallel.tp_size, cfg.model.num_heads
+    if sp == 1 or heads % tp or (heads // tp) % sp == 0:      # heads % tp: _check_model_splits says it
         return []
-    problems, works = [], f"sp sizes that work with parallel.tp_size={tp}: {_fmt(valid_sp_sizes(cfg))}"
-    if (m.num_heads // tp) % sp:
-        problems.append(f"model.num_heads={m.num_heads} / parallel.tp_size={tp} = {m.num_heads // tp} heads per "
-                        f"tp rank is not divisible by parallel.sp_size={sp} (attention splits them over sp "
-                        f"ranks); {works}")
-    tokens = sequence_tokens(m, cfg.data)
-    if tokens % sp:
-        t, h, w = token_grid(m, cfg.data)
-        text = f"{m.max_text_len} text (model.max_text_len) + " if family(m).text_in_sequence else ""
-        d = cfg.data
-        problems.append(f"the token sequence, {text}{t * h * w} video ({t} x {h} x {w} patches of "
-                        f"data.num_frames={d.num_frames}, data.height={d.height}, data.width={d.width}) = "
-                        f"{tokens} tokens, is not divisible by parallel.sp_size={sp}; {works}")
-    return problems
+    return [f"model.num_heads={heads} / parallel.tp_size={tp} = {heads // tp} heads per tp rank is not divisible "
+            f"by parallel.sp_size={sp} (attention splits them over sp ranks); sp sizes that work with "
+            f"parallel.tp_size={tp}: {_fmt(valid_sp_sizes(cfg))}"]
+
+
+def sequence_padding(cfg: ExperimentConfig) -> str:
+    """The padding sp adds to the token sequence ("53,266 tokens padded to 53,268 for sp 4"), or ""."""
+    sp, tokens = cfg.parallel.sp_size, sequence_tokens(cfg.model, cfg.data)
+    padded = padded_length(tokens, sp)
+    return f"{tokens:,} tokens padded to {padded:,} for sp {sp}" if padded != tokens else ""
 
 
 def _check_pipeline(cfg: ExperimentConfig) -> list[str]:
@@ -252,9 +249,11 @@ def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source:
 def summary(cfg: ExperimentConfig, layout: Layout) -> str:
     t, tp = cfg.train, layout.tp_size
     splits = ", ".join(f"{k.split('.')[-1]} {v}/{tp}" for k, v in tp_split_dims(cfg.model).items())
+    padding = sequence_padding(cfg)
     return (f"ok: {cfg.model.name} {layout.describe()} (world {layout.world_size}), "
             f"ZeRO-{layout.zero_stage} {layout.precision}, global batch {layout.global_batch} = micro "
-            f"{t.micro_batch_size} x accum {t.grad_accum_steps} x dp {layout.dp_size}; tp splits {splits}")
+            f"{t.micro_batch_size} x accum {t.grad_accum_steps} x dp {layout.dp_size}; tp splits {splits}"
+            + (f"; sp pads the sequence: {padding}" if padding else ""))
 
 
 def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional[str],

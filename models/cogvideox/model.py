@@ -103,7 +103,7 @@ class Attention(nn.Module):
         base = (cfg.sample_height // cfg.patch_size, cfg.sample_width // cfg.patch_size)
         self._rope = PositionCache(functools.partial(rope_3d, self.head_dim, base=base)) \
             if cfg.pos_embed == "rope3d" else None
-        self.core = SequenceAttention(self._attend, ctx)
+        self.core = SequenceAttention(self._attend, ctx, tokens=self.n_txt + math.prod(grid))
 
     def forward(self, x):
         q, k, v = rearrange(self.to_qkv(x), "b s (three n d) -> three b s n d", three=3, d=self.head_dim)
@@ -111,7 +111,7 @@ class Attention(nn.Module):
         return self.to_out(o.flatten(2))                                   # (B, S/sp, H)
 
     def _attend(self, q, k, v):
-        """[B, S, n, d] over the whole sequence (S = text + video tokens) -> [B, S, n, d]."""
+        """[B, S, n, d] over the whole sequence (S = text + video tokens, no sp padding) -> [B, S, n, d]."""
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))                 # (B, n, S, d)
         n_txt, d = self.n_txt, self.head_dim
         qk = [self.norm_q_weight, self.norm_q_bias, self.norm_k_weight]
@@ -132,7 +132,8 @@ class DiTBlock(nn.Module):
 
     def __init__(self, cfg: CogVideoXConfig, grid, ctx):
         super().__init__()
-        # Text tokens in this rank's part of the sequence (all of them without sp; sp: text comes first).
+        # Text tokens in this rank's part of the sequence (all of them without sp; sp: text comes first,
+        # any padding last).
         start, stop = local_range(cfg.max_text_len + math.prod(grid), ctx)
         self.n_txt = min(max(cfg.max_text_len - start, 0), stop - start)
         self.norm1 = AdaLayerNormZero(cfg.time_embed_dim, cfg.hidden_size)
@@ -163,8 +164,8 @@ class FinalStage(nn.Module):
         self.proj_out = nn.Linear(cfg.hidden_size, cfg.in_channels * pt * p * p)
 
     def forward(self, inputs):
-        """[B, C, T, H, W]; with sp, this rank's S / sp tokens as patches [B, S/sp, C*pt*p*p], text rows
-        included (the loss skips them; `assemble` makes the full prediction)."""
+        """[B, C, T, H, W]; with sp, this rank's S_pad / sp tokens as patches [B, S_pad/sp, C*pt*p*p], text
+        and padding rows included (the loss skips them; `assemble` makes the full prediction)."""
         x, temb = inputs
         sp = sp_size_of(self.ctx)
         v = self.norm_final(x[:, self.cfg.max_text_len:] if sp == 1 else x)   # (B, S_vid, H)
@@ -177,4 +178,6 @@ class FinalStage(nn.Module):
         """The full prediction [B, C, T, H, W] from forward's output on any sp rank (no gradient)."""
         if sp_size_of(self.ctx) == 1:
             return out
-        return unpatchify(gather_sequence(out, self.ctx)[:, self.cfg.max_text_len:], self.cfg, self.grid)
+        tokens = self.cfg.max_text_len + math.prod(self.grid)                 # the padding left out
+        return unpatchify(gather_sequence(out, self.ctx, total=tokens)[:, self.cfg.max_text_len:], self.cfg,
+                          self.grid)

@@ -26,8 +26,8 @@ are column-parallel (heads and MLP width split p ways); the three output project
 
 Sequence parallelism: everything but self-attention works token by token, so it runs on any contiguous
 chunk of x. Self-attention projects q, k, v to [B, S, n, d] and calls `SequenceAttention`, whose
-`_attend` sees the full sequence (the whole token grid) for its heads and regroups it into frames or
-into per-position time series itself.
+`_attend` sees the full sequence (the whole token grid, any sp padding sliced off) for its heads and
+regroups it into frames or into per-position time series itself.
 """
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ class SelfAttention(nn.Module):
         self.q_norm_weight = nn.Parameter(torch.ones(self.head_dim))
         self.k_norm_weight = nn.Parameter(torch.ones(self.head_dim))
         self._rope = PositionCache(functools.partial(rope_1d, self.head_dim)) if temporal else None
-        self.core = SequenceAttention(self._attend, ctx)
+        self.core = SequenceAttention(self._attend, ctx, tokens=math.prod(grid))
 
     def forward(self, x):
         q, k, v = rearrange(self.qkv(x), "b s (three n d) -> three b s n d", three=3, d=self.head_dim)
@@ -113,7 +113,7 @@ class SelfAttention(nn.Module):
         return self.proj(rearrange(o, "b s n d -> b s (n d)"))                    # (B, S, H)
 
     def _attend(self, q, k, v):
-        """[B, S, n, d] over the whole (t, h, w) grid -> [B, S, n, d]."""
+        """[B, S, n, d] over the whole (t, h, w) grid (exactly t*h*w tokens: no sp padding) -> [B, S, n, d]."""
         t, h, w = self.grid
         group = "b (t s) n d -> (b s) n t d" if self.temporal else "b (t s) n d -> (b t) n s d"
         back = "(b s) n t d -> b (t s) n d" if self.temporal else "(b t) n s d -> b (t s) n d"
@@ -188,8 +188,8 @@ class STDiT3Layer(nn.Module):
 
 class FinalStage(nn.Module):
     """Open-Sora's T2IFinalLayer: LayerNorm -> shift, scale from scale_shift_table [2, H] + t -> linear ->
-    unpatchify to [B, C, T, H, W]; with sp, this rank's tokens as patches [B, S/sp, C*pt*p*p] (`assemble`
-    makes the full prediction)."""
+    unpatchify to [B, C, T, H, W]; with sp, this rank's tokens as patches [B, S_pad/sp, C*pt*p*p], padding
+    rows included (the loss skips them; `assemble` makes the full prediction)."""
 
     def __init__(self, cfg: STDiTConfig, grid, ctx=None):
         super().__init__()
@@ -209,4 +209,4 @@ class FinalStage(nn.Module):
         """The full prediction [B, C, T, H, W] from forward's output on any sp rank (no gradient)."""
         if sp_size_of(self.ctx) == 1:
             return out
-        return unpatchify(gather_sequence(out, self.ctx), self.cfg, self.grid)
+        return unpatchify(gather_sequence(out, self.ctx, total=math.prod(self.grid)), self.cfg, self.grid)

@@ -125,18 +125,24 @@ def test_config_and_json_errors_reported_together(tmp_path, capsys):
     assert code == 1 and "2 problems" in err and "parallel.tp_size" in err and "expected a JSON object" in err
 
 
-def test_sequence_parallel_sizes_are_checked_against_heads_and_tokens(capsys):
-    """sp splits the heads of a tp rank inside attention and the token sequence (text included) outside."""
+def test_sequence_parallel_sizes_are_checked_against_heads_and_the_padding_stated(capsys):
+    """sp splits the heads of a tp rank inside attention, and the token sequence (text included) outside,
+    padded to a multiple of sp."""
     code, _, err = run(capsys, "--config", "configs/cogvideox-2b.yaml", "--set", "parallel.sp_size=4")
     assert code == 1 and ("model.num_heads=30 / parallel.tp_size=1 = 30 heads per tp rank is not divisible by "
                           "parallel.sp_size=4 (attention splits them over sp ranks); sp sizes that work with "
-                          "parallel.tp_size=1: 1, 2") in err
-    # 226 text + 13 x 48 x 85 video tokens = 53,266 = 2 x 26,633: sp 4 divides the heads but not the tokens.
-    code, _, err = run(capsys, "--config", "configs/cogvideox-5b-long.yaml", "--set", "parallel.sp_size=4")
-    assert code == 1 and ("the token sequence, 226 text (model.max_text_len) + 53040 video (13 x 48 x 85 patches of "
-                          "data.num_frames=49, data.height=768, data.width=1360) = 53266 tokens, is not divisible by "
-                          "parallel.sp_size=4; sp sizes that work with parallel.tp_size=2: 1, 2") in err
-    assert "heads per tp rank" not in err
+                          "parallel.tp_size=1: 1, 2, 3, 5, 6, 10, 15, 30") in err
+    # 226 text + 13 x 48 x 85 video tokens = 53,266 = 2 x 26,633: sp 4 divides the 48 / 2 heads, and the
+    # tokens are padded to 4 x 13,317.
+    code, out, err = run(capsys, "--config", "configs/cogvideox-5b-long.yaml", "--set", "parallel.sp_size=4")
+    assert code == 0 and err == "" and out.startswith("ok: cogvideox-5b-long tp=2 sp=4 pp=1 dp=1 (world 8)")
+    assert out.rstrip().endswith("; sp pads the sequence: 53,266 tokens padded to 53,268 for sp 4")
+    code, _, err = run(capsys, "--config", "configs/cogvideox-5b-long.yaml", "--set", "parallel.sp_size=16")
+    assert code == 1 and ("model.num_heads=48 / parallel.tp_size=2 = 24 heads per tp rank is not divisible by "
+                          "parallel.sp_size=16 (attention splits them over sp ranks); sp sizes that work with "
+                          "parallel.tp_size=2: 1, 2, 3, 4, 6, 8, 12, 24") in err and "tokens" not in err
+    code, out, _ = run(capsys, "--config", "configs/cogvideox-5b-long.yaml", "--set", "parallel.sp_size=1")
+    assert code == 0 and "pads" not in out                  # nothing to pad without sp
     # The world size counts sp: tp 2 x sp 2 needs a multiple of 4 processes, and dp is what is left.
     code, out, err = run(capsys, "--config", "configs/cogvideox-5b-long.yaml", "--world-size", "6")
     assert code == 1 and "world size 6 is not divisible by parallel.tp_size x parallel.pp_size x parallel.sp_size = " \

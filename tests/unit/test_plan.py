@@ -114,6 +114,18 @@ def test_activations_are_affine_in_the_micro_batch():
             assert tracer.trace(kind, 2, 4) == tracer._trace(kind, 2, 4)
 
 
+@pytest.mark.parametrize("preset, tokens", [("debug", 8 + 50), ("debug-stdit", 50)])
+def test_activations_traced_at_the_padded_share_when_sp_does_not_divide(preset, tokens):
+    """sp 3 and 4 on 58 (CogVideoX) and 50 (STDiT) tokens: one sp rank's block input is its padded share,
+    S_pad / sp rows, and attention traces on the real tokens (STDiT regroups exactly t*h*w of them)."""
+    cfg = load_config(preset, ["model.num_heads=12", "model.head_dim=16", "model.hidden_size=192",
+                               "data.num_frames=5", "data.height=80", "data.width=80"])
+    tracer = ActivationTracer(cfg, torch.float32)
+    for sp in (3, 4):
+        assert tracer.trace("block", 1, B, sp).input_bytes == B * -(-tokens // sp) * 192 * 4
+        assert tracer.trace("block", 1, B, sp).activations < tracer.trace("block", 1, B, 1).activations
+
+
 # ---- (b) model states: predicted per rank vs what DeepSpeed holds at its peak ---------------------
 
 STATES = ("parameters", "gradients", "adam_moments", "master_weights", "ema_shadow")
