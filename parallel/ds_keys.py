@@ -174,8 +174,10 @@ ZERO_KEYS: dict[str, Key] = {
                              "and clips with it"),
     "offload_optimizer": Key(HONOURED, "passed to DeepSpeed at stages 1-3 (the toolkit's torch AdamW runs on the "
                              "CPU); refused at stage 0, where DeepSpeed ignores it",
-                             "test_ds_json_distributed: test_zero2_cpu_optimizer_offload_trains_like_one_process"),
-    "offload_param": Key(HONOURED, _STAGE3 + " (test_check: zero3_bf16_offload passes)"),
+                             "test_ds_json_distributed: test_zero2_cpu_optimizer_offload_trains_like_one_process, "
+                             "test_zero3_cpu_offload_trains_like_one_process_and_holds_the_planned_host_memory"),
+    "offload_param": Key(HONOURED, _STAGE3, "test_ds_json_distributed: test_zero3_cpu_offload_trains_like_one_"
+                         "process_and_holds_the_planned_host_memory; test_check: zero3_bf16_offload passes"),
     **{k: Key(HONOURED, _STAGE3) for k in (
         "sub_group_size", "memory_efficient_linear", "override_module_apply", "leaf_module",
         "prefetch_bucket_size", "stage3_prefetch_bucket_size", "param_persistence_threshold",
@@ -357,8 +359,10 @@ def render() -> str:
         lines.append("")
     lines += ["## zero_optimization", "", "DeepSpeedZeroConfig's fields, with the `stage3_` names DeepSpeed also "
               "accepts; an unknown one is refused before launch (DeepSpeed would refuse it inside initialize).", "",
-              "| key | verdict | what the toolkit does, or why it is refused |", "|---|---|---|"]
-    lines += [f"| `{key}` | {k.verdict} | {k.how} |" for key, k in sorted(ZERO_KEYS.items())]
+              "| key | verdict | what the toolkit does, or why it is refused | tested by |", "|---|---|---|---|"]
+    untested = {HONOURED: "not exercised by a test", REFUSED: ""}
+    lines += [f"| `{key}` | {k.verdict} | {k.how} | {k.tests or untested[k.verdict]} |"
+              for key, k in sorted(ZERO_KEYS.items())]
     lines += ["", "## Keys inside the other sections", "", "Checked before launch; an unknown one is refused with a "
               "did-you-mean (DeepSpeed would ignore it, or refuse it inside initialize).", "",
               "| section | keys DeepSpeed reads | DeepSpeed on an unknown one |", "|---|---|---|"]

@@ -18,7 +18,9 @@ gradient partition as whole parameters (a parameter straddling two ranks' slices
 the larger of lp P and its step figure; s are the parameters under stage3_param_persistence_threshold,
 kept whole on every rank.) EmaAdamW (optimizer.type FusedEmaAdam) adds one fp32 shadow per element
 the optimizer steps, half the moments. Optimizer offload moves master, moments, EMA and the fp32
-gradients to host memory; parameter offload moves the ZeRO-3 partitions.
+gradients to host memory (ZeRO-3: all its gradients, lp Σc + 4 Σc, since Stage3 then allocates the lp
+partitions on the host and keeps every sub-group's fp32 gradient; measured in
+tests/distributed/test_ds_json_distributed.py); parameter offload moves the ZeRO-3 partitions.
 
 Activations per micro-batch come from `parallel.plan.trace` (the model's own forward on the meta device),
 at sequence parallel size sp for one sp rank's S / sp tokens. The sp ranks are DeepSpeed data-parallel
@@ -177,9 +179,13 @@ def model_states(params: list, eng: EngineSettings, dp: int, pp: int) -> tuple[d
     if eng.offload_optimizer and eng.zero >= 1:
         for key in ("adam_moments", "master_weights", "ema_shadow"):
             host[key], dev[key] = dev[key], 0
-        if path in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3"):
+        if path == "DeepSpeedZeroOptimizer":
             host["gradients"] = fp32_grad
-            dev["gradients"] -= fp32_grad if path == "DeepSpeedZeroOptimizer" else on_device_at_step
+            dev["gradients"] -= fp32_grad
+        elif path == "DeepSpeedZeroOptimizer_Stage3":
+            # Stage3 allocates its gradient partitions on the offload device, and keeps every sub-group's
+            # fp32 gradient there (not only the one being stepped): nothing of the gradients stays on device.
+            host["gradients"], dev["gradients"] = (lp + 4) * shard, 0
     if eng.offload_param and eng.zero == 3:
         host["parameters"] = lp * shard
         dev["parameters"] -= lp * shard

@@ -86,9 +86,6 @@ def test_shipped_configs_pass():
         assert check(cfg, ds, name, world_size=2)[1] == [], name
 
 
-HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
-
-
 @pytest.mark.parametrize("ds, pp, expected", [
     ({"zero_force_ds_cpu_optimizer": True}, 1, "c.json: zero_force_ds_cpu_optimizer=true is refused: it demands "
      "DeepSpeed's CPU Adam, and the toolkit builds the optimizer (torch's AdamW, which offload runs on the CPU); "
@@ -106,14 +103,24 @@ HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
     ({"dump_state": True, "log_level": "error"}, 1, "c.json: dump_state=true would print nothing: DeepSpeed logs it "
      "at INFO and its logger is at error"),
     ({"memory_breakdown": True}, 1, "c.json: memory_breakdown=true would print nothing"),
-    pytest.param({"tensorboard": {"enabled": True, "output_path": "tb"}}, 1, "c.json: tensorboard.enabled=true but "
-                 "the tensorboard package is not installed (DeepSpeed would fail in initialize); install it or use "
-                 "csv_monitor", marks=pytest.mark.skipif(HAS_TENSORBOARD, reason="tensorboard is installed")),
 ])
 def test_conditional_refusals(ds, pp, expected):
     cfg = load_config("debug", [f"parallel.pp_size={pp}"])
     _, problems = check(cfg, ds, "c.json")
     assert len(problems) == 1 and problems[0].startswith(expected), problems
+
+
+@pytest.mark.parametrize("monitor, package", [("tensorboard", "tensorboard"), ("wandb", "wandb"),
+                                              ("comet", "comet_ml")])
+def test_monitor_without_its_package_is_refused(monitor, package, monkeypatch):
+    """Whatever this environment has installed: the package looked up as missing."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else find_spec(name, *a))
+    cfg = load_config("debug")
+    ds = {monitor: {"enabled": True}}
+    expected = (f"c.json: {monitor}.enabled=true but the {package} package is not installed (DeepSpeed would fail in "
+                f"initialize); install it or use csv_monitor")
+    assert check(cfg, ds, "c.json")[1] == [expected]
 
 
 def test_honoured_values_of_the_same_keys_pass():
