@@ -100,8 +100,11 @@ KEYS: dict[str, Key] = {
                                          "is tested with DeepSpeed managing it", "test_ds_keys: "
                                          "test_conditional_refusals"),
     # monitors and profilers
-    "tensorboard": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure; refused when enabled "
-                       "and the tensorboard package is not installed", "test_ds_keys: test_conditional_refusals"),
+    "tensorboard": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure (plus DeepSpeed's own "
+                       "Train/Samples/lr, the next step's lr); refused when enabled and the tensorboard package is "
+                       "not installed (the test extra installs it)", "test_ds_json_cli: "
+                       "test_tensorboard_gets_every_figure_of_metrics_jsonl; test_ds_keys: "
+                       "test_monitor_without_its_package_is_refused"),
     "csv_monitor": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure",
                        "test_ds_json_cli: test_csv_monitor_gets_every_figure_of_metrics_jsonl"),
     "wandb": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure (WANDB_MODE=offline works "

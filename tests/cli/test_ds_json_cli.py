@@ -6,6 +6,7 @@ import math
 import os
 
 import pytest
+import torch
 
 from tests.unit.test_ds_precision import fp16_json  # noqa: F401, F811  (a fixture)
 from tests.cli.test_train_cli import ROOT, train_py
@@ -105,19 +106,47 @@ def test_train_refuses_table_keys_before_any_process_group(tmp_path):
     assert "Traceback" not in p.stderr
 
 
-def test_csv_monitor_gets_every_figure_of_metrics_jsonl(tmp_path):
+def _train_with(tmp_path, section: str, steps: int = 3, extra_ds: dict | None = None):
+    """train.py, one process, with DeepSpeed's `section` monitor (or profiler) on: the completed process, the
+    metrics.jsonl records and the figures they carry."""
     ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
-    ds["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "job"}
+    ds[section] = {"enabled": True, "output_path": str(tmp_path / section), "job_name": "job"}
+    ds.update(extra_ds or {})
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     out = tmp_path / "run"
-    p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"), "--set", "train.max_steps=3",
-                 "--set", f"train.output_dir={out}", "--set", "train.memory_check=false")
+    p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"), "--set",
+                 f"train.max_steps={steps}", "--set", f"train.output_dir={out}", "--set", "train.memory_check=false")
     assert p.returncode == 0, p.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     figures = sorted(k for k in records[0] if k != "step" and records[0][k] is not None)
     assert {"loss", "lr", "grad_norm", "step_time_s", "samples_per_s", "tokens_per_s"} <= set(figures)
+    return p, records, figures
+
+
+def test_csv_monitor_gets_every_figure_of_metrics_jsonl(tmp_path):
+    _, records, figures = _train_with(tmp_path, "csv_monitor")
     for name in figures:
-        csv = (tmp_path / "csv" / "job" / f"train_{name}.csv").read_text()
+        csv = (tmp_path / "csv_monitor" / "job" / f"train_{name}.csv").read_text()
         rows = [line.split(",") for line in csv.splitlines()[1:]]
         assert [int(r[0]) for r in rows] == [1, 2, 3], name
         assert [float(r[1]) for r in rows] == pytest.approx([r[name] for r in records], rel=1e-12), name
+
+
+def test_tensorboard_gets_every_figure_of_metrics_jsonl(tmp_path):
+    """The event file read back with tensorboard's own EventAccumulator: each figure's steps and values (stored
+    as float32 by the summary writer) equal metrics.jsonl's. DeepSpeed adds its own Train/Samples/lr, by
+    samples seen, written after its scheduler stepped: at step k's samples, the lr step k + 1 runs at."""
+    pytest.importorskip("tensorboard", reason="the test extra installs tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, records, figures = _train_with(tmp_path, "tensorboard")
+    events = EventAccumulator(str(tmp_path / "tensorboard" / "job")).Reload()
+    assert sorted(events.Tags()["scalars"]) == sorted([f"train/{name}" for name in figures] + ["Train/Samples/lr"])
+    samples = events.Scalars("Train/Samples/lr")
+    assert [e.step for e in samples] == [samples[0].step * k for k in (1, 2, 3)]
+    assert [e.value for e in samples][:-1] == pytest.approx([r["lr"] for r in records][1:], rel=1e-6)
+    for name in figures:
+        scalars = events.Scalars(f"train/{name}")
+        assert [e.step for e in scalars] == [1, 2, 3], name
+        torch.testing.assert_close(torch.tensor([e.value for e in scalars]),
+                                   torch.tensor([r[name] for r in records], dtype=torch.float32), rtol=0, atol=0)
