@@ -111,8 +111,12 @@ KEYS: dict[str, Key] = {
                  "offline); refused when enabled and wandb is not installed"),
     "comet": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure; refused when enabled and "
                  "comet_ml is not installed"),
-    "flops_profiler": Key(HONOURED, "passed to DeepSpeed with parallel.pp_size=1; refused enabled with a pipeline "
-                          "(DeepSpeed's pipeline engine never prints it)", "test_ds_keys: test_conditional_refusals"),
+    "flops_profiler": Key(HONOURED, "passed to DeepSpeed with parallel.pp_size=1: it prints the profile of "
+                          "DeepSpeed's global step profile_step (counted from 0: the toolkit's step profile_step + 1), "
+                          "once per micro-batch when train.grad_accum_steps > 1, and turns on DeepSpeed's "
+                          "wall-clock timer lines; refused enabled with a pipeline (DeepSpeed's pipeline engine never "
+                          "prints it)", "test_ds_json_cli: test_flops_profiler_prints_its_profile_at_pp1; "
+                          "test_ds_keys: test_conditional_refusals"),
     "comms_logger": Key(REFUSED, "DeepSpeed records collectives but prints only when the script calls "
                         "deepspeed.comm.log_summary(), which train.py does not call, and its busbw uses the "
                         "global world size; count collectives with parallel.dist.comm.count_comm"),

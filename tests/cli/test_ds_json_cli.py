@@ -106,16 +106,16 @@ def test_train_refuses_table_keys_before_any_process_group(tmp_path):
     assert "Traceback" not in p.stderr
 
 
-def _train_with(tmp_path, section: str, steps: int = 3, extra_ds: dict | None = None):
-    """train.py, one process, with DeepSpeed's `section` monitor (or profiler) on: the completed process, the
-    metrics.jsonl records and the figures they carry."""
+def _train_with(tmp_path, section: str, value: dict | None = None, steps: int = 3, sets=()):
+    """train.py, one process, with DeepSpeed's `section` (a monitor, by default writing under tmp_path/section)
+    on: the completed process, the metrics.jsonl records and the figures they carry."""
     ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
-    ds[section] = {"enabled": True, "output_path": str(tmp_path / section), "job_name": "job"}
-    ds.update(extra_ds or {})
+    ds[section] = value or {"enabled": True, "output_path": str(tmp_path / section), "job_name": "job"}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     out = tmp_path / "run"
     p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"), "--set",
-                 f"train.max_steps={steps}", "--set", f"train.output_dir={out}", "--set", "train.memory_check=false")
+                 f"train.max_steps={steps}", "--set", f"train.output_dir={out}", "--set", "train.memory_check=false",
+                 *(a for s in sets for a in ("--set", s)))
     assert p.returncode == 0, p.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     figures = sorted(k for k in records[0] if k != "step" and records[0][k] is not None)
@@ -150,3 +150,23 @@ def test_tensorboard_gets_every_figure_of_metrics_jsonl(tmp_path):
         assert [e.step for e in scalars] == [1, 2, 3], name
         torch.testing.assert_close(torch.tensor([e.value for e in scalars]),
                                    torch.tensor([r[name] for r in records], dtype=torch.float32), rtol=0, atol=0)
+
+
+def test_flops_profiler_prints_its_profile_at_pp1(tmp_path):
+    """DeepSpeed's flops profiler at parallel.pp_size=1, one micro-batch a step: one profile in train.py's output.
+    profile_step counts DeepSpeed's global steps from 0, so profile_step=2 profiles the toolkit's step 3 and
+    says so; its parameter count is the model's (the planner's count). The pipeline refusal is in
+    tests/unit/test_ds_keys.py."""
+    from parallel.config import load_config
+    from parallel.plan.search import count_params
+    from parallel.plan.trace import ActivationTracer
+
+    p, _, _ = _train_with(tmp_path, "flops_profiler", {"enabled": True, "profile_step": 2, "module_depth": 1,
+                                                       "top_modules": 1}, sets=["train.grad_accum_steps=1"])
+    assert p.stdout.count("DeepSpeed Flops Profiler") == 1
+    assert "Profile Summary at step 3:" in p.stdout
+    fields = dict(line.rsplit(":", 1) for line in p.stdout.splitlines() if line.count(":") == 1)
+    n, unit = fields["params per GPU"].split()
+    assert unit == "K" and float(n) * 1e3 == pytest.approx(count_params(ActivationTracer(load_config("debug"),
+                                                                                         torch.float32))[0], abs=5)
+    assert fields["batch size per GPU"].strip() == "2"
