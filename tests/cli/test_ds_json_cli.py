@@ -4,6 +4,7 @@ DeepSpeed show their effect (its progress line, state dump, timers, csv monitor)
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -170,3 +171,28 @@ def test_flops_profiler_prints_its_profile_at_pp1(tmp_path):
     assert unit == "K" and float(n) * 1e3 == pytest.approx(count_params(ActivationTracer(load_config("debug"),
                                                                                          torch.float32))[0], abs=5)
     assert fields["batch size per GPU"].strip() == "2"
+
+
+def test_comms_logger_prints_its_summary_at_pp1(tmp_path):
+    """DeepSpeed's comms logger (prof_all) at tp = sp = pp = 1: train.py prints deepspeed.comm's summary after the
+    last step, with the engine's gradient all-reduce once a step, of the model's fp32 gradients' size."""
+    from deepspeed.utils.comms_logging import convert_size
+
+    from parallel.config import load_config
+    from parallel.plan.search import count_params
+    from parallel.plan.trace import ActivationTracer
+
+    p, records, _ = _train_with(tmp_path, "comms_logger", {"enabled": True, "prof_all": True})
+    lines = p.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("Comm. Op"))
+    assert header > max(i for i, line in enumerate(lines) if "training debug" in line)
+    rows, op = {}, None
+    for line in lines[header + 1:]:
+        if line.strip() and not line.startswith(" "):
+            op = line.strip()
+        elif line.strip():
+            size, count = re.match(r"\s+([\d.]+ ?[KMGT]?B)\s+(\d+)\s", line).groups()
+            rows.setdefault(op, {})[size] = int(count)
+    grads = count_params(ActivationTracer(load_config("debug"), torch.float32))[0] * 4
+    assert rows["all_reduce"][convert_size(grads)] == len(records) == 3
+    assert "broadcast" in rows       # the engine's initial parameter broadcast
