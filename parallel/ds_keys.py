@@ -188,8 +188,9 @@ ZERO_KEYS: dict[str, Key] = {
                              "and clips with it"),
     "offload_optimizer": Key(HONOURED, "passed to DeepSpeed at stages 1-3 (the toolkit's torch AdamW runs on the "
                              "CPU); refused at stage 0, where DeepSpeed ignores it",
-                             "test_ds_json_distributed: test_zero2_cpu_optimizer_offload_trains_like_one_process, "
-                             "test_zero3_cpu_offload_trains_like_one_process_and_holds_the_planned_host_memory"),
+                             "test_ds_json_distributed: test_zero2_cpu_optimizer_offload_trains_like_one_process_and_"
+                             "holds_the_planned_host_memory, test_zero3_cpu_offload_trains_like_one_process_and_holds_"
+                             "the_planned_host_memory"),
     "offload_param": Key(HONOURED, _STAGE3, "test_ds_json_distributed: test_zero3_cpu_offload_trains_like_one_"
                          "process_and_holds_the_planned_host_memory; test_check: zero3_bf16_offload passes"),
     **{k: Key(HONOURED, _STAGE3) for k in (
