@@ -188,7 +188,8 @@ def _check_engine(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
     if lr is not None and float(lr) != cfg.train.lr:
         problems.append(f"{src}: optimizer.params.lr={lr} != train.lr={cfg.train.lr}; the schedule starts from "
                         f"train.lr: set --set train.lr={lr} or remove optimizer.params.lr")
-    return problems + scheduler_problems(ds, cfg.train, src) + key_problems(ds, src, pp, cfg.train.max_steps)
+    return problems + scheduler_problems(ds, cfg.train, src) + key_problems(
+        ds, src, pp, cfg.train.max_steps, cfg.parallel.tp_size, cfg.parallel.sp_size)
 
 
 def _check_device(ds: dict, src: str, device: DeviceDtypes) -> list[str]:

@@ -100,19 +100,33 @@ KEYS: dict[str, Key] = {
                                          "is tested with DeepSpeed managing it", "test_ds_keys: "
                                          "test_conditional_refusals"),
     # monitors and profilers
-    "tensorboard": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure; refused when enabled "
-                       "and the tensorboard package is not installed", "test_ds_keys: test_conditional_refusals"),
+    "tensorboard": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure (plus DeepSpeed's own "
+                       "Train/Samples/lr, the next step's lr); refused when enabled and the tensorboard package is "
+                       "not installed (the test extra installs it)", "test_ds_json_cli: "
+                       "test_tensorboard_gets_every_figure_of_metrics_jsonl; test_ds_keys: "
+                       "test_monitor_without_its_package_is_refused"),
     "csv_monitor": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure",
                        "test_ds_json_cli: test_csv_monitor_gets_every_figure_of_metrics_jsonl"),
     "wandb": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure (WANDB_MODE=offline works "
-                 "offline); refused when enabled and wandb is not installed"),
+                 "offline); refused when enabled and wandb is not installed. The test extra does not install wandb "
+                 "(0.31 pulls 17 packages, OpenTelemetry exporters among them, and runs a service process), so "
+                 "only the refusal is tested", "test_ds_keys: test_monitor_without_its_package_is_refused"),
     "comet": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure; refused when enabled and "
-                 "comet_ml is not installed"),
-    "flops_profiler": Key(HONOURED, "passed to DeepSpeed with parallel.pp_size=1; refused enabled with a pipeline "
-                          "(DeepSpeed's pipeline engine never prints it)", "test_ds_keys: test_conditional_refusals"),
-    "comms_logger": Key(REFUSED, "DeepSpeed records collectives but prints only when the script calls "
-                        "deepspeed.comm.log_summary(), which train.py does not call, and its busbw uses the "
-                        "global world size; count collectives with parallel.dist.comm.count_comm"),
+                 "comet_ml is not installed", "test_ds_keys: test_monitor_without_its_package_is_refused"),
+    "flops_profiler": Key(HONOURED, "passed to DeepSpeed with parallel.pp_size=1: it prints the profile of "
+                          "DeepSpeed's global step profile_step (counted from 0: the toolkit's step profile_step + 1), "
+                          "once per micro-batch when train.grad_accum_steps > 1, and turns on DeepSpeed's "
+                          "wall-clock timer lines; refused enabled with a pipeline (DeepSpeed's pipeline engine never "
+                          "prints it)", "test_ds_json_cli: test_flops_profiler_prints_its_profile_at_pp1; "
+                          "test_ds_keys: test_conditional_refusals"),
+    "comms_logger": Key(HONOURED, "DeepSpeed times the collectives that go through deepspeed.comm (the engine's "
+                        "parameter broadcast and gradient reduction); train.py prints its summary "
+                        "(deepspeed.comm.log_summary) after the last step. Honoured when every rank is a data-"
+                        "parallel replica (tp = sp = pp = 1): its busbw divides by the whole world's size, and the "
+                        "toolkit's tensor- and sequence-parallel collectives do not go through deepspeed.comm (count "
+                        "those with parallel.dist.comm.count_comm); refused otherwise. verbose=true needs "
+                        "\"log_level\": \"info\"", "test_ds_json_cli: test_comms_logger_prints_its_summary_at_pp1; "
+                        "test_ds_keys: test_conditional_refusals"),
     # parallelism the toolkit does itself
     "tensor_parallel": Key(REFUSED, "DeepSpeed's AutoTP would re-shard the toolkit's tensor-parallel layers; use "
                            "parallel.tp_size"),
@@ -174,8 +188,11 @@ ZERO_KEYS: dict[str, Key] = {
                              "and clips with it"),
     "offload_optimizer": Key(HONOURED, "passed to DeepSpeed at stages 1-3 (the toolkit's torch AdamW runs on the "
                              "CPU); refused at stage 0, where DeepSpeed ignores it",
-                             "test_ds_json_distributed: test_zero2_cpu_optimizer_offload_trains_like_one_process"),
-    "offload_param": Key(HONOURED, _STAGE3 + " (test_check: zero3_bf16_offload passes)"),
+                             "test_ds_json_distributed: test_zero2_cpu_optimizer_offload_trains_like_one_process_and_"
+                             "holds_the_planned_host_memory, test_zero3_cpu_offload_trains_like_one_process_and_holds_"
+                             "the_planned_host_memory"),
+    "offload_param": Key(HONOURED, _STAGE3, "test_ds_json_distributed: test_zero3_cpu_offload_trains_like_one_"
+                         "process_and_holds_the_planned_host_memory; test_check: zero3_bf16_offload passes"),
     **{k: Key(HONOURED, _STAGE3) for k in (
         "sub_group_size", "memory_efficient_linear", "override_module_apply", "leaf_module",
         "prefetch_bucket_size", "stage3_prefetch_bucket_size", "param_persistence_threshold",
@@ -219,6 +236,7 @@ SUBKEYS: dict[str, tuple[tuple[str, ...], bool]] = {
     "tensorboard": (("enabled", "output_path", "job_name"), False),
     "csv_monitor": (("enabled", "output_path", "job_name"), False),
     "wandb": (("enabled", "group", "team", "project"), False),
+    "comms_logger": (("enabled", "prof_all", "prof_ops", "verbose", "debug"), False),
     "comet": (("enabled", "samples_log_interval", "project", "workspace", "api_key", "experiment_name",
                "experiment_key", "online", "mode"), False),
 }
@@ -234,7 +252,8 @@ def _on(value: Any) -> bool:
     return isinstance(value, dict) and bool(value.get("enabled", False))
 
 
-def _conditions(ds: dict[str, Any], src: str, pp_size: int, max_steps: int) -> list[str]:
+def _conditions(ds: dict[str, Any], src: str, pp_size: int, max_steps: int, tp_size: int,
+                sp_size: int) -> list[str]:
     """The honoured keys' values that cannot work, each with what would."""
     problems = []
     if str(ds.get("log_level", "warning")).lower() not in ("info", "debug"):
@@ -247,6 +266,9 @@ def _conditions(ds: dict[str, Any], src: str, pp_size: int, max_steps: int) -> l
             if ds.get(key) is True:
                 problems.append(f"{src}: {key}=true would print nothing: {quiet}; add \"log_level\": \"info\" "
                                 f"or remove it")
+        if _on(ds.get("comms_logger")) and ds["comms_logger"].get("verbose") is True:
+            problems.append(f"{src}: comms_logger.verbose=true would print nothing: {quiet}; add \"log_level\": "
+                            f"\"info\" or remove it (the summary after the last step prints either way)")
     if ds.get("zero_force_ds_cpu_optimizer") is True:
         problems.append(f"{src}: zero_force_ds_cpu_optimizer=true is refused: it demands DeepSpeed's CPU Adam, and "
                         f"the toolkit builds the optimizer (torch's AdamW, which offload runs on the CPU); remove it")
@@ -269,6 +291,12 @@ def _conditions(ds: dict[str, Any], src: str, pp_size: int, max_steps: int) -> l
     if pp_size > 1 and _on(ds.get("flops_profiler")):
         problems.append(f"{src}: flops_profiler.enabled=true with parallel.pp_size={pp_size} is refused: DeepSpeed's "
                         f"pipeline engine never prints it; profile with parallel.pp_size=1")
+    if _on(ds.get("comms_logger")) and (tp_size, sp_size, pp_size) != (1, 1, 1):
+        problems.append(f"{src}: comms_logger.enabled=true with parallel.tp_size={tp_size}, sp_size={sp_size}, "
+                        f"pp_size={pp_size} is refused: DeepSpeed's summary divides busbw by the whole world's size "
+                        f"(right only when every rank is a data-parallel replica), and the toolkit's tensor- and "
+                        f"sequence-parallel collectives do not go through deepspeed.comm; use it with tp = sp = pp "
+                        f"= 1, or count collectives with parallel.dist.comm.count_comm")
     for key, package in MONITOR_PACKAGES.items():
         if _on(ds.get(key)) and importlib.util.find_spec(package) is None:
             problems.append(f"{src}: {key}.enabled=true but the {package} package is not installed (DeepSpeed would "
@@ -325,7 +353,8 @@ def _zero_problems(zero: dict[str, Any], src: str) -> list[str]:
     return problems
 
 
-def key_problems(ds: dict[str, Any], src: str, pp_size: int = 1, max_steps: int = 0) -> list[str]:
+def key_problems(ds: dict[str, Any], src: str, pp_size: int = 1, max_steps: int = 0, tp_size: int = 1,
+                 sp_size: int = 1) -> list[str]:
     """Every top-level key refused (unknown ones with a did-you-mean), and honoured keys' unworkable values."""
     problems = []
     for key in ds:
@@ -335,7 +364,7 @@ def key_problems(ds: dict[str, Any], src: str, pp_size: int = 1, max_steps: int 
             problems.append(f"{src}: unknown DeepSpeed key \"{key}\"{hint}; DeepSpeed would ignore it silently")
         elif KEYS[key].verdict == REFUSED:
             problems.append(f"{src}: \"{key}\" is refused: {KEYS[key].how}; remove it")
-    return problems + _conditions(ds, src, pp_size, max_steps)
+    return problems + _conditions(ds, src, pp_size, max_steps, tp_size, sp_size)
 
 
 def render() -> str:
@@ -357,8 +386,10 @@ def render() -> str:
         lines.append("")
     lines += ["## zero_optimization", "", "DeepSpeedZeroConfig's fields, with the `stage3_` names DeepSpeed also "
               "accepts; an unknown one is refused before launch (DeepSpeed would refuse it inside initialize).", "",
-              "| key | verdict | what the toolkit does, or why it is refused |", "|---|---|---|"]
-    lines += [f"| `{key}` | {k.verdict} | {k.how} |" for key, k in sorted(ZERO_KEYS.items())]
+              "| key | verdict | what the toolkit does, or why it is refused | tested by |", "|---|---|---|---|"]
+    untested = {HONOURED: "not exercised by a test", REFUSED: ""}
+    lines += [f"| `{key}` | {k.verdict} | {k.how} | {k.tests or untested[k.verdict]} |"
+              for key, k in sorted(ZERO_KEYS.items())]
     lines += ["", "## Keys inside the other sections", "", "Checked before launch; an unknown one is refused with a "
               "did-you-mean (DeepSpeed would ignore it, or refuse it inside initialize).", "",
               "| section | keys DeepSpeed reads | DeepSpeed on an unknown one |", "|---|---|---|"]

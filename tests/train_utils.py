@@ -31,10 +31,14 @@ def experiment(tp: int, pp: int, dp: int, extra=(), sp: int = 1, preset: str = "
                                 *extra])
 
 
-def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp, preset):
-    """Train `steps` steps; the losses, the full weights (and EMA) this rank holds, any replica drift."""
+def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp, preset, probe_step):
+    """Train `steps` steps; the losses, the full weights (and EMA) this rank holds, any replica drift, and
+    (probe_step > 0) what that step held, measured by parallel.plan.probe.StepProbe."""
+    import contextlib
+
     import deepspeed
 
+    from parallel.plan.probe import StepProbe
     from parallel.train.ema import full_ema, has_ema
     from parallel.train.engine import build_trainer
     from parallel.weights.gather import full_state
@@ -48,7 +52,11 @@ def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp, preset):
     seed_all(cfg.train.seed)
     trainer = build_trainer(cfg, ds, ctx)
     batches = training_batches(cfg, ctx)
-    losses = [trainer.train_step(batches).loss for _ in range(steps)]
+    losses, probe = [], None
+    for step in range(1, steps + 1):
+        with StepProbe(trainer.engine) if step == probe_step else contextlib.nullcontext() as measuring:
+            losses.append(trainer.train_step(batches).loss)
+        probe = measuring.result if measuring else probe
     module = trainer.engine.module
     if ds.get("zero_optimization", {}).get("stage", 0) == 3:
         with deepspeed.zero.GatheredParameters(list(module.parameters())):
@@ -57,19 +65,24 @@ def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp, preset):
         state = full_state(module, ctx, cfg.model.num_layers)
     ema = full_state(module, ctx, cfg.model.num_layers, full_ema(trainer.optimizer, trainer.engine.optimizer)) \
         if has_ema(trainer.optimizer) else {}
-    return {"losses": losses, "state": state, "ema": ema, "replica_mismatches": replica_mismatches(module, ctx)}
+    return {"losses": losses, "state": state, "ema": ema, "replica_mismatches": replica_mismatches(module, ctx),
+            "probe": probe}
 
 
-def train(tp: int, pp: int, dp: int, ds: dict, steps: int = 3, extra=(), sp: int = 1, preset: str = "debug"):
-    """Per-step losses (rank 0's), the merged full fp32 weights (and EMA) of all ranks, any replica drift."""
-    results = run_ranks(_train_rank, tp * pp * dp * sp, tp, pp, dp, ds, steps, tuple(extra), sp, preset)
+def train(tp: int, pp: int, dp: int, ds: dict, steps: int = 3, extra=(), sp: int = 1, preset: str = "debug",
+          probe_step: int = 0):
+    """Per-step losses (rank 0's), the merged full fp32 weights (and EMA) of all ranks, any replica drift, and
+    each rank's StepMeasurement of step `probe_step` (1-based; none when 0)."""
+    results = run_ranks(_train_rank, tp * pp * dp * sp, tp, pp, dp, ds, steps, tuple(extra), sp, preset,
+                        probe_step)
     state: dict[str, torch.Tensor] = {}
     ema: dict[str, torch.Tensor] = {}
     for r in results:
         state.update(r["state"])
         ema.update(r["ema"])
     return {"losses": results[0]["losses"], "all_losses": [r["losses"] for r in results], "state": state,
-            "ema": ema, "replica_mismatches": sorted({n for r in results for n in r["replica_mismatches"]})}
+            "ema": ema, "replica_mismatches": sorted({n for r in results for n in r["replica_mismatches"]}),
+            "probes": [r["probe"] for r in results]}
 
 
 def assert_matches(run: dict, reference: dict) -> None:

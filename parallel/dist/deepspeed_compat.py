@@ -49,6 +49,9 @@ silently, so the tests check them too):
                                                ctx.deepspeed_saved_tensors, partitioned or offloaded
                                                data as .saved_data
     ZERO_BUCKETS                               ZeRO-1/2/3 gradient buckets, self.ipg_buckets
+    zero_offloaded(held)                       what ZeRO-1/2/3 with offload_optimizer keep on the offload
+                                               device, by the attributes that hold them (checked in
+                                               tests/distributed/test_ds_json_distributed.py)
     engine_optimizers(engine)                  engine.basic_optimizer, the client optimizer DeepSpeed wraps
 Elsewhere, read the same way: ZeRO-3's parameter attributes ds_tensor, ds_shape, ds_id (dist/replicas.py,
 train/validate.py, train/ema.py) and MEMORY_OPT_ALLREDUCE_SIZE (mirrored in plan/memory.py).
@@ -153,6 +156,34 @@ def engine_optimizers(engine) -> list:
     optimizer it wraps (`basic_optimizer`), each once."""
     owners = (engine.optimizer, getattr(engine, "basic_optimizer", None))
     return list({id(o): o for o in owners if o is not None}.values())
+
+
+def zero_offloaded(held: dict[str, int]) -> dict[str, int]:
+    """Bytes a ZeRO optimizer with offload_optimizer keeps on its offload device, by the planner's line, from a
+    StepProbe's {held-tensor path: bytes}.
+
+    DeepSpeedZeroOptimizer_Stage3: grad_partitions_flat_buffer (every gradient partition),
+    fp32_partitioned_groups_flat (master) and their .grad (kept for every sub-group: _release_sub_group
+    frees them only without offload), with offload_param fp16_partitioned_groups_flat (the lp partitions).
+    DeepSpeedZeroOptimizer (ZeRO-1/2, cpu_offload): single_partition_of_fp32_groups (master) and their .grad,
+    param_buffer_of_bit16_for_cpu_offload_groups (an lp copy of the partition), accumulated_grads_in_cpu
+    (the micro-batches' gradients, whole parameters) and temp_grad_buffer_for_cpu_offload.
+    Both: the client optimizer's exp_avg and exp_avg_sq."""
+    lines = {"parameters": 0, "gradients": 0, "master_weights": 0, "adam_moments": 0}
+    masters = ("optimizer.fp32_partitioned_groups_flat[", "optimizer.single_partition_of_fp32_groups[")
+    for path, nbytes in held.items():
+        if path.startswith(("optimizer.fp16_partitioned_groups_flat[",
+                            "optimizer.param_buffer_of_bit16_for_cpu_offload_groups[")):
+            lines["parameters"] += nbytes
+        elif path.startswith(("optimizer.grad_partitions_flat_buffer", "optimizer.accumulated_grads_in_cpu[",
+                              "optimizer.temp_grad_buffer_for_cpu_offload")) or \
+                path.startswith(masters) and path.endswith("].grad"):
+            lines["gradients"] += nbytes
+        elif path.startswith(masters):
+            lines["master_weights"] += nbytes
+        elif path.startswith("optimizer.optimizer.state[") and path.endswith(("[exp_avg]", "[exp_avg_sq]")):
+            lines["adam_moments"] += nbytes
+    return lines
 
 
 def checkpoint_saved_tensors(node) -> list[torch.Tensor]:

@@ -18,7 +18,12 @@ gradient partition as whole parameters (a parameter straddling two ranks' slices
 the larger of lp P and its step figure; s are the parameters under stage3_param_persistence_threshold,
 kept whole on every rank.) EmaAdamW (optimizer.type FusedEmaAdam) adds one fp32 shadow per element
 the optimizer steps, half the moments. Optimizer offload moves master, moments, EMA and the fp32
-gradients to host memory; parameter offload moves the ZeRO-3 partitions.
+gradients to host memory (ZeRO-3: all its gradients, lp Σc + 4 Σc, since Stage3 then allocates the lp
+partitions on the host and keeps every sub-group's fp32 gradient; measured in
+tests/distributed/test_ds_json_distributed.py); parameter offload moves the ZeRO-3 partitions. ZeRO-1/2
+offload (DeepSpeedZeroOptimizer's cpu_offload) also holds on the host an lp copy of the partition, every
+group's fp32 gradient, a largest-parameter gradient buffer and, with several micro-batches, their
+accumulated gradients as whole parameters (lp W).
 
 Activations per micro-batch come from `parallel.plan.trace` (the model's own forward on the meta device),
 at sequence parallel size sp for one sp rank's S / sp tokens. The sp ranks are DeepSpeed data-parallel
@@ -132,7 +137,8 @@ def _worst_partition(numels: list[int], dp: int, align: int) -> int:
     return worst
 
 
-def model_states(params: list, eng: EngineSettings, dp: int, pp: int) -> tuple[dict[str, int], dict[str, int]]:
+def model_states(params: list, eng: EngineSettings, dp: int, pp: int,
+                 micro_batches: int = 1) -> tuple[dict[str, int], dict[str, int]]:
     """(device bytes, host bytes) of parameters, gradients, optimizer (Adam moments) and master weights.
 
     `params` lists this rank's parameters as (numel, ndim) in module order; build_optimizer puts
@@ -177,9 +183,18 @@ def model_states(params: list, eng: EngineSettings, dp: int, pp: int) -> tuple[d
     if eng.offload_optimizer and eng.zero >= 1:
         for key in ("adam_moments", "master_weights", "ema_shadow"):
             host[key], dev[key] = dev[key], 0
-        if path in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3"):
-            host["gradients"] = fp32_grad
-            dev["gradients"] -= fp32_grad if path == "DeepSpeedZeroOptimizer" else on_device_at_step
+        if path == "DeepSpeedZeroOptimizer":
+            # cpu_offload keeps every group's fp32 gradient on the host, an lp copy of the partition
+            # (its step's staging), a largest-parameter gradient buffer and, over several micro-batches,
+            # their accumulated gradients as whole parameters (W, like the device partition).
+            whole = lp * sum(_worst_partition(g, dp, align) for g in groups) if micro_batches > 1 else 0
+            host["gradients"] = 4 * part + lp * max(n for n, _ in params) + whole
+            host["parameters"] = lp * part
+            dev["gradients"] -= fp32_grad
+        elif path == "DeepSpeedZeroOptimizer_Stage3":
+            # Stage3 allocates its gradient partitions on the offload device, and keeps every sub-group's
+            # fp32 gradient there (not only the one being stepped): nothing of the gradients stays on device.
+            host["gradients"], dev["gradients"] = (lp + 4) * shard, 0
     if eng.offload_param and eng.zero == 3:
         host["parameters"] = lp * shard
         dev["parameters"] -= lp * shard
@@ -279,7 +294,7 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
         first, last = s == 0, s == pp - 1
         flight = min(pp - s, m)
         params = list(embed.params if first else ()) + list(block.params) * n + list(final.params if last else ())
-        dev, host = model_states(params, eng, dp, pp)
+        dev, host = model_states(params, eng, dp, pp, m)
         own = (embed.activations if first else 0) + (final.activations if last else 0)
         # Side tensors are held once per stage: those its blocks save (all of them when checkpoints keep
         # views of them) or its final layer saves.

@@ -83,6 +83,7 @@ class StepMeasurement:
     buckets: int = 0
     buffers: int = 0
     activations: list[int] = field(default_factory=list)    # saved bytes of each micro-batch's forward
+    held: dict[str, int] = field(default_factory=dict)      # the peak snapshot: {shortest path: bytes}
 
 
 class StepProbe:
@@ -103,10 +104,14 @@ class StepProbe:
 
     def _snapshot(self, step: Callable) -> Callable:
         def wrapped(*args, **kwargs):
-            kinds = held_kinds(held_by({"optimizer": self.engine.optimizer, "module": self.engine.module}))
+            found = held_by({"optimizer": self.engine.optimizer, "module": self.engine.module})
+            kinds = held_kinds(found)
             if kinds["states"] + kinds["buckets"] > self.result.states + self.result.buckets:
                 self.result.states, self.result.buckets, self.result.buffers = \
                     kinds["states"], kinds["buckets"], kinds["buffers"]
+                self.result.held = {}
+                for nbytes, path in found.values():        # paths name tensor-keyed entries "[.]": summed
+                    self.result.held[path] = self.result.held.get(path, 0) + nbytes
             return step(*args, **kwargs)
         return wrapped
 

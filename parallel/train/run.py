@@ -285,6 +285,8 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
             first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
             print(f"loss: mean of the first {k} steps {first:.4f} -> last {k} steps {last:.4f} "
                   f"({last / first:.2f}x)", flush=True)
+        if (ds.get("comms_logger") or {}).get("enabled"):
+            deepspeed.comm.log_summary()      # every rank (it starts with a barrier); rank 0 prints the table
     finally:
         bar.close()
         if metrics:

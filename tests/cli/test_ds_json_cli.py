@@ -4,8 +4,10 @@ DeepSpeed show their effect (its progress line, state dump, timers, csv monitor)
 import json
 import math
 import os
+import re
 
 import pytest
+import torch
 
 from tests.unit.test_ds_precision import fp16_json  # noqa: F401, F811  (a fixture)
 from tests.cli.test_train_cli import ROOT, train_py
@@ -105,19 +107,92 @@ def test_train_refuses_table_keys_before_any_process_group(tmp_path):
     assert "Traceback" not in p.stderr
 
 
-def test_csv_monitor_gets_every_figure_of_metrics_jsonl(tmp_path):
+def _train_with(tmp_path, section: str, value: dict | None = None, steps: int = 3, sets=()):
+    """train.py, one process, with DeepSpeed's `section` (a monitor, by default writing under tmp_path/section)
+    on: the completed process, the metrics.jsonl records and the figures they carry."""
     ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
-    ds["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "job"}
+    ds[section] = value or {"enabled": True, "output_path": str(tmp_path / section), "job_name": "job"}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     out = tmp_path / "run"
-    p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"), "--set", "train.max_steps=3",
-                 "--set", f"train.output_dir={out}", "--set", "train.memory_check=false")
+    p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"), "--set",
+                 f"train.max_steps={steps}", "--set", f"train.output_dir={out}", "--set", "train.memory_check=false",
+                 *(a for s in sets for a in ("--set", s)))
     assert p.returncode == 0, p.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     figures = sorted(k for k in records[0] if k != "step" and records[0][k] is not None)
     assert {"loss", "lr", "grad_norm", "step_time_s", "samples_per_s", "tokens_per_s"} <= set(figures)
+    return p, records, figures
+
+
+def test_csv_monitor_gets_every_figure_of_metrics_jsonl(tmp_path):
+    _, records, figures = _train_with(tmp_path, "csv_monitor")
     for name in figures:
-        csv = (tmp_path / "csv" / "job" / f"train_{name}.csv").read_text()
+        csv = (tmp_path / "csv_monitor" / "job" / f"train_{name}.csv").read_text()
         rows = [line.split(",") for line in csv.splitlines()[1:]]
         assert [int(r[0]) for r in rows] == [1, 2, 3], name
         assert [float(r[1]) for r in rows] == pytest.approx([r[name] for r in records], rel=1e-12), name
+
+
+def test_tensorboard_gets_every_figure_of_metrics_jsonl(tmp_path):
+    """The event file read back with tensorboard's own EventAccumulator: each figure's steps and values (stored
+    as float32 by the summary writer) equal metrics.jsonl's. DeepSpeed adds its own Train/Samples/lr, by
+    samples seen, written after its scheduler stepped: at step k's samples, the lr step k + 1 runs at."""
+    pytest.importorskip("tensorboard", reason="the test extra installs tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, records, figures = _train_with(tmp_path, "tensorboard")
+    events = EventAccumulator(str(tmp_path / "tensorboard" / "job")).Reload()
+    assert sorted(events.Tags()["scalars"]) == sorted([f"train/{name}" for name in figures] + ["Train/Samples/lr"])
+    samples = events.Scalars("Train/Samples/lr")
+    assert [e.step for e in samples] == [samples[0].step * k for k in (1, 2, 3)]
+    assert [e.value for e in samples][:-1] == pytest.approx([r["lr"] for r in records][1:], rel=1e-6)
+    for name in figures:
+        scalars = events.Scalars(f"train/{name}")
+        assert [e.step for e in scalars] == [1, 2, 3], name
+        torch.testing.assert_close(torch.tensor([e.value for e in scalars]),
+                                   torch.tensor([r[name] for r in records], dtype=torch.float32), rtol=0, atol=0)
+
+
+def test_flops_profiler_prints_its_profile_at_pp1(tmp_path):
+    """DeepSpeed's flops profiler at parallel.pp_size=1, one micro-batch a step: one profile in train.py's output.
+    profile_step counts DeepSpeed's global steps from 0, so profile_step=2 profiles the toolkit's step 3 and
+    says so; its parameter count is the model's (the planner's count). The pipeline refusal is in
+    tests/unit/test_ds_keys.py."""
+    from parallel.config import load_config
+    from parallel.plan.search import count_params
+    from parallel.plan.trace import ActivationTracer
+
+    p, _, _ = _train_with(tmp_path, "flops_profiler", {"enabled": True, "profile_step": 2, "module_depth": 1,
+                                                       "top_modules": 1}, sets=["train.grad_accum_steps=1"])
+    assert p.stdout.count("DeepSpeed Flops Profiler") == 1
+    assert "Profile Summary at step 3:" in p.stdout
+    fields = dict(line.rsplit(":", 1) for line in p.stdout.splitlines() if line.count(":") == 1)
+    n, unit = fields["params per GPU"].split()
+    assert unit == "K" and float(n) * 1e3 == pytest.approx(count_params(ActivationTracer(load_config("debug"),
+                                                                                         torch.float32))[0], abs=5)
+    assert fields["batch size per GPU"].strip() == "2"
+
+
+def test_comms_logger_prints_its_summary_at_pp1(tmp_path):
+    """DeepSpeed's comms logger (prof_all) at tp = sp = pp = 1: train.py prints deepspeed.comm's summary after the
+    last step, with the engine's gradient all-reduce once a step, of the model's fp32 gradients' size."""
+    from deepspeed.utils.comms_logging import convert_size
+
+    from parallel.config import load_config
+    from parallel.plan.search import count_params
+    from parallel.plan.trace import ActivationTracer
+
+    p, records, _ = _train_with(tmp_path, "comms_logger", {"enabled": True, "prof_all": True})
+    lines = p.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("Comm. Op"))
+    assert header > max(i for i, line in enumerate(lines) if "training debug" in line)
+    rows, op = {}, None
+    for line in lines[header + 1:]:
+        if line.strip() and not line.startswith(" "):
+            op = line.strip()
+        elif line.strip():
+            size, count = re.match(r"\s+([\d.]+ ?[KMGT]?B)\s+(\d+)\s", line).groups()
+            rows.setdefault(op, {})[size] = int(count)
+    grads = count_params(ActivationTracer(load_config("debug"), torch.float32))[0] * 4
+    assert rows["all_reduce"][convert_size(grads)] == len(records) == 3
+    assert "broadcast" in rows       # the engine's initial parameter broadcast

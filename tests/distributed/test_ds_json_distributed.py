@@ -1,5 +1,6 @@
 """DeepSpeed JSON keys handed to DeepSpeed, checked in spawned gloo ranks: gradient_clipping reaches the step,
-and ZeRO-2 optimizer offload to the CPU trains like one process."""
+ZeRO-2 optimizer offload and ZeRO-3 optimizer + parameter offload to the CPU train like one process, and
+the planner's host-memory lines are what each offload run holds there."""
 import copy
 import json
 import os
@@ -55,11 +56,61 @@ def _offloaded(rank, world_size, ds):
     return type(zero).__name__, zero.cpu_offload
 
 
-def test_zero2_cpu_optimizer_offload_trains_like_one_process():
+def _host_lines(ds: dict, dp: int) -> dict[str, int]:
+    """The planner's non-zero host lines for `ds` at the tests' batch layout (train_utils.experiment)."""
+    from parallel.plan.memory import EngineSettings, plan_memory
+    from parallel.plan.trace import ActivationTracer
+    from tests.train_utils import experiment
+
+    cfg = experiment(1, 1, dp)
+    plan = plan_memory(cfg, ds, dp, 2 ** 40, ActivationTracer(cfg, EngineSettings.from_ds(ds, 1).dtype))
+    return {k: v for k, v in plan.stages[0].host.items() if v}
+
+
+def _held_on_host(run: dict) -> dict[str, int]:
+    """Per line, the largest of the ranks' offloaded bytes at the peak of the probed step (the planner
+    plans the worst rank)."""
+    from parallel.dist.deepspeed_compat import zero_offloaded
+
+    held = [zero_offloaded(probe.held) for probe in run["probes"]]
+    print(f"host bytes held per rank {held}")
+    return {k: max(h[k] for h in held) for k in held[0]}
+
+
+def test_zero2_cpu_optimizer_offload_trains_like_one_process_and_holds_the_planned_host_memory():
     """ZeRO-2 at dp 2 with the optimizer states and step on the CPU (DeepSpeed's offload_optimizer, running
-    the toolkit's torch AdamW): per-step losses on both ranks and the final weights equal one process's."""
+    the toolkit's torch AdamW): per-step losses on both ranks and the final weights equal one process's.
+    The planner's host lines are within 1% of what the worst rank keeps on its offload device at the peak of
+    the second step (parallel.dist.deepspeed_compat.zero_offloaded: master, moments, every group's fp32
+    gradient, the lp partition copy, the two micro-batches' accumulated gradients and the staging buffer).
+    This machine has no accelerator: "host" and "device" are one memory, so the test sums the buffers
+    DeepSpeed places on its offload device."""
     ds = fp32_config(stage=2)
     ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     assert run_ranks(_offloaded, 1, copy.deepcopy(ds)) == [("DeepSpeedZeroOptimizer", True)]
     reference = train(1, 1, 1, fp32_config())
-    assert_matches(train(1, 1, 2, copy.deepcopy(ds)), reference)
+    run = train(1, 1, 2, copy.deepcopy(ds), probe_step=2)
+    assert_matches(run, reference)
+    planned = _host_lines(ds, 2)
+    assert planned.keys() == {"parameters", "gradients", "master_weights", "adam_moments"}
+    assert _held_on_host(run) == pytest.approx(planned, rel=0.01)
+
+
+def test_zero3_cpu_offload_trains_like_one_process_and_holds_the_planned_host_memory():
+    """ZeRO-3 at dp 2 (fp32) with offload_optimizer and offload_param on the CPU: per-step losses on both
+    ranks and the final weights equal one process's. The planner's host lines (parameters, gradients,
+    master weights, Adam moments) are within 1% of what each rank's DeepSpeedZeroOptimizer_Stage3 keeps on
+    its offload device at the peak of the second step (its optimizer step), summed from the buffers
+    DeepSpeed offloads (parallel.dist.deepspeed_compat.zero_offloaded). This machine has no accelerator:
+    "host" and "device" are one memory, so the test sums the buffers DeepSpeed places on its offload device.
+    Persistence threshold 1000: the debug model's matrices are partitioned, its vectors stay whole on every
+    rank (device memory, not offloaded)."""
+    ds = fp32_config(stage=3)
+    ds["zero_optimization"].update(offload_optimizer={"device": "cpu", "pin_memory": False},
+                                   offload_param={"device": "cpu", "pin_memory": False},
+                                   stage3_param_persistence_threshold=1000)
+    run = train(1, 1, 2, copy.deepcopy(ds), probe_step=2)
+    assert_matches(run, train(1, 1, 1, fp32_config()))
+    planned = _host_lines(ds, 2)
+    assert planned.keys() == {"parameters", "gradients", "master_weights", "adam_moments"}
+    assert _held_on_host(run) == pytest.approx(planned, rel=0.01)

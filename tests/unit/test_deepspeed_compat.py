@@ -248,6 +248,34 @@ def test_probe_relies_on_checkpoint_and_bucket_names():
     assert compat.engine_optimizers(types.SimpleNamespace(optimizer=opt, basic_optimizer=opt)) == [opt]
 
 
+def test_zero_offloaded_relies_on_offload_buffer_names():
+    p = "zero_offloaded"
+    stage3 = source(deepspeed.runtime.zero.stage3)
+    for attr in ("grad_partitions_flat_buffer", "fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat"):
+        relies(p, f"DeepSpeedZeroOptimizer_Stage3.{attr}", f"self.{attr} =" in stage3 or f"self.{attr}: " in stage3,
+               "no longer set")
+    member(p, DeepSpeedZeroOptimizer_Stage3, "_release_sub_group")
+    release = stage3[stage3.index("def _release_sub_group"):]
+    release = release[:release.index("\n    def ")]
+    relies(p, "DeepSpeedZeroOptimizer_Stage3._release_sub_group", "if not self.offload_optimizer:\n            "
+           "self.fp32_partitioned_groups_flat[sub_group_id].grad = None" in release,
+           "it may now free the offloaded fp32 gradients (the planner counts every sub-group's)")
+    stage12 = source(deepspeed.runtime.zero.stage_1_and_2)
+    for attr in ("single_partition_of_fp32_groups", "param_buffer_of_bit16_for_cpu_offload_groups",
+                 "accumulated_grads_in_cpu", "temp_grad_buffer_for_cpu_offload"):
+        relies(p, f"DeepSpeedZeroOptimizer.{attr}", f"self.{attr} =" in stage12, "no longer set")
+    held = {"optimizer.grad_partitions_flat_buffer": 8, "optimizer.fp32_partitioned_groups_flat[0].grad": 4,
+            "optimizer.fp32_partitioned_groups_flat[0]": 4, "optimizer.fp16_partitioned_groups_flat[0]": 2,
+            "optimizer.optimizer.state[.][exp_avg]": 4, "optimizer.optimizer.state[.][exp_avg_sq]": 4,
+            "optimizer.optimizer.state[.][step]": 4, "optimizer.ipg_buckets[.].buffer": 100}
+    assert compat.zero_offloaded(held) == {"parameters": 2, "gradients": 12, "master_weights": 4, "adam_moments": 8}
+    held = {"optimizer.single_partition_of_fp32_groups[0]": 4, "optimizer.single_partition_of_fp32_groups[0].grad": 4,
+            "optimizer.param_buffer_of_bit16_for_cpu_offload_groups[0]": 2, "optimizer.accumulated_grads_in_cpu[3]": 6,
+            "optimizer.temp_grad_buffer_for_cpu_offload": 1, "optimizer.temp_grad_buffer_for_gpu_offload": 1,
+            "optimizer.optimizer.state[.][exp_avg]": 8}
+    assert compat.zero_offloaded(held) == {"parameters": 2, "gradients": 11, "master_weights": 4, "adam_moments": 8}
+
+
 def test_zero3_parameter_attributes_and_allreduce_size():
     src = source(partition_parameters)
     for attr in ("ds_shape", "ds_tensor", "ds_id"):

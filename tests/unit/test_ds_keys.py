@@ -86,9 +86,6 @@ def test_shipped_configs_pass():
         assert check(cfg, ds, name, world_size=2)[1] == [], name
 
 
-HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
-
-
 @pytest.mark.parametrize("ds, pp, expected", [
     ({"zero_force_ds_cpu_optimizer": True}, 1, "c.json: zero_force_ds_cpu_optimizer=true is refused: it demands "
      "DeepSpeed's CPU Adam, and the toolkit builds the optimizer (torch's AdamW, which offload runs on the CPU); "
@@ -106,14 +103,30 @@ HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
     ({"dump_state": True, "log_level": "error"}, 1, "c.json: dump_state=true would print nothing: DeepSpeed logs it "
      "at INFO and its logger is at error"),
     ({"memory_breakdown": True}, 1, "c.json: memory_breakdown=true would print nothing"),
-    pytest.param({"tensorboard": {"enabled": True, "output_path": "tb"}}, 1, "c.json: tensorboard.enabled=true but "
-                 "the tensorboard package is not installed (DeepSpeed would fail in initialize); install it or use "
-                 "csv_monitor", marks=pytest.mark.skipif(HAS_TENSORBOARD, reason="tensorboard is installed")),
+    ({"comms_logger": {"enabled": True}}, 2, "c.json: comms_logger.enabled=true with parallel.tp_size=1, "
+     "sp_size=1, pp_size=2 is refused: DeepSpeed's summary divides busbw by the whole world's size"),
+    ({"comms_logger": {"enabled": True, "verbose": True}}, 1, "c.json: comms_logger.verbose=true would print "
+     "nothing"),
+    ({"comms_logger": {"enabled": True, "prof_al": True}}, 1, "c.json: unknown key comms_logger.prof_al (did you "
+     "mean \"prof_all\"?); DeepSpeed would refuse it inside initialize"),
 ])
 def test_conditional_refusals(ds, pp, expected):
     cfg = load_config("debug", [f"parallel.pp_size={pp}"])
     _, problems = check(cfg, ds, "c.json")
     assert len(problems) == 1 and problems[0].startswith(expected), problems
+
+
+@pytest.mark.parametrize("monitor, package", [("tensorboard", "tensorboard"), ("wandb", "wandb"),
+                                              ("comet", "comet_ml")])
+def test_monitor_without_its_package_is_refused(monitor, package, monkeypatch):
+    """Whatever this environment has installed: the package looked up as missing."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else find_spec(name, *a))
+    cfg = load_config("debug")
+    ds = {monitor: {"enabled": True}}
+    expected = (f"c.json: {monitor}.enabled=true but the {package} package is not installed (DeepSpeed would fail in "
+                f"initialize); install it or use csv_monitor")
+    assert check(cfg, ds, "c.json")[1] == [expected]
 
 
 def test_honoured_values_of_the_same_keys_pass():
@@ -123,6 +136,11 @@ def test_honoured_values_of_the_same_keys_pass():
           "dump_state": True, "memory_breakdown": True, "log_level": "info"}
     assert check(cfg, ds, "c.json")[1] == []
     assert check(load_config("debug"), {"flops_profiler": {"enabled": True}}, "c.json")[1] == []
+    comms = {"comms_logger": {"enabled": True, "prof_all": True, "verbose": True}, "log_level": "info"}
+    assert check(load_config("debug"), comms, "c.json")[1] == []
+    tp2 = check(load_config("debug", ["parallel.tp_size=2"]), comms, "c.json", world_size=2)[1]
+    assert [p.split(" is refused")[0] for p in tp2] == ["c.json: comms_logger.enabled=true with parallel.tp_size=2, "
+                                                        "sp_size=1, pp_size=1"]
 
 
 def test_optimizer_params_are_checked():
@@ -180,10 +198,12 @@ def test_zero_keys_against_the_stage():
 
 def test_keys_inside_sections_are_deepspeeds(monkeypatch):
     """Dict-style sections: the keys DeepSpeed looks up in them; pydantic ones: the model's fields."""
+    from deepspeed.comm.config import CommsLoggerConfig
     from deepspeed.monitor.config import DeepSpeedMonitorConfig
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
 
     models = {"fp16": DeepSpeedFP16Config, "bf16": DeepSpeedBF16Config, "bfloat16": DeepSpeedBF16Config,
+              "comms_logger": CommsLoggerConfig,
               **{k: f.annotation for k, f in DeepSpeedMonitorConfig.model_fields.items()}}
     for section, (known, silently) in SUBKEYS.items():
         if silently:
