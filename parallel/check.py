@@ -231,6 +231,19 @@ def check_unconditional(cfg: ExperimentConfig) -> list[str]:
     return problems
 
 
+def check_data_files(cfg: ExperimentConfig) -> list[str]:
+    """Directory datasets (data.path, and val.path when validation runs): every listed file exists and its
+    shape, read from its header, is what the model takes; synthetic data is made to fit."""
+    folders = [("data.path", cfg.data.path)] if cfg.data.kind == "directory" else []
+    if cfg.val.every and cfg.val.path:
+        folders.append(("val.path", cfg.val.path))
+    if not folders:
+        return []
+    from parallel.train.data import check_shapes
+    return [p for key, folder in folders
+            for p in check_shapes(folder, cfg.model, cfg.data, key, captions=bool(cfg.data.text_encoder))]
+
+
 def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source: str = "deepspeed config",
           world_size: Optional[int] = None, device: Optional[DeviceDtypes] = None) -> tuple[Layout, list[str]]:
     """Return the layout and every problem found (an empty list means the layout is valid); with `device`,
@@ -279,7 +292,7 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
     device = DeviceDtypes.here() if device_check and dsc.precision(ds) != "fp32" else None
     layout, found = check(cfg, ds, deepspeed_config or "deepspeed config", world_size, device)
     problems += found
-    problems += check_unconditional(cfg)
+    problems += check_unconditional(cfg) + check_data_files(cfg)
     if cfg.model.init_from:                   # config.json and safetensors headers only, no tensor data
         from parallel.weights.diffusers import check_released
         from parallel.weights.scheduler import check_scheduler

@@ -96,6 +96,99 @@ def _load_tensor(path: Path, key: str) -> torch.Tensor:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def read_manifest(root: Path, captions: bool = False, key: str = "data.path") -> tuple[list, list, list[int]]:
+    """`root`/manifest.jsonl as (latent, text) pairs, their captions and their manifest line numbers.
+
+    text is a file, or with `captions` (a text encoder will encode it) the line's caption when it has one.
+    Every listed file is checked to exist, so a missing one is named before training starts."""
+    manifest = root / "manifest.jsonl"
+    if not manifest.is_file():
+        raise FileNotFoundError(f"{key}={root}: no manifest.jsonl in it (lines of "
+                                '{"latent": "x.safetensors", "text": "x_text.safetensors"})')
+    items, texts, lines = [], [], []
+    for n, line in enumerate(manifest.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            latent = root / entry["latent"]
+            text = entry["caption"] if captions and "caption" in entry else root / entry["text"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            need = '"text": file or "caption": str' if captions else '"text": file'
+            raise ValueError(f"{manifest}:{n}: expected {{\"latent\": file, {need}}} (problem: {e!r})") from None
+        for f in (latent, text):
+            if isinstance(f, Path) and not f.is_file():
+                raise FileNotFoundError(f"{manifest}:{n}: data file {f} does not exist")
+        items.append((latent, text))
+        texts.append(entry.get("caption") if isinstance(entry.get("caption"), str) else None)
+        lines.append(n)
+    if not items:
+        raise ValueError(f"{manifest}: no samples listed")
+    return items, texts, lines
+
+
+def stored_shape(path: Path, key: str) -> list[int]:
+    """The shape of the tensor `_load_tensor(path, key)` returns, without reading its data: a safetensors
+    header, or a `.pt` file memory-mapped (tensor storage is touched lazily); ValueError if it holds no tensor."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+        with safe_open(str(path), "pt") as f:
+            names = list(f.keys())
+            if not names:
+                raise ValueError("holds no tensor")
+            return list(f.get_slice(key if key in names else names[0]).get_shape())
+    try:
+        value = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:              # the legacy (pre-zipfile) format cannot be memory-mapped
+        value = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"holds a {type(value).__name__}, not a tensor")
+    return list(value.shape)
+
+
+MAX_SHAPE_PROBLEMS = 10
+
+
+def check_shapes(root: str | Path, model, data, key: str = "data.path", captions: bool = False) -> list[str]:
+    """Every latent and text file of `root`'s manifest (and uncond.safetensors, if there) against the shapes
+    the model takes: latent [model.in_channels, *latent_shape(model, data)], text [model.max_text_len,
+    model.text_embed_dim]. Headers only. The first MAX_SHAPE_PROBLEMS mismatches, then a count of the rest."""
+    from models.geometry import latent_shape
+
+    root = Path(root)
+    try:
+        items, _, lines = read_manifest(root, captions, key)
+    except (FileNotFoundError, ValueError) as e:
+        return [str(e)]
+    t, h, w = latent_shape(model, data)
+    expect = {
+        "latent": ([model.in_channels, t, h, w],
+                   f"model.in_channels={model.in_channels}; data.num_frames={data.num_frames}, data.height="
+                   f"{data.height}, data.width={data.width} / model.vae_scale_temporal={model.vae_scale_temporal}, "
+                   f"model.vae_scale_spatial={model.vae_scale_spatial} -> {t} x {h} x {w} latent"),
+        "text": ([model.max_text_len, model.text_embed_dim],
+                 f"model.max_text_len={model.max_text_len}, model.text_embed_dim={model.text_embed_dim}")}
+    files = [(f, what, f"manifest.jsonl:{n}") for (latent, text), n in zip(items, lines)
+             for f, what in ((latent, "latent"), (text, "text")) if isinstance(f, Path)]
+    if (root / UNCOND_FILE).is_file():
+        files.append((root / UNCOND_FILE, "text", "the unconditional embedding"))
+    problems = []
+    for f, what, where in files:
+        want, why = expect[what]
+        try:
+            shape = stored_shape(f, what)
+        except Exception as e:    # a damaged header: name the file, whatever the reader raised
+            problems.append(f"{f}: cannot read the {what} tensor's shape ({where}): {e}")
+            continue
+        if shape != want:
+            problems.append(f"{f}: {what} shape {shape} != expected {want} ({where}; {why})")
+    if len(problems) > MAX_SHAPE_PROBLEMS:
+        rest = len(problems) - MAX_SHAPE_PROBLEMS
+        problems = problems[:MAX_SHAPE_PROBLEMS] + [f"{key}={root}: {rest} more file{'s' if rest > 1 else ''} "
+                                                    f"with the wrong shape ({len(problems)} of {len(files)})"]
+    return problems
+
+
 class DirectoryLatents:
     """`manifest.jsonl` lines {"latent": file, "text": file}; files are safetensors or `.pt` tensors.
 
@@ -108,29 +201,7 @@ class DirectoryLatents:
 
     def __init__(self, root: str | Path, text_encoder=None):
         self.root, self.text_encoder = Path(root), text_encoder
-        manifest = self.root / "manifest.jsonl"
-        if not manifest.is_file():
-            raise FileNotFoundError(f"data.path={root}: no manifest.jsonl in it (lines of "
-                                    '{"latent": "x.safetensors", "text": "x_text.safetensors"})')
-        self.items, self.captions = [], []
-        for n, line in enumerate(manifest.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                entry = json.loads(line)
-                latent = self.root / entry["latent"]
-                text = entry["caption"] if text_encoder is not None and "caption" in entry \
-                    else self.root / entry["text"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                need = '"text": file or "caption": str' if text_encoder else '"text": file'
-                raise ValueError(f"{manifest}:{n}: expected {{\"latent\": file, {need}}} (problem: {e!r})") from None
-            for f in (latent, text):
-                if isinstance(f, Path) and not f.is_file():
-                    raise FileNotFoundError(f"{manifest}:{n}: data file {f} does not exist")
-            self.items.append((latent, text))
-            self.captions.append(entry.get("caption") if isinstance(entry.get("caption"), str) else None)
-        if not self.items:
-            raise ValueError(f"{manifest}: no samples listed")
+        self.items, self.captions, self.lines = read_manifest(self.root, captions=text_encoder is not None)
 
     def __len__(self) -> int:
         return len(self.items)

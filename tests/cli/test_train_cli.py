@@ -39,6 +39,29 @@ def test_missing_data_file_is_named_before_training(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_latent_of_the_wrong_shape_is_named_before_training(tmp_path):
+    """Not a torch.stack traceback at the first step: the file, its manifest line and both shapes, exit 1."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = load_config("debug")
+    lines = []
+    for i, shape in enumerate([(4, 3, 8, 8), (4, 3, 8, 9)]):
+        save_file({"latent": torch.zeros(shape)}, str(tmp_path / f"v{i}.safetensors"))
+        torch.save(torch.zeros(cfg.model.max_text_len, cfg.model.text_embed_dim), tmp_path / f"v{i}_text.pt")
+        lines.append(json.dumps({"latent": f"v{i}.safetensors", "text": f"v{i}_text.pt"}))
+    (tmp_path / "manifest.jsonl").write_text("\n".join(lines) + "\n")
+    p = train_py("--config", "debug", "--deepspeed_config", "ds_configs/zero0_fp32.json",
+                 "--set", "data.kind=directory", "--set", f"data.path={tmp_path}",
+                 "--set", f"train.output_dir={tmp_path / 'run'}")
+    assert p.returncode == 1
+    assert "refusing to start" in p.stderr
+    assert f"{tmp_path / 'v1.safetensors'}: latent shape [4, 3, 8, 9] != expected [4, 3, 8, 8] (manifest.jsonl:2; " \
+           in p.stderr
+    assert "v0.safetensors" not in p.stderr and "Traceback" not in p.stderr
+    assert "deepspeed" not in p.stdout.lower() and not (tmp_path / "run").exists()
+
+
 def test_one_process_trains_from_a_latent_directory_and_appends_metrics(tmp_path):
     """Prepared latents in safetensors and .pt train like the synthetic set; metrics.jsonl is appended to."""
     import torch

@@ -124,6 +124,12 @@ def test_training_reads_the_prepared_folder(prepared):
 
     cfg = load_config("debug", SETS + ["data.kind=directory", f"data.path={prepared}", "train.micro_batch_size=2",
                                        "train.grad_accum_steps=1"])
+    # The start-up check reads every file's header: the folder fits the config it was prepared with, not another.
+    from parallel.check import check_data_files
+    assert check_data_files(cfg) == []
+    other = check_data_files(load_config("debug", SETS + ["data.kind=directory", f"data.path={prepared}",
+                                                          "data.width=16"]))
+    assert len(other) == 3 and all("latent shape [4, 5, 16, 16] != expected [4, 5, 16, 8]" in p for p in other)
     dataset = build_dataset(cfg)
     assert isinstance(dataset, DirectoryLatents) and len(dataset) == 3
     latent, text = dataset[2]
