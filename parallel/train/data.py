@@ -195,7 +195,8 @@ class DirectoryLatents:
     Latents are [C, T, H, W] (VAE-scaled), text embeddings [S_txt, text_dim]. With a `text_encoder`
     (models.text_encoder.T5TextEncoder) a line may give {"latent": file, "caption": "..."} instead and
     the caption is encoded when the sample is read. Every listed file is checked to exist when the
-    dataset is opened, so a missing one is named before training starts. The unconditional embedding
+    dataset is opened, so a missing one is named before training starts (and `check_shapes`, run by
+    parallel.check before any process group, reads every file's shape). The unconditional embedding
     (caption dropout, guidance) is uncond.safetensors beside the manifest, or the encoder's T5("").
     """
 

@@ -87,3 +87,16 @@ def test_a_missing_file_is_a_problem_not_a_crash(tmp_path):
     (tmp_path / "manifest.jsonl").write_text(json.dumps({"latent": "a.safetensors", "text": "a.pt"}) + "\n")
     assert check_data_files(cfg) == [f"{tmp_path / 'manifest.jsonl'}:1: data file {tmp_path / 'a.safetensors'} "
                                      f"does not exist"]
+
+
+def test_legacy_pt_files_are_read_and_a_damaged_header_is_named(tmp_path):
+    cfg = load_config("debug", ["data.kind=directory", f"data.path={tmp_path}"])
+    write_dataset(tmp_path, cfg, n=2)
+    torch.save(torch.zeros(2, 5), tmp_path / "v1.pt", _use_new_zipfile_serialization=False)   # cannot be mmapped
+    (tmp_path / "v0_text.safetensors").write_bytes(b"garbage")
+    problems = check_data_files(cfg)
+    assert len(problems) == 2
+    assert problems[0].startswith(f"{tmp_path / 'v0_text.safetensors'}: cannot read the text tensor's shape "
+                                  f"(manifest.jsonl:1): ")
+    assert problems[1].startswith(f"{tmp_path / 'v1.pt'}: latent shape [2, 5] != expected [4, 3, 8, 8] "
+                                  f"(manifest.jsonl:2; ")
