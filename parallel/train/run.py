@@ -281,7 +281,7 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
                     checkpoint.save(trainer, ckpt_dir, step + 1, cfg.ckpt.keep, ckpt_layout)
                 except checkpoint.CheckpointError as e:     # raised on every rank: all stop here
                     if is_logger:
-                        print(e, file=sys.stderr, flush=True)
+                        tqdm.write(str(e), file=sys.stderr)     # on a line of its own, under the bar
                     status = 1
                     break
             if interrupted:
