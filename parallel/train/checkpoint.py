@@ -49,7 +49,7 @@ def folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
 
 
-def space_problem(directory: Path, step: int, free: int, failure: str = "") -> tuple[Optional[str], Optional[str]]:
+def space_problem(directory: Path, step: int, free: int, failure: str = "") -> tuple[str | None, str | None]:
     """(error, warning) for saving step{step} into `directory` with `free` bytes free (plus what an
     existing step{step} folder, overwritten, gives back). The size needed is the newest complete
     checkpoint's; without one only a `failure` (the save's own exception) makes an error."""
