@@ -7,6 +7,12 @@ with the EMA, LR schedule, step). After every rank has written its files, rank 0
 towards the `ckpt.keep` newest that are kept. The marker lists every file with its size; a checkpoint
 whose files no longer match (truncated by a full disk, half-copied) is reported by name and the
 previous complete one is used.
+
+Disk space: before each save rank 0 compares the filesystem's free bytes with the newest complete
+checkpoint's size (warning when a second one would not fit, stopping when this one cannot); a save that
+fails anyway (the first one, which has no size to compare with, or a disk filled by someone else) is
+caught on every rank and its partial folder removed. Either way every rank raises `CheckpointError`
+naming the folder, the bytes needed and free, and the checkpoint a rerun resumes from.
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from parallel.units import format_size
+
 MARKER = "complete.json"
 _TAG = re.compile(r"^step(\d+)$")
 
@@ -32,17 +40,84 @@ def complete_steps(directory: Path) -> list[int]:
     return sorted(steps)
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the message says why, with the figures and the way to resume."""
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under `folder` (0 when it does not exist)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
+
+
+def space_problem(directory: Path, step: int, free: int, failure: str = "") -> tuple[str | None, str | None]:
+    """(error, warning) for saving step{step} into `directory` with `free` bytes free (plus what an
+    existing step{step} folder, overwritten, gives back). The size needed is the newest complete
+    checkpoint's; without one only a `failure` (the save's own exception) makes an error."""
+    steps = [s for s in complete_steps(directory) if s != step]
+    last = f"{directory}/step{steps[-1]}" if steps else None
+    needed = folder_bytes(directory / f"step{steps[-1]}") if steps else 0
+    free += folder_bytes(directory / f"step{step}")
+    if not failure and free >= 2 * needed:
+        return None, None
+    figures = f"needs ~{format_size(needed)}, {format_size(free)} free on that filesystem" if needed else \
+        f"{format_size(free)} free on that filesystem"
+    if not failure and free >= needed:
+        return None, (f"warning: {format_size(free)} free under {directory}, room for one more checkpoint of "
+                      f"~{format_size(needed)}; the save after step{step} will stop the run")
+    resume = f"the last complete checkpoint is {last} (resume with the same command once there is space)" \
+        if last else "there is no complete checkpoint yet (a rerun starts over)"
+    verb = f"failed ({failure})" if failure else "stopped"
+    return f"checkpoint save to {directory}/step{step} {verb}: {figures}; {resume}", None
+
+
+def _check_space(directory: Path, step: int) -> None:
+    """Rank 0 decides whether step{step} fits, every rank learns the verdict (so none waits in a collective)."""
+    verdict = [None]
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        error, warning = space_problem(directory, step, shutil.disk_usage(directory).free)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+        verdict = [error]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise CheckpointError(verdict[0])
+
+
+def _write(trainer, directory: Path, step: int) -> None:
+    """trainer.save on every rank; a failure on any rank (a full disk: OSError, or DeepSpeed's
+    RuntimeError from torch.save) is shared so that all ranks stop, and the partial folder is removed."""
+    try:
+        trainer.save(directory, step)
+        mine = None
+    except (OSError, RuntimeError) as e:
+        mine = f"{type(e).__name__}: {e}".strip()
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, mine)
+    failed = next((f for f in failures if f), None)
+    if failed is None:
+        return
+    error = [None]
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory / f"step{step}", ignore_errors=True)
+        error = [space_problem(directory, step, shutil.disk_usage(directory).free, failed[:200])[0]]
+    dist.broadcast_object_list(error, src=0)
+    raise CheckpointError(error[0])
+
+
 def save(trainer, directory: Path, step: int, keep: int, layout: dict) -> None:
-    """Write step{step} on every rank, then publish it (marker + `latest`) and prune, on rank 0.
+    """Check the space, write step{step} on every rank, then publish it (marker + `latest`) and prune, on
+    rank 0. Raises CheckpointError on every rank when it cannot be written.
 
     Pruning keeps the newest `keep` undamaged checkpoints up to this step; damaged ones and ones from a
     later step (a run restarted before them) are left for the user to look at."""
     directory = Path(directory)
     folder = directory / f"step{step}"
+    _check_space(directory, step)
     if dist.get_rank() == 0:            # writing over an earlier step{N}: it is incomplete until re-marked
         (folder / MARKER).unlink(missing_ok=True)
     dist.barrier()
-    trainer.save(directory, step)
+    _write(trainer, directory, step)
     dist.barrier()
     if dist.get_rank() == 0:
         files = {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*")) if f.is_file()}

@@ -152,9 +152,23 @@ def _read_metrics(path: Path) -> list[dict]:
     return records
 
 
+def latest_rows(records: list[dict]) -> list[dict]:
+    """metrics.jsonl's rows as the run finally went, each step once, in step order. A resumed run's first
+    row carries `resumed_from`: rows of earlier runs after that step were lost with their checkpoint and
+    are dropped; a step logged again replaces its earlier row."""
+    by_step: dict[int, dict] = {}
+    for r in records:
+        if "step" not in r:
+            continue
+        if "resumed_from" in r:
+            by_step = {s: row for s, row in by_step.items() if s <= r["resumed_from"]}
+        by_step[r["step"]] = r
+    return [by_step[s] for s in sorted(by_step)]
+
+
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of `key`, sorted by step; a resumed run re-logs steps, and the newest record wins."""
-    by_step = {r["step"]: r[key] for r in records if "step" in r and r.get(key) is not None}
+    """(steps, values) of `key` over latest_rows(records)."""
+    by_step = {r["step"]: r[key] for r in latest_rows(records) if r.get(key) is not None}
     steps = sorted(by_step)
     return steps, [by_step[s] for s in steps]
 

@@ -233,6 +233,8 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
     tokens = layout.global_batch * sequence_tokens(cfg.model, cfg.data)
     losses: list[float] = []
     probe_step = start + 1 if cfg.train.memory_check else -1
+    resumed = {"resumed_from": start} if tag else {}     # on the first row after a resume: readers drop
+    status = 0                                           # the earlier run's rows after that step
     bar = tqdm(total=cfg.train.max_steps, initial=start, disable=not is_logger, dynamic_ncols=True, file=sys.stderr)
     try:
         for step in range(start, cfg.train.max_steps):
@@ -259,7 +261,8 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
                 record = {"step": step + 1, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                           "step_time_s": round(elapsed, 4), "samples_per_s": round(layout.global_batch / elapsed, 3),
                           "tokens_per_s": round(tokens / elapsed, 1), **accelerator.memory_stats(), **val}
-                metrics.write(json.dumps(record) + "\n")
+                metrics.write(json.dumps({**record, **resumed}) + "\n")
+                resumed = {}
                 metrics.flush()
                 if val:
                     buckets = " ".join(f"t{k[10:]}={v:.4f}" for k, v in val.items() if k.startswith("val_loss_t"))
@@ -274,13 +277,19 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
             bar.update()
             last, interrupted = step + 1 == cfg.train.max_steps, stop.requested()
             if last or interrupted or (cfg.ckpt.every and (step + 1) % cfg.ckpt.every == 0):
-                checkpoint.save(trainer, ckpt_dir, step + 1, cfg.ckpt.keep, ckpt_layout)
+                try:
+                    checkpoint.save(trainer, ckpt_dir, step + 1, cfg.ckpt.keep, ckpt_layout)
+                except checkpoint.CheckpointError as e:     # raised on every rank: all stop here
+                    if is_logger:
+                        tqdm.write(str(e), file=sys.stderr)     # on a line of its own, under the bar
+                    status = 1
+                    break
             if interrupted:
                 if is_logger:
                     print(f"stopped by signal after step {step + 1}; checkpoint {ckpt_dir}/step{step + 1}", flush=True)
                 break
         bar.close()
-        if is_logger and len(losses) >= 10:
+        if is_logger and len(losses) >= 10 and status == 0:
             k = min(10, len(losses) // 2)
             first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
             print(f"loss: mean of the first {k} steps {first:.4f} -> last {k} steps {last:.4f} "
@@ -294,4 +303,4 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
-    return 0
+    return status

@@ -1,0 +1,51 @@
+"""train.py under the deepspeed launcher on a checkpoint filesystem too small for a second checkpoint (a
+real tmpfs; CI runs as root): the run stops with the figures and the checkpoint to resume from, the rerun
+after space is freed resumes there, and the metrics read back show each step once."""
+import json
+import os
+import shutil
+import subprocess
+
+from parallel.train.media import latest_rows
+from tests.cli.test_resume_cli import ROOT, clean_env, command, metrics
+
+SIZE_MIB = 6          # the debug model's checkpoint is ~3.7 MiB: the first fits, a second does not
+
+
+def train(out, ckpt_dir):
+    cmd = command(["train.py"], out, 2, ["--set", "parallel.tp_size=1"], "--set", "train.max_steps=6",
+                  "--set", "ckpt.every=3", "--set", f"ckpt.dir={ckpt_dir}")
+    return subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300,
+                          check=False)
+
+
+def test_a_full_disk_stops_with_the_figures_and_the_rerun_resumes(tmp_path):
+    out, ckpt_dir = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    ckpt_dir.mkdir()
+    shutil.copy(os.path.join(ROOT, "ds_configs/zero0_fp32.json"), out / "ds.json")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SIZE_MIB}m", "tmpfs", str(ckpt_dir)], check=True)
+    try:
+        p = train(out, ckpt_dir)
+        assert p.returncode != 0, p.stdout[-2000:]
+        lines = [line for line in p.stderr.splitlines() if line.startswith("checkpoint save to")]
+        assert len(lines) == 1, p.stderr[-4000:]                   # rank 0 says it, once
+        assert lines[0].startswith(f"checkpoint save to {ckpt_dir}/step6 stopped: needs ~3.")
+        assert lines[0].endswith(f"free on that filesystem; the last complete checkpoint is {ckpt_dir}/step3 "
+                                 f"(resume with the same command once there is space)")
+        assert (ckpt_dir / "latest").read_text() == "step3" and not (ckpt_dir / "step6").exists()
+        assert "Traceback" not in p.stderr
+
+        subprocess.run(["mount", "-o", "remount,size=16m", str(ckpt_dir)], check=True)   # space freed
+        p = train(out, ckpt_dir)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+        assert f"resumed from {ckpt_dir}/step3 at step 3" in p.stdout
+        assert (ckpt_dir / "latest").read_text() == "step6"
+    finally:
+        subprocess.run(["umount", str(ckpt_dir)], check=False)
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 4, 5, 6]
+    assert rows[6]["resumed_from"] == 3 and all("resumed_from" not in r for r in rows[:6] + rows[7:])
+    assert [r["step"] for r in latest_rows(rows)] == [1, 2, 3, 4, 5, 6]
+    assert latest_rows(rows)[3:] == rows[6:]
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
