@@ -22,6 +22,7 @@ import errno
 import fcntl
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -140,6 +141,7 @@ def _entry(rank, world_size, rendezvous, fn, args, result_dir):
     path = os.path.join(result_dir, f"rank{rank}.pt")
     try:
         out = fn(rank, world_size, *args)
+        dist.barrier()                  # no rank tears down while a peer may still be talking to it
         torch.save({"ok": True, "value": out}, path)
     except BaseException:
         torch.save({"ok": False, "error": traceback.format_exc()}, path)
@@ -147,6 +149,13 @@ def _entry(rank, world_size, rendezvous, fn, args, result_dir):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Leave without the interpreter's finalisation. A rank that had saved its results was once seen to
+    # die there with SIGABRT ("terminate called without an active exception", in CI): C++ threads of
+    # the process groups DeepSpeed creates are destroyed during interpreter teardown (pytorch#179291).
+    # The results are on disk; nothing after this point can change them.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 300):
@@ -162,13 +171,16 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300):
                         proc.kill()
                     raise AssertionError(f"ranks did not finish within {timeout} s")
         except Exception as e:
-            errors = []
+            errors, finished = [], []
             for r in range(world_size):
                 p = os.path.join(result_dir, f"rank{r}.pt")
                 if os.path.exists(p):
                     res = torch.load(p, weights_only=False)
-                    if not res["ok"]:
+                    if res["ok"]:
+                        finished.append(r)
+                    else:
                         errors.append(f"--- rank {r} ---\n{res['error']}")
-            raise AssertionError("\n".join(errors) or str(e)) from None
+            done = f" (ranks {finished} had saved their results)" if finished else " (no rank had finished)"
+            raise AssertionError("\n".join(errors) or str(e) + done) from None
         return [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False)["value"]
                 for r in range(world_size)]
