@@ -107,10 +107,9 @@ KEYS: dict[str, Key] = {
                        "test_monitor_without_its_package_is_refused"),
     "csv_monitor": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure",
                        "test_ds_json_cli: test_csv_monitor_gets_every_figure_of_metrics_jsonl"),
-    "wandb": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure (WANDB_MODE=offline works "
-                 "offline); refused when enabled and wandb is not installed. The test extra does not install wandb "
-                 "(0.31 pulls 17 packages, OpenTelemetry exporters among them, and runs a service process), so "
-                 "only the refusal is tested", "test_ds_keys: test_monitor_without_its_package_is_refused"),
+    "wandb": Key(HONOURED, "every metrics.jsonl figure, with the step as its x-axis (wandb.define_metric; "
+                 "WANDB_MODE=offline works offline); refused when enabled and wandb is not installed",
+                 "test_ds_json_cli: test_wandb_gets_every_figure_of_metrics_jsonl"),
     "comet": Key(HONOURED, "DeepSpeed's monitor receives every metrics.jsonl figure; refused when enabled and "
                  "comet_ml is not installed", "test_ds_keys: test_monitor_without_its_package_is_refused"),
     "flops_profiler": Key(HONOURED, "passed to DeepSpeed with parallel.pp_size=1: it prints the profile of "

@@ -26,6 +26,7 @@ from parallel.check import Layout
 from parallel.config import ExperimentConfig
 from parallel.train.engine import build_trainer
 from parallel.plan.probe import StepMeasurement, StepProbe
+from parallel.dist.deepspeed_compat import write_monitor_events
 from parallel.dist.replicas import replica_mismatches
 from parallel.dist.seed import seed_all
 from parallel.dist.topology import LaunchEnv, ParallelContext
@@ -270,8 +271,8 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
                     validator.publish()
                 monitor = getattr(trainer.engine, "monitor", None)
                 if monitor is not None and monitor.enabled:
-                    monitor.write_events([(f"{'val' if k.startswith('val_') else 'train'}/{k}", v, step + 1)
-                                          for k, v in record.items() if k != "step" and v is not None])
+                    write_monitor_events(monitor, [(f"{'val' if k.startswith('val_') else 'train'}/{k}", v, step + 1)
+                                                   for k, v in record.items() if k != "step" and v is not None])
             losses.append(result.loss)
             bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{result.lr:.2e}")
             bar.update()

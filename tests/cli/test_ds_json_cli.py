@@ -107,7 +107,7 @@ def test_train_refuses_table_keys_before_any_process_group(tmp_path):
     assert "Traceback" not in p.stderr
 
 
-def _train_with(tmp_path, section: str, value: dict | None = None, steps: int = 3, sets=()):
+def _train_with(tmp_path, section: str, value: dict | None = None, steps: int = 3, sets=(), env=None):
     """train.py, one process, with DeepSpeed's `section` (a monitor, by default writing under tmp_path/section)
     on: the completed process, the metrics.jsonl records and the figures they carry."""
     ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
@@ -116,7 +116,7 @@ def _train_with(tmp_path, section: str, value: dict | None = None, steps: int = 
     out = tmp_path / "run"
     p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"), "--set",
                  f"train.max_steps={steps}", "--set", f"train.output_dir={out}", "--set", "train.memory_check=false",
-                 *(a for s in sets for a in ("--set", s)))
+                 *(a for s in sets for a in ("--set", s)), env_extra=env)
     assert p.returncode == 0, p.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     figures = sorted(k for k in records[0] if k != "step" and records[0][k] is not None)
@@ -151,6 +151,53 @@ def test_tensorboard_gets_every_figure_of_metrics_jsonl(tmp_path):
         assert [e.step for e in scalars] == [1, 2, 3], name
         torch.testing.assert_close(torch.tensor([e.value for e in scalars]),
                                    torch.tensor([r[name] for r in records], dtype=torch.float32), rtol=0, atol=0)
+
+
+def _wandb_history(path) -> list[dict]:
+    """The history rows of an offline wandb run file (`run-<id>.wandb`), as wandb's own reader would see them.
+
+    The file is a LevelDB-style log (wandb 0.31 ships no Python reader): a 7-byte header (":W&B", magic
+    0xBEE1, version 0), then 32 KiB blocks of chunks, each `crc32c (4) | length (2, little-endian) | type (1)`
+    with type 1 = a whole record, 2/3/4 = its first/middle/last part; a block tail under 7 bytes is padding.
+    Each record is a wandb Record protobuf."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, records, parts, pos = path.read_bytes(), [], b"", 7
+    assert data[:4] == b":W&B", path
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:                         # block padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        parts, pos = parts + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            records.append(parts)
+            parts = b""
+    rows = []
+    for raw in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})
+    return rows
+
+
+def test_wandb_gets_every_figure_of_metrics_jsonl(tmp_path):
+    """wandb offline (WANDB_MODE=offline), its run file read back: every figure of every step, with the step as
+    its x-axis ("step"), equal to metrics.jsonl's (JSON both ways: exact). wandb drops a log whose step is below
+    the last it saw, and DeepSpeed logs Train/Samples/lr at the samples seen (4, 8, 12): figures logged at
+    steps 1, 2, 3 would all be lost (parallel/dist/deepspeed_compat.write_monitor_events)."""
+    p, records, figures = _train_with(tmp_path, "wandb", {"enabled": True, "project": "vdp"},
+                                      env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
+    assert "Steps must be monotonically increasing" not in p.stdout + p.stderr
+    [run] = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    rows = [row for row in _wandb_history(run) if "train/loss" in row]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    for name in figures:
+        assert [row[f"train/{name}"] for row in rows] == [r[name] for r in records], name
+    samples = [row["Train/Samples/lr"] for row in _wandb_history(run) if "Train/Samples/lr" in row]
+    assert samples[:-1] == pytest.approx([r["lr"] for r in records][1:], rel=1e-12)
 
 
 def test_flops_profiler_prints_its_profile_at_pp1(tmp_path):

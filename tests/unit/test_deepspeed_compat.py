@@ -284,3 +284,14 @@ def test_zero3_parameter_attributes_and_allreduce_size():
     from parallel.plan.memory import ENGINE_ALLREDUCE_BUCKET
     relies("(read) plan/memory.py", "engine.MEMORY_OPT_ALLREDUCE_SIZE", MEMORY_OPT_ALLREDUCE_SIZE ==
            ENGINE_ALLREDUCE_BUCKET, f"{MEMORY_OPT_ALLREDUCE_SIZE} != ENGINE_ALLREDUCE_BUCKET")
+
+
+def test_monitor_events_rely_on_monitor_master_attributes():
+    from deepspeed.monitor import monitor, wandb as wandb_monitor
+    p = "write_monitor_events"
+    master = source(monitor.MonitorMaster)
+    for attr in compat.MONITORS:
+        relies(p, f"MonitorMaster.{attr}", f"self.{attr} = None" in master and f"self.{attr}.write_events" in master,
+               "no longer set to None or a monitor with write_events")
+    relies(p, "WandbMonitor.__init__", "dist.get_rank() == 0:\n            wandb.init(" in source(wandb_monitor.WandbMonitor),
+           "wandb.init is no longer called on rank 0 only")
