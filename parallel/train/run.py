@@ -26,7 +26,7 @@ from parallel.check import Layout
 from parallel.config import ExperimentConfig
 from parallel.train.engine import build_trainer
 from parallel.plan.probe import StepMeasurement, StepProbe
-from parallel.dist.deepspeed_compat import write_monitor_events
+from parallel.dist.deepspeed_compat import unlink_shm_buffer, write_monitor_events
 from parallel.dist.replicas import replica_mismatches
 from parallel.dist.seed import seed_all
 from parallel.dist.topology import LaunchEnv, ParallelContext
@@ -165,6 +165,8 @@ def init_process_groups(timeout_s: int) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
     deepspeed.init_distributed(dist_backend=accelerator.backend(), timeout=timeout)
+    dist.barrier()                  # every rank has mapped its peers' shared-memory buffers: drop the names
+    unlink_shm_buffer()
 
 
 def start_engine(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv, init_from: bool = True):

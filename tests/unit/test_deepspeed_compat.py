@@ -2,6 +2,7 @@
 still there and still used as the patch assumes (each failure names the patch and the DeepSpeed symbol),
 and each patch does what it says. One process, no process group."""
 import inspect
+import os
 import pickle
 import types
 import warnings
@@ -295,3 +296,17 @@ def test_monitor_events_rely_on_monitor_master_attributes():
                "no longer set to None or a monitor with write_events")
     relies(p, "WandbMonitor.__init__", "dist.get_rank() == 0:\n            wandb.init(" in source(wandb_monitor.WandbMonitor),
            "wandb.init is no longer called on rank 0 only")
+
+
+def test_shm_buffer_name_is_the_one_deepspeed_creates():
+    p = "unlink_shm_buffer"
+    comm = os.path.join(os.path.dirname(deepspeed.__file__), "ops", "csrc", "cpu", "comm")
+    shm, interface = (open(os.path.join(comm, f)).read() for f in ("shm.cpp", "shm_interface.cpp"))
+    prefix = compat.SHM_BUFFER.split("/")[-1].split("_{uid}")[0]
+    relies(p, "shm.cpp SHM_BUFFER_NAME", f'#define SHM_BUFFER_NAME "{prefix}"' in shm, "the name changed")
+    relies(p, "shm.cpp shm_initialize's names", '"%s_%d_%s_%s",\n             SHM_BUFFER_NAME,\n             getuid(),\n'
+           "             addr_string,\n             port_string);" in shm and
+           'snprintf(shm_name, NAME_BUF_SIZE, "%s_%d", shm_name_prefix, rank);' in shm, "the name's parts changed")
+    relies(p, "shm_interface.cpp initialize", all(f'getenv("{v}")' in interface for v in
+                                                  ("LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")),
+           "it no longer reads LOCAL_SIZE, MASTER_ADDR and MASTER_PORT")
