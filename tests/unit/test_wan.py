@@ -1,0 +1,99 @@
+"""The Wan 2.1 family against diffusers' WanTransformer3DModel, in one process: a tiny random release (`released`
+fixture, written by `save_pretrained` in several shards) loaded into the toolkit predicts what diffusers
+predicts; the presets count diffusers' parameters; wrong configs and folders are refused by key. Every
+(tp, pp) layout, sp, the exports and training equivalence: tests/distributed/test_wan_layouts.py.
+"""
+import json
+
+import pytest
+import torch
+from diffusers import WanTransformer3DModel
+
+from models.__main__ import summary
+from parallel.build import layer_specs
+from parallel.config import load_config
+from parallel.dist.pipeline import SequentialDiT
+from parallel.dist.topology import ParallelContext
+from parallel.weights.diffusers import INDEX_NAME, check_released, load_released
+
+B, FRAMES, HEIGHT, WIDTH = 2, 3, 8, 12            # latents [2, 4, 3, 8, 12] -> 3 x 4 x 6 = 72 video tokens
+DIFFUSERS_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4,
+                      out_channels=4, text_dim=32, freq_dim=32, ffn_dim=96, num_layers=2)
+
+
+def overrides(folder) -> list[str]:
+    """debug-wan at 2 blocks and a non-square grid (rows and columns rotate by different channels)."""
+    return ["model.num_layers=2", f"data.width={WIDTH * 8}", f"model.init_from={folder}"]
+
+
+def released_model() -> WanTransformer3DModel:
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**DIFFUSERS_TINY).eval()
+    with torch.no_grad():              # every tensor non-trivial: norm weights and biases too
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    """(folder, diffusers model): a sharded save_pretrained folder with its index."""
+    folder = tmp_path_factory.mktemp("wan")
+    model = released_model()
+    model.save_pretrained(folder, max_shard_size="100KB")
+    assert (folder / INDEX_NAME).is_file()
+    return folder, model
+
+
+def inputs():
+    g = torch.Generator().manual_seed(7)
+    return (torch.randn(B, 4, FRAMES, HEIGHT, WIDTH, generator=g), torch.tensor([3.0, 811.0]),
+            torch.randn(B, 8, 32, generator=g))
+
+
+def diffusers_forward(model, latents, timesteps, text) -> torch.Tensor:
+    with torch.no_grad():
+        return model(hidden_states=latents, timestep=timesteps, encoder_hidden_states=text).sample
+
+
+def test_forward_equals_diffusers(released):
+    folder, model = released
+    cfg = load_config("debug-wan", overrides(folder))
+    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
+    read = load_released(ours, ParallelContext.single(), cfg.model, folder)
+    assert read == sum(p.numel() for p in model.parameters())
+    with torch.no_grad():
+        out = ours.predict(inputs())
+    torch.testing.assert_close(out, diffusers_forward(model, *inputs()))
+
+
+@pytest.mark.parametrize("preset, heads, ffn, layers", [("wan2.1-t2v-1.3b", 12, 8960, 30),
+                                                        ("wan2.1-t2v-14b", 40, 13824, 40)])
+def test_presets_count_the_parameters_diffusers_builds(preset, heads, ffn, layers):
+    with torch.device("meta"):
+        reference = WanTransformer3DModel(num_attention_heads=heads, attention_head_dim=128, ffn_dim=ffn,
+                                          num_layers=layers)
+    want = sum(p.numel() for p in reference.parameters())
+    assert f"parameters: {want}" in summary(load_config(preset)).splitlines()
+
+
+def test_wrong_config_is_refused_by_key(released, tmp_path):
+    folder, _ = released
+    cfg = load_config("debug-wan", overrides(folder) + ["model.ffn_hidden_size=128", "model.time_embed_dim=16"])
+    config = folder / "config.json"
+    assert check_released(cfg.model, folder) == [
+        f"{config}: ffn_dim 96 != model.ffn_hidden_size 128; set --set model.ffn_hidden_size=96 or use the matching "
+        f"preset",
+        f"{config}: freq_dim 32 != model.time_embed_dim 16; set --set model.time_embed_dim=32 or use the matching "
+        f"preset"]
+    # An image-to-video transformer (added K/V projections) is not this model: refused by its key.
+    i2v = tmp_path / "i2v"
+    i2v.mkdir()
+    (i2v / "config.json").write_text(json.dumps({**json.loads(config.read_text()), "added_kv_proj_dim": 1280,
+                                                 "patch_size": [1, 4, 4]}))
+    problems = check_released(load_config("debug-wan", overrides(i2v)).model, i2v)
+    assert problems == [
+        f"{i2v / 'config.json'}: patch_size [1, 4, 4] != (model.patch_size_t, model.patch_size) [1, 2, 2]; set "
+        f"--set model.patch_size_t=1 --set model.patch_size=4",
+        f"{i2v / 'config.json'}: added_kv_proj_dim 1280 is not supported (the toolkit's Wan model has null; Wan 2.1 "
+        f"text-to-video transformers, 1.3B and 14B, qualify)"]
