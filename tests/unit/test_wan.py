@@ -97,3 +97,53 @@ def test_wrong_config_is_refused_by_key(released, tmp_path):
         f"--set model.patch_size_t=1 --set model.patch_size=4",
         f"{i2v / 'config.json'}: added_kv_proj_dim 1280 is not supported (the toolkit's Wan model has null; Wan 2.1 "
         f"text-to-video transformers, 1.3B and 14B, qualify)"]
+
+
+def test_training_noise_levels_are_the_schedulers():
+    """Integer timestep t trains at FlowMatchEulerDiscreteScheduler(shift)'s training sigma for r = t / 1000, and
+    the model sees that scheduler's (fractional) timestep, bit for bit."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from models.diffusion import Objective
+    cfg = load_config("debug-wan")
+    objective, scheduler = Objective.of(cfg.model), FlowMatchEulerDiscreteScheduler(shift=cfg.model.schedule.shift)
+    assert cfg.model.objective == "flow_matching" and cfg.model.schedule.shift == 3.0
+    t = torch.arange(1, 1000)
+    assert torch.equal(objective.flow_sigmas(t), scheduler.sigmas[1000 - t])
+    assert torch.equal(objective.model_timesteps(t), scheduler.timesteps[1000 - t])
+    x0, noise = torch.randn(2, 4, 3, 8, 8), torch.randn(2, 4, 3, 8, 8)
+    x_t, target = objective.noised(x0, noise, torch.tensor([250, 900]))
+    sigma = scheduler.sigmas[[750, 100]].view(-1, 1, 1, 1, 1)
+    torch.testing.assert_close(x_t, (1 - sigma) * x0 + sigma * noise, rtol=0, atol=0)
+    assert torch.equal(target, noise - x0)
+
+
+def test_sampling_equals_the_pipeline(released):
+    """flow_euler with classifier-free guidance gives WanPipeline(..., output_type="latent")'s latents with
+    FlowMatchEulerDiscreteScheduler(shift=model.schedule.shift), from the same starting noise."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    from models.diffusion import Objective
+    from models.sampling import sample
+    folder, model = released
+    cfg = load_config("debug-wan", overrides(folder))
+    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
+    load_released(ours, ParallelContext.single(), cfg.model, folder)
+    g = torch.Generator().manual_seed(11)
+    noise, text, negative = (torch.randn(1, 4, FRAMES, HEIGHT, WIDTH, generator=g), torch.randn(1, 8, 32, generator=g),
+                             torch.randn(1, 8, 32, generator=g))
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=model,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=cfg.model.schedule.shift))
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(prompt_embeds=text, negative_prompt_embeds=negative, latents=noise.clone(), height=HEIGHT * 8,
+                width=WIDTH * 8, num_frames=(FRAMES - 1) * 4 + 1, num_inference_steps=3, guidance_scale=2.0,
+                output_type="latent").frames
+    seen = []
+
+    def predict(x, t, conditional):
+        seen.append(t)
+        with torch.no_grad():
+            return ours.predict((x, t, text if conditional else negative))
+    got = sample(predict, noise, Objective.of(cfg.model), 3, cfg.val.sampler, 2.0)
+    torch.testing.assert_close(got, want)
+    assert [float(t[0]) for t in seen[::2]] == pipe.scheduler.timesteps.tolist()
