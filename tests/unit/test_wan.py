@@ -147,3 +147,24 @@ def test_sampling_equals_the_pipeline(released):
     got = sample(predict, noise, Objective.of(cfg.model), 3, cfg.val.sampler, 2.0)
     torch.testing.assert_close(got, want)
     assert [float(t[0]) for t in seen[::2]] == pipe.scheduler.timesteps.tolist()
+
+
+def test_a_pipelines_flow_scheduler_is_checked_by_objective(released, tmp_path):
+    """A release's transformer/ beside its scheduler/ (UniPC with flow sigmas): fits flow_matching, whatever its
+    flow_shift; refused by key for v_prediction."""
+    import shutil
+
+    from diffusers import UniPCMultistepScheduler
+
+    from parallel.weights.scheduler import check_scheduler
+    folder, _ = released
+    shutil.copytree(folder, tmp_path / "transformer")
+    UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0).save_pretrained(
+        tmp_path / "scheduler")
+    transformer = tmp_path / "transformer"
+    assert check_released(load_config("debug-wan", overrides(transformer)).model, transformer) == []
+    assert check_scheduler(load_config("debug-wan", overrides(transformer)).model, transformer) == []
+    wrong = load_config("debug-wan", overrides(transformer) + ["model.objective=v_prediction"]).model
+    assert check_scheduler(wrong, transformer) == [
+        f"{tmp_path / 'scheduler' / 'scheduler_config.json'}: a flow-matching scheduler (UniPCMultistepScheduler) != "
+        f"model.objective v_prediction; set --set model.objective=flow_matching or use the matching preset"]
