@@ -16,9 +16,9 @@
                             arithmetic: r = linspace(1, k_min, steps) with k_min the shifted 1/1000, s = k r / (1 +
                             (k - 1) r) (diffusers shifts r twice at the low end: its k_min is already shifted), then 0;
                             the model sees the fractional timestep 1000 s; x <- x + (s_next - s) u. Wan 2.1's release
-                            samples with UniPCMultistepScheduler (flow sigmas, the same shift), a second-order
-                            predictor-corrector; this first-order sampler integrates the same flow on the same shifted
-                            noise levels (docs/models.md says why it is used here).
+                            samples with `unipc`.
+    unipc  (flow_matching)  UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                            flow_shift=model.schedule.shift), Wan 2.1's release sampler: models/unipc.py.
 
 Classifier-free guidance mixes the two predictions as u + g (c - u) (c conditional, u unconditional);
 with g = 1 only the conditional call is made. CogVideoXPipeline's use_dynamic_cfg (with g > 1) replaces g at
@@ -34,11 +34,12 @@ import numpy as np
 import torch
 
 from models.diffusion import NUM_TRAIN_TIMESTEPS, Objective
+from models.unipc import unipc_sample, unipc_schedule
 
 # predict(x_t [B, C, T, H, W], t [B] int64 (float32: flow_euler), conditional) -> v (v_prediction) or u (flow_matching)
 Predictor = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
-SAMPLERS = {"v_prediction": ("ddim", "dpm"), "flow_matching": ("euler", "flow_euler")}   # the first is the default
+SAMPLERS = {"v_prediction": ("ddim", "dpm"), "flow_matching": ("euler", "flow_euler", "unipc")}   # the first is the default
 
 
 def check_sampler(objective_kind: str, sampler: str | None) -> str:
@@ -94,6 +95,8 @@ def sampling_timesteps(objective_kind: str, steps: int, sampler: str | None = No
         return ddpm_timesteps(steps, spacing)
     if sampler == "flow_euler":
         return (flow_match_sigmas(steps, shift)[:-1] * NUM_TRAIN_TIMESTEPS).tolist()
+    if sampler == "unipc":
+        return unipc_schedule(steps, shift)[1]
     n = NUM_TRAIN_TIMESTEPS
     return [min(n - 1, round(s * n)) for s in _flow_sigmas(steps)[:-1]]
 
@@ -163,6 +166,8 @@ def sample(predict: Predictor, noise: torch.Tensor, objective: Objective, steps:
     spacing = objective.schedule.timestep_spacing
     timesteps = sampling_timesteps(objective.kind, steps, sampler, spacing)
     x = noise.float()
+    if sampler == "unipc":
+        return unipc_sample(lambda x_, t: _guided(predict, x_, t, guidance_scale), x, steps, objective.schedule.shift)
     if sampler == "flow_euler":
         sigmas = flow_match_sigmas(steps, objective.schedule.shift)
         for i in range(steps):

@@ -118,10 +118,12 @@ def test_training_noise_levels_are_the_schedulers():
     assert torch.equal(target, noise - x0)
 
 
-def test_sampling_equals_the_pipeline(released):
-    """flow_euler with classifier-free guidance gives WanPipeline(..., output_type="latent")'s latents with
-    FlowMatchEulerDiscreteScheduler(shift=model.schedule.shift), from the same starting noise."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+@pytest.mark.parametrize("sampler", ["unipc", "flow_euler"])
+def test_sampling_equals_the_pipeline(released, sampler):
+    """With classifier-free guidance, 4 steps from the same noise: unipc gives WanPipeline(..., output_type="latent")'s
+    latents with the release's UniPCMultistepScheduler (flow sigmas, flow_shift = model.schedule.shift: both solver
+    orders, the corrector and the lower-order last step), flow_euler with FlowMatchEulerDiscreteScheduler(shift)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler, WanPipeline
 
     from models.diffusion import Objective
     from models.sampling import sample
@@ -132,11 +134,13 @@ def test_sampling_equals_the_pipeline(released):
     g = torch.Generator().manual_seed(11)
     noise, text, negative = (torch.randn(1, 4, FRAMES, HEIGHT, WIDTH, generator=g), torch.randn(1, 8, 32, generator=g),
                              torch.randn(1, 8, 32, generator=g))
-    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=model,
-                       scheduler=FlowMatchEulerDiscreteScheduler(shift=cfg.model.schedule.shift))
+    shift = cfg.model.schedule.shift
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift) \
+        if sampler == "unipc" else FlowMatchEulerDiscreteScheduler(shift=shift)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=model, scheduler=scheduler)
     pipe.set_progress_bar_config(disable=True)
     want = pipe(prompt_embeds=text, negative_prompt_embeds=negative, latents=noise.clone(), height=HEIGHT * 8,
-                width=WIDTH * 8, num_frames=(FRAMES - 1) * 4 + 1, num_inference_steps=3, guidance_scale=2.0,
+                width=WIDTH * 8, num_frames=(FRAMES - 1) * 4 + 1, num_inference_steps=4, guidance_scale=2.0,
                 output_type="latent").frames
     seen = []
 
@@ -144,7 +148,7 @@ def test_sampling_equals_the_pipeline(released):
         seen.append(t)
         with torch.no_grad():
             return ours.predict((x, t, text if conditional else negative))
-    got = sample(predict, noise, Objective.of(cfg.model), 3, cfg.val.sampler, 2.0)
+    got = sample(predict, noise, Objective.of(cfg.model), 4, sampler, 2.0)
     torch.testing.assert_close(got, want)
     assert [float(t[0]) for t in seen[::2]] == pipe.scheduler.timesteps.tolist()
 
