@@ -17,7 +17,7 @@ class Section(BaseModel):
 
 
 class NoiseSchedule(Section):
-    """The DDPM noise schedule of v_prediction, under the names of diffusers' scheduler_config.json (CogVideoX's
+    """The noise schedule: `shift` for flow_matching; the rest is the DDPM noise schedule of v_prediction, under the names of diffusers' scheduler_config.json (CogVideoX's
     CogVideoXDDIMScheduler / CogVideoXDPMScheduler); its prediction_type is model.objective. Defaults are 5B's;
     CogVideoX-2B sets snr_shift_scale 3.0 (SAT: ZeroSNRDDPMDiscretization shift_scale 3.0)."""
 
@@ -30,6 +30,9 @@ class NoiseSchedule(Section):
     rescale_betas_zero_snr: bool = Field(True, description="rescale sqrt(alphas_cumprod) to reach 0 at t = 999")
     timestep_spacing: Literal["trailing", "leading", "linspace"] = Field("trailing", description="sampling timesteps "
                                                                          "(ddim and dpm), as diffusers spaces them")
+    shift: float = Field(1.0, gt=0, description="flow_matching's timestep shift: noise level sigma = shift s / "
+                         "(1 + (shift - 1) s) at s = t / 1000 (diffusers' shift / flow_shift; Wan 2.1: 3.0 at 480p, "
+                         "5.0 at 720p)")
 
 
 class ModelConfig(Section):

@@ -3,7 +3,10 @@
 Both turn a clean latent x0, noise e and a timestep into (model input x_t, regression target):
 
     v-prediction   x_t = sqrt(a_t) x0 + sqrt(1 - a_t) e,   target v = sqrt(a_t) e - sqrt(1 - a_t) x0
-    flow matching  x_t = (1 - s) x0 + s e  (s = t / T),     target u = e - x0
+    flow matching  x_t = (1 - s) x0 + s e,                  target u = e - x0
+                   s = k r / (1 + (k - 1) r) at r = t / T (k = model.schedule.shift: 1 is no shift, Wan 2.1 3 or 5);
+                   the model is conditioned on T s (`model_timesteps`), fractional when k != 1, as
+                   FlowMatchEulerDiscreteScheduler gives it
 
 The DDPM schedule is the release's, as diffusers' CogVideoXDDIMScheduler builds it from the
 scheduler_config.json keys of `model.schedule` (models/config.py NoiseSchedule): scaled-linear betas from
@@ -63,8 +66,20 @@ class Objective:
         if self.kind == "v_prediction":
             a = self.alphas_cumprod.to(x0.device)[t].view(shape)
             return a.sqrt() * x0 + (1 - a).sqrt() * noise, a.sqrt() * noise - (1 - a).sqrt() * x0
-        s = (t.float() / NUM_TRAIN_TIMESTEPS).view(shape)
+        s = self.flow_sigmas(t).view(shape)
         return (1 - s) * x0 + s * noise, noise - x0
+
+    def flow_sigmas(self, t: torch.Tensor) -> torch.Tensor:
+        """flow_matching's noise level of integer timesteps t [B]: r = t / 1000, shifted (fp32)."""
+        r, k = t.float() / NUM_TRAIN_TIMESTEPS, self.schedule.shift
+        return r if k == 1 else k * r / (1 + (k - 1) * r)
+
+    def model_timesteps(self, t: torch.Tensor) -> torch.Tensor:
+        """The timestep the model sees for integer timesteps t [B]: t itself, but 1000 sigma under a shifted flow
+        schedule (the model learns the noise level it is sampled at)."""
+        if self.kind == "flow_matching" and self.schedule.shift != 1:
+            return self.flow_sigmas(t) * NUM_TRAIN_TIMESTEPS
+        return t
 
 
 def mse_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,14 @@
                             D = (1 + 1/2r) x0 - 1/2r x0_last otherwise (r = h_last / h); z ~ N(0, 1) drawn from the
                             caller's generator in diffusers' [B, T, C, H, W] order, so a generator gives the pipeline's.
     euler  (flow_matching)  s goes 1 -> 0 in `steps` equal steps: x <- x + (s_next - s) u. The model sees the
-                            integer timestep min(999, round(s * 1000)); the update uses the exact s.
+                            integer timestep min(999, round(s * 1000)); the update uses the exact s. No shift.
+    flow_euler (flow_matching)  FlowMatchEulerDiscreteScheduler(shift=k, k = model.schedule.shift), its float32
+                            arithmetic: r = linspace(1, k_min, steps) with k_min the shifted 1/1000, s = k r / (1 +
+                            (k - 1) r) (diffusers shifts r twice at the low end: its k_min is already shifted), then 0;
+                            the model sees the fractional timestep 1000 s; x <- x + (s_next - s) u. Wan 2.1's release
+                            samples with `unipc`.
+    unipc  (flow_matching)  UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                            flow_shift=model.schedule.shift), Wan 2.1's release sampler: models/unipc.py.
 
 Classifier-free guidance mixes the two predictions as u + g (c - u) (c conditional, u unconditional);
 with g = 1 only the conditional call is made. CogVideoXPipeline's use_dynamic_cfg (with g > 1) replaces g at
@@ -27,11 +34,12 @@ import numpy as np
 import torch
 
 from models.diffusion import NUM_TRAIN_TIMESTEPS, Objective
+from models.unipc import unipc_sample, unipc_schedule
 
-# predict(x_t [B, C, T, H, W], t [B] int64, conditional) -> v (v_prediction) or u (flow_matching)
+# predict(x_t [B, C, T, H, W], t [B] int64 (float32: flow_euler), conditional) -> v (v_prediction) or u (flow_matching)
 Predictor = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
-SAMPLERS = {"v_prediction": ("ddim", "dpm"), "flow_matching": ("euler",)}   # the first is the default
+SAMPLERS = {"v_prediction": ("ddim", "dpm"), "flow_matching": ("euler", "flow_euler", "unipc")}   # the first is the default
 
 
 def check_sampler(objective_kind: str, sampler: str | None) -> str:
@@ -55,6 +63,16 @@ def _flow_sigmas(steps: int) -> list[float]:
     return [1.0 - i / steps for i in range(steps)] + [0.0]
 
 
+def flow_match_sigmas(steps: int, shift: float) -> torch.Tensor:
+    """FlowMatchEulerDiscreteScheduler(shift=shift).set_timesteps(steps).sigmas: [steps + 1] float32, ending at 0."""
+    n, k = NUM_TRAIN_TIMESTEPS, shift
+    train = torch.from_numpy(np.linspace(1, n, n, dtype=np.float32)[::-1].copy()) / n
+    train = k * train / (1 + (k - 1) * train)                    # the training sigmas, float32
+    r = np.linspace(train[0].item() * n, train[-1].item() * n, steps) / n
+    s = torch.from_numpy(k * r / (1 + (k - 1) * r)).float()
+    return torch.cat([s, torch.zeros(1)])
+
+
 def ddpm_timesteps(steps: int, spacing: str = "trailing") -> list[int]:
     """diffusers' set_timesteps of the CogVideoX schedulers (steps_offset 0), in its numpy arithmetic."""
     n = NUM_TRAIN_TIMESTEPS
@@ -68,13 +86,17 @@ def ddpm_timesteps(steps: int, spacing: str = "trailing") -> list[int]:
 
 
 def sampling_timesteps(objective_kind: str, steps: int, sampler: str | None = None,
-                       spacing: str = "trailing") -> list[int]:
-    """The integer timesteps the model is called with, in order (one per step)."""
+                       spacing: str = "trailing", shift: float = 1.0) -> list:
+    """The timesteps the model is called with, in order (one per step): integers, floats for flow_euler."""
     sampler = check_sampler(objective_kind, sampler)
     if not 1 <= steps <= NUM_TRAIN_TIMESTEPS:
         raise ValueError(f"steps must be in [1, {NUM_TRAIN_TIMESTEPS}], got {steps}")
     if sampler in ("ddim", "dpm"):
         return ddpm_timesteps(steps, spacing)
+    if sampler == "flow_euler":
+        return (flow_match_sigmas(steps, shift)[:-1] * NUM_TRAIN_TIMESTEPS).tolist()
+    if sampler == "unipc":
+        return unipc_schedule(steps, shift)[1]
     n = NUM_TRAIN_TIMESTEPS
     return [min(n - 1, round(s * n)) for s in _flow_sigmas(steps)[:-1]]
 
@@ -86,8 +108,10 @@ def guidance_at(guidance_scale: float, t: int, steps: int, use_dynamic_cfg: bool
     return 1 + guidance_scale * (1 - math.cos(math.pi * ((steps - t) / steps) ** 5.0)) / 2
 
 
-def _guided(predict: Predictor, x: torch.Tensor, t: int, guidance_scale: float) -> torch.Tensor:
-    tt = torch.full((x.shape[0],), t, dtype=torch.long, device=x.device)
+def _guided(predict: Predictor, x: torch.Tensor, t, guidance_scale: float) -> torch.Tensor:
+    """t: an int timestep, or a 0-dim float32 tensor (flow_euler's fractional ones)."""
+    tt = torch.full((x.shape[0],), t, dtype=torch.long, device=x.device) if isinstance(t, int) \
+        else t.to(x.device).expand(x.shape[0])
     c = predict(x, tt, True).float()
     if guidance_scale == 1.0:
         return c
@@ -142,6 +166,13 @@ def sample(predict: Predictor, noise: torch.Tensor, objective: Objective, steps:
     spacing = objective.schedule.timestep_spacing
     timesteps = sampling_timesteps(objective.kind, steps, sampler, spacing)
     x = noise.float()
+    if sampler == "unipc":
+        return unipc_sample(lambda x_, t: _guided(predict, x_, t, guidance_scale), x, steps, objective.schedule.shift)
+    if sampler == "flow_euler":
+        sigmas = flow_match_sigmas(steps, objective.schedule.shift)
+        for i in range(steps):
+            x = x + (sigmas[i + 1] - sigmas[i]) * _guided(predict, x, sigmas[i] * NUM_TRAIN_TIMESTEPS, guidance_scale)
+        return x
     if sampler == "euler":
         sigmas = _flow_sigmas(steps)
         for i, t in enumerate(timesteps):

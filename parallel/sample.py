@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "default: drawn per prompt from (--seed, i)")
     ap.add_argument("--steps", type=int, default=None, help="sampling steps; default val.sample_steps")
     ap.add_argument("--guidance", type=float, default=None, help="guidance scale; default val.guidance_scale")
-    ap.add_argument("--sampler", choices=["ddim", "dpm", "euler"], default=None, help="default val.sampler")
+    ap.add_argument("--sampler", choices=["ddim", "dpm", "euler", "flow_euler", "unipc"], default=None, help="default val.sampler")
     ap.add_argument("--seed", type=int, default=None, help="noise seed; default train.seed")
     ap.add_argument("--ema", action="store_true", help="a checkpoint's EMA weights instead of its weights")
     ap.add_argument("--vae", default=None, help="decoder for the videos (CogVideoX VAE folder); default val.decoder")

@@ -268,7 +268,7 @@ class DiffusionBatches:
             x0s.append(x0)
             texts.append(text)
         x_t, target = self.objective.noised(torch.stack(x0s), torch.stack(noises), torch.cat(ts))
-        return (x_t, torch.cat(ts), torch.stack(texts)), target
+        return (x_t, self.objective.model_timesteps(torch.cat(ts)), torch.stack(texts)), target
 
     def __iter__(self):
         return self

@@ -146,7 +146,7 @@ def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: E
             t = torch.tensor(ts[a:a + chunk])
             x0s = x0.expand(len(t), *x0.shape)
             x_t, target = objective.noised(x0s, noise[a:a + chunk], t)
-            prediction = forward.predict((x_t, t, text.expand(len(t), *text.shape)), target)
+            prediction = forward.predict((x_t, objective.model_timesteps(t), text.expand(len(t), *text.shape)), target)
             err = (prediction.cpu() - target.float()) ** 2
             losses += err.flatten(1).mean(1).tolist()
         if counts:

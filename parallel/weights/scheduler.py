@@ -4,6 +4,10 @@
 it, every key of its scheduler_config.json that shapes the schedule or the sampler must equal the
 experiment's (models/config.py NoiseSchedule; prediction_type is model.objective), so fine-tuning uses the
 release's schedule. Keys absent from the file take the CogVideoX schedulers' defaults, as diffusers does.
+
+A flow-matching scheduler (`prediction_type: flow_prediction`, `use_flow_sigmas`, or a FlowMatch* class: Wan 2.1's
+UniPCMultistepScheduler) has no DDPM schedule: it needs model.objective flow_matching, nothing more. Its
+flow_shift is the sampler's suggestion, not checked: the releases ship 3.0 and recommend 5.0 at 720p.
 """
 from __future__ import annotations
 
@@ -36,6 +40,11 @@ def _want(value) -> str:
     return value if isinstance(value, str) else _show(value)
 
 
+def _is_flow(config: dict) -> bool:
+    return config.get("prediction_type") == "flow_prediction" or bool(config.get("use_flow_sigmas")) or \
+        "FlowMatch" in str(config.get("_class_name", ""))
+
+
 def check_scheduler(m: ModelConfig, init_from: str | Path) -> list[str]:
     """Every schedule key of the sibling scheduler_config.json that disagrees with the model section, named;
     nothing when there is no such file (a bare transformer folder)."""
@@ -46,6 +55,10 @@ def check_scheduler(m: ModelConfig, init_from: str | Path) -> list[str]:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         return [f"{path}:{e.lineno}:{e.colno}: malformed JSON: {e.msg}"]
+    if _is_flow(config):
+        return [] if m.objective == "flow_matching" else [
+            f"{path}: a flow-matching scheduler ({config.get('_class_name', '?')}) != model.objective {m.objective}; "
+            f"set --set model.objective=flow_matching or use the matching preset"]
     theirs = {**DEFAULTS, **config}
     problems = []
     if theirs["prediction_type"] != m.objective:

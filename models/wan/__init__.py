@@ -1,0 +1,30 @@
+"""Wan 2.1 text-to-video (1.3B, 14B): self-attention with 3D rotary positions, cross-attention to UMT5."""
+from __future__ import annotations
+
+import math
+
+from models.spec import FamilySpec
+from models.wan.config import WanConfig
+from models.wan.model import EmbedStage, FinalStage, WanBlock
+from models.wan.released import DIFFUSERS
+
+
+def attention_pairs(m: WanConfig, grid: tuple[int, int, int]) -> int:
+    """Self-attention S^2 + cross-attention S L (S = t h w video tokens, L text tokens)."""
+    s = math.prod(grid)
+    return s * s + s * m.max_text_len
+
+
+SPEC = FamilySpec(
+    name="wan",
+    config=WanConfig,
+    embed=EmbedStage,
+    layer=WanBlock,
+    final=FinalStage,
+    text_in_sequence=False,
+    row_parallel_per_layer=3,                # self-attention, cross-attention and FFN outputs
+    attentions_per_layer=1,
+    attention_pairs=attention_pairs,
+    describe_layers=lambda m: f"{m.num_layers} blocks",
+    released=DIFFUSERS,
+)

@@ -1,0 +1,126 @@
+"""Wan 2.1 as diffusers publishes it (`WanTransformer3DModel`): config translation and tensor names.
+
+    toolkit                         diffusers
+    embed.patch_embedding           patch_embedding (Conv3d [H, C, pt, p, p] = our Linear [H, (C pt p q)], reshaped)
+    embed.time_linear_{1,2}         condition_embedder.time_embedder.linear_{1,2}
+    embed.time_proj                 condition_embedder.time_proj
+    embed.text_linear_{1,2}         condition_embedder.text_embedder.linear_{1,2}
+    blocks.i.scale_shift_table      blocks.i.scale_shift_table ([6, H] = [1, 6, H])
+    blocks.i.attn1.to_qkv           blocks.i.attn1.to_{q,k,v} (fused: rows [q; k; v])
+    blocks.i.attn{1,2}.norm_{q,k}   blocks.i.attn{1,2}.norm_{q,k} (RMSNorm over all heads)
+    blocks.i.attn{1,2}.to_out       blocks.i.attn{1,2}.to_out.0
+    blocks.i.norm2                  blocks.i.norm2 (the cross-attention's affine LayerNorm)
+    blocks.i.attn2.to_q             blocks.i.attn2.to_q
+    blocks.i.attn2.to_kv            blocks.i.attn2.to_{k,v} (fused: rows [k; v])
+    blocks.i.ffn_in / ffn_out       blocks.i.ffn.net.0.proj / ffn.net.2
+    final.scale_shift_table         scale_shift_table ([2, H] = [1, 2, H])
+    final.proj_out                  proj_out
+
+Reading and writing the folders is parallel/weights/'s job, for every family.
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from models.wan.config import WanConfig
+
+_EMBED = {"patch_embedding": "patch_embedding", "time_linear_1": "condition_embedder.time_embedder.linear_1",
+          "time_linear_2": "condition_embedder.time_embedder.linear_2", "time_proj": "condition_embedder.time_proj",
+          "text_linear_1": "condition_embedder.text_embedder.linear_1",
+          "text_linear_2": "condition_embedder.text_embedder.linear_2"}
+_BLOCK = {"attn1.norm_q": "attn1.norm_q", "attn1.norm_k": "attn1.norm_k", "attn1.to_out": "attn1.to_out.0",
+          "norm2": "norm2", "attn2.to_q": "attn2.to_q", "attn2.norm_q": "attn2.norm_q", "attn2.norm_k": "attn2.norm_k",
+          "attn2.to_out": "attn2.to_out.0", "ffn_in": "ffn.net.0.proj", "ffn_out": "ffn.net.2"}
+_FUSED = {"attn1.to_qkv": ("attn1.to_q", "attn1.to_k", "attn1.to_v"), "attn2.to_kv": ("attn2.to_k", "attn2.to_v")}
+_FINAL = {"proj_out": "proj_out"}
+PATCH_WEIGHT = "embed.patch_embedding.weight"
+ROPE_MAX_SEQ_LEN = 1024     # the release's rotary table: frames, rows and columns of patches up to 1024 each
+
+
+# diffusers' WanTransformer3DModel arguments: (config.json key, its default, our key or None, ours).
+def _config_pairs(m: WanConfig) -> list[tuple[str, object, Optional[str], object]]:
+    return [
+        ("num_attention_heads", 40, "model.num_heads", m.num_heads),
+        ("attention_head_dim", 128, "model.head_dim", m.head_dim),
+        ("num_layers", 40, "model.num_layers", m.num_layers),
+        ("ffn_dim", 13824, "model.ffn_hidden_size", m.ffn_size),
+        ("in_channels", 16, "model.in_channels", m.in_channels),
+        ("out_channels", 16, "model.in_channels", m.in_channels),
+        ("text_dim", 4096, "model.text_embed_dim", m.text_embed_dim),
+        ("freq_dim", 256, "model.time_embed_dim", m.time_embed_dim),
+        ("patch_size", [1, 2, 2], "model.patch_size_t, model.patch_size", [m.patch_size_t, m.patch_size, m.patch_size]),
+        # What the toolkit's Wan model always is (Wan 2.1 text-to-video): these have no model.* key.
+        ("cross_attn_norm", True, None, True),
+        ("qk_norm", "rms_norm_across_heads", None, "rms_norm_across_heads"),
+        ("eps", 1e-6, None, 1e-6),
+        ("image_dim", None, None, None),
+        ("added_kv_proj_dim", None, None, None),
+        ("rope_max_seq_len", 1024, None, ROPE_MAX_SEQ_LEN),
+        ("pos_embed_seq_len", None, None, None),
+    ]
+
+
+def _show(value) -> str:
+    return json.dumps(value)
+
+
+class WanDiffusers:
+    """The `ReleasedFormat` (models/spec.py) of diffusers' WanTransformer3DModel."""
+
+    class_name = "WanTransformer3DModel"
+
+    def check_config(self, m: WanConfig, config: dict, path: str) -> list[str]:
+        problems = []
+        for key, default, ours, value in _config_pairs(m):
+            theirs = config.get(key, default)
+            if isinstance(theirs, tuple):
+                theirs = list(theirs)
+            if theirs == value:
+                continue
+            if ours is None:
+                problems.append(f"{path}: {key} {_show(theirs)} is not supported (the toolkit's Wan model has "
+                                f"{_show(value)}; Wan 2.1 text-to-video transformers, 1.3B and 14B, qualify)")
+            elif key == "patch_size":
+                fix = (f"set --set model.patch_size_t={theirs[0]} --set model.patch_size={theirs[1]}"
+                       if len(theirs) == 3 and theirs[1] == theirs[2] else "square patches only")
+                problems.append(f"{path}: patch_size {_show(theirs)} != ({ours}) {_show(value)}; {fix}")
+            else:
+                problems.append(f"{path}: {key} {_show(theirs)} != {ours} {_show(value)}; set --set {ours}="
+                                f"{_show(theirs)} or use the matching preset")
+        return problems
+
+    def config(self, m: WanConfig, data) -> dict:
+        return {key: value for key, _, _, value in _config_pairs(m)}
+
+    def names(self, name: str) -> list[str]:
+        section, _, rest = name.partition(".")
+        if section == "blocks":
+            index, _, rest = rest.partition(".")
+            prefix = f"blocks.{index}."
+            if rest == "scale_shift_table":
+                return [prefix + rest]
+            module, _, leaf = rest.rpartition(".")
+            if module in _FUSED:
+                return [f"{prefix}{part}.{leaf}" for part in _FUSED[module]]
+            table = _BLOCK
+        elif name == "final.scale_shift_table":
+            return ["scale_shift_table"]
+        else:
+            table, prefix = {"embed": _EMBED, "final": _FINAL}.get(section, {}), ""
+            module, _, leaf = rest.rpartition(".")
+        if module not in table:
+            raise KeyError(f"{name} has no counterpart in diffusers' {self.class_name}")
+        return [f"{prefix}{table[module]}.{leaf}"]
+
+    def shapes(self, name: str, shape: tuple[int, ...], m: WanConfig) -> dict[str, tuple[int, ...]]:
+        sources = self.names(name)
+        if name == PATCH_WEIGHT:
+            return {sources[0]: (m.hidden_size, m.in_channels, m.patch_size_t, m.patch_size, m.patch_size)}
+        if name.endswith("scale_shift_table"):
+            return {sources[0]: (1, *shape)}
+        rows = shape[0] // len(sources)
+        return {s: (rows, *shape[1:]) for s in sources}
+
+
+DIFFUSERS = WanDiffusers()

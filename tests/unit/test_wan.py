@@ -1,0 +1,174 @@
+"""The Wan 2.1 family against diffusers' WanTransformer3DModel, in one process: a tiny random release (`released`
+fixture, written by `save_pretrained` in several shards) loaded into the toolkit predicts what diffusers
+predicts; the presets count diffusers' parameters; wrong configs and folders are refused by key. Every
+(tp, pp) layout, sp, the exports and training equivalence: tests/distributed/test_wan_layouts.py.
+"""
+import json
+
+import pytest
+import torch
+from diffusers import WanTransformer3DModel
+
+from models.__main__ import summary
+from parallel.build import layer_specs
+from parallel.config import load_config
+from parallel.dist.pipeline import SequentialDiT
+from parallel.dist.topology import ParallelContext
+from parallel.weights.diffusers import INDEX_NAME, check_released, load_released
+
+B, FRAMES, HEIGHT, WIDTH = 2, 3, 8, 12            # latents [2, 4, 3, 8, 12] -> 3 x 4 x 6 = 72 video tokens
+DIFFUSERS_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4,
+                      out_channels=4, text_dim=32, freq_dim=32, ffn_dim=96, num_layers=2)
+
+
+def overrides(folder) -> list[str]:
+    """debug-wan at 2 blocks and a non-square grid (rows and columns rotate by different channels)."""
+    return ["model.num_layers=2", f"data.width={WIDTH * 8}", f"model.init_from={folder}"]
+
+
+def released_model() -> WanTransformer3DModel:
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**DIFFUSERS_TINY).eval()
+    with torch.no_grad():              # every tensor non-trivial: norm weights and biases too
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    """(folder, diffusers model): a sharded save_pretrained folder with its index."""
+    folder = tmp_path_factory.mktemp("wan")
+    model = released_model()
+    model.save_pretrained(folder, max_shard_size="100KB")
+    assert (folder / INDEX_NAME).is_file()
+    return folder, model
+
+
+def inputs():
+    g = torch.Generator().manual_seed(7)
+    return (torch.randn(B, 4, FRAMES, HEIGHT, WIDTH, generator=g), torch.tensor([3.0, 811.0]),
+            torch.randn(B, 8, 32, generator=g))
+
+
+def diffusers_forward(model, latents, timesteps, text) -> torch.Tensor:
+    with torch.no_grad():
+        return model(hidden_states=latents, timestep=timesteps, encoder_hidden_states=text).sample
+
+
+def test_forward_equals_diffusers(released):
+    folder, model = released
+    cfg = load_config("debug-wan", overrides(folder))
+    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
+    read = load_released(ours, ParallelContext.single(), cfg.model, folder)
+    assert read == sum(p.numel() for p in model.parameters())
+    with torch.no_grad():
+        out = ours.predict(inputs())
+    torch.testing.assert_close(out, diffusers_forward(model, *inputs()))
+
+
+@pytest.mark.parametrize("preset, heads, ffn, layers", [("wan2.1-t2v-1.3b", 12, 8960, 30),
+                                                        ("wan2.1-t2v-14b", 40, 13824, 40)])
+def test_presets_count_the_parameters_diffusers_builds(preset, heads, ffn, layers):
+    with torch.device("meta"):
+        reference = WanTransformer3DModel(num_attention_heads=heads, attention_head_dim=128, ffn_dim=ffn,
+                                          num_layers=layers)
+    want = sum(p.numel() for p in reference.parameters())
+    assert f"parameters: {want}" in summary(load_config(preset)).splitlines()
+
+
+def test_wrong_config_is_refused_by_key(released, tmp_path):
+    folder, _ = released
+    cfg = load_config("debug-wan", overrides(folder) + ["model.ffn_hidden_size=128", "model.time_embed_dim=16"])
+    config = folder / "config.json"
+    assert check_released(cfg.model, folder) == [
+        f"{config}: ffn_dim 96 != model.ffn_hidden_size 128; set --set model.ffn_hidden_size=96 or use the matching "
+        f"preset",
+        f"{config}: freq_dim 32 != model.time_embed_dim 16; set --set model.time_embed_dim=32 or use the matching "
+        f"preset"]
+    # An image-to-video transformer (added K/V projections) is not this model: refused by its key.
+    i2v = tmp_path / "i2v"
+    i2v.mkdir()
+    (i2v / "config.json").write_text(json.dumps({**json.loads(config.read_text()), "added_kv_proj_dim": 1280,
+                                                 "patch_size": [1, 4, 4]}))
+    problems = check_released(load_config("debug-wan", overrides(i2v)).model, i2v)
+    assert problems == [
+        f"{i2v / 'config.json'}: patch_size [1, 4, 4] != (model.patch_size_t, model.patch_size) [1, 2, 2]; set "
+        f"--set model.patch_size_t=1 --set model.patch_size=4",
+        f"{i2v / 'config.json'}: added_kv_proj_dim 1280 is not supported (the toolkit's Wan model has null; Wan 2.1 "
+        f"text-to-video transformers, 1.3B and 14B, qualify)"]
+
+
+def test_training_noise_levels_are_the_schedulers():
+    """Integer timestep t trains at FlowMatchEulerDiscreteScheduler(shift)'s training sigma for r = t / 1000, and
+    the model sees that scheduler's (fractional) timestep, bit for bit."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from models.diffusion import Objective
+    cfg = load_config("debug-wan")
+    objective, scheduler = Objective.of(cfg.model), FlowMatchEulerDiscreteScheduler(shift=cfg.model.schedule.shift)
+    assert cfg.model.objective == "flow_matching" and cfg.model.schedule.shift == 3.0
+    t = torch.arange(1, 1000)
+    assert torch.equal(objective.flow_sigmas(t), scheduler.sigmas[1000 - t])
+    assert torch.equal(objective.model_timesteps(t), scheduler.timesteps[1000 - t])
+    x0, noise = torch.randn(2, 4, 3, 8, 8), torch.randn(2, 4, 3, 8, 8)
+    x_t, target = objective.noised(x0, noise, torch.tensor([250, 900]))
+    sigma = scheduler.sigmas[[750, 100]].view(-1, 1, 1, 1, 1)
+    torch.testing.assert_close(x_t, (1 - sigma) * x0 + sigma * noise, rtol=0, atol=0)
+    assert torch.equal(target, noise - x0)
+
+
+@pytest.mark.parametrize("sampler", ["unipc", "flow_euler"])
+def test_sampling_equals_the_pipeline(released, sampler):
+    """With classifier-free guidance, 4 steps from the same noise: unipc gives WanPipeline(..., output_type="latent")'s
+    latents with the release's UniPCMultistepScheduler (flow sigmas, flow_shift = model.schedule.shift: both solver
+    orders, the corrector and the lower-order last step), flow_euler with FlowMatchEulerDiscreteScheduler(shift)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler, WanPipeline
+
+    from models.diffusion import Objective
+    from models.sampling import sample
+    folder, model = released
+    cfg = load_config("debug-wan", overrides(folder))
+    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
+    load_released(ours, ParallelContext.single(), cfg.model, folder)
+    g = torch.Generator().manual_seed(11)
+    noise, text, negative = (torch.randn(1, 4, FRAMES, HEIGHT, WIDTH, generator=g), torch.randn(1, 8, 32, generator=g),
+                             torch.randn(1, 8, 32, generator=g))
+    shift = cfg.model.schedule.shift
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift) \
+        if sampler == "unipc" else FlowMatchEulerDiscreteScheduler(shift=shift)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=model, scheduler=scheduler)
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(prompt_embeds=text, negative_prompt_embeds=negative, latents=noise.clone(), height=HEIGHT * 8,
+                width=WIDTH * 8, num_frames=(FRAMES - 1) * 4 + 1, num_inference_steps=4, guidance_scale=2.0,
+                output_type="latent").frames
+    seen = []
+
+    def predict(x, t, conditional):
+        seen.append(t)
+        with torch.no_grad():
+            return ours.predict((x, t, text if conditional else negative))
+    got = sample(predict, noise, Objective.of(cfg.model), 4, sampler, 2.0)
+    torch.testing.assert_close(got, want)
+    assert [float(t[0]) for t in seen[::2]] == pipe.scheduler.timesteps.tolist()
+
+
+def test_a_pipelines_flow_scheduler_is_checked_by_objective(released, tmp_path):
+    """A release's transformer/ beside its scheduler/ (UniPC with flow sigmas): fits flow_matching, whatever its
+    flow_shift; refused by key for v_prediction."""
+    import shutil
+
+    from diffusers import UniPCMultistepScheduler
+
+    from parallel.weights.scheduler import check_scheduler
+    folder, _ = released
+    shutil.copytree(folder, tmp_path / "transformer")
+    UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0).save_pretrained(
+        tmp_path / "scheduler")
+    transformer = tmp_path / "transformer"
+    assert check_released(load_config("debug-wan", overrides(transformer)).model, transformer) == []
+    assert check_scheduler(load_config("debug-wan", overrides(transformer)).model, transformer) == []
+    wrong = load_config("debug-wan", overrides(transformer) + ["model.objective=v_prediction"]).model
+    assert check_scheduler(wrong, transformer) == [
+        f"{tmp_path / 'scheduler' / 'scheduler_config.json'}: a flow-matching scheduler (UniPCMultistepScheduler) != "
+        f"model.objective v_prediction; set --set model.objective=flow_matching or use the matching preset"]
