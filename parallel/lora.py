@@ -50,19 +50,20 @@ def matches(released: str, target: str) -> bool:
     return released == target or released.endswith("." + target)
 
 
-def tp_linears(model: nn.Module, num_blocks: int) -> Iterator[tuple[str, nn.Module]]:
-    """(canonical module name, layer) of every tensor-parallel linear layer: what can take an adapter."""
+def tp_linears(model: nn.Module, num_blocks: int, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """(canonical module name, layer) of every tensor-parallel linear layer: what can take an adapter.
+    `prefix`: the canonical name of `model` when it is one stage (`blocks.0.`), not the whole network."""
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            yield canonical_name(name, num_blocks), module
+            yield (prefix + name if prefix else canonical_name(name, num_blocks)), module
 
 
-def _plan(model: nn.Module, m: ModelConfig) -> tuple[dict[str, list[int]], set[str], list[str]]:
+def _plan(model: nn.Module, m: ModelConfig, prefix: str = "") -> tuple[dict[str, list[int]], set[str], list[str]]:
     """Adapted layers -> their adapted parts; targets that matched; every released name that could."""
     from parallel.weights.diffusers import released_format
     fmt, lora = released_format(m), m.lora
     plan, hit, names = {}, set(), []
-    for module, layer in tp_linears(model, m.num_layers):
+    for module, layer in tp_linears(model, m.num_layers, prefix):
         released = released_modules(fmt, module)
         names += released
         parts = [j for j, r in enumerate(released) if any(matches(r, t) for t in lora.targets)]
@@ -97,14 +98,14 @@ def check_lora(m: ModelConfig) -> list[str]:
             f"model.family={m.family}; targets that exist (released module names): {', '.join(tails)}"]
 
 
-def apply_lora(model: nn.Module, m: ModelConfig, seed: int) -> int:
+def apply_lora(model: nn.Module, m: ModelConfig, seed: int, prefix: str = "") -> int:
     """Freeze every parameter and add the adapters model.lora names; returns the adapter parameter count
-    this rank holds."""
+    this rank holds. `prefix`: see tp_linears (the planner's tracer adapts one stage)."""
     for p in model.parameters():
         p.requires_grad_(False)
-    plan, _, _ = _plan(model, m)
+    plan, _, _ = _plan(model, m, prefix)
     lora, count = m.lora, 0
-    for module, layer in tp_linears(model, m.num_layers):
+    for module, layer in tp_linears(model, m.num_layers, prefix):
         if module not in plan:
             continue
         generator = torch.Generator().manual_seed(derive_seed(seed, "lora", module))
