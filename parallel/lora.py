@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from models.config import ModelConfig
+from models.registry import family
 from parallel.dist.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.dist.pipeline import canonical_name
 from parallel.dist.seed import derive_seed
@@ -34,6 +35,15 @@ LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 METADATA_KEY = "lora_adapter_metadata"
 PREFIX = "transformer."
 ADAPTER_PARAMS = ("lora_A", "lora_B")
+
+
+def released_format(m: ModelConfig):
+    """The family's name map; LoRA's targets are released module names, so a family needs one."""
+    fmt = family(m).released
+    if fmt is None:
+        raise ValueError(f"model.family={m.family} has no released-weights format (models/spec.py): model.lora's "
+                         f"targets are its released module names")
+    return fmt
 
 
 def is_adapter(name: str) -> bool:
@@ -58,9 +68,8 @@ def tp_linears(model: nn.Module, num_blocks: int, prefix: str = "") -> Iterator[
             yield (prefix + name if prefix else canonical_name(name, num_blocks)), module
 
 
-def _plan(model: nn.Module, m: ModelConfig, prefix: str = "") -> tuple[dict[str, list[int]], set[str], list[str]]:
+def plan_adapters(model: nn.Module, m: ModelConfig, prefix: str = "") -> tuple[dict[str, list[int]], set[str], list[str]]:
     """Adapted layers -> their adapted parts; targets that matched; every released name that could."""
-    from parallel.weights.diffusers import released_format
     fmt, lora = released_format(m), m.lora
     plan, hit, names = {}, set(), []
     for module, layer in tp_linears(model, m.num_layers, prefix):
@@ -73,37 +82,12 @@ def _plan(model: nn.Module, m: ModelConfig, prefix: str = "") -> tuple[dict[str,
     return plan, hit, names
 
 
-def check_lora(m: ModelConfig) -> list[str]:
-    """model.lora against the model: a target matching no adaptable layer is named with those that exist."""
-    if m.lora is None:
-        return []
-    from parallel.build import layer_specs
-    from parallel.config import ExperimentConfig
-    from parallel.dist.pipeline import SequentialDiT
-    from parallel.dist.topology import ParallelContext
-    from parallel.weights.diffusers import released_format
-    try:
-        released_format(m)
-    except ValueError as e:
-        return [f"model.lora: {e}"]
-    with torch.device("meta"):
-        model = SequentialDiT(layer_specs(ExperimentConfig(model=m.model_copy(update={"lora": None})),
-                                          ParallelContext.single()))
-    _, hit, names = _plan(model, m)
-    missing = [t for t in m.lora.targets if t not in hit]
-    if not missing:
-        return []
-    tails = sorted({n.split(".", 2)[-1] if n.startswith("transformer_blocks.") else n for n in names})
-    return [f"model.lora.targets: {', '.join(missing)} match no tensor-parallel linear layer of "
-            f"model.family={m.family}; targets that exist (released module names): {', '.join(tails)}"]
-
-
 def apply_lora(model: nn.Module, m: ModelConfig, seed: int, prefix: str = "") -> int:
     """Freeze every parameter and add the adapters model.lora names; returns the adapter parameter count
     this rank holds. `prefix`: see tp_linears (the planner's tracer adapts one stage)."""
     for p in model.parameters():
         p.requires_grad_(False)
-    plan, _, _ = _plan(model, m, prefix)
+    plan, _, _ = plan_adapters(model, m, prefix)
     lora, count = m.lora, 0
     for module, layer in tp_linears(model, m.num_layers, prefix):
         if module not in plan:
@@ -129,7 +113,6 @@ def _outputs_need_grad(module, inputs, outputs):
 
 
 def _module_parts(m: ModelConfig, module: str) -> tuple[list[str], list[int]]:
-    from parallel.weights.diffusers import released_format
     released = released_modules(released_format(m), module)
     return released, [j for j, r in enumerate(released) if any(matches(r, t) for t in m.lora.targets)]
 
@@ -194,10 +177,9 @@ def load_lora(model: nn.Module, ctx, m: ModelConfig, path: str | Path) -> int:
     ValueError naming missing or mis-shaped keys. Returns the elements read."""
     from safetensors.torch import load_file
     path = lora_file(path)
-    try:
-        tensors = load_file(str(path))
-    except Exception as e:                       # missing file, not safetensors
-        raise ValueError(f"model.lora.init_from={path}: cannot read a safetensors file ({e})") from None
+    if not path.is_file():
+        raise ValueError(f"model.lora.init_from={path}: no such file (a {LORA_WEIGHTS_NAME}, or a folder with one)")
+    tensors = load_file(str(path))
     problems, read = [], 0
     for module, layer in tp_linears(model, m.num_layers):
         if layer.lora_A is None:
