@@ -117,11 +117,18 @@ def _module_parts(m: ModelConfig, module: str) -> tuple[list[str], list[int]]:
     return released, [j for j, r in enumerate(released) if any(matches(r, t) for t in m.lora.targets)]
 
 
-def to_diffusers_lora(module: str, a: torch.Tensor, b: torch.Tensor, m: ModelConfig) -> dict[str, torch.Tensor]:
-    """One layer's full adapters (A [k r, in], B [rows of the k adapted parts, r]) as diffusers' keys."""
+def part_rows(layer: nn.Module) -> list[int]:
+    """Full output rows of each fused part of a layer (one part: all of them)."""
+    return list(getattr(layer, "parts", [layer.out_features]))
+
+
+def to_diffusers_lora(module: str, a: torch.Tensor, b: torch.Tensor, m: ModelConfig, rows: list[int]
+                      ) -> dict[str, torch.Tensor]:
+    """One layer's full adapters (A [k r, in], B [rows of the k adapted parts, r]) as diffusers' keys;
+    `rows`: part_rows of the layer."""
     released, parts = _module_parts(m, module)
     r = m.lora.rank
-    b_parts = b.split(b.shape[0] // len(parts)) if len(parts) > 1 else [b]
+    b_parts = b.split([rows[j] for j in parts])
     out = {}
     for k, j in enumerate(parts):
         out[f"{PREFIX}{released[j]}.lora_A.weight"] = a[k * r:(k + 1) * r].contiguous()
@@ -129,11 +136,12 @@ def to_diffusers_lora(module: str, a: torch.Tensor, b: torch.Tensor, m: ModelCon
     return out
 
 
-def _merge(module: str, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: ModelConfig) -> torch.Tensor:
+def _merge(module: str, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: ModelConfig, sizes: list[int]
+           ) -> torch.Tensor:
     """W + s B A for the full weight of one layer, part by part (fused QKV: each adapted part's rows)."""
-    released, parts = _module_parts(m, module)
-    rows = list(weight.split(weight.shape[0] // len(released)))
-    r, b_parts = m.lora.rank, b.split(b.shape[0] // len(parts))
+    _, parts = _module_parts(m, module)
+    rows = list(weight.split(sizes))
+    r, b_parts = m.lora.rank, b.split([sizes[j] for j in parts])
     for k, j in enumerate(parts):
         rows[j] = rows[j] + m.lora.scaling * (b_parts[k].double() @ a[k * r:(k + 1) * r].double()).to(weight.dtype)
     return torch.cat(rows)
@@ -142,7 +150,7 @@ def _merge(module: str, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, 
 def merged_tensors(tensors: Iterator[tuple[str, torch.Tensor]], model: nn.Module, m: ModelConfig, merge: bool
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """Full (canonical name, tensor) pairs of the base: adapters dropped, or (merge) folded into their weights."""
-    adapted = {name for name, layer in tp_linears(model, m.num_layers) if layer.lora_A is not None}
+    adapted = {name: part_rows(layer) for name, layer in tp_linears(model, m.num_layers) if layer.lora_A is not None}
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in tensors:
         module, _, leaf = name.rpartition(".")
@@ -151,11 +159,12 @@ def merged_tensors(tensors: Iterator[tuple[str, torch.Tensor]], model: nn.Module
         elif not merge:
             if leaf == "weight":
                 yield name, t
-        else:                                    # the three arrive in registration order: A, B, weight
+        else:                                    # held until A, B and the weight have all arrived
             held = pending.setdefault(module, {})
             held[leaf] = t
             if len(held) == 3:
-                yield f"{module}.weight", _merge(module, held.pop("weight"), held["lora_A"], held["lora_B"], m)
+                merged = _merge(module, held.pop("weight"), held["lora_A"], held["lora_B"], m, adapted[module])
+                yield f"{module}.weight", merged
                 del pending[module]
 
 

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from parallel.lora import ADAPTER_PARAMS, LORA_WEIGHTS_NAME, peft_metadata, to_diffusers_lora
+from parallel.lora import ADAPTER_PARAMS, LORA_WEIGHTS_NAME, part_rows, peft_metadata, to_diffusers_lora, tp_linears
 from parallel.weights.gather import full_tensors
 
 
@@ -33,8 +33,9 @@ def export_lora(module: nn.Module, ctx, cfg, out: str | Path, value: Optional[Ca
             held.setdefault(layer, {})[leaf] = full
     local = {}
     if ctx.dp_rank == 0 and ctx.tp_rank == 0:
+        rows = {name: part_rows(layer) for name, layer in tp_linears(module, m.num_layers)}
         for layer, ab in held.items():
-            local.update(to_diffusers_lora(layer, ab["lora_A"], ab["lora_B"], m))
+            local.update(to_diffusers_lora(layer, ab["lora_A"], ab["lora_B"], m, rows[layer]))
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, local)
     written = []

@@ -1,6 +1,6 @@
 """LoRA training in every layout equals one process, with the base frozen; the planner counts a LoRA run.
 
-One reference spawn (one process) and one spawn of 4 gloo ranks that trains, one after the other,
+One reference spawn (one process, which also stops after step 2, checkpoints and resumes) and one spawn of 4 gloo ranks that trains, one after the other,
 tp 2 x pp 2 (ZeRO-0, fp32) and sp 2 x dp 2 (ZeRO-2, fp32): 3 steps of the `debug` DiT with adapters of rank
 4 on q, k, v and the attention output. Checked: the per-step losses on every rank and the final adapters
 (and base) equal the one-process run (tests/train_utils.assert_matches); the base tensors are bit for bit
@@ -66,6 +66,29 @@ def _rank(rank, world_size, cases):
     return out
 
 
+def _reference_rank(rank, world_size, directory):
+    """The one-process run, and the same run stopped after step 2, saved, and resumed into a model built
+    from another seed (base and adapters): the checkpoint restores both."""
+    from parallel.dist.seed import seed_all
+    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.train.engine import build_trainer
+    from parallel.train.run import training_batches
+    out = _rank(rank, world_size, [("one", 1, 1, 1, 1, 0)])
+    cfg, ds = experiment(1, 1, 1, LORA), fp32_config(0)
+    ctx = ParallelContext.build(ParallelDims(tp_size=1, pp_size=1, dp_size=1))
+    seed_all(cfg.train.seed)
+    trainer = build_trainer(cfg, ds, ctx)
+    batches = training_batches(cfg, ctx)
+    losses = [trainer.train_step(batches).loss for _ in range(2)]
+    trainer.save(directory, 2)
+    other = experiment(1, 1, 1, LORA + ["train.seed=99"])
+    resumed = build_trainer(other, ds, ctx)
+    step = resumed.load(directory, "step2")
+    losses.append(resumed.train_step(training_batches(cfg, ctx, start_step=step)).loss)
+    out["resumed"] = losses
+    return out
+
+
 def _merged(results, name):
     state, before = {}, {}
     for r in results:
@@ -76,8 +99,10 @@ def _merged(results, name):
                                                                            for m in r[name]["replica_mismatches"]})}
 
 
-def test_lora_layouts_match_one_process_with_a_frozen_base_and_the_planned_states():
-    reference = _merged(run_ranks(_rank, 1, [("one", 1, 1, 1, 1, 0)]), "one")
+def test_lora_layouts_match_one_process_with_a_frozen_base_and_the_planned_states(tmp_path):
+    one = run_ranks(_reference_rank, 1, str(tmp_path))
+    reference = _merged(one, "one")
+    assert one[0]["resumed"] == reference["losses"]        # resumed from a checkpoint: the same steps, bit for bit
     results = run_ranks(_rank, 4, CASES)
     for name, tp, pp, dp, sp, stage in CASES:
         run = _merged(results, name)
