@@ -35,6 +35,26 @@ class NoiseSchedule(Section):
                          "5.0 at 720p)")
 
 
+class LoraConfig(Section):
+    """Low-rank adapters (LoRA, as peft builds them) on the linear layers named by `targets`; the base is frozen.
+
+    Each targeted weight W [out, in] gains A [rank, in] (kaiming-uniform, as peft starts it) and B [out, rank]
+    (zeros): y = x W^T + b + (alpha / rank) * (dropout(x) A^T) B^T. parallel/lora.py does the rest."""
+
+    rank: int = Field(ge=1, description="the adapters' rank r")
+    alpha: Optional[float] = Field(None, gt=0, description="scaling = alpha / rank; default: rank (scaling 1)")
+    targets: list[str] = Field(["to_q", "to_k", "to_v", "to_out.0"], min_length=1,
+                               description="the released model's module names (peft's target_modules: a name "
+                               "matches a module whose dotted name equals it or ends with .name)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input (peft's lora_dropout)")
+    init_from: Optional[str] = Field(None, description="pytorch_lora_weights.safetensors (diffusers' LoRA keys, "
+                                     "e.g. from python -m parallel.export --format diffusers-lora) to start from")
+
+    @property
+    def scaling(self) -> float:
+        return (self.alpha if self.alpha is not None else self.rank) / self.rank
+
+
 class ModelConfig(Section):
     """Video DiT dimensions common to every family; defaults are CogVideoX-2B's where one exists."""
 
@@ -62,6 +82,8 @@ class ModelConfig(Section):
     vae_scale_temporal: int = Field(4, ge=1)
     init_from: Optional[str] = Field(None, description="folder of released weights in the diffusers layout "
                                      "(config.json + *.safetensors) to start from; a resumed checkpoint wins")
+    lora: Optional[LoraConfig] = Field(None, description="train low-rank adapters on a frozen base; default "
+                                       "(none): full fine-tuning")
 
     @field_validator("pos_embed")
     @classmethod

@@ -78,7 +78,12 @@ def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Ca
     checkpoint_fn = checkpoint_x_only(checkpoint_fn) if checkpoint_fn else None
     loss_fn = SequenceLoss(cfg, ctx)
     if cfg.parallel.pp_size == 1:
-        return SequentialDiT(specs, every, checkpoint_fn, loss_fn)
-    # DeepSpeed's data axis holds dp x sp ranks (parallel.dist.topology).
-    topo = PipeModelDataParallelTopology(num_pp=ctx.pp_size, num_mp=ctx.tp_size, num_dp=ctx.dp_size * ctx.sp_size)
-    return DiTPipeline(specs, topo, blocks_per_stage(cfg), loss_fn, every, checkpoint_fn)
+        model = SequentialDiT(specs, every, checkpoint_fn, loss_fn)
+    else:
+        # DeepSpeed's data axis holds dp x sp ranks (parallel.dist.topology).
+        topo = PipeModelDataParallelTopology(num_pp=ctx.pp_size, num_mp=ctx.tp_size, num_dp=ctx.dp_size * ctx.sp_size)
+        model = DiTPipeline(specs, topo, blocks_per_stage(cfg), loss_fn, every, checkpoint_fn)
+    if cfg.model.lora is not None:                # frozen base + adapters (parallel/lora.py)
+        from parallel.lora import apply_lora
+        apply_lora(model, cfg.model, cfg.train.seed)
+    return model

@@ -297,6 +297,9 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
         from parallel.weights.diffusers import check_released
         from parallel.weights.scheduler import check_scheduler
         problems += check_released(cfg.model, cfg.model.init_from) + check_scheduler(cfg.model, cfg.model.init_from)
+    if cfg.model.lora is not None:            # targets against the model built on the meta device
+        from parallel.lora_check import check_lora
+        problems += check_lora(cfg.model)
     if problems:
         raise ConfigError("\n".join(problems))
     return cfg, ds, layout

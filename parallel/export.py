@@ -12,7 +12,10 @@ Tensors are fp32, named canonically (`embed.*`, `blocks.{i}.*`, `final.*`), gath
 folder instead: config.json plus diffusion_pytorch_model.safetensors, or shards of at most
 `--max-shard-size` (default 5GB) with diffusion_pytorch_model.safetensors.index.json, in `--dtype`
 (fp32 default; bf16, fp16), loadable with `CogVideoXTransformer3DModel.from_pretrained(OUT)` and by
-`--set model.init_from=OUT` (parallel/weights/diffusers.py).
+`--set model.init_from=OUT` (parallel/weights/diffusers.py). A LoRA run (model.lora) writes its base
+there, or with `--merge-lora` the base with the adapters folded in; `--format diffusers-lora` writes the
+adapters as OUT/pytorch_lora_weights.safetensors (`pipe.load_lora_weights(OUT)`, or
+`--set model.lora.init_from=OUT` to continue).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from parallel.units import DTYPES
 
 
 def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit", ema: bool = False,
-           max_shard_bytes: int = 5 * 10**9, dtype: str = "fp32") -> list[Path]:
+           max_shard_bytes: int = 5 * 10**9, dtype: str = "fp32", merge_lora: bool = False) -> list[Path]:
     import deepspeed
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -44,16 +47,20 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
     ctx, trainer = start_engine(cfg, ds, layout, env, init_from=False)
     step = trainer.load(cfg.ckpt_dir, tag)
     module, n = trainer.engine.module, cfg.model.num_layers
-    if fmt == "diffusers":
+    if fmt in ("diffusers", "diffusers-lora"):
         from parallel.weights.diffusers_export import export_diffusers
+        from parallel.weights.lora_export import export_lora
         if ema and not has_ema(trainer.optimizer):
             raise ValueError(f"--ema: the checkpoint {cfg.ckpt_dir}/{tag} has no EMA (its optimizer is "
                              f"{type(trainer.optimizer).__name__}; FusedEmaAdam/EmaAdamW keep one)")
         value = full_ema(trainer.optimizer, trainer.engine.optimizer) if ema else None
-        written = export_diffusers(module, ctx, cfg, out, value, zero3=layout.zero_stage == 3,
-                                   max_shard_bytes=max_shard_bytes, dtype=DTYPES[dtype],
-                                   metadata={"step": str(step), "checkpoint": f"{cfg.ckpt_dir}/{tag}",
-                                             "weights": "ema" if ema else "model"})
+        metadata = {"step": str(step), "checkpoint": f"{cfg.ckpt_dir}/{tag}", "weights": "ema" if ema else "model"}
+        if fmt == "diffusers-lora":
+            written = export_lora(module, ctx, cfg, out, value, zero3=layout.zero_stage == 3, metadata=metadata)
+        else:
+            written = export_diffusers(module, ctx, cfg, out, value, zero3=layout.zero_stage == 3,
+                                       max_shard_bytes=max_shard_bytes, dtype=DTYPES[dtype], metadata=metadata,
+                                       merge_lora=merge_lora)
         dist.destroy_process_group()
         return written
     if layout.zero_stage == 3:
@@ -85,8 +92,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default=None, help="checkpoint tag (step{N}); default: the newest complete one")
     ap.add_argument("--out", required=True, help="folder for model.safetensors and ema.safetensors, or the "
                     "diffusers folder")
-    ap.add_argument("--format", choices=["toolkit", "diffusers"], default="toolkit",
-                    help="toolkit: canonical names, weights and EMA; diffusers: a CogVideoXTransformer3DModel folder")
+    ap.add_argument("--format", choices=["toolkit", "diffusers", "diffusers-lora"], default="toolkit",
+                    help="toolkit: canonical names, weights and EMA; diffusers: a CogVideoXTransformer3DModel folder; "
+                    "diffusers-lora: the adapters of a model.lora run as pytorch_lora_weights.safetensors")
+    ap.add_argument("--merge-lora", "--merge_lora", action="store_true",
+                    help="--format diffusers with model.lora: fold the adapters into the weights (W + alpha/r B A)")
     ap.add_argument("--ema", action="store_true", help="--format diffusers: export the EMA instead of the weights")
     ap.add_argument("--max-shard-size", "--max_shard_size", type=size_arg, default="5GB",
                     help="--format diffusers: largest shard file (5GB, 500MiB, bytes)")
@@ -99,12 +109,20 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print("refusing to export:\n  - " + str(e).replace("\n", "\n  - "), file=sys.stderr)
         return 1
-    if args.ema and args.format != "diffusers":
+    if args.merge_lora and (args.format != "diffusers" or cfg.model.lora is None):
+        print("refusing to export: --merge-lora needs --format diffusers and a LoRA run (model.lora); "
+              "--format diffusers-lora writes the adapters alone", file=sys.stderr)
+        return 1
+    if args.format == "diffusers-lora" and cfg.model.lora is None:
+        print("refusing to export: --format diffusers-lora needs a LoRA run (model.lora: set model.lora.rank "
+              "as the run did)", file=sys.stderr)
+        return 1
+    if args.ema and args.format == "toolkit":
         print("refusing to export: --ema selects the weights of --format diffusers; the toolkit format "
               "writes ema.safetensors next to model.safetensors anyway", file=sys.stderr)
         return 1
     for path in export(cfg, ds, layout, env, Path(args.out), args.tag, args.format, args.ema,
-                       args.max_shard_size, args.dtype):
+                       args.max_shard_size, args.dtype, args.merge_lora):
         print(f"wrote {path}")
     return 0
 

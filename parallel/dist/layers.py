@@ -12,6 +12,24 @@ A Column -> Row pair (attention QKV -> out, MLP in -> out) thus costs one all-re
 backward. Weights are initialised on the full [out, in] shape from the current RNG state and sliced,
 so for the same seed the shards of tp=p concatenate to exactly the tp=1 weight. Sharded parameters
 carry `tensor_model_parallel=True` and `partition_dim`, which DeepSpeed's gradient-norm code reads.
+
+LoRA (`add_lora`, parallel/lora.py decides where): y = x W^T + b + s (x A^T) B^T, A [r, in], B [out, r],
+s = alpha / r, split so that the adapter adds no collective (the adapter's r-wide activation u rides on
+the layer's existing all-reduce, concatenated to it along the last dim):
+
+    column  B = [B_1; ...; B_p] split like W's rows, A replicated. u = x A^T is the same on every rank;
+            rank i adds s u B_i^T. Backward: du = s dy_i B_i is a partial sum over ranks, like dx, so
+            [x, u] passes copy_to_tp together: its one all-reduce (of b x s x (in + r)) sums dx and du,
+            and dA = du^T x is then the full, replicated gradient. (Adding u to the layer after
+            copy_to_tp instead would leave dA partial: an extra all-reduce of A's gradient.)
+    row     A = [A_1 ... A_p] split like W's columns, B replicated. u_i = x_i A_i^T is a partial sum;
+            [x_i W_i^T, u_i] is all-reduced together (b x s x (out + r)), then s u B^T is added once.
+            du = s dy B is full on every rank and dB = s dy^T u is full too. (Adding s u_i B^T before
+            the all-reduce instead would leave dB partial: an extra all-reduce of B's gradient.)
+
+Fused column layers (QKV) get one adapter per part, as peft puts one on each of to_q, to_k, to_v. The
+adapters start as peft's (A kaiming-uniform a=sqrt(5), B zero), drawn full from a generator and sliced,
+so every layout starts from the tp = 1 adapters.
 """
 from __future__ import annotations
 
@@ -57,7 +75,31 @@ def _full_init(shape: tuple[int, ...], init: InitFn, device, dtype) -> Optional[
     return full.to(dtype) if dtype is not None else full
 
 
-class ColumnParallelLinear(nn.Module):
+def _lora_a(shape: tuple[int, int], generator: torch.Generator, like: torch.Tensor) -> torch.Tensor:
+    """peft's A: kaiming-uniform (a=sqrt(5)) of the full [r, in], from `generator` only."""
+    full = torch.empty(shape, dtype=torch.float32)
+    if like.device.type != "meta":
+        nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
+    return full
+
+
+class _Lora(nn.Module):
+    """What both layers share: no adapter until `add_lora`; the dropout on the adapter's input."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_parameter("lora_A", None)
+        self.register_parameter("lora_B", None)
+
+    def _lora_setup(self, rank: int, alpha: float, dropout: float, a: torch.Tensor, b: torch.Tensor) -> None:
+        like = self.weight
+        self.lora_rank, self.lora_scaling = rank, alpha / rank
+        self.lora_A = nn.Parameter(a.to(device=like.device, dtype=like.dtype))
+        self.lora_B = nn.Parameter(b.to(device=like.device, dtype=like.dtype))
+        self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+
+
+class ColumnParallelLinear(_Lora):
     """Linear layer split along its output features; `out_features` may be a list of fused outputs.
 
     With `out_features=[d_q, d_k, d_v]` each part is split separately and rank i holds
@@ -100,17 +142,40 @@ class ColumnParallelLinear(nn.Module):
         pieces = full.split(parts, dim=0)
         return torch.cat([piece[rank * n:(rank + 1) * n] for piece, n in zip(pieces, local)]).clone()
 
+    def add_lora(self, rank: int, alpha: float, parts: Sequence[int], generator: torch.Generator,
+                 dropout: float = 0.0) -> None:
+        """Adapters on the fused parts `parts` (indices into out_features' list): A [len(parts) r, in]
+        replicated (part j's rows j r ..), B [sum of those parts' local rows, r] split like the weight."""
+        if self.gather_output:
+            raise ValueError("LoRA on a ColumnParallelLinear with gather_output=True is not supported")
+        local = [self.weight.tp_parts[j] for j in parts]
+        a = _lora_a((len(parts) * rank, self.in_features), generator, self.weight)
+        self._lora_setup(rank, alpha, dropout, a, torch.zeros(sum(local), rank))   # B = 0: slices of zeros
+        mark_tensor_parallel(self.lora_B, 0)
+        self.lora_B.tp_parts, self.lora_parts = local, tuple(parts)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.ctx)                              # (..., in)
+        if self.lora_A is None:
+            x = copy_to_tp(x, self.ctx)                          # (..., in)
+            y = F.linear(x, self.weight, self.bias)              # (..., out / p)
+            return gather_from_tp(y, self.ctx) if self.gather_output else y
+        u = F.linear(self.lora_dropout(x), self.lora_A)          # (..., k r), the same on every tp rank
+        if self.ctx.tp_size > 1:                                 # one backward all-reduce for dx and du
+            x, u = copy_to_tp(torch.cat([x, u], dim=-1), self.ctx).split([self.in_features, u.shape[-1]], -1)
         y = F.linear(x, self.weight, self.bias)                  # (..., out / p)
-        return gather_from_tp(y, self.ctx) if self.gather_output else y
+        local = self.weight.tp_parts
+        pieces = list(y.split(local, dim=-1))
+        for u_j, b_j, j in zip(u.chunk(len(self.lora_parts), -1), self.lora_B.split(self.lora_B.tp_parts),
+                               self.lora_parts):
+            pieces[j] = pieces[j] + F.linear(u_j, b_j) * self.lora_scaling   # (..., out_j / p)
+        return torch.cat(pieces, dim=-1)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} ({'+'.join(map(str, self.parts))}), "
                 f"tp={self.ctx.tp_size}, local_out={self.out_features_per_partition}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Lora):
     """Linear layer split along its input features; the output is all-reduced over the tp group."""
 
     def __init__(self, in_features: int, out_features: int, *, ctx, bias: bool = True,
@@ -134,11 +199,24 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def add_lora(self, rank: int, alpha: float, generator: torch.Generator, dropout: float = 0.0) -> None:
+        """An adapter: A [r, in / p] (this rank's columns of the full A), B [out, r] replicated."""
+        n, r = self.in_features_per_partition, self.ctx.tp_rank
+        a = _lora_a((rank, self.in_features), generator, self.weight)[:, r * n:(r + 1) * n].contiguous()
+        self._lora_setup(rank, alpha, dropout, a, torch.zeros(self.out_features, rank))
+        mark_tensor_parallel(self.lora_A, 1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.ctx)                       # (..., in / p)
-        y = reduce_from_tp(F.linear(x, self.weight), self.ctx)   # (..., out), summed over ranks
-        return y + self.bias if self.bias is not None else y
+        if self.lora_A is None:
+            y = reduce_from_tp(F.linear(x, self.weight), self.ctx)   # (..., out), summed over ranks
+            return y + self.bias if self.bias is not None else y
+        y, u = F.linear(x, self.weight), F.linear(self.lora_dropout(x), self.lora_A)   # (..., out), (..., r)
+        if self.ctx.tp_size > 1:                                 # one all-reduce for both partial sums
+            y, u = reduce_from_tp(torch.cat([y, u], dim=-1), self.ctx).split([self.out_features, u.shape[-1]], -1)
+        y = y + self.bias if self.bias is not None else y
+        return y + F.linear(u, self.lora_B) * self.lora_scaling
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.ctx.tp_size}, "

@@ -137,6 +137,18 @@ def _worst_partition(numels: list[int], dp: int, align: int) -> int:
     return worst
 
 
+def frozen_bytes(params: list, trainable: list, eng: EngineSettings, dp: int, pp: int) -> int:
+    """Bytes of the parameters no optimizer steps (LoRA's frozen base): the weights alone, in the engine's
+    dtype (fp32 for torch AdamW), ZeRO-3 partitioned over dp like the rest (small ones whole)."""
+    frozen = list(params)
+    for item in trainable:                # params minus trainable, as a multiset of (numel, ndim)
+        frozen.remove(item)
+    size = 4 if eng.optimizer_path(pp) == "torch AdamW" else eng.lp
+    if eng.zero == 3:
+        return size * sum(n if n < eng.persistence_threshold else math.ceil(n / dp) for n, _ in frozen)
+    return size * sum(n for n, _ in frozen)
+
+
 def model_states(params: list, eng: EngineSettings, dp: int, pp: int,
                  micro_batches: int = 1) -> tuple[dict[str, int], dict[str, int]]:
     """(device bytes, host bytes) of parameters, gradients, optimizer (Adam moments) and master weights.
@@ -146,6 +158,9 @@ def model_states(params: list, eng: EngineSettings, dp: int, pp: int,
     steps one at a time (so one group's fp32 gradient exists at a time).
     """
     lp, path = eng.lp, eng.optimizer_path(pp)
+    if not params:                        # LoRA: a stage without adapters steps nothing
+        zero = dict.fromkeys(("parameters", "gradients", "adam_moments", "master_weights", "ema_shadow"), 0)
+        return zero, dict(zero)
     total = sum(n for n, _ in params)
     groups = [[n for n, nd in params if (nd >= 2) == matrix] for matrix in (True, False)]
     groups = [g for g in groups if g]
@@ -294,7 +309,11 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
         first, last = s == 0, s == pp - 1
         flight = min(pp - s, m)
         params = list(embed.params if first else ()) + list(block.params) * n + list(final.params if last else ())
-        dev, host = model_states(params, eng, dp, pp, m)
+        # LoRA: the optimizer, its master weights and gradients hold the adapters; the frozen base is weights only.
+        trainable = params if block.trainable is None else \
+            list(embed.trainable if first else ()) + list(block.trainable) * n + list(final.trainable if last else ())
+        dev, host = model_states(trainable, eng, dp, pp, m)
+        dev["parameters"] += frozen_bytes(params, trainable, eng, dp, pp)
         own = (embed.activations if first else 0) + (final.activations if last else 0)
         # Side tensors are held once per stage: those its blocks save (all of them when checkpoints keep
         # views of them) or its final layer saves.
@@ -318,7 +337,7 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
         own_buffers = block.buffers - block.tables               # registered buffers; tables once a stage
         lines = {**dev, "buffers": own_buffers * n + (block.tables if n else 0) + (embed.buffers if first else 0)
                  + (final.buffers if last else 0), "activations": acts, "recompute": recompute,
-                 "zero_buckets": zero_buckets(eng, pp, params, dp), "zero3_gathered": gathered,
+                 "zero_buckets": zero_buckets(eng, pp, trainable, dp), "zero3_gathered": gathered,
                  "pipeline_buffers": pipe}
         lines["margin"] = int(margin * sum(lines.values())) + workspace
         stages.append(StageMemory(s, n, flight, {key: lines[key] for key, _ in LINES},

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,7 @@ from models.geometry import PositionCache, latent_shape, token_grid
 from models.registry import family, sequence_tokens
 from parallel.config import ExperimentConfig
 from parallel.build import layer_specs
+from parallel.lora import apply_lora
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -177,6 +178,7 @@ class StageTrace:
     buffers: int              # registered buffers and tables cached in attributes (position tables)
     params: tuple             # ((numel, ndim), ...) of this tp rank's parameters
     tables: int = 0           # the position tables among `buffers`: shared by a stage's blocks, held once
+    trainable: Optional[tuple] = None   # LoRA: ((numel, ndim), ...) of the adapters (None: every parameter)
 
     @property
     def side_total(self) -> int:
@@ -219,6 +221,8 @@ class ActivationTracer:
             spec = {"embed": specs[0], "block": specs[1], "final": specs[-1]}[kind]
             with torch.device("meta"):
                 module = spec.build()
+                if self.cfg.model.lora is not None:       # frozen base + adapters, as parallel/build.py does
+                    apply_lora(module, self.cfg.model, self.cfg.train.seed, prefix=f"{spec.name}.")
                 for param in module.parameters():     # as DeepSpeed 0.19 casts: parameters, not buffers
                     param.data = param.data.to(self.dtype)
             self._modules[(kind, tp, sp)] = (module, ctx)
@@ -251,9 +255,11 @@ class ActivationTracer:
         side_keys = [storage_key(t) for t in side]
         acts = sum(storage_bytes(t) for k, t in saved.items() if k not in skip and k not in held and k not in side_keys)
         params = tuple((p.numel(), p.dim()) for p in module.parameters())
+        trainable = tuple((p.numel(), p.dim()) for p in module.parameters() if p.requires_grad) \
+            if self.cfg.model.lora is not None else None
         return StageTrace(acts, storage_bytes(x), tuple(storage_bytes(t) for t in side),
                           tuple(kind != "embed" and k in saved for k in side_keys), sum(held.values()), params,
-                          sum(table_storages(module).values()))
+                          sum(table_storages(module).values()), trainable)
 
     def trace(self, kind: str, tp: int, b: int, sp: int = 1) -> StageTrace:
         """The trace at micro-batch b (one sp rank's tokens): traced at 1 and 2, extrapolated linearly beyond."""
@@ -265,4 +271,4 @@ class ActivationTracer:
         one, two = self._traces[(kind, tp, 1, sp)], self._traces[(kind, tp, 2, sp)]
         return StageTrace(_affine(one.activations, two.activations, b), _affine(one.input_bytes, two.input_bytes, b),
                           tuple(_affine(a, c, b) for a, c in zip(one.side_bytes, two.side_bytes)), one.side_saved,
-                          one.buffers, one.params, one.tables)
+                          one.buffers, one.params, one.tables, one.trainable)

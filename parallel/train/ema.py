@@ -3,7 +3,8 @@
 Each rank holds the shadow of the fp32 partition it owns (ZeRO 1/2/3, BF16_Optimizer) or of its own
 parameters (ZeRO-0, fp32). `full_ema(optimizer)` returns, per model parameter, the shadow gathered over
 data-parallel ranks (DeepSpeed's fragment mapping, a collective); `parallel.build.full_state` then
-gathers tensor-parallel shards and names them canonically.
+gathers tensor-parallel shards and names them canonically. Frozen parameters (LoRA's base) are not
+updated and have no shadow: their EMA is the parameter itself.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def full_ema(optimizer, wrapper=None):
         relink_optimizer_fragments(wrapper)
 
     def value(param: torch.nn.Parameter) -> torch.Tensor:
+        if not param.requires_grad:                   # LoRA's frozen base: constant, its own average
+            return param
         shadow = safe_get_full_optimizer_state(param, EMA_KEY)
         if shadow is None:                            # ZeRO-0 fp32: the optimizer holds the parameter itself
             shadow = optimizer.state[param][EMA_KEY]

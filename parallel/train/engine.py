@@ -102,7 +102,9 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
 
     With model.init_from (and init_from=True; a run resuming a checkpoint passes False) every rank reads
     its part of the released weights into the built model before deepspeed.initialize, when parameters
-    are still whole local tensors under every ZeRO stage (ZeRO-3 partitions them in initialize).
+    are still whole local tensors under every ZeRO stage (ZeRO-3 partitions them in initialize); then
+    model.lora.init_from's adapters the same way. With model.lora the base is frozen (requires_grad False)
+    and the optimizer, its EMA and DeepSpeed's master weights hold the adapters only.
     `model`: a module the caller built for the layout (bench: the network with plain nn.Linear), used
     instead of building one.
     """
@@ -118,6 +120,9 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
     if init_from and cfg.model.init_from:
         from parallel.weights.diffusers import load_released
         load_released(model, ctx, cfg.model, cfg.model.init_from)
+    if init_from and cfg.model.lora is not None and cfg.model.lora.init_from:
+        from parallel.lora import load_lora
+        load_lora(model, ctx, cfg.model, cfg.model.lora.init_from)
     optimizer = build_optimizer(model, ds, cfg.train)
     factor = schedule_factor(ds, cfg.train)
     schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)  # noqa: E731

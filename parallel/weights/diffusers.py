@@ -24,6 +24,7 @@ from models.config import ModelConfig
 from models.registry import family
 from models.spec import ReleasedFormat
 from parallel.dist.pipeline import canonical_name
+from parallel.lora import is_adapter
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -172,6 +173,8 @@ def load_released(module: nn.Module, ctx, m: ModelConfig, folder: str | Path) ->
     fmt, files = released_format(m), tensor_files(folder)
     handles, read = {}, 0
     for name, target in model_tensors(module, m.num_layers):
+        if is_adapter(name):                              # LoRA's adapters: model.lora.init_from
+            continue
         pieces = []
         for source, index in _rank_slices(fmt.names(name), target, ctx):
             path = files[source]

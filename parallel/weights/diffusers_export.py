@@ -31,14 +31,15 @@ def to_diffusers(name: str, full: torch.Tensor, m: ModelConfig) -> dict[str, tor
 
 def export_diffusers(module: nn.Module, ctx, cfg, out: str | Path, value: Optional[Callable] = None,
                      zero3: bool = False, max_shard_bytes: int = 5 * 10**9, dtype=torch.float32,
-                     metadata: Optional[dict] = None) -> list[Path]:
+                     metadata: Optional[dict] = None, merge_lora: bool = False) -> list[Path]:
     """Write this model (or `value(param)`, e.g. its EMA) of experiment `cfg` as a diffusers folder; call on
     every rank.
 
     Tensor-parallel shards are gathered one tensor at a time; the first data-parallel, first tp rank of
     each pipeline stage writes its stage's shards of at most max_shard_bytes, and rank 0 names them
     diffusion_pytorch_model-0000k-of-0000n.safetensors with the index (or one file when n = 1) and
-    config.json. Returns the files written (on rank 0).
+    config.json. Returns the files written (on rank 0). With model.lora the base is written, or with
+    `merge_lora` the base with the adapters folded in (W + alpha/r B A).
     """
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -62,7 +63,11 @@ def export_diffusers(module: nn.Module, ctx, cfg, out: str | Path, value: Option
             written.append((path.name, sorted(shard), size))
         shard, size = {}, 0
 
-    for name, full in full_tensors(module, ctx, m.num_layers, value, zero3):
+    tensors = full_tensors(module, ctx, m.num_layers, value, zero3)
+    if m.lora is not None:
+        from parallel.lora import merged_tensors
+        tensors = merged_tensors(tensors, module, m, merge_lora)
+    for name, full in tensors:
         if not writer:
             continue
         for source, t in to_diffusers(name, full, m).items():

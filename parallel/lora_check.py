@@ -1,0 +1,32 @@
+"""The checker's part of LoRA: model.lora.targets against the model built on the meta device, before any
+process group (parallel/check.py calls it; parallel/lora.py does the matching)."""
+from __future__ import annotations
+
+import torch
+
+from models.config import ModelConfig
+from parallel.build import layer_specs
+from parallel.config import ExperimentConfig
+from parallel.dist.pipeline import SequentialDiT
+from parallel.dist.topology import ParallelContext
+from parallel.lora import plan_adapters, released_format
+
+
+def check_lora(m: ModelConfig) -> list[str]:
+    """model.lora against the model: a target matching no adaptable layer is named with those that exist."""
+    if m.lora is None:
+        return []
+    try:
+        released_format(m)
+    except ValueError as e:
+        return [f"model.lora: {e}"]
+    with torch.device("meta"):
+        model = SequentialDiT(layer_specs(ExperimentConfig(model=m.model_copy(update={"lora": None})),
+                                          ParallelContext.single()))
+    _, hit, names = plan_adapters(model, m)
+    missing = [t for t in m.lora.targets if t not in hit]
+    if not missing:
+        return []
+    tails = sorted({n.split(".", 2)[-1] if n.startswith("transformer_blocks.") else n for n in names})
+    return [(f"model.lora.targets: {', '.join(missing)} match no tensor-parallel linear layer of "
+             f"model.family={m.family}; targets that exist (released module names): {', '.join(tails)}")]
