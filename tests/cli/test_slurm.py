@@ -21,11 +21,11 @@ import time
 
 import pytest
 
-from tests.cli.test_launchers import ROOT, LAYOUT, finish, kill_marked, losses, reference, run_env, start  # noqa: F401
+from tests.cli.test_launchers import ROOT, kill_marked, losses, reference, run_env  # noqa: F401
 from tests.dist_utils import free_port
 
 NODES = ("vdp-n0", "vdp-n1")
-DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo")
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "scancel")
 
 
 def sbatch_script() -> str:
@@ -67,6 +67,21 @@ def slurm_conf(d, ports: dict, user: str) -> str:
         SelectTypeParameters=CR_CPU
         ReturnToService=2
         """) + nodes + "\nPartitionName=debug Nodes=" + ",".join(NODES) + " Default=YES MaxTime=INFINITE State=UP\n"
+
+
+def job_state(job: str, env: dict, timeout: float) -> dict:
+    """JobState and ExitCode of a finished job, polled every 0.5 s (sbatch --wait backs off to 32 s); a job
+    still running at the timeout is cancelled."""
+    deadline = time.monotonic() + timeout
+    while True:
+        p = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True, timeout=30)
+        fields = dict(f.split("=", 1) for f in p.stdout.split() if "=" in f)
+        if fields.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return {k: fields[k] for k in ("JobState", "ExitCode")}
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job], env=env, timeout=30)
+            return {"JobState": f"still {fields.get('JobState')} after {timeout} s", "ExitCode": "-"}
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -129,13 +144,18 @@ def test_sbatch_two_nodes_equals_direct_deepspeed(reference, slurm, tmp_path):
     script = tmp_path / "train.sbatch"
     script.write_text(sbatch_script())
     log = tmp_path / "job.log"
-    cmd = ["sbatch", "--wait", f"--chdir={ROOT}", f"--output={log}", str(script),
-           "--set", "train.max_steps=3", "--set", f"train.output_dir={out}"]
     tic = time.monotonic()
-    proc = start(cmd, tmp_path / "sbatch.log", {**slurm, "MASTER_PORT": str(port)})
-    code, = finish([proc], str(out), timeout=180)
+    submit = subprocess.run(["sbatch", "--parsable", f"--chdir={ROOT}", f"--output={log}", str(script),
+                             "--set", "train.max_steps=3", "--set", f"train.output_dir={out}"],
+                            env={**slurm, "MASTER_PORT": str(port)}, capture_output=True, text=True, timeout=60)
+    assert submit.returncode == 0, submit.stderr
+    job = submit.stdout.strip().split(";")[0]
+    try:
+        state = job_state(job, slurm, timeout=180)
+    finally:
+        kill_marked(str(out))
     text = log.read_text() if log.exists() else ""
-    assert code == 0, (tmp_path / "sbatch.log").read_text() + text[-4000:]
+    assert state == {"JobState": "COMPLETED", "ExitCode": "0:0"}, f"{state}\n{text[-4000:]}"
     print(f"sbatch job: {time.monotonic() - tic:.1f} s", flush=True)
     assert f"+ MASTER_ADDR=127.0.0.1 MASTER_PORT={port} srun --kill-on-bad-exit=1 " in text, text[-3000:]
     assert "nodes vdp-n[0-1], 4 tasks" in text, text[-3000:]
