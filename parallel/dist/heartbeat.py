@@ -22,15 +22,17 @@ communication error wait for the verdict instead of dying with a traceback that 
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import socket
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch.distributed as dist
 
 PREFIX = "vdp/heartbeat/"
+STORE_ERRORS = (RuntimeError, OSError)     # torch's DistStoreError/DistNetworkError are RuntimeErrors
 
 
 def lost_ranks(last_seen: dict[int, float], done: set[int], now: float, lost_after_s: float) -> list[int]:
@@ -51,7 +53,6 @@ class Heartbeat:
         self.store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=max(1.0, lost_after_s / 2)))
         self._stop = threading.Event()
-        self._verdict = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self.store.set(f"{PREFIX}host/{rank}", socket.gethostname())
 
@@ -59,10 +60,10 @@ class Heartbeat:
         """The host names the given ranks reported at start ("?" where the store cannot say)."""
         try:
             return [self.store.get(f"{PREFIX}host/{r}").decode() for r in ranks]
-        except Exception:
+        except STORE_ERRORS:
             return ["?"] * len(ranks)
 
-    def start(self) -> "Heartbeat":
+    def start(self) -> Heartbeat:
         self._thread.start()
         return self
 
@@ -70,18 +71,17 @@ class Heartbeat:
         """This rank finished: rank 0 stops counting it (its silence from now on is not a loss)."""
         self._stop.set()
         self._thread.join(timeout=5 * self.interval_s)
-        try:
+        with contextlib.suppress(*STORE_ERRORS):    # the store's host finished first; nobody watches any more
             self.store.set(f"{PREFIX}beat/{self.rank}", "done")
-        except Exception:         # the store's host finished first; nobody is watching any more
-            pass
 
-    def await_verdict(self, timeout_s: Optional[float] = None) -> None:
-        """Block until the watchdog has found lost ranks (on_lost then ends the process) or timeout_s has
-        passed. The default leaves room for rank 0 to hear the silence late: its first read after a stall
-        counts as a beat seen now."""
+    def await_verdict(self, timeout_s: float | None = None) -> None:
+        """Sleep while the watchdog reaches its verdict (on_lost then ends the process from the watchdog
+        thread), at most timeout_s. The default leaves room for rank 0 to hear the silence late: its first
+        read after a stall counts as a beat seen now. The main thread must not go on to tear down
+        meanwhile: a blocked teardown collective could starve the watchdog of the interpreter lock."""
         deadline = time.monotonic() + (2 * self.lost_after_s + 5 * self.interval_s if timeout_s is None else timeout_s)
-        while not self._verdict.is_set() and time.monotonic() < deadline:   # a signal (the launcher's
-            self._verdict.wait(min(1.0, max(0.0, deadline - time.monotonic())))   # SIGTERM) ends a wait early
+        while time.monotonic() < deadline:       # in slices: a signal (the launcher's SIGTERM) ends a sleep
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
     def _run(self) -> None:
         keys = [f"{PREFIX}beat/{r}" for r in range(self.world_size)]
@@ -110,12 +110,11 @@ class Heartbeat:
                 if not lost and self.store.check([f"{PREFIX}lost"]):
                     lost = [int(r) for r in self.store.get(f"{PREFIX}lost").decode().split(",")]
                 reached = now
-            except Exception:         # the store (rank 0's process, or node 0's launcher) is unreachable
+            except STORE_ERRORS:      # the store (rank 0's process, or node 0's launcher) is unreachable
                 if now - reached <= self.lost_after_s:
                     continue
                 lost = [0]
             if lost:
-                self._verdict.set()
                 self.on_lost(lost)
                 return
 

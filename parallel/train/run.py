@@ -27,11 +27,11 @@ from parallel.config import ExperimentConfig
 from parallel.train.engine import build_trainer
 from parallel.plan.probe import StepMeasurement, StepProbe
 from parallel.dist.deepspeed_compat import write_monitor_events
-from parallel.dist.heartbeat import Heartbeat
 from parallel.dist.replicas import replica_mismatches
 from parallel.dist.seed import seed_all
 from parallel.dist.topology import LaunchEnv, ParallelContext
 from parallel.train.validate import Validator, check_outputs
+from parallel.train.watchdog import peer_failure, start_heartbeat
 from parallel.units import format_size
 
 
@@ -191,37 +191,6 @@ def report_memory(plan, measured: StepMeasurement, ctx, out_dir, step: int) -> N
     (out_dir / "memory_check.json").write_text(json.dumps(report, indent=1) + "\n")
     for line in memory_check_lines(report, step):
         tqdm.write(line)
-
-
-def peer_failure(e: BaseException) -> bool:
-    """A collective failed because a peer went away: torch's DistError family (backend and network
-    errors), or gloo's plain RuntimeError, which carries gloo's source path."""
-    return isinstance(e, dist.DistError) or "/gloo/" in str(e)
-
-
-LOST_RANK_EXIT = 75      # EX_TEMPFAIL: a peer was lost, rerunning the same command resumes
-
-
-def start_heartbeat(cfg: ExperimentConfig, ctx, ckpt_dir: Path):
-    """The lost-rank watchdog (parallel/dist/heartbeat.py) when the ranks met through MASTER_ADDR:PORT:
-    a rank silent for half the collective timeout (at most 30 s) is lost; every survivor then prints
-    which ranks, on which hosts, and the checkpoint a rerun resumes from, and exits LOST_RANK_EXIT."""
-    if dist.get_world_size() == 1 or "MASTER_PORT" not in os.environ:
-        return None
-    lost_after = min(30.0, cfg.train.collective_timeout_s / 2)
-
-    def on_lost(ranks: list[int]) -> None:
-        steps = checkpoint.complete_steps(ckpt_dir)
-        resume = (f"the last complete checkpoint is {ckpt_dir}/step{steps[-1]}; rerun the same command to "
-                  f"resume there" if steps else "there is no complete checkpoint yet (a rerun starts over)")
-        hosts = ", ".join(sorted(set(heartbeat.hosts(ranks))))
-        print(f"\nrank {ctx.rank}: lost rank(s) {', '.join(map(str, ranks))} (host {hosts}): no heartbeat for "
-              f"{lost_after:g} s; stopping this run; {resume}", file=sys.stderr, flush=True)
-        os._exit(LOST_RANK_EXIT)        # the main thread may be blocked in a collective that never returns
-
-    heartbeat = Heartbeat(ctx.rank, dist.get_world_size(), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          on_lost, interval_s=1.0, lost_after_s=lost_after)
-    return heartbeat.start()
 
 
 def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv, resume: bool = True) -> int:

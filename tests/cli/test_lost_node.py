@@ -5,7 +5,7 @@ and the last complete checkpoint; rerunning the same command on the same two nod
 repeats the steps the lost run had trained after it with the same losses, bit for bit.
 
 train.collective_timeout_s=20 makes the heartbeat's verdict come after 10 s of silence (half the timeout,
-parallel/train/run.py: start_heartbeat) instead of 30 s.
+parallel/train/watchdog.py) instead of 30 s.
 """
 import json
 import signal
@@ -35,7 +35,7 @@ def test_lost_node_names_ranks_and_checkpoint_then_rerun_resumes(tmp_path):
     out, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
     port = str(free_port())
     procs = [start(node_cmd(r, port, out), tmp_path / f"node{r}.log", run_env()) for r in (0, 1)]
-    logs = lambda: "".join((tmp_path / f"node{r}.log").read_text()[-2500:] for r in (0, 1))   # noqa: E731
+    logs = lambda: "".join((tmp_path / f"node{r}.log").read_text()[-2500:] for r in (0, 1))
     try:
         deadline = time.monotonic() + 240
         while not (complete_steps(ckpt) and len(rows(out)) > complete_steps(ckpt)[-1]):

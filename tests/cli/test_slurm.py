@@ -30,9 +30,10 @@ DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo
 
 def sbatch_script() -> str:
     """The sbatch script of docs/multi-node.md's "Slurm" section (the block starting with #!/bin/bash)."""
-    text = open(os.path.join(ROOT, "docs", "multi-node.md")).read()
+    with open(os.path.join(ROOT, "docs", "multi-node.md")) as f:
+        text = f.read()
     section = text.split("\n## Slurm\n", 1)[1].split("\n## ", 1)[0]
-    block = re.search(r"```bash\n(#!/bin/bash\n.*?)```", section, re.S)
+    block = re.search(r"```bash\n(#!/bin/bash\n.*?)```", section, re.DOTALL)
     assert block, "docs/multi-node.md: the Slurm section has no ```bash block starting with #!/bin/bash"
     return block.group(1)
 
@@ -74,12 +75,13 @@ def job_state(job: str, env: dict, timeout: float) -> dict:
     still running at the timeout is cancelled."""
     deadline = time.monotonic() + timeout
     while True:
-        p = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True, timeout=30)
+        p = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True, timeout=30,
+                           check=False)
         fields = dict(f.split("=", 1) for f in p.stdout.split() if "=" in f)
         if fields.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
             return {k: fields[k] for k in ("JobState", "ExitCode")}
         if time.monotonic() > deadline:
-            subprocess.run(["scancel", job], env=env, timeout=30)
+            subprocess.run(["scancel", job], env=env, timeout=30, check=False)
             return {"JobState": f"still {fields.get('JobState')} after {timeout} s", "ExitCode": "-"}
         time.sleep(0.5)
 
@@ -101,7 +103,7 @@ def slurm(tmp_path_factory):
     ports = {name: free_port() for name in ("slurmctld", *NODES)}
     (d / "slurm.conf").write_text(slurm_conf(d, ports, getpass.getuser()))
     env = run_env(SLURM_CONF=str(d / "slurm.conf"))
-    sbin = lambda name: shutil.which(name, path="/usr/sbin:" + os.environ["PATH"])   # noqa: E731
+    sbin = lambda name: shutil.which(name, path="/usr/sbin:" + os.environ["PATH"])
     commands = {"munged": [sbin("munged"), "-F", "-f", f"--key-file={d}/munge.key", f"--socket={d}/munge.socket",
                            f"--pid-file={d}/munged.pid", f"--log-file={d}/munged.log", f"--seed-file={d}/munged.seed"],
                 "slurmctld": [sbin("slurmctld"), "-D", "-f", str(d / "slurm.conf")],
@@ -117,7 +119,7 @@ def slurm(tmp_path_factory):
                     time.sleep(0.05)
         while True:       # both nodes registered and idle
             p = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=env, capture_output=True, text=True,
-                               timeout=30)
+                               timeout=30, check=False)
             if sorted(p.stdout.split()) == sorted([*NODES, "idle", "idle"]):
                 break
             dead = [n for n, proc in daemons.items() if proc.poll() is not None]
@@ -138,7 +140,7 @@ def slurm(tmp_path_factory):
                 proc.wait()
 
 
-def test_sbatch_two_nodes_equals_direct_deepspeed(reference, slurm, tmp_path):
+def test_sbatch_two_nodes_equals_direct_deepspeed(reference, slurm, tmp_path):   # noqa: F811
     """docs/multi-node.md's sbatch script: 2 nodes x 2 tasks, PP2 x TP2, the direct run's losses bit for bit."""
     out, port = tmp_path / "run", free_port()
     script = tmp_path / "train.sbatch"
@@ -147,7 +149,8 @@ def test_sbatch_two_nodes_equals_direct_deepspeed(reference, slurm, tmp_path):
     tic = time.monotonic()
     submit = subprocess.run(["sbatch", "--parsable", f"--chdir={ROOT}", f"--output={log}", str(script),
                              "--set", "train.max_steps=3", "--set", f"train.output_dir={out}"],
-                            env={**slurm, "MASTER_PORT": str(port)}, capture_output=True, text=True, timeout=60)
+                            env={**slurm, "MASTER_PORT": str(port)}, capture_output=True, text=True, timeout=60,
+                            check=False)
     assert submit.returncode == 0, submit.stderr
     job = submit.stdout.strip().split(";")[0]
     try:
