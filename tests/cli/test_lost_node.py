@@ -17,7 +17,7 @@ from parallel.train.checkpoint import complete_steps
 from tests.cli.test_launchers import LAYOUT, finish, kill_marked, marked_alive, run_env, start, train_args
 from tests.dist_utils import free_port
 
-STEPS = 30
+STEPS = 16
 
 
 def node_cmd(rank: int, port: str, out) -> list[str]:
