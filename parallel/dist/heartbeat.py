@@ -12,7 +12,9 @@ torchrun's agent store) and every `interval_s`:
                  every rank silent for half that (its node's)  -> set  lost = "2,3"
     get  lost, if it exists       -> on_lost([2, 3])
 
-so each surviving rank learns the verdict within lost_after_s + 2 x interval_s of the last beat. A store
+so each surviving rank learns the verdict within lost_after_s + 2 x interval_s of the last beat. A rank whose
+collective failed on a broken connection (a killed process, not a silent machine) sets `suspect`, and rank 0
+then needs only 5 intervals of silence. A store
 that cannot be reached for lost_after_s means rank 0's side is gone: on_lost([0]). Store traffic: one
 set and one check per rank per interval, one multi_get of world_size keys on rank 0.
 
@@ -43,6 +45,12 @@ def lost_ranks(last_seen: dict[int, float], done: set[int], now: float, lost_aft
     if not any(s > lost_after_s for s in silent.values()):
         return []
     return sorted(r for r, s in silent.items() if s > lost_after_s / 2)
+
+
+def threshold(lost_after_s: float, interval_s: float, suspected: bool) -> float:
+    """Silence that makes a rank lost: lost_after_s, or 5 intervals once a rank has reported a broken
+    connection (a killed process: its peers know at once, only the names are missing)."""
+    return min(lost_after_s, 5 * interval_s) if suspected else lost_after_s
 
 
 class Heartbeat:
@@ -79,6 +87,8 @@ class Heartbeat:
         thread), at most timeout_s. The default leaves room for rank 0 to hear the silence late: its first
         read after a stall counts as a beat seen now. The main thread must not go on to tear down
         meanwhile: a blocked teardown collective could starve the watchdog of the interpreter lock."""
+        with contextlib.suppress(*STORE_ERRORS):
+            self.store.set(f"{PREFIX}suspect", str(self.rank))     # rank 0 then waits 5 intervals, not lost_after_s
         deadline = time.monotonic() + (2 * self.lost_after_s + 5 * self.interval_s if timeout_s is None else timeout_s)
         while time.monotonic() < deadline:       # in slices: a signal (the launcher's SIGTERM) ends a sleep
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
@@ -103,7 +113,8 @@ class Heartbeat:
                         if v != last_value.get(r):
                             last_value[r], last_seen[r] = v, now
                     done = {r for r, v in last_value.items() if v == b"done"}
-                    lost = lost_ranks(last_seen, done, now, self.lost_after_s)
+                    suspected = self.store.check([f"{PREFIX}suspect"])
+                    lost = lost_ranks(last_seen, done, now, threshold(self.lost_after_s, self.interval_s, suspected))
                     if lost:       # then give the others time to read it: rank 0 may host the store
                         self.store.set(f"{PREFIX}lost", ",".join(map(str, lost)))
                         time.sleep(3 * self.interval_s)

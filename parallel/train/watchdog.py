@@ -35,8 +35,8 @@ def start_heartbeat(cfg: ExperimentConfig, ctx, ckpt_dir: Path):
         resume = (f"the last complete checkpoint is {ckpt_dir}/step{steps[-1]}; rerun the same command to "
                   f"resume there" if steps else "there is no complete checkpoint yet (a rerun starts over)")
         hosts = ", ".join(sorted(set(heartbeat.hosts(ranks))))
-        print(f"\nrank {ctx.rank}: lost rank(s) {', '.join(map(str, ranks))} (host {hosts}): no heartbeat for "
-              f"{lost_after:g} s; stopping this run; {resume}", file=sys.stderr, flush=True)
+        print(f"\nrank {ctx.rank}: lost rank(s) {', '.join(map(str, ranks))} (host {hosts}): their heartbeats "
+              f"stopped; stopping this run; {resume}", file=sys.stderr, flush=True)
         os._exit(LOST_RANK_EXIT)        # the main thread may be blocked in a collective that never returns
 
     heartbeat = Heartbeat(ctx.rank, dist.get_world_size(), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
