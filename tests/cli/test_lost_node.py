@@ -4,8 +4,8 @@ that dies). Every surviving process must be gone within 60 s, each surviving ran
 and the last complete checkpoint; rerunning the same command on the same two nodes resumes there and
 repeats the steps the lost run had trained after it with the same losses, bit for bit.
 
-train.collective_timeout_s=20 makes the heartbeat's verdict come after 10 s of silence (half the timeout,
-parallel/train/watchdog.py) instead of 30 s.
+The survivors' collectives fail on the broken connections, so rank 0 names the silent ranks after 5 s
+(parallel/dist/heartbeat.py); train.collective_timeout_s=20 bounds the silent-machine case at 10 s.
 """
 import json
 import signal
