@@ -77,7 +77,9 @@ case "$launcher" in
          --master_addr "$master_addr" --master_port "$master_port" "$@") ;;
   slurm)
     first=$(scontrol show hostnames "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}" | head -n 1)
-    envs+=("MASTER_ADDR=$first" "MASTER_PORT=$master_port")
+    # The node's NodeAddr (slurm.conf; it defaults to the node name): node names need not resolve
+    addr=$(scontrol show node -o "$first" 2>/dev/null | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p' || true)
+    envs+=("MASTER_ADDR=${addr:-$first}" "MASTER_PORT=$master_port")
     cmd=(srun --kill-on-bad-exit=1 "$PY" "$@") ;;
   openmpi)
     envs+=("MASTER_ADDR=$master_addr" "MASTER_PORT=$master_port")

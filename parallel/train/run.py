@@ -31,6 +31,7 @@ from parallel.dist.replicas import replica_mismatches
 from parallel.dist.seed import seed_all
 from parallel.dist.topology import LaunchEnv, ParallelContext
 from parallel.train.validate import Validator, check_outputs
+from parallel.train.watchdog import peer_failure, start_heartbeat
 from parallel.units import format_size
 
 
@@ -210,6 +211,7 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
     ckpt_dir, ckpt_layout = Path(cfg.ckpt_dir), checkpoint_layout(layout)
     tag = checkpoint.find_resume(ckpt_dir, ckpt_layout) if resume else None
     ctx, trainer = start_engine(cfg, ds, layout, env, init_from=tag is None)   # a checkpoint wins over init_from
+    heartbeat = start_heartbeat(cfg, ctx, ckpt_dir)
     plan = run_plan(cfg, ds, layout, accelerator.total_memory(env.local_rank))
     start = trainer.load(ckpt_dir, tag) if tag else 0
     batches = training_batches(cfg, ctx, dataset, start)
@@ -299,11 +301,17 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
                   f"({last / first:.2f}x)", flush=True)
         if (ds.get("comms_logger") or {}).get("enabled"):
             deepspeed.comm.log_summary()      # every rank (it starts with a barrier); rank 0 prints the table
+    except RuntimeError as e:     # a peer's connection broke: wait for the lost-rank verdict, which ends
+        if heartbeat and peer_failure(e):     # the process naming the ranks, rather than a bare traceback
+            heartbeat.await_verdict()
+        raise
     finally:
         bar.close()
         if metrics:
             metrics.close()
         if dist.is_initialized():
             dist.barrier()
+            if heartbeat:
+                heartbeat.stop()
             dist.destroy_process_group()
     return status

@@ -1,0 +1,44 @@
+"""The lost-rank watchdog of a training run: parallel/dist/heartbeat.py's verdict turned into the line a
+user acts on (which ranks, on which hosts, the checkpoint a rerun resumes from) and exit code 75."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from parallel.config import ExperimentConfig
+from parallel.dist.heartbeat import Heartbeat
+from parallel.train import checkpoint
+
+
+def peer_failure(e: BaseException) -> bool:
+    """A collective failed because a peer went away: torch's DistError family (backend and network
+    errors), or gloo's plain RuntimeError, which carries gloo's source path."""
+    return isinstance(e, dist.DistError) or "/gloo/" in str(e)
+
+
+LOST_RANK_EXIT = 75      # EX_TEMPFAIL: a peer was lost, rerunning the same command resumes
+
+
+def start_heartbeat(cfg: ExperimentConfig, ctx, ckpt_dir: Path):
+    """The lost-rank watchdog (parallel/dist/heartbeat.py) when the ranks met through MASTER_ADDR:PORT:
+    a rank silent for half the collective timeout (at most 30 s) is lost; every survivor then prints
+    which ranks, on which hosts, and the checkpoint a rerun resumes from, and exits LOST_RANK_EXIT."""
+    if dist.get_world_size() == 1 or "MASTER_PORT" not in os.environ:
+        return None
+    lost_after = min(30.0, cfg.train.collective_timeout_s / 2)
+
+    def on_lost(ranks: list[int]) -> None:
+        steps = checkpoint.complete_steps(ckpt_dir)
+        resume = (f"the last complete checkpoint is {ckpt_dir}/step{steps[-1]}; rerun the same command to "
+                  f"resume there" if steps else "there is no complete checkpoint yet (a rerun starts over)")
+        hosts = ", ".join(sorted(set(heartbeat.hosts(ranks))))
+        print(f"\nrank {ctx.rank}: lost rank(s) {', '.join(map(str, ranks))} (host {hosts}): their heartbeats "
+              f"stopped; stopping this run; {resume}", file=sys.stderr, flush=True)
+        os._exit(LOST_RANK_EXIT)        # the main thread may be blocked in a collective that never returns
+
+    heartbeat = Heartbeat(ctx.rank, dist.get_world_size(), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          on_lost, interval_s=1.0, lost_after_s=lost_after)
+    return heartbeat.start()

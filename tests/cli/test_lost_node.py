@@ -1,0 +1,76 @@
+"""A lost node: two torchrun "nodes" on this host train PP2 x TP2 (node 1 holds ranks 2 and 3, the second
+pipeline stage); after a checkpoint node 1's launcher and ranks are killed at once (kill -9, as a machine
+that dies). Every surviving process must be gone within 60 s, each surviving rank naming the lost ranks
+and the last complete checkpoint; rerunning the same command on the same two nodes resumes there and
+repeats the steps the lost run had trained after it with the same losses, bit for bit.
+
+The survivors' collectives fail on the broken connections, so rank 0 names the silent ranks after 5 s
+(parallel/dist/heartbeat.py); train.collective_timeout_s=20 bounds the silent-machine case at 10 s.
+"""
+import json
+import signal
+import time
+
+import psutil
+
+from parallel.train.checkpoint import complete_steps
+from tests.cli.test_launchers import LAYOUT, finish, kill_marked, marked_alive, run_env, start, train_args
+from tests.dist_utils import free_port
+
+STEPS = 16
+
+
+def node_cmd(rank: int, port: str, out) -> list[str]:
+    return ["bash", "launch.sh", "--launcher", "torchrun", "--nnodes", "2", "--nproc", "2", "--node-rank", str(rank),
+            "--master-port", port, "--", *train_args(out, *LAYOUT, "--set", "ckpt.every=2",
+                                                     "--set", "train.collective_timeout_s=20", steps=STEPS)]
+
+
+def rows(out) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_lost_node_names_ranks_and_checkpoint_then_rerun_resumes(tmp_path):
+    out, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    port = str(free_port())
+    procs = [start(node_cmd(r, port, out), tmp_path / f"node{r}.log", run_env()) for r in (0, 1)]
+    logs = lambda: "".join((tmp_path / f"node{r}.log").read_text()[-2500:] for r in (0, 1))
+    try:
+        deadline = time.monotonic() + 240
+        while not (complete_steps(ckpt) and len(rows(out)) > complete_steps(ckpt)[-1]):
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, logs()
+            time.sleep(0.2)
+        node1 = psutil.Process(procs[1].pid)              # launch.sh exec'ed torchrun: the node's agent
+        victims = [node1, *node1.children(recursive=True)]
+        for p in victims:
+            p.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        code = procs[0].wait(timeout=60)
+        while marked_alive(str(out)):
+            assert time.monotonic() - killed < 60, [p.info["cmdline"][:4] for p in marked_alive(str(out))]
+            time.sleep(0.5)
+        gone_after = time.monotonic() - killed
+        procs[1].wait(timeout=10)
+    finally:
+        kill_marked(str(out))
+    log0 = (tmp_path / "node0.log").read_text()
+    assert code != 0, log0[-3000:]
+    last = complete_steps(ckpt)[-1]
+    trained = len(rows(out))
+    assert trained < STEPS, "the run ended before node 1 was killed"
+    for rank in (0, 1):       # each on a line of its own (rank 0's progress bar may precede it)
+        line = next((x for x in log0.splitlines() if x.startswith(f"rank {rank}: lost rank(s) ")), None)
+        assert line is not None, log0[-3000:]
+        assert line.startswith(f"rank {rank}: lost rank(s) 2, 3 (host "), line
+        assert f"the last complete checkpoint is {ckpt}/step{last}; rerun the same command" in line, line
+    print(f"\nnode 1 killed after step {trained} (checkpoint step{last}); node 0 gone in {gone_after:.1f} s")
+
+    # the same command again, on the same two nodes: resumes at step{last}, repeats steps last+1..trained
+    port = str(free_port())
+    procs = [start(node_cmd(r, port, out), tmp_path / f"rerun{r}.log", run_env()) for r in (0, 1)]
+    assert finish(procs, str(out)) == [0, 0], "".join((tmp_path / f"rerun{r}.log").read_text()[-2500:] for r in (0, 1))
+    everything = rows(out)
+    first, rerun = everything[:trained], everything[trained:]
+    assert rerun[0]["resumed_from"] == last and [r["step"] for r in rerun] == list(range(last + 1, STEPS + 1))
+    assert [r["loss"] for r in rerun[:trained - last]] == [r["loss"] for r in first[last:]]

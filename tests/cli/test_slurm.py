@@ -1,0 +1,166 @@
+"""Slurm for real: a two-node Slurm cluster on this host (munged, slurmctld, two slurmd), and the sbatch
+script of docs/multi-node.md running launch.sh -> srun -> train.py (PP2 x TP2, 2 nodes x 2 tasks) to the
+per-step losses of `deepspeed --num_gpus 4 train.py`.
+
+The cluster lives in the module's temp dir: its own munge key and socket, slurm.conf with ports from
+free_port, state, spool and logs under the same dir; the daemons run in the foreground (-D / -F) as
+children of the test and are stopped after the module. Two nodes on one host: Debian's slurm is built
+without multiple-slurmd support (two nodes with one NodeHostname are refused), so each node has its own
+name and NodeHostname, `slurmd -N <name>` tells each daemon which it is, and both have NodeAddr=127.0.0.1
+and their own Port. The node names do not resolve; launch.sh takes MASTER_ADDR from the first node's
+NodeAddr. gVisor-style sandboxes have no cgroups: proctrack/linuxproc and task/none need none.
+Slurm, munge: scripts/system-deps.sh installs them (as root).
+"""
+import getpass
+import os
+import re
+import shutil
+import subprocess
+import textwrap
+import time
+
+import pytest
+
+from tests.cli.test_launchers import ROOT, kill_marked, losses, reference, run_env  # noqa: F401
+from tests.dist_utils import free_port
+
+NODES = ("vdp-n0", "vdp-n1")
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "scancel")
+
+
+def sbatch_script() -> str:
+    """The sbatch script of docs/multi-node.md's "Slurm" section (the block starting with #!/bin/bash)."""
+    with open(os.path.join(ROOT, "docs", "multi-node.md")) as f:
+        text = f.read()
+    section = text.split("\n## Slurm\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(#!/bin/bash\n.*?)```", section, re.DOTALL)
+    assert block, "docs/multi-node.md: the Slurm section has no ```bash block starting with #!/bin/bash"
+    return block.group(1)
+
+
+def slurm_conf(d, ports: dict, user: str) -> str:
+    nodes = "\n".join(f"NodeName={n} NodeHostname={n} NodeAddr=127.0.0.1 Port={ports[n]} CPUs=2" for n in NODES)
+    return textwrap.dedent(f"""\
+        ClusterName=vdp-test
+        SlurmctldHost={os.uname().nodename}(127.0.0.1)
+        SlurmctldPort={ports['slurmctld']}
+        SlurmUser={user}
+        SlurmdUser={user}
+        AuthType=auth/munge
+        CredType=cred/munge
+        AuthInfo=socket={d}/munge.socket
+        StateSaveLocation={d}/state
+        SlurmdSpoolDir={d}/spool/%n
+        SlurmctldPidFile={d}/slurmctld.pid
+        SlurmdPidFile={d}/slurmd.%n.pid
+        SlurmctldLogFile={d}/slurmctld.log
+        SlurmdLogFile={d}/slurmd.%n.log
+        PlugStackConfig={d}/plugstack.conf
+        ProctrackType=proctrack/linuxproc
+        TaskPlugin=task/none
+        JobAcctGatherType=jobacct_gather/none
+        AccountingStorageType=accounting_storage/none
+        SwitchType=switch/none
+        MpiDefault=none
+        MailProg=/bin/true
+        SchedulerType=sched/builtin
+        SelectType=select/cons_tres
+        SelectTypeParameters=CR_CPU
+        ReturnToService=2
+        """) + nodes + "\nPartitionName=debug Nodes=" + ",".join(NODES) + " Default=YES MaxTime=INFINITE State=UP\n"
+
+
+def job_state(job: str, env: dict, timeout: float) -> dict:
+    """JobState and ExitCode of a finished job, polled every 0.5 s (sbatch --wait backs off to 32 s); a job
+    still running at the timeout is cancelled."""
+    deadline = time.monotonic() + timeout
+    while True:
+        p = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True, timeout=30,
+                           check=False)
+        fields = dict(f.split("=", 1) for f in p.stdout.split() if "=" in f)
+        if fields.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return {k: fields[k] for k in ("JobState", "ExitCode")}
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job], env=env, timeout=30, check=False)
+            return {"JobState": f"still {fields.get('JobState')} after {timeout} s", "ExitCode": "-"}
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A running two-node cluster; yields the environment (SLURM_CONF) its client commands need."""
+    missing = [c for c in DAEMONS if not shutil.which(c, path=os.environ["PATH"] + ":/usr/sbin")]
+    if missing:
+        pytest.fail(f"no Slurm here ({', '.join(missing)} missing): run scripts/system-deps.sh as root "
+                    "(apt-get install slurm-wlm munge)")
+    tic = time.monotonic()
+    d = tmp_path_factory.mktemp("slurm")
+    for sub in ("state", "spool"):
+        (d / sub).mkdir()
+    (d / "plugstack.conf").write_text("")
+    (d / "munge.key").write_bytes(os.urandom(1024))
+    (d / "munge.key").chmod(0o600)
+    ports = {name: free_port() for name in ("slurmctld", *NODES)}
+    (d / "slurm.conf").write_text(slurm_conf(d, ports, getpass.getuser()))
+    env = run_env(SLURM_CONF=str(d / "slurm.conf"))
+    sbin = lambda name: shutil.which(name, path="/usr/sbin:" + os.environ["PATH"])
+    commands = {"munged": [sbin("munged"), "-F", "-f", f"--key-file={d}/munge.key", f"--socket={d}/munge.socket",
+                           f"--pid-file={d}/munged.pid", f"--log-file={d}/munged.log", f"--seed-file={d}/munged.seed"],
+                "slurmctld": [sbin("slurmctld"), "-D", "-f", str(d / "slurm.conf")],
+                **{n: [sbin("slurmd"), "-D", "-N", n, "-f", str(d / "slurm.conf")] for n in NODES}}
+    daemons = {}
+    try:
+        for name, cmd in commands.items():
+            daemons[name] = subprocess.Popen(cmd, env=env, stdout=open(d / f"{name}.out", "w"),
+                                             stderr=subprocess.STDOUT)
+            if name == "munged":
+                while not (d / "munge.socket").exists():
+                    assert daemons[name].poll() is None and time.monotonic() - tic < 30, (d / "munged.out").read_text()
+                    time.sleep(0.05)
+        while True:       # both nodes registered and idle
+            p = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=env, capture_output=True, text=True,
+                               timeout=30, check=False)
+            if sorted(p.stdout.split()) == sorted([*NODES, "idle", "idle"]):
+                break
+            dead = [n for n, proc in daemons.items() if proc.poll() is not None]
+            assert not dead and time.monotonic() - tic < 30, \
+                f"slurm did not come up ({dead} exited): {p.stdout}{p.stderr}" + \
+                "".join((d / f"{n}.out").read_text()[-1500:] for n in daemons)
+            time.sleep(0.2)
+        print(f"\nslurm cluster up in {time.monotonic() - tic:.1f} s", flush=True)
+        yield env
+    finally:
+        for proc in reversed(daemons.values()):
+            proc.terminate()
+        for proc in daemons.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def test_sbatch_two_nodes_equals_direct_deepspeed(reference, slurm, tmp_path):   # noqa: F811
+    """docs/multi-node.md's sbatch script: 2 nodes x 2 tasks, PP2 x TP2, the direct run's losses bit for bit."""
+    out, port = tmp_path / "run", free_port()
+    script = tmp_path / "train.sbatch"
+    script.write_text(sbatch_script())
+    log = tmp_path / "job.log"
+    tic = time.monotonic()
+    submit = subprocess.run(["sbatch", "--parsable", f"--chdir={ROOT}", f"--output={log}", str(script),
+                             "--set", "train.max_steps=3", "--set", f"train.output_dir={out}"],
+                            env={**slurm, "MASTER_PORT": str(port)}, capture_output=True, text=True, timeout=60,
+                            check=False)
+    assert submit.returncode == 0, submit.stderr
+    job = submit.stdout.strip().split(";")[0]
+    try:
+        state = job_state(job, slurm, timeout=180)
+    finally:
+        kill_marked(str(out))
+    text = log.read_text() if log.exists() else ""
+    assert state == {"JobState": "COMPLETED", "ExitCode": "0:0"}, f"{state}\n{text[-4000:]}"
+    print(f"sbatch job: {time.monotonic() - tic:.1f} s", flush=True)
+    assert f"+ MASTER_ADDR=127.0.0.1 MASTER_PORT={port} srun --kill-on-bad-exit=1 " in text, text[-3000:]
+    assert "nodes vdp-n[0-1], 4 tasks" in text, text[-3000:]
+    assert losses(out) == reference
+

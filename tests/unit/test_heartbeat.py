@@ -1,0 +1,23 @@
+"""The lost-rank rule of parallel/dist/heartbeat.py, without a store: who is declared lost, and when."""
+from parallel.dist.heartbeat import lost_ranks, threshold
+
+
+def test_nobody_lost_before_the_threshold():
+    assert lost_ranks({0: 100.0, 1: 99.0, 2: 91.0}, set(), now=100.0, lost_after_s=10) == []
+
+
+def test_a_node_is_lost_together():
+    """Ranks 2 and 3 died together, their last beats a second apart: both are named when 3 crosses 10 s."""
+    seen = {0: 100.0, 1: 99.5, 2: 90.5, 3: 89.5}
+    assert lost_ranks(seen, set(), now=100.0, lost_after_s=10) == [2, 3]
+
+
+def test_finished_ranks_are_not_lost():
+    assert lost_ranks({0: 100.0, 1: 50.0, 2: 80.0}, {1}, now=100.0, lost_after_s=10) == [2]
+
+
+def test_a_broken_connection_shortens_the_wait():
+    """After a peer's collective failed (suspect), 5 one-second intervals of silence suffice, not 30 s."""
+    seen = {0: 100.0, 1: 99.5, 2: 94.0, 3: 93.5}
+    assert lost_ranks(seen, set(), 100.0, threshold(30, 1.0, suspected=False)) == []
+    assert lost_ranks(seen, set(), 100.0, threshold(30, 1.0, suspected=True)) == [2, 3]
