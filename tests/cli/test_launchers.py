@@ -83,9 +83,9 @@ def losses(out):
     return [json.loads(line)["loss"] for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Per-step losses of the direct `deepspeed --num_gpus 4 train.py ...` run. It leaves no shared-memory
+def reference_losses(tmp_path_factory):
+    """Per-step losses of the direct `deepspeed --num_gpus 4 train.py ...` run (the session fixture
+    `reference` of tests/cli/conftest.py, shared with tests/cli/test_slurm.py). It leaves no shared-memory
     all-reduce buffer behind (DeepSpeed's CPU all-reduce creates one per rank: 4 x 69 MB of RAM a run)."""
     out = tmp_path_factory.mktemp("reference") / "run"
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from tests.cli.test_launchers import ROOT, kill_marked, losses, reference, run_env  # noqa: F401
+from tests.cli.test_launchers import ROOT, kill_marked, losses, run_env
 from tests.dist_utils import free_port
 
 NODES = ("vdp-n0", "vdp-n1")
@@ -140,7 +140,7 @@ def slurm(tmp_path_factory):
                 proc.wait()
 
 
-def test_sbatch_two_nodes_equals_direct_deepspeed(reference, slurm, tmp_path):   # noqa: F811
+def test_sbatch_two_nodes_equals_direct_deepspeed(reference, slurm, tmp_path):
     """docs/multi-node.md's sbatch script: 2 nodes x 2 tasks, PP2 x TP2, the direct run's losses bit for bit."""
     out, port = tmp_path / "run", free_port()
     script = tmp_path / "train.sbatch"
