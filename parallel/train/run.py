@@ -205,6 +205,7 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
         return 1
 
     ckpt_dir, ckpt_layout = Path(cfg.ckpt_dir), checkpoint_layout(layout)
+    ckpt_layout["global_batch"] = layout.global_batch        # a resume must keep it (find_resume)
     tag = checkpoint.find_resume(ckpt_dir, ckpt_layout) if resume else None
     ctx, trainer = start_engine(cfg, ds, layout, env, init_from=tag is None)   # a checkpoint wins over init_from
     plan = run_plan(cfg, ds, layout, accelerator.total_memory(env.local_rank))
@@ -228,7 +229,10 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
         if tag:
             done = "; train.max_steps reached, nothing to do (raise it, or --resume never)" \
                 if start >= cfg.train.max_steps else ""
-            print(f"resumed from {ckpt_dir}/{tag} at step {start}{done}", flush=True)
+            saved = checkpoint.saved_layout(ckpt_dir / tag)
+            moved = "" if checkpoint.same_layout(saved, ckpt_layout) else \
+                f" (written at {checkpoint.describe(saved)}, read from its layout-free copy)"
+            print(f"resumed from {ckpt_dir}/{tag} at step {start}{moved}{done}", flush=True)
     metrics = open(out_dir / "metrics.jsonl", "a") if is_logger else None   # append: earlier runs are kept
     tokens = layout.global_batch * sequence_tokens(cfg.model, cfg.data)
     losses: list[float] = []
