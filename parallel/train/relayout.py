@@ -52,7 +52,7 @@ import torch.distributed as dist
 from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
                              safe_set_full_optimizer_state)
 
-from parallel.dist.deepspeed_compat import relink_optimizer_fragments
+from parallel.dist.deepspeed_compat import relink_optimizer_fragments, zero_holds_master
 from parallel.dist.pipeline import canonical_name
 
 FOLDER = "layout_free"
@@ -156,7 +156,7 @@ def _optimizer_step(optimizer) -> int:
 def _full_value(param, optimizer, key: Optional[str]) -> torch.Tensor:
     """The fp32 tp shard of the master weight (key None) or of an optimizer state, gathered over ZeRO's
     data-parallel partitions (a collective under ZeRO 1/2/3; each data rank gets the same tensor)."""
-    if hasattr(param, "ds_id") or hasattr(param, "_hp_mapping"):
+    if zero_holds_master(param):
         value = safe_get_full_fp32_param(param) if key is None else safe_get_full_optimizer_state(param, key)
     else:                                       # ZeRO-0: the optimizer holds the parameter itself
         value = param if key is None else optimizer.state[param][key]
@@ -168,7 +168,7 @@ def _supported(engine, optimizer) -> bool:
     DeepSpeed's fragment mapping (ZeRO 1/2/3, BF16_Optimizer) or as the optimizer's own parameter
     (fp32 ZeRO-0). fp16 ZeRO-0 (FP16_Optimizer's private fp32 copies) is not: no copy is written then."""
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    ok = all(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") or id(p) in held
+    ok = all(zero_holds_master(p) or id(p) in held
              for p in engine.module.parameters() if p.requires_grad)
     flag = torch.tensor(int(ok))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -296,7 +296,7 @@ def load(trainer, folder: Path) -> int:
             p.data.copy_(weight.to(p.dtype))
         if not p.requires_grad:
             continue
-        zero = hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
+        zero = zero_holds_master(p)
         if zero:
             safe_set_full_fp32_param(p, weight.to(p.device))
         for key in keys:

@@ -1,10 +1,13 @@
 """The slice arithmetic of the layout-free checkpoint copy (parallel/train/relayout.py), in one process: shards
 written at one tp size reassemble into the shards the tensor-parallel layers build at another, fused QKV
-parts and row splits included (the layers' own slicing is the oracle)."""
+parts and row splits included (the layers' own slicing is the oracle); and which checkpoints find_resume takes."""
+import json
+
 import pytest
 import torch
 
 from parallel.dist.layers import ColumnParallelLinear
+from parallel.train import checkpoint
 from parallel.train.relayout import Slicing, assemble
 
 FULL = torch.arange(24 * 6, dtype=torch.float32).reshape(24, 6)      # [out = 8 + 8 + 8 (q, k, v), in = 6]
@@ -60,3 +63,37 @@ def test_missing_shard_is_named():
     pieces = stored(column_shard, 2, 0, PARTS)[:1]               # tp rank 1's file lost
     with pytest.raises(ValueError, match="cover 12 of 24 entries along dim 0"):
         assemble(Slicing(0, tuple(PARTS), 1, 0), (24, 6), pieces)
+
+
+def marked(directory, step, layout, copy=True):
+    """A complete step{step} folder written at `layout` (with its layout-free state.json when `copy`)."""
+    folder = directory / f"step{step}"
+    (folder / "layout_free").mkdir(parents=True)
+    files = {}
+    if copy:
+        (folder / "layout_free" / "state.json").write_text("{}")
+        files["layout_free/state.json"] = 2
+    (folder / checkpoint.MARKER).write_text(json.dumps({"step": step, "layout": layout, "files": files}))
+
+
+SAVED = {"tp_size": 2, "pp_size": 2, "dp_size": 1, "zero_stage": 1, "global_batch": 4}    # no sp_size: an old marker
+
+
+def test_find_resume_takes_another_layout_with_its_copy(tmp_path):
+    marked(tmp_path, 3, SAVED)
+    here = {"tp_size": 1, "sp_size": 1, "pp_size": 1, "dp_size": 4, "zero_stage": 2, "global_batch": 4}
+    assert checkpoint.find_resume(tmp_path, here) == "step3"
+    assert not checkpoint.same_layout(checkpoint.saved_layout(tmp_path / "step3"), here)
+    assert checkpoint.same_layout(checkpoint.saved_layout(tmp_path / "step3"), {**SAVED, "sp_size": 1})
+
+
+def test_find_resume_refuses_another_global_batch_and_a_checkpoint_without_a_copy(tmp_path):
+    marked(tmp_path, 3, SAVED)
+    with pytest.raises(ValueError, match=r"trained with global batch 4, this run's is 8 .*keep 4 to resume it"):
+        checkpoint.find_resume(tmp_path, {**SAVED, "sp_size": 1, "global_batch": 8})
+    marked(tmp_path / "old", 3, SAVED, copy=False)
+    here = {"tp_size": 1, "sp_size": 1, "pp_size": 1, "dp_size": 4, "zero_stage": 2}
+    with pytest.raises(ValueError, match=r"written at tp 2 sp 1 pp 2 dp 1 ZeRO-1 without a layout-free copy .*"
+                                         r"Resume it at tp 2 sp 1 pp 2 dp 1 ZeRO-1"):
+        checkpoint.find_resume(tmp_path / "old", here)
+    assert checkpoint.find_resume(tmp_path / "old", {**SAVED, "sp_size": 1}) == "step3"
