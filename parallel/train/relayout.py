@@ -159,7 +159,7 @@ def _full_value(param, optimizer, key: Optional[str]) -> torch.Tensor:
     if zero_holds_master(param):
         value = safe_get_full_fp32_param(param) if key is None else safe_get_full_optimizer_state(param, key)
     else:                                       # ZeRO-0: the optimizer holds the parameter itself
-        value = param if key is None else optimizer.state[param][key]
+        value = param if key is None else optimizer.state[param].get(key, torch.zeros_like(param))
     return value.detach().float().reshape(local_shape(param)).cpu()
 
 
@@ -203,7 +203,7 @@ def collect(trainer) -> Optional[dict]:
             if mine:
                 tensors[f"{canonical}::{key or PARAM}"] = value.contiguous()
         if mine:
-            index[canonical] = {**slicing.to_json(), "trainable": p.requires_grad}
+            index[canonical] = slicing.to_json()
     scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else {}
     return {"tensors": tensors, "index": index, "keys": keys, "optimizer_step": _optimizer_step(optimizer),
             "schedule": {k: scheduler[k] for k in ("last_epoch", "_step_count") if k in scheduler},

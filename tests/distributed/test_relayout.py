@@ -32,7 +32,7 @@ def _build(layout, tmp):
                                 f"ckpt.dir={tmp}"])
     ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp))
     seed_all(cfg.train.seed)
-    trainer = build_trainer(cfg, fp32_config(stage, optimizer="FusedEmaAdam"), ctx)
+    trainer = build_trainer(cfg, fp32_config(stage, checkpointing=False, optimizer="FusedEmaAdam"), ctx)
     return cfg, ctx, trainer, training_batches
 
 
