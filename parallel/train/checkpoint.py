@@ -3,12 +3,12 @@
 A checkpoint is the folder `<ckpt.dir>/step{N}` written by `engine.save_checkpoint` (model, optimizer
 with the EMA, LR schedule, step), plus `step{N}/layout_free/`, the layout-free copy every rank writes of
 its own slices (parallel/train/relayout.py) that a run at another (tp, sp, pp, dp, ZeRO) layout resumes
-from; a run at the saved layout loads DeepSpeed's files. After every rank has written its files, rank 0 writes the marker
-`step{N}/complete.json` and then replaces `<ckpt.dir>/latest` atomically (write a temporary file,
-`os.replace`). A folder without the marker is an interrupted save: it is never loaded and never counts
-towards the `ckpt.keep` newest that are kept. The marker lists every file with its size; a checkpoint
-whose files no longer match (truncated by a full disk, half-copied) is reported by name and the
-previous complete one is used.
+from; a run at the saved layout loads DeepSpeed's files. After every rank has written its files, rank 0
+writes the marker `step{N}/complete.json` (the layout, the global batch and every file with its size) and
+then replaces `<ckpt.dir>/latest` atomically (write a temporary file, `os.replace`). A folder without the
+marker is an interrupted save: it is never loaded and never counts towards the `ckpt.keep` newest that are
+kept. A checkpoint whose files no longer match the marker (truncated by a full disk, half-copied) is
+reported by name and the previous complete one is used.
 
 Disk space: before each save rank 0 compares the filesystem's free bytes with the newest complete
 checkpoint's size (warning when a second one would not fit, stopping when this one cannot); a save that
