@@ -206,7 +206,12 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
 
     ckpt_dir, ckpt_layout = Path(cfg.ckpt_dir), checkpoint_layout(layout)
     ckpt_layout["global_batch"] = layout.global_batch        # a resume must keep it (find_resume)
-    tag = checkpoint.find_resume(ckpt_dir, ckpt_layout) if resume else None
+    try:
+        tag = checkpoint.find_resume(ckpt_dir, ckpt_layout) if resume else None
+    except ValueError as e:                    # a checkpoint this run cannot continue, said before any group
+        if env.local_rank == 0:
+            print(f"refusing to start: {e}", file=sys.stderr)
+        return 1
     ctx, trainer = start_engine(cfg, ds, layout, env, init_from=tag is None)   # a checkpoint wins over init_from
     plan = run_plan(cfg, ds, layout, accelerator.total_memory(env.local_rank))
     start = trainer.load(ckpt_dir, tag) if tag else 0
