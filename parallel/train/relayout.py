@@ -212,12 +212,16 @@ def collect(trainer) -> Optional[dict]:
 
 def write(part: dict, folder: Path, step: int, layout: dict) -> None:
     """Write what `collect` gathered into `folder`/layout_free (rank 0 also writes state.json)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     out = Path(folder) / FOLDER
     out.mkdir(parents=True, exist_ok=True)
-    save_file(part["tensors"], str(out / f"rank{dist.get_rank():05d}.safetensors"),
-              metadata={"index": json.dumps(part["index"])})
+    path = out / f"rank{dist.get_rank():05d}.safetensors"
+    try:
+        save_file(part["tensors"], str(path), metadata={"index": json.dumps(part["index"])})
+    except SafetensorError as e:        # a full disk: as OSError, which checkpoint.save reports with the figures
+        raise OSError(f"{path}: {e}") from e
     if dist.get_rank() == 0:
         state = {"step": step, "optimizer_step": part["optimizer_step"], "schedule": part["schedule"],
                  "global_samples": step * part["global_batch"], "global_batch": part["global_batch"],
