@@ -73,6 +73,12 @@ silently, so the tests check them too):
                                                device, by the attributes that hold them (checked in
                                                tests/distributed/test_ds_json_distributed.py)
     engine_optimizers(engine)                  engine.basic_optimizer, the client optimizer DeepSpeed wraps
+    zero_holds_master(param)                   ZeRO-3 marks its parameters with ds_id, ZeRO-1/2 and BF16_Optimizer
+                                               with _hp_mapping (deepspeed.utils.safe_*_full_* dispatch on the
+                                               same two); train/relayout.py then creates the client optimizer's
+                                               state on the flat fp32 partitions, which DeepSpeed's per-parameter
+                                               views (ZeRO-1/2: tensors of the partition's shape; ZeRO-3:
+                                               optimizer.state[fp32 partition][key]) point into
 Elsewhere, read the same way: ZeRO-3's parameter attributes ds_tensor, ds_shape, ds_id (dist/replicas.py,
 train/validate.py, train/ema.py) and MEMORY_OPT_ALLREDUCE_SIZE (mirrored in plan/memory.py).
 """
@@ -161,6 +167,13 @@ def relink_optimizer_fragments(wrapper) -> None:
     if hasattr(wrapper, "_hp_optimizer_states_linked"):
         wrapper._hp_optimizer_states_linked = False
         wrapper._lazy_init_hp_params_optimizer_state()
+
+
+def zero_holds_master(param) -> bool:
+    """True when DeepSpeed keeps the parameter's fp32 master and optimizer state in its own partitions (ZeRO
+    1/2/3, BF16_Optimizer), reached through deepspeed.utils' safe_get/set_full_* accessors; False when the
+    client optimizer steps the parameter itself (fp32 ZeRO-0)."""
+    return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
 
 
 def set_stage_bounds(pipeline_module, parts: Sequence[int]) -> None:

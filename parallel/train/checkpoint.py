@@ -1,12 +1,14 @@
 """Training checkpoints: DeepSpeed's format, published atomically, found again after any interruption.
 
 A checkpoint is the folder `<ckpt.dir>/step{N}` written by `engine.save_checkpoint` (model, optimizer
-with the EMA, LR schedule, step). After every rank has written its files, rank 0 writes the marker
-`step{N}/complete.json` and then replaces `<ckpt.dir>/latest` atomically (write a temporary file,
-`os.replace`). A folder without the marker is an interrupted save: it is never loaded and never counts
-towards the `ckpt.keep` newest that are kept. The marker lists every file with its size; a checkpoint
-whose files no longer match (truncated by a full disk, half-copied) is reported by name and the
-previous complete one is used.
+with the EMA, LR schedule, step), plus `step{N}/layout_free/`, the layout-free copy every rank writes of
+its own slices (parallel/train/relayout.py) that a run at another (tp, sp, pp, dp, ZeRO) layout resumes
+from; a run at the saved layout loads DeepSpeed's files. After every rank has written its files, rank 0
+writes the marker `step{N}/complete.json` (the layout, the global batch and every file with its size) and
+then replaces `<ckpt.dir>/latest` atomically (write a temporary file, `os.replace`). A folder without the
+marker is an interrupted save: it is never loaded and never counts towards the `ckpt.keep` newest that are
+kept. A checkpoint whose files no longer match the marker (truncated by a full disk, half-copied) is
+reported by name and the previous complete one is used.
 
 Disk space: before each save rank 0 compares the filesystem's free bytes with the newest complete
 checkpoint's size (warning when a second one would not fit, stopping when this one cannot); a save that
@@ -142,22 +144,51 @@ def damage(folder: Path) -> Optional[str]:
     return None
 
 
+LAYOUT_KEYS = ("tp_size", "sp_size", "pp_size", "dp_size", "zero_stage")
+
+
+def saved_layout(folder: Path) -> Optional[dict]:
+    """The layout a complete checkpoint folder was written with (its marker's), or None without a marker."""
+    marker = Path(folder) / MARKER
+    return {"sp_size": 1, **json.loads(marker.read_text())["layout"]} if marker.is_file() else None
+
+
+def same_layout(saved: dict, layout: dict) -> bool:
+    """Whether DeepSpeed's own files load as they are: the same sizes and ZeRO stage."""
+    return all(saved.get(k, 1 if k == "sp_size" else None) == layout.get(k) for k in LAYOUT_KEYS)
+
+
+def describe(layout: dict) -> str:
+    return " ".join(f"{k[:-5]} {layout[k]}" for k in LAYOUT_KEYS[:4] if k in layout) + \
+        f" ZeRO-{layout.get('zero_stage', '?')}"
+
+
 def find_resume(directory: Path, layout: dict) -> Optional[str]:
     """Tag of the newest complete, undamaged checkpoint, or None. A damaged one is reported (stderr, every
-    rank) and skipped; a different layout is refused with the way out."""
-    for step in reversed(complete_steps(Path(directory))):
+    rank) and skipped. One written at another layout is resumed through its layout-free copy
+    (parallel/train/relayout.py); one without that copy (written before it existed, or fp16 ZeRO-0) is
+    refused with the layout to resume it at. With `layout["global_batch"]` (a training run), a checkpoint
+    written at another global batch is refused: the step would no longer name the same samples."""
+    directory = Path(directory)
+    for step in reversed(complete_steps(directory)):
         tag = f"step{step}"
-        problem = damage(Path(directory) / tag)
+        problem = damage(directory / tag)
         if problem is None:
             break
         print(f"checkpoint {directory}/{tag} is damaged ({problem}); trying the previous one", file=sys.stderr)
     else:
         return None
-    saved = {"sp_size": 1, **json.loads((Path(directory) / tag / MARKER).read_text())["layout"]}
-    if saved != layout:
+    saved = saved_layout(directory / tag)
+    if not same_layout(saved, layout) and not (directory / tag / "layout_free" / "state.json").is_file():
         raise ValueError(
-            f"{directory}/{tag} was written with layout {saved}, this run is {layout}. Resume with the saved "
-            f"tp_size/pp_size, or convert it: python -m deepspeed.checkpoint.ds_to_universal --input_folder "
-            f"{directory}/{tag} --output_folder {directory}/{tag}_universal, then load it with "
-            f'"checkpoint": {{"load_universal": true}} in the DeepSpeed JSON')
+            f"{directory}/{tag} was written at {describe(saved)} without a layout-free copy (a toolkit older "
+            f"than resuming on any layout, or fp16 with ZeRO-0); this run is {describe(layout)}. Resume it at "
+            f"{describe(saved)} (parallel.tp_size/sp_size/pp_size, the world size, zero_optimization.stage); "
+            f"its next checkpoint then resumes anywhere")
+    if "global_batch" in saved and "global_batch" in layout and saved["global_batch"] != layout["global_batch"]:
+        raise ValueError(
+            f"{directory}/{tag} was trained with global batch {saved['global_batch']}, this run's is "
+            f"{layout['global_batch']} (train.micro_batch_size x train.grad_accum_steps x dp_size): keep "
+            f"{saved['global_batch']} to resume it (for example raise train.grad_accum_steps as dp_size falls), "
+            f"so that step N names the same samples and the same point of the learning-rate schedule")
     return tag

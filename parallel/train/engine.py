@@ -7,6 +7,7 @@ pipeline partitioning flags), `build_trainer` calls `deepspeed.initialize` for t
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -83,13 +84,30 @@ class Trainer:
     def save(self, directory, step: int) -> None:
         """Model, optimizer (with the EMA), LR schedule and step, in DeepSpeed's format, tag `step{N}`.
 
-        Publishing it (marker, `latest`) is parallel.train.checkpoint.save's job, once every rank has written.
+        Beside it every rank writes its part of the layout-free copy (parallel/train/relayout.py) that a
+        resume on another layout reads. Publishing it (marker, `latest`) is parallel.train.checkpoint.save's
+        job, once every rank has written.
         """
+        from parallel.train import relayout
+
+        part = relayout.collect(self)        # its collectives before any disk write that could fail
         self.engine.save_checkpoint(str(directory), tag=f"step{step}", client_state={"step": step},
                                     save_latest=False)
+        if part is not None:
+            relayout.write(part, Path(directory) / f"step{step}", step, self.layout())
+
+    def layout(self) -> dict:
+        """This run's sizes and ZeRO stage, as a checkpoint records them."""
+        return {**self.ctx.dims.as_dict(), "zero_stage": self.engine.zero_optimization_stage()}
 
     def load(self, directory, tag=None) -> int:
-        """Restore everything `save` wrote (the newest tag by default); returns the step to continue from."""
+        """Restore everything `save` wrote (the newest tag by default); returns the step to continue from.
+        A checkpoint written at another layout is read from its layout-free copy."""
+        from parallel.train import checkpoint, relayout
+
+        saved = checkpoint.saved_layout(Path(directory) / tag) if tag else None
+        if saved is not None and not checkpoint.same_layout(saved, self.layout()):
+            return relayout.load(self, Path(directory) / tag)
         path, client = self.engine.load_checkpoint(str(directory), tag=tag)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {directory}")

@@ -209,7 +209,13 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
         return 1
 
     ckpt_dir, ckpt_layout = Path(cfg.ckpt_dir), checkpoint_layout(layout)
-    tag = checkpoint.find_resume(ckpt_dir, ckpt_layout) if resume else None
+    ckpt_layout["global_batch"] = layout.global_batch        # a resume must keep it (find_resume)
+    try:
+        tag = checkpoint.find_resume(ckpt_dir, ckpt_layout) if resume else None
+    except ValueError as e:                    # a checkpoint this run cannot continue, said before any group
+        if env.local_rank == 0:
+            print(f"refusing to start: {e}", file=sys.stderr)
+        return 1
     ctx, trainer = start_engine(cfg, ds, layout, env, init_from=tag is None)   # a checkpoint wins over init_from
     heartbeat = start_heartbeat(cfg, ctx, ckpt_dir)
     plan = run_plan(cfg, ds, layout, accelerator.total_memory(env.local_rank))
@@ -233,7 +239,10 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
         if tag:
             done = "; train.max_steps reached, nothing to do (raise it, or --resume never)" \
                 if start >= cfg.train.max_steps else ""
-            print(f"resumed from {ckpt_dir}/{tag} at step {start}{done}", flush=True)
+            saved = checkpoint.saved_layout(ckpt_dir / tag)
+            moved = "" if checkpoint.same_layout(saved, ckpt_layout) else \
+                f" (written at {checkpoint.describe(saved)}, read from its layout-free copy)"
+            print(f"resumed from {ckpt_dir}/{tag} at step {start}{moved}{done}", flush=True)
     metrics = open(out_dir / "metrics.jsonl", "a") if is_logger else None   # append: earlier runs are kept
     tokens = layout.global_batch * sequence_tokens(cfg.model, cfg.data)
     losses: list[float] = []

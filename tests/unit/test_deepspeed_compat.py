@@ -310,3 +310,32 @@ def test_shm_buffer_name_is_the_one_deepspeed_creates():
     relies(p, "shm_interface.cpp initialize", all(f'getenv("{v}")' in interface for v in
                                                   ("LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")),
            "it no longer reads LOCAL_SIZE, MASTER_ADDR and MASTER_PORT")
+
+
+# -- zero_holds_master (read by train/relayout.py) ---------------------------------------------------------
+
+def test_zero_holds_master_relies_on_the_safe_accessors_and_state_views():
+    import importlib
+    fragments = importlib.import_module("deepspeed.utils.tensor_fragment")    # the module, not the class
+    p = "zero_holds_master"
+    for fn in (fragments.safe_set_full_fp32_param, fragments.safe_set_full_optimizer_state,
+               fragments.safe_get_full_optimizer_state):
+        body = source(fn)
+        relies(p, f"{fn.__name__}", "hasattr(param, 'ds_id')" in body and "hasattr(param, '_hp_mapping')" in body,
+               "it no longer dispatches on ds_id / _hp_mapping")
+    relies(p, "tensor_fragment.set_optim_state_fragment", "value.shape == flat_hp_partition.shape" in
+           source(member(p, fragments.tensor_fragment, "set_optim_state_fragment")),
+           "ZeRO-1/2 no longer view every optimizer state of the flat partition's shape")
+    relies(p, "DeepSpeedZeroOptimizer_Stage3._get_fp32_opt_state_partition",
+           "self.optimizer.state[fp32_param][optim_state_key]" in
+           source(member(p, DeepSpeedZeroOptimizer_Stage3, "_get_fp32_opt_state_partition")),
+           "ZeRO-3 no longer reads optimizer state per flat fp32 partition")
+
+
+def test_zero_holds_master_tells_zero_parameters_from_plain_ones():
+    plain = torch.nn.Parameter(torch.zeros(2))
+    assert not compat.zero_holds_master(plain)
+    for attr in ("ds_id", "_hp_mapping"):
+        marked = torch.nn.Parameter(torch.zeros(2))
+        setattr(marked, attr, None)
+        assert compat.zero_holds_master(marked)

@@ -1,0 +1,321 @@
+"""A layout-free copy of the training state, written by every rank beside DeepSpeed's checkpoint and read
+back when a run resumes on another (tp, sp, pp, dp, ZeRO stage) layout.
+
+Why not DeepSpeed's universal checkpoint: 0.19's `ds_to_universal` needs `universal_checkpoint_info` and
+tensor-parallel patterns set on the module, merges fused-QKV shards as one column split (wrong for
+[Wq_i; Wk_i; Wv_i] shards), and is a separate offline pass over every file by one process. The toolkit
+already knows how its shards sit in the full tensors (parallel/dist/layers.py), so it writes them that way.
+
+What is written (`step{N}/layout_free/`, listed in the checkpoint's marker like every other file, so the
+copy is published atomically and damage-checked with the rest):
+    rank{R:05d}.safetensors  tensors `{canonical name}::{kind}`, kind = param (the fp32 master weight) or
+                             an optimizer state key (exp_avg, exp_avg_sq, ema, ...), each the full
+                             tensor-parallel shard of rank R's tp rank: ZeRO partitions are gathered over
+                             the data-parallel group first (DeepSpeed's safe_get_full_* accessors), and the
+                             shards of one (stage, tp rank) are spread over its data-parallel ranks,
+                             parameter i written by data rank i mod (dp x sp), so every rank writes a part
+                             and none holds more than its own tp shard. Replicated parameters are written
+                             by tp rank 0 only. The header's `index` says, per name, how the shard sits in
+                             the full tensor: partition dim, the full sizes of its fused parts along it
+                             ([q, k, v] or one), tp size and rank.
+    state.json               (rank 0) step, optimizer step count, the LR schedule's position, the global
+                             sample index (step x global batch), the layout and the state keys.
+
+Reading at another layout (`load`): each rank builds its model and DeepSpeed engine for the new layout,
+reads every file's header, and for each of its parameters reads only the slices of the old shards that
+overlap its own shard (safetensors' partial reads), part by part:
+
+    shard r of a part of full size n (tp size p) holds [r n/p, (r+1) n/p) of it, parts concatenated in
+    order, so new shard r' of part k is the union of its overlaps with old shards r = 0..p_old-1.
+
+It then hands the tensors to DeepSpeed: the module weight (gathered and re-partitioned under ZeRO-3), the
+fp32 master and each optimizer state through safe_set_full_fp32_param / safe_set_full_optimizer_state
+(ZeRO 1/2/3, BF16_Optimizer: every rank keeps the fragment it owns), or the optimizer's own state (ZeRO-0).
+The step count of every optimizer state, the LR schedule (last_epoch, hence the learning rate) and the
+engine's step and sample counters are set from state.json.
+
+Random state: nothing to carry. The data order, each sample's noise and timestep and caption dropout are
+drawn from (seed, step, global sample position) (parallel/train/data.py), the models have no dropout, and
+no training step draws from a process's global RNG, so the continuation sees what the uninterrupted run
+would. The global batch must stay the same across the change (it fixes the sample positions of a step
+and the meaning of `step` for the schedule); parallel.train.checkpoint.find_resume refuses otherwise.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
+                             safe_set_full_optimizer_state)
+
+from parallel.dist.deepspeed_compat import relink_optimizer_fragments, zero_holds_master
+from parallel.dist.pipeline import canonical_name
+
+FOLDER = "layout_free"
+STATE = "state.json"
+PARAM = "param"
+
+
+@dataclass(frozen=True)
+class Slicing:
+    """How a rank's tensor sits in the full one: split along `dim` (None: whole) into `parts` (full sizes
+    of the fused parts along dim), this being shard `tp_rank` of `tp_size`."""
+
+    dim: Optional[int]
+    parts: tuple[int, ...]
+    tp_size: int
+    tp_rank: int
+
+    @property
+    def whole(self) -> bool:
+        return self.dim is None or self.tp_size == 1
+
+    def intervals(self) -> list[tuple[int, int, int]]:
+        """(full start, length, local start) along dim of each part this shard holds, in local order."""
+        out, local, base = [], 0, 0
+        for n in self.parts:
+            k = n // self.tp_size
+            out.append((base + self.tp_rank * k, k, local))
+            local, base = local + k, base + n
+        return out
+
+    def to_json(self) -> dict:
+        return {"dim": self.dim, "parts": list(self.parts), "tp_size": self.tp_size, "tp_rank": self.tp_rank}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Slicing":
+        return cls(d["dim"], tuple(d["parts"]), d["tp_size"], d["tp_rank"])
+
+
+def local_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
+    """The rank's (tp shard) shape, also under ZeRO-3 where `param` itself is an empty partition."""
+    return tuple(param.ds_shape if hasattr(param, "ds_shape") else param.shape)
+
+
+def slicing_of(param: torch.nn.Parameter, tp_size: int, tp_rank: int) -> Slicing:
+    """A parameter's Slicing from the marks parallel/dist/layers.py sets (tensor_model_parallel,
+    partition_dim, tp_parts = the local sizes of the fused parts)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return Slicing(None, (), tp_size, tp_rank)
+    dim = param.partition_dim
+    local = getattr(param, "tp_parts", None) or [local_shape(param)[dim]]
+    return Slicing(dim, tuple(n * tp_size for n in local), tp_size, tp_rank)
+
+
+Reader = Callable[[Optional[int], int, int], torch.Tensor]     # (dim, start, length) -> slice; dim None: all
+
+
+def assemble(target: Slicing, shape: tuple[int, ...], pieces: list[tuple[Slicing, Reader]]) -> torch.Tensor:
+    """The tensor of `shape` that `target` describes, from stored shards (their Slicing and a reader of
+    slices along their dim). A whole stored tensor is sliced directly; split ones are overlapped part by part."""
+    whole = [read for s, read in pieces if s.whole]
+    split = [(s, read) for s, read in pieces if not s.whole]
+    dim = target.dim if not target.whole else (split[0][0].dim if split else None)
+    if dim is None or (target.whole and whole):
+        return whole[0](None, 0, 0).reshape(shape)
+    wanted = target.intervals() if not target.whole else [(0, shape[dim], 0)]
+    out = torch.empty(shape, dtype=torch.float32)
+    if whole:
+        for start, n, local in wanted:
+            out.narrow(dim, local, n).copy_(whole[0](dim, start, n))
+        return out
+    filled = 0
+    for start, n, local in wanted:
+        for old, read in split:
+            for o_start, o_n, o_local in old.intervals():
+                a, b = max(start, o_start), min(start + n, o_start + o_n)
+                if a < b:
+                    out.narrow(dim, local + a - start, b - a).copy_(read(dim, o_local + a - o_start, b - a))
+                    filled += b - a
+    if filled != shape[dim]:
+        raise ValueError(f"the stored shards cover {filled} of {shape[dim]} entries along dim {dim}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+def _state_keys(optimizer) -> list[str]:
+    """The optimizer's per-element state (exp_avg, exp_avg_sq, ema, ...), the same on every rank."""
+    keys = {k for st in optimizer.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(keys))
+    return sorted(set().union(*everyone))
+
+
+def _optimizer_step(optimizer) -> int:
+    steps = [int(st["step"]) for st in optimizer.state.values() if "step" in st]
+    n = torch.tensor(max(steps, default=0), dtype=torch.int64)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return int(n)
+
+
+def _full_value(param, optimizer, key: Optional[str]) -> torch.Tensor:
+    """The fp32 tp shard of the master weight (key None) or of an optimizer state, gathered over ZeRO's
+    data-parallel partitions (a collective under ZeRO 1/2/3; each data rank gets the same tensor)."""
+    if zero_holds_master(param):
+        value = safe_get_full_fp32_param(param) if key is None else safe_get_full_optimizer_state(param, key)
+    else:                                       # ZeRO-0: the optimizer holds the parameter itself
+        value = param if key is None else optimizer.state[param].get(key, torch.zeros_like(param))
+    return value.detach().float().reshape(local_shape(param)).cpu()
+
+
+def _supported(engine, optimizer) -> bool:
+    """True on every rank when each trainable parameter's master and state are reachable: through
+    DeepSpeed's fragment mapping (ZeRO 1/2/3, BF16_Optimizer) or as the optimizer's own parameter
+    (fp32 ZeRO-0). fp16 ZeRO-0 (FP16_Optimizer's private fp32 copies) is not: no copy is written then."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    ok = all(zero_holds_master(p) or id(p) in held
+             for p in engine.module.parameters() if p.requires_grad)
+    flag = torch.tensor(int(ok))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag)
+
+
+def _frozen_value(param) -> torch.Tensor:
+    if hasattr(param, "ds_id"):
+        import deepspeed
+        with deepspeed.zero.GatheredParameters([param]):
+            return param.detach().float().cpu().clone()
+    return param.detach().float().cpu()
+
+
+@torch.no_grad()
+def collect(trainer) -> Optional[dict]:
+    """This rank's part of the layout-free copy, gathered in memory (every collective is here, none in
+    `write`, so a rank whose disk write fails leaves no other rank waiting in one); None where the
+    optimizer is not supported (every rank agrees)."""
+    engine, optimizer, ctx = trainer.engine, trainer.optimizer, trainer.ctx
+    if not _supported(engine, optimizer):
+        return None
+    relink_optimizer_fragments(engine.optimizer)
+    keys = _state_keys(optimizer)
+    tensors, index = {}, {}
+    for i, (name, p) in enumerate(engine.module.named_parameters()):
+        slicing = slicing_of(p, ctx.tp_size, ctx.tp_rank)
+        mine = i % ctx.data_size == ctx.data_rank and (slicing.dim is not None or ctx.tp_rank == 0)
+        canonical = canonical_name(name, trainer.cfg.model.num_layers)
+        for key in [None, *keys] if p.requires_grad else [None]:
+            value = _full_value(p, optimizer, key) if p.requires_grad else _frozen_value(p)
+            if mine:
+                tensors[f"{canonical}::{key or PARAM}"] = value.contiguous()
+        if mine:
+            index[canonical] = slicing.to_json()
+    scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else {}
+    return {"tensors": tensors, "index": index, "keys": keys, "optimizer_step": _optimizer_step(optimizer),
+            "schedule": {k: scheduler[k] for k in ("last_epoch", "_step_count") if k in scheduler},
+            "global_batch": engine.train_batch_size() // max(1, ctx.sp_size)}
+
+
+def write(part: dict, folder: Path, step: int, layout: dict) -> None:
+    """Write what `collect` gathered into `folder`/layout_free (rank 0 also writes state.json)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    out = Path(folder) / FOLDER
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"rank{dist.get_rank():05d}.safetensors"
+    try:
+        save_file(part["tensors"], str(path), metadata={"index": json.dumps(part["index"])})
+    except SafetensorError as e:        # a full disk: as OSError, which checkpoint.save reports with the figures
+        raise OSError(f"{path}: {e}") from e
+    if dist.get_rank() == 0:
+        state = {"step": step, "optimizer_step": part["optimizer_step"], "schedule": part["schedule"],
+                 "global_samples": step * part["global_batch"], "global_batch": part["global_batch"],
+                 "state_keys": part["keys"], "layout": layout}
+        (out / STATE).write_text(json.dumps(state, indent=1) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+class Stored:
+    """The headers of a layout-free copy: which files hold which shard of each canonical name."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self.folder = Path(folder) / FOLDER
+        self.state = json.loads((self.folder / STATE).read_text())
+        self.files, self.shards = {}, {}
+        for path in sorted(self.folder.glob("rank*.safetensors")):
+            handle = safe_open(str(path), framework="pt")
+            self.files[path] = handle
+            for name, s in json.loads(handle.metadata()["index"]).items():
+                self.shards.setdefault(name, []).append((path, Slicing.from_json(s)))
+
+    def read(self, name: str, key: str, target: Slicing, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.shards:
+            raise KeyError(f"{self.folder}: no stored shard of {name} (a model other than the one saved?)")
+
+        def reader(handle, tensor_key):
+            def read(dim, start, n):
+                if dim is None:
+                    return handle.get_tensor(tensor_key)
+                sl = handle.get_slice(tensor_key)
+                return sl[tuple([slice(None)] * dim + [slice(start, start + n)])]
+            return read
+        pieces = [(s, reader(self.files[path], f"{name}::{key}")) for path, s in self.shards[name]]
+        return assemble(target, shape, pieces)
+
+
+def _step_tensor(n: int, param, group: dict) -> torch.Tensor:
+    """Adam's step count as torch's AdamW keeps it: a float32 scalar, on the device when fused/capturable."""
+    device = param.device if group.get("fused") or group.get("capturable") else "cpu"
+    return torch.tensor(float(n), dtype=torch.float32, device=device)
+
+
+def _ensure_state(optimizer, keys: list[str], step: int) -> None:
+    """Give every parameter the optimizer steps (ZeRO's flat fp32 partitions included) its state tensors,
+    so DeepSpeed's per-parameter views can point into them; the values are set per parameter after."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state[p]
+            for key in keys:
+                st.setdefault(key, torch.zeros_like(p, dtype=torch.float32))
+            st["step"] = _step_tensor(step, p, group)
+
+
+@torch.no_grad()
+def load(trainer, folder: Path) -> int:
+    """Restore the layout-free copy in `folder` (a step{N}) into this rank's engine; returns the step."""
+    import deepspeed
+
+    engine, optimizer, ctx = trainer.engine, trainer.optimizer, trainer.ctx
+    stored = Stored(folder)
+    state = stored.state
+    keys = state["state_keys"]
+    _ensure_state(optimizer, keys, state["optimizer_step"])
+    relink_optimizer_fragments(engine.optimizer)
+    for name, p in engine.module.named_parameters():
+        canonical = canonical_name(name, trainer.cfg.model.num_layers)
+        target, shape = slicing_of(p, ctx.tp_size, ctx.tp_rank), local_shape(p)
+        weight = stored.read(canonical, PARAM, target, shape)
+        if hasattr(p, "ds_id"):                 # ZeRO-3: every data rank writes the same full shard
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                p.data.copy_(weight.to(p.dtype))
+        else:
+            p.data.copy_(weight.to(p.dtype))
+        if not p.requires_grad:
+            continue
+        zero = zero_holds_master(p)
+        if zero:
+            safe_set_full_fp32_param(p, weight.to(p.device))
+        for key in keys:
+            value = stored.read(canonical, key, target, shape).to(p.device)
+            if zero:
+                safe_set_full_optimizer_state(p, value, key)
+            else:
+                optimizer.state[p][key].copy_(value.reshape(p.shape))
+    scheduler = engine.lr_scheduler
+    if scheduler is not None and state["schedule"]:
+        scheduler.load_state_dict({**scheduler.state_dict(), **state["schedule"]})
+        lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        scheduler.load_state_dict({**scheduler.state_dict(), "_last_lr": lrs})
+    engine.global_steps = state["step"]
+    engine.global_samples = state["global_samples"]
+    return int(state["step"])

@@ -1,0 +1,99 @@
+"""The slice arithmetic of the layout-free checkpoint copy (parallel/train/relayout.py), in one process: shards
+written at one tp size reassemble into the shards the tensor-parallel layers build at another, fused QKV
+parts and row splits included (the layers' own slicing is the oracle); and which checkpoints find_resume takes."""
+import json
+
+import pytest
+import torch
+
+from parallel.dist.layers import ColumnParallelLinear
+from parallel.train import checkpoint
+from parallel.train.relayout import Slicing, assemble
+
+FULL = torch.arange(24 * 6, dtype=torch.float32).reshape(24, 6)      # [out = 8 + 8 + 8 (q, k, v), in = 6]
+PARTS = [8, 8, 8]
+
+
+def column_shard(tp: int, rank: int, parts=PARTS) -> torch.Tensor:
+    """ColumnParallelLinear's own shard of FULL: rank i holds [Wq_i; Wk_i; Wv_i]."""
+    local = [n // tp for n in parts]
+    return ColumnParallelLinear._shard(FULL, parts, local, rank, (sum(local), 6), None, None)
+
+
+def row_shard(tp: int, rank: int) -> torch.Tensor:
+    k = FULL.shape[1] // tp
+    return FULL[:, rank * k:(rank + 1) * k]
+
+
+def reader(tensor: torch.Tensor):
+    def read(dim, start, n):
+        return tensor if dim is None else tensor.narrow(dim, start, n)
+    return read
+
+
+def stored(shard_fn, tp: int, dim: int, parts) -> list:
+    return [(Slicing(dim, tuple(parts), tp, r), reader(shard_fn(tp, r))) for r in range(tp)]
+
+
+@pytest.mark.parametrize("old_tp, new_tp", [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (2, 2)])
+def test_fused_column_shards_move_between_tp_sizes(old_tp, new_tp):
+    pieces = stored(column_shard, old_tp, 0, PARTS)
+    for r in range(new_tp):
+        want = column_shard(new_tp, r)
+        got = assemble(Slicing(0, tuple(PARTS), new_tp, r), tuple(want.shape), pieces)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(column_shard(2, 0), FULL[:12])        # fused parts: not one contiguous split
+
+
+@pytest.mark.parametrize("old_tp, new_tp", [(1, 2), (2, 1), (3, 2), (2, 3)])
+def test_row_shards_move_between_tp_sizes(old_tp, new_tp):
+    pieces = stored(row_shard, old_tp, 1, [6])
+    for r in range(new_tp):
+        want = row_shard(new_tp, r)
+        got = assemble(Slicing(1, (6,), new_tp, r), tuple(want.shape), pieces)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_replicated_tensor_is_read_whole():
+    pieces = [(Slicing(None, (), 2, 0), reader(FULL))]
+    torch.testing.assert_close(assemble(Slicing(None, (), 4, 3), tuple(FULL.shape), pieces), FULL)
+
+
+def test_missing_shard_is_named():
+    pieces = stored(column_shard, 2, 0, PARTS)[:1]               # tp rank 1's file lost
+    with pytest.raises(ValueError, match="cover 12 of 24 entries along dim 0"):
+        assemble(Slicing(0, tuple(PARTS), 1, 0), (24, 6), pieces)
+
+
+def marked(directory, step, layout, copy=True):
+    """A complete step{step} folder written at `layout` (with its layout-free state.json when `copy`)."""
+    folder = directory / f"step{step}"
+    (folder / "layout_free").mkdir(parents=True)
+    files = {}
+    if copy:
+        (folder / "layout_free" / "state.json").write_text("{}")
+        files["layout_free/state.json"] = 2
+    (folder / checkpoint.MARKER).write_text(json.dumps({"step": step, "layout": layout, "files": files}))
+
+
+SAVED = {"tp_size": 2, "pp_size": 2, "dp_size": 1, "zero_stage": 1, "global_batch": 4}    # no sp_size: an old marker
+
+
+def test_find_resume_takes_another_layout_with_its_copy(tmp_path):
+    marked(tmp_path, 3, SAVED)
+    here = {"tp_size": 1, "sp_size": 1, "pp_size": 1, "dp_size": 4, "zero_stage": 2, "global_batch": 4}
+    assert checkpoint.find_resume(tmp_path, here) == "step3"
+    assert not checkpoint.same_layout(checkpoint.saved_layout(tmp_path / "step3"), here)
+    assert checkpoint.same_layout(checkpoint.saved_layout(tmp_path / "step3"), {**SAVED, "sp_size": 1})
+
+
+def test_find_resume_refuses_another_global_batch_and_a_checkpoint_without_a_copy(tmp_path):
+    marked(tmp_path, 3, SAVED)
+    with pytest.raises(ValueError, match=r"trained with global batch 4, this run's is 8 .*keep 4 to resume it"):
+        checkpoint.find_resume(tmp_path, {**SAVED, "sp_size": 1, "global_batch": 8})
+    marked(tmp_path / "old", 3, SAVED, copy=False)
+    here = {"tp_size": 1, "sp_size": 1, "pp_size": 1, "dp_size": 4, "zero_stage": 2}
+    with pytest.raises(ValueError, match=r"written at tp 2 sp 1 pp 2 dp 1 ZeRO-1 without a layout-free copy .*"
+                                         r"Resume it at tp 2 sp 1 pp 2 dp 1 ZeRO-1"):
+        checkpoint.find_resume(tmp_path / "old", here)
+    assert checkpoint.find_resume(tmp_path / "old", {**SAVED, "sp_size": 1}) == "step3"
