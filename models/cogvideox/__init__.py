@@ -1,4 +1,4 @@
-"""CogVideoX 1.0 (2B, 5B): full 3D attention over text + video tokens, adaLN-zero blocks."""
+"""CogVideoX (2B, 5B, 5B-I2V; 1.5: 5B, 5B-I2V): full 3D attention over text + video tokens, adaLN-zero blocks."""
 from __future__ import annotations
 
 import math

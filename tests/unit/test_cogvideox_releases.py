@@ -1,0 +1,87 @@
+"""CogVideoX 1.5 and image-to-video releases: the presets count what diffusers builds from the released
+config.json, the config translation names what differs, the temporal padding. The `releases15` fixture
+(tiny random folders by `save_pretrained`) serves tests/distributed/test_released_weights_layouts.py, where
+every (tp, pp) layout's forward is compared with diffusers' and the exports with the originals.
+"""
+import re
+
+import pytest
+import torch
+from diffusers import CogVideoXTransformer3DModel
+
+from models.__main__ import summary
+from models.geometry import latent_shape, pad_frames, token_grid
+from parallel.config import load_config
+from parallel.weights.diffusers import check_released, diffusers_config
+from tests.unit.cogvideox_variants import VARIANTS, overrides, released_model
+
+_COMMON = dict(activation_fn="gelu-approximate", attention_bias=True, attention_head_dim=64, dropout=0.0,
+               flip_sin_to_cos=True, freq_shift=0, norm_elementwise_affine=True, norm_eps=1e-5,
+               num_attention_heads=48, num_layers=42, out_channels=16, patch_size=2,
+               spatial_interpolation_scale=1.875, temporal_compression_ratio=4, temporal_interpolation_scale=1.0,
+               text_embed_dim=4096, time_embed_dim=512, timestep_activation_fn="silu",
+               use_rotary_positional_embeddings=True)
+# transformer/config.json of the releases on the Hugging Face hub (THUDM/CogVideoX-5b-I2V, THUDM/CogVideoX1.5-5B,
+# THUDM/CogVideoX1.5-5B-I2V).
+RELEASES = {
+    "cogvideox1.5-5b": dict(_COMMON, in_channels=16, max_text_seq_length=224, patch_bias=False, patch_size_t=2,
+                            sample_frames=81, sample_height=300, sample_width=300, ofs_embed_dim=None,
+                            use_learned_positional_embeddings=False),
+    "cogvideox-5b-i2v": dict(_COMMON, in_channels=32, max_text_seq_length=226, sample_frames=49, sample_height=60,
+                             sample_width=90, use_learned_positional_embeddings=True),
+    "cogvideox1.5-5b-i2v": dict(_COMMON, in_channels=32, max_text_seq_length=224, patch_bias=False, patch_size_t=2,
+                                sample_frames=81, sample_height=300, sample_width=300, ofs_embed_dim=512,
+                                use_learned_positional_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(RELEASES))
+def test_preset_counts_the_parameters_diffusers_builds_and_writes_its_config(preset):
+    cfg = load_config(f"configs/{preset}.yaml")
+    ours = int(re.search(r"^parameters: (\d+)$", summary(cfg), re.M).group(1))
+    with torch.device("meta"):
+        theirs = CogVideoXTransformer3DModel(**RELEASES[preset])
+    assert ours == sum(p.numel() for p in theirs.parameters())
+    written = diffusers_config(cfg.model, cfg.data)
+    assert {k: written.get(k) for k in RELEASES[preset]} == RELEASES[preset]
+
+
+def test_the_15_geometry_pads_latent_frames_in_front():
+    cfg = load_config("configs/cogvideox1.5-5b.yaml")
+    assert latent_shape(cfg.model, cfg.data) == (22, 96, 170)          # 81 frames -> 21 latent -> 22
+    assert token_grid(cfg.model, cfg.data) == (11, 48, 85)
+    latent = torch.randn(2, 16, 21, 4, 4)
+    padded = pad_frames(latent, cfg.model)
+    assert padded.shape == (2, 16, 22, 4, 4)
+    assert torch.equal(padded[:, :, 1:], latent) and torch.equal(padded[:, :, 0], latent[:, :, 0])
+    assert pad_frames(padded, cfg.model) is padded
+
+
+@pytest.fixture(scope="module")
+def releases15(tmp_path_factory):
+    """{variant: (folder, diffusers model)} of the 1.5 and image-to-video variants."""
+    out = {}
+    for i, variant in enumerate(VARIANTS):
+        folder = tmp_path_factory.mktemp(variant)
+        model = released_model(variant, seed=10 + i)
+        model.save_pretrained(folder)
+        out[variant] = (folder, model)
+    return out
+
+
+def test_config_differences_name_the_keys_to_set(releases15):
+    folder, _ = releases15["i2v15"]
+    cfg = load_config("debug", overrides("t2v15", folder))           # a text-to-video section, an I2V folder
+    config = folder / "config.json"
+    assert check_released(cfg.model, folder) == [
+        f"{config}: in_channels 8 != 4 (model.in_channels x 1); set --set model.image_condition=true "
+        f"(image-to-video releases take 2 x out_channels)",
+        f"{config}: ofs_embed_dim 24 != model.ofs_embed_dim null; set --set model.ofs_embed_dim=24 or use the "
+        f"matching preset"]
+    folder, _ = releases15["t2v15"]
+    cfg = load_config("debug", overrides("t2v15", folder) + ["model.patch_size_t=1", "model.patch_bias=true"])
+    assert check_released(cfg.model, folder) == [
+        f"{folder / 'config.json'}: patch_size_t 2 != model.patch_size_t null; set "
+        f"--set model.patch_size_t=2 or use the matching preset",
+        f"{folder / 'config.json'}: patch_bias false != model.patch_bias true; set --set model.patch_bias=false or "
+        f"use the matching preset"]
