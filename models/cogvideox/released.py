@@ -24,8 +24,10 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+import torch
+
 from models.cogvideox.config import CogVideoXConfig
-from models.geometry import vae_frames
+from models.geometry import latent_shape, vae_frames
 
 _EMBED = {"patch_proj": "patch_embed.proj", "text_proj": "patch_embed.text_proj",
           "time_linear_1": "time_embedding.linear_1", "time_linear_2": "time_embedding.linear_2",
@@ -144,6 +146,35 @@ class CogVideoXDiffusers:
             return {sources[0]: (m.hidden_size, m.transformer_in_channels, m.patch_size, m.patch_size)}
         rows = shape[0] // len(sources)
         return {s: (rows, *shape[1:]) for s in sources}
+
+    def example_inputs(self, m: CogVideoXConfig, data, batch: int, generator: torch.Generator) -> tuple:
+        """A random batch the transformer takes: (latents [B, C_in, T, H, W], timesteps [B], text [B, L, D])."""
+        latents = torch.randn(batch, m.transformer_in_channels, *latent_shape(m, data), generator=generator)
+        timesteps = torch.randint(0, 1000, (batch,), generator=generator)
+        return latents, timesteps, torch.randn(batch, m.max_text_len, m.text_embed_dim, generator=generator)
+
+    def reference(self, folder: str, inputs: tuple) -> torch.Tensor:
+        """diffusers' prediction [B, C, T, H, W] from the folder at fp32, with the rotary tables and ofs as
+        CogVideoXPipeline / CogVideoXImageToVideoPipeline make them (_prepare_rotary_positional_embeddings)."""
+        from diffusers import CogVideoXTransformer3DModel
+        from diffusers.models.embeddings import get_3d_rotary_pos_embed
+        from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
+
+        latents, timesteps, text = inputs
+        model = CogVideoXTransformer3DModel.from_pretrained(folder, torch_dtype=torch.float32).eval()
+        c, p = model.config, model.config.patch_size
+        grid, base = (latents.shape[3] // p, latents.shape[4] // p), (c.sample_height // p, c.sample_width // p)
+        rotary = None
+        if c.use_rotary_positional_embeddings and c.patch_size_t is None:
+            crop = get_resize_crop_region_for_grid(grid, base[1], base[0])
+            rotary = get_3d_rotary_pos_embed(c.attention_head_dim, crop, grid, latents.shape[2])
+        elif c.use_rotary_positional_embeddings:
+            rotary = get_3d_rotary_pos_embed(c.attention_head_dim, None, grid, latents.shape[2] // c.patch_size_t,
+                                             grid_type="slice", max_size=base)
+        ofs = latents.new_full((1,), 2.0) if c.ofs_embed_dim else None
+        with torch.no_grad():
+            out = model(latents.transpose(1, 2), text, timesteps, ofs=ofs, image_rotary_emb=rotary).sample
+        return out.transpose(1, 2).float()
 
 
 DIFFUSERS = CogVideoXDiffusers()

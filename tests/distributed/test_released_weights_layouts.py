@@ -81,6 +81,9 @@ def _layouts_rank(rank, world_size, folders, export_dir, folders15):
             forward = StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx)
             out[(variant, tp, pp)] = forward.predict(x, x[0][:, :variants.C])
         export_diffusers(model, ctx, cfg, Path(export_dir) / variant)
+    from parallel import verify                      # the parity command in a layout: tp 2 x pp 2
+    out["verify"] = verify.main(["--config", "debug", "--set=parallel.tp_size=2", "--set=parallel.pp_size=2",
+                                 *(f"--set={o}" for o in variants.overrides("t2v15", folders15["t2v15"]))])
     out["zero3_partitioned"] = _zero3(world_size, folders["rope3d"], Path(export_dir) / "zero3")
     return out
 
@@ -127,6 +130,7 @@ def test_forward_equals_diffusers_in_every_layout_and_export_round_trips(release
                 torch.testing.assert_close(out[(variant, tp, pp)], want,
                                            msg=lambda m: f"{variant} tp={tp} pp={pp} rank {rank}: {m}")
         _same_model(tmp_path / variant, model)
+    assert [r["verify"] for r in results] == [0] * 4
     inputs = _inputs()
     for pos, (_, model) in released.items():
         want = diffusers_forward(model, pos, *inputs)

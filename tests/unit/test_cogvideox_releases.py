@@ -85,3 +85,33 @@ def test_config_differences_name_the_keys_to_set(releases15):
         f"--set model.patch_size_t=2 or use the matching preset",
         f"{folder / 'config.json'}: patch_bias false != model.patch_bias true; set --set model.patch_bias=false or "
         f"use the matching preset"]
+
+
+def test_verify_command_passes_on_the_folders_and_fails_when_the_toolkit_reads_one_wrongly(releases15, monkeypatch,
+                                                                                          capsys):
+    """python -m parallel.verify in one process (layouts: tests/distributed/test_released_weights_layouts.py).
+    Perturbing the folder changes both sides alike, so the failure is a loader that perturbs one tensor after
+    reading (what a wrong name map or slice would do)."""
+    from parallel import verify
+    from parallel.train import sampling
+
+    def args(variant, folder=None):
+        return ["--config", "debug", *(f"--set={o}" for o in overrides(variant, folder))]
+
+    for variant, (folder, _) in releases15.items():
+        assert verify.main(args(variant, folder)) == 0, variant
+        assert "max relative difference" in capsys.readouterr().out
+    load = sampling.load_released
+
+    def misread(module, ctx, m, folder):
+        read = load(module, ctx, m, folder)
+        with torch.no_grad():
+            module.embed.ofs_linear_2.bias.add_(1e-2)                 # one tensor, a small change
+        return read
+
+    monkeypatch.setattr(sampling, "load_released", misread)
+    assert verify.main(args("i2v15", releases15["i2v15"][0])) == 1
+    rel = float(re.search(r"max relative difference (\S+)", capsys.readouterr().out).group(1))
+    assert 1e-4 < rel < 1
+    assert verify.main(args("i2v15")) == 2
+    assert "model.init_from is not set" in capsys.readouterr().err
