@@ -29,6 +29,8 @@ class CogVideoXConfig(ModelConfig):
     image_condition: bool = Field(False, description="image-to-video: the first frame's latent, zero-padded over "
                                   "the frames, is concatenated on channels (the transformer takes 2 x in_channels, "
                                   "predicts in_channels)")
+    image_dropout: float = Field(0.05, ge=0, le=1, description="image-to-video training: probability that a "
+                                 "sample's image latents are zeros (SAT noised_image_dropout 0.05)")
     learned_positions: bool = Field(False, description="5B-I2V: a stored position table [max_text_len + video "
                                     "tokens, hidden] added after the patch embedding (diffusers' "
                                     "use_learned_positional_embeddings; a buffer, not trained, as in diffusers)")

@@ -231,8 +231,9 @@ class DiffusionBatches:
     """Infinite iterator of this rank's micro-batches: ((x_t, t, text), target), grad_accum per step."""
 
     def __init__(self, dataset, objective: Objective, *, seed: int, micro_batch: int, grad_accum: int,
-                 dp_rank: int, dp_size: int, start_step: int = 0, caption_dropout: float = 0.0):
+                 dp_rank: int, dp_size: int, start_step: int = 0, caption_dropout: float = 0.0, condition=None):
         self.dataset, self.objective, self.seed = dataset, objective, seed
+        self.condition = condition        # FamilySpec.training_condition: image latents onto x_t, or None
         self.caption_dropout = caption_dropout
         # Loaded once, at start-up: a missing file is named before the first step.
         self.uncond = dataset.unconditional() if caption_dropout > 0 else None
@@ -257,7 +258,7 @@ class DiffusionBatches:
 
     def micro_batch(self, step: int, micro: int):
         first = step * self.global_batch + (micro * self.dp_size + self.dp_rank) * self.mb
-        x0s, texts, noises, ts = [], [], [], []
+        x0s, texts, noises, ts, keep = [], [], [], [], []
         for pos in range(first, first + self.mb):
             x0, text = self.dataset[self.sample_index(pos)]
             if self.dropped(step, pos):
@@ -265,9 +266,14 @@ class DiffusionBatches:
             g = _generator(self.seed, "noise", pos)
             noises.append(torch.randn(x0.shape, generator=g))
             ts.append(torch.randint(0, NUM_TRAIN_TIMESTEPS, (1,), generator=g))
+            if self.condition is not None:    # the condition's dropout, drawn like the caption's
+                keep.append(float(torch.rand(1, generator=_generator(self.seed, "condition_dropout", step, pos)))
+                            >= self.condition.dropout)
             x0s.append(x0)
             texts.append(text)
         x_t, target = self.objective.noised(torch.stack(x0s), torch.stack(noises), torch.cat(ts))
+        if self.condition is not None:
+            x_t = self.condition(x_t, torch.stack(x0s), torch.tensor(keep))
         return (x_t, torch.cat(ts), torch.stack(texts)), target
 
     def __iter__(self):
