@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from models.diffusion import Objective
+from models.registry import family
 from parallel.config import ExperimentConfig
 from parallel.dist.seed import derive_seed
 
@@ -137,6 +138,7 @@ def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: E
     """Mean loss over every sample x timestep, and the mean per timestep: {"val_loss", "val_loss_t<t>"}."""
     ts = cfg.val.timesteps
     chunk = cfg.val.micro_batch_size or len(ts)
+    condition = family(cfg.model).training_condition(cfg.model, cfg.data)    # I2V: the sample's first frame
     mine: dict[int, list[float]] = {}
     for i, counts in replica_items(len(dataset), forward, ctx):
         x0, text = dataset[i]
@@ -146,6 +148,8 @@ def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: E
             t = torch.tensor(ts[a:a + chunk])
             x0s = x0.expand(len(t), *x0.shape)
             x_t, target = objective.noised(x0s, noise[a:a + chunk], t)
+            if condition is not None:
+                x_t = condition(x_t, x0s, torch.ones(len(t), dtype=torch.bool))
             prediction = forward.predict((x_t, t, text.expand(len(t), *text.shape)), target)
             err = (prediction.cpu() - target.float()) ** 2
             losses += err.flatten(1).mean(1).tolist()
@@ -170,6 +174,7 @@ def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: Ex
     from models.sampling import sample
 
     n = min(cfg.val.num_prompts, len(dataset))
+    condition = family(cfg.model).training_condition(cfg.model, cfg.data)    # I2V: the prompt's first frame
     uncond = dataset.unconditional()[None] if cfg.val.guidance_scale != 1 and n else None
     mine = {}
     for i, counts in replica_items(n, forward, ctx):
@@ -177,8 +182,10 @@ def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: Ex
         g = torch.Generator().manual_seed(derive_seed(cfg.train.seed, "sample", i))
         noise = torch.randn((1, *x0.shape), generator=g)
 
-        def predict(x, t, conditional, text=text[None]):
-            return forward.predict((x, t, text if conditional else uncond.to(text.dtype)), x).cpu()
+        def predict(x, t, conditional, text=text[None], x0=x0[None]):
+            inp = x if condition is None else condition(x, x0.expand(len(x), *x0.shape[1:]),
+                                                        torch.ones(len(x), dtype=torch.bool))
+            return forward.predict((inp, t, text if conditional else uncond.to(text.dtype)), x).cpu()
 
         latent = sample(predict, noise, objective, cfg.val.sample_steps, cfg.val.sampler, cfg.val.guidance_scale,
                         use_dynamic_cfg=cfg.val.use_dynamic_cfg, generator=g)

@@ -115,3 +115,36 @@ def test_verify_command_passes_on_the_folders_and_fails_when_the_toolkit_reads_o
     assert 1e-4 < rel < 1
     assert verify.main(args("i2v15")) == 2
     assert "model.init_from is not set" in capsys.readouterr().err
+
+
+def test_i2v_validation_conditions_on_each_samples_first_frame():
+    """validation_loss of a tiny 1.5-I2V model equals the loss of [x_t, z_img, z_img, 0, 0] inputs built here."""
+    import types
+
+    from models.diffusion import Objective
+    from parallel.build import layer_specs
+    from parallel.dist.pipeline import SequentialDiT
+    from parallel.dist.topology import ParallelContext
+    from parallel.train.run import build_val_dataset
+    from parallel.train.validate import StageForward, validation_loss, validation_noise
+
+    cfg = load_config("debug", ["model.patch_size_t=2", "model.pos_embed=rope3d", "model.image_condition=true",
+                                "model.ofs_embed_dim=32", "val.num_samples=2", "val.timesteps=[100,700]"])
+    ctx = ParallelContext.single()
+    torch.manual_seed(0)
+    model = SequentialDiT(layer_specs(cfg, ctx)).eval()
+    forward = StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx)
+    dataset, objective = build_val_dataset(cfg), Objective.of(cfg.model)
+    got = validation_loss(forward, dataset, objective, cfg, ctx)["val_loss"]
+    losses = []
+    for i in range(2):
+        x0, text = dataset[i]
+        t = torch.tensor(cfg.val.timesteps)
+        x_t, target = objective.noised(x0.expand(2, *x0.shape), validation_noise(cfg.train.seed, i, [100, 700],
+                                                                                  x0.shape), t)
+        first = x0[:, :1]                                   # 3 VAE frames -> [z, 0, 0] -> padded [z, z, 0, 0]
+        image = torch.cat([first, first, torch.zeros_like(x0[:, :2])], dim=1).expand(2, *x0.shape)
+        with torch.no_grad():
+            pred = model.predict((torch.cat([x_t, image], dim=1), t, text.expand(2, *text.shape)))
+        losses.append(((pred - target) ** 2).flatten(1).mean(1))
+    torch.testing.assert_close(torch.tensor(got), torch.cat(losses).mean())
