@@ -12,10 +12,13 @@ with `noised_image_input: True`, `noised_image_all_concat: False`, `noised_image
     (`add_noise_to_first_frame`); `noised_first_frame` below, for data preparation;
   - the rest zero-padded (noised_image_all_concat False);
   - image-latent dropout: with probability noised_image_dropout the whole image latent is zeros.
-Without stored image latents the first latent frame stands in for z_img: CogVideoX's VAE is causal, so the
-first latent frame encodes the first frame alone (the un-augmented z_img).
+z_img: the "image" tensor parallel.prepare_data stores beside the latent for an image_condition preset (the
+augmented first frame's latent, drawn once per clip, where SAT draws a new sigma every step); without it the
+first latent frame stands in: CogVideoX's VAE is causal, so that frame encodes the first frame alone.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -49,9 +52,16 @@ class FirstFrameCondition:
     def __init__(self, model, data):
         self.model, self.vae_frames, self.dropout = model, vae_frames(model, data), model.image_dropout
 
-    def __call__(self, x_t: torch.Tensor, x0: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        first = x0[:, :, :1]            # 1.5: the padded frame in front is a copy of it
-        return condition(x_t, first, self.vae_frames, keep, self.model)
+    def __call__(self, x_t: torch.Tensor, x0: torch.Tensor, keep: torch.Tensor,
+                 first: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """first [B, C, 1, H, W]: the stored (noise-augmented) image latents; None: x0's first latent frame
+        (1.5: the padded frame in front is a copy of it)."""
+        return condition(x_t, x0[:, :, :1] if first is None else first, self.vae_frames, keep, self.model)
+
+    @staticmethod
+    def augment(pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """The first frame's pixels [1, 3, 1, H, W] before the VAE (data preparation): SAT's noise augmentation."""
+        return noised_first_frame(pixels, generator)
 
 
 def first_frame_condition(model, data):

@@ -141,7 +141,7 @@ def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: E
     condition = family(cfg.model).training_condition(cfg.model, cfg.data)    # I2V: the sample's first frame
     mine: dict[int, list[float]] = {}
     for i, counts in replica_items(len(dataset), forward, ctx):
-        x0, text = dataset[i]
+        x0, text, *image = dataset[i]                         # image: I2V first-frame latents [C, 1, H, W]
         noise = validation_noise(cfg.train.seed, i, ts, x0.shape)
         losses = []
         for a in range(0, len(ts), chunk):
@@ -149,7 +149,8 @@ def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: E
             x0s = x0.expand(len(t), *x0.shape)
             x_t, target = objective.noised(x0s, noise[a:a + chunk], t)
             if condition is not None:
-                x_t = condition(x_t, x0s, torch.ones(len(t), dtype=torch.bool))
+                x_t = condition(x_t, x0s, torch.ones(len(t), dtype=torch.bool),
+                                image[0].expand(len(t), *image[0].shape) if image else None)
             prediction = forward.predict((x_t, t, text.expand(len(t), *text.shape)), target)
             err = (prediction.cpu() - target.float()) ** 2
             losses += err.flatten(1).mean(1).tolist()
@@ -178,13 +179,14 @@ def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: Ex
     uncond = dataset.unconditional()[None] if cfg.val.guidance_scale != 1 and n else None
     mine = {}
     for i, counts in replica_items(n, forward, ctx):
-        x0, text = dataset[i]
+        x0, text, *image = dataset[i]
         g = torch.Generator().manual_seed(derive_seed(cfg.train.seed, "sample", i))
         noise = torch.randn((1, *x0.shape), generator=g)
 
-        def predict(x, t, conditional, text=text[None], x0=x0[None]):
+        def predict(x, t, conditional, text=text[None], x0=x0[None], image=image):
             inp = x if condition is None else condition(x, x0.expand(len(x), *x0.shape[1:]),
-                                                        torch.ones(len(x), dtype=torch.bool))
+                                                        torch.ones(len(x), dtype=torch.bool),
+                                                        image[0].expand(len(x), *image[0].shape) if image else None)
             return forward.predict((inp, t, text if conditional else uncond.to(text.dtype)), x).cpu()
 
         latent = sample(predict, noise, objective, cfg.val.sample_steps, cfg.val.sampler, cfg.val.guidance_scale,

@@ -14,6 +14,7 @@ from models.geometry import latent_shape, pad_frames, token_grid
 from parallel.config import load_config
 from parallel.weights.diffusers import check_released, diffusers_config
 from tests.unit.cogvideox_variants import VARIANTS, overrides, released_model
+from tests.unit.test_prepare_data import vae_dir, videos  # noqa: F401  (fixtures: clips, a tiny VAE)
 
 _COMMON = dict(activation_fn="gelu-approximate", attention_bias=True, attention_head_dim=64, dropout=0.0,
                flip_sin_to_cos=True, freq_shift=0, norm_elementwise_affine=True, norm_eps=1e-5,
@@ -148,3 +149,57 @@ def test_i2v_validation_conditions_on_each_samples_first_frame():
             pred = model.predict((torch.cat([x_t, image], dim=1), t, text.expand(2, *text.shape)))
         losses.append(((pred - target) ** 2).flatten(1).mean(1))
     torch.testing.assert_close(torch.tensor(got), torch.cat(losses).mean())
+
+
+def test_prepare_data_pads_15_latents_and_stores_the_augmented_first_frame_for_i2v(videos, vae_dir, tmp_path):  # noqa: F811
+    """An I2V 1.5 preset: latent frames padded in front (5 -> 6, a copy of the first), and beside the latent the
+    VAE latent of the first frame + exp(N(-3, 0.5)) * randn (SAT add_noise_to_first_frame), drawn from the clip."""
+    from diffusers import AutoencoderKLCogVideoX
+    from safetensors.torch import load_file
+
+    from parallel.dist.seed import derive_seed
+    from parallel.prepare_data.frames import frame_indices
+    from tests.unit.test_prepare_data import SETS, run
+
+    sets = SETS + ["model.patch_size_t=2", "model.pos_embed=rope3d", "model.image_condition=true"]
+    assert run(videos[0], vae_dir, tmp_path, sets=sets) == 0
+    vae = AutoencoderKLCogVideoX.from_pretrained(vae_dir).eval()
+    clip = videos[1]["a0.mkv"][frame_indices(11, 9)][:, :, 8:40]
+    x = torch.from_numpy(clip).permute(3, 0, 1, 2)[None].float() / 127.5 - 1
+    g, noise = (torch.Generator().manual_seed(derive_seed(1234, kind, "a0.mkv")) for kind in ("vae", "image"))
+    sigma = torch.exp(torch.normal(-3.0, 0.5, (1,), generator=noise))
+    first = x[:, :, :1] + torch.randn(x[:, :, :1].shape, generator=noise) * sigma
+    with torch.no_grad():
+        video = vae.encode(x).latent_dist.sample(g)[0] * vae.config.scaling_factor
+        image = vae.encode(first).latent_dist.sample(g)[0] * vae.config.scaling_factor
+    stored = load_file(tmp_path / "latents/a0.mkv.safetensors")
+    assert stored["latent"].shape == (4, 6, 16, 16) and stored["image"].shape == (4, 1, 16, 16)
+    torch.testing.assert_close(stored["latent"], torch.cat([video[:, :1], video], dim=1))
+    torch.testing.assert_close(stored["image"], image)
+
+
+def test_training_takes_the_stored_image_latents(tmp_path):
+    """A prepared folder whose latent files hold "image": the batches condition on it, not on
+    the latent's first frame."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from parallel.dist.topology import ParallelContext
+    from parallel.train.run import build_dataset, training_batches
+
+    g = torch.Generator().manual_seed(0)
+    images = [torch.randn(4, 1, 8, 8, generator=g) for _ in range(2)]
+    for i in range(2):
+        save_file({"latent": torch.randn(4, 4, 8, 8, generator=g), "image": images[i]}, str(tmp_path / f"{i}.safetensors"))
+        save_file({"text": torch.randn(8, 32, generator=g)}, str(tmp_path / f"{i}_text.safetensors"))
+    (tmp_path / "manifest.jsonl").write_text("".join(json.dumps({"latent": f"{i}.safetensors", "text": f"{i}_text"
+                                                                 f".safetensors"}) + "\n" for i in range(2)))
+    cfg = load_config("debug", ["model.patch_size_t=2", "model.pos_embed=rope3d", "model.image_condition=true",
+                                "model.image_dropout=0", "data.kind=directory", f"data.path={tmp_path}",
+                                "train.micro_batch_size=2", "train.grad_accum_steps=1"])
+    batches = training_batches(cfg, ParallelContext.single(), build_dataset(cfg))
+    (x, _, _), _ = batches.micro_batch(0, 0)
+    for j in range(2):
+        image = images[batches.sample_index(j)]
+        assert torch.equal(x[j, 4:], torch.cat([image, image, torch.zeros(4, 2, 8, 8)], dim=1))
