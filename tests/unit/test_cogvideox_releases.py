@@ -11,6 +11,8 @@ from diffusers import CogVideoXTransformer3DModel
 
 from models.__main__ import summary
 from models.geometry import latent_shape, pad_frames, token_grid
+from models.registry import sequence_tokens
+from parallel.check import check
 from parallel.config import load_config
 from parallel.weights.diffusers import check_released, diffusers_config
 from tests.unit.cogvideox_variants import VARIANTS, overrides, released_model
@@ -51,6 +53,14 @@ def test_the_15_geometry_pads_latent_frames_in_front():
     cfg = load_config("configs/cogvideox1.5-5b.yaml")
     assert latent_shape(cfg.model, cfg.data) == (22, 96, 170)          # 81 frames -> 21 latent -> 22
     assert token_grid(cfg.model, cfg.data) == (11, 48, 85)
+    assert sequence_tokens(cfg.model, cfg.data) == 44_880 + 224
+    # The checker takes the 1.5 preset at tp 2 x sp 4 (48 heads, 45,104 tokens) and names 5 for tp.
+    ds = {"zero_optimization": {"stage": 2}}
+    cfg = load_config("configs/cogvideox1.5-5b.yaml", ["parallel.tp_size=2", "parallel.sp_size=4"])
+    assert check(cfg, ds, "ds.json", 8)[1] == []
+    problems = check(load_config("configs/cogvideox1.5-5b.yaml", ["parallel.tp_size=5"]), ds, "ds.json", 5)[1]
+    assert any("model.num_heads=48 is not divisible by parallel.tp_size=5" in p for p in problems), problems
+    cfg = load_config("configs/cogvideox1.5-5b.yaml")
     latent = torch.randn(2, 16, 21, 4, 4)
     padded = pad_frames(latent, cfg.model)
     assert padded.shape == (2, 16, 22, 4, 4)
