@@ -58,6 +58,13 @@ def unpatchify(tokens: torch.Tensor, model, grid) -> torch.Tensor:
     return rearrange(tokens, "b (t h w) (c pt p q) -> b c (t pt) (h p) (w q)", t=t, h=h, w=w, pt=pt, p=p, q=p)
 
 
+def video_latent(latent: torch.Tensor, model, data) -> torch.Tensor:
+    """[..., C, T, H, W] -> the VAE's frames only: `pad_frames`' front padding dropped before decoding, as
+    CogVideoXPipeline does ("Discard any padding frames that were added for CogVideoX 1.5")."""
+    pad = latent.shape[-3] - vae_frames(model, data)
+    return latent.narrow(-3, pad, latent.shape[-3] - pad) if pad > 0 else latent
+
+
 _SHARED_TABLES: dict = {}    # (table function and its fixed arguments, grid, device) -> tensors, one per process
 
 

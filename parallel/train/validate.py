@@ -198,13 +198,14 @@ def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: Ex
 
 def write_samples(latents: dict, dataset, cfg: ExperimentConfig, out_dir: Path, step: int) -> dict:
     """Decode and write each prompt's video under out_dir/samples/step<N>/; {prompt: frames}."""
+    from models.geometry import video_latent
     from parallel.train.media import load_decoder, write_gif, write_mp4
 
     decode, frames = load_decoder(cfg.val.decoder), {}
     folder = out_dir / "samples" / f"step{step}"
     folder.mkdir(parents=True, exist_ok=True)
     for i, latent in sorted(latents.items()):
-        frames[i] = decode(latent)
+        frames[i] = decode(video_latent(latent, cfg.model, cfg.data))
         for fmt in cfg.val.formats:
             (write_gif if fmt == "gif" else write_mp4)(frames[i], folder / f"prompt{i}.{fmt}", fps=cfg.val.fps)
         label = dataset.label(i) if hasattr(dataset, "label") else f"validation sample {i}"

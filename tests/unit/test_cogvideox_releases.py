@@ -10,7 +10,7 @@ import torch
 from diffusers import CogVideoXTransformer3DModel
 
 from models.__main__ import summary
-from models.geometry import latent_shape, pad_frames, token_grid
+from models.geometry import latent_shape, pad_frames, token_grid, video_latent
 from models.registry import sequence_tokens
 from parallel.check import check
 from parallel.config import load_config
@@ -66,6 +66,7 @@ def test_the_15_geometry_pads_latent_frames_in_front():
     assert padded.shape == (2, 16, 22, 4, 4)
     assert torch.equal(padded[:, :, 1:], latent) and torch.equal(padded[:, :, 0], latent[:, :, 0])
     assert pad_frames(padded, cfg.model) is padded
+    assert torch.equal(video_latent(padded, cfg.model, cfg.data), latent)     # decoded without the padding
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +214,16 @@ def test_training_takes_the_stored_image_latents(tmp_path):
     for j in range(2):
         image = images[batches.sample_index(j)]
         assert torch.equal(x[j, 4:], torch.cat([image, image, torch.zeros(4, 2, 8, 8)], dim=1))
+
+
+def test_sampling_an_i2v_model_from_the_command_line_is_refused_by_name(tmp_path):
+    from parallel.sample import check_args, parse_args
+
+    args = parse_args(["--config", "debug", "--prompt-embeds", str(tmp_path / "p.safetensors"), "--out", str(tmp_path)])
+    out = f"train.output_dir={tmp_path}"
+    cfg = load_config("debug", ["model.pos_embed=rope3d", "model.image_condition=true", "model.name=tiny-i2v", out])
+    problems = check_args(args, cfg, check(cfg, {}, "ds.json", 1)[0])
+    assert any(p.startswith("model tiny-i2v is image-to-video: parallel.sample takes no image input yet") for p in
+               problems), problems
+    cfg = load_config("debug", [out])
+    assert not any("image-to-video" in p for p in check_args(args, cfg, check(cfg, {}, "ds.json", 1)[0]))
