@@ -1,4 +1,5 @@
-"""CogVideoX-style video DiT (1.0 and 1.5, text- and image-to-video) as a list of stages: embed -> blocks -> final (names follow the paper/diffusers).
+"""CogVideoX-style video DiT (1.0 and 1.5, text- and image-to-video) as a list of stages: embed -> blocks ->
+final (names follow the paper/diffusers).
 
 Each stage takes and returns a tuple so the same list runs sequentially (pp = 1) or split into DeepSpeed
 pipeline stages (pp > 1). Between stages flow x [B, S_txt + S_vid, H] (text tokens first) and the time
@@ -58,7 +59,8 @@ class EmbedStage(nn.Module):
                 self.mismatch = (f"model.learned_positions=true holds positions for a {sample} patch grid "
                                  f"(model.sample_frames/height/width), the data gives {tuple(grid)}: set data."
                                  f"num_frames/height/width to {cfg.sample_frames} x "
-                                 f"{cfg.sample_height * cfg.vae_scale_spatial} x {cfg.sample_width * cfg.vae_scale_spatial}")
+                                 f"{cfg.sample_height * cfg.vae_scale_spatial} x "
+                                 f"{cfg.sample_width * cfg.vae_scale_spatial}")
 
     def forward(self, inputs):
         latents, timesteps, text = inputs          # latents [B, C_in, T, H, W], T a multiple of patch_size_t

@@ -49,7 +49,7 @@ def test_the_training_input_is_the_pipelines_image_latents_with_dropout():
         load_config("debug", T2V15).model, cfg.data) is None
     kept = set()
     for step in range(4):
-        (x, t, text), target = batches.micro_batch(step, 0)
+        (x, _, _), target = batches.micro_batch(step, 0)
         assert x.shape == (4, 8, 4, 8, 8) and target.shape == (4, 4, 4, 8, 8)        # 3 VAE frames -> 4
         first = torch.stack([batches.dataset[batches.sample_index(step * 4 + j)][0][:, :1] for j in range(4)])
         image = x[:, 4:]

@@ -41,7 +41,7 @@ RELEASES = {
 @pytest.mark.parametrize("preset", sorted(RELEASES))
 def test_preset_counts_the_parameters_diffusers_builds_and_writes_its_config(preset):
     cfg = load_config(f"configs/{preset}.yaml")
-    ours = int(re.search(r"^parameters: (\d+)$", summary(cfg), re.M).group(1))
+    ours = int(re.search(r"^parameters: (\d+)$", summary(cfg), re.MULTILINE).group(1))
     with torch.device("meta"):
         theirs = CogVideoXTransformer3DModel(**RELEASES[preset])
     assert ours == sum(p.numel() for p in theirs.parameters())
