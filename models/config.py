@@ -117,3 +117,8 @@ class ModelConfig(Section):
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def transformer_in_channels(self) -> int:
+        """Channels of the first stage's latents (image-to-video models take conditioning channels too)."""
+        return self.in_channels

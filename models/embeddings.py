@@ -97,20 +97,27 @@ def _rope_1d(dim: int, pos: torch.Tensor, theta: float) -> tuple[torch.Tensor, t
 
 
 def rope_3d(head_dim: int, t: int, h: int, w: int, base: tuple[int, int] | None = None,
-            theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+            theta: float = 10000.0, grid: str = "linspace") -> tuple[torch.Tensor, torch.Tensor]:
     """3D rotary frequencies for (t, h, w) tokens: cos, sin of shape [t*h*w, head_dim] (CogVideoX-5B).
 
     head_dim is split 1/4 time, 3/8 height, 3/8 width; each pair of channels rotates. Spatial positions
     span the grid's crop region inside `base` (the model's (h, w) patch grid; default: the grid itself):
-    h positions evenly from top to bottom (h-1)/h, likewise w.
+    h positions evenly from top to bottom (h-1)/h, likewise w. grid="slice" (CogVideoX 1.5, diffusers'
+    grid_type="slice" with max_size=base): integer positions 0..h-1, 0..w-1, 0..t-1, the grid within `base`.
     """
     dim_t, dim_h = head_dim // 4, head_dim // 8 * 3
     if head_dim % 16:
         raise ValueError(f"3D rotary positions need head_dim divisible by 16, got {head_dim}")
-    (top, left), (bottom, right) = resize_crop_region((h, w), base or (h, w))
-    grid_h = torch.linspace(top, bottom * (h - 1) / h, h, dtype=torch.float32)
-    grid_w = torch.linspace(left, right * (w - 1) / w, w, dtype=torch.float32)
-    grid_t = torch.linspace(0, t * (t - 1) / t, t, dtype=torch.float32)
+    if grid == "slice":
+        if base is not None and (h > base[0] or w > base[1]):
+            raise ValueError(f"a {h} x {w} patch grid exceeds the rotary table's {base[0]} x {base[1]} "
+                             f"(model.sample_height/width divided by model.patch_size)")
+        grid_h, grid_w, grid_t = (torch.arange(n, dtype=torch.float32) for n in (h, w, t))
+    else:
+        (top, left), (bottom, right) = resize_crop_region((h, w), base or (h, w))
+        grid_h = torch.linspace(top, bottom * (h - 1) / h, h, dtype=torch.float32)
+        grid_w = torch.linspace(left, right * (w - 1) / w, w, dtype=torch.float32)
+        grid_t = torch.linspace(0, t * (t - 1) / t, t, dtype=torch.float32)
     tables = [_rope_1d(dim_t, grid_t, theta), _rope_1d(dim_h, grid_h, theta), _rope_1d(dim_h, grid_w, theta)]
 
     def combine(ft, fh, fw):

@@ -12,10 +12,31 @@ import torch
 from einops import rearrange
 
 
+def vae_frames(model, data) -> int:
+    """Latent frames the VAE makes of data.num_frames frames: (F - 1) / temporal compression + 1."""
+    return (data.num_frames - 1) // model.vae_scale_temporal + 1
+
+
 def latent_shape(model, data) -> tuple[int, int, int]:
-    """Latent (frames, height, width) of a data.num_frames x data.height x data.width video."""
-    t = (data.num_frames - 1) // model.vae_scale_temporal + 1
+    """Latent (frames, height, width) the model takes for a data.num_frames x data.height x data.width video:
+    the VAE's frames padded at the front to a multiple of patch_size_t (CogVideoX 1.5: 81 frames -> 21
+    latent frames -> 22), as CogVideoXPipeline.__call__ does ("the latent frames should be padded to make
+    it divisible by patch_size_t"); `pad_frames` pads a VAE latent so."""
+    pt = model.patch_size_t
+    t = -(-vae_frames(model, data) // pt) * pt
     return t, data.height // model.vae_scale_spatial, data.width // model.vae_scale_spatial
+
+
+def pad_frames(latent: torch.Tensor, model) -> torch.Tensor:
+    """[..., C, T, H, W] -> [..., C, T', H, W], T' the next multiple of patch_size_t: copies of the first frame
+    in front, as CogVideo's fine-tuning pads 1.5 latents (finetune/models/cogvideox_t2v/lora_trainer.py:
+    "Copy the first frame ncopy times to match patch_size_t"); the pipeline drops that many frames in front
+    before decoding."""
+    pad = -latent.shape[-3] % model.patch_size_t
+    if pad == 0:
+        return latent
+    first = latent.narrow(-3, 0, 1)
+    return torch.cat([first.expand(*first.shape[:-3], pad, *first.shape[-2:]), latent], dim=-3)
 
 
 def token_grid(model, data) -> tuple[int, int, int]:
@@ -35,6 +56,13 @@ def unpatchify(tokens: torch.Tensor, model, grid) -> torch.Tensor:
     t, h, w = grid
     p, pt = model.patch_size, model.patch_size_t
     return rearrange(tokens, "b (t h w) (c pt p q) -> b c (t pt) (h p) (w q)", t=t, h=h, w=w, pt=pt, p=p, q=p)
+
+
+def video_latent(latent: torch.Tensor, model, data) -> torch.Tensor:
+    """[..., C, T, H, W] -> the VAE's frames only: `pad_frames`' front padding dropped before decoding, as
+    CogVideoXPipeline does ("Discard any padding frames that were added for CogVideoX 1.5")."""
+    pad = latent.shape[-3] - vae_frames(model, data)
+    return latent.narrow(-3, pad, latent.shape[-3] - pad) if pad > 0 else latent
 
 
 _SHARED_TABLES: dict = {}    # (table function and its fixed arguments, grid, device) -> tensors, one per process

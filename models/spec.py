@@ -55,6 +55,12 @@ class FamilySpec:
     describe_layers: Callable[[ModelConfig], str]                         # "30 blocks", "28 layers (...)"
     layer_noun: str = "block"
     released: Optional[ReleasedFormat] = None
+    # (model, data) -> None, or a training-input hook: (x_t, x0, keep [B] bool) -> the first stage's latents
+    # (image-to-video: x_t with the image latents on channels), its `.dropout` the probability of keep False.
+    condition: Optional[Callable] = None
+
+    def training_condition(self, model: ModelConfig, data):
+        return self.condition(model, data) if self.condition else None
 
     def sequence_tokens(self, model: ModelConfig, data) -> int:
         """Length of the sequence x the layers see (and sequence parallelism splits)."""

@@ -96,6 +96,10 @@ def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
     steps, guidance, sampler, _ = _settings(args, cfg)
     if not args.prompt and not args.prompt_embeds:
         problems.append("nothing to sample: give --prompt or --prompt-embeds")
+    from models.registry import family
+    if family(cfg.model).training_condition(cfg.model, cfg.data) is not None:
+        problems.append(f"model {cfg.model.name} is image-to-video: parallel.sample takes no image input yet; "
+                        f"validation (val.num_prompts) samples it from each validation sample's first frame")
     if args.prompt and not cfg.data.text_encoder:
         problems.append("--prompt needs a T5 encoder: --set data.text_encoder=<folder>, or give --prompt-embeds")
     shapes = {}
@@ -191,6 +195,7 @@ def write_outputs(out: Path, latents, labels: list[str], cfg, decoder: Optional[
     """The latents file and (folder form, or with a decoder) the videos; the paths written."""
     from safetensors.torch import save_file
 
+    from models.geometry import video_latent
     from parallel.train.media import load_decoder, write_gif, write_mp4
 
     written = []
@@ -209,7 +214,7 @@ def write_outputs(out: Path, latents, labels: list[str], cfg, decoder: Optional[
         decode = load_decoder(decoder)
         folder.mkdir(parents=True, exist_ok=True)
         for i, latent in enumerate(latents):
-            frames = decode(latent)
+            frames = decode(video_latent(latent, cfg.model, cfg.data))
             for fmt in cfg.val.formats:
                 path = folder / f"prompt{i}.{fmt}"
                 (write_gif if fmt == "gif" else write_mp4)(frames, path, fps=cfg.val.fps)

@@ -1,9 +1,10 @@
-"""CogVideoX 1.0 (2B, 5B): full 3D attention over text + video tokens, adaLN-zero blocks."""
+"""CogVideoX (2B, 5B, 5B-I2V; 1.5: 5B, 5B-I2V): full 3D attention over text + video tokens, adaLN-zero blocks."""
 from __future__ import annotations
 
 import math
 
 from models.cogvideox.config import CogVideoXConfig
+from models.cogvideox.image import first_frame_condition
 from models.cogvideox.model import DiTBlock, EmbedStage, FinalStage
 from models.cogvideox.released import DIFFUSERS
 from models.spec import FamilySpec
@@ -20,4 +21,5 @@ SPEC = FamilySpec(
     attention_pairs=lambda m, grid: (m.max_text_len + math.prod(grid)) ** 2,
     describe_layers=lambda m: f"{m.num_layers} blocks",
     released=DIFFUSERS,
+    condition=first_frame_condition,
 )

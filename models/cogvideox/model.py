@@ -1,4 +1,5 @@
-"""CogVideoX-style video DiT as a list of stages: embed -> blocks -> final (names follow the paper/diffusers).
+"""CogVideoX-style video DiT (1.0 and 1.5, text- and image-to-video) as a list of stages: embed -> blocks ->
+final (names follow the paper/diffusers).
 
 Each stage takes and returns a tuple so the same list runs sequentially (pp = 1) or split into DeepSpeed
 pipeline stages (pp > 1). Between stages flow x [B, S_txt + S_vid, H] (text tokens first) and the time
@@ -33,26 +34,54 @@ class EmbedStage(nn.Module):
     def __init__(self, cfg: CogVideoXConfig, grid: tuple[int, int, int], ctx=None):
         super().__init__()
         self.cfg, self.grid, self.ctx = cfg, grid, ctx
-        p, pt, c, hid = cfg.patch_size, cfg.patch_size_t, cfg.in_channels, cfg.hidden_size
-        self.patch_proj = nn.Linear(c * pt * p * p, hid)        # = Conv3d(kernel = stride = (pt, p, p))
+        p, pt, c, hid = cfg.patch_size, cfg.patch_size_t, cfg.transformer_in_channels, cfg.hidden_size
+        # = Conv3d(kernel = stride = (pt, p, p)); diffusers' temporal (1.5) patch embedding is an nn.Linear
+        # that always has a bias, whatever patch_bias says (CogVideoXPatchEmbed).
+        self.patch_proj = nn.Linear(c * pt * p * p, hid, bias=cfg.patch_bias or pt > 1)
         self.text_proj = nn.Linear(cfg.text_embed_dim, hid)
         self.time_linear_1 = nn.Linear(hid, cfg.time_embed_dim)
         self.time_linear_2 = nn.Linear(cfg.time_embed_dim, cfg.time_embed_dim)
-        self._pos = PositionCache(functools.partial(sincos_3d, hid, spatial_scale=cfg.spatial_interpolation_scale,
-                                                    temporal_scale=cfg.temporal_interpolation_scale)) \
-            if cfg.pos_embed == "sincos" else None
+        if cfg.ofs_embed_dim:                      # 1.5-I2V: emb = time embedding + MLP(sinusoid(ofs))
+            self.ofs_linear_1 = nn.Linear(cfg.ofs_embed_dim, cfg.ofs_embed_dim)
+            self.ofs_linear_2 = nn.Linear(cfg.ofs_embed_dim, cfg.ofs_embed_dim)
+        sincos = functools.partial(sincos_3d, hid, spatial_scale=cfg.spatial_interpolation_scale,
+                                   temporal_scale=cfg.temporal_interpolation_scale)
+        self._pos = PositionCache(sincos) if cfg.pos_embed == "sincos" else None
+        if cfg.learned_positions:
+            # 5B-I2V: a stored table [1, S_txt + S_vid, H] for the sample size (text rows zero at
+            # initialisation, as diffusers builds it); diffusers keeps it a (persistent) buffer, so do we.
+            sample = ((cfg.sample_frames - 1) // cfg.vae_scale_temporal + 1, cfg.sample_height // p,
+                      cfg.sample_width // p)
+            table = torch.zeros(1, cfg.max_text_len + math.prod(sample), hid)
+            table[0, cfg.max_text_len:] = sincos(*sample)
+            self.register_buffer("pos_embedding", table)
+            if tuple(grid) != sample:          # diffusers refuses other sizes too
+                self.mismatch = (f"model.learned_positions=true holds positions for a {sample} patch grid "
+                                 f"(model.sample_frames/height/width), the data gives {tuple(grid)}: set data."
+                                 f"num_frames/height/width to {cfg.sample_frames} x "
+                                 f"{cfg.sample_height * cfg.vae_scale_spatial} x "
+                                 f"{cfg.sample_width * cfg.vae_scale_spatial}")
 
     def forward(self, inputs):
-        latents, timesteps, text = inputs
+        latents, timesteps, text = inputs          # latents [B, C_in, T, H, W], T a multiple of patch_size_t
         dtype = self.patch_proj.weight.dtype
         video = self.patch_proj(patchify(latents.to(dtype), self.cfg))   # (B, S_vid, H)
         if self._pos is not None:
             video = video + self._pos.get(self.grid, video.device).to(dtype)
         x = torch.cat([self.text_proj(text.to(dtype)), video], dim=1)     # (B, S_txt + S_vid, H)
+        if self.cfg.learned_positions:
+            if hasattr(self, "mismatch"):
+                raise ValueError(self.mismatch)
+            x = x + self.pos_embedding.to(dtype)
         x = split_sequence(x, self.ctx)                                   # sp: this rank's S / sp tokens
         t_freq = timestep_embedding(timesteps, self.cfg.hidden_size, self.cfg.flip_sin_to_cos,
                                     self.cfg.freq_shift).to(dtype)
         temb = self.time_linear_2(F.silu(self.time_linear_1(t_freq)))    # (B, D)
+        if self.cfg.ofs_embed_dim:
+            # ofs = 2.0: what CogVideoXImageToVideoPipeline and CogVideo's I2V fine-tuning feed ([1], broadcast)
+            ofs = timestep_embedding(torch.full((1,), 2.0, device=temb.device), self.cfg.ofs_embed_dim,
+                                     self.cfg.flip_sin_to_cos, self.cfg.freq_shift).to(dtype)
+            temb = temb + self.ofs_linear_2(F.silu(self.ofs_linear_1(ofs)))
         return x, temb
 
 
@@ -101,7 +130,7 @@ class Attention(nn.Module):
         else:
             self.register_buffer("norm_k_bias", torch.zeros(self.head_dim))
         base = (cfg.sample_height // cfg.patch_size, cfg.sample_width // cfg.patch_size)
-        self._rope = PositionCache(functools.partial(rope_3d, self.head_dim, base=base)) \
+        self._rope = PositionCache(functools.partial(rope_3d, self.head_dim, base=base, grid=cfg.rope_grid)) \
             if cfg.pos_embed == "rope3d" else None
         self.core = SequenceAttention(self._attend, ctx, tokens=self.n_txt + math.prod(grid))
 

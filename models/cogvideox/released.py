@@ -1,7 +1,10 @@
 """CogVideoX as diffusers publishes it (`CogVideoXTransformer3DModel`): config translation and tensor names.
 
     toolkit                     diffusers
-    embed.patch_proj            patch_embed.proj (Conv2d [H, C, p, p] = our Linear [H, (C p q)], reshaped)
+    embed.patch_proj            patch_embed.proj (1.0: Conv2d [H, C, p, p] = our Linear [H, (C p q)], reshaped;
+                                1.5: Linear [H, (C pt p q)], as is)
+    embed.pos_embedding         patch_embed.pos_embedding (5B-I2V's learned positions, [1, S_txt + S_vid, H])
+    embed.ofs_linear_{1,2}      ofs_embedding.linear_{1,2} (1.5-I2V)
     embed.text_proj             patch_embed.text_proj
     embed.time_linear_{1,2}     time_embedding.linear_{1,2}
     blocks.i.norm{1,2}.*        transformer_blocks.i.norm{1,2}.*
@@ -21,11 +24,15 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+import torch
+
 from models.cogvideox.config import CogVideoXConfig
-from models.geometry import latent_shape
+from models.geometry import latent_shape, vae_frames
 
 _EMBED = {"patch_proj": "patch_embed.proj", "text_proj": "patch_embed.text_proj",
-          "time_linear_1": "time_embedding.linear_1", "time_linear_2": "time_embedding.linear_2"}
+          "time_linear_1": "time_embedding.linear_1", "time_linear_2": "time_embedding.linear_2",
+          "ofs_linear_1": "ofs_embedding.linear_1", "ofs_linear_2": "ofs_embedding.linear_2"}
+_EMBED_LEAF = {"pos_embedding": "patch_embed.pos_embedding"}
 _BLOCK = {"norm1.linear": "norm1.linear", "norm1.norm": "norm1.norm", "norm2.linear": "norm2.linear",
           "norm2.norm": "norm2.norm", "attn.to_out": "attn1.to_out.0", "ff_in": "ff.net.0.proj", "ff_out": "ff.net.2"}
 _BLOCK_LEAF = {"attn.norm_q_weight": "attn1.norm_q.weight", "attn.norm_q_bias": "attn1.norm_q.bias",
@@ -41,7 +48,7 @@ def _config_pairs(m: CogVideoXConfig) -> list[tuple[str, object, Optional[str], 
         ("num_attention_heads", 30, "model.num_heads", m.num_heads),
         ("attention_head_dim", 64, "model.head_dim", m.head_dim),
         ("num_layers", 30, "model.num_layers", m.num_layers),
-        ("in_channels", 16, "model.in_channels", m.in_channels),
+        ("in_channels", 16, "model.image_condition", m.transformer_in_channels),
         ("out_channels", 16, "model.in_channels", m.in_channels),
         ("time_embed_dim", 512, "model.time_embed_dim", m.time_embed_dim),
         ("text_embed_dim", 4096, "model.text_embed_dim", m.text_embed_dim),
@@ -55,11 +62,12 @@ def _config_pairs(m: CogVideoXConfig) -> list[tuple[str, object, Optional[str], 
         ("sample_height", 60, "model.sample_height", m.sample_height),
         ("sample_width", 90, "model.sample_width", m.sample_width),
         ("use_rotary_positional_embeddings", False, "model.pos_embed", m.pos_embed == "rope3d"),
+        ("patch_size_t", None, "model.patch_size_t", m.patch_size_t if m.patch_size_t > 1 else None),
+        ("ofs_embed_dim", None, "model.ofs_embed_dim", m.ofs_embed_dim),
+        ("use_learned_positional_embeddings", False, "model.learned_positions", m.learned_positions),
+        *([("sample_frames", 49, "model.sample_frames", m.sample_frames)] if m.learned_positions else []),
+        ("patch_bias", True, "model.patch_bias", m.patch_bias),
         # What the toolkit's model always is: these have no model.* key.
-        ("patch_size_t", None, None, None),
-        ("ofs_embed_dim", None, None, None),
-        ("use_learned_positional_embeddings", False, None, False),
-        ("patch_bias", True, None, True),
         ("attention_bias", True, None, True),
         ("activation_fn", "gelu-approximate", None, "gelu-approximate"),
         ("timestep_activation_fn", "silu", None, "silu"),
@@ -86,25 +94,30 @@ class CogVideoXDiffusers:
                 if bool(theirs) != value:
                     problems.append(f"{path}: {key} {_show(theirs)} != model.pos_embed {m.pos_embed}; set "
                                     f"--set model.pos_embed={'rope3d' if theirs else 'sincos'}")
+            elif key == "in_channels":
+                if theirs != value:
+                    out = config.get("out_channels", 16)
+                    problems.append(f"{path}: in_channels {_show(theirs)} != {value} (model.in_channels x "
+                                    f"{2 if m.image_condition else 1}); set --set model.image_condition="
+                                    f"{_show(theirs == 2 * out)} (image-to-video releases take 2 x out_channels)")
             elif ours is None:
                 if theirs != value:
                     problems.append(f"{path}: {key} {_show(theirs)} is not supported (the toolkit's CogVideoX model "
-                                    f"has {_show(value)}; CogVideoX 1.0 text-to-video transformers, 2B and 5B, qualify)")
+                                    f"has {_show(value)}; CogVideoX 2B, 5B, 5B-I2V, 1.5-5B and 1.5-5B-I2V qualify)")
             elif theirs != value:
                 problems.append(f"{path}: {key} {_show(theirs)} != {ours} {_show(value)}; set --set {ours}={_show(theirs)} "
                                 f"or use the matching preset")
         if m.ffn_hidden_size not in (None, 4 * m.hidden_size):
             problems.append(f"{path}: the released FFN is 4 x hidden = {4 * m.hidden_size} wide, model.ffn_hidden_size "
                             f"is {m.ffn_hidden_size}; remove it")
-        if m.patch_size_t != 1:
-            problems.append(f"{path}: model.patch_size_t={m.patch_size_t}; CogVideoX 1.0 weights have no temporal "
-                            f"patches (patch_size_t 1)")
         return problems
 
     def config(self, m: CogVideoXConfig, data) -> dict:
-        """sample_frames (diffusers: (latent frames - 1) x temporal compression + 1) only sizes a cache there."""
+        """sample_frames (diffusers: (VAE latent frames - 1) x temporal compression + 1, before any padding to
+        patch_size_t) sizes a cache there, and 5B-I2V's learned position table."""
         config = {key: value for key, _, _, value in _config_pairs(m)}
-        config["sample_frames"] = (latent_shape(m, data)[0] - 1) * m.vae_scale_temporal + 1
+        config["sample_frames"] = m.sample_frames if m.learned_positions else \
+            (vae_frames(m, data) - 1) * m.vae_scale_temporal + 1
         return config
 
     def names(self, name: str) -> list[str]:
@@ -118,6 +131,8 @@ class CogVideoXDiffusers:
             if module == "attn.to_qkv":
                 return [f"{prefix}attn1.to_{x}.{leaf}" for x in "qkv"]
             table = _BLOCK
+        elif section == "embed" and rest in _EMBED_LEAF:
+            return [_EMBED_LEAF[rest]]
         else:
             table, prefix = {"embed": _EMBED, "final": _FINAL}.get(section, {}), ""
             module, _, leaf = rest.rpartition(".")
@@ -127,10 +142,39 @@ class CogVideoXDiffusers:
 
     def shapes(self, name: str, shape: tuple[int, ...], m: CogVideoXConfig) -> dict[str, tuple[int, ...]]:
         sources = self.names(name)
-        if name == PATCH_WEIGHT:
-            return {sources[0]: (m.hidden_size, m.in_channels, m.patch_size, m.patch_size)}
+        if name == PATCH_WEIGHT and m.patch_size_t == 1:
+            return {sources[0]: (m.hidden_size, m.transformer_in_channels, m.patch_size, m.patch_size)}
         rows = shape[0] // len(sources)
         return {s: (rows, *shape[1:]) for s in sources}
+
+    def example_inputs(self, m: CogVideoXConfig, data, batch: int, generator: torch.Generator) -> tuple:
+        """A random batch the transformer takes: (latents [B, C_in, T, H, W], timesteps [B], text [B, L, D])."""
+        latents = torch.randn(batch, m.transformer_in_channels, *latent_shape(m, data), generator=generator)
+        timesteps = torch.randint(0, 1000, (batch,), generator=generator)
+        return latents, timesteps, torch.randn(batch, m.max_text_len, m.text_embed_dim, generator=generator)
+
+    def reference(self, folder: str, inputs: tuple) -> torch.Tensor:
+        """diffusers' prediction [B, C, T, H, W] from the folder at fp32, with the rotary tables and ofs as
+        CogVideoXPipeline / CogVideoXImageToVideoPipeline make them (_prepare_rotary_positional_embeddings)."""
+        from diffusers import CogVideoXTransformer3DModel
+        from diffusers.models.embeddings import get_3d_rotary_pos_embed
+        from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
+
+        latents, timesteps, text = inputs
+        model = CogVideoXTransformer3DModel.from_pretrained(folder, torch_dtype=torch.float32).eval()
+        c, p = model.config, model.config.patch_size
+        grid, base = (latents.shape[3] // p, latents.shape[4] // p), (c.sample_height // p, c.sample_width // p)
+        rotary = None
+        if c.use_rotary_positional_embeddings and c.patch_size_t is None:
+            crop = get_resize_crop_region_for_grid(grid, base[1], base[0])
+            rotary = get_3d_rotary_pos_embed(c.attention_head_dim, crop, grid, latents.shape[2])
+        elif c.use_rotary_positional_embeddings:
+            rotary = get_3d_rotary_pos_embed(c.attention_head_dim, None, grid, latents.shape[2] // c.patch_size_t,
+                                             grid_type="slice", max_size=base)
+        ofs = latents.new_full((1,), 2.0) if c.ofs_embed_dim else None
+        with torch.no_grad():
+            out = model(latents.transpose(1, 2), text, timesteps, ofs=ofs, image_rotary_emb=rotary).sample
+        return out.transpose(1, 2).float()
 
 
 DIFFUSERS = CogVideoXDiffusers()

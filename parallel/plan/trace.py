@@ -232,8 +232,8 @@ class ActivationTracer:
         """Meta tensors of the stage's input; a block's and final's are the embed stage's outputs, as leaves
         (with sp, one sp rank's part of the sequence)."""
         m = self.cfg.model
-        raw = (torch.empty(b, m.in_channels, *latent_shape(m, self.cfg.data)), torch.zeros(b, dtype=torch.long),
-               torch.empty(b, m.max_text_len, m.text_embed_dim))
+        raw = (torch.empty(b, m.transformer_in_channels, *latent_shape(m, self.cfg.data)),
+               torch.zeros(b, dtype=torch.long), torch.empty(b, m.max_text_len, m.text_embed_dim))
         if kind == "embed":
             return raw
         embed, _ = self._module("embed", tp, sp)

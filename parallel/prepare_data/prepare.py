@@ -31,7 +31,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from models.geometry import latent_shape
+from models.geometry import latent_shape, pad_frames
+from models.registry import family
 from parallel.cli import CONFIG_HELP, add_experiment_args
 from parallel.units import DTYPES
 from parallel.prepare_data.captions import InputError, read_captions, video_files
@@ -180,6 +181,7 @@ class ClipEncoder:
         self.args, self.data, self.seed, self.tag = args, cfg.data, cfg.train.seed, tag
         self.store = DTYPES[args.dtype]
         self.expected = (cfg.model.in_channels, *latent_shape(cfg.model, cfg.data))
+        self.model, self.condition = cfg.model, family(cfg.model).training_condition(cfg.model, cfg.data)
 
     def __call__(self, rel: str, caption: str) -> None:
         """Writes the video's files; raises VideoError for an unusable video."""
@@ -187,7 +189,12 @@ class ClipEncoder:
         frames = read_clip(args.videos / rel, data.num_frames, data.height, data.width, args.fps)
         generator = torch.Generator().manual_seed(derive_seed(self.seed, "vae", rel)) \
             if args.posterior == "sample" else None
-        latent = encode(self.vae, frames, generator).to(self.store).contiguous()
+        latent = pad_frames(encode(self.vae, frames, generator), self.model).to(self.store).contiguous()
+        tensors = {"latent": latent}
+        if self.condition is not None:        # image-to-video: the noise-augmented first frame's latent
+            noise = torch.Generator().manual_seed(derive_seed(self.seed, "image", rel))
+            tensors["image"] = encode(self.vae, frames[:1], generator, lambda x: self.condition.augment(x, noise)) \
+                .to(self.store).contiguous()
         if tuple(latent.shape) != self.expected:
             raise RuntimeError(f"{rel}: the VAE gave a latent of shape {list(latent.shape)}, the model expects "
                                f"{list(self.expected)} (data.num_frames/height/width, model.vae_scale_*)")
@@ -196,7 +203,7 @@ class ClipEncoder:
         if self.t5 is not None:
             text = self.t5.encode(caption).to(self.store).contiguous()
             write_atomic(args.out, text_path, lambda p: save_file({"text": text}, str(p), meta), self.tag)
-        write_atomic(args.out, latent_path, lambda p: save_file({"latent": latent}, str(p), meta), self.tag)
+        write_atomic(args.out, latent_path, lambda p: save_file(tensors, str(p), meta), self.tag)
 
     def write_unconditional(self) -> None:
         """uncond.safetensors: T5 of the empty prompt, what CogVideoX's pipelines feed as the negative prompt."""

@@ -82,14 +82,15 @@ def _shift(vae) -> float:
 
 
 @torch.no_grad()
-def encode(vae, frames: np.ndarray, generator: torch.Generator | None = None) -> torch.Tensor:
+def encode(vae, frames: np.ndarray, generator: torch.Generator | None = None, augment=None) -> torch.Tensor:
     """uint8 frames [T, H, W, 3] -> scaled latent [C, T', H', W'] fp32 on the CPU.
 
     With a generator the latent is a posterior draw (as CogVideoX trains); without, the posterior mode.
+    `augment`: applied to the pixels (1, 3, T, H, W) in [-1, 1] (fp32, CPU) before encoding.
     """
     param = next(vae.parameters())
-    x = torch.from_numpy(frames).permute(3, 0, 1, 2)[None]                    # (1, 3, T, H, W)
-    x = (x.to(param.device, torch.float32) / 127.5 - 1.0).to(param.dtype)
+    x = torch.from_numpy(frames).permute(3, 0, 1, 2)[None].float() / 127.5 - 1.0   # (1, 3, T, H, W)
+    x = (augment(x) if augment is not None else x).to(param.device, param.dtype)
     dist = vae.encode(x).latent_dist
     z = dist.sample(generator) if generator is not None else dist.mode()      # (1, C, T', H', W')
     return ((z.float() - _shift(vae)) * vae.config.scaling_factor)[0].cpu()

@@ -92,6 +92,8 @@ def _load_tensor(path: Path, key: str) -> torch.Tensor:
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
         tensors = load_file(str(path))
+        if key == "image":                # optional: None when the file has no image latents
+            return tensors.get(key)
         return tensors[key] if key in tensors else next(iter(tensors.values()))
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -224,6 +226,9 @@ class DirectoryLatents:
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         latent, text = self.items[i]
         embedding = self.text_encoder.encode(text) if isinstance(text, str) else _load_tensor(text, "text")
+        image = _load_tensor(latent, "image") if latent.suffix == ".safetensors" else None
+        if image is not None:     # image-to-video: prepare_data's first-frame latent [C, 1, H, W] beside it
+            return _load_tensor(latent, "latent").float(), embedding.float(), image.float()
         return _load_tensor(latent, "latent").float(), embedding.float()
 
 
@@ -231,8 +236,9 @@ class DiffusionBatches:
     """Infinite iterator of this rank's micro-batches: ((x_t, t, text), target), grad_accum per step."""
 
     def __init__(self, dataset, objective: Objective, *, seed: int, micro_batch: int, grad_accum: int,
-                 dp_rank: int, dp_size: int, start_step: int = 0, caption_dropout: float = 0.0):
+                 dp_rank: int, dp_size: int, start_step: int = 0, caption_dropout: float = 0.0, condition=None):
         self.dataset, self.objective, self.seed = dataset, objective, seed
+        self.condition = condition        # FamilySpec.training_condition: image latents onto x_t, or None
         self.caption_dropout = caption_dropout
         # Loaded once, at start-up: a missing file is named before the first step.
         self.uncond = dataset.unconditional() if caption_dropout > 0 else None
@@ -257,17 +263,24 @@ class DiffusionBatches:
 
     def micro_batch(self, step: int, micro: int):
         first = step * self.global_batch + (micro * self.dp_size + self.dp_rank) * self.mb
-        x0s, texts, noises, ts = [], [], [], []
+        x0s, texts, noises, ts, keep, images = [], [], [], [], [], []
         for pos in range(first, first + self.mb):
-            x0, text = self.dataset[self.sample_index(pos)]
+            x0, text, *image = self.dataset[self.sample_index(pos)]       # image: I2V first-frame latents
+            images += image
             if self.dropped(step, pos):
                 text = self.uncond.to(text.dtype)
             g = _generator(self.seed, "noise", pos)
             noises.append(torch.randn(x0.shape, generator=g))
             ts.append(torch.randint(0, NUM_TRAIN_TIMESTEPS, (1,), generator=g))
+            if self.condition is not None:    # the condition's dropout, drawn like the caption's
+                keep.append(float(torch.rand(1, generator=_generator(self.seed, "condition_dropout", step, pos)))
+                            >= self.condition.dropout)
             x0s.append(x0)
             texts.append(text)
         x_t, target = self.objective.noised(torch.stack(x0s), torch.stack(noises), torch.cat(ts))
+        if self.condition is not None:
+            x_t = self.condition(x_t, torch.stack(x0s), torch.tensor(keep),
+                                 torch.stack(images) if len(images) == len(x0s) else None)
         return (x_t, self.objective.model_timesteps(torch.cat(ts)), torch.stack(texts)), target
 
     def __iter__(self):

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from parallel.train.data import DiffusionBatches, DirectoryLatents, IndexRange, SyntheticLatents
 from models.diffusion import Objective
 from models.geometry import latent_shape
-from models.registry import sequence_tokens
+from models.registry import family, sequence_tokens
 from parallel.dist import accelerator
 from parallel.train import checkpoint
 from parallel.check import Layout
@@ -141,7 +141,8 @@ def training_batches(cfg: ExperimentConfig, ctx, dataset=None, start_step: int =
     return DiffusionBatches(dataset if dataset is not None else build_dataset(cfg), Objective.of(cfg.model),
                             seed=cfg.train.seed, micro_batch=cfg.train.micro_batch_size,
                             grad_accum=cfg.train.grad_accum_steps, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
-                            start_step=start_step, caption_dropout=cfg.data.caption_dropout)
+                            start_step=start_step, caption_dropout=cfg.data.caption_dropout,
+                            condition=family(cfg.model).training_condition(cfg.model, cfg.data))
 
 
 def build_val_dataset(cfg: ExperimentConfig):

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from models.diffusion import Objective
+from models.registry import family
 from parallel.config import ExperimentConfig
 from parallel.dist.seed import derive_seed
 
@@ -137,15 +138,19 @@ def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: E
     """Mean loss over every sample x timestep, and the mean per timestep: {"val_loss", "val_loss_t<t>"}."""
     ts = cfg.val.timesteps
     chunk = cfg.val.micro_batch_size or len(ts)
+    condition = family(cfg.model).training_condition(cfg.model, cfg.data)    # I2V: the sample's first frame
     mine: dict[int, list[float]] = {}
     for i, counts in replica_items(len(dataset), forward, ctx):
-        x0, text = dataset[i]
+        x0, text, *image = dataset[i]                         # image: I2V first-frame latents [C, 1, H, W]
         noise = validation_noise(cfg.train.seed, i, ts, x0.shape)
         losses = []
         for a in range(0, len(ts), chunk):
             t = torch.tensor(ts[a:a + chunk])
             x0s = x0.expand(len(t), *x0.shape)
             x_t, target = objective.noised(x0s, noise[a:a + chunk], t)
+            if condition is not None:
+                x_t = condition(x_t, x0s, torch.ones(len(t), dtype=torch.bool),
+                                image[0].expand(len(t), *image[0].shape) if image else None)
             prediction = forward.predict((x_t, objective.model_timesteps(t), text.expand(len(t), *text.shape)), target)
             err = (prediction.cpu() - target.float()) ** 2
             losses += err.flatten(1).mean(1).tolist()
@@ -170,15 +175,19 @@ def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: Ex
     from models.sampling import sample
 
     n = min(cfg.val.num_prompts, len(dataset))
+    condition = family(cfg.model).training_condition(cfg.model, cfg.data)    # I2V: the prompt's first frame
     uncond = dataset.unconditional()[None] if cfg.val.guidance_scale != 1 and n else None
     mine = {}
     for i, counts in replica_items(n, forward, ctx):
-        x0, text = dataset[i]
+        x0, text, *image = dataset[i]
         g = torch.Generator().manual_seed(derive_seed(cfg.train.seed, "sample", i))
         noise = torch.randn((1, *x0.shape), generator=g)
 
-        def predict(x, t, conditional, text=text[None]):
-            return forward.predict((x, t, text if conditional else uncond.to(text.dtype)), x).cpu()
+        def predict(x, t, conditional, text=text[None], x0=x0[None], image=image):
+            inp = x if condition is None else condition(x, x0.expand(len(x), *x0.shape[1:]),
+                                                        torch.ones(len(x), dtype=torch.bool),
+                                                        image[0].expand(len(x), *image[0].shape) if image else None)
+            return forward.predict((inp, t, text if conditional else uncond.to(text.dtype)), x).cpu()
 
         latent = sample(predict, noise, objective, cfg.val.sample_steps, cfg.val.sampler, cfg.val.guidance_scale,
                         use_dynamic_cfg=cfg.val.use_dynamic_cfg, generator=g)
@@ -189,13 +198,14 @@ def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: Ex
 
 def write_samples(latents: dict, dataset, cfg: ExperimentConfig, out_dir: Path, step: int) -> dict:
     """Decode and write each prompt's video under out_dir/samples/step<N>/; {prompt: frames}."""
+    from models.geometry import video_latent
     from parallel.train.media import load_decoder, write_gif, write_mp4
 
     decode, frames = load_decoder(cfg.val.decoder), {}
     folder = out_dir / "samples" / f"step{step}"
     folder.mkdir(parents=True, exist_ok=True)
     for i, latent in sorted(latents.items()):
-        frames[i] = decode(latent)
+        frames[i] = decode(video_latent(latent, cfg.model, cfg.data))
         for fmt in cfg.val.formats:
             (write_gif if fmt == "gif" else write_mp4)(frames[i], folder / f"prompt{i}.{fmt}", fps=cfg.val.fps)
         label = dataset.label(i) if hasattr(dataset, "label") else f"validation sample {i}"

@@ -5,7 +5,9 @@ Both position variants (sin-cos like 2B, 3D RoPE like 5B, with a non-square samp
 grid is a crop) are written by `save_pretrained`, loaded into the toolkit at (tp, pp) = (1, 1), (2, 1),
 (1, 2), (2, 2) and run forward: the prediction equals `CogVideoXTransformer3DModel`'s (fp32). Exported
 back from tp 2 x pp 2 and from ZeRO-3 (dp 4, through build_trainer), `from_pretrained` gives the
-original tensors bit for bit.
+original tensors bit for bit. The CogVideoX 1.5 and image-to-video variants (tests/unit/cogvideox_variants.py:
+temporal patches, learned positions, the ofs embedding, image channels) go through the same layouts and export
+in the same spawn.
 """
 from pathlib import Path
 
@@ -18,6 +20,8 @@ from safetensors.torch import load_file
 from parallel.config import load_config
 from parallel.weights.diffusers import INDEX_NAME, load_released
 from tests.dist_utils import run_ranks
+from tests.unit import cogvideox_variants as variants
+from tests.unit.test_cogvideox_releases import releases15  # noqa: F401  (fixture)
 from tests.unit.test_released_weights import B, FRAMES, HEAD_DIM, SIZE, overrides, released  # noqa: F401  (fixture)
 
 
@@ -42,7 +46,7 @@ def _inputs():
             torch.randn(B, 8, 32, generator=g))
 
 
-def _layouts_rank(rank, world_size, folders, export_dir):
+def _layouts_rank(rank, world_size, folders, export_dir, folders15):
     import types
 
     import deepspeed
@@ -66,6 +70,20 @@ def _layouts_rank(rank, world_size, folders, export_dir):
         # Back to the diffusers layout from tp 2 x pp 2; 20 KB shards for the sharded variant.
         export_diffusers(model, ctx, cfg, Path(export_dir) / pos,
                          max_shard_bytes=20_000 if pos == "sincos" else 2**30)
+    for variant, folder in folders15.items():
+        x = variants.inputs(variant)
+        for tp, pp in LAYOUTS:
+            cfg = load_config("debug", variants.overrides(variant, folder) + [f"parallel.tp_size={tp}",
+                                                                               f"parallel.pp_size={pp}"])
+            ctx = ParallelContext.build(ParallelDims(tp_size=tp, pp_size=pp, dp_size=world_size // (tp * pp)))
+            model = build_model(cfg, {}, ctx)
+            load_released(model, ctx, cfg.model, folder)
+            forward = StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx)
+            out[(variant, tp, pp)] = forward.predict(x, x[0][:, :variants.C])
+        export_diffusers(model, ctx, cfg, Path(export_dir) / variant)
+    from parallel import verify                      # the parity command in a layout: tp 2 x pp 2
+    out["verify"] = verify.main(["--config", "debug", "--set=parallel.tp_size=2", "--set=parallel.pp_size=2",
+                                 *(f"--set={o}" for o in variants.overrides("t2v15", folders15["t2v15"]))])
     out["zero3_partitioned"] = _zero3(world_size, folders["rope3d"], Path(export_dir) / "zero3")
     return out
 
@@ -89,10 +107,30 @@ def _zero3(world_size, folder, export_dir):
     return partitioned
 
 
-def test_forward_equals_diffusers_in_every_layout_and_export_round_trips(released, tmp_path):
-    """One spawn of 4 ranks: every (tp, pp) layout of both variants, the exports, and ZeRO-3 at dp 4."""
+def _same_model(exported, model):
+    """`from_pretrained` of the exported folder: the original config and tensors, bit for bit."""
+    again = CogVideoXTransformer3DModel.from_pretrained(exported)
+    public = lambda config: {k: v for k, v in config.items() if not k.startswith("_")}  # noqa: E731
+    assert public(again.config) == public(model.config)
+    original = model.state_dict()
+    assert again.state_dict().keys() == original.keys()
+    for name, value in again.state_dict().items():
+        assert torch.equal(value, original[name]), name
+
+
+def test_forward_equals_diffusers_in_every_layout_and_export_round_trips(released, releases15, tmp_path):
+    """One spawn of 4 ranks: every (tp, pp) layout of all variants, the exports, and ZeRO-3 at dp 4."""
     folders = {pos: str(folder) for pos, (folder, _) in released.items()}
-    results = run_ranks(_layouts_rank, 4, folders, str(tmp_path))
+    folders15 = {variant: str(folder) for variant, (folder, _) in releases15.items()}
+    results = run_ranks(_layouts_rank, 4, folders, str(tmp_path), folders15)
+    for variant, (_, model) in releases15.items():
+        want = variants.diffusers_forward(model, *variants.inputs(variant))
+        for rank, out in enumerate(results):
+            for tp, pp in LAYOUTS:
+                torch.testing.assert_close(out[(variant, tp, pp)], want,
+                                           msg=lambda m: f"{variant} tp={tp} pp={pp} rank {rank}: {m}")
+        _same_model(tmp_path / variant, model)
+    assert [r["verify"] for r in results] == [0] * 4
     inputs = _inputs()
     for pos, (_, model) in released.items():
         want = diffusers_forward(model, pos, *inputs)

@@ -1,0 +1,86 @@
+"""Parity of released weights: the toolkit's forward in a layout against the released library's own model.
+
+    python -m parallel.verify --config cogvideox1.5-5b --set model.init_from=CogVideoX1.5-5B/transformer
+    deepspeed --num_gpus 4 --module parallel.verify --config cogvideox1.5-5b \\
+        --set model.init_from=CogVideoX1.5-5B/transformer --set parallel.tp_size=2 --set parallel.pp_size=2
+
+Every rank loads its part of model.init_from into the layout (as sampling does) and predicts one
+deterministic random batch (--seed, --batch; the shapes of data.num_frames/height/width) at fp32; rank 0
+runs the class named in config.json (diffusers' CogVideoXTransformer3DModel, with the pipeline's rotary
+tables) on the same batch and prints `max relative difference X` = max |ours - theirs| / max |theirs|.
+Exit 0 below --tolerance (1e-4), 1 above it, 2 when the input is unusable (the reasons printed).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from parallel.cli import add_experiment_args
+from parallel.config import ConfigError
+from parallel.dist.topology import read_launch_env
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m parallel.verify", description=__doc__.splitlines()[0])
+    add_experiment_args(ap, deepspeed_required=False)
+    ap.add_argument("--batch", type=int, default=1, help="samples in the random batch")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random batch")
+    ap.add_argument("--tolerance", type=float, default=1e-4, help="largest relative difference that passes")
+    return ap.parse_args(argv)
+
+
+def relative_difference(ours, theirs) -> tuple[float, float]:
+    """(max |ours - theirs|, that over max |theirs|)."""
+    diff = float((ours.float() - theirs.float()).abs().max())
+    return diff, diff / max(float(theirs.abs().max()), 1e-30)
+
+
+def verify(args, cfg, ds, layout, env) -> tuple[float, float]:
+    """(max abs, max relative difference), the same on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    from parallel.train.sampling import sampling_model
+    from parallel.weights.diffusers import released_format
+
+    fmt = released_format(cfg.model)
+    inputs = fmt.example_inputs(cfg.model, cfg.data, args.batch, torch.Generator().manual_seed(args.seed))
+    with sampling_model(cfg, ds, layout, env) as (forward, ctx):
+        ours = forward.predict(inputs, torch.empty(args.batch, cfg.model.in_channels, *inputs[0].shape[2:]))
+        result = torch.zeros(2, dtype=torch.float64)
+        if ctx.rank == 0:
+            result[:] = torch.tensor(relative_difference(ours.cpu(), fmt.reference(cfg.model.init_from, inputs)))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(result, 0)
+    return float(result[0]), float(result[1])
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    env = read_launch_env()
+    problems = []
+    try:
+        from parallel.check import load_and_check
+        cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size)
+    except ConfigError as e:
+        problems = str(e).splitlines()
+    else:
+        if not cfg.model.init_from:
+            problems.append("model.init_from is not set: give --set model.init_from=<released transformer folder>")
+    if problems:
+        if env.rank == 0:
+            print("cannot verify:\n  - " + "\n  - ".join(problems), file=sys.stderr)
+        return 2
+    ds = {k: v for k, v in ds.items() if k not in ("bf16", "fp16")}     # compare at fp32
+    diff, rel = verify(args, cfg, ds, layout, env)
+    passed = rel < args.tolerance
+    if env.rank == 0:
+        print(f"{cfg.model.init_from} in tp {layout.tp_size} x pp {layout.pp_size} x sp "
+              f"{layout.sp_size}: max relative difference {rel:.3e} (max abs {diff:.3e}); "
+              f"{'equal' if passed else 'NOT equal'} at --tolerance {args.tolerance:g}", flush=True)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
