@@ -37,6 +37,8 @@ class ModelConfig(Section):
 
     # Positional schemes this family implements, the first being its default (set by each family).
     POS_EMBEDS: ClassVar[tuple[str, ...]] = ()
+    # Those of them learned for one token grid (a table per position): other shapes (buckets) are refused.
+    FIXED_GRID_POS_EMBEDS: ClassVar[tuple[str, ...]] = ()
 
     name: str = Field("custom", description="preset name, for reports")
     family: str = Field(description="the model family (models/registry.py)")

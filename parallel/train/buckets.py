@@ -103,3 +103,4 @@ class BucketSchedule:
 
     def summary(self) -> str:
         return ", ".join(f"{format_shape(k)}: {len(m)}" for k, m in zip(self.keys, self.members))
+

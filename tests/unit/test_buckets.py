@@ -136,3 +136,30 @@ def test_prepare_data_buckets(tmp_path, vae_dir, capsys):  # noqa: F811
     printed = capsys.readouterr().out
     for bucket in ("9x32x32", "9x32x48", "5x32x48", "5x48x32"):
         assert f"bucket {bucket}: 1 video in the manifest" in printed
+
+
+def test_checker_names_each_bucket_and_refuses_learned_positions(tmp_path, monkeypatch):
+    """python -m parallel.check's report lists every bucket's tokens and sp padding, longest first (the
+    memory plan's); a shape the patches do not tile is refused; positions learned for one grid refuse
+    every other bucket, naming it."""
+    from models.cogvideox.config import CogVideoXConfig
+    from parallel.check import check_data_files, load_and_check, summary
+    from parallel.train.bucket_check import bucket_configs
+
+    write_buckets(tmp_path)
+    sets = ["data.kind=directory", f"data.path={tmp_path}", "parallel.sp_size=2"]
+    cfg, _, layout = load_and_check("debug", sets, None, 2, device_check=False)
+    assert [s for s, _, _ in bucket_configs(cfg)] == SHAPES          # 56, 38, 17 tokens
+    assert ("buckets (longest first, the memory plan's): 9x64x64 x 4 -> 56 tokens, 5x48x80 x 4 -> 38 tokens, "
+            "1x48x48 x 4 -> 17 tokens (17 tokens padded to 18 for sp 2)") in summary(cfg, layout)
+    lines = [json.loads(x) for x in (tmp_path / "manifest.jsonl").read_text().splitlines()]
+    lines[0]["shape"] = [9, 64, 60]
+    (tmp_path / "manifest.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert any("bucket 9x64x60 (1 sample): width 60 is not a multiple of model.vae_scale_spatial x "
+               "model.patch_size = 16" in p for p in check_data_files(cfg))
+    write_buckets(tmp_path)
+    monkeypatch.setattr(CogVideoXConfig, "FIXED_GRID_POS_EMBEDS", ("sincos",))
+    problems = check_data_files(cfg)
+    assert len(problems) == 2 and all("model.pos_embed=sincos is learned for one token grid, 3x4x4" in p
+                                      for p in problems)
+    assert "bucket 5x48x80 (4 samples)" in problems[0] + problems[1]
