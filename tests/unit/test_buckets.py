@@ -163,3 +163,30 @@ def test_checker_names_each_bucket_and_refuses_learned_positions(tmp_path, monke
     assert len(problems) == 2 and all("model.pos_embed=sincos is learned for one token grid, 3x4x4" in p
                                       for p in problems)
     assert "bucket 5x48x80 (4 samples)" in problems[0] + problems[1]
+
+
+def test_validation_keeps_each_sample_shape(tmp_path):
+    """Validation over a directory of three shapes: each sample's loss is what a model built for its
+    shape gives (the stages take the sample's grid, then the next training step's again)."""
+    from types import SimpleNamespace
+
+    from parallel.train.validate import StageForward, validation_loss, validation_noise
+
+    write_buckets(tmp_path)
+    cfg = load_config("debug", ["data.kind=directory", f"data.path={tmp_path}", "val.timesteps=[100,800]"])
+    ctx, objective = ParallelContext.single(), Objective.of(cfg.model)
+    model = build_model(cfg, {}, ctx)
+    data = DirectoryLatents(tmp_path)
+    got = validation_loss(StageForward(SimpleNamespace(module=model, device="cpu"), ctx), data, objective, cfg, ctx)
+    natives = {s: build_model(load_config("debug", [f"data.num_frames={s[0]}", f"data.height={s[1]}",
+                                                    f"data.width={s[2]}"]), {}, ctx) for s in SHAPES}
+    losses = []
+    for i in range(len(data)):
+        x0, text = data[i]
+        t = torch.tensor(cfg.val.timesteps)
+        x_t, target = objective.noised(x0.expand(2, *x0.shape), validation_noise(cfg.train.seed, i, [100, 800],
+                                                                                 x0.shape), t)
+        with torch.no_grad():
+            prediction = natives[data.shapes[i]].predict((x_t, t, text.expand(2, *text.shape)))
+        losses.append(((prediction - target) ** 2).flatten(1).mean(1))
+    torch.testing.assert_close(torch.tensor(got["val_loss"]), torch.stack(losses).mean())
