@@ -81,14 +81,14 @@ def gather_sequence(x: torch.Tensor, ctx, dim: int = 1, total: Optional[int] = N
 class SequenceAttention(nn.Module):
     """`attend(q, k, v)` on [B, S, n, d] (batch first, sequence, heads): over the full sequence.
 
-    `attend` receives the full sequence of `tokens` real tokens (an int, or a function giving the current
-    step's count when the token grid changes from step to step: buckets) (the padding sliced off) and this rank's
+    `attend` receives the full sequence of `tokens` real tokens (the padding sliced off) and this rank's
     heads, and returns [B, S, n_local, d]. With sp_size = 1 it is called directly; otherwise through
     DeepSpeed's DistributedAttention (Ulysses), on the padded sequence [B, S_pad, n/sp, d] that
-    `_unpadded` trims for it and pads again.
+    `_unpadded` trims for it and pads again. `tokens` is an int, or a function giving the current step's
+    count when the token grid changes from step to step (buckets: parallel/train/buckets.py).
     """
 
-    def __init__(self, attend: Callable, ctx, tokens: int):
+    def __init__(self, attend: Callable, ctx, tokens: "int | Callable[[], int]"):
         super().__init__()
         self.attend, self.sp, self.tokens = attend, sp_size_of(ctx), tokens
         self.ulysses = None

@@ -77,7 +77,7 @@ def settings(args, cfg, vae_config: dict) -> dict:
             "fps": args.fps, "vae": str(args.vae.resolve()), "scaling_factor": vae_config.get("scaling_factor"),
             "posterior": args.posterior, "seed": cfg.train.seed, "dtype": args.dtype,
             "t5": str(args.t5.resolve()) if args.t5 else None, "max_text_len": cfg.model.max_text_len,
-            **({"buckets": [format_bucket(b) for b in args.bucket_list]} if args.bucket_list else {})}
+            "buckets": [format_bucket(b) for b in args.bucket_list] or None}
 
 
 def bucket_config(cfg, bucket):
