@@ -60,6 +60,8 @@ class ModelConfig(Section):
 
     # Positional schemes this family implements, the first being its default (set by each family).
     POS_EMBEDS: ClassVar[tuple[str, ...]] = ()
+    # Those of them learned for one token grid (a table per position): other shapes (buckets) are refused.
+    FIXED_GRID_POS_EMBEDS: ClassVar[tuple[str, ...]] = ()
 
     name: str = Field("custom", description="preset name, for reports")
     family: str = Field(description="the model family (models/registry.py)")
@@ -113,6 +115,12 @@ class ModelConfig(Section):
                 f"{self.num_heads * self.head_dim} must equal model.hidden_size={self.hidden_size}"
             )
         return self
+
+
+    def fixed_position_grid(self) -> Optional[str]:
+        """The setting that ties the model to one token grid (positions learned for it), else None: a
+        bucketed run refuses other grids naming it."""
+        return f"model.pos_embed={self.pos_embed}" if self.pos_embed in self.FIXED_GRID_POS_EMBEDS else None
 
     @property
     def ffn_size(self) -> int:

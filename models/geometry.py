@@ -45,6 +45,45 @@ def token_grid(model, data) -> tuple[int, int, int]:
     return t // model.patch_size_t, h // model.patch_size, w // model.patch_size
 
 
+def latent_grid(model, latent: tuple[int, int, int]) -> tuple[int, int, int]:
+    """Patch grid (t, h, w) of a latent of (frames, height, width): one bucket's grid."""
+    t, h, w = latent
+    return t // model.patch_size_t, h // model.patch_size, w // model.patch_size
+
+
+class StepGrid:
+    """The token grid (t, h, w) of the step being run, one object shared by every stage of a model.
+
+    Built with the config's grid; a bucketed run sets each step's bucket (`set`) on every rank before the
+    step, so the stages (which are built once) read the step's shape when they run: position tables,
+    the sp token count, unpatchify. Behaves as the (t, h, w) tuple it holds (`t, h, w = grid`,
+    `math.prod(grid)`, `grid[1]`).
+    """
+
+    def __init__(self, grid: tuple[int, int, int], model=None):
+        self.model = model            # patch sizes, for set_latent
+        self.set(grid)
+
+    def set(self, grid) -> None:
+        self.value = tuple(int(n) for n in grid)
+
+    def set_latent(self, latent) -> None:
+        """The grid of a latent of (frames, height, width) (validation: each sample's own shape)."""
+        self.set(latent_grid(self.model, tuple(latent)))
+
+    def __iter__(self):
+        return iter(self.value)
+
+    def __getitem__(self, i):
+        return self.value[i]
+
+    def __len__(self) -> int:
+        return len(self.value)
+
+    def __repr__(self) -> str:
+        return f"StepGrid{self.value}"
+
+
 def patchify(latents: torch.Tensor, model) -> torch.Tensor:
     """[B, C, T, H, W] -> [B, t*h*w, C*pt*p*p] patch tokens in (t, h, w) order."""
     p, pt = model.patch_size, model.patch_size_t
@@ -84,6 +123,7 @@ class PositionCache:
         self.tables = {}
 
     def get(self, key: tuple, device):
+        key = tuple(key)                      # a StepGrid: the step's grid, not the object
         if (key, device) not in self.tables:
             shared = (self.ident, key, str(device))
             if shared not in _SHARED_TABLES:

@@ -13,16 +13,17 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 
 from models.diffusion import mse_loss
-from models.geometry import patchify, token_grid
+from models.geometry import StepGrid, patchify, token_grid
 from models.registry import family, sequence_tokens
 from parallel.config import ExperimentConfig
 from parallel.dist.pipeline import DiTPipeline, SeededLayerSpec, SequentialDiT, checkpoint_x_only
 from parallel.dist.sequence import local_range, sp_size_of
 
 
-def layer_specs(cfg: ExperimentConfig, ctx) -> list[SeededLayerSpec]:
+def layer_specs(cfg: ExperimentConfig, ctx, grid: Optional[StepGrid] = None) -> list[SeededLayerSpec]:
+    """The stages, all reading one `StepGrid` (the config's grid until a bucketed run sets the step's)."""
     spec = family(cfg.model)
-    grid, seed = token_grid(cfg.model, cfg.data), cfg.train.seed
+    grid, seed = grid or StepGrid(token_grid(cfg.model, cfg.data), cfg.model), cfg.train.seed
     return ([SeededLayerSpec(seed, "embed", spec.embed, cfg.model, grid, ctx)]
             + [SeededLayerSpec(seed, f"blocks.{i}", spec.layer, cfg.model, grid, ctx) for i in range(cfg.model.num_layers)]
             + [SeededLayerSpec(seed, "final", spec.final, cfg.model, grid, ctx)])
@@ -37,16 +38,17 @@ class SequenceLoss:
     the sp ranks (DeepSpeed's data axis) to the serial loss, and so do the gradients.
     """
 
-    def __init__(self, cfg: ExperimentConfig, ctx):
+    def __init__(self, cfg: ExperimentConfig, ctx, grid: Optional[StepGrid] = None):
         self.model, self.ctx, self.sp = cfg.model, ctx, sp_size_of(ctx)
-        self.total = sequence_tokens(cfg.model, cfg.data)
-        self.prefix = self.total - math.prod(token_grid(cfg.model, cfg.data))    # text tokens in the sequence
+        self.grid = grid or StepGrid(token_grid(cfg.model, cfg.data), cfg.model)       # the step's grid (buckets)
+        self.prefix = sequence_tokens(cfg.model, cfg.data) - math.prod(token_grid(cfg.model, cfg.data))   # text
 
     def __call__(self, prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.sp == 1:
             return mse_loss(prediction, target)
-        start, stop = local_range(self.total, self.ctx)
-        stop = max(min(stop, self.total), start)                            # padding rows from self.total on
+        total = self.prefix + math.prod(self.grid)
+        start, stop = local_range(total, self.ctx)
+        stop = max(min(stop, total), start)                                 # padding rows from total on
         skip = min(max(self.prefix - start, 0), stop - start)               # local text rows
         first, last = start + skip - self.prefix, stop - self.prefix        # video tokens held here
         err = prediction[:, skip:skip + last - first].float() - patchify(target, self.model)[:, first:last].float()
@@ -73,16 +75,21 @@ def checkpoint_interval(ds: dict, num_blocks: int) -> int:
 
 def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Callable] = None) -> nn.Module:
     """The module to hand to deepspeed.initialize for this layout."""
-    specs = layer_specs(cfg, ctx)
+    grid = StepGrid(token_grid(cfg.model, cfg.data), cfg.model)
+    specs = layer_specs(cfg, ctx, grid)
     every = checkpoint_interval(ds, cfg.model.num_layers)
     checkpoint_fn = checkpoint_x_only(checkpoint_fn) if checkpoint_fn else None
-    loss_fn = SequenceLoss(cfg, ctx)
+    loss_fn = SequenceLoss(cfg, ctx, grid)
     if cfg.parallel.pp_size == 1:
         model = SequentialDiT(specs, every, checkpoint_fn, loss_fn)
     else:
-        # DeepSpeed's data axis holds dp x sp ranks (parallel.dist.topology).
-        topo = PipeModelDataParallelTopology(num_pp=ctx.pp_size, num_mp=ctx.tp_size, num_dp=ctx.dp_size * ctx.sp_size)
-        model = DiTPipeline(specs, topo, blocks_per_stage(cfg), loss_fn, every, checkpoint_fn)
+        # DeepSpeed's data axis holds dp x sp ranks (parallel.dist.topology). A directory dataset may hold
+        # several shapes (buckets): then the stages exchange tensors whose shape changes from step to step.
+        topo = PipeModelDataParallelTopology(num_pp=ctx.pp_size, num_mp=ctx.tp_size,
+                                             num_dp=ctx.dp_size * ctx.sp_size)
+        model = DiTPipeline(specs, topo, blocks_per_stage(cfg), loss_fn, every, checkpoint_fn,
+                            dynamic_shape=cfg.data.kind == "directory")
+    model.step_grid = grid            # the training loop sets each step's bucket here (parallel/train/engine.py)
     if cfg.model.lora is not None:                # frozen base + adapters (parallel/lora.py)
         from parallel.lora import apply_lora
         apply_lora(model, cfg.model, cfg.train.seed)

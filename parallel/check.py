@@ -239,9 +239,10 @@ def check_data_files(cfg: ExperimentConfig) -> list[str]:
         folders.append(("val.path", cfg.val.path))
     if not folders:
         return []
+    from parallel.train.bucket_check import bucket_problems
     from parallel.train.data import check_shapes
-    return [p for key, folder in folders
-            for p in check_shapes(folder, cfg.model, cfg.data, key, captions=bool(cfg.data.text_encoder))]
+    return bucket_problems(cfg) + [p for key, folder in folders for p in
+                                   check_shapes(folder, cfg.model, cfg.data, key, captions=bool(cfg.data.text_encoder))]
 
 
 def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source: str = "deepspeed config",
@@ -264,10 +265,19 @@ def summary(cfg: ExperimentConfig, layout: Layout) -> str:
     t, tp = cfg.train, layout.tp_size
     splits = ", ".join(f"{k.split('.')[-1]} {v}/{tp}" for k, v in tp_split_dims(cfg.model).items())
     padding = sequence_padding(cfg)
+    buckets = ""
+    if cfg.data.kind == "directory":
+        from parallel.train.bucket_check import bucket_configs
+        from parallel.train.buckets import format_shape
+        found = bucket_configs(cfg)
+        if len(found) > 1:               # each bucket's tokens and padding; the first (longest) is planned for
+            buckets = "; buckets (longest first, the memory plan's): " + ", ".join(
+                f"{format_shape(s)} x {n} -> {sequence_tokens(c.model, c.data):,} tokens"
+                + (f" ({sequence_padding(c)})" if sequence_padding(c) else "") for s, n, c in found)
     return (f"ok: {cfg.model.name} {layout.describe()} (world {layout.world_size}), "
             f"ZeRO-{layout.zero_stage} {layout.precision}, global batch {layout.global_batch} = micro "
             f"{t.micro_batch_size} x accum {t.grad_accum_steps} x dp {layout.dp_size}; tp splits {splits}"
-            + (f"; sp pads the sequence: {padding}" if padding else ""))
+            + (f"; sp pads the sequence: {padding}" if padding else "") + buckets)
 
 
 def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional[str],

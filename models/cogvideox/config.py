@@ -37,6 +37,9 @@ class CogVideoXConfig(ModelConfig):
     ofs_embed_dim: Optional[int] = Field(None, ge=1, description="1.5-I2V: width of the 'ofs' embedding added to "
                                          "the time embedding (the pipelines feed ofs = 2.0)")
 
+    def fixed_position_grid(self) -> Optional[str]:
+        return "model.learned_positions=true" if self.learned_positions else super().fixed_position_grid()
+
     @model_validator(mode="after")
     def _i2v_parts(self) -> "CogVideoXConfig":
         if self.learned_positions and self.pos_embed != "rope3d":

@@ -132,7 +132,11 @@ class Attention(nn.Module):
         base = (cfg.sample_height // cfg.patch_size, cfg.sample_width // cfg.patch_size)
         self._rope = PositionCache(functools.partial(rope_3d, self.head_dim, base=base, grid=cfg.rope_grid)) \
             if cfg.pos_embed == "rope3d" else None
-        self.core = SequenceAttention(self._attend, ctx, tokens=self.n_txt + math.prod(grid))
+        self.core = SequenceAttention(self._attend, ctx, tokens=self.tokens)
+
+    def tokens(self) -> int:
+        """Real tokens of the step's sequence (text + video), before any sp padding."""
+        return self.n_txt + math.prod(self.grid)
 
     def forward(self, x):
         q, k, v = rearrange(self.to_qkv(x), "b s (three n d) -> three b s n d", three=3, d=self.head_dim)
@@ -161,15 +165,19 @@ class DiTBlock(nn.Module):
 
     def __init__(self, cfg: CogVideoXConfig, grid, ctx):
         super().__init__()
-        # Text tokens in this rank's part of the sequence (all of them without sp; sp: text comes first,
-        # any padding last).
-        start, stop = local_range(cfg.max_text_len + math.prod(grid), ctx)
-        self.n_txt = min(max(cfg.max_text_len - start, 0), stop - start)
+        self.cfg, self.grid, self.ctx = cfg, grid, ctx
         self.norm1 = AdaLayerNormZero(cfg.time_embed_dim, cfg.hidden_size)
         self.attn = Attention(cfg, grid, ctx)
         self.norm2 = AdaLayerNormZero(cfg.time_embed_dim, cfg.hidden_size)
         self.ff_in = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, ctx=ctx)
         self.ff_out = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, ctx=ctx)
+
+    @property
+    def n_txt(self) -> int:
+        """Text tokens in this rank's part of the sequence (all of them without sp; sp: text comes first,
+        any padding last); the grid is the step's (buckets)."""
+        start, stop = local_range(self.cfg.max_text_len + math.prod(self.grid), self.ctx)
+        return min(max(self.cfg.max_text_len - start, 0), stop - start)
 
     def forward(self, inputs):
         x, temb = inputs

@@ -71,15 +71,15 @@ class EmbedStage(nn.Module):
         self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(hid, 6 * hid))
         self.y_embedder = nn.Sequential(nn.Linear(cfg.text_embed_dim, hid), nn.GELU(approximate="tanh"),
                                         nn.Linear(hid, hid))
-        scale = math.sqrt(grid[1] * grid[2]) * p * cfg.vae_scale_spatial / INPUT_SQ_SIZE   # from pixel h x w
-        self._pos = PositionCache(functools.partial(frame_positions, hid, scale=scale))
+        self._pos = PositionCache(functools.partial(frame_positions, hid))
 
     def forward(self, inputs):
         latents, timesteps, text = inputs
         dtype = self.x_embedder.weight.dtype
         t_, h, w = self.grid
         tokens = patchify(latents.to(dtype), self.cfg)
-        pos = self._pos.get((h, w), tokens.device).to(dtype)                       # (h*w, H), every frame
+        scale = math.sqrt(h * w) * self.cfg.patch_size * self.cfg.vae_scale_spatial / INPUT_SQ_SIZE  # pixel h x w
+        pos = self._pos.get((h, w, scale), tokens.device).to(dtype)                # (h*w, H), every frame
         x = (self.x_embedder(tokens).unflatten(1, (t_, h * w)) + pos).flatten(1, 2)  # (B, S, H)
         x = split_sequence(x, self.ctx)                                             # sp: this rank's S / sp
         t = self.t_embedder(timestep_embedding(timesteps, self.cfg.time_embed_dim).to(dtype))  # (B, H)
@@ -105,7 +105,11 @@ class SelfAttention(nn.Module):
         self.q_norm_weight = nn.Parameter(torch.ones(self.head_dim))
         self.k_norm_weight = nn.Parameter(torch.ones(self.head_dim))
         self._rope = PositionCache(functools.partial(rope_1d, self.head_dim)) if temporal else None
-        self.core = SequenceAttention(self._attend, ctx, tokens=math.prod(grid))
+        self.core = SequenceAttention(self._attend, ctx, tokens=self.tokens)
+
+    def tokens(self) -> int:
+        """Tokens of the step's grid, before any sp padding."""
+        return math.prod(self.grid)
 
     def forward(self, x):
         q, k, v = rearrange(self.qkv(x), "b s (three n d) -> three b s n d", three=3, d=self.head_dim)

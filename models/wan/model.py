@@ -103,7 +103,11 @@ class SelfAttention(nn.Module):
         self.norm_q, self.norm_k = HeadsRMSNorm(hid, ctx), HeadsRMSNorm(hid, ctx)
         self.to_out = RowParallelLinear(hid, hid, ctx=ctx)
         self._rope = PositionCache(functools.partial(wan_rope, self.head_dim))
-        self.core = SequenceAttention(self._attend, ctx, tokens=math.prod(grid))
+        self.core = SequenceAttention(self._attend, ctx, tokens=self.tokens)
+
+    def tokens(self) -> int:
+        """Real tokens of the step's sequence (its bucket's video grid), before any sp padding."""
+        return math.prod(self.grid)
 
     def forward(self, x):
         q, k, v = self.to_qkv(x).chunk(3, dim=-1)                                     # (B, S, H/p) each

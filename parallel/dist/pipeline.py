@@ -78,10 +78,15 @@ class SequentialDiT(nn.Module):
 
 
 class DiTPipeline(PipelineModule):
-    """pp > 1: stage s holds blocks_per_stage[s] blocks; embed on the first stage, final + loss on the last."""
+    """pp > 1: stage s holds blocks_per_stage[s] blocks; embed on the first stage, final + loss on the last.
+
+    `dynamic_shape`: the tensors between stages may change shape from one micro-batch to the next (a
+    bucketed dataset): DeepSpeed then sends each activation's shape before it and re-allocates its receive
+    and gradient buffers every time, instead of caching the first micro-batch's."""
 
     def __init__(self, specs, topology: PipeModelDataParallelTopology, blocks: list[int],
-                 loss_fn: Callable, checkpoint_every: int = 0, checkpoint_fn: Optional[Callable] = None):
+                 loss_fn: Callable, checkpoint_every: int = 0, checkpoint_fn: Optional[Callable] = None,
+                 dynamic_shape: bool = False):
         block_class = specs[1].typename.__name__          # the family's layer: DiTBlock, STDiT3Layer
         bounds = [0] + [1 + sum(blocks[:s + 1]) for s in range(len(blocks))]
         bounds[-1] = len(specs)
@@ -89,7 +94,7 @@ class DiTPipeline(PipelineModule):
         extra = {"activation_checkpoint_func": checkpoint_fn} if checkpoint_fn else {}
         super().__init__(layers=specs, topology=topology, loss_fn=loss_fn, partition_method="explicit",
                          activation_checkpoint_interval=checkpoint_every, checkpointable_layers=[block_class],
-                         **extra)
+                         dynamic_shape=dynamic_shape, **extra)
 
     def _partition_layers(self, method="explicit"):
         set_stage_bounds(self, self._explicit_parts)

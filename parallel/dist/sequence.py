@@ -84,10 +84,11 @@ class SequenceAttention(nn.Module):
     `attend` receives the full sequence of `tokens` real tokens (the padding sliced off) and this rank's
     heads, and returns [B, S, n_local, d]. With sp_size = 1 it is called directly; otherwise through
     DeepSpeed's DistributedAttention (Ulysses), on the padded sequence [B, S_pad, n/sp, d] that
-    `_unpadded` trims for it and pads again.
+    `_unpadded` trims for it and pads again. `tokens` is an int, or a function giving the current step's
+    count when the token grid changes from step to step (buckets: parallel/train/buckets.py).
     """
 
-    def __init__(self, attend: Callable, ctx, tokens: int):
+    def __init__(self, attend: Callable, ctx, tokens: "int | Callable[[], int]"):
         super().__init__()
         self.attend, self.sp, self.tokens = attend, sp_size_of(ctx), tokens
         self.ulysses = None
@@ -97,7 +98,7 @@ class SequenceAttention(nn.Module):
 
     def _unpadded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """attend on the real tokens of [B, S_pad, n, d]; the padded rows' output is zero."""
-        s, real = q.shape[1], self.tokens
+        s, real = q.shape[1], self.tokens() if callable(self.tokens) else self.tokens
         if s == real:
             return self.attend(q, k, v)
         o = self.attend(q[:, :real], k[:, :real], v[:, :real])           # (B, S, n, d)

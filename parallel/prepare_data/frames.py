@@ -56,6 +56,33 @@ def resize_crop(frame: np.ndarray, height: int, width: int) -> np.ndarray:
     return np.ascontiguousarray(frame[top:top + height, left:left + width])
 
 
+def probe(path: str | Path, fps: float | None = None) -> tuple[int, int, int]:
+    """(frames, height, width) of a video without decoding it: its packets and its stream's size; with
+    `fps`, the frames its duration holds at that rate (parallel/prepare_data/buckets.py picks the bucket)."""
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise VideoError("no video stream")
+            stream = container.streams.video[0]
+            height, width = stream.codec_context.height, stream.codec_context.width
+            base, rate = float(stream.time_base or 0), float(stream.average_rate or 0)
+            pts = [p.pts for p in container.demux(stream) if p.size]
+    except VideoError:
+        raise
+    except (av.error.FFmpegError, OSError, EOFError) as e:
+        raise VideoError(f"cannot be decoded ({type(e).__name__}: {e})") from None
+    if not pts or not height or not width:
+        raise VideoError("no video frames")
+    n = len(pts)
+    if fps:
+        times = sorted(t * base for t in pts) if base and None not in pts else [i / (rate or 1.0) for i in range(n)]
+        step = (times[-1] - times[0]) / max(n - 1, 1)
+        n = int((times[-1] - times[0] + step) * fps + 1e-6) or 1
+    return n, height, width
+
+
 def read_clip(path: str | Path, num_frames: int, height: int, width: int, fps: float | None = None) -> np.ndarray:
     """The clip of `path` as uint8 [num_frames, height, width, 3]; VideoError names why a file is unusable.
 

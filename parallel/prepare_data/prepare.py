@@ -37,7 +37,8 @@ from parallel.cli import CONFIG_HELP, add_experiment_args
 from parallel.units import DTYPES
 from parallel.prepare_data.captions import InputError, read_captions, video_files
 from parallel.config import UNCOND_FILE, ConfigError, load_config
-from parallel.prepare_data.frames import VideoError, read_clip
+from parallel.prepare_data.buckets import choose_bucket, format_bucket, parse_buckets
+from parallel.prepare_data.frames import VideoError, probe, read_clip
 from parallel.dist.seed import derive_seed
 from parallel.dist.topology import read_launch_env
 from parallel.prepare_data.vae import check_vae, default_dtype, encode, load_vae, read_vae_config
@@ -63,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the stored tensors")
     ap.add_argument("--vae-dtype", choices=sorted(DTYPES), help="default: bf16 on accelerators with it, else fp32")
     ap.add_argument("--tiling", action="store_true", help="encode in tiles (less device memory, large videos)")
+    ap.add_argument("--buckets", help="several clip shapes, 'FxHxW,FxHxW,...' in pixels (frames x height x "
+                    "width): each video goes to the one that keeps the most of it (nearest aspect ratio, then the "
+                    "most frames it has); default: data.num_frames x data.height x data.width")
     ap.add_argument("--limit", type=int, help="prepare at most this many more videos on each rank (a trial run)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -73,12 +77,26 @@ def settings(args, cfg, vae_config: dict) -> dict:
     return {"num_frames": cfg.data.num_frames, "height": cfg.data.height, "width": cfg.data.width,
             "fps": args.fps, "vae": str(args.vae.resolve()), "scaling_factor": vae_config.get("scaling_factor"),
             "posterior": args.posterior, "seed": cfg.train.seed, "dtype": args.dtype,
-            "t5": str(args.t5.resolve()) if args.t5 else None, "max_text_len": cfg.model.max_text_len}
+            "t5": str(args.t5.resolve()) if args.t5 else None, "max_text_len": cfg.model.max_text_len,
+            "buckets": [format_bucket(b) for b in args.bucket_list] or None}
+
+
+def bucket_config(cfg, bucket):
+    """The experiment with one bucket's frames x height x width as its data section."""
+    frames, height, width = bucket
+    return cfg.model_copy(update={"data": cfg.data.model_copy(
+        update={"num_frames": frames, "height": height, "width": width})})
 
 
 def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
     """Everything checked before a model loads: captions and videos, VAE, T5, --out's earlier settings."""
     problems, entries, vae_config = [], [], {}
+    args.bucket_list = []
+    if getattr(args, "buckets", None):
+        try:
+            args.bucket_list = parse_buckets(args.buckets)
+        except ValueError as e:
+            problems.append(str(e))
     for module, role in (("diffusers", "the CogVideoX VAE"), ("av", "reading video files (PyAV)")):
         if importlib.util.find_spec(module) is None:
             problems.append(f"{module} is not installed, needed for {role}: pip install '.[data]'")
@@ -91,7 +109,9 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
     except (FileNotFoundError, ValueError) as e:
         problems.append(str(e))
     if vae_config:
-        problems += check_vae(vae_config, cfg.model, cfg.data, key=f"--vae={args.vae}")
+        for b in args.bucket_list or [None]:
+            c, where = (bucket_config(cfg, b), f" (bucket {format_bucket(b)})") if b else (cfg, "")
+            problems += [p + where for p in check_vae(vae_config, c.model, c.data, key=f"--vae={args.vae}")]
     if args.t5:
         what = ("expected a folder written by T5EncoderModel.save_pretrained with its tokenizer beside it "
                 "(for a CogVideoX release: text_encoder/ with the files of tokenizer/ copied in)")
@@ -154,13 +174,23 @@ def merge(out: Path, entries: list[tuple[str, str]], t5: bool, world_size: int, 
         for rel, caption in entries:
             latent, text = outputs(rel, t5)
             if is_done(out, rel, t5):
-                line = {"latent": latent, **({"text": text} if text else {}), "caption": caption, "video": rel}
+                line = {"latent": latent, **({"text": text} if text else {}), "caption": caption, "video": rel,
+                        **recorded_shape(out / latent)}
                 manifest.append(json.dumps(line, ensure_ascii=False) + "\n")
             elif rel in reasons:
                 skipped.append(json.dumps({"video": rel, "reason": reasons[rel]}, ensure_ascii=False) + "\n")
         for name, lines in (("manifest.jsonl", manifest), ("skipped.jsonl", skipped)):
             write_atomic(out, name, lambda p: p.write_text("".join(lines), encoding="utf-8"), tag)
     return len(manifest), len(skipped)
+
+
+def recorded_shape(latent: Path) -> dict:
+    """{"shape": [F, H, W]} from a bucketed latent's metadata (the header only), else {}."""
+    from safetensors import safe_open
+
+    with safe_open(str(latent), "pt") as f:
+        shape = (f.metadata() or {}).get("shape")
+    return {"shape": [int(n) for n in shape.split("x")]} if shape else {}
 
 
 class ClipEncoder:
@@ -179,13 +209,18 @@ class ClipEncoder:
             from models.text_encoder import T5TextEncoder
             self.t5 = T5TextEncoder(args.t5, cfg.model.max_text_len, cfg.model.text_embed_dim, device, cache_size=0)
         self.args, self.data, self.seed, self.tag = args, cfg.data, cfg.train.seed, tag
-        self.store = DTYPES[args.dtype]
-        self.expected = (cfg.model.in_channels, *latent_shape(cfg.model, cfg.data))
-        self.model, self.condition = cfg.model, family(cfg.model).training_condition(cfg.model, cfg.data)
+        self.store, self.model, self.buckets = DTYPES[args.dtype], cfg.model, args.bucket_list
+        self.condition = family(cfg.model).training_condition(cfg.model, cfg.data)
 
     def __call__(self, rel: str, caption: str) -> None:
         """Writes the video's files; raises VideoError for an unusable video."""
         args, data = self.args, self.data
+        meta = {"video": rel, "caption": caption}
+        if self.buckets:
+            bucket = choose_bucket(self.buckets, *probe(args.videos / rel, args.fps))
+            data = data.model_copy(update=dict(zip(("num_frames", "height", "width"), bucket)))
+            meta["shape"] = format_bucket(bucket)
+        self.expected = (self.model.in_channels, *latent_shape(self.model, data))
         frames = read_clip(args.videos / rel, data.num_frames, data.height, data.width, args.fps)
         generator = torch.Generator().manual_seed(derive_seed(self.seed, "vae", rel)) \
             if args.posterior == "sample" else None
@@ -199,7 +234,6 @@ class ClipEncoder:
             raise RuntimeError(f"{rel}: the VAE gave a latent of shape {list(latent.shape)}, the model expects "
                                f"{list(self.expected)} (data.num_frames/height/width, model.vae_scale_*)")
         latent_path, text_path = outputs(rel, self.t5 is not None)
-        meta = {"video": rel, "caption": caption}
         if self.t5 is not None:
             text = self.t5.encode(caption).to(self.store).contiguous()
             write_atomic(args.out, text_path, lambda p: save_file({"text": text}, str(p), meta), self.tag)
@@ -258,6 +292,9 @@ def prepare(args, cfg, env) -> dict:
         bar.close()
     counts["manifest"], counts["manifest_skipped"] = merge(out, entries, t5, world, tag)
     counts["total"] = len(entries)
+    if args.bucket_list:
+        held = [tuple(json.loads(line).get("shape", ())) for line in (out / "manifest.jsonl").read_text().splitlines()]
+        counts["buckets"] = {format_bucket(b): held.count(b) for b in args.bucket_list}
     return counts
 
 
@@ -275,5 +312,7 @@ def main(argv=None) -> int:
           f"{counts['done_before']} done before, of {counts['share']} videos in this rank's share; "
           f"{args.out / 'manifest.jsonl'}: {counts['manifest']} of {counts['total']} videos, "
           f"{counts['manifest_skipped']} in skipped.jsonl", flush=True)
+    for bucket, n in counts.get("buckets", {}).items():
+        print(f"  bucket {bucket}: {n} video{'' if n == 1 else 's'} in the manifest", flush=True)
     return 0
 

@@ -4,6 +4,8 @@ Which samples a step uses, their noise and their timesteps depend only on (seed,
 global batch), never on the layout: position j of global step s is sample position s*G + j (G = global
 batch), and data-parallel rank d takes positions [(a*dp + d)*mb, (a*dp + d + 1)*mb) at micro-step a.
 So every (tp, pp, dp) layout sees the same global batch, and resuming at step s needs nothing but s.
+A directory dataset of several shapes (buckets) draws each step's bucket from (seed, step) and walks each
+bucket on its own (parallel/train/buckets.py); noise, timesteps and dropout still key on s*G + j.
 Caption dropout (data.caption_dropout = p) is decided the same way: position j of step s trains on the
 dataset's unconditional text embedding (T5 of the empty prompt) when rand(seed, step, s*G + j) < p.
 """
@@ -11,11 +13,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from models.diffusion import NUM_TRAIN_TIMESTEPS, Objective
 from parallel.config import UNCOND_FILE
+from parallel.train.buckets import BucketSchedule, bucket_data, format_shape, parse_shape
 from parallel.dist.seed import derive_seed
 
 
@@ -51,6 +55,9 @@ class SyntheticLatents:
         """The empty prompt's embedding [S_txt, D]: a table of its own, from the seed."""
         return torch.randn(self.text_len, self.text_dim, generator=_generator(self.seed, "unconditional"))
 
+    def latent_shape(self, i: int) -> tuple[int, int, int]:
+        return tuple(self.shape)
+
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         t, h, w = self.shape
         k = i % self.num_classes
@@ -84,6 +91,9 @@ class IndexRange:
     def label(self, i: int) -> str:
         return self.base.label(self.start + i)
 
+    def latent_shape(self, i: int) -> tuple[int, int, int]:
+        return self.base.latent_shape(self.start + i)
+
     def unconditional(self) -> torch.Tensor:
         return self.base.unconditional()
 
@@ -98,8 +108,9 @@ def _load_tensor(path: Path, key: str) -> torch.Tensor:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def read_manifest(root: Path, captions: bool = False, key: str = "data.path") -> tuple[list, list, list[int]]:
-    """`root`/manifest.jsonl as (latent, text) pairs, their captions and their manifest line numbers.
+def read_manifest(root: Path, captions: bool = False, key: str = "data.path") -> tuple[list, list, list[int], list]:
+    """`root`/manifest.jsonl as (latent, text) pairs, their captions, their manifest line numbers and their
+    shapes ("shape": [frames, height, width] in pixels, or None: the config's; parallel/train/buckets.py).
 
     text is a file, or with `captions` (a text encoder will encode it) the line's caption when it has one.
     Every listed file is checked to exist, so a missing one is named before training starts."""
@@ -107,7 +118,7 @@ def read_manifest(root: Path, captions: bool = False, key: str = "data.path") ->
     if not manifest.is_file():
         raise FileNotFoundError(f"{key}={root}: no manifest.jsonl in it (lines of "
                                 '{"latent": "x.safetensors", "text": "x_text.safetensors"})')
-    items, texts, lines = [], [], []
+    items, texts, lines, shapes = [], [], [], []
     for n, line in enumerate(manifest.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -115,6 +126,7 @@ def read_manifest(root: Path, captions: bool = False, key: str = "data.path") ->
             entry = json.loads(line)
             latent = root / entry["latent"]
             text = entry["caption"] if captions and "caption" in entry else root / entry["text"]
+            shapes.append(parse_shape(entry.get("shape"), f"{manifest}:{n}"))
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             need = '"text": file or "caption": str' if captions else '"text": file'
             raise ValueError(f"{manifest}:{n}: expected {{\"latent\": file, {need}}} (problem: {e!r})") from None
@@ -126,7 +138,7 @@ def read_manifest(root: Path, captions: bool = False, key: str = "data.path") ->
         lines.append(n)
     if not items:
         raise ValueError(f"{manifest}: no samples listed")
-    return items, texts, lines
+    return items, texts, lines, shapes
 
 
 def stored_shape(path: Path, key: str) -> list[int]:
@@ -154,29 +166,32 @@ MAX_SHAPE_PROBLEMS = 10
 def check_shapes(root: str | Path, model, data, key: str = "data.path", captions: bool = False) -> list[str]:
     """Every latent and text file of `root`'s manifest (and uncond.safetensors, if there) against the shapes
     the model takes: latent [model.in_channels, *latent_shape(model, data)], text [model.max_text_len,
-    model.text_embed_dim]. Headers only. The first MAX_SHAPE_PROBLEMS mismatches, then a count of the rest."""
+    model.text_embed_dim]; a line with a "shape" is checked against that bucket's latent. Headers only. The first MAX_SHAPE_PROBLEMS mismatches, then a count of the rest."""
     from models.geometry import latent_shape
 
     root = Path(root)
     try:
-        items, _, lines = read_manifest(root, captions, key)
+        items, _, lines, shapes = read_manifest(root, captions, key)
     except (FileNotFoundError, ValueError) as e:
         return [str(e)]
-    t, h, w = latent_shape(model, data)
-    expect = {
-        "latent": ([model.in_channels, t, h, w],
-                   f"model.in_channels={model.in_channels}; data.num_frames={data.num_frames}, data.height="
-                   f"{data.height}, data.width={data.width} / model.vae_scale_temporal={model.vae_scale_temporal}, "
-                   f"model.vae_scale_spatial={model.vae_scale_spatial} -> {t} x {h} x {w} latent"),
-        "text": ([model.max_text_len, model.text_embed_dim],
-                 f"model.max_text_len={model.max_text_len}, model.text_embed_dim={model.text_embed_dim}")}
-    files = [(f, what, f"manifest.jsonl:{n}") for (latent, text), n in zip(items, lines)
-             for f, what in ((latent, "latent"), (text, "text")) if isinstance(f, Path)]
+
+    def expect_latent(shape):
+        d = bucket_data(data, shape)
+        t, h, w = latent_shape(model, d)
+        source = (f"data.num_frames={d.num_frames}, data.height={d.height}, data.width={d.width}" if shape is None
+                  else f"its shape {format_shape(shape)}")
+        return ([model.in_channels, t, h, w],
+                f"model.in_channels={model.in_channels}; {source} / model.vae_scale_temporal="
+                f"{model.vae_scale_temporal}, model.vae_scale_spatial={model.vae_scale_spatial} -> {t} x {h} x {w} latent")
+    text = ([model.max_text_len, model.text_embed_dim],
+            f"model.max_text_len={model.max_text_len}, model.text_embed_dim={model.text_embed_dim}")
+    files = [(f, what, f"manifest.jsonl:{n}", shape) for (latent, txt), n, shape in zip(items, lines, shapes)
+             for f, what in ((latent, "latent"), (txt, "text")) if isinstance(f, Path)]
     if (root / UNCOND_FILE).is_file():
-        files.append((root / UNCOND_FILE, "text", "the unconditional embedding"))
+        files.append((root / UNCOND_FILE, "text", "the unconditional embedding", None))
     problems = []
-    for f, what, where in files:
-        want, why = expect[what]
+    for f, what, where, shape in files:
+        want, why = expect_latent(shape) if what == "latent" else text
         try:
             shape = stored_shape(f, what)
         except Exception as e:    # a damaged header: name the file, whatever the reader raised
@@ -204,7 +219,8 @@ class DirectoryLatents:
 
     def __init__(self, root: str | Path, text_encoder=None):
         self.root, self.text_encoder = Path(root), text_encoder
-        self.items, self.captions, self.lines = read_manifest(self.root, captions=text_encoder is not None)
+        self.items, self.captions, self.lines, self.shapes = read_manifest(self.root,
+                                                                           captions=text_encoder is not None)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -212,6 +228,10 @@ class DirectoryLatents:
     def label(self, i: int) -> str:
         """The sample's caption when the manifest has one (parallel.prepare_data.prepare writes it), else its file."""
         return self.captions[i] or self.items[i][0].name
+
+    def latent_shape(self, i: int) -> tuple[int, int, int]:
+        """Sample i's latent (frames, height, width), from its file's header."""
+        return tuple(stored_shape(self.items[i][0], "latent")[1:])
 
     def unconditional(self) -> torch.Tensor:
         path = self.root / UNCOND_FILE
@@ -245,14 +265,22 @@ class DiffusionBatches:
         self.mb, self.accum, self.dp_rank, self.dp_size = micro_batch, grad_accum, dp_rank, dp_size
         self.global_batch = micro_batch * grad_accum * dp_size
         self.step, self.micro = start_step, 0
-        self._perms: dict[int, torch.Tensor] = {}
+        self.buckets = BucketSchedule(getattr(dataset, "shapes", None), len(dataset), seed, self.global_batch)
+        self._latent_shapes: dict[int, tuple] = {}
 
     def sample_index(self, position: int) -> int:
-        n = len(self.dataset)
-        epoch = position // n
-        if epoch not in self._perms:
-            self._perms = {epoch: torch.randperm(n, generator=_generator(self.seed, "epoch", epoch))}
-        return int(self._perms[epoch][position % n])
+        """Dataset index of global sample position s*G + j (step s, place j in its global batch)."""
+        return self.buckets.sample(position // self.global_batch, position % self.global_batch)
+
+    def step_latent_shape(self, step: Optional[int] = None) -> Optional[tuple[int, int, int]]:
+        """Latent (frames, height, width) of `step`'s bucket (default: the next step's), the same on every
+        rank; the trainer sets the model's token grid from it. None when the dataset cannot say."""
+        b = self.buckets.bucket(self.step if step is None else step)
+        if b not in self._latent_shapes:
+            if not hasattr(self.dataset, "latent_shape"):
+                return None
+            self._latent_shapes[b] = self.dataset.latent_shape(self.buckets.members[b][0])
+        return self._latent_shapes[b]
 
     def dropped(self, step: int, position: int) -> bool:
         """Whether global sample `position` of `step` trains on the unconditional embedding."""

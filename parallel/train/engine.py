@@ -62,6 +62,10 @@ class Trainer:
 
     def train_step(self, batches: Iterator) -> StepResult:
         lr = self.engine.get_lr()[0]
+        grid, shape = getattr(self.engine.module, "step_grid", None), getattr(batches, "step_latent_shape", None)
+        shape = shape() if shape is not None else None
+        if grid is not None and shape is not None:      # every rank: this step's bucket (parallel/train/buckets.py)
+            grid.set_latent(shape)
         if self.pipeline:
             loss = float(self.engine.train_batch(data_iter=batches))
         else:

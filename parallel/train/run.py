@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import signal
 import socket
@@ -18,7 +19,7 @@ from tqdm import tqdm
 
 from parallel.train.data import DiffusionBatches, DirectoryLatents, IndexRange, SyntheticLatents
 from models.diffusion import Objective
-from models.geometry import latent_shape
+from models.geometry import latent_grid, latent_shape, token_grid
 from models.registry import family, sequence_tokens
 from parallel.dist import accelerator
 from parallel.train import checkpoint
@@ -74,6 +75,9 @@ def run_plan(cfg: ExperimentConfig, ds: dict, layout: Layout, device_memory: int
     from parallel.plan.memory import EngineSettings, plan_memory
     from parallel.plan.trace import ActivationTracer
 
+    from parallel.train.bucket_check import bucket_configs
+
+    cfg = bucket_configs(cfg)[0][2]            # the longest bucket's sequence (a directory of several shapes)
     tracer = ActivationTracer(cfg, EngineSettings.from_ds(ds, 1).dtype)
     return plan_memory(cfg, ds, layout.dp_size, device_memory, tracer)
 
@@ -153,6 +157,14 @@ def build_val_dataset(cfg: ExperimentConfig):
     base = SyntheticLatents(cfg.data.num_samples + cfg.val.num_samples, m.in_channels, latent_shape(m, cfg.data),
                             m.max_text_len, m.text_embed_dim, cfg.train.seed)
     return IndexRange(base, cfg.data.num_samples, cfg.val.num_samples)
+
+
+def step_tokens(cfg: ExperimentConfig, batches: DiffusionBatches) -> int:
+    """Sequence length of the next step (its bucket's, in a directory of several shapes)."""
+    tokens, shape = sequence_tokens(cfg.model, cfg.data), batches.step_latent_shape()
+    if shape is None:
+        return tokens
+    return tokens - math.prod(token_grid(cfg.model, cfg.data)) + math.prod(latent_grid(cfg.model, shape))
 
 
 def checkpoint_layout(layout: Layout) -> dict:
@@ -245,7 +257,6 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
                 f" (written at {checkpoint.describe(saved)}, read from its layout-free copy)"
             print(f"resumed from {ckpt_dir}/{tag} at step {start}{moved}{done}", flush=True)
     metrics = open(out_dir / "metrics.jsonl", "a") if is_logger else None   # append: earlier runs are kept
-    tokens = layout.global_batch * sequence_tokens(cfg.model, cfg.data)
     losses: list[float] = []
     probe_step = start + 1 if cfg.train.memory_check else -1
     resumed = {"resumed_from": start} if tag else {}     # on the first row after a resume: readers drop
@@ -254,6 +265,7 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
     try:
         for step in range(start, cfg.train.max_steps):
             tic = time.perf_counter()
+            tokens = layout.global_batch * step_tokens(cfg, batches)
             if step == probe_step:      # the second step: Adam moments exist, everything is allocated
                 accelerator.reset_peak_memory()
                 with StepProbe(trainer.engine) as probe:

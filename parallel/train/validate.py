@@ -77,6 +77,9 @@ class StageForward:
     @torch.no_grad()
     def predict(self, inputs: tuple[torch.Tensor, ...], like: torch.Tensor) -> torch.Tensor:
         """`like`: a tensor of the prediction's shape (the latents), for receiving the broadcast."""
+        grid = getattr(self.module, "step_grid", None)
+        if grid is not None:                    # every stage: the sample's own shape (buckets)
+            grid.set_latent(like.shape[2:])
         h = tuple(x.to(self.device) for x in inputs) if self.prev is None else _recv(self.prev, self.device)
         layers = self._layers()
         for layer in layers:
