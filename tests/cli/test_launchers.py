@@ -95,6 +95,14 @@ def reference_losses(tmp_path_factory):
     code, = finish([proc], str(out))
     assert code == 0, open(f"{out}.log").read()[-4000:]
     assert glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*") == []
+    # The run's own check of the memory plan, per pipeline stage (tests/distributed/test_plan_states.py: the
+    # other layouts, rank by rank).
+    check = json.loads((out / "memory_check.json").read_text())
+    assert [s["stage"] for s in check["stages"]] == [0, 1]
+    for s in check["stages"]:
+        states, acts = s["model_states"], s["activations_per_micro_batch"]
+        assert states["measured"] == pytest.approx(states["predicted"], rel=0.01)
+        assert acts["measured"] == pytest.approx(acts["predicted"], rel=0.05)
     result = losses(out)
     assert len(result) == 3 and len(set(result)) == 3
     return result

@@ -1,6 +1,6 @@
 """train.py under the deepspeed launcher: stopped by SIGTERM + resumed equals uninterrupted (losses,
-weights and EMA in the final checkpoint), a damaged checkpoint falls back to the previous one, the
-memory plan's own check at tp 2 x pp 2, and the export command."""
+weights and EMA in the final checkpoint), a damaged checkpoint falls back to the previous one, and the export
+command."""
 import json
 import os
 import shutil
@@ -10,7 +10,6 @@ import sys
 import time
 
 import psutil
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -78,13 +77,13 @@ def checkpoint_tensors(folder):
     return found
 
 
-LAYOUTS = {"dp2-zero2": (2, 2, ["--set", "parallel.tp_size=1"]),
-           "tp2-pp2-zero1": (4, 1, ["--set", "parallel.tp_size=2", "--set", "parallel.pp_size=2"])}
+# dp 2 x ZeRO-2. tp 2 x pp 2 stopped and resumed under a real launcher is tests/cli/test_lost_node.py's rerun
+# (its losses bit for bit); resume at another layout is tests/distributed/test_relayout.py.
+RANKS, STAGE, LAYOUT = 2, 2, ["--set", "parallel.tp_size=1"]
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_sigterm_and_resume_equal_one_uninterrupted_run(tmp_path, name):
-    ranks, stage, layout = LAYOUTS[name]
+def test_sigterm_and_resume_equal_one_uninterrupted_run(tmp_path):
+    ranks, stage, layout = RANKS, STAGE, LAYOUT
     ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
     ds["optimizer"]["type"] = "FusedEmaAdam"
     ds["zero_optimization"] = {"stage": stage}
@@ -105,27 +104,18 @@ def test_sigterm_and_resume_equal_one_uninterrupted_run(tmp_path, name):
     for k in final[0]:
         assert torch.equal(final[0][k], final[1][k]), k
 
-    if name == "dp2-zero2":
-        # A damaged newest checkpoint: named, skipped, and the previous one resumes to the same result.
-        damaged = tmp_path / "damaged"
-        shutil.copytree(parts, damaged)
-        (damaged / "metrics.jsonl").write_text("")
-        victim = next((damaged / "checkpoints" / f"step{STEPS}").glob("*optim_states.pt"))
-        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-        p = launch(["train.py"], damaged, ranks, layout, "--set", f"train.max_steps={STEPS}")
-        assert f"checkpoint {damaged}/checkpoints/step{STEPS} is damaged ({victim.name} has" in p.stderr
-        assert f"resumed from {damaged}/checkpoints/step{stopped} at step {stopped}" in p.stdout
-        assert [r["loss"] for r in metrics(damaged)] == [r["loss"] for r in metrics(whole)][stopped:]
-        # Export: full fp32 weights and EMA (tp shards are gathered by the same full_state, tests/distributed/test_ema_layouts.py).
-        launch(["--module", "parallel.export"], parts, ranks, layout, "--out", str(parts / "export"))
-        model, ema = (load_file(parts / "export" / f"{n}.safetensors") for n in ("model", "ema"))
-        assert model.keys() == ema.keys() and model["blocks.3.attn.to_qkv.weight"].shape == (3 * 64, 64)
-        assert not torch.equal(model["blocks.0.ff_in.weight"], ema["blocks.0.ff_in.weight"])
-    else:
-        # The run's own check of the memory plan (tests/distributed/test_plan_states.py covers the other layouts).
-        check = json.loads((whole / "memory_check.json").read_text())
-        assert [s["stage"] for s in check["stages"]] == [0, 1]
-        for s in check["stages"]:
-            states, acts = s["model_states"], s["activations_per_micro_batch"]
-            assert states["measured"] == pytest.approx(states["predicted"], rel=0.01)
-            assert acts["measured"] == pytest.approx(acts["predicted"], rel=0.05)
+    # A damaged newest checkpoint: named, skipped, and the previous one resumes to the same result.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(parts, damaged)
+    (damaged / "metrics.jsonl").write_text("")
+    victim = next((damaged / "checkpoints" / f"step{STEPS}").glob("*optim_states.pt"))
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    p = launch(["train.py"], damaged, ranks, layout, "--set", f"train.max_steps={STEPS}")
+    assert f"checkpoint {damaged}/checkpoints/step{STEPS} is damaged ({victim.name} has" in p.stderr
+    assert f"resumed from {damaged}/checkpoints/step{stopped} at step {stopped}" in p.stdout
+    assert [r["loss"] for r in metrics(damaged)] == [r["loss"] for r in metrics(whole)][stopped:]
+    # Export: full fp32 weights and EMA (tp shards are gathered by the same full_state, tests/distributed/test_ema_layouts.py).
+    launch(["--module", "parallel.export"], parts, ranks, layout, "--out", str(parts / "export"))
+    model, ema = (load_file(parts / "export" / f"{n}.safetensors") for n in ("model", "ema"))
+    assert model.keys() == ema.keys() and model["blocks.3.attn.to_qkv.weight"].shape == (3 * 64, 64)
+    assert not torch.equal(model["blocks.0.ff_in.weight"], ema["blocks.0.ff_in.weight"])
