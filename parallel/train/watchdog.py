@@ -33,7 +33,8 @@ def start_heartbeat(cfg: ExperimentConfig, ctx, ckpt_dir: Path):
     def on_lost(ranks: list[int]) -> None:
         steps = checkpoint.complete_steps(ckpt_dir)
         resume = (f"the last complete checkpoint is {ckpt_dir}/step{steps[-1]}; rerun the same command to "
-                  f"resume there" if steps else "there is no complete checkpoint yet (a rerun starts over)")
+                  f"resume there (on fewer nodes: with sizes that fit them, the checkpoint loads into any layout)"
+                  if steps else "there is no complete checkpoint yet (a rerun starts over)")
         hosts = ", ".join(sorted(set(heartbeat.hosts(ranks))))
         print(f"\nrank {ctx.rank}: lost rank(s) {', '.join(map(str, ranks))} (host {hosts}): their heartbeats "
               f"stopped; stopping this run; {resume}", file=sys.stderr, flush=True)

@@ -1,8 +1,8 @@
 """A lost node: two torchrun "nodes" on this host train PP2 x TP2 (node 1 holds ranks 2 and 3, the second
 pipeline stage); after a checkpoint node 1's launcher and ranks are killed at once (kill -9, as a machine
 that dies). Every surviving process must be gone within 60 s, each surviving rank naming the lost ranks
-and the last complete checkpoint; rerunning the same command on the same two nodes resumes there and
-repeats the steps the lost run had trained after it with the same losses, bit for bit.
+and the last complete checkpoint; rerunning on the node that remains (2 ranks: tp 2, no pipeline) resumes there
+at the new layout and repeats the steps the lost run had trained after it with its losses.
 
 The survivors' collectives fail on the broken connections, so rank 0 names the silent ranks after 5 s
 (parallel/dist/heartbeat.py); train.collective_timeout_s=20 bounds the silent-machine case at 10 s.
@@ -12,6 +12,7 @@ import signal
 import time
 
 import psutil
+import torch
 
 from parallel.train.checkpoint import complete_steps
 from tests.cli.test_launchers import LAYOUT, finish, kill_marked, marked_alive, run_env, start, train_args
@@ -66,11 +67,15 @@ def test_lost_node_names_ranks_and_checkpoint_then_rerun_resumes(tmp_path):
         assert f"the last complete checkpoint is {ckpt}/step{last}; rerun the same command" in line, line
     print(f"\nnode 1 killed after step {trained} (checkpoint step{last}); node 0 gone in {gone_after:.1f} s")
 
-    # the same command again, on the same two nodes: resumes at step{last}, repeats steps last+1..trained
-    port = str(free_port())
-    procs = [start(node_cmd(r, port, out), tmp_path / f"rerun{r}.log", run_env()) for r in (0, 1)]
-    assert finish(procs, str(out)) == [0, 0], "".join((tmp_path / f"rerun{r}.log").read_text()[-2500:] for r in (0, 1))
+    # on the node that remains, 2 ranks (tp 2, no pipeline): resumes at step{last} from the layout-free copy and
+    # repeats steps last+1..trained with the lost run's losses (another layout: to fp32 round-off)
+    one_node = ["bash", "launch.sh", "--launcher", "torchrun", "--nproc", "2", "--master-port", str(free_port()),
+                "--", *train_args(out, "--set", "parallel.tp_size=2", "--set", "ckpt.every=2", steps=STEPS)]
+    [proc] = [start(one_node, tmp_path / "rerun.log", run_env())]
+    assert finish([proc], str(out)) == [0], (tmp_path / "rerun.log").read_text()[-3000:]
     everything = rows(out)
     first, rerun = everything[:trained], everything[trained:]
     assert rerun[0]["resumed_from"] == last and [r["step"] for r in rerun] == list(range(last + 1, STEPS + 1))
-    assert [r["loss"] for r in rerun[:trained - last]] == [r["loss"] for r in first[last:]]
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in rerun[:trained - last]], dtype=torch.float64),
+                               torch.tensor([r["loss"] for r in first[last:]], dtype=torch.float64),
+                               rtol=1e-5, atol=1e-6)
