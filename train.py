@@ -30,6 +30,15 @@ def main(argv=None) -> int:
     env = read_launch_env()
     try:      # every rank checks before any process group, parameter or file exists
         cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size)
+        if args.resume == "auto":     # on fewer or more nodes: the checkpoint's global batch, by accumulation
+            from parallel.train.checkpoint import resume_accumulation
+            kept = resume_accumulation(cfg.ckpt_dir, layout.global_batch, cfg.train.micro_batch_size * layout.dp_size)
+            if kept is not None:
+                overrides = [*args.overrides, f"train.grad_accum_steps={kept[0]}"]
+                cfg, ds, layout = load_and_check(args.config, overrides, args.deepspeed_config, env.world_size)
+                if env.local_rank == 0:
+                    print(f"resuming at dp {layout.dp_size}: train.grad_accum_steps={kept[0]} keeps the "
+                          f"checkpoint's global batch {kept[1]}", file=sys.stderr)
     except ConfigError as e:
         if env.local_rank == 0:      # once per node, so every node's log says why its ranks stopped
             print("refusing to start, the configuration has problems:\n  - " +

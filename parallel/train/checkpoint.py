@@ -163,6 +163,21 @@ def describe(layout: dict) -> str:
         f" ZeRO-{layout.get('zero_stage', '?')}"
 
 
+def resume_accumulation(directory: Path, global_batch: int, per_accumulation: int) -> Optional[tuple[int, int]]:
+    """(train.grad_accum_steps, the saved global batch) that keep the newest complete checkpoint's global batch
+    at a layout whose micro_batch_size x dp_size is `per_accumulation`, when it differs from this run's
+    `global_batch` and accumulation can make it up (a rerun on fewer or more nodes); else None, and
+    find_resume decides (it refuses a global batch accumulation cannot reach)."""
+    directory = Path(directory)
+    for step in reversed(complete_steps(directory)):
+        if damage(directory / f"step{step}") is None:
+            saved = (saved_layout(directory / f"step{step}") or {}).get("global_batch")
+            if saved is None or saved == global_batch or saved % per_accumulation:
+                return None
+            return saved // per_accumulation, saved
+    return None
+
+
 def find_resume(directory: Path, layout: dict) -> Optional[str]:
     """Tag of the newest complete, undamaged checkpoint, or None. A damaged one is reported (stderr, every
     rank) and skipped. One written at another layout is resumed through its layout-free copy

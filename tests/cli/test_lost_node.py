@@ -1,9 +1,9 @@
-"""A lost node: two torchrun "nodes" on this host train PP2 x TP2 (node 1 holds ranks 2 and 3, the second
-pipeline stage); after a checkpoint node 1's launcher and ranks are killed at once (kill -9, as a machine
+"""A lost node: two torchrun "nodes" on this host train TP2 x DP2 (node 1 holds ranks 2 and 3, the second
+data-parallel replica); after a checkpoint node 1's launcher and ranks are killed at once (kill -9, as a machine
 that dies). Every surviving process must be gone within 60 s, each surviving rank naming the lost ranks
-and the last complete checkpoint; rerunning on the node that remains (2 ranks: tp 2, no pipeline) resumes there
-at the new layout and repeats the steps the lost run had trained after it with its losses.
-
+and the last complete checkpoint; the same training command on the node that remains (dp 1) resumes there,
+keeps the global batch by accumulating twice as many micro-batches, and repeats the steps the lost run had trained after
+the checkpoint with its losses.
 The survivors' collectives fail on the broken connections, so rank 0 names the silent ranks after 5 s
 (parallel/dist/heartbeat.py); train.collective_timeout_s=20 bounds the silent-machine case at 10 s.
 """
@@ -15,16 +15,21 @@ import psutil
 import torch
 
 from parallel.train.checkpoint import complete_steps
-from tests.cli.test_launchers import LAYOUT, finish, kill_marked, marked_alive, run_env, start, train_args
+from tests.cli.test_launchers import finish, kill_marked, marked_alive, run_env, start, train_args
 from tests.dist_utils import free_port
 
 STEPS = 16
 
 
+def training(out) -> list[str]:
+    """The training command, the same on two nodes (dp 2) and on one (dp 1)."""
+    return train_args(out, "--set", "parallel.tp_size=2", "--set", "ckpt.every=2",
+                      "--set", "train.collective_timeout_s=20", steps=STEPS)
+
+
 def node_cmd(rank: int, port: str, out) -> list[str]:
     return ["bash", "launch.sh", "--launcher", "torchrun", "--nnodes", "2", "--nproc", "2", "--node-rank", str(rank),
-            "--master-port", port, "--", *train_args(out, *LAYOUT, "--set", "ckpt.every=2",
-                                                     "--set", "train.collective_timeout_s=20", steps=STEPS)]
+            "--master-port", port, "--", *training(out)]
 
 
 def rows(out) -> list[dict]:
@@ -67,12 +72,15 @@ def test_lost_node_names_ranks_and_checkpoint_then_rerun_resumes(tmp_path):
         assert f"the last complete checkpoint is {ckpt}/step{last}; rerun the same command" in line, line
     print(f"\nnode 1 killed after step {trained} (checkpoint step{last}); node 0 gone in {gone_after:.1f} s")
 
-    # on the node that remains, 2 ranks (tp 2, no pipeline): resumes at step{last} from the layout-free copy and
-    # repeats steps last+1..trained with the lost run's losses (another layout: to fp32 round-off)
+    # the same training command on the node that remains (dp 1): resumes at step{last} from the layout-free copy,
+    # twice the micro-batches a step (debug: 2 x 2 x dp 2 -> 2 x 4 x dp 1) keep the global batch, and steps last+1..trained repeat the lost run's losses
+    # (another layout: to fp32 round-off)
     one_node = ["bash", "launch.sh", "--launcher", "torchrun", "--nproc", "2", "--master-port", str(free_port()),
-                "--", *train_args(out, "--set", "parallel.tp_size=2", "--set", "ckpt.every=2", steps=STEPS)]
+                "--", *training(out)]
     [proc] = [start(one_node, tmp_path / "rerun.log", run_env())]
     assert finish([proc], str(out)) == [0], (tmp_path / "rerun.log").read_text()[-3000:]
+    assert "resuming at dp 1: train.grad_accum_steps=4 keeps the checkpoint's global batch 8" in \
+        (tmp_path / "rerun.log").read_text()
     everything = rows(out)
     first, rerun = everything[:trained], everything[trained:]
     assert rerun[0]["resumed_from"] == last and [r["step"] for r in rerun] == list(range(last + 1, STEPS + 1))
