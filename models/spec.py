@@ -10,6 +10,7 @@ and passes on unchanged), so the same list runs in one module or as DeepSpeed pi
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
@@ -73,3 +74,31 @@ class FamilySpec:
         if self.text_in_sequence:
             return f"{video} video tokens + {model.max_text_len} text tokens = {video + model.max_text_len}"
         return f"{video} video tokens, cross-attending to {model.max_text_len} text tokens"
+
+
+def show(value) -> str:
+    """A config.json value as config.json writes it (true, null, [1, 2, 2])."""
+    return json.dumps(value)
+
+
+def config_problems(pairs, config: dict, path: str, qualify: str,
+                    special: Optional[dict[str, Callable]] = None) -> list[str]:
+    """A ReleasedFormat's config check: each (diffusers key, its default, the toolkit key or None, the toolkit's
+    value) of `pairs` against `config` (config.json at `path`). Equal: nothing. A key with a family message of
+    its own goes to `special[key](theirs, value)` (a problem or None); a key the toolkit cannot set is
+    unsupported (`qualify`: "the toolkit's X model has V; <qualify>"); any other names the --set that fixes it."""
+    problems = []
+    for key, default, ours, value in pairs:
+        theirs = config.get(key, default)
+        theirs = list(theirs) if isinstance(theirs, tuple) else theirs
+        if special and key in special:
+            problem = special[key](theirs, value)
+            problems += [f"{path}: {problem}"] if problem else []
+        elif theirs == value:
+            continue
+        elif ours is None:
+            problems.append(f"{path}: {key} {show(theirs)} is not supported ({qualify.format(show(value))})")
+        else:
+            problems.append(f"{path}: {key} {show(theirs)} != {ours} {show(value)}; set --set {ours}={show(theirs)} "
+                            f"or use the matching preset")
+    return problems

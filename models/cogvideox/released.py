@@ -21,13 +21,13 @@ Reading and writing the folders is parallel/weights/'s job, for every family.
 """
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 import torch
 
 from models.cogvideox.config import CogVideoXConfig
 from models.geometry import latent_shape, vae_frames
+from models.spec import config_problems, show
 
 _EMBED = {"patch_proj": "patch_embed.proj", "text_proj": "patch_embed.text_proj",
           "time_linear_1": "time_embedding.linear_1", "time_linear_2": "time_embedding.linear_2",
@@ -77,36 +77,26 @@ def _config_pairs(m: CogVideoXConfig) -> list[tuple[str, object, Optional[str], 
     ]
 
 
-def _show(value) -> str:
-    return json.dumps(value)
-
-
 class CogVideoXDiffusers:
     """The `ReleasedFormat` (models/spec.py) of diffusers' CogVideoXTransformer3DModel."""
 
     class_name = "CogVideoXTransformer3DModel"
 
     def check_config(self, m: CogVideoXConfig, config: dict, path: str) -> list[str]:
-        problems = []
-        for key, default, ours, value in _config_pairs(m):
-            theirs = config.get(key, default)
-            if key == "use_rotary_positional_embeddings":
-                if bool(theirs) != value:
-                    problems.append(f"{path}: {key} {_show(theirs)} != model.pos_embed {m.pos_embed}; set "
-                                    f"--set model.pos_embed={'rope3d' if theirs else 'sincos'}")
-            elif key == "in_channels":
-                if theirs != value:
-                    out = config.get("out_channels", 16)
-                    problems.append(f"{path}: in_channels {_show(theirs)} != {value} (model.in_channels x "
-                                    f"{2 if m.image_condition else 1}); set --set model.image_condition="
-                                    f"{_show(theirs == 2 * out)} (image-to-video releases take 2 x out_channels)")
-            elif ours is None:
-                if theirs != value:
-                    problems.append(f"{path}: {key} {_show(theirs)} is not supported (the toolkit's CogVideoX model "
-                                    f"has {_show(value)}; CogVideoX 2B, 5B, 5B-I2V, 1.5-5B and 1.5-5B-I2V qualify)")
-            elif theirs != value:
-                problems.append(f"{path}: {key} {_show(theirs)} != {ours} {_show(value)}; set --set {ours}={_show(theirs)} "
-                                f"or use the matching preset")
+        def rotary(theirs, value) -> Optional[str]:
+            return None if bool(theirs) == value else (f"use_rotary_positional_embeddings {show(theirs)} != "
+                                                       f"model.pos_embed {m.pos_embed}; set --set model.pos_embed="
+                                                       f"{'rope3d' if theirs else 'sincos'}")
+
+        def in_channels(theirs, value) -> Optional[str]:
+            return None if theirs == value else (
+                f"in_channels {show(theirs)} != {value} (model.in_channels x {2 if m.image_condition else 1}); set "
+                f"--set model.image_condition={show(theirs == 2 * config.get('out_channels', 16))} (image-to-video "
+                f"releases take 2 x out_channels)")
+
+        problems = config_problems(_config_pairs(m), config, path, "the toolkit's CogVideoX model has {}; CogVideoX "
+                                   "2B, 5B, 5B-I2V, 1.5-5B and 1.5-5B-I2V qualify",
+                                   {"use_rotary_positional_embeddings": rotary, "in_channels": in_channels})
         if m.ffn_hidden_size not in (None, 4 * m.hidden_size):
             problems.append(f"{path}: the released FFN is 4 x hidden = {4 * m.hidden_size} wide, model.ffn_hidden_size "
                             f"is {m.ffn_hidden_size}; remove it")

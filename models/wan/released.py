@@ -20,9 +20,9 @@ Reading and writing the folders is parallel/weights/'s job, for every family.
 """
 from __future__ import annotations
 
-import json
 from typing import Optional
 
+from models.spec import config_problems, show
 from models.wan.config import WanConfig
 
 _EMBED = {"patch_embedding": "patch_embedding", "time_linear_1": "condition_embedder.time_embedder.linear_1",
@@ -61,34 +61,21 @@ def _config_pairs(m: WanConfig) -> list[tuple[str, object, Optional[str], object
     ]
 
 
-def _show(value) -> str:
-    return json.dumps(value)
-
-
 class WanDiffusers:
     """The `ReleasedFormat` (models/spec.py) of diffusers' WanTransformer3DModel."""
 
     class_name = "WanTransformer3DModel"
 
     def check_config(self, m: WanConfig, config: dict, path: str) -> list[str]:
-        problems = []
-        for key, default, ours, value in _config_pairs(m):
-            theirs = config.get(key, default)
-            if isinstance(theirs, tuple):
-                theirs = list(theirs)
+        def patch_size(theirs, value) -> Optional[str]:
             if theirs == value:
-                continue
-            if ours is None:
-                problems.append(f"{path}: {key} {_show(theirs)} is not supported (the toolkit's Wan model has "
-                                f"{_show(value)}; Wan 2.1 text-to-video transformers, 1.3B and 14B, qualify)")
-            elif key == "patch_size":
-                fix = (f"set --set model.patch_size_t={theirs[0]} --set model.patch_size={theirs[1]}"
-                       if len(theirs) == 3 and theirs[1] == theirs[2] else "square patches only")
-                problems.append(f"{path}: patch_size {_show(theirs)} != ({ours}) {_show(value)}; {fix}")
-            else:
-                problems.append(f"{path}: {key} {_show(theirs)} != {ours} {_show(value)}; set --set {ours}="
-                                f"{_show(theirs)} or use the matching preset")
-        return problems
+                return None
+            fix = (f"set --set model.patch_size_t={theirs[0]} --set model.patch_size={theirs[1]}"
+                   if len(theirs) == 3 and theirs[1] == theirs[2] else "square patches only")
+            return f"patch_size {show(theirs)} != (model.patch_size_t, model.patch_size) {show(value)}; {fix}"
+
+        return config_problems(_config_pairs(m), config, path, "the toolkit's Wan model has {}; Wan 2.1 "
+                               "text-to-video transformers, 1.3B and 14B, qualify", {"patch_size": patch_size})
 
     def config(self, m: WanConfig, data) -> dict:
         return {key: value for key, _, _, value in _config_pairs(m)}
