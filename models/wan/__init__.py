@@ -27,4 +27,6 @@ SPEC = FamilySpec(
     attention_pairs=attention_pairs,
     describe_layers=lambda m: f"{m.num_layers} blocks",
     released=DIFFUSERS,
+    vae="AutoencoderKLWan",                  # latents (x - latents_mean) / latents_std per channel
+    text_encoder="UMT5EncoderModel",         # padding rows zeroed, as WanPipeline
 )

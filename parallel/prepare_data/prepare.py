@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from models.geometry import latent_shape, pad_frames
 from models.registry import family
+from models.text_encoder import encoder_class
 from parallel.cli import CONFIG_HELP, add_experiment_args
 from parallel.units import DTYPES
 from parallel.prepare_data.captions import InputError, read_captions, video_files
@@ -53,14 +54,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--captions", type=Path, help="CSV with video,caption columns or JSONL of "
                     '{"video": ..., "caption": ...}; video paths relative to --videos. '
                     "Default: a .txt file next to each video")
-    ap.add_argument("--vae", required=True, type=Path, help="AutoencoderKLCogVideoX folder (save_pretrained)")
-    ap.add_argument("--t5", type=Path, help="T5 encoder + tokenizer folder; without it the manifest keeps captions")
+    ap.add_argument("--vae", required=True, type=Path, help="the VAE folder (save_pretrained) of the model's family: "
+                    "AutoencoderKLCogVideoX (CogVideoX, STDiT) or AutoencoderKLWan (Wan 2.1)")
+    ap.add_argument("--t5", type=Path, help="text encoder + tokenizer folder of the model's family (T5EncoderModel, "
+                    "UMT5EncoderModel for Wan 2.1); without it the manifest keeps captions")
     ap.add_argument("--out", required=True, type=Path, help="output folder (data.path for training)")
     ap.add_argument("--fps", type=float, help="take a clip at this frame rate from the start of each video; "
                     "default: data.num_frames frames spread over the whole video")
     ap.add_argument("--posterior", choices=["sample", "mode"], default="sample",
                     help="sample: a draw from the VAE posterior seeded by (train.seed, video), as CogVideoX "
-                    "trains; mode: its mean")
+                    "and finetrainers' Wan train; mode: its mean")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the stored tensors")
     ap.add_argument("--vae-dtype", choices=sorted(DTYPES), help="default: bf16 on accelerators with it, else fp32")
     ap.add_argument("--tiling", action="store_true", help="encode in tiles (less device memory, large videos)")
@@ -97,7 +100,7 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
             args.bucket_list = parse_buckets(args.buckets)
         except ValueError as e:
             problems.append(str(e))
-    for module, role in (("diffusers", "the CogVideoX VAE"), ("av", "reading video files (PyAV)")):
+    for module, role in (("diffusers", "the VAE"), ("av", "reading video files (PyAV)")):
         if importlib.util.find_spec(module) is None:
             problems.append(f"{module} is not installed, needed for {role}: pip install '.[data]'")
     try:
@@ -113,10 +116,15 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
             c, where = (bucket_config(cfg, b), f" (bucket {format_bucket(b)})") if b else (cfg, "")
             problems += [p + where for p in check_vae(vae_config, c.model, c.data, key=f"--vae={args.vae}")]
     if args.t5:
-        what = ("expected a folder written by T5EncoderModel.save_pretrained with its tokenizer beside it "
-                "(for a CogVideoX release: text_encoder/ with the files of tokenizer/ copied in)")
+        wanted = family(cfg.model).text_encoder
+        what = (f"expected a folder written by {wanted}.save_pretrained with its tokenizer beside it "
+                "(for a release: text_encoder/ with the files of tokenizer/ copied in)")
         try:
-            d_model = json.loads((args.t5 / "config.json").read_text()).get("d_model")
+            t5_config = json.loads((args.t5 / "config.json").read_text())
+            d_model, name = t5_config.get("d_model"), encoder_class(t5_config)
+            if name != wanted:
+                problems.append(f"--t5={args.t5}: a {name or 'model of unknown class'}, but model.family="
+                                f"{cfg.model.family} trains on {wanted} embeddings; {what}")
             if d_model != cfg.model.text_embed_dim:
                 problems.append(f"--t5={args.t5}: d_model {d_model} != model.text_embed_dim "
                                 f"{cfg.model.text_embed_dim}")
@@ -207,7 +215,8 @@ class ClipEncoder:
         self.t5 = None
         if args.t5:
             from models.text_encoder import T5TextEncoder
-            self.t5 = T5TextEncoder(args.t5, cfg.model.max_text_len, cfg.model.text_embed_dim, device, cache_size=0)
+            self.t5 = T5TextEncoder(args.t5, cfg.model.max_text_len, cfg.model.text_embed_dim, device, cache_size=0,
+                                    expected_class=family(cfg.model).text_encoder, key="--t5")
         self.args, self.data, self.seed, self.tag = args, cfg.data, cfg.train.seed, tag
         self.store, self.model, self.buckets = DTYPES[args.dtype], cfg.model, args.bucket_list
         self.condition = family(cfg.model).training_condition(cfg.model, cfg.data)
@@ -240,7 +249,8 @@ class ClipEncoder:
         write_atomic(args.out, latent_path, lambda p: save_file(tensors, str(p), meta), self.tag)
 
     def write_unconditional(self) -> None:
-        """uncond.safetensors: T5 of the empty prompt, what CogVideoX's pipelines feed as the negative prompt."""
+        """uncond.safetensors: the text encoder on the empty prompt, the default negative prompt of CogVideoX's
+        pipelines and of WanPipeline (encode_prompt: `negative_prompt or ""`)."""
         write_unconditional(self.args.out, self.t5, self.store, self.tag)
 
 

@@ -1,58 +1,61 @@
-"""The CogVideoX VAE (`diffusers.AutoencoderKLCogVideoX` from a local folder): frames -> latents and back.
+"""The VAE (a diffusers `AutoencoderKLCogVideoX` or `AutoencoderKLWan` folder): frames -> training latents and back.
 
-Training latents are z = scaling_factor * (x - shift_factor), x a draw from the VAE's posterior for the
-clip in [-1, 1] (CogVideoX trains on `latent_dist.sample() * scaling_factor`; its shift_factor is None,
-i.e. 0). Decoding inverts it: frames = vae.decode(z / scaling_factor + shift_factor). diffusers is an
-optional dependency (`pip install .[data]`), imported only when a VAE is loaded.
-
-Compression, from the config: the encoder halves H and W in every down block but the last, and halves T
-in the first log2(temporal_compression_ratio) of those, so T frames -> (T - 1) / 2^k + 1 latent frames.
+Each class normalises latents as its release trains on them (parallel/prepare_data/vae_formats.py); the
+experiment's family names the class it takes (FamilySpec.vae), and a folder of another class is refused.
+The latent is a draw from the VAE's posterior for the clip in [-1, 1] (as CogVideoX and finetrainers' Wan
+train) or its mode. diffusers is an optional dependency (`pip install .[data]`), imported only when a VAE
+is loaded. Compression, from the config: T frames -> (T - 1) / temporal + 1 latent frames, H -> H / spatial.
 """
 from __future__ import annotations
 
 import functools
 import importlib.util
 import json
-import math
 import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
-VAE_CLASS = "AutoencoderKLCogVideoX"
+from parallel.prepare_data.vae_formats import VAES
+
+WHAT = "a folder written by " + " or ".join(f"{name}.save_pretrained ({f.release})" for name, f in VAES.items())
 
 
 def read_vae_config(path: str | Path, key: str = "--vae") -> dict:
-    """config.json of a VAE folder written by `save_pretrained` (the `vae/` folder of a CogVideoX release)."""
+    """config.json of a VAE folder written by `save_pretrained` (the `vae/` folder of a release)."""
     path = Path(path)
-    what = f"a folder written by {VAE_CLASS}.save_pretrained, e.g. the vae/ folder of a CogVideoX release"
     if not path.is_dir():
-        raise FileNotFoundError(f"{key}={path}: no such folder; expected {what}")
+        raise FileNotFoundError(f"{key}={path}: no such folder; expected {WHAT}")
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise FileNotFoundError(f"{key}={path}: cannot read config.json ({e}); expected {what}") from None
-    if config.get("_class_name") != VAE_CLASS:
-        raise ValueError(f"{key}={path}: config.json is a {config.get('_class_name')!r}, not {VAE_CLASS}; "
-                         f"expected {what}")
+        raise FileNotFoundError(f"{key}={path}: cannot read config.json ({e}); expected {WHAT}") from None
+    if config.get("_class_name") not in VAES:
+        raise ValueError(f"{key}={path}: config.json is a {config.get('_class_name')!r}; expected {WHAT}")
     return config
 
 
 def compression(config: dict) -> tuple[int, int]:
     """(temporal, spatial) downsampling factors of the encoder described by `config`."""
-    down = len(config.get("down_block_types", ())) - 1
-    level = int(math.log2(config.get("temporal_compression_ratio", 4)))
-    return 2 ** min(level, down), 2 ** down
+    return VAES[config["_class_name"]].compression(config)
 
 
 def check_vae(config: dict, model, data, key: str = "--vae") -> list[str]:
-    """Disagreements between the VAE and the experiment's model (latent channels, VAE scales) and clip size."""
+    """Disagreements between the VAE and the experiment's model (VAE class, latent channels, VAE scales) and clip
+    size."""
+    from models.registry import family
+
+    name, wanted = config["_class_name"], family(model).vae
+    if name != wanted:
+        return [f"{key}: an {name} folder, but model.family={model.family} trains on {wanted} latents (use "
+                f"{VAES[wanted].release if wanted in VAES else wanted}, or a config of a family that takes {name})"]
     temporal, spatial = compression(config)
+    channels = VAES[name].channels(config)
     problems = []
-    if config.get("latent_channels") != model.in_channels:
-        problems.append(f"{key}: latent_channels={config.get('latent_channels')} != "
-                        f"model.in_channels={model.in_channels} (use the VAE the model was made for)")
+    if channels != model.in_channels:
+        problems.append(f"{key}: latent channels {channels} != model.in_channels={model.in_channels} (use the VAE the "
+                        f"model was made for)")
     for what, factor, name in (("H and W", spatial, "vae_scale_spatial"), ("time", temporal, "vae_scale_temporal")):
         if factor != getattr(model, name):
             problems.append(f"{key}: the VAE downsamples {what} by {factor}, model.{name}={getattr(model, name)} "
@@ -69,21 +72,22 @@ def check_vae(config: dict, model, data, key: str = "--vae") -> list[str]:
 
 def load_vae(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32):
     """The VAE in eval mode without gradients; nothing is downloaded."""
+    name = read_vae_config(path)["_class_name"]
     try:
-        from diffusers import AutoencoderKLCogVideoX
+        import diffusers
     except ImportError as e:
         raise ImportError(f"the VAE needs diffusers ({e}): pip install '.[data]'") from None
-    vae = AutoencoderKLCogVideoX.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
+    vae = getattr(diffusers, name).from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
     return vae.to(device).eval().requires_grad_(False)
 
 
-def _shift(vae) -> float:
-    return vae.config.shift_factor or 0.0
+def _format(vae):
+    return VAES[type(vae).__name__]
 
 
 @torch.no_grad()
 def encode(vae, frames: np.ndarray, generator: torch.Generator | None = None, augment=None) -> torch.Tensor:
-    """uint8 frames [T, H, W, 3] -> scaled latent [C, T', H', W'] fp32 on the CPU.
+    """uint8 frames [T, H, W, 3] -> normalised latent [C, T', H', W'] fp32 on the CPU.
 
     With a generator the latent is a posterior draw (as CogVideoX trains); without, the posterior mode.
     `augment`: applied to the pixels (1, 3, T, H, W) in [-1, 1] (fp32, CPU) before encoding.
@@ -93,14 +97,14 @@ def encode(vae, frames: np.ndarray, generator: torch.Generator | None = None, au
     x = (augment(x) if augment is not None else x).to(param.device, param.dtype)
     dist = vae.encode(x).latent_dist
     z = dist.sample(generator) if generator is not None else dist.mode()      # (1, C, T', H', W')
-    return ((z.float() - _shift(vae)) * vae.config.scaling_factor)[0].cpu()
+    return _format(vae).normalise(z.float(), vae.config)[0].cpu()
 
 
 @torch.no_grad()
 def decode(vae, latent: torch.Tensor) -> torch.Tensor:
-    """Scaled latent [C, T', H', W'] -> frames [T, H, W, 3], floats in [0, 1] on the CPU."""
+    """Normalised latent [C, T', H', W'] -> frames [T, H, W, 3], floats in [0, 1] on the CPU."""
     param = next(vae.parameters())
-    z = latent[None].to(param.device, torch.float32) / vae.config.scaling_factor + _shift(vae)
+    z = _format(vae).denormalise(latent[None].to(param.device, torch.float32), vae.config)
     x = vae.decode(z.to(param.dtype)).sample[0].float()                        # (3, T, H, W) in [-1, 1]
     return ((x.permute(1, 2, 3, 0) + 1.0) / 2.0).clamp(0.0, 1.0).cpu()
 

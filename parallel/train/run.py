@@ -129,7 +129,8 @@ def _text_encoder(cfg: ExperimentConfig):
     if not cfg.data.text_encoder:
         return None
     from models.text_encoder import T5TextEncoder
-    return T5TextEncoder(cfg.data.text_encoder, cfg.model.max_text_len, cfg.model.text_embed_dim)
+    return T5TextEncoder(cfg.data.text_encoder, cfg.model.max_text_len, cfg.model.text_embed_dim,
+                         expected_class=family(cfg.model).text_encoder)
 
 
 def build_dataset(cfg: ExperimentConfig):
