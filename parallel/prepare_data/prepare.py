@@ -5,8 +5,9 @@
     torchrun --nproc_per_node 8 -m parallel.prepare_data ...        # each rank takes every 8th video
 
 Each video becomes the clip training expects (data.num_frames x data.height x data.width, parallel.prepare_data.frames),
-then a VAE latent [C, T, H, W] (parallel.prepare_data.vae) in latents/<video>.safetensors and, with --t5, its caption's
-T5 embedding [model.max_text_len, model.text_embed_dim] in text/<video>.safetensors, and once the empty
+then a VAE latent [C, T, H, W] (parallel.prepare_data.vae: the VAE class the model's family names) in
+latents/<video>.safetensors and, with --t5, its caption's embedding by the family's T5 or UMT5 encoder
+(models.text_encoder) [model.max_text_len, model.text_embed_dim] in text/<video>.safetensors, and once the empty
 prompt's, uncond.safetensors (caption dropout's and guidance's unconditional input); without --t5 the
 manifest keeps the caption for training to encode (data.text_encoder). manifest.jsonl lists the prepared
 videos in captions order, skipped.jsonl the unusable ones with the reason, prepare.json the settings.
