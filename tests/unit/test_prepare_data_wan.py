@@ -165,6 +165,13 @@ def test_wrong_vae_or_text_encoder_is_refused_by_name(videos, vae_dir, wan_vae_d
     err = refused(wan_vae_dir, tmp_path / "o", sets=SETS + ["model.in_channels=16", "model.vae_scale_temporal=2"])
     assert f"--vae={wan_vae_dir}: latent channels 4 != model.in_channels=16" in err
     assert f"--vae={wan_vae_dir}: the VAE downsamples time by 4, model.vae_scale_temporal=2" in err
+    # Training that encodes captions itself (data.text_encoder) refuses the other family's encoder the same way.
+    from parallel.train.run import build_dataset
+    (tmp_path / "manifest.jsonl").write_text(json.dumps({"latent": "x.pt", "caption": "a"}))
+    cfg = load_config("debug-wan", ["data.kind=directory", f"data.path={tmp_path}", f"data.text_encoder={t5_dir}"])
+    with pytest.raises(ValueError, match=f"data.text_encoder={t5_dir}: a T5EncoderModel, but this model family "
+                                         "trains on UMT5EncoderModel embeddings"):
+        build_dataset(cfg)
 
 
 def test_validation_decodes_as_the_wan_pipeline(wan_vae_dir):
