@@ -48,8 +48,10 @@ def check_vae(config: dict, model, data, key: str = "--vae") -> list[str]:
 
     name, wanted = config["_class_name"], family(model).vae
     if name != wanted:
-        return [f"{key}: an {name} folder, but model.family={model.family} trains on {wanted} latents (use "
-                f"{VAES[wanted].release if wanted in VAES else wanted}, or a config of a family that takes {name})"]
+        use = VAES[wanted].release if wanted in VAES else wanted
+        problem = (f"{key}: an {name} folder, but model.family={model.family} trains on {wanted} latents (use {use}, "
+                   f"or a config of a family that takes {name})")
+        return [problem]
     temporal, spatial = compression(config)
     channels = VAES[name].channels(config)
     problems = []

@@ -67,7 +67,7 @@ def prepared(videos, wan_vae_dir, umt5_dir, tmp_path_factory):   # noqa: F811
 
 def test_latents_and_text_are_what_diffusers_and_the_wan_pipeline_give(videos, wan_vae_dir, umt5_dir,  # noqa: F811
                                                                         prepared):
-    root, frames = videos
+    frames = videos[1]
     manifest = lines(prepared / "manifest.jsonl")
     assert [m["video"] for m in manifest] == list(CAPTIONS)
     vae = AutoencoderKLWan.from_pretrained(wan_vae_dir).eval()
