@@ -58,7 +58,7 @@ def shape_problems(cfg, shape: tuple[int, int, int], where: str) -> list[str]:
         problems.append(f"{where}: {fixed} is learned for one token grid, "
                         f"{'x'.join(map(str, base))} (data.num_frames x data.height x data.width), and this "
                         f"bucket's grid is {'x'.join(map(str, grid))}; train it in a run of "
-                        f"its own, or leave it out of the manifest")
+                        f"its own, or leave this shape out")
     return problems
 
 
