@@ -210,8 +210,14 @@ def render_markdown(r: dict) -> str:
         rows += [f"| {label} | " + " | ".join(gib(s["lines"][key]) for s in stages) + " |" for key, label in LINES]
         rows.append("| **total** | " + " | ".join(f"**{gib(s['total'])}**" for s in stages) + " |")
         verdict = "fits" if r["fits"] else "does not fit"
-        return "\n".join(_header(r) + [""] + rows + ["", f"Worst rank {gib(r['total'])} GiB of "
-                                                          f"{gib(r['device_memory'])} GiB: {verdict}."])
+        rows += ["", f"Worst rank {gib(r['total'])} GiB of {gib(r['device_memory'])} GiB: {verdict}."]
+        if "buckets" in r:
+            rows += ["", "| bucket | samples | tokens | sp pad | activations (GiB) | total (GiB) | step s |",
+                     "|---|" + "---:|" * 6]
+            rows += [f"| {'x'.join(map(str, b['shape']))} | {b['samples'] if b['samples'] is not None else '-'} | "
+                     f"{b['tokens']:,} | {b['padded_tokens'] - b['tokens']} | {gib(b['activations'])} | "
+                     f"{gib(b['total'])} | {b['step_time']:.2f} |" for b in r["buckets"]]
+        return "\n".join(_header(r) + [""] + rows)
     rows = ["| rank | tp | sp | pp | dp | ZeRO | ckpt | micro-batch | GiB | step s | samples/s |", "|" + "---:|" * 11]
     for i, c in enumerate(r["ranked"]):
         t = c["step_time"]
