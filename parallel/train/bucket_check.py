@@ -12,7 +12,7 @@ from parallel.train.buckets import Shape, bucket_data, format_shape
 from parallel.train.data import read_manifest
 
 
-def shape_configs(cfg, shapes: Sequence[Shape], counts: Optional[Sequence[int]] = None) -> list[tuple[Shape, object, object]]:
+def shape_configs(cfg, shapes: Sequence[Shape], counts: Optional[Sequence[int]] = None) -> list[tuple]:
     """(shape, samples or None, the experiment at that shape) for each shape, the longest token sequence first
     (ties: the most pixels, then the shape), as the memory plan sizes the first."""
     counts = list(counts) if counts is not None else [None] * len(shapes)
@@ -64,7 +64,8 @@ def shape_problems(cfg, shape: tuple[int, int, int], where: str) -> list[str]:
 
 def preset_bucket_problems(cfg, source: str = "data.buckets") -> list[str]:
     """Every shape of the preset's `data.buckets` list against the model (shape_problems)."""
-    return [p for shape in cfg.data.buckets or () for p in shape_problems(cfg, shape, f"{source}: {format_shape(shape)}")]
+    return [p for shape in cfg.data.buckets or ()
+            for p in shape_problems(cfg, shape, f"{source}: {format_shape(shape)}")]
 
 
 def bucket_problems(cfg) -> list[str]:
