@@ -106,12 +106,12 @@ def search_report(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTrace
     closest = sorted(res.not_fitting, key=lambda c: c.memory.worst.total)
     best = res.ranked[0] if res.ranked else None
     buckets = {"buckets": bucket_rows(best.cfg, found, best.ds, best.dims.dp_size, args)} if found and best else {}
-    return {**buckets, "schema": SCHEMA, "mode": "search", "model": _model_info(cfg, tracer, ds),
+    return {"schema": SCHEMA, "mode": "search", "model": _model_info(cfg, tracer, ds),
             "device": _device_dict(args), "assumptions": _assumptions(args), "grad_accum": cfg.train.grad_accum_steps,
             "counts": {"fitting": len(res.ranked), "not_fitting": len(res.not_fitting), "invalid": len(res.invalid)},
             "ranked": [_candidate_dict(c, args) for c in res.ranked[:args.top]],
             "not_fitting": [_candidate_dict(c, args) for c in closest[:args.top]],
-            "invalid": [{"layout": layout, "problems": problems} for layout, problems in res.invalid]}
+            "invalid": [{"layout": layout, "problems": problems} for layout, problems in res.invalid], **buckets}
 
 
 def _header(r: dict) -> list[str]:
