@@ -237,9 +237,9 @@ def check_data_files(cfg: ExperimentConfig) -> list[str]:
     folders = [("data.path", cfg.data.path)] if cfg.data.kind == "directory" else []
     if cfg.val.every and cfg.val.path:
         folders.append(("val.path", cfg.val.path))
-    if not folders:
+    if not folders and not cfg.data.buckets:
         return []
-    from parallel.train.bucket_check import bucket_problems
+    from parallel.train.bucket_check import bucket_problems      # the manifest's buckets and data.buckets
     from parallel.train.data import check_shapes
     return bucket_problems(cfg) + [p for key, folder in folders for p in
                                    check_shapes(folder, cfg.model, cfg.data, key, captions=bool(cfg.data.text_encoder))]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from models.config import Section
 from models.registry import FAMILIES
@@ -40,11 +40,17 @@ class DataConfig(Section):
     caption_dropout: float = Field(0.0, ge=0, lt=1, description="probability that a training sample's text "
                                    "embedding is the unconditional one (T5 of \"\": uncond.safetensors beside the "
                                    "manifest), drawn from (train.seed, step, sample position); CogVideoX: 0.1")
+    buckets: Optional[list[tuple[PositiveInt, PositiveInt, PositiveInt]]] = Field(
+        None, description="the preset's clip shapes, [frames, height, width] in pixels: what `prepare_data --buckets "
+        "preset` prepares and `parallel.plan --buckets preset` sizes (training reads each sample's shape from the "
+        "manifest)")
 
     @model_validator(mode="after")
     def _directory_needs_path(self) -> "DataConfig":
         if self.kind == "directory" and not self.path:
             raise ValueError("data.kind=directory needs data.path (a folder with manifest.jsonl)")
+        if self.buckets is not None and len(set(self.buckets)) != len(self.buckets):
+            raise ValueError(f"data.buckets={[list(b) for b in self.buckets]} lists a shape twice")
         return self
 
 

@@ -1,10 +1,13 @@
 """Will it fit? Per-rank memory of a layout, or a search for the layouts that fit, ranked by step time.
 
     python -m parallel.plan --config configs/cogvideox-5b.yaml --deepspeed_config ds_configs/zero1_bf16.json \
-        --devices 8 --device-memory 80GiB --set parallel.tp_size=2 [--search] [--format text|json|markdown]
+        --devices 8 --device-memory 80GiB --set parallel.tp_size=2 [--search] [--format text|json|markdown] \
+        [--buckets preset|FxHxW,...]
 
 Plan mode sizes the layout in the config (checked first by `parallel.check`); `--search` tries every
-layout of the device count. Exit status: 0 fits, 2 does not fit (or nothing fits), 1 refused input.
+layout of the device count. A run of several shapes (buckets: `--buckets`, or a directory dataset's
+manifest) is sized on its longest, with a row per bucket (parallel/plan/buckets.py).
+Exit status: 0 fits, 2 does not fit (or nothing fits), 1 refused input.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from parallel import ds_config as dsc  # noqa: E402
 from parallel.check import check  # noqa: E402
 from parallel.config import ConfigError, ExperimentConfig, load_config  # noqa: E402
 from parallel.cli import add_experiment_args  # noqa: E402
+from parallel.plan.buckets import bucket_rows, plan_buckets, render_buckets_text  # noqa: E402
 from parallel.plan.memory import LINES, EngineSettings, MemoryPlan, plan_memory  # noqa: E402
 from parallel.plan.search import DEVICES, Candidate, SearchResult, count_params, search, shipped_config  # noqa: E402
 from parallel.plan.trace import ActivationTracer, sequence_length  # noqa: E402
@@ -95,17 +99,19 @@ def _candidate_dict(c: Candidate, args) -> dict:
             "command": f"deepspeed {launcher} train.py --config {args.config} --deepspeed_config {ds_arg} {cfg_arg}"}
 
 
-def search_report(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer) -> dict:
+def search_report(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer, found=None) -> dict:
     res: SearchResult = search(cfg, ds, args.devices, args.devices_per_node, args.device_memory,
                                DEVICES[args.device], tracer, args.utilisation, args.margin, args.workspace,
                                source=args.deepspeed_config)
     closest = sorted(res.not_fitting, key=lambda c: c.memory.worst.total)
+    best = res.ranked[0] if res.ranked else None
+    buckets = {"buckets": bucket_rows(best.cfg, found, best.ds, best.dims.dp_size, args)} if found and best else {}
     return {"schema": SCHEMA, "mode": "search", "model": _model_info(cfg, tracer, ds),
             "device": _device_dict(args), "assumptions": _assumptions(args), "grad_accum": cfg.train.grad_accum_steps,
             "counts": {"fitting": len(res.ranked), "not_fitting": len(res.not_fitting), "invalid": len(res.invalid)},
             "ranked": [_candidate_dict(c, args) for c in res.ranked[:args.top]],
             "not_fitting": [_candidate_dict(c, args) for c in closest[:args.top]],
-            "invalid": [{"layout": layout, "problems": problems} for layout, problems in res.invalid]}
+            "invalid": [{"layout": layout, "problems": problems} for layout, problems in res.invalid], **buckets}
 
 
 def _header(r: dict) -> list[str]:
@@ -144,6 +150,8 @@ def render_plan_text(r: dict) -> str:
                 f"{gib(r['device_memory'])} GiB; {'free' if r['fits'] else 'short by'} {gib(abs(r['headroom']))} GiB",
             f"margin: {r['assumptions']['margin_fraction']:.0%} of the other lines + "
             f"{gib(r['assumptions']['workspace'])} GiB workspace"]
+    if "buckets" in r:
+        out += render_buckets_text(r["buckets"], "this layout")
     return "\n".join(out)
 
 
@@ -189,6 +197,8 @@ def render_search_text(r: dict) -> str:
                        f"{problems[0]}{more}")
         if len(r["invalid"]) > INVALID_SHOWN:
             out.append(f"  ... {len(r['invalid']) - INVALID_SHOWN} more (--format json lists every one)")
+    if "buckets" in r:
+        out += render_buckets_text(r["buckets"], "the best layout")
     return "\n".join(out)
 
 
@@ -200,8 +210,14 @@ def render_markdown(r: dict) -> str:
         rows += [f"| {label} | " + " | ".join(gib(s["lines"][key]) for s in stages) + " |" for key, label in LINES]
         rows.append("| **total** | " + " | ".join(f"**{gib(s['total'])}**" for s in stages) + " |")
         verdict = "fits" if r["fits"] else "does not fit"
-        return "\n".join(_header(r) + [""] + rows + ["", f"Worst rank {gib(r['total'])} GiB of "
-                                                          f"{gib(r['device_memory'])} GiB: {verdict}."])
+        rows += ["", f"Worst rank {gib(r['total'])} GiB of {gib(r['device_memory'])} GiB: {verdict}."]
+        if "buckets" in r:
+            rows += ["", "| bucket | samples | tokens | sp pad | activations (GiB) | total (GiB) | step s |",
+                     "|---|" + "---:|" * 6]
+            rows += [f"| {'x'.join(map(str, b['shape']))} | {b['samples'] if b['samples'] is not None else '-'} | "
+                     f"{b['tokens']:,} | {b['padded_tokens'] - b['tokens']} | {gib(b['activations'])} | "
+                     f"{gib(b['total'])} | {b['step_time']:.2f} |" for b in r["buckets"]]
+        return "\n".join(_header(r) + [""] + rows)
     rows = ["| rank | tp | sp | pp | dp | ZeRO | ckpt | micro-batch | GiB | step s | samples/s |", "|" + "---:|" * 11]
     for i, c in enumerate(r["ranked"]):
         t = c["step_time"]
@@ -225,6 +241,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--workspace", default="1GiB", help="fixed workspace (context, kernels' scratch)")
     ap.add_argument("--utilisation", type=float, default=0.4, help="assumed fraction of peak FLOP/s")
     ap.add_argument("--png", default=None, help="write a stacked-bar chart of the breakdown to this file")
+    ap.add_argument("--buckets", default=None, help="several clip shapes, 'FxHxW,...' in pixels or 'preset' (the "
+                    "config's data.buckets): sized on the longest, a row per bucket; default: a directory "
+                    "dataset's shapes, else the config's one")
     args = ap.parse_args(argv)
     try:
         if args.devices < 1 or args.devices_per_node < 1:
@@ -232,16 +251,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.device_memory = parse_bytes(args.device_memory, "--device-memory")
         args.workspace = parse_bytes(args.workspace, "--workspace")
         cfg = load_config(args.config, args.overrides)
+        found = plan_buckets(cfg, args.buckets, f"--config={args.config}")
+        cfg = found[0][2]                       # the longest bucket (the config's shape without buckets)
+        found = found if len(found) > 1 or found[0][0] is not None else None     # a table: several shapes
         ds = dsc.read_ds_config(args.deepspeed_config)
         tracer = ActivationTracer(cfg, EngineSettings.from_ds(ds, 1).dtype)
         if args.search:
-            report = search_report(cfg, ds, args, tracer)
+            report = search_report(cfg, ds, args, tracer, found)
             status = 0 if report["ranked"] else 2
         else:
             layout, problems = check(cfg, ds, args.deepspeed_config, args.devices)
             if problems:
                 raise ConfigError("\n".join(problems))
             report = plan_report(cfg, ds, args, tracer, layout.dp_size)
+            if found:
+                report["buckets"] = bucket_rows(cfg, found, ds, layout.dp_size, args)
             status = 0 if report["fits"] else 2
     except ConfigError as e:
         lines = str(e).splitlines()

@@ -1,4 +1,8 @@
-"""`--buckets 'F1xH1xW1,F2xH2xW2,...'`: several clip shapes in one prepared folder, and which one a video gets.
+"""`--buckets 'F1xH1xW1,F2xH2xW2,...'` or `--buckets preset`: several clip shapes in one prepared folder, and
+which one a video gets.
+
+`preset` takes the experiment's `data.buckets` (configs/*.yaml carry the shapes each release trains on;
+every one is checked against the model as training checks a bucket, parallel/train/bucket_check.py).
 
 A video of n frames at h x w pixels goes to the bucket that keeps the most of it:
   1. the nearest aspect ratio, |log(H/W) - log(h/w)| (the centre crop then cuts the least);
@@ -13,6 +17,10 @@ from __future__ import annotations
 
 import math
 import re
+
+import yaml
+
+from parallel.config import CONFIG_DIR
 
 Bucket = tuple[int, int, int]        # pixel (frames, height, width)
 
@@ -31,6 +39,31 @@ def parse_buckets(text: str) -> list[Bucket]:
     if len(set(buckets)) != len(buckets):
         raise ValueError(f"--buckets={text}: a shape is listed twice")
     return buckets
+
+
+PRESET = "preset"
+
+
+def presets_with_buckets() -> list[str]:
+    """Names of the configs/*.yaml presets whose data section lists buckets."""
+    found = []
+    for path in sorted(CONFIG_DIR.glob("*.yaml")):
+        data = (yaml.safe_load(path.read_text()) or {}).get("data") or {}
+        if data.get("buckets"):
+            found.append(path.stem)
+    return found
+
+
+def resolve_buckets(text: str, cfg, source: str) -> list[Bucket]:
+    """--buckets: `preset` -> the experiment's data.buckets (`source` names its config), else parse_buckets.
+    ValueError says what would work."""
+    if text.strip() != PRESET:
+        return parse_buckets(text)
+    if not cfg.data.buckets:
+        raise ValueError(f"--buckets preset: {source} has no data.buckets; give the shapes "
+                         f"(--buckets 49x480x720,49x720x480) or use a preset that lists them: "
+                         f"{', '.join(presets_with_buckets())}")
+    return [tuple(b) for b in cfg.data.buckets]
 
 
 def choose_bucket(buckets: list[Bucket], frames: int, height: int, width: int) -> Bucket:

@@ -39,7 +39,8 @@ from parallel.cli import CONFIG_HELP, add_experiment_args
 from parallel.units import DTYPES
 from parallel.prepare_data.captions import InputError, read_captions, video_files
 from parallel.config import UNCOND_FILE, ConfigError, load_config
-from parallel.prepare_data.buckets import choose_bucket, format_bucket, parse_buckets
+from parallel.prepare_data.buckets import choose_bucket, format_bucket, resolve_buckets
+from parallel.train.bucket_check import shape_problems
 from parallel.prepare_data.frames import VideoError, probe, read_clip
 from parallel.dist.seed import derive_seed
 from parallel.dist.topology import read_launch_env
@@ -69,8 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--vae-dtype", choices=sorted(DTYPES), help="default: bf16 on accelerators with it, else fp32")
     ap.add_argument("--tiling", action="store_true", help="encode in tiles (less device memory, large videos)")
     ap.add_argument("--buckets", help="several clip shapes, 'FxHxW,FxHxW,...' in pixels (frames x height x "
-                    "width): each video goes to the one that keeps the most of it (nearest aspect ratio, then the "
-                    "most frames it has); default: data.num_frames x data.height x data.width")
+                    "width), or 'preset': the config's data.buckets; each video goes to the one that keeps the most "
+                    "of it (nearest aspect ratio, then the most frames it has); default: data.num_frames x "
+                    "data.height x data.width")
     ap.add_argument("--limit", type=int, help="prepare at most this many more videos on each rank (a trial run)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -98,9 +100,11 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
     args.bucket_list = []
     if getattr(args, "buckets", None):
         try:
-            args.bucket_list = parse_buckets(args.buckets)
+            args.bucket_list = resolve_buckets(args.buckets, cfg, f"--config={args.config}")
         except ValueError as e:
             problems.append(str(e))
+        for b in args.bucket_list:       # as training checks a bucket: whole latents, whole patches, positions
+            problems += shape_problems(cfg, b, f"--buckets: {format_bucket(b)}")
     for module, role in (("diffusers", "the VAE"), ("av", "reading video files (PyAV)")):
         if importlib.util.find_spec(module) is None:
             problems.append(f"{module} is not installed, needed for {role}: pip install '.[data]'")
