@@ -117,9 +117,13 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
     except (FileNotFoundError, ValueError) as e:
         problems.append(str(e))
     if vae_config:
+        per_bucket = []                  # [(problem, where)]; one said of every bucket is said once
         for b in args.bucket_list or [None]:
             c, where = (bucket_config(cfg, b), f" (bucket {format_bucket(b)})") if b else (cfg, "")
-            problems += [p + where for p in check_vae(vae_config, c.model, c.data, key=f"--vae={args.vae}")]
+            per_bucket += [(p, where) for p in check_vae(vae_config, c.model, c.data, key=f"--vae={args.vae}")]
+        count = {p: sum(q == p for q, _ in per_bucket) for p, _ in per_bucket}
+        everywhere = {p for p, n in count.items() if n == len(args.bucket_list or [None])}
+        problems += list(dict.fromkeys(p if p in everywhere else p + where for p, where in per_bucket))
     if args.t5:
         wanted = family(cfg.model).text_encoder
         what = (f"expected a folder written by {wanted}.save_pretrained with its tokenizer beside it "

@@ -165,11 +165,14 @@ def test_prepare_data_buckets_preset_is_the_preset_list(tmp_path):
     videos.mkdir(), vae.mkdir()
     (videos / "a.mp4").write_bytes(b"")
     (videos / "captions.csv").write_text("video,caption\na.mp4,a clip\n")
-    vae_config = {"_class_name": "AutoencoderKLCogVideoX", "down_block_types": ["CogVideoXDownBlock3D"] * 4,
-                  "temporal_compression_ratio": 4, "latent_channels": 16}
-    (vae / "config.json").write_text(json.dumps(vae_config))
+    vae_configs = {"cogvideox": {"_class_name": "AutoencoderKLCogVideoX", "latent_channels": 16,
+                                 "down_block_types": ["CogVideoXDownBlock3D"] * 4, "temporal_compression_ratio": 4},
+                   "wan": {"_class_name": "AutoencoderKLWan", "z_dim": 16, "dim_mult": [1, 2, 4, 4],
+                           "temperal_downsample": [False, True, True]}}
 
     def inputs(config, buckets):
+        vae_config = vae_configs[load_config(config).model.family]
+        (vae / "config.json").write_text(json.dumps(vae_config))
         args = parse_args(["--config", config, "--videos", str(videos), "--captions", str(videos / "captions.csv"),
                            "--vae", str(vae), "--out", str(tmp_path / "out"), "--buckets", buckets])
         cfg = load_config(config)
@@ -179,7 +182,11 @@ def test_prepare_data_buckets_preset_is_the_preset_list(tmp_path):
     for preset in ("cogvideox1.5-5b", "wan2.1-t2v-14b"):
         args, cfg = inputs(preset, "preset")
         assert args.bucket_list == [tuple(b) for b in cfg.data.buckets] and len(args.bucket_list) >= 4
-        assert settings(args, cfg, vae_config)["buckets"] == ["x".join(map(str, b)) for b in cfg.data.buckets]
+        assert settings(args, cfg, vae_configs[cfg.model.family])["buckets"] == ["x".join(map(str, b)) for b in cfg.data.buckets]
+    vae_configs["wan"] = vae_configs["cogvideox"]      # a problem of every bucket is said once, unsuffixed
+    with pytest.raises(InputError) as refused:
+        inputs("wan2.1-t2v-14b", "preset")
+    assert str(refused.value).count("AutoencoderKLCogVideoX folder") == 1 and "(bucket" not in str(refused.value)
     with pytest.raises(InputError, match=r"--buckets preset: --config=cogvideox-5b-i2v has no data.buckets; .*"
                                          r"use a preset that lists them: cogvideox-2b, "):
         inputs("cogvideox-5b-i2v", "preset")
