@@ -70,14 +70,17 @@ def export_launch_env(env: LaunchEnv) -> None:
 STATE_LINES = ("parameters", "gradients", "adam_moments", "master_weights", "ema_shadow")
 
 
-def run_plan(cfg: ExperimentConfig, ds: dict, layout: Layout, device_memory: int):
-    """The memory planner's prediction for this run's own layout (parallel/plan/cli.py prints the table)."""
+def run_plan(cfg: ExperimentConfig, ds: dict, layout: Layout, device_memory: int, tokens: int | None = None):
+    """The memory planner's prediction for this run's own layout (parallel/plan/cli.py prints the table):
+    at the longest bucket of a directory of several shapes, or at a bucket of `tokens` tokens (a step's:
+    the memory check compares a step with the plan of its own shape; shapes of equal tokens plan alike)."""
     from parallel.plan.memory import EngineSettings, plan_memory
     from parallel.plan.trace import ActivationTracer
 
     from parallel.train.bucket_check import bucket_configs
 
-    cfg = bucket_configs(cfg)[0][2]            # the longest bucket's sequence (a directory of several shapes)
+    shaped = [c for _, _, c in bucket_configs(cfg)]
+    cfg = next((c for c in shaped if tokens == sequence_tokens(c.model, c.data)), shaped[0])
     tracer = ActivationTracer(cfg, EngineSettings.from_ds(ds, 1).dtype)
     return plan_memory(cfg, ds, layout.dp_size, device_memory, tracer)
 
@@ -272,7 +275,9 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
                 with StepProbe(trainer.engine) as probe:
                     result = trainer.train_step(batches)
                 elapsed = time.perf_counter() - tic
-                report_memory(plan, probe.result, ctx, out_dir if is_logger else None, step + 1)
+                step_plan = plan if cfg.data.kind != "directory" else \
+                    run_plan(cfg, ds, layout, plan.device_memory, tokens // layout.global_batch)
+                report_memory(step_plan, probe.result, ctx, out_dir if is_logger else None, step + 1)
             else:
                 result = trainer.train_step(batches)
                 elapsed = time.perf_counter() - tic

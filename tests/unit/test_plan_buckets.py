@@ -192,3 +192,24 @@ def test_prepare_data_buckets_preset_is_the_preset_list(tmp_path):
         inputs("cogvideox-5b-i2v", "preset")
     with pytest.raises(InputError, match="--buckets: 25x480x720: model.learned_positions=true is learned for one"):
         inputs("cogvideox-5b-i2v", "49x480x720,25x480x720")
+
+
+def test_memory_check_plans_the_step_bucket(tmp_path):
+    """train.py's memory check compares step 2 with the plan of step 2's own bucket: run_plan at a bucket's
+    token count is the plan of the experiment fixed at that shape (the start-up line plans the longest)."""
+    from parallel.check import check
+    from parallel.train.run import run_plan
+    (tmp_path / "manifest.jsonl").write_text("".join(json.dumps(x) + "\n" for x in write_buckets(tmp_path)))
+    cfg = load_config("debug", ["data.kind=directory", f"data.path={tmp_path}"])
+    ds = json.loads((CONFIG_DIR.parent / "ds_configs" / "zero1_bf16.json").read_text())
+    layout, problems = check(cfg, ds, world_size=1)
+    assert not problems
+    totals = {}
+    for shape in SHAPES:
+        fixed = cfg.model_copy(update={"data": bucket_data(cfg.data, shape)})
+        alone = run_plan(fixed.model_copy(update={"data": fixed.data.model_copy(update={"kind": "synthetic"})}),
+                         ds, layout, 2 ** 32)
+        step = run_plan(cfg, ds, layout, 2 ** 32, tokens=sequence_tokens(fixed.model, fixed.data))
+        totals[shape] = step.worst.total
+        assert step.worst.total == alone.worst.total and step.worst.lines == alone.worst.lines
+    assert run_plan(cfg, ds, layout, 2 ** 32).worst.total == totals[SHAPES[0]] > totals[SHAPES[-1]]
