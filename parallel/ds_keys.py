@@ -147,7 +147,9 @@ KEYS: dict[str, Key] = {
                                 "does not use: it feeds every sample of the data set, sharded over dp ranks"),
     "data_efficiency": Key(REFUSED, "curriculum sampling and random-LTD need DeepSpeed's dataloader and "
                            "layer hooks, which the toolkit does not use"),
-    "compile": Key(REFUSED, "DeepSpeed compiles only when the script calls engine.compile(); " + _NOT_HERE),
+    "compile": Key(REFUSED, "DeepSpeed compiles only when the script calls engine.compile(), which the toolkit "
+                   "never calls; use train.compile (the experiment YAML: each block compiled, one graph per block "
+                   "class)"),
     "disable_python_gc": Key(REFUSED, "turns off Python's cyclic garbage collector and expects the script to call "
                              "engine.collect_python_gc(); " + _NOT_HERE),
     "hybrid_engine": Key(REFUSED, "DeepSpeed's RLHF generation engine for transformers models; not a "
