@@ -222,7 +222,7 @@ ZERO_KEYS: dict[str, Key] = {
                        "bf16's bytes; the planner counts them"),
                       ("zero_quantized_nontrainable_weights", "int8 copies of frozen weights (LoRA's base); the "
                        "planner does not count them"),
-                      ("zero_quantized_gradients", "int8 gradients in an all-to-all reduce-scatter, about 1/4 of "
+                      ("zero_quantized_gradients", "int4 gradients in an all-to-all reduce-scatter, about 1/8 of "
                        "fp32's bytes; the planner counts them"))},
     "zero_hpz_partition_size": Key(HONOURED, "ZeRO-3 only (refused below): a secondary copy of the weights "
                                    "partitioned over this many ranks (a node's GPUs), so backward's all-gather stays "

@@ -16,7 +16,7 @@ L blocks of hidden size H, N parameters):
     bubble   (compute + TP + PP) x (m + pp - 1) / m                   (1F1B: bubble (pp-1)/(m+pp-1))
     DP       gradient reduce 2 (d-1)/d x grad bytes once a step over d = dp x sp ranks (ZeRO-3 adds two
              parameter all-gathers per micro-batch), over the inter-node network when the group spans nodes;
-             grad bytes in communication_data_type, ZeRO++ (`dp_bytes`): int8 gradients or forward weights,
+             grad bytes in communication_data_type, ZeRO++ (`dp_bytes`): int4 gradients, int8 forward weights,
              and hpz's backward all-gather over (h-1)/h of the weights on the intra-node link
 
 Layouts are ranked by samples per second (global batch / step time), since the micro-batch and dp
@@ -81,20 +81,22 @@ def count_params(tracer: ActivationTracer) -> tuple[int, int]:
     return block * tracer.cfg.model.num_layers + ends, block * tracer.cfg.model.num_layers
 
 
-QUANT_GROUP = 2048        # elements per fp32 scale of DeepSpeed's ZeRO++ block quantisation (int8)
+# DeepSpeed 0.19's ZeRO++: weights int8 in groups of under 8,000 elements (CUDAQuantizer.target_group_size, "the
+# optimal size is 4k"), gradients int4 (all_to_all_quant_reduce's swizzle_quant(..., 4, ...)); one fp32 scale a group
+QUANT_GROUP = 4096
 
 
 def dp_bytes(eng: EngineSettings, params: int) -> tuple[float, float, float]:
     """Bytes of the tensors data parallelism moves per step (before the ring factor), for `params` weights:
     the gradient reduction, and (ZeRO-3) one forward and one backward weight all-gather per micro-batch.
 
-    gradients      params x communication_data_type's size (bf16 halves fp32); ZeRO++ qgZ: int8 + scales
+    gradients      params x communication_data_type's size (bf16 halves fp32); ZeRO++ qgZ: int4 + scales
     forward gather params x the weights' size; ZeRO++ qwZ: int8 + one fp32 scale per QUANT_GROUP (~1/2 of bf16)
     backward       params x the weights' size (hpz changes its link, not its size)
     """
-    int8 = 1 + 4 / QUANT_GROUP
-    grads = params * (int8 if eng.quantized_gradients else eng.comm_bytes)
-    forward = params * (int8 if eng.quantized_weights else eng.lp)
+    scale = 4 / QUANT_GROUP
+    grads = params * (0.5 + scale if eng.quantized_gradients else eng.comm_bytes)
+    forward = params * (1 + scale if eng.quantized_weights else eng.lp)
     return grads, forward, params * eng.lp
 
 

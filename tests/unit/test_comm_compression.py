@@ -53,15 +53,17 @@ def test_zero_plus_plus_hierarchical_partition():
 
 
 def test_dp_bytes_model():
-    """Tensor bytes per step for 1,000,000 weights: bf16 training, fp32 gradients in communication, int8 ZeRO++."""
+    """Tensor bytes per step for 1,000,000 weights: bf16 training, fp32 gradients in communication, ZeRO++'s int8
+    weights and int4 gradients with an fp32 scale per QUANT_GROUP elements."""
     def settings(ds):
         return EngineSettings.from_ds({"bf16": {"enabled": True}, **ds}, num_layers=2)
-    n, int8 = 1_000_000, 1_000_000 * (1 + 4 / QUANT_GROUP)
+    n = 1_000_000
+    int8, int4 = n * (1 + 4 / QUANT_GROUP), n * (0.5 + 4 / QUANT_GROUP)
     assert dp_bytes(settings({"zero_optimization": {"stage": 3}}), n) == (2 * n, 2 * n, 2 * n)
     assert dp_bytes(settings({"communication_data_type": "fp32"}), n)[0] == 4 * n
     zpp = settings({"zero_optimization": {"stage": 3, "zero_quantized_weights": True,
                                           "zero_quantized_gradients": True, "zero_hpz_partition_size": 8}})
-    assert dp_bytes(zpp, n) == (int8, int8, 2 * n) and zpp.hpz == 8
+    assert dp_bytes(zpp, n) == (int4, int8, 2 * n) and zpp.hpz == 8
 
 
 def test_compile_is_refused_where_it_cannot_work(monkeypatch):
