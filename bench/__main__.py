@@ -10,6 +10,7 @@ Sections (each names what it is compared with):
   pipeline      train.py at pp = 2 with m = 1, 2, 4, 8 micro-batches vs the 1F1B model (m + p - 1) / m
   validation    validation time at 1 and 2 ranks (train.py, the same validation set)
   communication bytes per step of tp 2, dp 2 x ZeRO 1/2/3 and pp 2 runs vs the textbook volumes (bench/comm.py)
+  compile       step time with compiled blocks (train.compile) vs eager, and the compile time (bench/compile.py)
 Nothing here is asserted: these are measurements on a shared machine, reported with their medians.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import comm  # noqa: E402
+from bench import compile as compiled  # noqa: E402
 from bench.overhead import MID, build_engines  # noqa: E402
 
 
@@ -224,6 +226,7 @@ def markdown(r: dict, figures: list[str]) -> str:
     for row in r["communication"]:
         lines.append(f"| {row['kind']} bytes per step ({', '.join(f'{k} {v}' for k, v in row['layout'].items())}) | "
                      f"{row['measured']:,} B | {row['formula']}: {row['theory']:,} B | {row['ratio']:.4f} |")
+    lines += compiled.markdown_rows(r["compile"]) if "compile" in r else []
     v = r["validation"]
     lines.append(f"| validation of {v['samples']} samples, 2 ranks | {v['time_s'][2]:.2f} s | 1 rank: "
                  f"{v['time_s'][1]:.2f} s | {v['speedup']:.2f}x speed-up |")
@@ -246,7 +249,8 @@ def main() -> int:
     report = {"steps": args.steps, "date": time.strftime("%Y-%m-%d"),
               "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}",
               "in_process": in_process(args.steps), "pipeline": pipeline(max(6, args.steps // 2)),
-              "validation": validation(8), "communication": comm.measure(MID)}
+              "validation": validation(8), "communication": comm.measure(MID),
+              "compile": compiled.measure(MID, args.steps)}
     report["seconds"] = round(time.perf_counter() - tic, 1)
     figures = plots(report, out)
     (out / "report.json").write_text(json.dumps(report, indent=1))

@@ -15,6 +15,9 @@ all-gather's output, a reduce-scatter's input, an all-reduce's tensor, a send's 
       SP   8 all-to-alls of b x s/sp x h per block per micro-batch (Ulysses: q, k, v and the output
            forward, their gradients backward), plus the gradient all-reduce over the sp ranks (to
            DeepSpeed they are data-parallel ranks: 1 x parameters at ZeRO-0)
+      communication_data_type=bf16 at ZeRO-1: the gradients at 2 bytes (the planner's dp_bytes), the
+           gathered parameters still fp32: 2 + 4 bytes a parameter instead of 4 + 4
+    ZeRO++'s quantised weights and gradients need DeepSpeed's CUDA quantizer kernels: no row here.
 """
 from __future__ import annotations
 
@@ -52,7 +55,7 @@ def _install_counter(totals: dict) -> None:
         setattr(dist, op, counted)
 
 
-def _comm_rank(rank, world_size, tp, pp, dp, stage, overrides, sp=1):
+def _comm_rank(rank, world_size, tp, pp, dp, stage, overrides, sp=1, ds_extra=None):
     import os
     import sys
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
@@ -70,6 +73,7 @@ def _comm_rank(rank, world_size, tp, pp, dp, stage, overrides, sp=1):
     ds = json.loads((ROOT / "ds_configs/zero0_fp32.json").read_text())
     ds.pop("activation_checkpointing")
     ds["zero_optimization"] = {"stage": stage}
+    ds.update(ds_extra or {})
     ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp))
     seed_all(cfg.train.seed)
     trainer = build_trainer(cfg, ds, ctx)
@@ -83,12 +87,15 @@ def _comm_rank(rank, world_size, tp, pp, dp, stage, overrides, sp=1):
 
 
 def measure(overrides: list[str]) -> list[dict]:
-    """Bytes per step, measured and in theory, for tp 2, dp 2 x ZeRO 1/2/3, pp 2 and sp 2 (2 ranks each)."""
+    """Bytes per step, measured and in theory, for tp 2, dp 2 x ZeRO 1/2/3, pp 2, sp 2 and ZeRO-1 with bf16
+    gradient reduction (communication_data_type; 2 ranks each)."""
     import torch
 
     from parallel.config import load_config
     from parallel.build import layer_specs
     from parallel.dist.pipeline import SequentialDiT
+    from parallel.plan.memory import EngineSettings
+    from parallel.plan.search import dp_bytes
     from parallel.plan.trace import sequence_length
     from parallel.dist.topology import ParallelContext
     from parallel.units import count_parameters
@@ -108,9 +115,17 @@ def measure(overrides: list[str]) -> list[dict]:
               "activations + their gradients per micro-batch"),
              ("SP", (1, 1, 1, 0, 2), (8 * m.num_layers * mb * b * s // 2 * m.hidden_size + params) * 4,
               "8 x b*s/sp*h per block + 1 x parameters")]
+    # communication_data_type: the planner's byte model (parallel.plan.search.dp_bytes) for the gradients,
+    # plus ZeRO-1's all-gather of the updated fp32 weights, which it does not change
+    bf16_grads = {"communication_data_type": "bf16"}
+    grads = dp_bytes(EngineSettings.from_ds({"zero_optimization": {"stage": 1}, **bf16_grads}, m.num_layers), params)[0]
+    cases.append(("ZeRO-1, bf16 gradients", (1, 1, 2, 1), int(grads) + params * 4,
+                  "planner's gradient bytes (bf16) + fp32 parameters gathered"))
+    extra = {"ZeRO-1, bf16 gradients": bf16_grads}
     for name, (tp, pp, dp, stage, *sp), theory, formula in cases:
         sp = sp[0] if sp else 1
-        per_rank = run_ranks(_comm_rank, tp * pp * dp * sp, tp, pp, dp, stage, overrides, sp, timeout=600)
+        per_rank = run_ranks(_comm_rank, tp * pp * dp * sp, tp, pp, dp, stage, overrides, sp, extra.get(name),
+                             timeout=600)
         if name == "PP":       # point to point: what the two stages sent, together
             measured = sum(r.get("send", 0) + r.get("isend", 0) + r.get("broadcast", 0) for r in per_rank)
         else:

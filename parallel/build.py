@@ -16,6 +16,7 @@ from models.diffusion import mse_loss
 from models.geometry import StepGrid, patchify, token_grid
 from models.registry import family, sequence_tokens
 from parallel.config import ExperimentConfig
+from parallel.dist.compile import compile_layers
 from parallel.dist.pipeline import DiTPipeline, SeededLayerSpec, SequentialDiT, checkpoint_x_only
 from parallel.dist.sequence import local_range, sp_size_of
 
@@ -93,4 +94,6 @@ def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Ca
     if cfg.model.lora is not None:                # frozen base + adapters (parallel/lora.py)
         from parallel.lora import apply_lora
         apply_lora(model, cfg.model, cfg.train.seed)
+    if cfg.train.compile:                         # regional: one graph per block class (parallel/dist/compile.py)
+        compile_layers(model, specs[1].typename, cfg.train.compile_backend)
     return model

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from parallel import ds_config as dsc
-from parallel.ds_keys import key_problems
+from parallel.ds_keys import ZERO_QUANTIZED, key_problems
 from models.config import ModelConfig
 from models.registry import sequence_tokens
 from parallel.config import ConfigError, ExperimentConfig, load_config
@@ -45,12 +45,17 @@ class DeviceDtypes:
     name: str
     fp16: bool
     bf16: bool
+    quantizer: bool = True        # DeepSpeed's QuantizerBuilder kernels (ZeRO++ quantisation): CUDA only
 
     @classmethod
     def here(cls) -> "DeviceDtypes":
         """This machine's accelerator (DS_ACCELERATOR or DeepSpeed's auto-detection); imports deepspeed."""
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.ops.op_builder.cpu.no_impl import NotImplementedBuilder
+
         from parallel.dist import accelerator
-        return cls(accelerator.name(), accelerator.is_fp16_supported(), accelerator.is_bf16_supported())
+        quantizer = not isinstance(get_accelerator().create_op_builder("QuantizerBuilder"), NotImplementedBuilder)
+        return cls(accelerator.name(), accelerator.is_fp16_supported(), accelerator.is_bf16_supported(), quantizer)
 
 
 def divisors(n: int) -> list[int]:
@@ -206,6 +211,13 @@ def _check_device(ds: dict, src: str, device: DeviceDtypes) -> list[str]:
         alt = f"fp16 (\"fp16\": {{\"enabled\": true}}) or {fp32}" if device.fp16 else fp32
         problems.append(f"{src}: {key}.enabled=true but the {device.name} accelerator on this machine has no bf16 "
                         f"(DeepSpeed's is_bf16_supported() is false); use {alt}")
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    for key in ZERO_QUANTIZED:
+        if zero.get(key) is True and not device.quantizer:
+            problems.append(f"{src}: zero_optimization.{key}=true but the {device.name} accelerator on this machine "
+                            f"has no DeepSpeed quantizer kernels (its QuantizerBuilder is not implemented; they are "
+                            f"CUDA ops): run it on a CUDA GPU, or remove it and use communication_data_type=\"bf16\" "
+                            f"(half of fp32's gradient bytes on any device)")
     return problems
 
 
@@ -255,6 +267,9 @@ def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source:
     problems += grid_problems + _check_batch(cfg, ds, ds_source, dp) + _check_engine(cfg, ds, ds_source)
     if device is not None:
         problems += _check_device(ds, ds_source, device)
+    if cfg.train.compile:             # torch imported only for a compiled run
+        from parallel.dist.compile import compile_problems
+        problems += compile_problems(True, cfg.train.compile_backend, cpu=device is None or device.name == "cpu")
     p = cfg.parallel
     layout = Layout(tp_size=p.tp_size, sp_size=p.sp_size, pp_size=p.pp_size, dp_size=dp, zero_stage=dsc.zero_stage(ds),
                     precision=dsc.precision(ds), global_batch=cfg.global_batch_size(dp))

@@ -80,6 +80,10 @@ class TrainConfig(Section):
     collective_timeout_s: int = Field(600, ge=1, description="a collective waiting longer (a dead or stuck rank) "
                                       "fails the run instead of hanging it")
     memory_check: bool = Field(True, description="measure the second step's memory against the plan")
+    compile: bool = Field(False, description="torch.compile each block (regional: one graph per block class, "
+                          "parallel/dist/compile.py); docs/performance.md gives compile time and speed-up here")
+    compile_backend: Literal["inductor", "aot_eager"] = Field("inductor", description="torch.compile's backend "
+                                                               "with train.compile")
 
 
 class CkptConfig(Section):

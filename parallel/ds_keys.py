@@ -54,8 +54,12 @@ KEYS: dict[str, Key] = {
     "bfloat16": Key(HONOURED, "DeepSpeed's other name for bf16, checked the same way", "test_ds_precision"),
     "data_types": Key(HONOURED, "passed to DeepSpeed; grad_accum_dtype checked against the ZeRO stage and the "
                       "pipeline", "test_check: test_bf16_zero0_with_fp32_accumulation_is_refused"),
-    "communication_data_type": Key(HONOURED, "passed to DeepSpeed (the dtype of gradient reduction); the planner "
-                                   "sizes buckets with it"),
+    "communication_data_type": Key(HONOURED, "passed to DeepSpeed: the dtype of the data-parallel gradient "
+                                   "reduction (fp32, fp16 or bf16; default: the training precision), so bf16 halves "
+                                   "an fp32 run's gradient bytes at some loss of precision; the planner sizes buckets "
+                                   "and the data-parallel time with it; bench/comm.py measures the bytes. Other values "
+                                   "refused", "test_comm_compression: test_communication_data_type; test_compile_layouts: "
+                                   "test_compiled_blocks_train_like_eager (its gradient bytes)"),
     "torch_autocast": Key(REFUSED, "DeepSpeed's torch.autocast mode is not exercised with the toolkit's models or "
                           "the pipeline engine; use \"bf16\" (mixed precision with fp32 master weights)"),
     # ZeRO
@@ -143,7 +147,9 @@ KEYS: dict[str, Key] = {
                                 "does not use: it feeds every sample of the data set, sharded over dp ranks"),
     "data_efficiency": Key(REFUSED, "curriculum sampling and random-LTD need DeepSpeed's dataloader and "
                            "layer hooks, which the toolkit does not use"),
-    "compile": Key(REFUSED, "DeepSpeed compiles only when the script calls engine.compile(); " + _NOT_HERE),
+    "compile": Key(REFUSED, "DeepSpeed compiles only when the script calls engine.compile(), which the toolkit "
+                   "never calls; use train.compile (the experiment YAML: each block compiled, one graph per block "
+                   "class)"),
     "disable_python_gc": Key(REFUSED, "turns off Python's cyclic garbage collector and expects the script to call "
                              "engine.collect_python_gc(); " + _NOT_HERE),
     "hybrid_engine": Key(REFUSED, "DeepSpeed's RLHF generation engine for transformers models; not a "
@@ -205,9 +211,24 @@ ZERO_KEYS: dict[str, Key] = {
         "stage3_gather_fp16_weights_on_model_save")},
     **{k: Key(REFUSED, "deprecated by DeepSpeed; use offload_optimizer / offload_param")
        for k in ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory")},
-    **{k: Key(REFUSED, "ZeRO++ (hierarchical partitions, quantized weights and gradients): " + _UNTESTED)
-       for k in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
-                 "zero_quantized_gradients")},
+    # ZeRO++ (docs/performance.md, communication compression). The quantised ones run DeepSpeed's
+    # QuantizerBuilder kernels, which exist for CUDA only: DeepSpeed's CPU accelerator answers with its
+    # NotImplementedBuilder, and initialize fails inside the first all-gather.
+    **{k: Key(HONOURED, "ZeRO-3 only; GPU only: " + how + "; refused below stage 3, and on an accelerator without "
+              "DeepSpeed's quantizer kernels (the CPU here: its QuantizerBuilder is not implemented), naming "
+              "communication_data_type (bf16 halves fp32 gradient traffic on any device) as what works",
+              "test_comm_compression: test_zero_plus_plus_quantisation")
+       for k, how in (("zero_quantized_weights", "int8 weights (block scales) in the forward all-gather, about 1/2 of "
+                       "bf16's bytes; the planner counts them"),
+                      ("zero_quantized_nontrainable_weights", "int8 copies of frozen weights (LoRA's base); the "
+                       "planner does not count them"),
+                      ("zero_quantized_gradients", "int4 gradients in an all-to-all reduce-scatter, about 1/8 of "
+                       "fp32's bytes; the planner counts them"))},
+    "zero_hpz_partition_size": Key(HONOURED, "ZeRO-3 only (refused below): a secondary copy of the weights "
+                                   "partitioned over this many ranks (a node's GPUs), so backward's all-gather stays "
+                                   "in the node; the planner moves that all-gather to the intra-node link. It must "
+                                   "divide the data-parallel size",
+                                   "test_comm_compression: test_zero_plus_plus_hierarchical_partition"),
     "zenflow": Key(REFUSED, "ZenFlow's stall-free offload: " + _UNTESTED),
     "legacy_stage1": Key(REFUSED, "DeepSpeed's old stage-1 code path: " + _UNTESTED),
     "pipeline_loading_checkpoint": Key(REFUSED, "applies to models built under deepspeed.zero.Init, which the "
@@ -215,6 +236,10 @@ ZERO_KEYS: dict[str, Key] = {
     "save_muon_momentum_buffer_in_memory": Key(REFUSED, "for DeepSpeed's Muon optimizer; the toolkit builds AdamW"),
 }
 STAGE3_ONLY = frozenset(k for k, v in ZERO_KEYS.items() if v.how.startswith(_STAGE3))
+ZERO_PLUS_PLUS = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
+                  "zero_hpz_partition_size")
+ZERO_QUANTIZED = ZERO_PLUS_PLUS[:3]          # these need DeepSpeed's quantizer kernels (CUDA)
+COMMUNICATION_DTYPES = ("fp32", "fp16", "bf16")
 
 # The keys DeepSpeed reads inside other honoured sections -> whether it ignores an unknown one silently
 # (its dict-style readers) or refuses it inside initialize (its pydantic ones). Checked before launch.
@@ -274,6 +299,10 @@ def _conditions(ds: dict[str, Any], src: str, pp_size: int, max_steps: int, tp_s
     if ds.get("managed_gradient_accumulation") is False:
         problems.append(f"{src}: managed_gradient_accumulation=false is refused: DeepSpeed refuses it with a "
                         f"pipeline, and the toolkit's accumulation is tested with DeepSpeed managing it; remove it")
+    cdt = ds.get("communication_data_type")
+    if cdt is not None and cdt not in COMMUNICATION_DTYPES:
+        problems.append(f"{src}: communication_data_type={cdt!r} is refused: DeepSpeed reduces gradients in "
+                        f"{', '.join(COMMUNICATION_DTYPES)}; use one of those or remove it (the training precision)")
     pipeline = ds.get("pipeline")
     if isinstance(pipeline, dict):
         for key, value in pipeline.items():
@@ -329,6 +358,11 @@ def _conditions(ds: dict[str, Any], src: str, pp_size: int, max_steps: int, tp_s
     return problems
 
 
+def zero_plus_plus_on(key: str, value: Any) -> bool:
+    """A ZeRO++ setting that changes something: a quantisation flag true, or an hpz partition of 2+ ranks."""
+    return value is True if key in ZERO_QUANTIZED else isinstance(value, int) and value > 1
+
+
 def _zero_problems(zero: dict[str, Any], src: str) -> list[str]:
     stage, problems = zero.get("stage", 0), []
     for key, value in zero.items():
@@ -343,6 +377,10 @@ def _zero_problems(zero: dict[str, Any], src: str) -> list[str]:
         elif key in STAGE3_ONLY and stage != 3 and value is not None:
             problems.append(f"{src}: zero_optimization.{key} with zero_optimization.stage={stage} is refused: only "
                             f"ZeRO-3 reads it; remove it or use stage 3")
+        elif key in ZERO_PLUS_PLUS and stage != 3 and zero_plus_plus_on(key, value):
+            problems.append(f"{src}: zero_optimization.{key}={value!r} with zero_optimization.stage={stage} is "
+                            f"refused: ZeRO++ works on ZeRO-3's parameter all-gathers only (DeepSpeed ignores it "
+                            f"below); use stage 3, or communication_data_type=\"bf16\" to halve gradient traffic")
         elif key == "offload_optimizer" and stage == 0 and value:
             problems.append(f"{src}: zero_optimization.offload_optimizer with zero_optimization.stage=0 is refused: "
                             f"DeepSpeed offloads only under ZeRO 1-3; use stage 1 or 2")

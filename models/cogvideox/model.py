@@ -136,7 +136,7 @@ class Attention(nn.Module):
 
     def tokens(self) -> int:
         """Real tokens of the step's sequence (text + video), before any sp padding."""
-        return self.n_txt + math.prod(self.grid)
+        return self.n_txt + math.prod(self.grid.value)
 
     def forward(self, x):
         q, k, v = rearrange(self.to_qkv(x), "b s (three n d) -> three b s n d", three=3, d=self.head_dim)
@@ -176,7 +176,7 @@ class DiTBlock(nn.Module):
     def n_txt(self) -> int:
         """Text tokens in this rank's part of the sequence (all of them without sp; sp: text comes first,
         any padding last); the grid is the step's (buckets)."""
-        start, stop = local_range(self.cfg.max_text_len + math.prod(self.grid), self.ctx)
+        start, stop = local_range(self.cfg.max_text_len + math.prod(self.grid.value), self.ctx)
         return min(max(self.cfg.max_text_len - start, 0), stop - start)
 
     def forward(self, inputs):
@@ -215,6 +215,6 @@ class FinalStage(nn.Module):
         """The full prediction [B, C, T, H, W] from forward's output on any sp rank (no gradient)."""
         if sp_size_of(self.ctx) == 1:
             return out
-        tokens = self.cfg.max_text_len + math.prod(self.grid)                 # the padding left out
+        tokens = self.cfg.max_text_len + math.prod(self.grid.value)                 # the padding left out
         return unpatchify(gather_sequence(out, self.ctx, total=tokens)[:, self.cfg.max_text_len:], self.cfg,
                           self.grid)

@@ -109,7 +109,7 @@ class SelfAttention(nn.Module):
 
     def tokens(self) -> int:
         """Tokens of the step's grid, before any sp padding."""
-        return math.prod(self.grid)
+        return math.prod(self.grid.value)
 
     def forward(self, x):
         q, k, v = rearrange(self.qkv(x), "b s (three n d) -> three b s n d", three=3, d=self.head_dim)
@@ -213,4 +213,4 @@ class FinalStage(nn.Module):
         """The full prediction [B, C, T, H, W] from forward's output on any sp rank (no gradient)."""
         if sp_size_of(self.ctx) == 1:
             return out
-        return unpatchify(gather_sequence(out, self.ctx, total=math.prod(self.grid)), self.cfg, self.grid)
+        return unpatchify(gather_sequence(out, self.ctx, total=math.prod(self.grid.value)), self.cfg, self.grid)

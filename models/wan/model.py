@@ -107,7 +107,7 @@ class SelfAttention(nn.Module):
 
     def tokens(self) -> int:
         """Real tokens of the step's sequence (its bucket's video grid), before any sp padding."""
-        return math.prod(self.grid)
+        return math.prod(self.grid.value)
 
     def forward(self, x):
         q, k, v = self.to_qkv(x).chunk(3, dim=-1)                                     # (B, S, H/p) each
@@ -218,4 +218,4 @@ class FinalStage(nn.Module):
         """The full prediction [B, C, T, H, W] from forward's output on any sp rank (no gradient)."""
         if sp_size_of(self.ctx) == 1:
             return out
-        return unpatchify(gather_sequence(out, self.ctx, total=math.prod(self.grid)), self.cfg, self.grid)
+        return unpatchify(gather_sequence(out, self.ctx, total=math.prod(self.grid.value)), self.cfg, self.grid)

@@ -82,6 +82,9 @@ class EngineSettings:
     offload_param: bool
     ema: bool = False
     comm_bytes: int = 2         # element size of the gradient all-reduce (communication_data_type)
+    quantized_weights: bool = False      # ZeRO++ zero_quantized_weights: int8 forward all-gather
+    quantized_gradients: bool = False    # ZeRO++ zero_quantized_gradients: int8 gradient reduce-scatter
+    hpz: int = 1                         # ZeRO++ zero_hpz_partition_size: the secondary partition's ranks
 
     @classmethod
     def from_ds(cls, ds: dict, num_layers: int) -> "EngineSettings":
@@ -99,7 +102,9 @@ class EngineSettings:
                    bool(z.get("overlap_comm", stage == 3)), bool(z.get("contiguous_gradients", True)),
                    off("offload_optimizer"), off("offload_param"),
                    str((ds.get("optimizer") or {}).get("type", "AdamW")).lower() in dsc.EMA_OPTIMIZERS,
-                   BYTES.get(ds.get("communication_data_type") or dsc.precision(ds), 2))
+                   BYTES.get(ds.get("communication_data_type") or dsc.precision(ds), 2),
+                   z.get("zero_quantized_weights") is True, z.get("zero_quantized_gradients") is True,
+                   int(z.get("zero_hpz_partition_size") or 1))
 
     @property
     def lp(self) -> int:

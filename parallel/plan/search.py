@@ -15,7 +15,9 @@ L blocks of hidden size H, N parameters):
     PP       m x 2 (activation forward, gradient backward) of the stage boundary, p2p
     bubble   (compute + TP + PP) x (m + pp - 1) / m                   (1F1B: bubble (pp-1)/(m+pp-1))
     DP       gradient reduce 2 (d-1)/d x grad bytes once a step over d = dp x sp ranks (ZeRO-3 adds two
-             parameter all-gathers per micro-batch), over the inter-node network when the group spans nodes
+             parameter all-gathers per micro-batch), over the inter-node network when the group spans nodes;
+             grad bytes in communication_data_type, ZeRO++ (`dp_bytes`): int4 gradients, int8 forward weights,
+             and hpz's backward all-gather over (h-1)/h of the weights on the intra-node link
 
 Layouts are ranked by samples per second (global batch / step time), since the micro-batch and dp
 (and so the global batch) differ between layouts.
@@ -79,6 +81,25 @@ def count_params(tracer: ActivationTracer) -> tuple[int, int]:
     return block * tracer.cfg.model.num_layers + ends, block * tracer.cfg.model.num_layers
 
 
+# DeepSpeed 0.19's ZeRO++: weights int8 in groups of under 8,000 elements (CUDAQuantizer.target_group_size, "the
+# optimal size is 4k"), gradients int4 (all_to_all_quant_reduce's swizzle_quant(..., 4, ...)); one fp32 scale a group
+QUANT_GROUP = 4096
+
+
+def dp_bytes(eng: EngineSettings, params: int) -> tuple[float, float, float]:
+    """Bytes of the tensors data parallelism moves per step (before the ring factor), for `params` weights:
+    the gradient reduction, and (ZeRO-3) one forward and one backward weight all-gather per micro-batch.
+
+    gradients      params x communication_data_type's size (bf16 halves fp32); ZeRO++ qgZ: int4 + scales
+    forward gather params x the weights' size; ZeRO++ qwZ: int8 + one fp32 scale per QUANT_GROUP (~1/2 of bf16)
+    backward       params x the weights' size (hpz changes its link, not its size)
+    """
+    scale = 4 / QUANT_GROUP
+    grads = params * (0.5 + scale if eng.quantized_gradients else eng.comm_bytes)
+    forward = params * (1 + scale if eng.quantized_weights else eng.lp)
+    return grads, forward, params * eng.lp
+
+
 def estimate_step_time(cfg: ExperimentConfig, eng: EngineSettings, dp: int, device: Device, per_node: int,
                        utilisation: float, tracer: ActivationTracer, stage_params: int) -> StepTime:
     m_cfg, t = cfg.model, cfg.train
@@ -110,10 +131,12 @@ def estimate_step_time(cfg: ExperimentConfig, eng: EngineSettings, dp: int, devi
     dp_time, d = 0.0, dp * sp
     if d > 1:
         link = device.inter_bw if tp * d > per_node else device.intra_bw
-        volume = ring(d) * stage_params * eng.comm_bytes        # gradients travel in the communication dtype
-        if eng.zero == 3:
-            volume += m * 2 * (d - 1) / d * stage_params * eng.lp
-        dp_time = volume / link
+        grads, forward_gather, backward_gather = dp_bytes(eng, stage_params)
+        dp_time = ring(d) * grads / link
+        if eng.zero == 3:            # two all-gathers per micro-batch, each moving (d-1)/d of the weights
+            h = eng.hpz if eng.hpz > 1 else d              # hpz: backward gathers from the node's secondary copy
+            backward_link = device.intra_bw if eng.hpz > 1 else link
+            dp_time += m * ((d - 1) / d * forward_gather / link + (h - 1) / h * backward_gather / backward_link)
     work = compute + tp_time + sp_time + pp_time
     total = work * (m + pp - 1) / m + dp_time
     return StepTime(compute, tp_time, pp_time, dp_time, sp_time, work * (pp - 1) / m, total, b * m * dp / total)

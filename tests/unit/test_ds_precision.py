@@ -15,8 +15,9 @@ def test_this_machine_reports_deepspeeds_answer():
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()
-    assert DeviceDtypes.here() == DeviceDtypes(acc.device_name(), bool(acc.is_fp16_supported()),
-                                               bool(acc.is_bf16_supported()))
+    here = DeviceDtypes.here()
+    assert here == DeviceDtypes(acc.device_name(), bool(acc.is_fp16_supported()), bool(acc.is_bf16_supported()),
+                                here.quantizer)
     if acc.device_name() == "cpu":
         assert DeviceDtypes.here().bf16
 
