@@ -130,7 +130,7 @@ def test_verify_command_passes_on_the_folders_and_fails_when_the_toolkit_reads_o
 
 
 def test_i2v_validation_conditions_on_each_samples_first_frame():
-    """validation_loss of a tiny 1.5-I2V model equals the loss of [x_t, z_img, z_img, 0, 0] inputs built here."""
+    """validation_loss of a tiny 1.5-I2V model equals the loss of [x_t, z_img, 0, 0, 0] inputs built here."""
     import types
 
     from models.diffusion import Objective
@@ -154,8 +154,8 @@ def test_i2v_validation_conditions_on_each_samples_first_frame():
         t = torch.tensor(cfg.val.timesteps)
         x_t, target = objective.noised(x0.expand(2, *x0.shape), validation_noise(cfg.train.seed, i, [100, 700],
                                                                                   x0.shape), t)
-        first = x0[:, :1]                                   # 3 VAE frames -> [z, 0, 0] -> padded [z, z, 0, 0]
-        image = torch.cat([first, first, torch.zeros_like(x0[:, :2])], dim=1).expand(2, *x0.shape)
+        first = x0[:, :1]             # 3 VAE frames padded to 4: [z, 0, 0, 0], as CogVideoXImageToVideoPipeline
+        image = torch.cat([first, torch.zeros_like(x0[:, :3])], dim=1).expand(2, *x0.shape)
         with torch.no_grad():
             pred = model.predict((torch.cat([x_t, image], dim=1), t, text.expand(2, *text.shape)))
         losses.append(((pred - target) ** 2).flatten(1).mean(1))
@@ -213,17 +213,4 @@ def test_training_takes_the_stored_image_latents(tmp_path):
     (x, _, _), _ = batches.micro_batch(0, 0)
     for j in range(2):
         image = images[batches.sample_index(j)]
-        assert torch.equal(x[j, 4:], torch.cat([image, image, torch.zeros(4, 2, 8, 8)], dim=1))
-
-
-def test_sampling_an_i2v_model_from_the_command_line_is_refused_by_name(tmp_path):
-    from parallel.sample import check_args, parse_args
-
-    args = parse_args(["--config", "debug", "--prompt-embeds", str(tmp_path / "p.safetensors"), "--out", str(tmp_path)])
-    out = f"train.output_dir={tmp_path}"
-    cfg = load_config("debug", ["model.pos_embed=rope3d", "model.image_condition=true", "model.name=tiny-i2v", out])
-    problems = check_args(args, cfg, check(cfg, {}, "ds.json", 1)[0])
-    assert any(p.startswith("model tiny-i2v is image-to-video: parallel.sample takes no image input yet") for p in
-               problems), problems
-    cfg = load_config("debug", [out])
-    assert not any("image-to-video" in p for p in check_args(args, cfg, check(cfg, {}, "ds.json", 1)[0]))
+        assert torch.equal(x[j, 4:], torch.cat([image, torch.zeros(4, 3, 8, 8)], dim=1))
