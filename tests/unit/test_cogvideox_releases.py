@@ -214,3 +214,26 @@ def test_training_takes_the_stored_image_latents(tmp_path):
     for j in range(2):
         image = images[batches.sample_index(j)]
         assert torch.equal(x[j, 4:], torch.cat([image, torch.zeros(4, 3, 8, 8)], dim=1))
+
+
+def test_image_dropout_drops_the_same_samples_at_dp1_and_dp2():
+    """The image-latent dropout is drawn per sample from (seed, step, position): one replica with 2 micro-batches
+    and two replicas with one each (the same global batch of 4) build the same inputs, dropped ones included."""
+    import types
+
+    from parallel.dist.topology import ParallelContext
+    from parallel.train.run import training_batches
+
+    sets = ["model.patch_size_t=2", "model.pos_embed=rope3d", "model.image_condition=true", "model.image_dropout=0.5",
+            "train.micro_batch_size=2"]
+    one = training_batches(load_config("debug", sets + ["train.grad_accum_steps=2"]), ParallelContext.single())
+    cfg2 = load_config("debug", sets + ["train.grad_accum_steps=1"])
+    two = [training_batches(cfg2, types.SimpleNamespace(dp_rank=r, dp_size=2)) for r in range(2)]
+    dropped = []
+    for step in range(3):
+        for part in range(2):              # dp 1: micro-batch `part`; dp 2: replica `part`'s only micro-batch
+            (x1, t1, _), _ = one.micro_batch(step, part)
+            (x2, t2, _), _ = two[part].micro_batch(step, 0)
+            assert torch.equal(x1, x2) and torch.equal(t1, t2)
+            dropped += [bool((x1[j, 4:] == 0).all()) for j in range(2)]
+    assert set(dropped) == {True, False}
