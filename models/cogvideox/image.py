@@ -28,7 +28,6 @@ from typing import Optional
 import torch
 
 
-
 def noised_first_frame(frame: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """SAT's add_noise_to_first_frame: frame [B, 3, 1, H, W] in [-1, 1] + sigma * randn, log sigma ~ N(-3, 0.5)."""
     sigma = torch.exp(torch.normal(-3.0, 0.5, (frame.shape[0],), generator=generator)).to(frame.dtype)
@@ -72,6 +71,12 @@ class FirstFrameCondition:
         """Sampling (parallel.sample, validation): x_t [B, C, T, H, W] and the image latents [B, C, 1, H, W],
         never dropped, as CogVideoXImageToVideoPipeline feeds both the conditional and unconditional calls."""
         return condition(x_t, first.to(x_t.dtype), torch.ones(len(x_t), dtype=torch.bool))
+
+    @staticmethod
+    def stored_scale(vae_config: dict) -> float:
+        """Factor from a training latent's scale (scaling_factor x z) to the image latents' (`image_latent_scale`):
+        1 for the 1.0 VAEs, 1 / scaling_factor^2 for a VAE with invert_scale_latents (1.5)."""
+        return image_latent_scale(vae_config) / (vae_config.get("scaling_factor") or 1.0)
 
     @staticmethod
     def encode_pictures(vae, pictures: list, height: int, width: int) -> torch.Tensor:

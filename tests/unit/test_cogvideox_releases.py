@@ -164,7 +164,12 @@ def test_i2v_validation_conditions_on_each_samples_first_frame():
 
 def test_prepare_data_pads_15_latents_and_stores_the_augmented_first_frame_for_i2v(videos, vae_dir, tmp_path):  # noqa: F811
     """An I2V 1.5 preset: latent frames padded in front (5 -> 6, a copy of the first), and beside the latent the
-    VAE latent of the first frame + exp(N(-3, 0.5)) * randn (SAT add_noise_to_first_frame), drawn from the clip."""
+    VAE latent of the first frame + exp(N(-3, 0.5)) * randn (SAT add_noise_to_first_frame), drawn from the clip.
+    The VAE says invert_scale_latents (as 1.5's does): the image latent is z / scaling_factor, as
+    CogVideoXImageToVideoPipeline scales it; the video latent z x scaling_factor."""
+    import json
+    import shutil
+
     from diffusers import AutoencoderKLCogVideoX
     from safetensors.torch import load_file
 
@@ -173,8 +178,12 @@ def test_prepare_data_pads_15_latents_and_stores_the_augmented_first_frame_for_i
     from tests.unit.test_prepare_data import SETS, run
 
     sets = SETS + ["model.patch_size_t=2", "model.pos_embed=rope3d", "model.image_condition=true"]
-    assert run(videos[0], vae_dir, tmp_path, sets=sets) == 0
-    vae = AutoencoderKLCogVideoX.from_pretrained(vae_dir).eval()
+    vae15 = shutil.copytree(vae_dir, tmp_path / "vae15")
+    config = json.loads((vae15 / "config.json").read_text())
+    (vae15 / "config.json").write_text(json.dumps({**config, "invert_scale_latents": True}))
+    assert run(videos[0], vae15, tmp_path / "out", sets=sets) == 0
+    vae = AutoencoderKLCogVideoX.from_pretrained(vae15).eval()
+    assert vae.config.invert_scale_latents and vae.config.scaling_factor != 1
     clip = videos[1]["a0.mkv"][frame_indices(11, 9)][:, :, 8:40]
     x = torch.from_numpy(clip).permute(3, 0, 1, 2)[None].float() / 127.5 - 1
     g, noise = (torch.Generator().manual_seed(derive_seed(1234, kind, "a0.mkv")) for kind in ("vae", "image"))
@@ -182,8 +191,8 @@ def test_prepare_data_pads_15_latents_and_stores_the_augmented_first_frame_for_i
     first = x[:, :, :1] + torch.randn(x[:, :, :1].shape, generator=noise) * sigma
     with torch.no_grad():
         video = vae.encode(x).latent_dist.sample(g)[0] * vae.config.scaling_factor
-        image = vae.encode(first).latent_dist.sample(g)[0] * vae.config.scaling_factor
-    stored = load_file(tmp_path / "latents/a0.mkv.safetensors")
+        image = vae.encode(first).latent_dist.sample(g)[0] / vae.config.scaling_factor
+    stored = load_file(tmp_path / "out/latents/a0.mkv.safetensors")
     assert stored["latent"].shape == (4, 6, 16, 16) and stored["image"].shape == (4, 1, 16, 16)
     torch.testing.assert_close(stored["latent"], torch.cat([video[:, :1], video], dim=1))
     torch.testing.assert_close(stored["image"], image)
