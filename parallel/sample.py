@@ -24,6 +24,14 @@ generator=torch.Generator().manual_seed(seed)) does: the dpm sampler draws the w
 that one generator. Without it, prompt i starts from noise drawn from (--seed, i), the generator its dpm sampler
 continues (as validation samples). seed: --seed, default train.seed. Data-parallel replicas split the rows.
 
+Image-to-video models (model.image_condition): the first frame of every row, either `--image-latents FILE`
+(one tensor [C, 1, H, W] for every row or [B, C, 1, H, W], the toolkit's layout of the VAE latent, scaled as
+the pipeline scales it) or `--image PICTURE` (repeatable: one for every row, or one per row), encoded with
+the VAE folder `--vae` as CogVideoXImageToVideoPipeline encodes its `image` (resized to data.height x
+data.width, the posterior's mode; models/cogvideox/image.py). Both the conditional and the unconditional
+call see the image latents, as in the pipeline; with --noise the batch equals
+CogVideoXImageToVideoPipeline(image=..., latents=noise.transpose(1, 2), generator=..., output_type="latent").
+
 Output (rank 0): `--out FILE.safetensors` writes {"latents": [B, C, T, H, W]}, and with a decoder (--vae DIR or
 val.decoder) the videos FILE/prompt<i>.{gif,mp4,txt} (FILE without the suffix). `--out DIR` (any other name)
 writes DIR/latents.safetensors ({"latents": [B, C, T, H, W], "prompt<i>": [C, T, H, W]}) and the videos
@@ -53,12 +61,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                          + UNCOND_FILE)
     ap.add_argument("--noise", type=Path, default=None, help="the initial latents, one tensor [B, C, T, H, W]; "
                     "default: drawn per prompt from (--seed, i)")
+    ap.add_argument("--image", action="append", default=[], type=Path,
+                    help="image-to-video: the first frame, a picture encoded with --vae; repeatable (1 or one per row)")
+    ap.add_argument("--image-latents", "--image_latents", type=Path, default=None,
+                    help="image-to-video: the first frames' latents, one tensor [C, 1, H, W] or [B, C, 1, H, W]")
     ap.add_argument("--steps", type=int, default=None, help="sampling steps; default val.sample_steps")
     ap.add_argument("--guidance", type=float, default=None, help="guidance scale; default val.guidance_scale")
     ap.add_argument("--sampler", choices=["ddim", "dpm", "euler", "flow_euler", "unipc"], default=None, help="default val.sampler")
     ap.add_argument("--seed", type=int, default=None, help="noise seed; default train.seed")
     ap.add_argument("--ema", action="store_true", help="a checkpoint's EMA weights instead of its weights")
-    ap.add_argument("--vae", default=None, help="decoder for the videos (CogVideoX VAE folder); default val.decoder")
+    ap.add_argument("--vae", default=None, help="decoder for the videos and encoder of --image (CogVideoX VAE "
+                    "folder); default val.decoder")
     ap.add_argument("--out", required=True, type=Path, help="FILE.safetensors (latents) or a folder (latents, videos)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -96,14 +109,10 @@ def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
     steps, guidance, sampler, _ = _settings(args, cfg)
     if not args.prompt and not args.prompt_embeds:
         problems.append("nothing to sample: give --prompt or --prompt-embeds")
-    from models.registry import family
-    if family(cfg.model).training_condition(cfg.model, cfg.data) is not None:
-        problems.append(f"model {cfg.model.name} is image-to-video: parallel.sample takes no image input yet; "
-                        f"validation (val.num_prompts) samples it from each validation sample's first frame")
     if args.prompt and not cfg.data.text_encoder:
         problems.append("--prompt needs a T5 encoder: --set data.text_encoder=<folder>, or give --prompt-embeds")
     shapes = {}
-    for path in args.prompt_embeds + [p for p in (args.negative_embeds, args.noise) if p]:
+    for path in args.prompt_embeds + [p for p in (args.negative_embeds, args.noise, args.image_latents) if p]:
         try:
             shapes[path] = _tensor(path, load=False) if path.is_file() else None
         except Exception as e:                   # not a safetensors file, or several tensors
@@ -132,6 +141,7 @@ def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
             problems.append(f"--noise {args.noise}: shape {list(shapes[args.noise])}, expected [B, C, T, H, W] = "
                             f"{list(want)} ({rows} prompts, model.in_channels; T, H, W from data.num_frames, "
                             f"data.height, data.width)")
+    problems += _check_image(args, cfg, rows, shapes)
     uncond = Path(cfg.data.path) / UNCOND_FILE if cfg.data.path else None
     if guidance != 1 and not args.negative_embeds and not cfg.data.text_encoder and not (uncond and uncond.is_file()):
         key = f"val.guidance_scale={guidance}" if args.guidance is None else f"--guidance {guidance}"
@@ -144,6 +154,53 @@ def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
     except ValueError as e:
         problems.append(f"--sampler / val.sampler: {e}")
     return problems + _check_weights(args, cfg, layout, ds or {})
+
+
+def _check_image(args, cfg, rows: int, shapes: dict) -> list[str]:
+    """The image-to-video input: exactly one of --image / --image-latents for an I2V model, none otherwise."""
+    from models.geometry import latent_shape
+    from models.registry import family
+
+    given = [flag for flag, v in (("--image", args.image), ("--image-latents", args.image_latents)) if v]
+    if family(cfg.model).training_condition(cfg.model, cfg.data) is None:
+        return [f"{' and '.join(given)}: model {cfg.model.name} is text-to-video (model.image_condition is false); "
+                "leave out the image"] if given else []
+    if len(given) != 1:
+        return [f"model {cfg.model.name} is image-to-video: give the first frame, either --image PICTURE (with --vae) "
+                f"or --image-latents FILE [C, 1, H, W]" + (", not both" if given else "")]
+    problems, want = [], [cfg.model.in_channels, 1, *latent_shape(cfg.model, cfg.data)[1:]]
+    if args.image:
+        missing = [str(p) for p in args.image if not p.is_file()]
+        problems += [f"--image {', '.join(missing)}: no such file"] if missing else []
+        if len(args.image) not in (1, rows):
+            problems.append(f"--image: {len(args.image)} pictures for {rows} prompts; give 1 or {rows}")
+        if not (args.vae or cfg.val.decoder):
+            problems.append("--image needs the VAE that encodes it: --vae <CogVideoX vae/ folder>")
+    shape = shapes.get(args.image_latents)
+    if shape and not (list(shape) == want or (len(shape) == 5 and shape[0] in (1, rows) and list(shape[1:]) == want)):
+        problems.append(f"--image-latents {args.image_latents}: shape {list(shape)}, expected [C, 1, H, W] = {want} "
+                        f"or [B, C, 1, H, W] with B 1 or {rows} (model.in_channels; H, W from data.height, "
+                        f"data.width)")
+    return problems
+
+
+def load_first_frames(args, cfg, rows: int):
+    """The image-to-video rows' first-frame latents [B, C, 1, H, W], or None for a text-to-video model."""
+    if not (args.image or args.image_latents):
+        return None
+    if args.image_latents:
+        first = _tensor(args.image_latents)
+    else:
+        from PIL import Image
+
+        from models.registry import family
+        from parallel.prepare_data.vae import load_vae
+        condition = family(cfg.model).training_condition(cfg.model, cfg.data)
+        pictures = [Image.open(p).convert("RGB") for p in args.image]
+        first = condition.encode_pictures(load_vae(args.vae or cfg.val.decoder), pictures, cfg.data.height,
+                                          cfg.data.width)
+    first = first[None] if first.dim() == 4 else first
+    return first.expand(rows, *first.shape[1:]).contiguous()
 
 
 def _check_weights(args, cfg, layout, ds: dict) -> list[str]:
@@ -231,11 +288,15 @@ def sample_videos(args, cfg, ds: dict, layout, env):
 
     steps, guidance, sampler, seed = _settings(args, cfg)
     labels, text, uncond = load_prompts(args, cfg)
+    from models.registry import family
+
     noise = _tensor(args.noise) if args.noise else None
+    first = load_first_frames(args, cfg, len(text))
     shape = (cfg.model.in_channels, *latent_shape(cfg.model, cfg.data))
     with sampling_model(cfg, ds, layout, env, args.ema) as (forward, ctx):
         latents = sample_batch(forward, ctx, Objective.of(cfg.model), text, uncond, noise, shape, seed, steps,
-                               sampler, guidance, cfg.val.use_dynamic_cfg)
+                               sampler, guidance, cfg.val.use_dynamic_cfg, first,
+                               family(cfg.model).training_condition(cfg.model, cfg.data))
         if ctx.rank == 0:
             for path in write_outputs(args.out, latents, labels, cfg, args.vae or cfg.val.decoder):
                 print(f"wrote {path}", flush=True)

@@ -1,28 +1,31 @@
 """Image-to-video conditioning of CogVideoX (5B-I2V, 1.5-5B-I2V): the first frame's latent, zero-padded over
 the frames and concatenated with the noisy latent on channels, [B, 2C, T, H, W] into the transformer.
 
-Layout of the image latents, as CogVideoXImageToVideoPipeline.prepare_latents builds them:
-    [z_img, 0, ..., 0]                 (VAE frames T_v; z_img the VAE latent of the first frame)
-    1.5 (patch_size_t 2, T_v odd):     [z_img, z_img, 0, ..., 0]  (its "first_frame" copy in front)
-which is `pad_frames` of the first layout, like the video latents (models/geometry.py).
+Layout of the image latents, T the transformer's latent frames (1.5: the VAE's frames padded to a multiple of
+patch_size_t, models/geometry.py):
+    [z_img, 0, ..., 0]                 (T frames; z_img the VAE latent of the first frame)
+as CogVideoXImageToVideoPipeline.__call__ builds them (it adds the 1.5 padding to num_frames before
+prepare_latents, so prepare_latents' "first_frame" copy is empty) and CogVideo's I2V fine-tuning trains them
+(finetune/models/cogvideox_i2v/lora_trainer.py: zeros up to the padded latent's frame count).
 
-Training, as CogVideo's SAT I2V fine-tuning does (sat/diffusion_video.py, SATVideoDiffusionEngine.shared_step
-with `noised_image_input: True`, `noised_image_all_concat: False`, `noised_image_dropout: 0.05`):
-  - noise augmentation: the first frame in pixels gets image + exp(N(-3, 0.5)) * randn before the VAE
-    (`add_noise_to_first_frame`); `noised_first_frame` below, for data preparation;
-  - the rest zero-padded (noised_image_all_concat False);
-  - image-latent dropout: with probability noised_image_dropout the whole image latent is zeros.
-z_img: the "image" tensor parallel.prepare_data stores beside the latent for an image_condition preset (the
-augmented first frame's latent, drawn once per clip, where SAT draws a new sigma every step); without it the
-first latent frame stands in: CogVideoX's VAE is causal, so that frame encodes the first frame alone.
+Scale: z_img = scaling_factor * z, except for a VAE whose config says invert_scale_latents (CogVideoX 1.5):
+z / scaling_factor, as the pipeline does ("the CogVideoX team forgot to multiply the scaling factor during
+training"); `image_latent_scale`.
+
+Training (docs/released-weights.md, "Image-to-video" says what differs from the sources and why):
+  - noise augmentation, SAT's add_noise_to_first_frame (sat/diffusion_video.py, `noised_image_input: True`):
+    the first frame in pixels gets image + exp(N(-3, 0.5)) * randn before the VAE; `noised_first_frame` below,
+    drawn once per clip by parallel.prepare_data (the sources draw it every step, with the VAE online);
+  - image-latent dropout (`noised_image_dropout: 0.05`): the whole image latent is zeros, drawn per sample
+    from (seed, step, position) (the sources draw once per micro-batch on each rank).
+z_img: the "image" tensor parallel.prepare_data stores beside the latent for an image_condition preset; without
+it the first latent frame stands in: CogVideoX's VAE is causal, so that frame encodes the first frame alone.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-
-from models.geometry import pad_frames, vae_frames
 
 
 def noised_first_frame(frame: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -31,17 +34,22 @@ def noised_first_frame(frame: torch.Tensor, generator: torch.Generator) -> torch
     return frame + torch.randn(frame.shape, generator=generator).to(frame.dtype) * sigma[:, None, None, None, None]
 
 
-def image_latents(first: torch.Tensor, vae_frames: int, model) -> torch.Tensor:
-    """first [B, C, 1, H, W] -> [B, C, T, H, W]: zeros after it to the VAE's frame count, then the front
-    padding to a multiple of patch_size_t (CogVideoXImageToVideoPipeline.prepare_latents)."""
-    zeros = first.new_zeros(first.shape[0], first.shape[1], vae_frames - 1, *first.shape[3:])
-    return pad_frames(torch.cat([first, zeros], dim=2), model)
+def image_latent_scale(vae_config: dict) -> float:
+    """The factor on the VAE's posterior for image latents (CogVideoXImageToVideoPipeline.prepare_latents)."""
+    sf = vae_config.get("scaling_factor") or 1.0
+    return 1.0 / sf if vae_config.get("invert_scale_latents") else sf
 
 
-def condition(x_t: torch.Tensor, first: torch.Tensor, vae_frames: int, keep: torch.Tensor, model) -> torch.Tensor:
+def image_latents(first: torch.Tensor, frames: int) -> torch.Tensor:
+    """first [B, C, 1, H, W] -> [B, C, frames, H, W]: zeros after it (frames: the transformer's latent frames)."""
+    zeros = first.new_zeros(first.shape[0], first.shape[1], frames - 1, *first.shape[3:])
+    return torch.cat([first, zeros], dim=2)
+
+
+def condition(x_t: torch.Tensor, first: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """The transformer's input [B, 2C, T, H, W]: x_t [B, C, T, H, W] and the image latents of `first`
     [B, C, 1, H, W], zeroed for the samples whose keep [B] is False (the image-latent dropout)."""
-    image = image_latents(first, vae_frames, model) * keep.to(first.dtype)[:, None, None, None, None]
+    image = image_latents(first, x_t.shape[2]) * keep.to(first.dtype)[:, None, None, None, None]
     return torch.cat([x_t, image.to(x_t.dtype)], dim=1)
 
 
@@ -50,13 +58,30 @@ class FirstFrameCondition:
     the transformer's input; `dropout` is the image-latent dropout probability (model.image_dropout)."""
 
     def __init__(self, model, data):
-        self.model, self.vae_frames, self.dropout = model, vae_frames(model, data), model.image_dropout
+        self.model, self.dropout = model, model.image_dropout
 
     def __call__(self, x_t: torch.Tensor, x0: torch.Tensor, keep: torch.Tensor,
                  first: Optional[torch.Tensor] = None) -> torch.Tensor:
         """first [B, C, 1, H, W]: the stored (noise-augmented) image latents; None: x0's first latent frame
         (1.5: the padded frame in front is a copy of it)."""
-        return condition(x_t, x0[:, :, :1] if first is None else first, self.vae_frames, keep, self.model)
+        return condition(x_t, x0[:, :, :1] if first is None else first, keep)
+
+    @staticmethod
+    def sampling_input(x_t: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """Sampling (parallel.sample, validation): x_t [B, C, T, H, W] and the image latents [B, C, 1, H, W],
+        never dropped, as CogVideoXImageToVideoPipeline feeds both the conditional and unconditional calls."""
+        return condition(x_t, first.to(x_t.dtype), torch.ones(len(x_t), dtype=torch.bool))
+
+    @staticmethod
+    def stored_scale(vae_config: dict) -> float:
+        """Factor from a training latent's scale (scaling_factor x z) to the image latents' (`image_latent_scale`):
+        1 for the 1.0 VAEs, 1 / scaling_factor^2 for a VAE with invert_scale_latents (1.5)."""
+        return image_latent_scale(vae_config) / (vae_config.get("scaling_factor") or 1.0)
+
+    @staticmethod
+    def encode_pictures(vae, pictures: list, height: int, width: int) -> torch.Tensor:
+        """Image latents [N, C, 1, H', W'] of the pictures for sampling (the module's `encode_pictures`)."""
+        return encode_pictures(vae, pictures, height, width)
 
     @staticmethod
     def augment(pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -67,3 +92,18 @@ class FirstFrameCondition:
 def first_frame_condition(model, data):
     """FirstFrameCondition for an image-to-video section, None for text-to-video."""
     return FirstFrameCondition(model, data) if model.image_condition else None
+
+
+@torch.no_grad()
+def encode_pictures(vae, pictures: list, height: int, width: int) -> torch.Tensor:
+    """Pictures (PIL images) -> image latents [N, C, 1, H/8, W/8] fp32, as CogVideoXImageToVideoPipeline encodes
+    its `image`: VideoProcessor.preprocess (resize to height x width, [-1, 1]), vae.encode(...).latent_dist, the
+    posterior's mode (the pipeline draws a sample from its generator, which also drives the dpm sampler's step
+    noise; the mode keeps the image latents independent of the seed), times `image_latent_scale`."""
+    from diffusers.video_processor import VideoProcessor
+
+    spatial = 2 ** (len(vae.config.block_out_channels) - 1)
+    param = next(vae.parameters())
+    x = VideoProcessor(vae_scale_factor=spatial).preprocess(pictures, height=height, width=width)
+    z = vae.encode(x.unsqueeze(2).to(param.device, param.dtype)).latent_dist.mode().float().cpu()
+    return z * image_latent_scale(dict(vae.config))

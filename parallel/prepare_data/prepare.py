@@ -246,8 +246,9 @@ class ClipEncoder:
         tensors = {"latent": latent}
         if self.condition is not None:        # image-to-video: the noise-augmented first frame's latent
             noise = torch.Generator().manual_seed(derive_seed(self.seed, "image", rel))
-            tensors["image"] = encode(self.vae, frames[:1], generator, lambda x: self.condition.augment(x, noise)) \
-                .to(self.store).contiguous()
+            image = encode(self.vae, frames[:1], generator, lambda x: self.condition.augment(x, noise))
+            # the pipeline's scale of image latents (1.5's VAE: z / scaling_factor, not z x scaling_factor)
+            tensors["image"] = (image * self.condition.stored_scale(dict(self.vae.config))).to(self.store).contiguous()
         if tuple(latent.shape) != self.expected:
             raise RuntimeError(f"{rel}: the VAE gave a latent of shape {list(latent.shape)}, the model expects "
                                f"{list(self.expected)} (data.num_frames/height/width, model.vae_scale_*)")

@@ -163,11 +163,21 @@ def stored_shape(path: Path, key: str) -> list[int]:
 MAX_SHAPE_PROBLEMS = 10
 
 
+def _holds(path: Path, key: str) -> bool:
+    """Whether the safetensors file has a tensor named `key` (header only)."""
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as f:
+        return key in f.keys()
+
+
 def check_shapes(root: str | Path, model, data, key: str = "data.path", captions: bool = False) -> list[str]:
     """Every latent and text file of `root`'s manifest (and uncond.safetensors, if there) against the shapes
     the model takes: latent [model.in_channels, *latent_shape(model, data)], text [model.max_text_len,
-    model.text_embed_dim]; a line with a "shape" is checked against that bucket's latent. Headers only. The first MAX_SHAPE_PROBLEMS mismatches, then a count of the rest."""
+    model.text_embed_dim]; a line with a "shape" is checked against that bucket's latent. Image-to-video models:
+    a latent file's "image" tensor (prepare_data's first-frame latent) is [model.in_channels, 1, H, W] of that
+    latent. Headers only. The first MAX_SHAPE_PROBLEMS mismatches, then a count of the rest."""
     from models.geometry import latent_shape
+    from models.registry import family
 
     root = Path(root)
     try:
@@ -185,14 +195,20 @@ def check_shapes(root: str | Path, model, data, key: str = "data.path", captions
                 f"{model.vae_scale_temporal}, model.vae_scale_spatial={model.vae_scale_spatial} -> {t} x {h} x {w} latent")
     text = ([model.max_text_len, model.text_embed_dim],
             f"model.max_text_len={model.max_text_len}, model.text_embed_dim={model.text_embed_dim}")
+    image = family(model).training_condition(model, data) is not None
     files = [(f, what, f"manifest.jsonl:{n}", shape) for (latent, txt), n, shape in zip(items, lines, shapes)
-             for f, what in ((latent, "latent"), (txt, "text")) if isinstance(f, Path)]
+             for f, what in ((latent, "latent"), (txt, "text"), (latent, "image")) if isinstance(f, Path)
+             and (what != "image" or image and f.suffix == ".safetensors")]
     if (root / UNCOND_FILE).is_file():
         files.append((root / UNCOND_FILE, "text", "the unconditional embedding", None))
     problems = []
     for f, what, where, shape in files:
-        want, why = expect_latent(shape) if what == "latent" else text
+        want, why = expect_latent(shape) if what != "text" else text
+        if what == "image":      # the first frame's latent: the sample's latent with one frame
+            want, why = [want[0], 1, *want[2:]], f"the first frame's latent of the sample's; {why}"
         try:
+            if what == "image" and not _holds(f, "image"):
+                continue         # no stored image latent: the latent's first frame stands in
             shape = stored_shape(f, what)
         except Exception as e:    # a damaged header: name the file, whatever the reader raised
             problems.append(f"{f}: cannot read the {what} tensor's shape ({where}): {e}")

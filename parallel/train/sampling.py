@@ -28,7 +28,7 @@ from parallel.dist.topology import ParallelContext
 from parallel.train import checkpoint
 from parallel.train.engine import build_trainer
 from parallel.train.run import checkpoint_layout, export_launch_env, init_process_groups
-from parallel.train.validate import StageForward, ema_weights, replica_items, replica_slice
+from parallel.train.validate import StageForward, ema_weights, replica_items, replica_slice, row_predictor
 from parallel.weights.diffusers import load_released
 
 
@@ -73,16 +73,17 @@ def sampling_model(cfg, ds: dict, layout, env, ema: bool = False) -> Iterator[tu
 
 def sample_batch(forward: StageForward, ctx, objective: Objective, text: torch.Tensor, uncond: Optional[torch.Tensor],
                  noise: Optional[torch.Tensor], shape: tuple[int, ...], seed: int, steps: int, sampler: Optional[str],
-                 guidance: float, dynamic: bool) -> torch.Tensor:
+                 guidance: float, dynamic: bool, first: Optional[torch.Tensor] = None, condition=None) -> torch.Tensor:
     """Latents [B, C, T, H, W] of the batch on every rank, from text and uncond [B, L, D] (uncond: None when
-    guidance is 1); data-parallel replicas sample contiguous rows.
+    guidance is 1); data-parallel replicas sample contiguous rows. Image-to-video: first [B, C, 1, H, W], the
+    first frames' latents, and `condition` (the family's training_condition) that puts them on channels.
 
     noise [B, C, T, H, W]: one generator (seed) for the whole batch, as the pipeline's; None: row i starts
     from noise drawn from (seed, i) of `shape` [C, T, H, W] and continues that generator (validation's rule).
     """
     def run(r: range, x, g, rows=None):
-        def predict(x, t, conditional):
-            return forward.predict((x, t, (text if conditional else uncond)[r.start:r.stop]), x).cpu()
+        predict = row_predictor(forward, text[r.start:r.stop], None if uncond is None else uncond[r.start:r.stop],
+                                None if first is None else first[r.start:r.stop], condition)
         return sample(predict, x, objective, steps, sampler, guidance, use_dynamic_cfg=dynamic, generator=g, rows=rows)
 
     n, mine = len(text), {}

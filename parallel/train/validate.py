@@ -170,6 +170,16 @@ def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: E
     return result
 
 
+def row_predictor(forward: StageForward, text: torch.Tensor, uncond, first=None, condition=None):
+    """predict(x, t, conditional) for models.sampling.sample on rows of a batch (validation and
+    parallel.sample): text and uncond [B, L, D] (uncond None without guidance); image-to-video: first
+    [B, C, 1, H, W] the first frame's latents, put on channels by `condition.sampling_input` for both calls."""
+    def predict(x, t, conditional):
+        inp = x if first is None else condition.sampling_input(x, first)
+        return forward.predict((inp, t, text if conditional else uncond), x).cpu()
+    return predict
+
+
 def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: ExperimentConfig, ctx) -> dict:
     """Sampled latents of the first `val.num_prompts` validation prompts, {prompt: [C, T, H, W]}, on every
     rank. Prompt i starts from noise drawn from (seed, i) alone (the dpm sampler's step noise continues that
@@ -185,13 +195,10 @@ def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: Ex
         x0, text, *image = dataset[i]
         g = torch.Generator().manual_seed(derive_seed(cfg.train.seed, "sample", i))
         noise = torch.randn((1, *x0.shape), generator=g)
-
-        def predict(x, t, conditional, text=text[None], x0=x0[None], image=image):
-            inp = x if condition is None else condition(x, x0.expand(len(x), *x0.shape[1:]),
-                                                        torch.ones(len(x), dtype=torch.bool),
-                                                        image[0].expand(len(x), *image[0].shape) if image else None)
-            return forward.predict((inp, t, text if conditional else uncond.to(text.dtype)), x).cpu()
-
+        # I2V: the stored first-frame latents [1, C, 1, H, W], else the sample's first latent frame stands in
+        first = (image[0] if image else x0[:, :1])[None] if condition is not None else None
+        predict = row_predictor(forward, text[None], uncond.to(text.dtype) if uncond is not None else None,
+                                first, condition)
         latent = sample(predict, noise, objective, cfg.val.sample_steps, cfg.val.sampler, cfg.val.guidance_scale,
                         use_dynamic_cfg=cfg.val.use_dynamic_cfg, generator=g)
         if counts:

@@ -36,8 +36,8 @@ def test_15_and_i2v_train_at_tp2_pp2_like_one_process():
 
 
 def test_the_training_input_is_the_pipelines_image_latents_with_dropout():
-    """x_t and [z_img, z_img, 0, ..., 0] (1.5, odd VAE frames: CogVideoXImageToVideoPipeline.prepare_latents)
-    on channels; the dropped samples' image latents are zeros."""
+    """x_t and [z_img, 0, ..., 0] over the padded frames (1.5, odd VAE frames: as CogVideoXImageToVideoPipeline
+    and CogVideo's I2V fine-tuning build them) on channels; the dropped samples' image latents are zeros."""
     from models.registry import family
     from parallel.config import load_config
     from parallel.dist.topology import ParallelContext
@@ -56,6 +56,6 @@ def test_the_training_input_is_the_pipelines_image_latents_with_dropout():
         for j in range(4):
             keep = not torch.equal(image[j], torch.zeros_like(image[j]))
             kept.add(keep)
-            want = torch.cat([first[j], first[j], torch.zeros(4, 2, 8, 8)], dim=1) if keep else torch.zeros(4, 4, 8, 8)
+            want = torch.cat([first[j], torch.zeros(4, 3, 8, 8)], dim=1) if keep else torch.zeros(4, 4, 8, 8)
             assert torch.equal(image[j], want)
     assert kept == {True, False}                 # image_dropout 0.5 drops some and keeps some

@@ -6,8 +6,9 @@ grid is a crop) are written by `save_pretrained`, loaded into the toolkit at (tp
 (1, 2), (2, 2) and run forward: the prediction equals `CogVideoXTransformer3DModel`'s (fp32). Exported
 back from tp 2 x pp 2 and from ZeRO-3 (dp 4, through build_trainer), `from_pretrained` gives the
 original tensors bit for bit. The CogVideoX 1.5 and image-to-video variants (tests/unit/cogvideox_variants.py:
-temporal patches, learned positions, the ofs embedding, image channels) go through the same layouts and export
-in the same spawn.
+temporal patches, learned positions, the ofs embedding, image channels) go through the same layouts, and
+sequence parallelism (sp 2 x dp 2: the 1.5 temporal patches and the image channels split over sp ranks), and
+export in the same spawn.
 """
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from tests.unit.test_released_weights import B, FRAMES, HEAD_DIM, SIZE, override
 
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]                # (tp, pp); dp fills the 4 ranks
+LAYOUTS15 = [(1, 1, 2)] + [(tp, pp, 1) for tp, pp in LAYOUTS]  # (tp, pp, sp); the last exports
 
 
 def diffusers_forward(model, pos, latents, timesteps, text) -> torch.Tensor:
@@ -72,14 +74,15 @@ def _layouts_rank(rank, world_size, folders, export_dir, folders15):
                          max_shard_bytes=20_000 if pos == "sincos" else 2**30)
     for variant, folder in folders15.items():
         x = variants.inputs(variant)
-        for tp, pp in LAYOUTS:
-            cfg = load_config("debug", variants.overrides(variant, folder) + [f"parallel.tp_size={tp}",
-                                                                               f"parallel.pp_size={pp}"])
-            ctx = ParallelContext.build(ParallelDims(tp_size=tp, pp_size=pp, dp_size=world_size // (tp * pp)))
+        for tp, pp, sp in LAYOUTS15:
+            cfg = load_config("debug", variants.overrides(variant, folder) + [
+                f"parallel.tp_size={tp}", f"parallel.pp_size={pp}", f"parallel.sp_size={sp}"])
+            ctx = ParallelContext.build(ParallelDims(tp_size=tp, pp_size=pp, sp_size=sp,
+                                                     dp_size=world_size // (tp * pp * sp)))
             model = build_model(cfg, {}, ctx)
             load_released(model, ctx, cfg.model, folder)
             forward = StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx)
-            out[(variant, tp, pp)] = forward.predict(x, x[0][:, :variants.C])
+            out[(variant, tp, pp, sp)] = forward.predict(x, x[0][:, :variants.C])
         export_diffusers(model, ctx, cfg, Path(export_dir) / variant)
     from parallel import verify                      # the parity command in a layout: tp 2 x pp 2
     out["verify"] = verify.main(["--config", "debug", "--set=parallel.tp_size=2", "--set=parallel.pp_size=2",
@@ -126,9 +129,9 @@ def test_forward_equals_diffusers_in_every_layout_and_export_round_trips(release
     for variant, (_, model) in releases15.items():
         want = variants.diffusers_forward(model, *variants.inputs(variant))
         for rank, out in enumerate(results):
-            for tp, pp in LAYOUTS:
-                torch.testing.assert_close(out[(variant, tp, pp)], want,
-                                           msg=lambda m: f"{variant} tp={tp} pp={pp} rank {rank}: {m}")
+            for tp, pp, sp in LAYOUTS15:
+                torch.testing.assert_close(out[(variant, tp, pp, sp)], want,
+                                           msg=lambda m: f"{variant} tp={tp} pp={pp} sp={sp} rank {rank}: {m}")
         _same_model(tmp_path / variant, model)
     assert [r["verify"] for r in results] == [0] * 4
     inputs = _inputs()

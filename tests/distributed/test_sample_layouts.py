@@ -9,8 +9,11 @@ batch of 2 prompts with guidance 6 from --noise; the latents rank 0 writes equal
   batch's step noise and keeps its rows);
 - a checkpoint: the 2B-like weights trained one step at tp 2 x pp 2 with EmaAdamW and saved; the command
   reads train.output_dir's newest checkpoint (model.init_from=null), and its EMA with --ema; the reference
-  pipelines run on `export_diffusers` of the weights and of the EMA.
-The one-process command: tests/unit/test_release_sampling.py.
+  pipelines run on `export_diffusers` of the weights and of the EMA;
+- image-to-video (tests/unit/test_i2v_sampling.py): the 1.5-I2V-like transformer (ofs, patch_size_t 2, ddim)
+  at tp 2 x pp 2 and the 5B-I2V-like one (learned positions, dpm, dynamic CFG) at pp 2 x dp 2, from
+  --image-latents, against CogVideoXImageToVideoPipeline.
+The one-process commands: tests/unit/test_release_sampling.py, tests/unit/test_i2v_sampling.py.
 """
 import json
 from pathlib import Path
@@ -21,10 +24,12 @@ from safetensors.torch import load_file
 
 from tests.dist_utils import run_ranks
 from tests.train_utils import fp32_config
+from tests.unit import test_i2v_sampling as i2v
 from tests.unit.test_release_sampling import CASES, _transformer, batch_files, pipeline_latents, sample_argv
 
 LAYOUTS = [("ddim", 2, 2), ("dpm", 2, 2), ("dpm", 1, 2)]       # (sampler, tp, pp); dp fills the 4 ranks
 BATCH_SETS = ["train.micro_batch_size=1", "train.grad_accum_steps=2", "train.lr=0.01"]
+I2V_LAYOUTS = [("i2v15", 2, 2), ("i2v5b", 1, 2)]                 # (variant, tp, pp)
 
 
 def _train_and_save(argv, export_dir):
@@ -82,7 +87,19 @@ def test_sample_command_equals_the_pipeline_in_layouts(tmp_path):
         argvs.append(sample_argv("ddim", tmp_path / "ddim", tmp_path, outs[weights], [*run, "model.init_from=null"])
                      + engine + (["--ema"] if weights == "ema" else []))
 
+    want_i2v = {}
+    for variant, tp, pp in I2V_LAYOUTS:
+        folder = tmp_path / variant
+        want_i2v[variant], image = i2v.pipeline_latents(variant, *i2v.write_case(variant, folder), folder)
+        outs[variant] = tmp_path / f"{variant}_tp{tp}_pp{pp}.safetensors"
+        argvs.append(i2v.sample_argv(variant, folder, outs[variant], i2v.image_latents_file(image, folder),
+                                     [f"parallel.tp_size={tp}", f"parallel.pp_size={pp}"]) + engine)
+
     assert run_ranks(_sample_rank, 4, argvs, train_argv, str(tmp_path / "export")) == [[0] * len(argvs)] * 4
+
+    for variant, tp, pp in I2V_LAYOUTS:
+        torch.testing.assert_close(load_file(str(outs[variant]))["latents"], want_i2v[variant],
+                                   msg=lambda m: f"{variant} tp={tp} pp={pp}: {m}")
 
     for kind, transformer in transformers.items():
         want = pipeline_latents(kind, transformer, tensors)

@@ -130,7 +130,7 @@ def test_verify_command_passes_on_the_folders_and_fails_when_the_toolkit_reads_o
 
 
 def test_i2v_validation_conditions_on_each_samples_first_frame():
-    """validation_loss of a tiny 1.5-I2V model equals the loss of [x_t, z_img, z_img, 0, 0] inputs built here."""
+    """validation_loss of a tiny 1.5-I2V model equals the loss of [x_t, z_img, 0, 0, 0] inputs built here."""
     import types
 
     from models.diffusion import Objective
@@ -154,8 +154,8 @@ def test_i2v_validation_conditions_on_each_samples_first_frame():
         t = torch.tensor(cfg.val.timesteps)
         x_t, target = objective.noised(x0.expand(2, *x0.shape), validation_noise(cfg.train.seed, i, [100, 700],
                                                                                   x0.shape), t)
-        first = x0[:, :1]                                   # 3 VAE frames -> [z, 0, 0] -> padded [z, z, 0, 0]
-        image = torch.cat([first, first, torch.zeros_like(x0[:, :2])], dim=1).expand(2, *x0.shape)
+        first = x0[:, :1]             # 3 VAE frames padded to 4: [z, 0, 0, 0], as CogVideoXImageToVideoPipeline
+        image = torch.cat([first, torch.zeros_like(x0[:, :3])], dim=1).expand(2, *x0.shape)
         with torch.no_grad():
             pred = model.predict((torch.cat([x_t, image], dim=1), t, text.expand(2, *text.shape)))
         losses.append(((pred - target) ** 2).flatten(1).mean(1))
@@ -164,7 +164,12 @@ def test_i2v_validation_conditions_on_each_samples_first_frame():
 
 def test_prepare_data_pads_15_latents_and_stores_the_augmented_first_frame_for_i2v(videos, vae_dir, tmp_path):  # noqa: F811
     """An I2V 1.5 preset: latent frames padded in front (5 -> 6, a copy of the first), and beside the latent the
-    VAE latent of the first frame + exp(N(-3, 0.5)) * randn (SAT add_noise_to_first_frame), drawn from the clip."""
+    VAE latent of the first frame + exp(N(-3, 0.5)) * randn (SAT add_noise_to_first_frame), drawn from the clip.
+    The VAE says invert_scale_latents (as 1.5's does): the image latent is z / scaling_factor, as
+    CogVideoXImageToVideoPipeline scales it; the video latent z x scaling_factor."""
+    import json
+    import shutil
+
     from diffusers import AutoencoderKLCogVideoX
     from safetensors.torch import load_file
 
@@ -173,8 +178,12 @@ def test_prepare_data_pads_15_latents_and_stores_the_augmented_first_frame_for_i
     from tests.unit.test_prepare_data import SETS, run
 
     sets = SETS + ["model.patch_size_t=2", "model.pos_embed=rope3d", "model.image_condition=true"]
-    assert run(videos[0], vae_dir, tmp_path, sets=sets) == 0
-    vae = AutoencoderKLCogVideoX.from_pretrained(vae_dir).eval()
+    vae15 = shutil.copytree(vae_dir, tmp_path / "vae15")
+    config = json.loads((vae15 / "config.json").read_text())
+    (vae15 / "config.json").write_text(json.dumps({**config, "invert_scale_latents": True}))
+    assert run(videos[0], vae15, tmp_path / "out", sets=sets) == 0
+    vae = AutoencoderKLCogVideoX.from_pretrained(vae15).eval()
+    assert vae.config.invert_scale_latents and vae.config.scaling_factor != 1
     clip = videos[1]["a0.mkv"][frame_indices(11, 9)][:, :, 8:40]
     x = torch.from_numpy(clip).permute(3, 0, 1, 2)[None].float() / 127.5 - 1
     g, noise = (torch.Generator().manual_seed(derive_seed(1234, kind, "a0.mkv")) for kind in ("vae", "image"))
@@ -182,8 +191,8 @@ def test_prepare_data_pads_15_latents_and_stores_the_augmented_first_frame_for_i
     first = x[:, :, :1] + torch.randn(x[:, :, :1].shape, generator=noise) * sigma
     with torch.no_grad():
         video = vae.encode(x).latent_dist.sample(g)[0] * vae.config.scaling_factor
-        image = vae.encode(first).latent_dist.sample(g)[0] * vae.config.scaling_factor
-    stored = load_file(tmp_path / "latents/a0.mkv.safetensors")
+        image = vae.encode(first).latent_dist.sample(g)[0] / vae.config.scaling_factor
+    stored = load_file(tmp_path / "out/latents/a0.mkv.safetensors")
     assert stored["latent"].shape == (4, 6, 16, 16) and stored["image"].shape == (4, 1, 16, 16)
     torch.testing.assert_close(stored["latent"], torch.cat([video[:, :1], video], dim=1))
     torch.testing.assert_close(stored["image"], image)
@@ -213,17 +222,27 @@ def test_training_takes_the_stored_image_latents(tmp_path):
     (x, _, _), _ = batches.micro_batch(0, 0)
     for j in range(2):
         image = images[batches.sample_index(j)]
-        assert torch.equal(x[j, 4:], torch.cat([image, image, torch.zeros(4, 2, 8, 8)], dim=1))
+        assert torch.equal(x[j, 4:], torch.cat([image, torch.zeros(4, 3, 8, 8)], dim=1))
 
 
-def test_sampling_an_i2v_model_from_the_command_line_is_refused_by_name(tmp_path):
-    from parallel.sample import check_args, parse_args
+def test_image_dropout_drops_the_same_samples_at_dp1_and_dp2():
+    """The image-latent dropout is drawn per sample from (seed, step, position): one replica with 2 micro-batches
+    and two replicas with one each (the same global batch of 4) build the same inputs, dropped ones included."""
+    import types
 
-    args = parse_args(["--config", "debug", "--prompt-embeds", str(tmp_path / "p.safetensors"), "--out", str(tmp_path)])
-    out = f"train.output_dir={tmp_path}"
-    cfg = load_config("debug", ["model.pos_embed=rope3d", "model.image_condition=true", "model.name=tiny-i2v", out])
-    problems = check_args(args, cfg, check(cfg, {}, "ds.json", 1)[0])
-    assert any(p.startswith("model tiny-i2v is image-to-video: parallel.sample takes no image input yet") for p in
-               problems), problems
-    cfg = load_config("debug", [out])
-    assert not any("image-to-video" in p for p in check_args(args, cfg, check(cfg, {}, "ds.json", 1)[0]))
+    from parallel.dist.topology import ParallelContext
+    from parallel.train.run import training_batches
+
+    sets = ["model.patch_size_t=2", "model.pos_embed=rope3d", "model.image_condition=true", "model.image_dropout=0.5",
+            "train.micro_batch_size=2"]
+    one = training_batches(load_config("debug", sets + ["train.grad_accum_steps=2"]), ParallelContext.single())
+    cfg2 = load_config("debug", sets + ["train.grad_accum_steps=1"])
+    two = [training_batches(cfg2, types.SimpleNamespace(dp_rank=r, dp_size=2)) for r in range(2)]
+    dropped = []
+    for step in range(3):
+        for part in range(2):              # dp 1: micro-batch `part`; dp 2: replica `part`'s only micro-batch
+            (x1, t1, _), _ = one.micro_batch(step, part)
+            (x2, t2, _), _ = two[part].micro_batch(step, 0)
+            assert torch.equal(x1, x2) and torch.equal(t1, t2)
+            dropped += [bool((x1[j, 4:] == 0).all()) for j in range(2)]
+    assert set(dropped) == {True, False}

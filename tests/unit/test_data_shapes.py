@@ -100,3 +100,28 @@ def test_legacy_pt_files_are_read_and_a_damaged_header_is_named(tmp_path):
                                   f"(manifest.jsonl:1): ")
     assert problems[1].startswith(f"{tmp_path / 'v1.pt'}: latent shape [2, 5] != expected [4, 3, 8, 8] "
                                   f"(manifest.jsonl:2; ")
+
+
+def test_i2v_image_latents_are_checked_against_the_samples_latent(tmp_path):
+    """An image-to-video model: each latent file's "image" tensor (prepare_data's first-frame latent) must be
+    [C, 1, H, W] of that sample's latent; a file without one is fine (its first latent frame stands in); a
+    text-to-video model does not look at it."""
+    sets = ["data.kind=directory", f"data.path={tmp_path}", "model.pos_embed=rope3d", "model.image_condition=true"]
+    cfg = load_config("debug", sets)
+    images = {0: (4, 1, 8, 8), 1: (4, 1, 8, 6), 2: None, 3: (4, 3, 8, 8)}
+    for i, shape in images.items():
+        tensors = {"latent": torch.zeros(4, 3, 8, 8), **({"image": torch.zeros(shape)} if shape else {})}
+        save_file(tensors, str(tmp_path / f"v{i}.safetensors"))
+        save_file({"text": torch.zeros(cfg.model.max_text_len, cfg.model.text_embed_dim)},
+                  str(tmp_path / f"v{i}_text.safetensors"))
+    (tmp_path / "manifest.jsonl").write_text("".join(json.dumps({"latent": f"v{i}.safetensors",
+                                                                 "text": f"v{i}_text.safetensors"}) + "\n"
+                                                     for i in images))
+    why = (f"the first frame's latent of the sample's; model.in_channels=4; data.num_frames={cfg.data.num_frames}, "
+           f"data.height={cfg.data.height}, data.width={cfg.data.width} / model.vae_scale_temporal=4, "
+           f"model.vae_scale_spatial=8 -> 3 x 8 x 8 latent")
+    assert check_data_files(cfg) == [
+        f"{tmp_path / 'v1.safetensors'}: image shape [4, 1, 8, 6] != expected [4, 1, 8, 8] (manifest.jsonl:2; {why})",
+        f"{tmp_path / 'v3.safetensors'}: image shape [4, 3, 8, 8] != expected [4, 1, 8, 8] (manifest.jsonl:4; {why})"]
+    t2v = load_config("debug", sets[:2])
+    assert check_shapes(tmp_path, t2v.model, t2v.data) == []
