@@ -11,7 +11,7 @@ and passes on unchanged), so the same list runs in one module or as DeepSpeed pi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
 
 from torch import nn
@@ -59,6 +59,9 @@ class FamilySpec:
     # (model, data) -> None, or a training-input hook: (x_t, x0, keep [B] bool) -> the first stage's latents
     # (image-to-video: x_t with the image latents on channels), its `.dropout` the probability of keep False.
     condition: Optional[Callable] = None
+    # Selective recomputation (parallel/recompute.py): per granularity ("attention", "mlp"), the dotted paths,
+    # relative to one layer, of the modules or methods a checkpoint wraps (`attn.core`, `mlp`).
+    recompute_parts: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def training_condition(self, model: ModelConfig, data):
         return self.condition(model, data) if self.condition else None

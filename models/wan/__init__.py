@@ -26,5 +26,6 @@ SPEC = FamilySpec(
     attentions_per_layer=1,
     attention_pairs=attention_pairs,
     describe_layers=lambda m: f"{m.num_layers} blocks",
+    recompute_parts={"attention": ("attn1.core",), "mlp": ("ffn",)},     # self-attention; cross-attention is S x L
     released=DIFFUSERS,
 )
