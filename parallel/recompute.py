@@ -163,27 +163,40 @@ def layers_of(model: nn.Module, cfg: ExperimentConfig) -> list[tuple[int, nn.Mod
     return found
 
 
+def wrap_layer(layer: nn.Module, parts: dict, granularity: Optional[str], compression: Optional[str],
+               on_pack: Optional[Callable] = None) -> nn.Module:
+    """Checkpoint `granularity` (None: nothing) of one family layer and/or compress what it saves."""
+    if granularity == "block":
+        layer.forward = checkpointed_block(layer.forward)
+    elif granularity is not None:
+        if granularity not in parts:
+            raise ConfigError(f"train.recompute.granularity={granularity}: this family names no such part; use "
+                              f"block or one of {sorted(parts)}")
+        for path in parts[granularity]:
+            owner, name = _resolve(layer, path)
+            target = getattr(owner, name)
+            if isinstance(target, nn.Module):
+                target.forward = checkpointed(target.forward)
+            else:
+                setattr(owner, name, checkpointed(target))
+    if compression is not None:
+        layer.forward = Compression(compression, on_pack).wrap(layer.forward)
+    return layer
+
+
+def checkpointed_blocks(num_blocks: int, every: int, start: int = 0, stop: Optional[int] = None) -> int:
+    """How many of blocks [start, stop) train.recompute.every checkpoints (blocks 0, k, 2k, ...)."""
+    stop = num_blocks if stop is None else stop
+    return sum(1 for i in range(start, stop) if i % every == 0)
+
+
 def apply_recompute(model: nn.Module, cfg: ExperimentConfig, on_pack: Optional[Callable] = None) -> nn.Module:
     """Wrap the layers for train.recompute and train.activation_compression (both null: unchanged)."""
     rc, comp = cfg.train.recompute, cfg.train.activation_compression
     if rc is None and comp is None:
         return model
     parts = family(cfg.model).recompute_parts
-    for i, block in layers_of(model, cfg):
-        if rc is not None and i % rc.every == 0:
-            if rc.granularity == "block":
-                block.forward = checkpointed_block(block.forward)
-            else:
-                if rc.granularity not in parts:
-                    raise ConfigError(f"train.recompute.granularity={rc.granularity}: the {cfg.model.family} family "
-                                      f"names no such part; use block or one of {sorted(parts)}")
-                for path in parts[rc.granularity]:
-                    owner, name = _resolve(block, path)
-                    target = getattr(owner, name)
-                    if isinstance(target, nn.Module):
-                        target.forward = checkpointed(target.forward)
-                    else:
-                        setattr(owner, name, checkpointed(target))
-        if comp is not None:
-            block.forward = Compression(comp.dtype, on_pack).wrap(block.forward)
+    for i, layer in layers_of(model, cfg):
+        wrap_layer(layer, parts, rc.granularity if rc is not None and i % rc.every == 0 else None,
+                   comp.dtype if comp is not None else None, on_pack)
     return model

@@ -41,8 +41,11 @@ def loss_and_grads(preset: str, extra=(), on_pack=None):
 
 @pytest.mark.parametrize("preset", ["debug", "debug-wan", "debug-stdit"])
 def test_every_recompute_option_equals_no_checkpointing(preset):
+    """Each family's own parts (attention core, MLP); whole blocks and every-k, family-independent, on debug."""
     ref_loss, ref_grads = loss_and_grads(preset)
     for option, extra in OPTIONS.items():
+        if preset != "debug" and option in ("block", "every-2"):
+            continue
         loss, grads = loss_and_grads(preset, extra)
         torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0, msg=lambda m: f"{option}: {m}")
         assert grads.keys() == ref_grads.keys()
