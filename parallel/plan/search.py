@@ -238,13 +238,14 @@ def search(cfg: ExperimentConfig, ds: dict, devices: int, per_node: int, device_
             dp = devices // (tp * sp * pp)
             dims = ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp)
             for zero in range(4):
-                for checkpointing, granularity, every in RECOMPUTE_OPTIONS:
+                for n, (checkpointing, granularity, every) in enumerate(RECOMPUTE_OPTIONS):
                     rc = (granularity, every) if granularity else None
                     cfg_l, ds_l = with_layout(cfg, dims, 1, rc), ds_variant(ds, zero, checkpointing)
-                    _, problems = check(cfg_l, ds_l, f"{source} at zero_optimization.stage={zero}", devices)
+                    # The verdict does not depend on the recompute option (ds_variant drops the JSON's section
+                    # whenever train.recompute is set): checked and reported once.
+                    problems = [] if n else check(cfg_l, ds_l, f"{source} at zero_optimization.stage={zero}", devices)[1]
                     if problems:
-                        if checkpointing:      # the verdict does not depend on checkpointing: report once
-                            invalid.append(({"tp": tp, "sp": sp, "pp": pp, "dp": dp, "zero": zero}, problems))
+                        invalid.append(({"tp": tp, "sp": sp, "pp": pp, "dp": dp, "zero": zero}, problems))
                         break
                     best = None
                     for b in (2 ** i for i in range(int(math.log2(MAX_MICRO_BATCH)) + 1)):
