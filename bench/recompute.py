@@ -145,11 +145,12 @@ def plot(r: dict, out: Path) -> list[str]:
 
     c = r["compression_curve"]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 6), sharex=True)
+    colors = {"none": "black", "bf16": "tab:blue", "fp8": "tab:orange"}
     for name, losses in c["losses"].items():
-        top.plot(range(1, len(losses) + 1), losses, label=name, linewidth=1)
+        top.plot(range(1, len(losses) + 1), losses, label=name, linewidth=1, color=colors[name])
     for name in ("bf16", "fp8"):
-        bottom.plot([a - b for a, b in zip(c["losses"][name], c["losses"]["none"])], label=f"{name} - none",
-                    linewidth=1)
+        bottom.plot(range(1, c["steps"] + 1), [a - b for a, b in zip(c["losses"][name], c["losses"]["none"])],
+                    label=f"{name} - none", linewidth=1, color=colors[name])
     top.set(ylabel="training loss", title=f"activation compression, configs/debug.yaml, {c['steps']} steps")
     bottom.set(xlabel="step", ylabel="loss difference")
     top.legend()
