@@ -70,7 +70,7 @@ def checkpointed(fn: Callable) -> Callable:
     def run(*args):
         where = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
         args = list(args)
-        for i, kept in zip(where, keep(*(args[i] for i in where))):
+        for i, kept in zip(where, keep(*(args[i] for i in where)) if where else ()):
             args[i] = kept
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
     return run
