@@ -11,6 +11,8 @@ Sections (each names what it is compared with):
   validation    validation time at 1 and 2 ranks (train.py, the same validation set)
   communication bytes per step of tp 2, dp 2 x ZeRO 1/2/3 and pp 2 runs vs the textbook volumes (bench/comm.py)
   compile       step time with compiled blocks (train.compile) vs eager, and the compile time (bench/compile.py)
+  recompute     each train.recompute / activation_compression option: step time and saved bytes vs the
+                planner, and compression's loss curve (bench/recompute.py; alone: --only recompute)
 Nothing here is asserted: these are measurements on a shared machine, reported with their medians.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import comm  # noqa: E402
+from bench import comm, recompute  # noqa: E402
 from bench import compile as compiled  # noqa: E402
 from bench.overhead import MID, build_engines  # noqa: E402
 
@@ -242,19 +244,28 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=str(ROOT / "bench"))
+    ap.add_argument("--only", choices=["recompute"], help="run one section; writes <out>/<section>.md and .json")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tic = time.perf_counter()
+    if args.only == "recompute":
+        result = recompute.measure(args.steps)
+        recompute.plot(result, out)
+        (out / "recompute.json").write_text(json.dumps(result, indent=1))
+        (out / "recompute.md").write_text("\n".join(recompute.markdown(result)))
+        print((out / "recompute.md").read_text())
+        return 0
     report = {"steps": args.steps, "date": time.strftime("%Y-%m-%d"),
               "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}",
               "in_process": in_process(args.steps), "pipeline": pipeline(max(6, args.steps // 2)),
               "validation": validation(8), "communication": comm.measure(MID),
-              "compile": compiled.measure(MID, args.steps)}
+              "compile": compiled.measure(MID, args.steps), "recompute": recompute.measure(args.steps)}
     report["seconds"] = round(time.perf_counter() - tic, 1)
     figures = plots(report, out)
+    recompute.plot(report["recompute"], out)
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    (out / "report.md").write_text(markdown(report, figures))
+    (out / "report.md").write_text(markdown(report, figures) + "\n".join(recompute.markdown(report["recompute"])))
     print((out / "report.md").read_text())
     print(f"bench: {report['seconds']} s; {out / 'report.md'}")
     return 0

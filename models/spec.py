@@ -11,7 +11,7 @@ and passes on unchanged), so the same list runs in one module or as DeepSpeed pi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
 
 from torch import nn
@@ -63,6 +63,9 @@ class FamilySpec:
     # VAES), and the transformers text-encoder class whose embeddings it reads (models/text_encoder.py ENCODERS).
     vae: str = "AutoencoderKLCogVideoX"
     text_encoder: str = "T5EncoderModel"
+    # Selective recomputation (parallel/recompute.py): per granularity ("attention", "mlp"), the dotted paths,
+    # relative to one layer, of the modules or methods a checkpoint wraps (`attn.core`, `mlp`).
+    recompute_parts: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def training_condition(self, model: ModelConfig, data):
         return self.condition(model, data) if self.condition else None

@@ -19,6 +19,7 @@ from parallel.config import ExperimentConfig
 from parallel.dist.compile import compile_layers
 from parallel.dist.pipeline import DiTPipeline, SeededLayerSpec, SequentialDiT, checkpoint_x_only
 from parallel.dist.sequence import local_range, sp_size_of
+from parallel.recompute import apply_recompute
 
 
 def layer_specs(cfg: ExperimentConfig, ctx, grid: Optional[StepGrid] = None) -> list[SeededLayerSpec]:
@@ -91,6 +92,7 @@ def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Ca
         model = DiTPipeline(specs, topo, blocks_per_stage(cfg), loss_fn, every, checkpoint_fn,
                             dynamic_shape=cfg.data.kind == "directory")
     model.step_grid = grid            # the training loop sets each step's bucket here (parallel/train/engine.py)
+    apply_recompute(model, cfg)       # train.recompute / train.activation_compression (parallel/recompute.py)
     if cfg.model.lora is not None:                # frozen base + adapters (parallel/lora.py)
         from parallel.lora import apply_lora
         apply_lora(model, cfg.model, cfg.train.seed)

@@ -184,6 +184,10 @@ def _check_engine(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
         problems.append(f"{src}: bf16.enabled=true with parallel.pp_size={pp} needs zero_optimization.stage=1 and "
                         f"data_types.grad_accum_dtype=\"fp32\" on DeepSpeed 0.19 (found stage={stage}, "
                         f"grad_accum_dtype={dsc.grad_accum_dtype(ds)!r}); see ds_configs/zero1_bf16.json")
+    if cfg.train.recompute is not None and ds.get("activation_checkpointing") is not None:
+        problems.append(f"train.recompute={cfg.train.recompute.model_dump()} and {src}: activation_checkpointing "
+                        f"both ask for recomputation; keep one: drop the JSON's activation_checkpointing section "
+                        f"(train.recompute granularity=block every=1 does the same) or set train.recompute=null")
     optimizer = ds.get("optimizer") or {}
     kind = str(optimizer.get("type", "AdamW"))
     if kind.lower() not in dsc.ADAM_OPTIMIZERS + dsc.EMA_OPTIMIZERS:

@@ -65,6 +65,25 @@ class ParallelConfig(Section):
     pp_partition: Optional[list[int]] = Field(None, description="blocks per pipeline stage; default uniform")
 
 
+class RecomputeConfig(Section):
+    """Selective activation checkpointing (parallel/recompute.py): which part of a block is recomputed in
+    backward instead of kept, in every `every`-th block (blocks 0, k, 2k, ...). An alternative to the
+    DeepSpeed JSON's activation_checkpointing section, not a companion: the checker refuses both at once."""
+
+    granularity: Literal["block", "attention", "mlp"] = Field(
+        "block", description="block: the whole block keeps only its input; attention: the attention core "
+        "(scores, softmax, rotary, q/k norms); mlp: the feed-forward network")
+    every: int = Field(1, ge=1, description="checkpoint one block in `every` (1 = all blocks)")
+
+
+class CompressionConfig(Section):
+    """Activation compression (parallel/recompute.py): a block's tensors saved for backward are stored at
+    lower precision and cast back when backward needs them. Lossy: gradients change."""
+
+    dtype: Literal["bf16", "fp8"] = Field("bf16", description="bf16: fp32 tensors stored as bf16; fp8: fp32 "
+                                          "and bf16 tensors stored as float8 e4m3 with one fp32 scale per tensor")
+
+
 class TrainConfig(Section):
     seed: int = 1234
     max_steps: int = Field(100, ge=0)
@@ -84,6 +103,10 @@ class TrainConfig(Section):
                           "parallel/dist/compile.py); docs/performance.md gives compile time and speed-up here")
     compile_backend: Literal["inductor", "aot_eager"] = Field("inductor", description="torch.compile's backend "
                                                                "with train.compile")
+    recompute: Optional[RecomputeConfig] = Field(None, description="selective activation checkpointing; "
+                                                 "null = the JSON's activation_checkpointing section decides")
+    activation_compression: Optional[CompressionConfig] = Field(None, description="store saved activations "
+                                                                "at lower precision; null = off")
 
 
 class CkptConfig(Section):

@@ -20,6 +20,7 @@ SPEC = FamilySpec(
     attentions_per_layer=1,
     attention_pairs=lambda m, grid: (m.max_text_len + math.prod(grid)) ** 2,
     describe_layers=lambda m: f"{m.num_layers} blocks",
+    recompute_parts={"attention": ("attn.core",), "mlp": ("mlp",)},
     released=DIFFUSERS,
     condition=first_frame_condition,
 )

@@ -184,8 +184,11 @@ class DiTBlock(nn.Module):
         h, gate, gate_txt = self.norm1(x, temb, self.n_txt)
         x = x + gated(self.attn(h), gate, gate_txt, self.n_txt)
         h, gate, gate_txt = self.norm2(x, temb, self.n_txt)
-        ff = self.ff_out(F.gelu(self.ff_in(h), approximate="tanh"))       # (B, S, H)
-        return x + gated(ff, gate, gate_txt, self.n_txt), temb
+        return x + gated(self.mlp(h), gate, gate_txt, self.n_txt), temb
+
+    def mlp(self, h):
+        """GELU FFN (B, S, H) -> (B, S, H); a method so that selective recomputation can wrap it."""
+        return self.ff_out(F.gelu(self.ff_in(h), approximate="tanh"))
 
 
 class FinalStage(nn.Module):

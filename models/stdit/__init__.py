@@ -23,5 +23,6 @@ SPEC = FamilySpec(
     attentions_per_layer=2,                  # a spatial and a temporal self-attention
     attention_pairs=attention_pairs,
     describe_layers=lambda m: f"{m.num_layers} layers ({m.num_layers} spatial + {m.num_layers} temporal blocks)",
+    recompute_parts={"attention": ("spatial.attn.core", "temporal.attn.core"), "mlp": ("spatial.mlp", "temporal.mlp")},
     layer_noun="layer",
 )

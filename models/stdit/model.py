@@ -173,7 +173,11 @@ class STDiT3Block(nn.Module):
         x = x + gate_msa * self.attn(h)
         x = x + self.cross_attn(x, y)
         h = modulate(F.layer_norm(x, (hid,), eps=1e-6), shift_mlp, scale_mlp)
-        return x + gate_mlp * self.mlp_fc2(F.gelu(self.mlp_fc1(h), approximate="tanh"))
+        return x + gate_mlp * self.mlp(h)
+
+    def mlp(self, h):
+        """GELU MLP (B, S, H) -> (B, S, H); a method so that selective recomputation can wrap it."""
+        return self.mlp_fc2(F.gelu(self.mlp_fc1(h), approximate="tanh"))
 
 
 class STDiT3Layer(nn.Module):

@@ -26,6 +26,7 @@ SPEC = FamilySpec(
     attentions_per_layer=1,
     attention_pairs=attention_pairs,
     describe_layers=lambda m: f"{m.num_layers} blocks",
+    recompute_parts={"attention": ("attn1.core",), "mlp": ("ffn",)},     # self-attention; cross-attention is S x L
     released=DIFFUSERS,
     vae="AutoencoderKLWan",                  # latents (x - latents_mean) / latents_std per channel
     text_encoder="UMT5EncoderModel",         # padding rows zeroed, as WanPipeline

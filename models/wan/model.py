@@ -165,8 +165,11 @@ class WanBlock(nn.Module):
         h = F.layer_norm(x.float(), (hid,), self.norm2.weight.float(), self.norm2.bias.float(), EPS).to(dtype)
         x = x + self.attn2(h, y)
         h = (F.layer_norm(x.float(), (hid,), eps=EPS) * (1 + c_scale) + c_shift).to(dtype)
-        ff = self.ffn_out(F.gelu(self.ffn_in(h), approximate="tanh"))
-        return (x.float() + ff.float() * c_gate).to(dtype), temb, tproj, y
+        return (x.float() + self.ffn(h).float() * c_gate).to(dtype), temb, tproj, y
+
+    def ffn(self, h):
+        """GELU FFN (B, S, H) -> (B, S, H); a method so that selective recomputation can wrap it."""
+        return self.ffn_out(F.gelu(self.ffn_in(h), approximate="tanh"))
 
 
 class EmbedStage(nn.Module):

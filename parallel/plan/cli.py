@@ -69,7 +69,10 @@ def plan_report(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer,
                        "zero": eng.zero, "micro_batch": cfg.train.micro_batch_size,
                        "grad_accum": cfg.train.grad_accum_steps, "checkpoint_every": eng.checkpoint_every,
                        "partition_activations": eng.partition_activations,
-                       "cpu_checkpointing": eng.cpu_checkpointing},
+                       "cpu_checkpointing": eng.cpu_checkpointing,
+                       "recompute": None if cfg.train.recompute is None else cfg.train.recompute.model_dump(),
+                       "activation_compression": None if cfg.train.activation_compression is None
+                       else cfg.train.activation_compression.dtype},
             "device": _device_dict(args), "assumptions": _assumptions(args), **_memory_dict(memory)}
 
 
@@ -89,7 +92,7 @@ def _candidate_dict(c: Candidate, args) -> dict:
     ds_arg = shipped or "PLANNED.json"
     d = c.dims
     return {"tp": d.tp_size, "sp": d.sp_size, "pp": d.pp_size, "dp": d.dp_size, "zero": c.zero,
-            "checkpointing": c.checkpointing, "micro_batch": c.micro_batch,
+            "checkpointing": c.checkpointing, "recompute": c.recompute, "micro_batch": c.micro_batch,
             "global_batch": c.cfg.global_batch_size(d.dp_size),
             "memory": {"total": c.memory.worst.total, "worst_stage": c.memory.worst.stage,
                        "headroom": c.memory.headroom, "lines": c.memory.worst.lines,
@@ -127,6 +130,11 @@ def render_plan_text(r: dict) -> str:
     if lay["checkpoint_every"]:
         ckpt = f"every {lay['checkpoint_every']} block(s)" + (", partitioned over tp" if lay["partition_activations"]
                                                             else "") + (", on host" if lay["cpu_checkpointing"] else "")
+    if lay.get("recompute"):
+        rc = lay["recompute"]
+        ckpt = f"{rc['granularity']} of every {rc['every']} block(s) (train.recompute)"
+    if lay.get("activation_compression"):
+        ckpt += f", saved activations stored as {lay['activation_compression']}"
     out = _header(r) + [
         f"layout: tp={lay['tp']} sp={lay['sp']} pp={lay['pp']} dp={lay['dp']}, ZeRO-{lay['zero']} ({r['optimizer']}), "
         f"micro-batch {lay['micro_batch']} x {lay['grad_accum']} accumulation steps, activation checkpointing {ckpt}",
@@ -157,7 +165,7 @@ def render_plan_text(r: dict) -> str:
 
 def _row(rank, c: dict) -> str:
     t = c["step_time"] or {}
-    ckpt = "on" if c["checkpointing"] else "off"
+    ckpt = c["recompute"]
     return (f"{rank:>4} {c['tp']:>3} {c['sp']:>3} {c['pp']:>3} {c['dp']:>4} {c['zero']:>5} {ckpt:>5} "
             f"{c['micro_batch']:>4} {gib(c['memory']['total']):>8} {gib(c['memory']['headroom']):>8} "
             + (f"{t['total']:>8.2f} {t['samples_per_s']:>9.3f} {t['compute']:>8.2f} {t['tp']:>6.2f} {t['sp']:>6.2f} "
@@ -187,7 +195,7 @@ def render_search_text(r: dict) -> str:
     if r["not_fitting"]:
         out += ["", "closest that do not fit (micro-batch 1):"] + [
             f"  tp={c['tp']} sp={c['sp']} pp={c['pp']} dp={c['dp']} ZeRO-{c['zero']} checkpointing "
-            f"{'on' if c['checkpointing'] else 'off'}: {gib(c['memory']['total'])} GiB" for c in r["not_fitting"][:3]]
+            f"{c['recompute']}: {gib(c['memory']['total'])} GiB" for c in r["not_fitting"][:3]]
     if r["invalid"]:
         out += ["", "refused by the checker (parallel.check):"]
         for item in r["invalid"][:INVALID_SHOWN]:
@@ -221,7 +229,7 @@ def render_markdown(r: dict) -> str:
     rows = ["| rank | tp | sp | pp | dp | ZeRO | ckpt | micro-batch | GiB | step s | samples/s |", "|" + "---:|" * 11]
     for i, c in enumerate(r["ranked"]):
         t = c["step_time"]
-        ckpt = "on" if c["checkpointing"] else "off"
+        ckpt = c["recompute"]
         rows.append(f"| {i + 1} | {c['tp']} | {c['sp']} | {c['pp']} | {c['dp']} | {c['zero']} | {ckpt} | {c['micro_batch']} "
                     f"| {gib(c['memory']['total'])} | {t['total']:.2f} | {t['samples_per_s']:.3f} |")
     return "\n".join(_header(r) + [""] + rows)

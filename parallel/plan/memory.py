@@ -45,6 +45,7 @@ from parallel import ds_config as dsc
 from parallel.config import ExperimentConfig
 from parallel.build import blocks_per_stage, checkpoint_interval
 from parallel.plan.trace import ActivationTracer
+from parallel.recompute import checkpointed_blocks
 from parallel.units import BYTES, DTYPES, GiB
 
 DEFAULT_BUCKET = 500_000_000              # DeepSpeed 0.19's reduce bucket default (elements)
@@ -304,13 +305,24 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
     eng = EngineSettings.from_ds(ds, cfg.model.num_layers)
     embed, block, final = (tracer.trace(kind, tp, b, sp) for kind in ("embed", "block", "final"))
     k = eng.checkpoint_every
+    # train.recompute / train.activation_compression: blocks i % every == 0 keep `selected`'s bytes, the others
+    # `plain`'s (both compressed when compression is on); recomputing one block re-creates its uncompressed
+    # activations less what it kept, once at a time during backward.
+    rc, comp = cfg.train.recompute, cfg.train.activation_compression
+    compression = comp.dtype if comp is not None else None
+    plain = tracer.trace("block", tp, b, sp, None, compression)
+    selected = tracer.trace("block", tp, b, sp, rc.granularity, compression) if rc is not None else plain
+    every = rc.every if rc is not None else 1
     # Checkpoint inputs: x per segment (the side tensors, temb or STDiT's t, t_mlp, y, pass as views of the
     # shared ones unless DeepSpeed copies inputs for partitioning or host offload), divided over tp ranks
     # when partitioned.
     copies = eng.partition_activations or eng.cpu_checkpointing
     seg_input = (block.input_bytes + (block.side_total if copies else 0)) // (tp if eng.partition_activations else 1)
     stages = []
-    for s, n in enumerate(blocks_per_stage(cfg)):
+    counts = blocks_per_stage(cfg)
+    for s, n in enumerate(counts):
+        start = sum(counts[:s])
+        chosen = checkpointed_blocks(cfg.model.num_layers, every, start, start + n) if rc is not None else 0
         first, last = s == 0, s == pp - 1
         flight = min(pp - s, m)
         params = list(embed.params if first else ()) + list(block.params) * n + list(final.params if last else ())
@@ -322,7 +334,8 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
         own = (embed.activations if first else 0) + (final.activations if last else 0)
         # Side tensors are held once per stage: those its blocks save (all of them when checkpoints keep
         # views of them) or its final layer saves.
-        shared = sum(size for size, in_block, in_final in zip(block.side_bytes, block.side_saved, final.side_saved)
+        saves_side = block.side_saved if rc is None else tuple(a or c for a, c in zip(plain.side_saved, selected.side_saved))
+        shared = sum(size for size, in_block, in_final in zip(block.side_bytes, saves_side, final.side_saved)
                      if (n and (k or in_block)) or (last and in_final))
         host_acts = 0
         if k:
@@ -330,6 +343,10 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
             kept = 0 if eng.cpu_checkpointing else segments * seg_input
             host_acts = flight * segments * seg_input if eng.cpu_checkpointing else 0
             acts, recompute = flight * (kept + shared + own), min(k, n) * block.activations
+        elif rc is not None or comp is not None:
+            kept = chosen * selected.activations + (n - chosen) * plain.activations
+            acts = flight * (kept + shared + own)
+            recompute = max(block.activations - selected.activations, 0) if chosen else 0
         else:
             acts, recompute = flight * (n * block.activations + shared + own), 0
         boundary = block.input_bytes + block.side_total
@@ -348,6 +365,7 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
         stages.append(StageMemory(s, n, flight, {key: lines[key] for key, _ in LINES},
                                   {**host, "activations": host_acts}, numel))
     per_block = {"block_activations": block.activations, "block_input": block.input_bytes,
+                 "selected_block_activations": selected.activations, "plain_block_activations": plain.activations,
                  "checkpoint_input": seg_input, "side_inputs": block.side_total, "embed_activations": embed.activations,
                  "final_activations": final.activations, "block_params": sum(n_ for n_, _ in block.params)}
     return MemoryPlan(stages, device_memory, eng.optimizer_path(pp), per_block)

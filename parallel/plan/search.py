@@ -4,12 +4,15 @@ by `parallel.check`, sized by `parallel.plan.memory`, and ranked by an estimated
 Step time of one optimizer step (m = train.grad_accum_steps micro-batches of b samples, S tokens,
 L blocks of hidden size H, N parameters):
 
-    compute  m b (6 N S + 12 L A H) / (tp sp pp) / (peak x utilisation)  x 4/3 with full recompute
+    compute  m b (6 N S + 12 L A H) / (tp sp pp) / (peak x utilisation)  x (1 + f/3) with recompute, f the
+             fraction of the blocks' forward FLOPs repeated in backward: 1 with full checkpointing; with
+             train.recompute, (checkpointed blocks / L) x the granularity's FLOP fraction, counted on the
+             traced block (ActivationTracer.recompute_fraction: attention core, MLP or 1 for a block)
              (A = attention pairs per layer: S^2; STDiT: t (hw)^2 + hw t^2 + 2 S L_text, whose text
              K/V projections, 1/8 of a block's weights, 6 N S counts over S tokens instead of L: an overestimate)
-    TP       m (L / pp) (4 [+2 recompute]) all-reduces of b S/sp H, ring 2 (tp-1)/tp, intra-node bandwidth
+    TP       m (L / pp) (4 [+2 f]) all-reduces of b S/sp H, ring 2 (tp-1)/tp, intra-node bandwidth
              (STDiT: 12 [+6] per layer, 3 row-parallel outputs in each of its two blocks)
-    SP       m (L / pp) a (8 [+4 recompute]) all-to-alls of b S/sp H/tp (q, k, v, out forward and their
+    SP       m (L / pp) a (8 [+4 f]) all-to-alls of b S/sp H/tp (q, k, v, out forward and their
              gradients backward; a = self-attentions per layer), each moving (sp-1)/sp of it, intra-node
              while tp x sp fits a node
     PP       m x 2 (activation forward, gradient backward) of the stage boundary, p2p
@@ -18,6 +21,12 @@ L blocks of hidden size H, N parameters):
              parameter all-gathers per micro-batch), over the inter-node network when the group spans nodes;
              grad bytes in communication_data_type, ZeRO++ (`dp_bytes`): int4 gradients, int8 forward weights,
              and hpz's backward all-gather over (h-1)/h of the weights on the intra-node link
+
+Recomputed collectives are scaled by f too: an approximation for selective recomputation (an attention
+core repeats its all-to-alls and no all-reduce, an MLP one all-reduce), exact for whole blocks.
+Each layout and ZeRO stage is tried with every recompute option (RECOMPUTE_OPTIONS: none, the JSON's
+full checkpointing, attention core, MLP, every second block); activation compression is lossy and so
+is never chosen here: the user's train.activation_compression is planned as set.
 
 Layouts are ranked by samples per second (global batch / step time), since the micro-batch and dp
 (and so the global batch) differ between layouts.
@@ -33,13 +42,17 @@ from typing import Optional
 
 from models.registry import family
 from parallel.check import check, divisors
-from parallel.config import ExperimentConfig
+from parallel.config import ExperimentConfig, RecomputeConfig
 from parallel.dist.topology import ParallelDims
 from parallel.plan.memory import EngineSettings, MemoryPlan, plan_memory
 from parallel.plan.trace import ActivationTracer, attention_pairs, sequence_length
+from parallel.recompute import checkpointed_blocks
 
 DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
 MAX_MICRO_BATCH = 64
+# (JSON activation_checkpointing on, train.recompute granularity, every): the options the search compares.
+RECOMPUTE_OPTIONS = ((True, None, 1), (False, None, 1), (False, "attention", 1), (False, "mlp", 1),
+                     (False, "block", 2))
 
 
 @dataclass(frozen=True)
@@ -108,21 +121,21 @@ def estimate_step_time(cfg: ExperimentConfig, eng: EngineSettings, dp: int, devi
     trace = tracer.trace("block", tp, b, sp)
     seq = sequence_length(cfg)
     n_all, n_blocks = count_params(tracer)
-    recompute = bool(eng.checkpoint_every)
+    f = recompute_fraction(cfg, eng, tracer)
     block_flops = 6 * n_blocks * seq + 12 * m_cfg.num_layers * attention_pairs(cfg) * m_cfg.hidden_size
-    flops = b * (block_flops * (4 / 3 if recompute else 1) + 6 * (n_all - n_blocks) * seq)
+    flops = b * (block_flops * (1 + f / 3) + 6 * (n_all - n_blocks) * seq)
     peak = device.bf16_flops if eng.lp == 2 else device.fp32_flops
     compute = m * flops / (tp * sp * pp) / (peak * utilisation)
     ring = lambda n: 2 * (n - 1) / n  # noqa: E731  (bytes moved per device by a ring all-reduce, x size)
     tp_time = 0.0
     if tp > 1:
         row_parallel = family(m_cfg).row_parallel_per_layer     # b S H all-reduces per layer's forward
-        per_block = row_parallel * (3 if recompute else 2) * ring(tp) * trace.input_bytes / device.intra_bw
+        per_block = row_parallel * (2 + f) * ring(tp) * trace.input_bytes / device.intra_bw
         tp_time = m * (m_cfg.num_layers / pp) * per_block
     sp_time = 0.0
     if sp > 1:
         link = device.inter_bw if tp * sp > per_node else device.intra_bw
-        per_attention = (12 if recompute else 8) * (sp - 1) / sp * trace.input_bytes / tp / link
+        per_attention = (8 + 4 * f) * (sp - 1) / sp * trace.input_bytes / tp / link
         sp_time = m * (m_cfg.num_layers / pp) * family(m_cfg).attentions_per_layer * per_attention
     pp_time = 0.0
     if pp > 1:
@@ -140,6 +153,17 @@ def estimate_step_time(cfg: ExperimentConfig, eng: EngineSettings, dp: int, devi
     work = compute + tp_time + sp_time + pp_time
     total = work * (m + pp - 1) / m + dp_time
     return StepTime(compute, tp_time, pp_time, dp_time, sp_time, work * (pp - 1) / m, total, b * m * dp / total)
+
+
+def recompute_fraction(cfg: ExperimentConfig, eng: EngineSettings, tracer: ActivationTracer) -> float:
+    """f of the module docstring: the share of the blocks' forward FLOPs that backward repeats."""
+    rc = cfg.train.recompute
+    if eng.checkpoint_every:
+        return 1.0
+    if rc is None:
+        return 0.0
+    tp, sp, layers = cfg.parallel.tp_size, cfg.parallel.sp_size, cfg.model.num_layers
+    return tracer.recompute_fraction(rc.granularity, tp, sp) * checkpointed_blocks(layers, rc.every) / layers
 
 
 def ds_variant(ds: dict, zero: int, checkpointing: bool) -> dict:
@@ -192,10 +216,21 @@ class Candidate:
     time: Optional[StepTime] = None
 
     @property
+    def recompute(self) -> str:
+        """on (the JSON's full checkpointing), off, or train.recompute's granularity (/every when > 1)."""
+        rc = self.cfg.train.recompute
+        if rc is None:
+            return "on" if self.checkpointing else "off"
+        return rc.granularity + (f"/{rc.every}" if rc.every > 1 else "")
+
+    @property
     def overrides(self) -> list[str]:
-        d = self.dims
+        d, rc = self.dims, self.cfg.train.recompute
+        recompute = [f"train.recompute.granularity={rc.granularity}"] + \
+            ([f"train.recompute.every={rc.every}"] if rc.every > 1 else []) if rc is not None else []
         return [f"parallel.tp_size={d.tp_size}", f"parallel.pp_size={d.pp_size}"] \
-            + ([f"parallel.sp_size={d.sp_size}"] if d.sp_size > 1 else []) + [f"train.micro_batch_size={self.micro_batch}"]
+            + ([f"parallel.sp_size={d.sp_size}"] if d.sp_size > 1 else []) \
+            + [f"train.micro_batch_size={self.micro_batch}"] + recompute
 
 
 @dataclass
@@ -205,10 +240,13 @@ class SearchResult:
     invalid: list[tuple[dict, list[str]]]
 
 
-def with_layout(cfg: ExperimentConfig, dims: ParallelDims, micro_batch: int) -> ExperimentConfig:
+def with_layout(cfg: ExperimentConfig, dims: ParallelDims, micro_batch: int,
+                recompute: Optional[tuple] = None) -> ExperimentConfig:
+    """cfg at this layout and micro-batch; `recompute` (granularity, every) sets train.recompute (None: off)."""
     parallel = cfg.parallel.model_copy(update={"tp_size": dims.tp_size, "pp_size": dims.pp_size,
                                                "sp_size": dims.sp_size, "dp_size": None, "pp_partition": None})
-    train = cfg.train.model_copy(update={"micro_batch_size": micro_batch})
+    rc = None if recompute is None else RecomputeConfig(granularity=recompute[0], every=recompute[1])
+    train = cfg.train.model_copy(update={"micro_batch_size": micro_batch, "recompute": rc})
     return cfg.model_copy(update={"parallel": parallel, "train": train})
 
 
@@ -223,16 +261,18 @@ def search(cfg: ExperimentConfig, ds: dict, devices: int, per_node: int, device_
             dp = devices // (tp * sp * pp)
             dims = ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp)
             for zero in range(4):
-                for checkpointing in (True, False):
-                    cfg_l, ds_l = with_layout(cfg, dims, 1), ds_variant(ds, zero, checkpointing)
-                    _, problems = check(cfg_l, ds_l, f"{source} at zero_optimization.stage={zero}", devices)
+                for n, (checkpointing, granularity, every) in enumerate(RECOMPUTE_OPTIONS):
+                    rc = (granularity, every) if granularity else None
+                    cfg_l, ds_l = with_layout(cfg, dims, 1, rc), ds_variant(ds, zero, checkpointing)
+                    # The verdict does not depend on the recompute option (ds_variant drops the JSON's section
+                    # whenever train.recompute is set): checked and reported once.
+                    problems = [] if n else check(cfg_l, ds_l, f"{source} at zero_optimization.stage={zero}", devices)[1]
                     if problems:
-                        if checkpointing:      # the verdict does not depend on checkpointing: report once
-                            invalid.append(({"tp": tp, "sp": sp, "pp": pp, "dp": dp, "zero": zero}, problems))
-                        continue
+                        invalid.append(({"tp": tp, "sp": sp, "pp": pp, "dp": dp, "zero": zero}, problems))
+                        break
                     best = None
                     for b in (2 ** i for i in range(int(math.log2(MAX_MICRO_BATCH)) + 1)):
-                        cfg_b = with_layout(cfg, dims, b)
+                        cfg_b = with_layout(cfg, dims, b, rc)
                         memory = plan_memory(cfg_b, ds_l, dp, device_memory, tracer, margin, workspace)
                         cand = Candidate(dims, zero, checkpointing, b, cfg_b, ds_l, memory)
                         if not memory.fits:

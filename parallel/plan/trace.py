@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from models.diffusion import mse_loss
 from models.geometry import PositionCache, latent_shape, token_grid
@@ -44,6 +45,7 @@ from models.registry import family, sequence_tokens
 from parallel.config import ExperimentConfig
 from parallel.build import layer_specs
 from parallel.lora import apply_lora
+from parallel.recompute import packed_nbytes, wrap_layer
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -214,8 +216,9 @@ class ActivationTracer:
         self._modules: dict = {}
         self._traces: dict = {}
 
-    def _module(self, kind: str, tp: int, sp: int = 1):
-        if (kind, tp, sp) not in self._modules:
+    def _module(self, kind: str, tp: int, sp: int = 1, granularity: Optional[str] = None):
+        """The stage module on meta; a block with `granularity` checkpointed as train.recompute would."""
+        if (kind, tp, sp, granularity) not in self._modules:
             ctx = TraceContext(tp, sp)
             specs = layer_specs(self.cfg, ctx)
             spec = {"embed": specs[0], "block": specs[1], "final": specs[-1]}[kind]
@@ -225,8 +228,10 @@ class ActivationTracer:
                     apply_lora(module, self.cfg.model, self.cfg.train.seed, prefix=f"{spec.name}.")
                 for param in module.parameters():     # as DeepSpeed 0.19 casts: parameters, not buffers
                     param.data = param.data.to(self.dtype)
-            self._modules[(kind, tp, sp)] = (module, ctx)
-        return self._modules[(kind, tp, sp)]
+            if granularity is not None:
+                wrap_layer(module, family(self.cfg.model).recompute_parts, granularity, None)
+            self._modules[(kind, tp, sp, granularity)] = (module, ctx)
+        return self._modules[(kind, tp, sp, granularity)]
 
     def _inputs(self, kind: str, tp: int, b: int, sp: int = 1):
         """Meta tensors of the stage's input; a block's and final's are the embed stage's outputs, as leaves
@@ -241,8 +246,9 @@ class ActivationTracer:
             out = embed(raw)
         return tuple(torch.empty(t.shape, dtype=t.dtype, requires_grad=t.is_floating_point()) for t in out)
 
-    def _trace(self, kind: str, tp: int, b: int, sp: int = 1) -> StageTrace:
-        module, ctx = self._module(kind, tp, sp)
+    def _trace(self, kind: str, tp: int, b: int, sp: int = 1, granularity: Optional[str] = None,
+               compression: Optional[str] = None) -> StageTrace:
+        module, ctx = self._module(kind, tp, sp, granularity)
         with torch.device("meta"), ctx.collectives_as_identity(), fused_attention_on_meta():
             inputs = self._inputs(kind, tp, b, sp)
             with record_saved() as saved:
@@ -253,7 +259,8 @@ class ActivationTracer:
         held = held_storages(module)
         x, *side = out if kind == "embed" else inputs
         side_keys = [storage_key(t) for t in side]
-        acts = sum(storage_bytes(t) for k, t in saved.items() if k not in skip and k not in held and k not in side_keys)
+        size = (lambda t: packed_nbytes(t, compression)) if compression else storage_bytes
+        acts = sum(size(t) for k, t in saved.items() if k not in skip and k not in held and k not in side_keys)
         params = tuple((p.numel(), p.dim()) for p in module.parameters())
         trainable = tuple((p.numel(), p.dim()) for p in module.parameters() if p.requires_grad) \
             if self.cfg.model.lora is not None else None
@@ -261,14 +268,36 @@ class ActivationTracer:
                           tuple(kind != "embed" and k in saved for k in side_keys), sum(held.values()), params,
                           sum(table_storages(module).values()), trainable)
 
-    def trace(self, kind: str, tp: int, b: int, sp: int = 1) -> StageTrace:
-        """The trace at micro-batch b (one sp rank's tokens): traced at 1 and 2, extrapolated linearly beyond."""
+    def trace(self, kind: str, tp: int, b: int, sp: int = 1, granularity: Optional[str] = None,
+              compression: Optional[str] = None) -> StageTrace:
+        """The trace at micro-batch b (one sp rank's tokens): traced at 1 and 2, extrapolated linearly beyond.
+        A block's with train.recompute's `granularity` checkpointed (its kept inputs count as saved) and/or
+        with train.activation_compression's `compression` (each saved activation at its packed size)."""
+        option = (granularity, compression) if kind == "block" else (None, None)
         for n in (1, 2):
-            if (kind, tp, n, sp) not in self._traces:
-                self._traces[(kind, tp, n, sp)] = self._trace(kind, tp, n, sp)
+            if (kind, tp, n, sp, option) not in self._traces:
+                self._traces[(kind, tp, n, sp, option)] = self._trace(kind, tp, n, sp, *option)
         if b in (1, 2):
-            return self._traces[(kind, tp, b, sp)]
-        one, two = self._traces[(kind, tp, 1, sp)], self._traces[(kind, tp, 2, sp)]
+            return self._traces[(kind, tp, b, sp, option)]
+        one, two = self._traces[(kind, tp, 1, sp, option)], self._traces[(kind, tp, 2, sp, option)]
         return StageTrace(_affine(one.activations, two.activations, b), _affine(one.input_bytes, two.input_bytes, b),
                           tuple(_affine(a, c, b) for a, c in zip(one.side_bytes, two.side_bytes)), one.side_saved,
                           one.buffers, one.params, one.tables, one.trainable)
+
+    def recompute_fraction(self, granularity: str, tp: int = 1, sp: int = 1) -> float:
+        """FLOPs a checkpointed block repeats in backward, as a fraction of its forward's: (forward + backward
+        with `granularity` checkpointed - without) / forward, counted by torch's FlopCounterMode on meta
+        (block: 1; CogVideoX debug: attention 0.06, mlp 0.29)."""
+        key = ("flops", granularity, tp, sp)
+        if key not in self._traces:
+            totals = []
+            for g in (None, granularity):
+                module, ctx = self._module("block", tp, sp, g)
+                with torch.device("meta"), ctx.collectives_as_identity(), FlopCounterMode(display=False) as count:
+                    out = module(self._inputs("block", tp, 1, sp))[0]
+                    forward = count.get_total_flops()
+                    out.sum().backward()
+                totals.append((forward, count.get_total_flops()))
+            (forward, plain), (_, with_recompute) = totals
+            self._traces[key] = (with_recompute - plain) / forward
+        return self._traces[key]

@@ -275,7 +275,7 @@ def test_search_ranks_fitting_layouts_and_explains_refusals(capsys):
     from parallel.plan.search import ds_variant, with_layout
 
     code, out, _ = cli(capsys, *FIVE_B, "--deepspeed_config", "ds_configs/zero1_bf16.json", "--search",
-                       "--format", "json", "--top", "100")
+                       "--format", "json", "--top", "1000")
     r = json.loads(out)
     ranked = r["ranked"]
     assert code == 0 and len(ranked) == r["counts"]["fitting"] >= 5
@@ -290,7 +290,9 @@ def test_search_ranks_fitting_layouts_and_explains_refusals(capsys):
     assert {c["sp"] for c in ranked} > {1}
     best = ranked[0]
     assert best["overrides"] == [f"parallel.tp_size={best['tp']}", f"parallel.pp_size={best['pp']}"] \
-        + ([f"parallel.sp_size={best['sp']}"] if best["sp"] > 1 else []) + [f"train.micro_batch_size={best['micro_batch']}"]
+        + ([f"parallel.sp_size={best['sp']}"] if best["sp"] > 1 else []) + [f"train.micro_batch_size={best['micro_batch']}"] \
+        + [o for o in best["overrides"] if o.startswith("train.recompute.")]
+    assert {c["recompute"] for c in ranked} >= {"off", "on", "attention", "mlp", "block/2"}
     # The best layout, run back through plan mode with its overrides and ds_config, gives the same total.
     cfg_path = "configs/cogvideox-5b.yaml"
     import tempfile
