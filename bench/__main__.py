@@ -1,6 +1,8 @@
 """`python -m bench`: the toolkit measured against its references, side by side in one run, as ratios.
 
     python -m bench [--steps 20] [--out bench]      # writes bench/report.md, bench/report.json and PNGs
+    python -m bench --only peer                      # one section (or several, comma-separated); the others
+                                                     # keep their figures from the existing report.json
 
 Sections (each names what it is compared with):
   overhead      toolkit DiT vs the same network with plain nn.Linear, one DeepSpeed engine each (ZeRO-0 fp32)
@@ -10,6 +12,7 @@ Sections (each names what it is compared with):
   pipeline      train.py at pp = 2 with m = 1, 2, 4, 8 micro-batches vs the 1F1B model (m + p - 1) / m
   validation    validation time at 1 and 2 ranks (train.py, the same validation set)
   communication bytes per step of tp 2, dp 2 x ZeRO 1/2/3 and pp 2 runs vs the textbook volumes (bench/comm.py)
+  peer          the toolkit vs diffusers' CogVideoX and Wan on the same weights, with a profile (bench/peer.py)
 Nothing here is asserted: these are measurements on a shared machine, reported with their medians.
 """
 from __future__ import annotations
@@ -30,19 +33,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import comm  # noqa: E402
+from bench import comm, peer  # noqa: E402
+from bench.device import matmul_flops  # noqa: E402
 from bench.overhead import MID, build_engines  # noqa: E402
-
-
-def matmul_flops(n: int = 1024, seconds: float = 2.0) -> float:
-    """This machine's fp32 matmul rate (FLOP/s), the best of repeated n x n x n products."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    best, end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        tic = time.perf_counter()
-        a @ b
-        best = max(best, 2 * n ** 3 / (time.perf_counter() - tic))
-    return best
 
 
 def step_flops(cfg) -> float:
@@ -197,6 +190,9 @@ def plots(report: dict, out: Path) -> list[str]:
 
 
 def markdown(r: dict, figures: list[str]) -> str:
+    peer_lines = peer.markdown(r["peer"]) if "peer" in r else []
+    if "in_process" not in r:                      # a report of the peer section alone
+        return "\n".join([f"# Benchmarks ({r['date']}, {r['machine']})", *peer_lines, ""])
     p = r["in_process"]
     med = p["median_step_s"]
     lines = [f"# Benchmarks ({r['date']}, {r['machine']})", "",
@@ -231,24 +227,38 @@ def markdown(r: dict, figures: list[str]) -> str:
               "Communication volumes are whole-tensor sizes per step and rank (an all-gather's output, a "
               "reduce-scatter's input); pipeline bytes are what both stages sent. ZeRO-3 moves 2 x parameters "
               "here, not 3: DeepSpeed keeps a gathered parameter for backward when it is reused within "
-              "stage3_max_reuse_distance, which every parameter of a small model is.", ""]
+              "stage3_max_reuse_distance, which every parameter of a small model is.", *peer_lines, ""]
     return "\n".join(lines)
+
+
+SECTIONS = {"in_process": lambda steps: in_process(steps), "pipeline": lambda steps: pipeline(max(6, steps // 2)),
+            "validation": lambda steps: validation(8), "communication": lambda steps: comm.measure(MID),
+            "peer": lambda steps: peer.run()}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=str(ROOT / "bench"))
+    ap.add_argument("--only", default=",".join(SECTIONS),
+                    help=f"comma-separated sections to run ({', '.join(SECTIONS)}); the others keep the figures "
+                         f"of the existing report.json in --out")
     args = ap.parse_args()
+    only = [x.strip() for x in args.only.split(",") if x.strip()]
+    unknown = [x for x in only if x not in SECTIONS]
+    if unknown:
+        ap.error(f"--only {','.join(unknown)}: unknown section; choose from {', '.join(SECTIONS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tic = time.perf_counter()
-    report = {"steps": args.steps, "date": time.strftime("%Y-%m-%d"),
-              "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}",
-              "in_process": in_process(args.steps), "pipeline": pipeline(max(6, args.steps // 2)),
-              "validation": validation(8), "communication": comm.measure(MID)}
+    old = out / "report.json"
+    report = json.loads(old.read_text()) if old.is_file() and len(only) < len(SECTIONS) else {}
+    report.update({"steps": args.steps, "date": time.strftime("%Y-%m-%d"),
+                   "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}"})
+    for name in only:
+        report[name] = SECTIONS[name](args.steps)
     report["seconds"] = round(time.perf_counter() - tic, 1)
-    figures = plots(report, out)
+    figures = plots(report, out) if "pipeline" in report and "in_process" in report else []
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "report.md").write_text(markdown(report, figures))
     print((out / "report.md").read_text())

@@ -21,7 +21,7 @@ from einops import rearrange
 from torch import nn
 
 from models.cogvideox.config import CogVideoXConfig
-from models.embeddings import apply_rope, rope_3d, sincos_3d, timestep_embedding
+from models.embeddings import apply_rope_complex, rope_3d_complex, sincos_3d, timestep_embedding
 from models.geometry import PositionCache, patchify, unpatchify
 from parallel.dist.comm import copy_to_tp
 from parallel.dist.layers import ColumnParallelLinear, RowParallelLinear
@@ -96,14 +96,19 @@ class AdaLayerNormZero(nn.Module):
     def forward(self, x, temb, n_txt):
         shift, scale, gate, shift_txt, scale_txt, gate_txt = self.linear(F.silu(temb)).chunk(6, dim=1)
         h = self.norm(x)                                                   # (B, S, H)
-        txt = h[:, :n_txt] * (1 + scale_txt[:, None]) + shift_txt[:, None]
-        vid = h[:, n_txt:] * (1 + scale[:, None]) + shift[:, None]
-        return torch.cat([txt, vid], dim=1), gate[:, None], gate_txt[:, None]
+        # h (1 + scale) + shift with video's scale and shift on every token in one pass (addcmul), then the
+        # text rows rewritten with theirs: no third pass to concatenate text and video parts
+        out = torch.addcmul(shift[:, None], h, 1 + scale[:, None])
+        out[:, :n_txt] = torch.addcmul(shift_txt[:, None], h[:, :n_txt], 1 + scale_txt[:, None])
+        return out, gate[:, None], gate_txt[:, None]
 
 
-def gated(update, gate, gate_txt, n_txt):
-    """Residual update with separate gates for text and video tokens."""
-    return torch.cat([gate_txt * update[:, :n_txt], gate * update[:, n_txt:]], dim=1)
+def gated_residual(x, update, gate, gate_txt, n_txt):
+    """x + gate * update with separate gates for text and video tokens: the video gate on every token in one
+    pass, then the text rows rewritten (the same arithmetic as diffusers' x + gate * update per part)."""
+    out = torch.addcmul(x, update, gate)                                   # (B, S, H)
+    out[:, :n_txt] = torch.addcmul(x[:, :n_txt], update[:, :n_txt], gate_txt)
+    return out
 
 
 class Attention(nn.Module):
@@ -130,8 +135,9 @@ class Attention(nn.Module):
         else:
             self.register_buffer("norm_k_bias", torch.zeros(self.head_dim))
         base = (cfg.sample_height // cfg.patch_size, cfg.sample_width // cfg.patch_size)
-        self._rope = PositionCache(functools.partial(rope_3d, self.head_dim, base=base, grid=cfg.rope_grid)) \
-            if cfg.pos_embed == "rope3d" else None
+        # complex rotations for text + video tokens, text rows 1 + 0i: one multiply rotates the whole sequence
+        self._rope = PositionCache(functools.partial(rope_3d_complex, self.head_dim, base=base, grid=cfg.rope_grid,
+                                                     lead=self.n_txt)) if cfg.pos_embed == "rope3d" else None
         self.core = SequenceAttention(self._attend, ctx, tokens=self.tokens)
 
     def tokens(self) -> int:
@@ -146,17 +152,16 @@ class Attention(nn.Module):
     def _attend(self, q, k, v):
         """[B, S, n, d] over the whole sequence (S = text + video tokens, no sp padding) -> [B, S, n, d]."""
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))                 # (B, n, S, d)
-        n_txt, d = self.n_txt, self.head_dim
+        d = self.head_dim
         qk = [self.norm_q_weight, self.norm_q_bias, self.norm_k_weight]
         k_trained = isinstance(self.norm_k_bias, nn.Parameter)
         norm = copy_to_tp(torch.stack(qk + [self.norm_k_bias] if k_trained else qk), self.ctx)
         q = F.layer_norm(q, (d,), norm[0], norm[1], eps=1e-6)
         k_bias = norm[3] if k_trained else self.norm_k_bias.to(k.dtype)   # buffers stay fp32 under bf16 ZeRO
         k = F.layer_norm(k, (d,), norm[2], k_bias, eps=1e-6)
-        if self._rope is not None:                                         # video tokens only
-            cos, sin = self._rope.get(self.grid, q.device)
-            q = torch.cat([q[:, :, :n_txt], apply_rope(q[:, :, n_txt:], cos, sin)], dim=2)
-            k = torch.cat([k[:, :, :n_txt], apply_rope(k[:, :, n_txt:], cos, sin)], dim=2)
+        if self._rope is not None:                                         # video tokens only (text: 1 + 0i)
+            freqs = self._rope.get(self.grid, q.device)                    # (S_txt + S_vid, d/2) complex
+            q, k = apply_rope_complex(q, freqs), apply_rope_complex(k, freqs)
         return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
 
 
@@ -182,10 +187,10 @@ class DiTBlock(nn.Module):
     def forward(self, inputs):
         x, temb = inputs
         h, gate, gate_txt = self.norm1(x, temb, self.n_txt)
-        x = x + gated(self.attn(h), gate, gate_txt, self.n_txt)
+        x = gated_residual(x, self.attn(h), gate, gate_txt, self.n_txt)
         h, gate, gate_txt = self.norm2(x, temb, self.n_txt)
         ff = self.ff_out(F.gelu(self.ff_in(h), approximate="tanh"))       # (B, S, H)
-        return x + gated(ff, gate, gate_txt, self.n_txt), temb
+        return gated_residual(x, ff, gate, gate_txt, self.n_txt), temb
 
 
 class FinalStage(nn.Module):
