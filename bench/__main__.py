@@ -220,7 +220,7 @@ def markdown(r: dict, figures: list[str]) -> str:
     for row in r["communication"]:
         lines.append(f"| {row['kind']} bytes per step ({', '.join(f'{k} {v}' for k, v in row['layout'].items())}) | "
                      f"{row['measured']:,} B | {row['formula']}: {row['theory']:,} B | {row['ratio']:.4f} |")
-    v = r["validation"]
+    v = dict(r["validation"], time_s={int(k): t for k, t in r["validation"]["time_s"].items()})   # JSON keys: str
     lines.append(f"| validation of {v['samples']} samples, 2 ranks | {v['time_s'][2]:.2f} s | 1 rank: "
                  f"{v['time_s'][1]:.2f} s | {v['speedup']:.2f}x speed-up |")
     lines += ["", *[f"![{f}]({f})" for f in figures], "",
