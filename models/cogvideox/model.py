@@ -96,19 +96,14 @@ class AdaLayerNormZero(nn.Module):
     def forward(self, x, temb, n_txt):
         shift, scale, gate, shift_txt, scale_txt, gate_txt = self.linear(F.silu(temb)).chunk(6, dim=1)
         h = self.norm(x)                                                   # (B, S, H)
-        # h (1 + scale) + shift with video's scale and shift on every token in one pass (addcmul), then the
-        # text rows rewritten with theirs: no third pass to concatenate text and video parts
-        out = torch.addcmul(shift[:, None], h, 1 + scale[:, None])
-        out[:, :n_txt] = torch.addcmul(shift_txt[:, None], h[:, :n_txt], 1 + scale_txt[:, None])
-        return out, gate[:, None], gate_txt[:, None]
+        txt = h[:, :n_txt] * (1 + scale_txt[:, None]) + shift_txt[:, None]
+        vid = h[:, n_txt:] * (1 + scale[:, None]) + shift[:, None]
+        return torch.cat([txt, vid], dim=1), gate[:, None], gate_txt[:, None]
 
 
-def gated_residual(x, update, gate, gate_txt, n_txt):
-    """x + gate * update with separate gates for text and video tokens: the video gate on every token in one
-    pass, then the text rows rewritten (the same arithmetic as diffusers' x + gate * update per part)."""
-    out = torch.addcmul(x, update, gate)                                   # (B, S, H)
-    out[:, :n_txt] = torch.addcmul(x[:, :n_txt], update[:, :n_txt], gate_txt)
-    return out
+def gated(update, gate, gate_txt, n_txt):
+    """Residual update with separate gates for text and video tokens."""
+    return torch.cat([gate_txt * update[:, :n_txt], gate * update[:, n_txt:]], dim=1)
 
 
 class Attention(nn.Module):
@@ -187,10 +182,10 @@ class DiTBlock(nn.Module):
     def forward(self, inputs):
         x, temb = inputs
         h, gate, gate_txt = self.norm1(x, temb, self.n_txt)
-        x = gated_residual(x, self.attn(h), gate, gate_txt, self.n_txt)
+        x = x + gated(self.attn(h), gate, gate_txt, self.n_txt)
         h, gate, gate_txt = self.norm2(x, temb, self.n_txt)
         ff = self.ff_out(F.gelu(self.ff_in(h), approximate="tanh"))       # (B, S, H)
-        return gated_residual(x, ff, gate, gate_txt, self.n_txt), temb
+        return x + gated(ff, gate, gate_txt, self.n_txt), temb
 
 
 class FinalStage(nn.Module):
