@@ -1,6 +1,8 @@
 """`python -m bench`: the toolkit measured against its references, side by side in one run, as ratios.
 
     python -m bench [--steps 20] [--out bench]      # writes bench/report.md, bench/report.json and PNGs
+    python -m bench --only peer                      # one section (or several, comma-separated); the others
+                                                     # keep their figures from the existing report.json
 
 Sections (each names what it is compared with):
   overhead      toolkit DiT vs the same network with plain nn.Linear, one DeepSpeed engine each (ZeRO-0 fp32)
@@ -13,6 +15,7 @@ Sections (each names what it is compared with):
   compile       step time with compiled blocks (train.compile) vs eager, and the compile time (bench/compile.py)
   recompute     each train.recompute / activation_compression option: step time and saved bytes vs the
                 planner, and compression's loss curve (bench/recompute.py; alone: --only recompute)
+  peer          the toolkit vs diffusers' CogVideoX and Wan on the same weights, with a profile (bench/peer.py)
 Nothing here is asserted: these are measurements on a shared machine, reported with their medians.
 """
 from __future__ import annotations
@@ -33,20 +36,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import comm, recompute  # noqa: E402
+from bench import comm, peer, recompute  # noqa: E402
 from bench import compile as compiled  # noqa: E402
+from bench.device import matmul_flops  # noqa: E402
 from bench.overhead import MID, build_engines  # noqa: E402
-
-
-def matmul_flops(n: int = 1024, seconds: float = 2.0) -> float:
-    """This machine's fp32 matmul rate (FLOP/s), the best of repeated n x n x n products."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    best, end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        tic = time.perf_counter()
-        a @ b
-        best = max(best, 2 * n ** 3 / (time.perf_counter() - tic))
-    return best
 
 
 def step_flops(cfg) -> float:
@@ -201,6 +194,10 @@ def plots(report: dict, out: Path) -> list[str]:
 
 
 def markdown(r: dict, figures: list[str]) -> str:
+    peer_lines = peer.markdown(r["peer"]) if "peer" in r else []
+    peer_lines += recompute.markdown(r["recompute"]) if "recompute" in r else []
+    if "in_process" not in r:                      # a report of the peer section alone
+        return "\n".join([f"# Benchmarks ({r['date']}, {r['machine']})", *peer_lines, ""])
     p = r["in_process"]
     med = p["median_step_s"]
     lines = [f"# Benchmarks ({r['date']}, {r['machine']})", "",
@@ -229,43 +226,50 @@ def markdown(r: dict, figures: list[str]) -> str:
         lines.append(f"| {row['kind']} bytes per step ({', '.join(f'{k} {v}' for k, v in row['layout'].items())}) | "
                      f"{row['measured']:,} B | {row['formula']}: {row['theory']:,} B | {row['ratio']:.4f} |")
     lines += compiled.markdown_rows(r["compile"]) if "compile" in r else []
-    v = r["validation"]
+    v = dict(r["validation"], time_s={int(k): t for k, t in r["validation"]["time_s"].items()})   # JSON keys: str
     lines.append(f"| validation of {v['samples']} samples, 2 ranks | {v['time_s'][2]:.2f} s | 1 rank: "
                  f"{v['time_s'][1]:.2f} s | {v['speedup']:.2f}x speed-up |")
     lines += ["", *[f"![{f}]({f})" for f in figures], "",
               "Communication volumes are whole-tensor sizes per step and rank (an all-gather's output, a "
               "reduce-scatter's input); pipeline bytes are what both stages sent. ZeRO-3 moves 2 x parameters "
               "here, not 3: DeepSpeed keeps a gathered parameter for backward when it is reused within "
-              "stage3_max_reuse_distance, which every parameter of a small model is.", ""]
+              "stage3_max_reuse_distance, which every parameter of a small model is.", *peer_lines, ""]
     return "\n".join(lines)
+
+
+SECTIONS = {"in_process": lambda steps: in_process(steps), "pipeline": lambda steps: pipeline(max(6, steps // 2)),
+            "validation": lambda steps: validation(8), "communication": lambda steps: comm.measure(MID),
+            "compile": lambda steps: compiled.measure(MID, steps), "recompute": lambda steps: recompute.measure(steps),
+            "peer": lambda steps: peer.run()}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=str(ROOT / "bench"))
-    ap.add_argument("--only", choices=["recompute"], help="run one section; writes <out>/<section>.md and .json")
+    ap.add_argument("--only", default=",".join(SECTIONS),
+                    help=f"comma-separated sections to run ({', '.join(SECTIONS)}); the others keep the figures "
+                         f"of the existing report.json in --out")
     args = ap.parse_args()
+    only = [x.strip() for x in args.only.split(",") if x.strip()]
+    unknown = [x for x in only if x not in SECTIONS]
+    if unknown:
+        ap.error(f"--only {','.join(unknown)}: unknown section; choose from {', '.join(SECTIONS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tic = time.perf_counter()
-    if args.only == "recompute":
-        result = recompute.measure(args.steps)
-        recompute.plot(result, out)
-        (out / "recompute.json").write_text(json.dumps(result, indent=1))
-        (out / "recompute.md").write_text("\n".join(recompute.markdown(result)))
-        print((out / "recompute.md").read_text())
-        return 0
-    report = {"steps": args.steps, "date": time.strftime("%Y-%m-%d"),
-              "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}",
-              "in_process": in_process(args.steps), "pipeline": pipeline(max(6, args.steps // 2)),
-              "validation": validation(8), "communication": comm.measure(MID),
-              "compile": compiled.measure(MID, args.steps), "recompute": recompute.measure(args.steps)}
+    old = out / "report.json"
+    report = json.loads(old.read_text()) if old.is_file() and len(only) < len(SECTIONS) else {}
+    report.update({"steps": args.steps, "date": time.strftime("%Y-%m-%d"),
+                   "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}"})
+    for name in only:
+        report[name] = SECTIONS[name](args.steps)
     report["seconds"] = round(time.perf_counter() - tic, 1)
-    figures = plots(report, out)
-    recompute.plot(report["recompute"], out)
+    figures = plots(report, out) if "pipeline" in report and "in_process" in report else []
+    if "recompute" in report:
+        recompute.plot(report["recompute"], out)
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    (out / "report.md").write_text(markdown(report, figures) + "\n".join(recompute.markdown(report["recompute"])))
+    (out / "report.md").write_text(markdown(report, figures))
     print((out / "report.md").read_text())
     print(f"bench: {report['seconds']} s; {out / 'report.md'}")
     return 0

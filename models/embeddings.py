@@ -126,8 +126,33 @@ def rope_3d(head_dim: int, t: int, h: int, w: int, base: tuple[int, int] | None 
     return combine(*(c for c, _ in tables)).float(), combine(*(s for _, s in tables)).float()
 
 
+def rope_3d_complex(head_dim: int, t: int, h: int, w: int, base: tuple[int, int] | None = None,
+                    grid: str = "linspace", lead: int = 0) -> torch.Tensor:
+    """rope_3d as complex rotations [lead + t*h*w, head_dim/2] (rope_complex), `lead` text rows unrotated."""
+    return rope_complex(*rope_3d(head_dim, t, h, w, base=base, grid=grid), lead=lead)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate channel pairs (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin); x: [B, heads, S, D]."""
-    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    rotated = torch.stack([-x1, x0], dim=-1).flatten(-2)
-    return (x.float() * cos + rotated * sin).to(x.dtype)
+    return apply_rope_complex(x, rope_complex(cos, sin))
+
+
+def rope_complex(cos: torch.Tensor, sin: torch.Tensor, lead: int = 0) -> torch.Tensor:
+    """The rotation as one complex number per channel pair: [lead + S, D/2] = cos + i sin of each pair (the
+    tables repeat every frequency for its pair), after `lead` rows of 1 + 0i (tokens that do not rotate:
+    CogVideoX's text, which comes first; multiplying by 1 + 0i is exact)."""
+    table = torch.complex(cos[..., 0::2].float(), sin[..., 0::2].float())         # (S, D/2)
+    return torch.cat([table.new_ones(lead, table.shape[-1]), table]) if lead else table
+
+
+def apply_rope_complex(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """apply_rope as (x0 + i x1)(cos + i sin): one complex multiply over x [B, heads, S, D] viewed as
+    [B, heads, S, D/2] complex, instead of a negated, stacked copy and two real products (forward and backward).
+
+    Works on strided views (a head slice of a fused QKV output) whose pairs are adjacent; returns a contiguous
+    [B, heads, S, D] in x's dtype (computed in fp32)."""
+    dtype, x = x.dtype, x.float()
+    if x.stride(-1) != 1 or x.storage_offset() % 2 or any(s % 2 for s in x.stride()[:-1]):
+        x = x.contiguous()
+    out = torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * freqs)   # (B, n, S, D/2, 2)
+    return out.flatten(-2).to(dtype)

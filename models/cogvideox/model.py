@@ -21,7 +21,7 @@ from einops import rearrange
 from torch import nn
 
 from models.cogvideox.config import CogVideoXConfig
-from models.embeddings import apply_rope, rope_3d, sincos_3d, timestep_embedding
+from models.embeddings import apply_rope_complex, rope_3d_complex, sincos_3d, timestep_embedding
 from models.geometry import PositionCache, patchify, unpatchify
 from parallel.dist.comm import copy_to_tp
 from parallel.dist.layers import ColumnParallelLinear, RowParallelLinear
@@ -130,8 +130,9 @@ class Attention(nn.Module):
         else:
             self.register_buffer("norm_k_bias", torch.zeros(self.head_dim))
         base = (cfg.sample_height // cfg.patch_size, cfg.sample_width // cfg.patch_size)
-        self._rope = PositionCache(functools.partial(rope_3d, self.head_dim, base=base, grid=cfg.rope_grid)) \
-            if cfg.pos_embed == "rope3d" else None
+        # complex rotations for text + video tokens, text rows 1 + 0i: one multiply rotates the whole sequence
+        self._rope = PositionCache(functools.partial(rope_3d_complex, self.head_dim, base=base, grid=cfg.rope_grid,
+                                                     lead=self.n_txt)) if cfg.pos_embed == "rope3d" else None
         self.core = SequenceAttention(self._attend, ctx, tokens=self.tokens)
 
     def tokens(self) -> int:
@@ -146,17 +147,16 @@ class Attention(nn.Module):
     def _attend(self, q, k, v):
         """[B, S, n, d] over the whole sequence (S = text + video tokens, no sp padding) -> [B, S, n, d]."""
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))                 # (B, n, S, d)
-        n_txt, d = self.n_txt, self.head_dim
+        d = self.head_dim
         qk = [self.norm_q_weight, self.norm_q_bias, self.norm_k_weight]
         k_trained = isinstance(self.norm_k_bias, nn.Parameter)
         norm = copy_to_tp(torch.stack(qk + [self.norm_k_bias] if k_trained else qk), self.ctx)
         q = F.layer_norm(q, (d,), norm[0], norm[1], eps=1e-6)
         k_bias = norm[3] if k_trained else self.norm_k_bias.to(k.dtype)   # buffers stay fp32 under bf16 ZeRO
         k = F.layer_norm(k, (d,), norm[2], k_bias, eps=1e-6)
-        if self._rope is not None:                                         # video tokens only
-            cos, sin = self._rope.get(self.grid, q.device)
-            q = torch.cat([q[:, :, :n_txt], apply_rope(q[:, :, n_txt:], cos, sin)], dim=2)
-            k = torch.cat([k[:, :, :n_txt], apply_rope(k[:, :, n_txt:], cos, sin)], dim=2)
+        if self._rope is not None:                                         # video tokens only (text: 1 + 0i)
+            freqs = self._rope.get(self.grid, q.device)                    # (S_txt + S_vid, d/2) complex
+            q, k = apply_rope_complex(q, freqs), apply_rope_complex(k, freqs)
         return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
 
 

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from models.embeddings import apply_rope, timestep_embedding
+from models.embeddings import apply_rope_complex, rope_complex, timestep_embedding
 from models.geometry import PositionCache, patchify, unpatchify
 from models.wan.config import WanConfig
 from parallel.dist.comm import copy_to_tp, reduce_from_tp
@@ -73,6 +73,11 @@ def wan_rope(head_dim: int, t: int, h: int, w: int) -> tuple[torch.Tensor, torch
     return combine(*(c for c, _ in tables)), combine(*(s for _, s in tables))
 
 
+def wan_rope_complex(head_dim: int, t: int, h: int, w: int) -> torch.Tensor:
+    """wan_rope as complex rotations [t*h*w, head_dim/2] (models.embeddings.rope_complex)."""
+    return rope_complex(*wan_rope(head_dim, t, h, w))
+
+
 class HeadsRMSNorm(nn.Module):
     """RMSNorm over the channels of all heads, of which this tp rank holds 1/p (and 1/p of the weight).
 
@@ -88,6 +93,8 @@ class HeadsRMSNorm(nn.Module):
         mark_tensor_parallel(self.weight, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ctx.tp_size == 1:              # every channel here: torch's fused RMSNorm (as torch.nn.RMSNorm)
+            return F.rms_norm(x, (self.width,), self.weight.to(x.dtype), EPS)
         sumsq = x.float().square().sum(-1, keepdim=True)                              # (B, S, 1)
         sumsq = reduce_from_tp(copy_to_tp(sumsq, self.ctx), self.ctx)
         return (x.float() * torch.rsqrt(sumsq / self.width + EPS)).to(x.dtype) * self.weight
@@ -102,7 +109,7 @@ class SelfAttention(nn.Module):
         self.to_qkv = ColumnParallelLinear(hid, [hid, hid, hid], ctx=ctx)
         self.norm_q, self.norm_k = HeadsRMSNorm(hid, ctx), HeadsRMSNorm(hid, ctx)
         self.to_out = RowParallelLinear(hid, hid, ctx=ctx)
-        self._rope = PositionCache(functools.partial(wan_rope, self.head_dim))
+        self._rope = PositionCache(functools.partial(wan_rope_complex, self.head_dim))
         self.core = SequenceAttention(self._attend, ctx, tokens=self.tokens)
 
     def tokens(self) -> int:
@@ -118,8 +125,8 @@ class SelfAttention(nn.Module):
     def _attend(self, q, k, v):
         """[B, S, n, d] over the whole token grid (no sp padding) -> [B, S, n, d]."""
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))                              # (B, n, S, d)
-        cos, sin = self._rope.get(self.grid, q.device)                                # (S, d)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        freqs = self._rope.get(self.grid, q.device)                                   # (S, d/2) complex
+        q, k = apply_rope_complex(q, freqs), apply_rope_complex(k, freqs)
         return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
 
 
@@ -160,12 +167,13 @@ class WanBlock(nn.Module):
         hid, dtype = x.shape[-1], x.dtype
         mod = self.scale_shift_table.float()[None] + tproj.float().unflatten(1, (6, hid))     # (B, 6, H)
         shift, scale, gate, c_shift, c_scale, c_gate = mod.chunk(6, dim=1)                     # (B, 1, H) each
-        h = (F.layer_norm(x.float(), (hid,), eps=EPS) * (1 + scale) + shift).to(dtype)
-        x = (x.float() + self.attn1(h) * gate).to(dtype)
+        # addcmul: LN(x) (1 + scale) + shift and x + gate * update each in one pass over (B, S, H)
+        h = torch.addcmul(shift, F.layer_norm(x.float(), (hid,), eps=EPS), 1 + scale).to(dtype)
+        x = torch.addcmul(x.float(), self.attn1(h).float(), gate).to(dtype)
         h = F.layer_norm(x.float(), (hid,), self.norm2.weight.float(), self.norm2.bias.float(), EPS).to(dtype)
         x = x + self.attn2(h, y)
-        h = (F.layer_norm(x.float(), (hid,), eps=EPS) * (1 + c_scale) + c_shift).to(dtype)
-        return (x.float() + self.ffn(h).float() * c_gate).to(dtype), temb, tproj, y
+        h = torch.addcmul(c_shift, F.layer_norm(x.float(), (hid,), eps=EPS), 1 + c_scale).to(dtype)
+        return torch.addcmul(x.float(), self.ffn(h).float(), c_gate).to(dtype), temb, tproj, y
 
     def ffn(self, h):
         """GELU FFN (B, S, H) -> (B, S, H); a method so that selective recomputation can wrap it."""

@@ -79,3 +79,13 @@ def memory_stats() -> dict[str, float]:
     acc = get_accelerator()
     return {"mem_allocated_gib": round(acc.memory_allocated() / 2**30, 3),
             "mem_peak_gib": round(acc.max_memory_allocated() / 2**30, 3)}
+
+
+def product_name(local_rank: int = 0) -> str:
+    """The device's marketing name ('NVIDIA H100 80GB HBM3', 'Ascend910B2'), as the device module reports it;
+    'cpu' on CPU. Used to look up a device's peak FLOP/s (bench/device.py)."""
+    if name() == "cpu":
+        return "cpu"
+    module = getattr(torch, name(), None)            # torch.cuda, torch.npu (torch_npu), torch.xpu
+    getter = getattr(module, "get_device_name", None)
+    return str(getter(local_rank)) if getter else name()
