@@ -92,10 +92,12 @@ def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Ca
         model = DiTPipeline(specs, topo, blocks_per_stage(cfg), loss_fn, every, checkpoint_fn,
                             dynamic_shape=cfg.data.kind == "directory")
     model.step_grid = grid            # the training loop sets each step's bucket here (parallel/train/engine.py)
+    if cfg.train.compile:                         # regional: one graph per block class (parallel/dist/compile.py)
+        compile_layers(model, specs[1].typename, cfg.train.compile_backend)
+    # after compiling: a checkpointed or compressed block wraps the compiled forward (compile_layers sets
+    # every block's forward to the shared compiled one, which would drop wrappers set before it)
     apply_recompute(model, cfg)       # train.recompute / train.activation_compression (parallel/recompute.py)
     if cfg.model.lora is not None:                # frozen base + adapters (parallel/lora.py)
         from parallel.lora import apply_lora
         apply_lora(model, cfg.model, cfg.train.seed)
-    if cfg.train.compile:                         # regional: one graph per block class (parallel/dist/compile.py)
-        compile_layers(model, specs[1].typename, cfg.train.compile_backend)
     return model

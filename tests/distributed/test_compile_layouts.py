@@ -34,8 +34,8 @@ def _compile_rank(rank, world_size, runs):
     from parallel.train.run import training_batches
 
     out, totals = {}, {}
-    for name, tp, pp, sp, dp, stage, checkpointing, backend, ds_extra in runs:
-        extra = [LAYERS] + ([f"train.compile=true", f"train.compile_backend={backend}"] if backend else [])
+    for name, tp, pp, sp, dp, stage, checkpointing, backend, ds_extra, *sets in runs:
+        extra = [LAYERS, *sets] + ([f"train.compile=true", f"train.compile_backend={backend}"] if backend else [])
         if ds_extra is not None and not totals:
             _install_counter(totals)        # after the compiled runs: their graphs trace torch.distributed
         cfg = experiment(tp, pp, dp, extra, sp)
@@ -44,28 +44,43 @@ def _compile_rank(rank, world_size, runs):
         compile_stats(reset=True)
         trainer = build_trainer(cfg, {**fp32_config(stage, checkpointing), **(ds_extra or {})}, ctx)
         batches = training_batches(cfg, ctx)
-        losses, first = [], 0.0
+        losses, first, saved = [], 0.0, []
         for step in range(STEPS):
             totals.clear()
             totals["on"] = step == STEPS - 1 and ds_extra is not None
             tic = time.perf_counter()
-            losses.append(trainer.train_step(batches).loss)
+            # bytes saved for backward that reach this outermost hook (compression's own hooks hide theirs)
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size())
+                                                          or t, lambda t: t):
+                losses.append(trainer.train_step(batches).loss)
             first = first or time.perf_counter() - tic
         totals.pop("on", None)
-        out[name] = {"losses": losses, "first_step_s": first, "bytes": dict(totals),
+        out[name] = {"losses": losses, "first_step_s": first, "bytes": dict(totals), "saved": sum(saved),
                      "params": sum(p.numel() for p in trainer.engine.module.parameters()), **compile_stats(reset=True)}
     return out
 
 
 def test_compiled_blocks_train_like_eager():
+    block, bf16 = "train.recompute.granularity=block", "train.activation_compression.dtype=bf16"
     one = run_ranks(_compile_rank, 1, [("eager", 1, 1, 1, 1, 0, False, None, None),
-                                       ("inductor", 1, 1, 1, 1, 0, False, "inductor", None)])[0]
+                                       ("inductor", 1, 1, 1, 1, 0, False, "inductor", None),
+                                       ("aot", 1, 1, 1, 1, 0, False, "aot_eager", None),
+                                       ("aot_block", 1, 1, 1, 1, 0, False, "aot_eager", None, block),
+                                       ("bf16", 1, 1, 1, 1, 0, False, None, None, bf16),
+                                       ("aot_bf16", 1, 1, 1, 1, 0, False, "aot_eager", None, bf16)])[0]
     eager = torch.tensor(one["eager"]["losses"])
     assert len(set(one["eager"]["losses"])) == STEPS, "the reference does not train"
     # inductor fuses and reorders fp32 reductions: measured |diff| <= 3e-8 on these losses
     torch.testing.assert_close(torch.tensor(one["inductor"]["losses"]), eager, rtol=1e-5, atol=1e-6)
     # both blocks (one class) share one graph: the joint forward/backward, compiled once
     assert (one["inductor"]["graphs"], one["inductor"]["graph_breaks"]) == (1, 0)
+    # train.recompute and train.activation_compression wrap the compiled blocks: recomputing whole blocks
+    # keeps the losses and saves a fraction of the bytes; bf16 compression moves the losses as in eager
+    torch.testing.assert_close(torch.tensor(one["aot_block"]["losses"]), eager, rtol=1e-5, atol=1e-6)
+    assert one["aot_block"]["saved"] < 0.5 * one["aot"]["saved"], (one["aot_block"]["saved"], one["aot"]["saved"])
+    assert one["bf16"]["losses"] != one["eager"]["losses"], "bf16 compression changed nothing"
+    torch.testing.assert_close(torch.tensor(one["aot_bf16"]["losses"]), torch.tensor(one["bf16"]["losses"]),
+                               rtol=1e-6, atol=1e-7)
 
     ranks = run_ranks(_compile_rank, 4, [("tp2_pp2", 2, 2, 1, 1, 1, True, "aot_eager", None),
                                          ("sp2_dp2_zero2", 1, 1, 2, 2, 2, False, "aot_eager", None),
