@@ -35,13 +35,14 @@ class EncoderKind:
 
 ENCODERS = {"T5EncoderModel": EncoderKind(masked=False, clean=False),
             "UMT5EncoderModel": EncoderKind(masked=True, clean=True)}
-_MODEL_TYPES = {"t5": "T5EncoderModel", "umt5": "UMT5EncoderModel"}   # config.json without `architectures`
+# By model_type: a whole T5 checkpoint (T5ForConditionalGeneration: t5-v1_1-xxl, which SAT's CogVideoX reads)
+# loads as its encoder alone, as the release's text_encoder/ folder holds it.
+_MODEL_TYPES = {"t5": "T5EncoderModel", "umt5": "UMT5EncoderModel"}
 
 
 def encoder_class(config: dict) -> str | None:
-    """The encoder class a config.json describes ("T5EncoderModel", "UMT5EncoderModel"), or None."""
-    names = config.get("architectures") or [_MODEL_TYPES.get(config.get("model_type"))]
-    return names[0]
+    """The encoder class of a config.json ("T5EncoderModel", "UMT5EncoderModel"), or what it describes instead."""
+    return _MODEL_TYPES.get(config.get("model_type")) or (config.get("architectures") or [None])[0]
 
 
 def prompt_clean(text: str) -> str:

@@ -45,16 +45,17 @@ class DeviceDtypes:
     name: str
     fp16: bool
     bf16: bool
-    quantizer: bool = True        # DeepSpeed's QuantizerBuilder kernels (ZeRO++ quantisation): CUDA only
+    quantizer: bool = True        # DeepSpeed's QuantizerBuilder kernels (ZeRO++ quantisation): CUDA, Ascend
 
     @classmethod
     def here(cls) -> "DeviceDtypes":
         """This machine's accelerator (DS_ACCELERATOR or DeepSpeed's auto-detection); imports deepspeed."""
         from deepspeed.accelerator import get_accelerator
-        from deepspeed.ops.op_builder.cpu.no_impl import NotImplementedBuilder
 
         from parallel.dist import accelerator
-        quantizer = not isinstance(get_accelerator().create_op_builder("QuantizerBuilder"), NotImplementedBuilder)
+        # each accelerator's op_builder package has its own NotImplementedBuilder class (cpu, hpu, xpu, mlu...)
+        builder = get_accelerator().create_op_builder("QuantizerBuilder")
+        quantizer = builder is not None and type(builder).__name__ != "NotImplementedBuilder"
         return cls(accelerator.name(), accelerator.is_fp16_supported(), accelerator.is_bf16_supported(), quantizer)
 
 
@@ -219,9 +220,9 @@ def _check_device(ds: dict, src: str, device: DeviceDtypes) -> list[str]:
     for key in ZERO_QUANTIZED:
         if zero.get(key) is True and not device.quantizer:
             problems.append(f"{src}: zero_optimization.{key}=true but the {device.name} accelerator on this machine "
-                            f"has no DeepSpeed quantizer kernels (its QuantizerBuilder is not implemented; they are "
-                            f"CUDA ops): run it on a CUDA GPU, or remove it and use communication_data_type=\"bf16\" "
-                            f"(half of fp32's gradient bytes on any device)")
+                            f"has no DeepSpeed quantizer kernels (its QuantizerBuilder is not implemented; DeepSpeed "
+                            f"has them for CUDA and Ascend NPUs): run it there, or remove it and use "
+                            f"communication_data_type=\"bf16\" (half of fp32's gradient bytes on any device)")
     return problems
 
 

@@ -72,7 +72,7 @@ class RecomputeConfig(Section):
 
     granularity: Literal["block", "attention", "mlp"] = Field(
         "block", description="block: the whole block keeps only its input; attention: the attention core "
-        "(scores, softmax, rotary, q/k norms); mlp: the feed-forward network")
+        "(scores, softmax, rotary; CogVideoX's and STDiT's q/k norms); mlp: the feed-forward network")
     every: int = Field(1, ge=1, description="checkpoint one block in `every` (1 = all blocks)")
 
 

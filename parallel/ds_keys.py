@@ -212,9 +212,9 @@ ZERO_KEYS: dict[str, Key] = {
     **{k: Key(REFUSED, "deprecated by DeepSpeed; use offload_optimizer / offload_param")
        for k in ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory")},
     # ZeRO++ (docs/performance.md, communication compression). The quantised ones run DeepSpeed's
-    # QuantizerBuilder kernels, which exist for CUDA only: DeepSpeed's CPU accelerator answers with its
+    # QuantizerBuilder kernels, which DeepSpeed has for CUDA and Ascend NPUs: its CPU accelerator answers with a
     # NotImplementedBuilder, and initialize fails inside the first all-gather.
-    **{k: Key(HONOURED, "ZeRO-3 only; GPU only: " + how + "; refused below stage 3, and on an accelerator without "
+    **{k: Key(HONOURED, "ZeRO-3 only; CUDA or Ascend NPU: " + how + "; refused below stage 3, and on an accelerator without "
               "DeepSpeed's quantizer kernels (the CPU here: its QuantizerBuilder is not implemented), naming "
               "communication_data_type (bf16 halves fp32 gradient traffic on any device) as what works",
               "test_comm_compression: test_zero_plus_plus_quantisation")

@@ -7,7 +7,8 @@ name `blocks.{i}`:
 - `train.recompute: {granularity, every}`: in blocks i with i % every == 0, wrap either the whole block
   (it keeps only its input x; the side tensors go around the checkpoint as in checkpoint_x_only) or the
   parts the family names in `FamilySpec.recompute_parts` ("attention": the attention core, whose inputs
-  q, k, v are kept and whose scores / softmax statistics, rotary and q/k norms are recomputed; "mlp": the
+  q, k, v are kept and whose scores / softmax statistics and rotary are recomputed, with the q/k norms where
+  the family's core holds them (CogVideoX, STDiT; Wan normalises q, k before its core); "mlp": the
   feed-forward network, which keeps its input and recomputes the S x F hidden activations).
   The checkpoint is torch's non-reentrant one with the RNG state restored, so any dropout would draw the
   same mask; the tp / sp collectives inside a region run again in backward, in the same order on every

@@ -30,7 +30,9 @@ the pipeline scales it) or `--image PICTURE` (repeatable: one for every row, or 
 the VAE folder `--vae` as CogVideoXImageToVideoPipeline encodes its `image` (resized to data.height x
 data.width, the posterior's mode; models/cogvideox/image.py). Both the conditional and the unconditional
 call see the image latents, as in the pipeline; with --noise the batch equals
-CogVideoXImageToVideoPipeline(image=..., latents=noise.transpose(1, 2), generator=..., output_type="latent").
+CogVideoXImageToVideoPipeline(image=..., latents=noise.transpose(1, 2), generator=..., output_type="latent")
+given the same image latents (the pipeline draws its image latent from the posterior with the sampler's generator;
+--image takes the mode).
 
 Output (rank 0): `--out FILE.safetensors` writes {"latents": [B, C, T, H, W]}, and with a decoder (--vae DIR or
 val.decoder) the videos FILE/prompt<i>.{gif,mp4,txt} (FILE without the suffix). `--out DIR` (any other name)
@@ -70,8 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sampler", choices=["ddim", "dpm", "euler", "flow_euler", "unipc"], default=None, help="default val.sampler")
     ap.add_argument("--seed", type=int, default=None, help="noise seed; default train.seed")
     ap.add_argument("--ema", action="store_true", help="a checkpoint's EMA weights instead of its weights")
-    ap.add_argument("--vae", default=None, help="decoder for the videos and encoder of --image (CogVideoX VAE "
-                    "folder); default val.decoder")
+    ap.add_argument("--vae", default=None, help="decoder for the videos and encoder of --image (a VAE folder of "
+                    "the model's family); default val.decoder")
     ap.add_argument("--out", required=True, type=Path, help="FILE.safetensors (latents) or a folder (latents, videos)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)

@@ -18,8 +18,10 @@ Training (docs/released-weights.md, "Image-to-video" says what differs from the 
     drawn once per clip by parallel.prepare_data (the sources draw it every step, with the VAE online);
   - image-latent dropout (`noised_image_dropout: 0.05`): the whole image latent is zeros, drawn per sample
     from (seed, step, position) (the sources draw once per micro-batch on each rank).
-z_img: the "image" tensor parallel.prepare_data stores beside the latent for an image_condition preset; without
-it the first latent frame stands in: CogVideoX's VAE is causal, so that frame encodes the first frame alone.
+z_img: the "image" tensor parallel.prepare_data stores beside the latent for an image_condition preset (a directory
+dataset without it is refused: parallel/train/data.check_shapes); synthetic data has none, and the first latent
+frame stands in (CogVideoX's VAE is causal, so that frame encodes the first frame alone, but at the training
+latents' scale, which is not the image latents' for a VAE with invert_scale_latents).
 """
 from __future__ import annotations
 

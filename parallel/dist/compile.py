@@ -48,6 +48,9 @@ def compile_problems(enabled: bool, backend: str, src: str = "train.compile", cp
     return problems
 
 
+RECOMPILE_LIMIT = 64      # graphs of one block class: 2 x (buckets + 1) for up to 31 buckets
+
+
 def _canonical(t: torch.Tensor) -> torch.Tensor:
     """t with row-major strides: contiguous, and the strides of size-1 dimensions (which `contiguous()`
     leaves as they are: a [1, S/sp, H] slice of [1, S, H] keeps stride S H) recomputed by the flat view."""
@@ -62,6 +65,11 @@ def compile_layers(model: nn.Module, layer_class: type, backend: str = "inductor
     parallelism the first block's x is a view of the full sequence ([B, S/sp, H] with S's strides) while
     the next blocks' are not, which would compile the same graph twice.
     """
+    # One graph per step shape (buckets: each bucket's sequence length; dynamic=False keeps every graph static)
+    # and two per shape under activation checkpointing (the no-grad forward, the recomputation): past dynamo's
+    # recompile limit (8 per function) it would run the block eager with only a warning.
+    import torch._dynamo.config as dynamo_config
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
     compiled = torch.compile(layer_class.forward, backend=backend, dynamic=False)
 
     def forward(self, inputs):

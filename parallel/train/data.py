@@ -198,7 +198,7 @@ def check_shapes(root: str | Path, model, data, key: str = "data.path", captions
     image = family(model).training_condition(model, data) is not None
     files = [(f, what, f"manifest.jsonl:{n}", shape) for (latent, txt), n, shape in zip(items, lines, shapes)
              for f, what in ((latent, "latent"), (txt, "text"), (latent, "image")) if isinstance(f, Path)
-             and (what != "image" or image and f.suffix == ".safetensors")]
+             and (what != "image" or image)]
     if (root / UNCOND_FILE).is_file():
         files.append((root / UNCOND_FILE, "text", "the unconditional embedding", None))
     problems = []
@@ -207,8 +207,14 @@ def check_shapes(root: str | Path, model, data, key: str = "data.path", captions
         if what == "image":      # the first frame's latent: the sample's latent with one frame
             want, why = [want[0], 1, *want[2:]], f"the first frame's latent of the sample's; {why}"
         try:
-            if what == "image" and not _holds(f, "image"):
-                continue         # no stored image latent: the latent's first frame stands in
+            if what == "image" and (f.suffix != ".safetensors" or not _holds(f, "image")):
+                # the latent's first frame is no stand-in: its scale is the training latents' (scaling_factor
+                # x z), the image latents' is the pipeline's (z / scaling_factor for CogVideoX 1.5's VAE)
+                problems.append(f"{f}: no \"image\" tensor ({where}): an image-to-video model trains on the "
+                                f"first frame's VAE latent stored beside the video's; prepare the videos with "
+                                f"this image-to-video config (python -m parallel.prepare_data --config ...), "
+                                f"which writes it")
+                continue
             shape = stored_shape(f, what)
         except Exception as e:    # a damaged header: name the file, whatever the reader raised
             problems.append(f"{f}: cannot read the {what} tensor's shape ({where}): {e}")

@@ -104,8 +104,8 @@ def test_legacy_pt_files_are_read_and_a_damaged_header_is_named(tmp_path):
 
 def test_i2v_image_latents_are_checked_against_the_samples_latent(tmp_path):
     """An image-to-video model: each latent file's "image" tensor (prepare_data's first-frame latent) must be
-    [C, 1, H, W] of that sample's latent; a file without one is fine (its first latent frame stands in); a
-    text-to-video model does not look at it."""
+    [C, 1, H, W] of that sample's latent; a file without one is refused (its first latent frame is at the
+    training latents' scale, not the image latents'); a text-to-video model does not look at it."""
     sets = ["data.kind=directory", f"data.path={tmp_path}", "model.pos_embed=rope3d", "model.image_condition=true"]
     cfg = load_config("debug", sets)
     images = {0: (4, 1, 8, 8), 1: (4, 1, 8, 6), 2: None, 3: (4, 3, 8, 8)}
@@ -122,6 +122,9 @@ def test_i2v_image_latents_are_checked_against_the_samples_latent(tmp_path):
            f"model.vae_scale_spatial=8 -> 3 x 8 x 8 latent")
     assert check_data_files(cfg) == [
         f"{tmp_path / 'v1.safetensors'}: image shape [4, 1, 8, 6] != expected [4, 1, 8, 8] (manifest.jsonl:2; {why})",
+        f"{tmp_path / 'v2.safetensors'}: no \"image\" tensor (manifest.jsonl:3): an image-to-video model trains on "
+        f"the first frame's VAE latent stored beside the video's; prepare the videos with this image-to-video config "
+        f"(python -m parallel.prepare_data --config ...), which writes it",
         f"{tmp_path / 'v3.safetensors'}: image shape [4, 3, 8, 8] != expected [4, 1, 8, 8] (manifest.jsonl:4; {why})"]
     t2v = load_config("debug", sets[:2])
     assert check_shapes(tmp_path, t2v.model, t2v.data) == []
