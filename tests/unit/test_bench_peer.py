@@ -1,6 +1,6 @@
 """The benchmark's peer harness (bench/peer.py): at the bench's mid size, the toolkit's model read from the diffusers
-model's save_pretrained folder predicts what diffusers predicts on the harness's inputs (CogVideoX with diffusers'
-rotary tables as its pipeline makes them, Wan); the profile's op groups. Timings are never asserted."""
+model's save_pretrained folder predicts what diffusers predicts on the harness's inputs (each preset of peer.PRESETS:
+CogVideoX with diffusers' rotary tables as its pipeline makes them, Wan); the profile's op groups. Timings are never asserted."""
 import pytest
 import torch
 
@@ -8,9 +8,9 @@ from bench import peer
 from bench.profile import group_of
 
 
-@pytest.mark.parametrize("family", ["cogvideox", "wan"])
-def test_harness_gives_both_models_the_same_weights_and_inputs(family):
-    pair = peer.build_pair(family, "mid", torch.device("cpu"), torch.float32)
+@pytest.mark.parametrize("preset", list(peer.PRESETS))
+def test_harness_gives_both_models_the_same_weights_and_inputs(preset):
+    pair = peer.build_pair(preset, "mid", torch.device("cpu"), torch.float32)
     with torch.no_grad():
         ours, theirs = pair.run_toolkit(), pair.run_peer()
     assert ours.shape == pair.inputs[0].shape
