@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from bench import peer
-from bench.profile import group_of
+from bench.profile import ORDER, group_of, step_table
 
 
 @pytest.mark.parametrize("preset", list(peer.PRESETS))
@@ -24,3 +24,13 @@ def test_profile_groups_by_op_name():
                                     "aten::slow_conv3d_forward")] == \
         ["linear layers", "attention", "norms and modulation", "rotary", "copies and layout", "optimizer",
          "optimizer", "communication", "other"]
+
+
+def test_profile_table_of_a_step():
+    """step_table with this device's profiler activities (parallel.dist.accelerator.profiler_activities): a
+    step of matmuls lands in "linear layers", and the groups sum to the total."""
+    a = torch.randn(128, 128)
+    table = step_table(lambda: [a @ a for _ in range(20)], lambda: None, steps=1)
+    assert table["linear layers"] > 0
+    assert table["linear layers"] >= max(table[g] for g in ORDER)
+    assert table["total"] == pytest.approx(sum(table[g] for g in ORDER))
