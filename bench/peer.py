@@ -2,10 +2,12 @@
 
     python -m bench --only peer          # the peer section of bench/report.md alone
 
-For each family with a diffusers counterpart (CogVideoX: CogVideoXTransformer3DModel with 3D rotary positions,
-as 5B; Wan 2.1: WanTransformer3DModel) and each size, a random diffusers model is written by save_pretrained
-and read into the toolkit by `load_released` (the path `model.init_from` takes), so both hold the same
-weights. Then, on the same inputs:
+For each preset of PRESETS (a family with a diffusers counterpart: CogVideoX's CogVideoXTransformer3DModel with
+3D rotary positions, as 5B; Wan 2.1's WanTransformer3DModel) and each size, the diffusers class the family's
+ReleasedFormat names is built from the config.json the toolkit would export (random weights), written by
+save_pretrained and read into the toolkit by `load_released` (the path `model.init_from` takes), so both hold
+the same weights; each is called as its pipeline calls it (ReleasedFormat.reference_call). Then, on the same
+inputs:
 
     max |diff|        of the two predictions (before any step)
     train step        forward + MSE loss + backward + AdamW (foreach) step, median over alternating blocks
@@ -32,6 +34,15 @@ from bench import profile
 # video tokens (CogVideoX adds 16 text tokens: 416); wide 8 x 64 = 512 hidden at 4 x 16 x 16 = 1,024 (+16).
 SIZES = {"mid": (4, 64, 4, 20), "wide": (8, 64, 4, 32)}
 LAYERS, CHANNELS, TEXT_LEN, TEXT_DIM, BATCH = 4, 16, 16, 128, 1
+# The models compared: a preset (configs/<name>.yaml) and the overrides that make it the released architecture
+# the row stands for, on top of the size's (_overrides). `{latent}`, `{hidden}`, ... take the size's values.
+# debug: CogVideoX with 3D rotary positions, as 5B (the crop base = the latent grid, as 5B samples at its
+# sample size); debug-wan: Wan 2.1, FFN 4 x hidden, diffusers' default freq_dim 256.
+PRESETS = {
+    "debug": ("model.time_embed_dim=128", "model.pos_embed=rope3d", "model.sample_height={latent}",
+              "model.sample_width={latent}"),
+    "debug-wan": ("model.time_embed_dim=256", "model.ffn_hidden_size={ffn}"),
+}
 
 
 @dataclass
@@ -42,83 +53,64 @@ class Pair:
     peer: torch.nn.Module
     toolkit: torch.nn.Module
     inputs: tuple            # (latents [B, C, T, H, W], timesteps [B], text [B, L, TEXT_DIM])
+    fmt: object              # the family's ReleasedFormat (models/spec.py): diffusers' call convention
     peer_kwargs: dict        # extra diffusers arguments (CogVideoX's rotary tables, as its pipeline makes them)
+    tokens: int              # the sequence the layers see (text tokens included where they join it)
 
     def run_toolkit(self):
         return self.toolkit.predict(self.inputs)
 
     def run_peer(self):
-        latents, t, text = self.inputs
-        if self.family == "cogvideox":       # diffusers' CogVideoX takes [B, T, C, H, W]
-            out = self.peer(hidden_states=latents.transpose(1, 2), encoder_hidden_states=text, timestep=t,
-                            **self.peer_kwargs).sample
-            return out.transpose(1, 2)
-        return self.peer(hidden_states=latents, encoder_hidden_states=text, timestep=t).sample
+        return self.fmt.reference_call(self.peer, self.inputs, self.peer_kwargs)
 
 
-def _diffusers_model(family: str, heads: int, head_dim: int, latent: int):
-    from diffusers import CogVideoXTransformer3DModel, WanTransformer3DModel
-    if family == "cogvideox":
-        return CogVideoXTransformer3DModel(
-            num_attention_heads=heads, attention_head_dim=head_dim, in_channels=CHANNELS, out_channels=CHANNELS,
-            time_embed_dim=128, text_embed_dim=TEXT_DIM, num_layers=LAYERS, sample_height=latent,
-            sample_width=latent, max_text_seq_length=TEXT_LEN, use_rotary_positional_embeddings=True)
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim,
-                                 in_channels=CHANNELS, out_channels=CHANNELS, text_dim=TEXT_DIM, freq_dim=256,
-                                 ffn_dim=4 * heads * head_dim, num_layers=LAYERS)
-
-
-def _overrides(family: str, heads: int, head_dim: int, frames: int, latent: int, folder: str) -> list[str]:
+def _overrides(preset: str, size: str, folder: str) -> list[str]:
+    """The size's overrides (generic model and data keys) and the preset's own (PRESETS)."""
+    heads, head_dim, frames, latent = SIZES[size]
     hid = heads * head_dim
     common = [f"model.num_layers={LAYERS}", f"model.hidden_size={hid}", f"model.num_heads={heads}",
               f"model.head_dim={head_dim}", f"model.in_channels={CHANNELS}", f"model.text_embed_dim={TEXT_DIM}",
               f"model.max_text_len={TEXT_LEN}", f"data.num_frames={(frames - 1) * 4 + 1}",
               f"data.height={latent * 8}", f"data.width={latent * 8}", f"train.micro_batch_size={BATCH}",
               f"model.init_from={folder}"]
-    if family == "cogvideox":
-        return common + ["model.time_embed_dim=128", "model.pos_embed=rope3d", f"model.sample_height={latent}",
-                         f"model.sample_width={latent}"]
-    return common + ["model.time_embed_dim=256", f"model.ffn_hidden_size={4 * hid}"]
+    return common + [o.format(latent=latent, hidden=hid, ffn=4 * hid, heads=heads, frames=frames)
+                     for o in PRESETS[preset]]
 
 
-def build_pair(family: str, size: str, device: torch.device, dtype: torch.dtype) -> Pair:
-    """The diffusers model (random weights, every tensor perturbed so norms and biases matter) and the
-    toolkit's model read from its save_pretrained folder."""
+def build_pair(preset: str, size: str, device: torch.device, dtype: torch.dtype) -> Pair:
+    """The diffusers model built from the toolkit config's released config.json (ReleasedFormat.config, what
+    export writes; random weights, every tensor perturbed so norms and biases matter) and the toolkit's model
+    read from its save_pretrained folder."""
+    import diffusers
+
+    from models.registry import family, sequence_tokens
     from parallel.build import layer_specs
     from parallel.config import load_config
     from parallel.dist.pipeline import SequentialDiT
     from parallel.dist.topology import ParallelContext
-    from parallel.weights.diffusers import load_released
+    from parallel.weights.diffusers import load_released, released_format
 
-    heads, head_dim, frames, latent = SIZES[size]
-    torch.manual_seed(0)
-    peer = _diffusers_model(family, heads, head_dim, latent)
-    with torch.no_grad():
-        for p in peer.parameters():
-            p.add_(0.02 * torch.randn_like(p))
     with tempfile.TemporaryDirectory() as folder:
+        cfg = load_config(preset, _overrides(preset, size, folder))
+        fmt = released_format(cfg.model)
+        torch.manual_seed(0)
+        peer = getattr(diffusers, fmt.class_name).from_config(fmt.config(cfg.model, cfg.data))
+        with torch.no_grad():
+            for p in peer.parameters():
+                p.add_(0.02 * torch.randn_like(p))
         peer.save_pretrained(folder)
-        cfg = load_config("debug" if family == "cogvideox" else "debug-wan",
-                          _overrides(family, heads, head_dim, frames, latent, folder))
         ctx = ParallelContext.single()
         toolkit = SequentialDiT(layer_specs(cfg, ctx))
         read = load_released(toolkit, ctx, cfg.model, folder)
+    name = family(cfg.model).name
     if read != sum(p.numel() for p in peer.parameters()):
-        raise RuntimeError(f"{family} {size}: the toolkit read {read} weights, diffusers holds "
+        raise RuntimeError(f"{preset} {size}: the toolkit read {read} weights, diffusers holds "
                            f"{sum(p.numel() for p in peer.parameters())}")
-    g = torch.Generator().manual_seed(7)
-    inputs = (torch.randn(BATCH, CHANNELS, frames, latent, latent, generator=g), torch.tensor([611.0] * BATCH),
-              torch.randn(BATCH, TEXT_LEN, TEXT_DIM, generator=g))
-    kwargs = {}
-    if family == "cogvideox":
-        from diffusers.models.embeddings import get_3d_rotary_pos_embed
-        from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
-        grid = latent // 2
-        crop = get_resize_crop_region_for_grid((grid, grid), grid, grid)
-        kwargs["image_rotary_emb"] = tuple(t.to(device) for t in
-                                           get_3d_rotary_pos_embed(head_dim, crop, (grid, grid), frames))
+    inputs = fmt.example_inputs(cfg.model, cfg.data, BATCH, torch.Generator().manual_seed(7))
     inputs = tuple(x.to(device, dtype if x.is_floating_point() and x.dim() > 1 else None) for x in inputs)
-    return Pair(family, size, peer.to(device, dtype), toolkit.to(device, dtype), inputs, kwargs)
+    peer, toolkit = peer.to(device, dtype), toolkit.to(device, dtype)
+    return Pair(name, size, peer, toolkit, inputs, fmt, fmt.reference_kwargs(peer, inputs),
+                sequence_tokens(cfg.model, cfg.data))
 
 
 def saved_bytes(run, model: torch.nn.Module) -> int:
@@ -180,10 +172,9 @@ def measure(pair: Pair, blocks: int, per_block: int, sync) -> dict:
     paired = {what: statistics.median(a / b for a, b in zip(times[what, "toolkit"], times[what, "diffusers"]))
               for what in ("train", "forward")}
     table = {name: profile.step_table(lambda n=name: train_step(n), sync, steps=1) for name in runs}
-    heads, head_dim, frames, latent = SIZES[pair.size]
-    seq = frames * (latent // 2) ** 2 + (TEXT_LEN if pair.family == "cogvideox" else 0)
+    heads, head_dim, _, _ = SIZES[pair.size]
     return {"family": pair.family, "size": pair.size, "hidden": heads * head_dim, "heads": heads,
-            "tokens": seq, "max_abs_diff": diff, **med, "steps_each": len(times["train", "toolkit"]),
+            "tokens": pair.tokens, "max_abs_diff": diff, **med, "steps_each": len(times["train", "toolkit"]),
             "train_ratio": paired["train"], "forward_ratio": paired["forward"],
             "saved_toolkit_bytes": saved["toolkit"], "saved_diffusers_bytes": saved["diffusers"],
             "saved_ratio": saved["toolkit"] / saved["diffusers"], "step_flops": flops, "profile": table}
@@ -199,9 +190,9 @@ def run(blocks: int = 6, per_block: int = 1) -> dict:
     if where.type == "cpu":        # one thread: on a machine shared with other jobs, OpenMP's spinning threads
         torch.set_num_threads(1)   # made steps 20-70x slower and the ratios noise; one thread keeps them stable
     rows = []
-    for family in ("cogvideox", "wan"):
+    for preset in PRESETS:
         for size in SIZES:
-            pair = build_pair(family, size, where, dtype)
+            pair = build_pair(preset, size, where, dtype)
             rows.append(measure(pair, blocks, per_block, accelerator.synchronize))
             del pair
     peak = dev.peak_flops(where, dtype)

@@ -16,8 +16,7 @@ under it. Groups (first match of a substring of the op name wins):
 """
 from __future__ import annotations
 
-import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import profile
 
 GROUPS = [
     ("communication", ("c10d", "gloo", "nccl", "hccl", "all_reduce", "all_gather", "all_to_all", "reduce_scatter")),
@@ -44,12 +43,10 @@ def group_of(op: str) -> str:
 
 def step_table(step, sync, steps: int = 2) -> dict[str, float]:
     """Seconds per step in each group, from `steps` profiled calls of step() (after the caller's warm-up);
-    device time where a device kernel ran (CUDA/NPU), CPU self time otherwise."""
-    activities = [ProfilerActivity.CPU]
-    if torch.profiler.supported_activities() and ProfilerActivity.CUDA in torch.profiler.supported_activities():
-        from parallel.dist import accelerator
-        if accelerator.name() == "cuda":
-            activities.append(ProfilerActivity.CUDA)
+    device time where the profiler sees device kernels (CUDA: parallel.dist.accelerator.profiler_activities),
+    CPU self time otherwise (CPU, and NPU, whose kernels only torch_npu's own profiler sees)."""
+    from parallel.dist import accelerator
+    activities = accelerator.profiler_activities()
     with profile(activities=activities) as prof:
         for _ in range(steps):
             step()

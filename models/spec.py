@@ -22,7 +22,9 @@ from models.geometry import token_grid
 
 class ReleasedFormat(Protocol):
     """How another library publishes this family's transformer (diffusers' `save_pretrained` folder):
-    the config translation and the tensor-name map; parallel/weights/ does the reading and writing."""
+    the config translation and the tensor-name map; parallel/weights/ does the reading and writing. The
+    reference_* methods run the released library's own model on the toolkit's inputs (parallel/verify.py,
+    bench/peer.py)."""
 
     class_name: str                    # the `_class_name` in config.json
 
@@ -38,6 +40,25 @@ class ReleasedFormat(Protocol):
 
     def shapes(self, name: str, shape: tuple[int, ...], model: ModelConfig) -> dict[str, tuple[int, ...]]:
         """Shapes of the released tensors behind one full (tp = 1) toolkit tensor of `shape`."""
+
+    def example_inputs(self, model: ModelConfig, data, batch: int, generator) -> tuple:
+        """A random batch the transformer takes: (latents [B, C_in, T, H, W], timesteps [B], text [B, L, D])."""
+
+    def reference_model(self, folder: str) -> nn.Module:
+        """The released library's model read from a `save_pretrained` folder, at fp32, in eval mode."""
+
+    def reference_kwargs(self, model: nn.Module, inputs: tuple) -> dict:
+        """The keyword arguments the released pipeline adds to the transformer's call for inputs of these shapes
+        (rotary tables, ofs), on the latents' device: computed once per shape, as the pipeline does before
+        its denoising loop."""
+
+    def reference_call(self, model: nn.Module, inputs: tuple, kwargs: dict):
+        """The released model's prediction [B, C, T, H, W] on the toolkit's `inputs` (its own layout and call
+        convention inside); grad-able: no no_grad, no dtype change (the bench trains through it)."""
+
+    def reference(self, folder: str, inputs: tuple):
+        """The released prediction [B, C, T, H, W] at fp32 under no_grad: reference_model, then reference_call
+        with reference_kwargs (parallel/verify.py's oracle)."""
 
 
 @dataclass(frozen=True)

@@ -143,15 +143,18 @@ class CogVideoXDiffusers:
         timesteps = torch.randint(0, 1000, (batch,), generator=generator)
         return latents, timesteps, torch.randn(batch, m.max_text_len, m.text_embed_dim, generator=generator)
 
-    def reference(self, folder: str, inputs: tuple) -> torch.Tensor:
-        """diffusers' prediction [B, C, T, H, W] from the folder at fp32, with the rotary tables and ofs as
-        CogVideoXPipeline / CogVideoXImageToVideoPipeline make them (_prepare_rotary_positional_embeddings)."""
+    def reference_model(self, folder: str) -> torch.nn.Module:
         from diffusers import CogVideoXTransformer3DModel
+        return CogVideoXTransformer3DModel.from_pretrained(folder, torch_dtype=torch.float32).eval()
+
+    def reference_kwargs(self, model: torch.nn.Module, inputs: tuple) -> dict:
+        """The rotary tables (fp32) and ofs as CogVideoXPipeline / CogVideoXImageToVideoPipeline make them
+        (_prepare_rotary_positional_embeddings): 1.0 crops a grid of sample_height x sample_width patches,
+        1.5 slices one of that size."""
         from diffusers.models.embeddings import get_3d_rotary_pos_embed
         from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
 
-        latents, timesteps, text = inputs
-        model = CogVideoXTransformer3DModel.from_pretrained(folder, torch_dtype=torch.float32).eval()
+        latents = inputs[0]
         c, p = model.config, model.config.patch_size
         grid, base = (latents.shape[3] // p, latents.shape[4] // p), (c.sample_height // p, c.sample_width // p)
         rotary = None
@@ -161,10 +164,18 @@ class CogVideoXDiffusers:
         elif c.use_rotary_positional_embeddings:
             rotary = get_3d_rotary_pos_embed(c.attention_head_dim, None, grid, latents.shape[2] // c.patch_size_t,
                                              grid_type="slice", max_size=base)
-        ofs = latents.new_full((1,), 2.0) if c.ofs_embed_dim else None
+        rotary = tuple(t.to(latents.device) for t in rotary) if rotary is not None else None
+        return {"image_rotary_emb": rotary, "ofs": latents.new_full((1,), 2.0) if c.ofs_embed_dim else None}
+
+    def reference_call(self, model: torch.nn.Module, inputs: tuple, kwargs: dict) -> torch.Tensor:
+        """diffusers' CogVideoX takes and returns [B, T, C, H, W]: transposed in and out."""
+        latents, timesteps, text = inputs
+        return model(latents.transpose(1, 2), text, timesteps, **kwargs).sample.transpose(1, 2)
+
+    def reference(self, folder: str, inputs: tuple) -> torch.Tensor:
+        model = self.reference_model(folder)
         with torch.no_grad():
-            out = model(latents.transpose(1, 2), text, timesteps, ofs=ofs, image_rotary_emb=rotary).sample
-        return out.transpose(1, 2).float()
+            return self.reference_call(model, inputs, self.reference_kwargs(model, inputs)).float()
 
 
 DIFFUSERS = CogVideoXDiffusers()

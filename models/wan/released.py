@@ -22,6 +22,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
+from models.geometry import latent_shape
 from models.spec import config_problems, show
 from models.wan.config import WanConfig
 
@@ -108,6 +111,29 @@ class WanDiffusers:
             return {sources[0]: (1, *shape)}
         rows = shape[0] // len(sources)
         return {s: (rows, *shape[1:]) for s in sources}
+
+    def example_inputs(self, m: WanConfig, data, batch: int, generator: torch.Generator) -> tuple:
+        latents = torch.randn(batch, m.in_channels, *latent_shape(m, data), generator=generator)
+        timesteps = torch.randint(0, 1000, (batch,), generator=generator)
+        return latents, timesteps, torch.randn(batch, m.max_text_len, m.text_embed_dim, generator=generator)
+
+    def reference_model(self, folder: str) -> torch.nn.Module:
+        from diffusers import WanTransformer3DModel
+        return WanTransformer3DModel.from_pretrained(folder, torch_dtype=torch.float32).eval()
+
+    def reference_kwargs(self, model: torch.nn.Module, inputs: tuple) -> dict:
+        """Nothing: WanTransformer3DModel makes its rotary table itself."""
+        return {}
+
+    def reference_call(self, model: torch.nn.Module, inputs: tuple, kwargs: dict) -> torch.Tensor:
+        """diffusers' Wan takes and returns [B, C, T, H, W], as the toolkit."""
+        latents, timesteps, text = inputs
+        return model(hidden_states=latents, timestep=timesteps, encoder_hidden_states=text, **kwargs).sample
+
+    def reference(self, folder: str, inputs: tuple) -> torch.Tensor:
+        model = self.reference_model(folder)
+        with torch.no_grad():
+            return self.reference_call(model, inputs, self.reference_kwargs(model, inputs)).float()
 
 
 DIFFUSERS = WanDiffusers()

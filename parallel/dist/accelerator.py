@@ -52,6 +52,17 @@ def synchronize() -> None:
     get_accelerator().synchronize()
 
 
+def profiler_activities() -> list:
+    """The torch.profiler activities that time this device: CPU, plus CUDA on CUDA (device kernel times).
+    On NPU (and any other device) CPU only: torch_npu has its own profiler (torch_npu.profiler), which
+    torch.profiler's activities cannot ask for, so the times are host-side (launch) times there."""
+    from torch.profiler import ProfilerActivity, supported_activities
+    activities = [ProfilerActivity.CPU]
+    if name() == "cuda" and ProfilerActivity.CUDA in supported_activities():
+        activities.append(ProfilerActivity.CUDA)
+    return activities
+
+
 def total_memory(local_rank: int = 0) -> int:
     """Bytes of memory on this device (host RAM on CPU, shared by the node's ranks)."""
     if name() == "cpu":

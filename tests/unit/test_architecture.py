@@ -12,7 +12,7 @@ from pathlib import Path
 from models.registry import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("parallel", "models")
+PACKAGES = ("parallel", "models", "bench")
 
 
 def _modules() -> dict[str, Path]:

@@ -67,6 +67,17 @@ def test_forward_equals_diffusers(released):
     torch.testing.assert_close(out, diffusers_forward(model, *inputs()))
 
 
+def test_reference_and_the_verify_command(released, capsys):
+    """The ReleasedFormat's reference (read from the folder, called as the pipeline does) is diffusers' forward;
+    python -m parallel.verify on debug-wan passes on the folder in one process."""
+    from models.wan.released import DIFFUSERS
+    from parallel import verify
+    folder, model = released
+    torch.testing.assert_close(DIFFUSERS.reference(str(folder), inputs()), diffusers_forward(model, *inputs()))
+    assert verify.main(["--config", "debug-wan", *(f"--set={o}" for o in overrides(folder))]) == 0
+    assert "equal at --tolerance" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("preset, heads, ffn, layers", [("wan2.1-t2v-1.3b", 12, 8960, 30),
                                                         ("wan2.1-t2v-14b", 40, 13824, 40)])
 def test_presets_count_the_parameters_diffusers_builds(preset, heads, ffn, layers):
