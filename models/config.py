@@ -122,6 +122,11 @@ class ModelConfig(Section):
         bucketed run refuses other grids naming it."""
         return f"model.pos_embed={self.pos_embed}" if self.pos_embed in self.FIXED_GRID_POS_EMBEDS else None
 
+    def largest_position_grid(self) -> Optional[tuple[tuple[int, int], str]]:
+        """((height, width) patches, the setting) when the position table has a largest spatial grid it can
+        serve (a table sliced to the grid), else None: a bucket beyond it is refused before training."""
+        return None
+
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size

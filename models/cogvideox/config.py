@@ -40,6 +40,14 @@ class CogVideoXConfig(ModelConfig):
     def fixed_position_grid(self) -> Optional[str]:
         return "model.learned_positions=true" if self.learned_positions else super().fixed_position_grid()
 
+    def largest_position_grid(self) -> Optional[tuple[tuple[int, int], str]]:
+        if self.pos_embed != "rope3d" or self.rope_grid != "slice":
+            return None    # 1.0's rotary table fits any grid into the sample size
+        p = self.patch_size
+        return ((self.sample_height // p, self.sample_width // p),
+                f"model.sample_height={self.sample_height}, model.sample_width={self.sample_width} / "
+                f"model.patch_size={p}")
+
     @model_validator(mode="after")
     def _i2v_parts(self) -> "CogVideoXConfig":
         if self.learned_positions and self.pos_embed != "rope3d":

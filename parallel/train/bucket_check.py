@@ -59,6 +59,10 @@ def shape_problems(cfg, shape: tuple[int, int, int], where: str) -> list[str]:
                         f"{'x'.join(map(str, base))} (data.num_frames x data.height x data.width), and this "
                         f"bucket's grid is {'x'.join(map(str, grid))}; train it in a run of "
                         f"its own, or leave this shape out")
+    limit = m.largest_position_grid()
+    if limit is not None and (grid[1] > limit[0][0] or grid[2] > limit[0][1]):
+        problems.append(f"{where}: a {grid[1]} x {grid[2]} patch grid exceeds the rotary table's "
+                        f"{limit[0][0]} x {limit[0][1]} ({limit[1]}); leave this shape out or use a smaller one")
     return problems
 
 

@@ -156,6 +156,24 @@ def test_checker_refuses_bad_preset_buckets():
         load_config("cogvideox-5b", ["data.buckets=[[49, 480, 720], [49, 480, 720]]"])
 
 
+def test_buckets_beyond_the_sliced_rotary_table_are_refused():
+    """CogVideoX 1.5 slices its rotary table (diffusers' grid_type="slice", max_size = sample size / patch: 150 x
+    150 patches): the checker refuses exactly the buckets whose grid the table cannot serve, the ones rope_3d
+    would fail on at the first step."""
+    from models.embeddings import rope_3d
+    from parallel.check import check_data_files
+    cfg = load_config("cogvideox1.5-5b", ["data.buckets=[[81, 768, 2400], [81, 768, 2416], [81, 2416, 768]]"])
+    problems = check_data_files(cfg)
+    assert problems == [f"data.buckets: {s}: a {h} x {w} patch grid exceeds the rotary table's 150 x 150 "
+                        f"(model.sample_height=300, model.sample_width=300 / model.patch_size=2); leave this shape "
+                        f"out or use a smaller one" for s, h, w in (("81x768x2416", 48, 151), ("81x2416x768", 151, 48))]
+    (limit_h, limit_w), _ = cfg.model.largest_position_grid()
+    rope_3d(64, 2, limit_h, limit_w, (limit_h, limit_w), grid="slice")            # the largest it serves
+    with pytest.raises(ValueError, match="exceeds the rotary table"):
+        rope_3d(64, 2, limit_h, limit_w + 1, (limit_h, limit_w), grid="slice")
+    assert load_config("cogvideox-5b").model.largest_position_grid() is None   # 1.0 fits any grid in
+
+
 def test_prepare_data_buckets_preset_is_the_preset_list(tmp_path):
     """`prepare_data --buckets preset` resolves to the config's data.buckets, checked and recorded in
     prepare.json's settings; a config without a list, or a shape its model refuses, is named."""
