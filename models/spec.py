@@ -14,10 +14,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
 
+import torch
 from torch import nn
 
 from models.config import ModelConfig
-from models.geometry import token_grid
+from models.geometry import latent_shape, token_grid
 
 
 class ReleasedFormat(Protocol):
@@ -102,6 +103,14 @@ class FamilySpec:
         if self.text_in_sequence:
             return f"{video} video tokens + {model.max_text_len} text tokens = {video + model.max_text_len}"
         return f"{video} video tokens, cross-attending to {model.max_text_len} text tokens"
+
+
+def example_inputs(model: ModelConfig, data, batch: int, generator) -> tuple:
+    """A random batch a released transformer takes (ReleasedFormat.example_inputs of every family):
+    (latents [B, C_in, T, H, W], integer timesteps [B] in [0, 1000), text [B, max_text_len, text_embed_dim])."""
+    latents = torch.randn(batch, model.transformer_in_channels, *latent_shape(model, data), generator=generator)
+    timesteps = torch.randint(0, 1000, (batch,), generator=generator)
+    return latents, timesteps, torch.randn(batch, model.max_text_len, model.text_embed_dim, generator=generator)
 
 
 def show(value) -> str:

@@ -26,8 +26,8 @@ from typing import Optional
 import torch
 
 from models.cogvideox.config import CogVideoXConfig
-from models.geometry import latent_shape, vae_frames
-from models.spec import config_problems, show
+from models.geometry import vae_frames
+from models.spec import config_problems, example_inputs, show
 
 _EMBED = {"patch_proj": "patch_embed.proj", "text_proj": "patch_embed.text_proj",
           "time_linear_1": "time_embedding.linear_1", "time_linear_2": "time_embedding.linear_2",
@@ -138,10 +138,7 @@ class CogVideoXDiffusers:
         return {s: (rows, *shape[1:]) for s in sources}
 
     def example_inputs(self, m: CogVideoXConfig, data, batch: int, generator: torch.Generator) -> tuple:
-        """A random batch the transformer takes: (latents [B, C_in, T, H, W], timesteps [B], text [B, L, D])."""
-        latents = torch.randn(batch, m.transformer_in_channels, *latent_shape(m, data), generator=generator)
-        timesteps = torch.randint(0, 1000, (batch,), generator=generator)
-        return latents, timesteps, torch.randn(batch, m.max_text_len, m.text_embed_dim, generator=generator)
+        return example_inputs(m, data, batch, generator)
 
     def reference_model(self, folder: str) -> torch.nn.Module:
         from diffusers import CogVideoXTransformer3DModel

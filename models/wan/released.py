@@ -24,8 +24,7 @@ from typing import Optional
 
 import torch
 
-from models.geometry import latent_shape
-from models.spec import config_problems, show
+from models.spec import config_problems, example_inputs, show
 from models.wan.config import WanConfig
 
 _EMBED = {"patch_embedding": "patch_embedding", "time_linear_1": "condition_embedder.time_embedder.linear_1",
@@ -113,9 +112,7 @@ class WanDiffusers:
         return {s: (rows, *shape[1:]) for s in sources}
 
     def example_inputs(self, m: WanConfig, data, batch: int, generator: torch.Generator) -> tuple:
-        latents = torch.randn(batch, m.in_channels, *latent_shape(m, data), generator=generator)
-        timesteps = torch.randint(0, 1000, (batch,), generator=generator)
-        return latents, timesteps, torch.randn(batch, m.max_text_len, m.text_embed_dim, generator=generator)
+        return example_inputs(m, data, batch, generator)
 
     def reference_model(self, folder: str) -> torch.nn.Module:
         from diffusers import WanTransformer3DModel
