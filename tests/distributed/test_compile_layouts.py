@@ -74,13 +74,14 @@ def test_compiled_blocks_train_like_eager():
     torch.testing.assert_close(torch.tensor(one["inductor"]["losses"]), eager, rtol=1e-5, atol=1e-6)
     # both blocks (one class) share one graph: the joint forward/backward, compiled once
     assert (one["inductor"]["graphs"], one["inductor"]["graph_breaks"]) == (1, 0)
-    # train.recompute and train.activation_compression wrap the compiled blocks: recomputing whole blocks
-    # keeps the losses and saves a fraction of the bytes; bf16 compression moves the losses as in eager
+    # train.recompute wraps the compiled blocks: recomputing whole blocks keeps the losses and saves a fraction
+    # of the bytes...
     torch.testing.assert_close(torch.tensor(one["aot_block"]["losses"]), eager, rtol=1e-5, atol=1e-6)
     assert one["aot_block"]["saved"] < 0.5 * one["aot"]["saved"], (one["aot_block"]["saved"], one["aot"]["saved"])
+    # ...but compression's saved_tensors_hooks do not reach inside a compiled block (AOTAutograd saves its tensors
+    # itself): the compiled losses are the uncompressed ones, which is why the checker refuses the two together
     assert one["bf16"]["losses"] != one["eager"]["losses"], "bf16 compression changed nothing"
-    torch.testing.assert_close(torch.tensor(one["aot_bf16"]["losses"]), torch.tensor(one["bf16"]["losses"]),
-                               rtol=1e-6, atol=1e-7)
+    assert one["aot_bf16"]["losses"] == one["aot"]["losses"]
 
     ranks = run_ranks(_compile_rank, 4, [("tp2_pp2", 2, 2, 1, 1, 1, True, "aot_eager", None),
                                          ("sp2_dp2_zero2", 1, 1, 2, 2, 2, False, "aot_eager", None),

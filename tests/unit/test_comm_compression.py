@@ -86,3 +86,15 @@ def test_compile_is_refused_where_it_cannot_work(monkeypatch):
         "generates C++); install g++ or set train.compile_backend=aot_eager"]
     assert check(load_config("debug", ["train.compile=true", "train.compile_backend=aot_eager"]), {}, "c.json")[1] == []
     assert check(cfg, {}, "c.json", device=GPU)[1] == []           # inductor compiles Triton there, not C++
+
+
+def test_compile_with_activation_compression_is_refused_and_the_advice_works():
+    """Compression's hooks do not reach inside compiled blocks (measured in test_compile_layouts.py): the two
+    together are refused naming both keys, and either setting the message names is accepted."""
+    both = ["train.compile=true", "train.compile_backend=aot_eager", "train.activation_compression.dtype=bf16"]
+    assert check(load_config("debug", both), {}, "c.json")[1] == [
+        "train.activation_compression (dtype bf16) with train.compile=true: compiled blocks save their tensors inside "
+        "AOTAutograd, where the compression hooks do not reach; set train.compile=false to compress, or "
+        "train.activation_compression=null to compile"]
+    for fix in ("train.compile=false", "train.activation_compression=null"):
+        assert check(load_config("debug", both + [fix]), {}, "c.json")[1] == [], fix
