@@ -62,6 +62,32 @@ class ReleasedFormat(Protocol):
         with reference_kwargs (parallel/verify.py's oracle)."""
 
 
+class DiffusersFormat:
+    """What the ReleasedFormat of every diffusers-published family shares: the example batch, the model read
+    from a folder by its class name, no extra call arguments, and `reference` built from the three. A family
+    subclasses it and gives class_name, the config translation, the name map and `reference_call`."""
+
+    class_name: str
+
+    def example_inputs(self, model: ModelConfig, data, batch: int, generator) -> tuple:
+        """(latents [B, C_in, T, H, W], integer timesteps [B] in [0, 1000), text [B, max_text_len, text_embed_dim])."""
+        latents = torch.randn(batch, model.transformer_in_channels, *latent_shape(model, data), generator=generator)
+        timesteps = torch.randint(0, 1000, (batch,), generator=generator)
+        return latents, timesteps, torch.randn(batch, model.max_text_len, model.text_embed_dim, generator=generator)
+
+    def reference_model(self, folder: str) -> nn.Module:
+        import diffusers
+        return getattr(diffusers, self.class_name).from_pretrained(folder, torch_dtype=torch.float32).eval()
+
+    def reference_kwargs(self, model: nn.Module, inputs: tuple) -> dict:
+        return {}
+
+    def reference(self, folder: str, inputs: tuple) -> torch.Tensor:
+        model = self.reference_model(folder)
+        with torch.no_grad():
+            return self.reference_call(model, inputs, self.reference_kwargs(model, inputs)).float()
+
+
 @dataclass(frozen=True)
 class FamilySpec:
     """A model family: its config, its stages, its token geometry and its published-weights format."""
@@ -105,12 +131,6 @@ class FamilySpec:
         return f"{video} video tokens, cross-attending to {model.max_text_len} text tokens"
 
 
-def example_inputs(model: ModelConfig, data, batch: int, generator) -> tuple:
-    """A random batch a released transformer takes (ReleasedFormat.example_inputs of every family):
-    (latents [B, C_in, T, H, W], integer timesteps [B] in [0, 1000), text [B, max_text_len, text_embed_dim])."""
-    latents = torch.randn(batch, model.transformer_in_channels, *latent_shape(model, data), generator=generator)
-    timesteps = torch.randint(0, 1000, (batch,), generator=generator)
-    return latents, timesteps, torch.randn(batch, model.max_text_len, model.text_embed_dim, generator=generator)
 
 
 def show(value) -> str:

@@ -27,7 +27,7 @@ import torch
 
 from models.cogvideox.config import CogVideoXConfig
 from models.geometry import vae_frames
-from models.spec import config_problems, example_inputs, show
+from models.spec import DiffusersFormat, config_problems, show
 
 _EMBED = {"patch_proj": "patch_embed.proj", "text_proj": "patch_embed.text_proj",
           "time_linear_1": "time_embedding.linear_1", "time_linear_2": "time_embedding.linear_2",
@@ -77,7 +77,7 @@ def _config_pairs(m: CogVideoXConfig) -> list[tuple[str, object, Optional[str], 
     ]
 
 
-class CogVideoXDiffusers:
+class CogVideoXDiffusers(DiffusersFormat):
     """The `ReleasedFormat` (models/spec.py) of diffusers' CogVideoXTransformer3DModel."""
 
     class_name = "CogVideoXTransformer3DModel"
@@ -137,13 +137,6 @@ class CogVideoXDiffusers:
         rows = shape[0] // len(sources)
         return {s: (rows, *shape[1:]) for s in sources}
 
-    def example_inputs(self, m: CogVideoXConfig, data, batch: int, generator: torch.Generator) -> tuple:
-        return example_inputs(m, data, batch, generator)
-
-    def reference_model(self, folder: str) -> torch.nn.Module:
-        from diffusers import CogVideoXTransformer3DModel
-        return CogVideoXTransformer3DModel.from_pretrained(folder, torch_dtype=torch.float32).eval()
-
     def reference_kwargs(self, model: torch.nn.Module, inputs: tuple) -> dict:
         """The rotary tables (fp32) and ofs as CogVideoXPipeline / CogVideoXImageToVideoPipeline make them
         (_prepare_rotary_positional_embeddings): 1.0 crops a grid of sample_height x sample_width patches,
@@ -168,11 +161,6 @@ class CogVideoXDiffusers:
         """diffusers' CogVideoX takes and returns [B, T, C, H, W]: transposed in and out."""
         latents, timesteps, text = inputs
         return model(latents.transpose(1, 2), text, timesteps, **kwargs).sample.transpose(1, 2)
-
-    def reference(self, folder: str, inputs: tuple) -> torch.Tensor:
-        model = self.reference_model(folder)
-        with torch.no_grad():
-            return self.reference_call(model, inputs, self.reference_kwargs(model, inputs)).float()
 
 
 DIFFUSERS = CogVideoXDiffusers()

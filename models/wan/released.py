@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from models.spec import config_problems, example_inputs, show
+from models.spec import DiffusersFormat, config_problems, show
 from models.wan.config import WanConfig
 
 _EMBED = {"patch_embedding": "patch_embedding", "time_linear_1": "condition_embedder.time_embedder.linear_1",
@@ -63,7 +63,7 @@ def _config_pairs(m: WanConfig) -> list[tuple[str, object, Optional[str], object
     ]
 
 
-class WanDiffusers:
+class WanDiffusers(DiffusersFormat):
     """The `ReleasedFormat` (models/spec.py) of diffusers' WanTransformer3DModel."""
 
     class_name = "WanTransformer3DModel"
@@ -111,26 +111,10 @@ class WanDiffusers:
         rows = shape[0] // len(sources)
         return {s: (rows, *shape[1:]) for s in sources}
 
-    def example_inputs(self, m: WanConfig, data, batch: int, generator: torch.Generator) -> tuple:
-        return example_inputs(m, data, batch, generator)
-
-    def reference_model(self, folder: str) -> torch.nn.Module:
-        from diffusers import WanTransformer3DModel
-        return WanTransformer3DModel.from_pretrained(folder, torch_dtype=torch.float32).eval()
-
-    def reference_kwargs(self, model: torch.nn.Module, inputs: tuple) -> dict:
-        """Nothing: WanTransformer3DModel makes its rotary table itself."""
-        return {}
-
     def reference_call(self, model: torch.nn.Module, inputs: tuple, kwargs: dict) -> torch.Tensor:
         """diffusers' Wan takes and returns [B, C, T, H, W], as the toolkit."""
         latents, timesteps, text = inputs
         return model(hidden_states=latents, timestep=timesteps, encoder_hidden_states=text, **kwargs).sample
-
-    def reference(self, folder: str, inputs: tuple) -> torch.Tensor:
-        model = self.reference_model(folder)
-        with torch.no_grad():
-            return self.reference_call(model, inputs, self.reference_kwargs(model, inputs)).float()
 
 
 DIFFUSERS = WanDiffusers()
