@@ -8,7 +8,7 @@
 # auto picks: inside an allocation of slurm (SLURM_JOB_ID) -> slurm; with --hostfile -> deepspeed over
 # pdsh/ssh (with --node-rank R: no ssh, run this on every node); otherwise one node (local:
 # `deepspeed --num_gpus N`). Ranks read RANK/WORLD_SIZE/LOCAL_RANK,
-# OMPI_COMM_WORLD_*, PMI_* or SLURM_* themselves (parallel/dist/topology.py), so every launcher trains alike.
+# OMPI_COMM_WORLD_*, PMI_* or SLURM_* themselves (parallel/distributed/topology.py), so every launcher trains alike.
 set -euo pipefail
 
 launcher=auto nproc="" hostfile="" nnodes=1 node_rank="" master_addr=127.0.0.1 master_port=29500
@@ -50,7 +50,7 @@ case "$device" in
   *) die "--device $device: use cpu, cuda or npu" ;;
 esac
 if [ -n "$hostfile" ]; then
-  slots=$("$PY" -m parallel.dist.hostfile "$hostfile" | awk '{n += $2} END {print n}') || exit 2
+  slots=$("$PY" -m parallel.distributed.hostfile "$hostfile" | awk '{n += $2} END {print n}') || exit 2
   [ "$launcher" = openmpi ] && nproc="${nproc:-$slots}"
 fi
 if [ -z "$nproc" ] && [ "$launcher" != slurm ] && [ "$launcher" != deepspeed ]; then

@@ -13,7 +13,7 @@ import sys
 from parallel.check import load_and_check
 from parallel.cli import add_experiment_args
 from parallel.config import ConfigError
-from parallel.dist.topology import read_launch_env
+from parallel.distributed.topology import read_launch_env
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -46,9 +46,9 @@ def step_flops(cfg) -> float:
     """Model FLOPs of one training step (forward + backward): 6 x parameters x tokens for the matrices,
     12 x layers x seq^2 x hidden for attention, per sample, times the micro-batch."""
     from parallel.build import layer_specs
-    from parallel.dist.pipeline import SequentialDiT
+    from parallel.distributed.pipeline import SequentialDiT
     from parallel.plan.trace import sequence_length
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.topology import ParallelContext
     from parallel.units import count_parameters
 
     with torch.device("meta"):
@@ -70,7 +70,7 @@ def in_process(steps: int) -> dict:
     from parallel.plan.memory import plan_memory
     from parallel.plan.trace import ActivationTracer
     from parallel.train.run import build_dataset, export_launch_env
-    from parallel.dist.topology import read_launch_env
+    from parallel.distributed.topology import read_launch_env
     from parallel.units import TiB
 
     export_launch_env(read_launch_env())

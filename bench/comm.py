@@ -65,8 +65,8 @@ def _comm_rank(rank, world_size, tp, pp, dp, stage, overrides, sp=1, ds_extra=No
     from parallel.config import load_config
     from parallel.train.engine import build_trainer
     from parallel.train.run import training_batches
-    from parallel.dist.seed import seed_all
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext, ParallelDims
 
     cfg = load_config("debug", [*overrides, f"parallel.tp_size={tp}", f"parallel.pp_size={pp}",
                                 f"parallel.sp_size={sp}"])
@@ -93,11 +93,11 @@ def measure(overrides: list[str]) -> list[dict]:
 
     from parallel.config import load_config
     from parallel.build import layer_specs
-    from parallel.dist.pipeline import SequentialDiT
+    from parallel.distributed.pipeline import SequentialDiT
     from parallel.plan.memory import EngineSettings
     from parallel.plan.search import dp_bytes
     from parallel.plan.trace import sequence_length
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.topology import ParallelContext
     from parallel.units import count_parameters
     from tests.dist_utils import run_ranks
 

@@ -1,4 +1,4 @@
-"""Compiled blocks (`train.compile`, parallel/dist/compile.py) against eager, one process, fp32, ZeRO-0.
+"""Compiled blocks (`train.compile`, parallel/distributed/compile.py) against eager, one process, fp32, ZeRO-0.
 
     python -m bench.compile [--steps 20]            # prints the row as JSON
 
@@ -22,9 +22,9 @@ def _compile_rank(rank, world_size, overrides, steps, backend):
     import json
 
     from parallel.config import load_config
-    from parallel.dist.compile import compile_stats
-    from parallel.dist.seed import seed_all
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.compile import compile_stats
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.train.engine import build_trainer
     from parallel.train.run import training_batches
 

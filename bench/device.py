@@ -19,14 +19,14 @@ PEAK_BF16 = [("h100 pcie", 756e12), ("h100 nvl", 835e12), ("h100", 989e12), ("h2
 
 
 def device_and_dtype() -> tuple[torch.device, torch.dtype]:
-    from parallel.dist import accelerator
+    from parallel.distributed import accelerator
     where = accelerator.device(0)
     return where, torch.float32 if where.type == "cpu" else torch.bfloat16
 
 
 def matmul_flops(n: int = 1024, seconds: float = 2.0, device="cpu", dtype=torch.float32) -> float:
     """The measured matmul rate (FLOP/s), the best of repeated n x n x n products."""
-    from parallel.dist import accelerator
+    from parallel.distributed import accelerator
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     best, end = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -40,7 +40,7 @@ def matmul_flops(n: int = 1024, seconds: float = 2.0, device="cpu", dtype=torch.
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> dict:
     """{"name", "flops" (None if unknown), "source"} for the MFU's denominator."""
-    from parallel.dist import accelerator
+    from parallel.distributed import accelerator
     if device.type == "cpu":
         return {"name": "cpu", "flops": matmul_flops(), "source": "measured fp32 matmul (1024^3), best of 2 s"}
     product = accelerator.product_name(device.index or 0)

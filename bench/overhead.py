@@ -27,7 +27,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from parallel.dist.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from parallel.distributed.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 
 MID = ["model.name=mid", "model.hidden_size=256", "model.num_heads=8", "model.head_dim=32",
        "model.time_embed_dim=128", "model.text_embed_dim=128", "model.max_text_len=16",
@@ -55,8 +55,8 @@ def build_engines(cfg, variants: dict) -> dict:
     set up by train.py's build_trainer (plain_linear: on the model with its layers made nn.Linear), in one
     process whose torch.distributed is initialised (the context is DeepSpeed's mpu: it needs groups)."""
     from parallel.build import build_model
-    from parallel.dist.seed import seed_all
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.train.engine import build_trainer
 
     ctx, engines = ParallelContext.build(ParallelDims()), {}
@@ -74,7 +74,7 @@ def measure_overhead(steps: int) -> dict:
     from models.diffusion import Objective
     from parallel.config import load_config
     from parallel.train.run import build_dataset, export_launch_env
-    from parallel.dist.topology import read_launch_env
+    from parallel.distributed.topology import read_launch_env
 
     export_launch_env(read_launch_env())
     deepspeed.init_distributed(dist_backend="gloo")

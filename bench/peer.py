@@ -15,7 +15,7 @@ inputs:
     saved bytes       what autograd saves for backward in one forward (unique storages, parameters skipped)
     profile           torch.profiler self time of one training step by op group (bench/profile.py)
 
-Both run on parallel.dist.accelerator's device: fp32 on CPU, bf16 with SDPA's flash kernels on a GPU.
+Both run on parallel.distributed.accelerator's device: fp32 on CPU, bf16 with SDPA's flash kernels on a GPU.
 """
 from __future__ import annotations
 
@@ -86,8 +86,8 @@ def build_pair(preset: str, size: str, device: torch.device, dtype: torch.dtype)
     from models.registry import family, sequence_tokens
     from parallel.build import layer_specs
     from parallel.config import load_config
-    from parallel.dist.pipeline import SequentialDiT
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.pipeline import SequentialDiT
+    from parallel.distributed.topology import ParallelContext
     from parallel.weights.diffusers import load_released, released_format
 
     with tempfile.TemporaryDirectory() as folder:
@@ -183,7 +183,7 @@ def measure(pair: Pair, blocks: int, per_block: int, sync) -> dict:
 def run(blocks: int = 6, per_block: int = 1) -> dict:
     """Every family x size; the device, its dtype and its peak FLOP/s (bench/device.py) for the MFU."""
     from bench import device as dev
-    from parallel.dist import accelerator
+    from parallel.distributed import accelerator
 
     where, dtype = dev.device_and_dtype()
     threads = torch.get_num_threads()

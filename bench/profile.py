@@ -43,9 +43,9 @@ def group_of(op: str) -> str:
 
 def step_table(step, sync, steps: int = 2) -> dict[str, float]:
     """Seconds per step in each group, from `steps` profiled calls of step() (after the caller's warm-up);
-    device time where the profiler sees device kernels (CUDA: parallel.dist.accelerator.profiler_activities),
+    device time where the profiler sees device kernels (CUDA: parallel.distributed.accelerator.profiler_activities),
     CPU self time otherwise (CPU, and NPU, whose kernels only torch_npu's own profiler sees)."""
-    from parallel.dist import accelerator
+    from parallel.distributed import accelerator
     activities = accelerator.profiler_activities()
     with profile(activities=activities) as prof:
         for _ in range(steps):

@@ -44,7 +44,7 @@ def _trainer(cfg, ds, ctx, stored: dict, recording: dict):
     """build_trainer on a model whose compression hooks report what they store into `stored` while
     recording["on"]."""
     from parallel.build import build_model
-    from parallel.dist.seed import seed_all
+    from parallel.distributed.seed import seed_all
     from parallel.recompute import apply_recompute
     from parallel.train.engine import build_trainer
 
@@ -62,7 +62,7 @@ def _trainer(cfg, ds, ctx, stored: dict, recording: dict):
 
 def options(steps: int) -> dict:
     from parallel.config import load_config
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.plan.memory import EngineSettings, plan_memory
     from parallel.plan.probe import StepProbe
     from parallel.plan.search import recompute_fraction
@@ -110,7 +110,7 @@ def options(steps: int) -> dict:
 def curves(curve_steps: int) -> dict:
     """configs/debug.yaml for `curve_steps` steps uncompressed, bf16 and fp8: per-step losses."""
     from parallel.config import load_config
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.train.run import training_batches
 
     ds, ctx, losses = _ds(), ParallelContext.build(ParallelDims()), {}
@@ -130,7 +130,7 @@ def curves(curve_steps: int) -> dict:
 def measure(steps: int = 20, curve_steps: int = 200) -> dict:
     import deepspeed
 
-    from parallel.dist.topology import read_launch_env
+    from parallel.distributed.topology import read_launch_env
     from parallel.train.run import export_launch_env
 
     export_launch_env(read_launch_env())

@@ -13,8 +13,8 @@ from models.geometry import latent_shape, token_grid
 from models.registry import family
 from parallel.build import layer_specs
 from parallel.config import ConfigError, load_config
-from parallel.dist.pipeline import SequentialDiT
-from parallel.dist.topology import ParallelContext
+from parallel.distributed.pipeline import SequentialDiT
+from parallel.distributed.topology import ParallelContext
 from parallel.units import count_parameters
 
 

@@ -1,7 +1,7 @@
 """The model of an experiment for a layout: its family's stages (models/registry.py) as DeepSpeed runs them.
 
 `layer_specs` lists the family's stages; `build_model` makes the sequential module (pp = 1) or the
-pipeline stages (parallel/dist/pipeline.py) with the loss `SequenceLoss`.
+pipeline stages (parallel/distributed/pipeline.py) with the loss `SequenceLoss`.
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from models.diffusion import mse_loss
 from models.geometry import StepGrid, patchify, token_grid
 from models.registry import family, sequence_tokens
 from parallel.config import ExperimentConfig
-from parallel.dist.compile import compile_layers
-from parallel.dist.pipeline import DiTPipeline, SeededLayerSpec, SequentialDiT, checkpoint_x_only
-from parallel.dist.sequence import local_range, sp_size_of
+from parallel.distributed.compile import compile_layers
+from parallel.distributed.pipeline import DiTPipeline, SeededLayerSpec, SequentialDiT, checkpoint_x_only
+from parallel.distributed.sequence import local_range, sp_size_of
 from parallel.recompute import apply_recompute
 
 
@@ -85,14 +85,14 @@ def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Ca
     if cfg.parallel.pp_size == 1:
         model = SequentialDiT(specs, every, checkpoint_fn, loss_fn)
     else:
-        # DeepSpeed's data axis holds dp x sp ranks (parallel.dist.topology). A directory dataset may hold
+        # DeepSpeed's data axis holds dp x sp ranks (parallel.distributed.topology). A directory dataset may hold
         # several shapes (buckets): then the stages exchange tensors whose shape changes from step to step.
         topo = PipeModelDataParallelTopology(num_pp=ctx.pp_size, num_mp=ctx.tp_size,
                                              num_dp=ctx.dp_size * ctx.sp_size)
         model = DiTPipeline(specs, topo, blocks_per_stage(cfg), loss_fn, every, checkpoint_fn,
                             dynamic_shape=cfg.data.kind == "directory")
     model.step_grid = grid            # the training loop sets each step's bucket here (parallel/train/engine.py)
-    if cfg.train.compile:                         # regional: one graph per block class (parallel/dist/compile.py)
+    if cfg.train.compile:                         # regional: one graph per block class (parallel/distributed/compile.py)
         compile_layers(model, specs[1].typename, cfg.train.compile_backend)
     # after compiling: a checkpointed or compressed block wraps the compiled forward (compile_layers sets
     # every block's forward to the shared compiled one, which would drop wrappers set before it)

@@ -20,8 +20,8 @@ from parallel.ds_keys import ZERO_QUANTIZED, key_problems
 from models.config import ModelConfig
 from models.registry import sequence_tokens
 from parallel.config import ConfigError, ExperimentConfig, load_config
-from parallel.dist.sequence import padded_length
-from parallel.dist.topology import ParallelDims
+from parallel.distributed.sequence import padded_length
+from parallel.distributed.topology import ParallelDims
 from parallel.train.schedule import scheduler_problems
 
 
@@ -52,7 +52,7 @@ class DeviceDtypes:
         """This machine's accelerator (DS_ACCELERATOR or DeepSpeed's auto-detection); imports deepspeed."""
         from deepspeed.accelerator import get_accelerator
 
-        from parallel.dist import accelerator
+        from parallel.distributed import accelerator
         # each accelerator's op_builder package has its own NotImplementedBuilder class (cpu, hpu, xpu, mlu...)
         builder = get_accelerator().create_op_builder("QuantizerBuilder")
         quantizer = builder is not None and type(builder).__name__ != "NotImplementedBuilder"
@@ -273,7 +273,7 @@ def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source:
     if device is not None:
         problems += _check_device(ds, ds_source, device)
     if cfg.train.compile:             # torch imported only for a compiled run
-        from parallel.dist.compile import compile_problems
+        from parallel.distributed.compile import compile_problems
         problems += compile_problems(True, cfg.train.compile_backend, cpu=device is None or device.name == "cpu")
         if cfg.train.activation_compression is not None:
             # measured (tests/distributed/test_compile_layouts.py): a compiled block saves its tensors inside

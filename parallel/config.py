@@ -100,7 +100,7 @@ class TrainConfig(Section):
                                       "fails the run instead of hanging it")
     memory_check: bool = Field(True, description="measure the second step's memory against the plan")
     compile: bool = Field(False, description="torch.compile each block (regional: one graph per block class, "
-                          "parallel/dist/compile.py); docs/performance.md gives compile time and speed-up here")
+                          "parallel/distributed/compile.py); docs/performance.md gives compile time and speed-up here")
     compile_backend: Literal["inductor", "aot_eager"] = Field("inductor", description="torch.compile's backend "
                                                                "with train.compile")
     recompute: Optional[RecomputeConfig] = Field(None, description="selective activation checkpointing; "

@@ -127,7 +127,7 @@ KEYS: dict[str, Key] = {
                         "(deepspeed.comm.log_summary) after the last step. Honoured when every rank is a data-"
                         "parallel replica (tp = sp = pp = 1): its busbw divides by the whole world's size, and the "
                         "toolkit's tensor- and sequence-parallel collectives do not go through deepspeed.comm (count "
-                        "those with parallel.dist.comm.count_comm); refused otherwise. verbose=true needs "
+                        "those with parallel.distributed.comm.count_comm); refused otherwise. verbose=true needs "
                         "\"log_level\": \"info\"", "test_ds_json_cli: test_comms_logger_prints_its_summary_at_pp1; "
                         "test_ds_keys: test_conditional_refusals"),
     # parallelism the toolkit does itself
@@ -324,7 +324,7 @@ def _conditions(ds: dict[str, Any], src: str, pp_size: int, max_steps: int, tp_s
                         f"pp_size={pp_size} is refused: DeepSpeed's summary divides busbw by the whole world's size "
                         f"(right only when every rank is a data-parallel replica), and the toolkit's tensor- and "
                         f"sequence-parallel collectives do not go through deepspeed.comm; use it with tp = sp = pp "
-                        f"= 1, or count collectives with parallel.dist.comm.count_comm")
+                        f"= 1, or count collectives with parallel.distributed.comm.count_comm")
     for key, package in MONITOR_PACKAGES.items():
         if _on(ds.get(key)) and importlib.util.find_spec(package) is None:
             problems.append(f"{src}: {key}.enabled=true but the {package} package is not installed (DeepSpeed would "

@@ -26,7 +26,7 @@ from pathlib import Path
 from parallel.check import load_and_check
 from parallel.cli import add_experiment_args, size_arg
 from parallel.config import ConfigError
-from parallel.dist.topology import read_launch_env
+from parallel.distributed.topology import read_launch_env
 from parallel.units import DTYPES
 
 

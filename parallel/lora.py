@@ -4,7 +4,7 @@ in diffusers' file format (`pytorch_lora_weights.safetensors`) both ways.
 Targets are the released model's module names (peft's `target_modules`: `to_q` matches every module whose
 dotted name ends in `.to_q`), translated through the family's ReleasedFormat name map (models/spec.py):
 CogVideoX's fused `blocks.i.attn.to_qkv` is `transformer_blocks.i.attn1.to_{q,k,v}`, so `to_q` adapts the
-q part of it. The adapters themselves live in parallel/dist/layers.py (`add_lora`); each layer's are drawn
+q part of it. The adapters themselves live in parallel/distributed/layers.py (`add_lora`); each layer's are drawn
 from a generator seeded by (train.seed, its canonical name), so every layout and pipeline stage draws the
 same ones.
 
@@ -27,9 +27,9 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.registry import family
-from parallel.dist.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.dist.pipeline import canonical_name
-from parallel.dist.seed import derive_seed
+from parallel.distributed.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.distributed.pipeline import canonical_name
+from parallel.distributed.seed import derive_seed
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 METADATA_KEY = "lora_adapter_metadata"

@@ -7,8 +7,8 @@ import torch
 from models.config import ModelConfig
 from parallel.build import layer_specs
 from parallel.config import ExperimentConfig
-from parallel.dist.pipeline import SequentialDiT
-from parallel.dist.topology import ParallelContext
+from parallel.distributed.pipeline import SequentialDiT
+from parallel.distributed.topology import ParallelContext
 from parallel.lora import plan_adapters, released_format
 
 

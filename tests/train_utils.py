@@ -42,10 +42,10 @@ def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp, preset, prob
     from parallel.train.ema import full_ema, has_ema
     from parallel.train.engine import build_trainer
     from parallel.weights.gather import full_state
-    from parallel.dist.replicas import replica_mismatches
+    from parallel.distributed.replicas import replica_mismatches
     from parallel.train.run import training_batches
-    from parallel.dist.seed import seed_all
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext, ParallelDims
 
     cfg = experiment(tp, pp, dp, extra, sp, preset)
     ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp))

@@ -23,9 +23,9 @@ from torch import nn
 from models.cogvideox.config import CogVideoXConfig
 from models.embeddings import apply_rope_complex, rope_3d_complex, sincos_3d, timestep_embedding
 from models.geometry import PositionCache, patchify, unpatchify
-from parallel.dist.comm import copy_to_tp
-from parallel.dist.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.dist.sequence import SequenceAttention, gather_sequence, local_range, sp_size_of, split_sequence
+from parallel.distributed.comm import copy_to_tp
+from parallel.distributed.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.distributed.sequence import SequenceAttention, gather_sequence, local_range, sp_size_of, split_sequence
 
 
 class EmbedStage(nn.Module):
@@ -108,7 +108,7 @@ def gated(update, gate, gate_txt, n_txt):
 
 class Attention(nn.Module):
     """Full 3D attention over text + video tokens; heads split over tp ranks (and, inside attention, over
-    sp ranks: parallel.dist.sequence); LayerNorm on q and k."""
+    sp ranks: parallel.distributed.sequence); LayerNorm on q and k."""
 
     def __init__(self, cfg: CogVideoXConfig, grid, ctx):
         super().__init__()

@@ -42,9 +42,9 @@ from torch import nn
 from models.embeddings import apply_rope, rope_1d, sincos_2d, timestep_embedding
 from models.geometry import PositionCache, patchify, unpatchify
 from models.stdit.config import STDiTConfig
-from parallel.dist.comm import copy_to_tp
-from parallel.dist.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.dist.sequence import SequenceAttention, gather_sequence, sp_size_of, split_sequence
+from parallel.distributed.comm import copy_to_tp
+from parallel.distributed.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.distributed.sequence import SequenceAttention, gather_sequence, sp_size_of, split_sequence
 
 INPUT_SQ_SIZE = 512         # Open-Sora: sin-cos positions are scaled by sqrt(pixel height x width) / 512
 

@@ -41,9 +41,9 @@ from torch import nn
 from models.embeddings import apply_rope_complex, rope_complex, timestep_embedding
 from models.geometry import PositionCache, patchify, unpatchify
 from models.wan.config import WanConfig
-from parallel.dist.comm import copy_to_tp, reduce_from_tp
-from parallel.dist.layers import ColumnParallelLinear, RowParallelLinear, mark_tensor_parallel
-from parallel.dist.sequence import SequenceAttention, gather_sequence, sp_size_of, split_sequence
+from parallel.distributed.comm import copy_to_tp, reduce_from_tp
+from parallel.distributed.layers import ColumnParallelLinear, RowParallelLinear, mark_tensor_parallel
+from parallel.distributed.sequence import SequenceAttention, gather_sequence, sp_size_of, split_sequence
 
 EPS = 1e-6                  # diffusers' eps: every LayerNorm and RMSNorm of the released models
 ROPE_THETA = 10000.0

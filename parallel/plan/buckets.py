@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Optional
 
 from parallel.config import ConfigError
-from parallel.dist.sequence import padded_length
+from parallel.distributed.sequence import padded_length
 from parallel.plan.memory import EngineSettings, plan_memory
 from parallel.plan.search import DEVICES, estimate_step_time
 from parallel.plan.trace import ActivationTracer, sequence_length

@@ -43,7 +43,7 @@ from typing import Optional
 from models.registry import family
 from parallel.check import check, divisors
 from parallel.config import ExperimentConfig, RecomputeConfig
-from parallel.dist.topology import ParallelDims
+from parallel.distributed.topology import ParallelDims
 from parallel.plan.memory import EngineSettings, MemoryPlan, plan_memory
 from parallel.plan.trace import ActivationTracer, attention_pairs, sequence_length
 from parallel.recompute import checkpointed_blocks

@@ -5,7 +5,7 @@ the model cannot disagree. Two pieces make that possible without devices or proc
 
 - `TraceContext`, a stand-in for `ParallelContext`: while the model is built it reports the layout's
   `tp_size`, so `ColumnParallelLinear` / `RowParallelLinear` allocate their shards; inside
-  `collectives_as_identity()` it reports `tp_size = 1`, so the four regions of `parallel/dist/comm.py`
+  `collectives_as_identity()` it reports `tp_size = 1`, so the four regions of `parallel/distributed/comm.py`
   (`copy_to_tp`, `reduce_from_tp`, ...) take their identity branch instead of calling a process group.
   This changes nothing that is saved: none of those autograd functions saves a tensor for backward
   (they keep only the group, size and rank), and an all-reduce returns a tensor of its input's size.
@@ -65,7 +65,7 @@ class TraceContext:
     """`ParallelContext` look-alike for building at `tp_size` and running with collectives as identities.
 
     With sp_size > 1 the model runs one sp rank's part of the sequence (the first) and attention sees
-    the shapes the all-to-alls would give (parallel.dist.sequence.SequenceAttention without a group).
+    the shapes the all-to-alls would give (parallel.distributed.sequence.SequenceAttention without a group).
     """
 
     def __init__(self, tp_size: int, sp_size: int = 1):

@@ -42,8 +42,8 @@ from parallel.config import UNCOND_FILE, ConfigError, load_config
 from parallel.prepare_data.buckets import choose_bucket, format_bucket, resolve_buckets
 from parallel.train.bucket_check import shape_problems
 from parallel.prepare_data.frames import VideoError, probe, read_clip
-from parallel.dist.seed import derive_seed
-from parallel.dist.topology import read_launch_env
+from parallel.distributed.seed import derive_seed
+from parallel.distributed.topology import read_launch_env
 from parallel.prepare_data.vae import check_vae, default_dtype, encode, load_vae, read_vae_config
 
 
@@ -214,7 +214,7 @@ class ClipEncoder:
     """One video -> its latent file (and text file with a T5): decode, encode, write atomically."""
 
     def __init__(self, args, cfg, local_rank: int, tag: str):
-        from parallel.dist import accelerator
+        from parallel.distributed import accelerator
 
         device = accelerator.device(local_rank)
         self.vae = load_vae(args.vae, device, DTYPES[args.vae_dtype] if args.vae_dtype

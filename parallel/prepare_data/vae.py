@@ -113,13 +113,13 @@ def decode(vae, latent: torch.Tensor) -> torch.Tensor:
 
 def default_dtype() -> torch.dtype:
     """bf16 on an accelerator that has it, else fp32 (CPUs run bf16 convolutions far slower)."""
-    from parallel.dist import accelerator
+    from parallel.distributed import accelerator
     return torch.bfloat16 if accelerator.name() != "cpu" and accelerator.is_bf16_supported() else torch.float32
 
 
 @functools.lru_cache(maxsize=1)
 def _decoding_vae(path: str):
-    from parallel.dist import accelerator
+    from parallel.distributed import accelerator
     vae = load_vae(path, accelerator.device(int(os.environ.get("LOCAL_RANK", 0))), default_dtype())
     vae.enable_tiling()
     return vae

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from parallel.dist.seed import derive_seed
+from parallel.distributed.seed import derive_seed
 
 Shape = Optional[tuple[int, int, int]]          # (frames, height, width) in pixels; None: the config's
 

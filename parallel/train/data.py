@@ -20,7 +20,7 @@ import torch
 from models.diffusion import NUM_TRAIN_TIMESTEPS, Objective
 from parallel.config import UNCOND_FILE
 from parallel.train.buckets import BucketSchedule, bucket_data, format_shape, parse_shape
-from parallel.dist.seed import derive_seed
+from parallel.distributed.seed import derive_seed
 
 
 def _generator(*key) -> torch.Generator:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from deepspeed.utils import safe_get_full_optimizer_state
 
-from parallel.dist.deepspeed_compat import relink_optimizer_fragments
+from parallel.distributed.deepspeed_compat import relink_optimizer_fragments
 
 EMA_KEY = "ema"
 

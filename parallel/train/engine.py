@@ -15,7 +15,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from parallel.dist import accelerator, deepspeed_compat
+from parallel.distributed import accelerator, deepspeed_compat
 from parallel import ds_config as dsc
 from parallel.config import ExperimentConfig
 from parallel.build import build_model, checkpoint_interval

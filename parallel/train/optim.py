@@ -68,7 +68,7 @@ class EmaAdamW(torch.optim.AdamW):
 
 def build_optimizer(model: torch.nn.Module, ds: dict, train: TrainConfig, device_type: str | None = None):
     """The JSON's optimizer (AdamW, Adam, FusedEmaAdam/EmaAdamW) at train.lr; decay on matrices only."""
-    from parallel.dist import accelerator
+    from parallel.distributed import accelerator
 
     section = ds.get("optimizer") or {"type": "AdamW", "params": {}}
     kind = str(section.get("type", "AdamW"))

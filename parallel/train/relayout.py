@@ -4,7 +4,7 @@ back when a run resumes on another (tp, sp, pp, dp, ZeRO stage) layout.
 Why not DeepSpeed's universal checkpoint: 0.19's `ds_to_universal` needs `universal_checkpoint_info` and
 tensor-parallel patterns set on the module, merges fused-QKV shards as one column split (wrong for
 [Wq_i; Wk_i; Wv_i] shards), and is a separate offline pass over every file by one process. The toolkit
-already knows how its shards sit in the full tensors (parallel/dist/layers.py), so it writes them that way.
+already knows how its shards sit in the full tensors (parallel/distributed/layers.py), so it writes them that way.
 
 What is written (`step{N}/layout_free/`, listed in the checkpoint's marker like every other file, so the
 copy is published atomically and damage-checked with the rest):
@@ -52,8 +52,8 @@ import torch.distributed as dist
 from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
                              safe_set_full_optimizer_state)
 
-from parallel.dist.deepspeed_compat import relink_optimizer_fragments, zero_holds_master
-from parallel.dist.pipeline import canonical_name
+from parallel.distributed.deepspeed_compat import relink_optimizer_fragments, zero_holds_master
+from parallel.distributed.pipeline import canonical_name
 
 FOLDER = "layout_free"
 STATE = "state.json"
@@ -97,7 +97,7 @@ def local_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
 
 
 def slicing_of(param: torch.nn.Parameter, tp_size: int, tp_rank: int) -> Slicing:
-    """A parameter's Slicing from the marks parallel/dist/layers.py sets (tensor_model_parallel,
+    """A parameter's Slicing from the marks parallel/distributed/layers.py sets (tensor_model_parallel,
     partition_dim, tp_parts = the local sizes of the fused parts)."""
     if not getattr(param, "tensor_model_parallel", False):
         return Slicing(None, (), tp_size, tp_rank)

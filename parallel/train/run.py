@@ -21,16 +21,16 @@ from parallel.train.data import DiffusionBatches, DirectoryLatents, IndexRange, 
 from models.diffusion import Objective
 from models.geometry import latent_grid, latent_shape, token_grid
 from models.registry import family, sequence_tokens
-from parallel.dist import accelerator
+from parallel.distributed import accelerator
 from parallel.train import checkpoint
 from parallel.check import Layout
 from parallel.config import ExperimentConfig
 from parallel.train.engine import build_trainer
 from parallel.plan.probe import StepMeasurement, StepProbe
-from parallel.dist.deepspeed_compat import unlink_shm_buffer, write_monitor_events
-from parallel.dist.replicas import replica_mismatches
-from parallel.dist.seed import seed_all
-from parallel.dist.topology import LaunchEnv, ParallelContext
+from parallel.distributed.deepspeed_compat import unlink_shm_buffer, write_monitor_events
+from parallel.distributed.replicas import replica_mismatches
+from parallel.distributed.seed import seed_all
+from parallel.distributed.topology import LaunchEnv, ParallelContext
 from parallel.train.validate import Validator, check_outputs
 from parallel.train.watchdog import peer_failure, start_heartbeat
 from parallel.units import format_size

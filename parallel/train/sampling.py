@@ -22,9 +22,9 @@ import torch.distributed as dist
 from models.diffusion import Objective
 from models.sampling import sample
 from parallel.build import build_model
-from parallel.dist import accelerator
-from parallel.dist.seed import derive_seed, seed_all
-from parallel.dist.topology import ParallelContext
+from parallel.distributed import accelerator
+from parallel.distributed.seed import derive_seed, seed_all
+from parallel.distributed.topology import ParallelContext
 from parallel.train import checkpoint
 from parallel.train.engine import build_trainer
 from parallel.train.run import checkpoint_layout, export_launch_env, init_process_groups

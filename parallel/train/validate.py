@@ -25,7 +25,7 @@ import torch.distributed as dist
 from models.diffusion import Objective
 from models.registry import family
 from parallel.config import ExperimentConfig
-from parallel.dist.seed import derive_seed
+from parallel.distributed.seed import derive_seed
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
 _HEADER = 64                     # int64 slots: count, then (dtype, ndim, *shape) per tensor

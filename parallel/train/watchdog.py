@@ -1,4 +1,4 @@
-"""The lost-rank watchdog of a training run: parallel/dist/heartbeat.py's verdict turned into the line a
+"""The lost-rank watchdog of a training run: parallel/distributed/heartbeat.py's verdict turned into the line a
 user acts on (which ranks, on which hosts, the checkpoint a rerun resumes from) and exit code 75."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from parallel.config import ExperimentConfig
-from parallel.dist.heartbeat import Heartbeat
+from parallel.distributed.heartbeat import Heartbeat
 from parallel.train import checkpoint
 
 
@@ -23,7 +23,7 @@ LOST_RANK_EXIT = 75      # EX_TEMPFAIL: a peer was lost, rerunning the same comm
 
 
 def start_heartbeat(cfg: ExperimentConfig, ctx, ckpt_dir: Path):
-    """The lost-rank watchdog (parallel/dist/heartbeat.py) when the ranks met through MASTER_ADDR:PORT:
+    """The lost-rank watchdog (parallel/distributed/heartbeat.py) when the ranks met through MASTER_ADDR:PORT:
     a rank silent for half the collective timeout (at most 30 s) is lost; every survivor then prints
     which ranks, on which hosts, and the checkpoint a rerun resumes from, and exits LOST_RANK_EXIT."""
     if dist.get_world_size() == 1 or "MASTER_PORT" not in os.environ:

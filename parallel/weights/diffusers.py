@@ -23,7 +23,7 @@ from torch import nn
 from models.config import ModelConfig
 from models.registry import family
 from models.spec import ReleasedFormat
-from parallel.dist.pipeline import canonical_name
+from parallel.distributed.pipeline import canonical_name
 from parallel.lora import is_adapter
 
 CONFIG_NAME = "config.json"
@@ -106,8 +106,8 @@ def expected_tensors(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every released tensor name of this model with its shape (the model built on the meta device)."""
     from parallel.build import layer_specs
     from parallel.config import ExperimentConfig
-    from parallel.dist.pipeline import SequentialDiT
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.pipeline import SequentialDiT
+    from parallel.distributed.topology import ParallelContext
     fmt = released_format(m)
     with torch.device("meta"):
         model = SequentialDiT(layer_specs(ExperimentConfig(model=m), ParallelContext.single()))

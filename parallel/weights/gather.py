@@ -11,8 +11,8 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from parallel.dist.comm import gather_shards
-from parallel.dist.pipeline import canonical_name
+from parallel.distributed.comm import gather_shards
+from parallel.distributed.pipeline import canonical_name
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ import subprocess
 
 import pytest
 
-from parallel.dist.hostfile import parse_hostfile
+from parallel.distributed.hostfile import parse_hostfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGS = ["train.py", "--config", "debug", "--deepspeed_config", "ds_configs/zero1_bf16.json"]

@@ -274,7 +274,7 @@ def test_collective_timeout_covers_every_group(tmp_path):
         import torch
         import torch.distributed as dist
         from parallel.train.run import init_process_groups
-        from parallel.dist.topology import ParallelContext, ParallelDims
+        from parallel.distributed.topology import ParallelContext, ParallelDims
 
         init_process_groups(timeout_s=2)
         ctx = ParallelContext.build(ParallelDims(tp_size=2, pp_size=1, dp_size=1))

@@ -5,7 +5,7 @@ and the last complete checkpoint; the same training command on the node that rem
 keeps the global batch by accumulating twice as many micro-batches, and repeats the steps the lost run had trained after
 the checkpoint with its losses.
 The survivors' collectives fail on the broken connections, so rank 0 names the silent ranks after 5 s
-(parallel/dist/heartbeat.py); train.collective_timeout_s=20 bounds the silent-machine case at 10 s.
+(parallel/distributed/heartbeat.py); train.collective_timeout_s=20 bounds the silent-machine case at 10 s.
 """
 import json
 import signal

@@ -18,8 +18,8 @@ LAYOUTS = {"tp2-sp2": (2, 2, 1, 1, 0), "pp2-dp2": (1, 1, 2, 2, 1), "dp2-tp2-zero
 
 
 def _train(root, tp, sp, pp, dp, stage):
-    from parallel.dist.seed import seed_all
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.train.engine import build_trainer
     from parallel.train.run import training_batches
     from parallel.weights.gather import full_state

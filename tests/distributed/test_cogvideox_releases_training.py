@@ -40,7 +40,7 @@ def test_the_training_input_is_the_pipelines_image_latents_with_dropout():
     and CogVideo's I2V fine-tuning build them) on channels; the dropped samples' image latents are zeros."""
     from models.registry import family
     from parallel.config import load_config
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.topology import ParallelContext
     from parallel.train.run import training_batches
 
     cfg = load_config("debug", I2V15 + ["train.micro_batch_size=4", "train.grad_accum_steps=1"])

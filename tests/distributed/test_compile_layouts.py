@@ -1,4 +1,4 @@
-"""train.compile (regional compilation, parallel/dist/compile.py) against eager: the same losses over 3 steps,
+"""train.compile (regional compilation, parallel/distributed/compile.py) against eager: the same losses over 3 steps,
 one compiled graph per block class whatever the number of blocks, and no graph breaks, in one process with
 inductor and at tp 2 x pp 2 (ZeRO-1, activation checkpointing) and sp 2 x dp 2 (ZeRO-2) with aot_eager.
 
@@ -27,9 +27,9 @@ def _compile_rank(rank, world_size, runs):
     import time
 
     from bench.comm import _install_counter
-    from parallel.dist.compile import compile_stats
-    from parallel.dist.seed import seed_all
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.compile import compile_stats
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.train.engine import build_trainer
     from parallel.train.run import training_batches
 

@@ -1,4 +1,4 @@
-"""LoRA (parallel/lora.py; the adapters in parallel/dist/layers.py) in one spawn of 4 gloo ranks and one of 1.
+"""LoRA (parallel/lora.py; the adapters in parallel/distributed/layers.py) in one spawn of 4 gloo ranks and one of 1.
 
 * Layers: a fused Column (q, k, v; adapters on q and v) and a Row layer with adapters at tp 2 against tp 1:
   outputs and the gradients of x, A and B (fp32); the all-reduces are the ones the layers issue without
@@ -26,9 +26,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from parallel.config import load_config
-from parallel.dist.comm import count_comm, gather_shards
-from parallel.dist.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.dist.topology import ParallelContext, ParallelDims
+from parallel.distributed.comm import count_comm, gather_shards
+from parallel.distributed.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.distributed.topology import ParallelContext, ParallelDims
 from parallel.lora import LORA_WEIGHTS_NAME
 from parallel.plan.memory import EngineSettings, plan_memory
 from parallel.plan.trace import ActivationTracer
@@ -113,8 +113,8 @@ def _diffusers(world_size, folder, lora_path, export_dir):
     import deepspeed
 
     from parallel.build import build_model
-    from parallel.dist import accelerator
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed import accelerator
+    from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.lora import load_lora
     from parallel.train.validate import StageForward
     from parallel.weights.diffusers import load_released
@@ -144,8 +144,8 @@ CASES = [("tp2 x pp2 zero0", 2, 2, 1, 1, 0), ("sp2 x dp2 zero2", 1, 1, 2, 2, 2)]
 
 
 def _train(cfg, ds, ctx):
-    from parallel.dist.replicas import replica_mismatches
-    from parallel.dist.seed import seed_all
+    from parallel.distributed.replicas import replica_mismatches
+    from parallel.distributed.seed import seed_all
     from parallel.lora import is_adapter
     from parallel.plan.probe import StepProbe
     from parallel.train.engine import build_trainer
@@ -175,7 +175,7 @@ def _train(cfg, ds, ctx):
 
 
 def _trainings(cases):
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.topology import ParallelContext, ParallelDims
     out = {}
     for name, tp, pp, dp, sp, stage in cases:
         cfg = experiment(tp, pp, dp, LORA, sp)
@@ -187,8 +187,8 @@ def _trainings(cases):
 def _reference_rank(rank, world_size, directory):
     """The one-process run, and the same run stopped after step 2, saved, and resumed into a model built
     from another seed (base and adapters): the checkpoint restores both."""
-    from parallel.dist.seed import seed_all
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.train.engine import build_trainer
     from parallel.train.run import training_batches
     out = _trainings([("one", 1, 1, 1, 1, 0)])

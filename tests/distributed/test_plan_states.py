@@ -52,8 +52,8 @@ def _states_rank(rank, world_size):
     from parallel.train.engine import build_trainer
     from parallel.plan.probe import StepProbe
     from parallel.train.run import training_batches
-    from parallel.dist.seed import seed_all
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext, ParallelDims
     from tests.train_utils import experiment
 
     import deepspeed.comm

@@ -20,8 +20,8 @@ SCHEDULE = ("train.warmup_steps=2", "train.max_steps=6")          # the lr moves
 
 def _build(layout, tmp):
     from parallel.config import load_config
-    from parallel.dist.seed import seed_all
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.train.engine import build_trainer
     from parallel.train.run import training_batches
 

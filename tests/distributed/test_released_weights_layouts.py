@@ -53,10 +53,10 @@ def _layouts_rank(rank, world_size, folders, export_dir, folders15):
 
     import deepspeed
 
-    from parallel.dist import accelerator
+    from parallel.distributed import accelerator
     from parallel.build import build_model
     from parallel.weights.diffusers_export import export_diffusers
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.train.validate import StageForward
 
     deepspeed.init_distributed(dist_backend=accelerator.backend())
@@ -95,8 +95,8 @@ def _zero3(world_size, folder, export_dir):
     """The training path at dp = 4, ZeRO-3: load before deepspeed.initialize, export gathers."""
     from parallel.train.engine import build_trainer
     from parallel.weights.diffusers_export import export_diffusers
-    from parallel.dist.seed import seed_all
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext, ParallelDims
     from tests.train_utils import fp32_config
 
     cfg = load_config("debug", overrides("rope3d", folder) + ["train.micro_batch_size=1", "train.grad_accum_steps=1"])

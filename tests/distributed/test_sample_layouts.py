@@ -38,9 +38,9 @@ def _train_and_save(argv, export_dir):
     import deepspeed
 
     from parallel.check import load_and_check
-    from parallel.dist import accelerator
-    from parallel.dist.seed import seed_all
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed import accelerator
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext
     from parallel.sample import parse_args
     from parallel.train import checkpoint
     from parallel.train.ema import full_ema

@@ -27,8 +27,8 @@ def _rank(rank, world_size):
     from models.diffusion import Objective
     from parallel.build import build_model
     from parallel.config import load_config
-    from parallel.dist import accelerator
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed import accelerator
+    from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.train.data import DiffusionBatches
     from parallel.train.run import build_dataset
 

@@ -72,11 +72,11 @@ def _rank(rank, world_size, preset):
 
     from parallel.train.data import DiffusionBatches
     from models.diffusion import Objective
-    from parallel.dist import accelerator
+    from parallel.distributed import accelerator
     from parallel.config import load_config
     from parallel.build import build_model
     from parallel.train.run import build_dataset
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.topology import ParallelContext, ParallelDims
 
     calls = []
     original = dist.all_to_all_single

@@ -13,12 +13,12 @@ def _tp_rank(rank, world_size):
 
     from parallel.train.data import DiffusionBatches
     from models.diffusion import Objective
-    from parallel.dist import accelerator
-    from parallel.dist.comm import count_comm, gather_shards
+    from parallel.distributed import accelerator
+    from parallel.distributed.comm import count_comm, gather_shards
     from parallel.build import build_model
-    from parallel.dist.replicas import replica_mismatches
+    from parallel.distributed.replicas import replica_mismatches
     from parallel.train.run import build_dataset
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.topology import ParallelContext, ParallelDims
 
     cfg = load_config("debug-stdit", [f"train.micro_batch_size={B}"])
     inputs, target = next(DiffusionBatches(build_dataset(cfg), Objective("v_prediction"), seed=0, micro_batch=B,
@@ -87,8 +87,8 @@ def _validate(cfg, engine, ctx):
 
 def _pipeline_rank(rank, world_size):
     from parallel.train.engine import build_trainer
-    from parallel.dist.seed import seed_all
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext, ParallelDims
     from tests.train_utils import experiment, fp32_config
 
     cfg = experiment(1, 2, 1, VAL, preset="debug-stdit")
@@ -101,8 +101,8 @@ def test_validation_and_sampling_through_a_pipeline_equal_one_process():
     """StageForward sends the four stage tensors between pipeline stages: pp = 2 gives the bits of the
     one-process model (built here, same seed), on both stages."""
     from parallel.build import layer_specs
-    from parallel.dist.pipeline import SequentialDiT
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.pipeline import SequentialDiT
+    from parallel.distributed.topology import ParallelContext
     from tests.train_utils import experiment
 
     cfg = experiment(1, 1, 1, VAL, preset="debug-stdit")

@@ -1,4 +1,4 @@
-"""ColumnParallelLinear / RowParallelLinear (parallel/dist/layers.py) against torch.nn.Linear, on CPU with gloo.
+"""ColumnParallelLinear / RowParallelLinear (parallel/distributed/layers.py) against torch.nn.Linear, on CPU with gloo.
 
 Every tp size (2, 4) is spawned once: `_rank_main` builds the tp group, runs all checks in each rank
 and returns the weight shards, a list of failed comparisons per check, and the collectives logged by
@@ -24,9 +24,9 @@ import pytest
 import torch
 from torch import nn
 
-from parallel.dist.comm import count_comm
-from parallel.dist.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.dist.topology import ParallelContext, ParallelDims
+from parallel.distributed.comm import count_comm
+from parallel.distributed.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.distributed.topology import ParallelContext, ParallelDims
 from tests.dist_utils import run_ranks
 
 WORLD_SIZES = (2, 4)

@@ -11,13 +11,13 @@ def _rank(rank, world_size):
 
     from parallel.train.data import DiffusionBatches
     from models.diffusion import Objective
-    from parallel.dist import accelerator
-    from parallel.dist.comm import count_comm
+    from parallel.distributed import accelerator
+    from parallel.distributed.comm import count_comm
     from parallel.config import load_config
     from parallel.build import build_model
-    from parallel.dist.replicas import replica_mismatches
+    from parallel.distributed.replicas import replica_mismatches
     from parallel.train.run import build_dataset
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.topology import ParallelContext, ParallelDims
 
     cfg = load_config("debug", ["parallel.tp_size=2", f"train.micro_batch_size={B}"])
     ctx = ParallelContext.build(ParallelDims(tp_size=2, pp_size=1, dp_size=1))

@@ -33,8 +33,8 @@ def _validate_rank(rank, world_size, layouts, extra):
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     from parallel.train.engine import build_trainer
     from parallel.train.run import build_val_dataset
-    from parallel.dist.seed import seed_all
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.train.validate import StageForward, validation_loss
     from tests.train_utils import experiment
 
@@ -104,8 +104,8 @@ def _ema_rank(rank, world_size, tp, pp, dp, stage):
     from parallel.train.engine import build_trainer
     from parallel.weights.gather import full_state
     from parallel.train.run import build_val_dataset, training_batches
-    from parallel.dist.seed import seed_all
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.train.validate import Validator
     from tests.train_utils import experiment
 
@@ -129,9 +129,9 @@ def _serial_from_weights(weights: dict) -> dict:
     """Validation of the one-process model loaded with `weights` (canonical names), in this process."""
     from models.diffusion import Objective
     from parallel.build import layer_specs
-    from parallel.dist.pipeline import SequentialDiT
+    from parallel.distributed.pipeline import SequentialDiT
     from parallel.train.run import build_val_dataset
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.topology import ParallelContext
     from parallel.train.validate import StageForward, validation_loss
     from tests.train_utils import experiment
 
@@ -163,8 +163,8 @@ def _sample_rank(rank, world_size, layouts, out):
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     from parallel.train.engine import build_trainer
     from parallel.train.run import build_val_dataset
-    from parallel.dist.seed import seed_all
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.train.validate import Validator
     from tests.train_utils import experiment
 

@@ -31,7 +31,7 @@ def wan_fp32_config() -> dict:
 
 def _model(folder, tp, pp, sp, world_size):
     from parallel.build import build_model
-    from parallel.dist.topology import ParallelContext, ParallelDims
+    from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.weights.diffusers import load_released
 
     cfg = load_config("debug-wan", overrides(folder) + [f"parallel.tp_size={tp}", f"parallel.pp_size={pp}",
@@ -47,8 +47,8 @@ def _rank(rank, world_size, folder, export_dir):
 
     import deepspeed
 
-    from parallel.dist import accelerator
-    from parallel.dist.comm import count_comm
+    from parallel.distributed import accelerator
+    from parallel.distributed.comm import count_comm
     from parallel.train.validate import StageForward
     from parallel.weights.diffusers_export import export_diffusers
     from parallel.weights.gather import full_tensors

@@ -1,10 +1,10 @@
-"""Device specifics live in parallel/dist/accelerator.py only; its answers per accelerator name."""
+"""Device specifics live in parallel/distributed/accelerator.py only; its answers per accelerator name."""
 import pathlib
 import re
 
 import pytest
 
-from parallel.dist import accelerator
+from parallel.distributed import accelerator
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FORBIDDEN = re.compile(r"\.cuda\(|torch\.cuda\.|[\"']nccl[\"']")

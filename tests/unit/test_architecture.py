@@ -55,16 +55,16 @@ def test_every_import_resolves_to_a_module():
 
 
 def test_primitives_import_only_primitives():
-    """parallel/dist/ imports no model family, no training loop, no planner, config or checker."""
-    wrong = [f"{m} imports {i}" for m, imports in GRAPH.items() if _inside(m, "parallel.dist")
-             for i in imports if not _inside(i, "parallel.dist")]
+    """parallel/distributed/ imports no model family, no training loop, no planner, config or checker."""
+    wrong = [f"{m} imports {i}" for m, imports in GRAPH.items() if _inside(m, "parallel.distributed")
+             for i in imports if not _inside(i, "parallel.distributed")]
     assert not wrong, wrong
 
 
 def test_models_import_only_models_and_primitives():
     wrong = [f"{m} imports {i}" for m, imports in GRAPH.items()
              if _inside(m, "models") and m != "models.__main__"          # the CLI sits on top of everything
-             for i in imports if not (_inside(i, "models") or _inside(i, "parallel.dist"))]
+             for i in imports if not (_inside(i, "models") or _inside(i, "parallel.distributed"))]
     assert not wrong, wrong
 
 
@@ -126,7 +126,7 @@ def test_family_names_only_in_the_registry_and_family_folders():
 
 def test_the_checks_see_a_violation():
     """The walkers find what they look for (a check that cannot fail would prove nothing)."""
-    assert "parallel.dist.comm" in GRAPH["parallel.dist.layers"]
+    assert "parallel.distributed.comm" in GRAPH["parallel.distributed.layers"]
     assert "models.registry" in GRAPH["parallel.config"]
     tree = ast.parse('if cfg.model.family == "stdit":\n    pass\n')
     compare = next(n for n in ast.walk(tree) if isinstance(n, ast.Compare))

@@ -27,7 +27,7 @@ def test_profile_groups_by_op_name():
 
 
 def test_profile_table_of_a_step():
-    """step_table with this device's profiler activities (parallel.dist.accelerator.profiler_activities): a
+    """step_table with this device's profiler activities (parallel.distributed.accelerator.profiler_activities): a
     step of matmuls lands in "linear layers", and the groups sum to the total."""
     a = torch.randn(128, 128)
     table = step_table(lambda: [a @ a for _ in range(20)], lambda: None, steps=1)

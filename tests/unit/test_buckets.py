@@ -11,7 +11,7 @@ import torch
 from models.geometry import token_grid
 from parallel.build import build_model
 from parallel.config import load_config
-from parallel.dist.topology import ParallelContext
+from parallel.distributed.topology import ParallelContext
 from parallel.prepare_data.buckets import choose_bucket, parse_buckets
 from parallel.train.buckets import BucketSchedule
 from parallel.train.data import DiffusionBatches, DirectoryLatents, check_shapes

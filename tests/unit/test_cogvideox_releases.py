@@ -135,8 +135,8 @@ def test_i2v_validation_conditions_on_each_samples_first_frame():
 
     from models.diffusion import Objective
     from parallel.build import layer_specs
-    from parallel.dist.pipeline import SequentialDiT
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.pipeline import SequentialDiT
+    from parallel.distributed.topology import ParallelContext
     from parallel.train.run import build_val_dataset
     from parallel.train.validate import StageForward, validation_loss, validation_noise
 
@@ -173,7 +173,7 @@ def test_prepare_data_pads_15_latents_and_stores_the_augmented_first_frame_for_i
     from diffusers import AutoencoderKLCogVideoX
     from safetensors.torch import load_file
 
-    from parallel.dist.seed import derive_seed
+    from parallel.distributed.seed import derive_seed
     from parallel.prepare_data.frames import frame_indices
     from tests.unit.test_prepare_data import SETS, run
 
@@ -205,7 +205,7 @@ def test_training_takes_the_stored_image_latents(tmp_path):
 
     from safetensors.torch import save_file
 
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.topology import ParallelContext
     from parallel.train.run import build_dataset, training_batches
 
     g = torch.Generator().manual_seed(0)
@@ -230,7 +230,7 @@ def test_image_dropout_drops_the_same_samples_at_dp1_and_dp2():
     and two replicas with one each (the same global batch of 4) build the same inputs, dropped ones included."""
     import types
 
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.topology import ParallelContext
     from parallel.train.run import training_batches
 
     sets = ["model.patch_size_t=2", "model.pos_embed=rope3d", "model.image_condition=true", "model.image_dropout=0.5",

@@ -1,4 +1,4 @@
-"""parallel/dist/deepspeed_compat.py against the installed DeepSpeed: every internal a patch relies on is
+"""parallel/distributed/deepspeed_compat.py against the installed DeepSpeed: every internal a patch relies on is
 still there and still used as the patch assumes (each failure names the patch and the DeepSpeed symbol),
 and each patch does what it says. One process, no process group."""
 import inspect
@@ -20,13 +20,13 @@ from deepspeed.runtime.zero import partition_parameters
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from parallel.dist import deepspeed_compat as compat
+from parallel.distributed import deepspeed_compat as compat
 
 
 def relies(patch: str, symbol: str, ok: bool, detail: str) -> None:
     assert ok, (f"deepspeed_compat.{patch} relies on DeepSpeed's {symbol}, changed in the installed deepspeed "
                 f"{deepspeed.__version__} (the patch was written against {compat.WRITTEN_AGAINST}): {detail}. "
-                f"Rewrite the patch in parallel/dist/deepspeed_compat.py for this version, or pin deepspeed.")
+                f"Rewrite the patch in parallel/distributed/deepspeed_compat.py for this version, or pin deepspeed.")
 
 
 def member(patch: str, owner, name: str):

@@ -5,9 +5,9 @@ import torch
 
 from parallel.config import load_config
 from parallel.build import layer_specs
-from parallel.dist.pipeline import SequentialDiT
+from parallel.distributed.pipeline import SequentialDiT
 from parallel.train.optim import EmaAdamW, adamw_implementation, build_optimizer
-from parallel.dist.topology import ParallelContext
+from parallel.distributed.topology import ParallelContext
 
 
 def _model():

@@ -1,5 +1,5 @@
-"""The lost-rank rule of parallel/dist/heartbeat.py, without a store: who is declared lost, and when."""
-from parallel.dist.heartbeat import lost_ranks, threshold
+"""The lost-rank rule of parallel/distributed/heartbeat.py, without a store: who is declared lost, and when."""
+from parallel.distributed.heartbeat import lost_ranks, threshold
 
 
 def test_nobody_lost_before_the_threshold():

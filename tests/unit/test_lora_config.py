@@ -30,7 +30,7 @@ def test_a_target_matching_nothing_is_named_with_the_names_that_exist():
 def test_adapters_start_as_peft_starts_them():
     """A from the seed and the layer's name (the same in every layout), B zero; the base frozen."""
     from parallel.build import build_model
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.topology import ParallelContext
     cfg = load_config("debug", ["model.lora.rank=4"])
     one, two = (build_model(cfg, {}, ParallelContext.single()) for _ in range(2))
     adapters = {n: p for n, p in one.named_parameters() if p.requires_grad}

@@ -58,8 +58,8 @@ def test_block_activations_match_the_real_block(dtype, preset):
 
     from parallel.build import layer_specs
 
-    from parallel.dist.pipeline import checkpoint_x_only
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.pipeline import checkpoint_x_only
+    from parallel.distributed.topology import ParallelContext
 
     cfg = load_config(preset)
     trace = ActivationTracer(cfg, dtype).trace("block", 1, B)
@@ -89,7 +89,7 @@ def test_model_activations_match_a_real_forward(checkpointing, preset):
     import deepspeed
 
     from parallel.build import build_model
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.topology import ParallelContext
     from tests.train_utils import fp32_config
 
     cfg = load_config(preset, [f"train.micro_batch_size={B}"])
@@ -146,8 +146,8 @@ def test_model_states_against_deepspeeds_estimators(stage):
 
     from parallel.build import layer_specs
 
-    from parallel.dist.pipeline import SequentialDiT
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.pipeline import SequentialDiT
+    from parallel.distributed.topology import ParallelContext
 
     cfg = load_config("cogvideox-5b")
     ds = json.load(open(f"ds_configs/zero{stage}_bf16.json"))
@@ -185,8 +185,8 @@ def cli(capsys, *argv):
 def rank_params(preset: str, tp: int) -> list[tuple[int, int]]:
     """(numel, ndim) of one tp rank's parameters, from the model built on the meta device."""
     from parallel.build import layer_specs
-    from parallel.dist.pipeline import SequentialDiT
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.pipeline import SequentialDiT
+    from parallel.distributed.topology import ParallelContext
     with torch.device("meta"):
         model = SequentialDiT(layer_specs(load_config(preset), ParallelContext.single(tp)))
     return [(p.numel(), p.dim()) for p in model.parameters()]
@@ -271,7 +271,7 @@ def test_plan_that_does_not_fit_says_by_how_much(capsys, tmp_path):
 
 def test_search_ranks_fitting_layouts_and_explains_refusals(capsys):
     from parallel.check import check
-    from parallel.dist.topology import ParallelDims
+    from parallel.distributed.topology import ParallelDims
     from parallel.plan.search import ds_variant, with_layout
 
     code, out, _ = cli(capsys, *FIVE_B, "--deepspeed_config", "ds_configs/zero1_bf16.json", "--search",

@@ -8,7 +8,7 @@ import pytest
 from models.geometry import latent_shape, token_grid
 from models.registry import sequence_tokens
 from parallel.config import CONFIG_DIR, load_config
-from parallel.dist.sequence import padded_length
+from parallel.distributed.sequence import padded_length
 from parallel.plan.memory import EngineSettings
 from parallel.plan.search import DEVICES, estimate_step_time
 from parallel.plan.trace import ActivationTracer

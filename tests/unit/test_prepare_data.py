@@ -17,7 +17,7 @@ from parallel.config import load_config
 from parallel.prepare_data.frames import VideoError, clip_indices, frame_indices, read_clip, resize_crop
 from parallel.train.media import load_decoder, to_uint8
 from parallel.prepare_data.prepare import main
-from parallel.dist.seed import derive_seed
+from parallel.distributed.seed import derive_seed
 from tests.unit.test_text_encoder import t5_dir  # noqa: F401  (fixture: tiny T5, d_model 32, 8 words)
 
 # debug at 9 x 32 x 32 with the tiny VAE's factors (spatial 2, temporal 2): latents [4, 5, 16, 16].
@@ -120,7 +120,7 @@ def test_latents_and_text_are_what_the_vae_and_t5_give(videos, vae_dir, t5_dir, 
 def test_training_reads_the_prepared_folder(prepared):
     from parallel.build import build_model
     from parallel.train.run import build_dataset, training_batches
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.topology import ParallelContext
 
     cfg = load_config("debug", SETS + ["data.kind=directory", f"data.path={prepared}", "train.micro_batch_size=2",
                                        "train.grad_accum_steps=1"])

@@ -101,8 +101,8 @@ def test_training_steps_from_the_prepared_folder(prepared):
     from models.diffusion import Objective
     from parallel.build import build_model
     from parallel.check import check_data_files, check_unconditional
-    from parallel.dist.seed import derive_seed
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.seed import derive_seed
+    from parallel.distributed.topology import ParallelContext
     from parallel.train.run import build_dataset, training_batches
 
     cfg = load_config("debug-wan", SETS + ["data.kind=directory", f"data.path={prepared}", "train.micro_batch_size=2",

@@ -19,8 +19,8 @@ def loss_and_grads(preset: str, extra=(), on_pack=None):
     """Loss and parameter gradients of one fp32 forward/backward of `preset` at micro-batch 2 (fixed inputs)."""
     from models.geometry import latent_shape
     from parallel.build import build_model
-    from parallel.dist.seed import seed_all
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext
     from parallel.recompute import apply_recompute
 
     cfg = load_config(preset, [f"train.micro_batch_size={B}", *extra])

@@ -26,8 +26,8 @@ def measured_bytes(cfg) -> int:
     an outer saved-tensor hook (parameters and buffers skipped) plus what compressed blocks store."""
     from models.geometry import latent_shape
     from parallel.build import build_model
-    from parallel.dist.seed import seed_all
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext
     from parallel.recompute import apply_recompute
 
     seed_all(0)

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from parallel.dist.layers import ColumnParallelLinear
+from parallel.distributed.layers import ColumnParallelLinear
 from parallel.train import checkpoint
 from parallel.train.relayout import Slicing, assemble
 

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from models.diffusion import Objective
 from parallel.check import check_unconditional, load_and_check
 from parallel.config import ConfigError, load_config
-from parallel.dist.topology import ParallelContext
+from parallel.distributed.topology import ParallelContext
 from parallel.train.data import DiffusionBatches, DirectoryLatents, SyntheticLatents
 from parallel.train.run import build_val_dataset
 

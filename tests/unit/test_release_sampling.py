@@ -118,7 +118,7 @@ def _transformer(pos, folder):
 
 def _toolkit_predictor(pos, folder, shift):
     from parallel.build import build_model
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.topology import ParallelContext
     from parallel.train.validate import StageForward
     from parallel.weights.diffusers import load_released
 
@@ -168,7 +168,7 @@ def test_sample_command_writes_the_pipelines_latents(tmp_path, capsys):
     equals CogVideoXPipeline's from the same noise and generator, and the video files are written."""
     from safetensors.torch import load_file, save_file
 
-    from parallel.dist.seed import derive_seed
+    from parallel.distributed.seed import derive_seed
     from parallel.sample import main
 
     folder = tmp_path / "transformer"

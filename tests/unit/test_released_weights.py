@@ -89,8 +89,8 @@ def test_missing_and_unexpected_tensors_are_listed(released, tmp_path):
         f"{folder}: 1 tensors of CogVideoXTransformer3DModel are missing: {gone}",
         f"{folder}: 1 tensors have no place in the toolkit's model: transformer_blocks.1.attn1.to_added.weight"]
     from parallel.build import layer_specs
-    from parallel.dist.pipeline import SequentialDiT
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.pipeline import SequentialDiT
+    from parallel.distributed.topology import ParallelContext
     model = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
     before = {n: p.clone() for n, p in model.state_dict().items()}
     with pytest.raises(ValueError, match=f"missing: {gone}"):

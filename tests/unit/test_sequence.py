@@ -1,10 +1,10 @@
-"""Sequence-parallel rank arithmetic in one process: the padded split (parallel/dist/sequence.py)."""
+"""Sequence-parallel rank arithmetic in one process: the padded split (parallel/distributed/sequence.py)."""
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from parallel.dist.sequence import SequenceAttention, local_range, padded_length, split_sequence
+from parallel.distributed.sequence import SequenceAttention, local_range, padded_length, split_sequence
 
 
 def ctx(sp_size, sp_rank=0):

@@ -12,7 +12,7 @@ S = T * H * W
 
 def _block(temporal: bool):
     from parallel.build import layer_specs
-    from parallel.dist.topology import ParallelContext
+    from parallel.distributed.topology import ParallelContext
     layer = layer_specs(load_config("debug-stdit"), ParallelContext.single())[1].build()
     return layer.temporal if temporal else layer.spatial
 

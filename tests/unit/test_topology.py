@@ -2,7 +2,7 @@
 import pytest
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-from parallel.dist.topology import ParallelContext, ParallelDims, read_launch_env
+from parallel.distributed.topology import ParallelContext, ParallelDims, read_launch_env
 
 SHAPES = [(1, 1, 1), (2, 1, 2), (2, 2, 1), (1, 2, 2), (2, 2, 2), (3, 2, 4), (4, 1, 2), (2, 4, 3)]
 

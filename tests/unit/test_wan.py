@@ -12,8 +12,8 @@ from diffusers import WanTransformer3DModel
 from models.__main__ import summary
 from parallel.build import layer_specs
 from parallel.config import load_config
-from parallel.dist.pipeline import SequentialDiT
-from parallel.dist.topology import ParallelContext
+from parallel.distributed.pipeline import SequentialDiT
+from parallel.distributed.topology import ParallelContext
 from parallel.weights.diffusers import INDEX_NAME, check_released, load_released
 
 B, FRAMES, HEIGHT, WIDTH = 2, 3, 8, 12            # latents [2, 4, 3, 8, 12] -> 3 x 4 x 6 = 72 video tokens

@@ -79,7 +79,7 @@ silently, so the tests check them too):
                                                state on the flat fp32 partitions, which DeepSpeed's per-parameter
                                                views (ZeRO-1/2: tensors of the partition's shape; ZeRO-3:
                                                optimizer.state[fp32 partition][key]) point into
-Elsewhere, read the same way: ZeRO-3's parameter attributes ds_tensor, ds_shape, ds_id (dist/replicas.py,
+Elsewhere, read the same way: ZeRO-3's parameter attributes ds_tensor, ds_shape, ds_id (distributed/replicas.py,
 train/validate.py, train/ema.py) and MEMORY_OPT_ALLREDUCE_SIZE (mirrored in plan/memory.py).
 """
 from __future__ import annotations
@@ -117,7 +117,7 @@ def check_deepspeed_version(installed: str | None = None) -> bool:
 
 @functools.cache
 def _warn_untested(installed: str) -> None:
-    warnings.warn(f"deepspeed {installed} is installed; parallel/dist/deepspeed_compat.py was written against "
+    warnings.warn(f"deepspeed {installed} is installed; parallel/distributed/deepspeed_compat.py was written against "
                   f"{TESTED_DEEPSPEED}.x. Run `python -m pytest tests/unit/test_deepspeed_compat.py`: it names any "
                   f"patch whose DeepSpeed internals changed.", RuntimeWarning, stacklevel=3)
 

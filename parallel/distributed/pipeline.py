@@ -14,8 +14,8 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 
-from parallel.dist.deepspeed_compat import set_stage_bounds
-from parallel.dist.seed import init_rng
+from parallel.distributed.deepspeed_compat import set_stage_bounds
+from parallel.distributed.seed import init_rng
 
 
 class SeededLayerSpec(LayerSpec):

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.dist.comm import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from parallel.distributed.comm import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 
 InitFn = Callable[[torch.Tensor], None]
 

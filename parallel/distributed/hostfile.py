@@ -1,6 +1,6 @@
 """DeepSpeed hostfiles (`host slots=N` per line, `#` comments): parsed strictly, errors with line numbers.
 
-    python -m parallel.dist.hostfile hosts      # prints "host slots" lines, or the problems (exit 2)
+    python -m parallel.distributed.hostfile hosts      # prints "host slots" lines, or the problems (exit 2)
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def parse_hostfile(path: str | Path) -> dict[str, int]:
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m parallel.dist.hostfile HOSTFILE", file=sys.stderr)
+        print("usage: python -m parallel.distributed.hostfile HOSTFILE", file=sys.stderr)
         return 2
     try:
         hosts = parse_hostfile(args[0])

@@ -147,7 +147,7 @@ class ParallelContext:
 
     With tp_size == 1 (or on a single process) groups may be None: the layers then skip communication.
     A context with sp_size > 1 and no sp_group is a planning context: the model is traced on the meta
-    device with one sp rank's shapes (parallel.dist.sequence).
+    device with one sp rank's shapes (parallel.distributed.sequence).
     """
 
     dims: ParallelDims

@@ -9,7 +9,7 @@ the recomputation with grad. Everything around the blocks (embedding, final laye
 recomputation wrapper) stays eager, so checkpointing, ZeRO's hooks and the pipeline schedule see
 ordinary modules.
 
-Inside a block, the tensor-parallel collectives (parallel/dist/comm.py: dist.all_reduce in an
+Inside a block, the tensor-parallel collectives (parallel/distributed/comm.py: dist.all_reduce in an
 autograd.Function) and the Ulysses all-to-alls are traced or graph-broken by dynamo as it decides;
 `compile_stats()` reports graphs and breaks so the bench and the tests can say which. Measured here
 (tests/distributed/test_compile_layouts.py): no graph break at tp 2 (the gloo all-reduces are traced
