@@ -66,7 +66,7 @@ def in_process(steps: int) -> dict:
     from parallel.train.data import DiffusionBatches
     from models.diffusion import Objective
     from parallel.config import load_config
-    from parallel.plan.probe import StepProbe
+    from parallel.train.probe import StepProbe
     from parallel.plan.memory import plan_memory
     from parallel.plan.trace import ActivationTracer
     from parallel.train.run import build_dataset, export_launch_env

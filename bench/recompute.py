@@ -64,7 +64,7 @@ def options(steps: int) -> dict:
     from parallel.config import load_config
     from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.plan.memory import EngineSettings, plan_memory
-    from parallel.plan.probe import StepProbe
+    from parallel.train.probe import StepProbe
     from parallel.plan.search import recompute_fraction
     from parallel.plan.trace import ActivationTracer
     from parallel.train.data import DiffusionBatches

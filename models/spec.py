@@ -107,7 +107,7 @@ class FamilySpec:
     # (model, data) -> None, or a training-input hook: (x_t, x0, keep [B] bool) -> the first stage's latents
     # (image-to-video: x_t with the image latents on channels), its `.dropout` the probability of keep False.
     condition: Optional[Callable] = None
-    # The data it trains on: the diffusers VAE class whose normalised latents it takes (parallel/prepare_data/vae.py
+    # The data it trains on: the diffusers VAE class whose normalised latents it takes (models/vae.py
     # VAES), and the transformers text-encoder class whose embeddings it reads (models/text_encoder.py ENCODERS).
     vae: str = "AutoencoderKLCogVideoX"
     text_encoder: str = "T5EncoderModel"

@@ -21,21 +21,8 @@ from models.config import ModelConfig
 from models.registry import sequence_tokens
 from parallel.config import ConfigError, ExperimentConfig, load_config
 from parallel.distributed.sequence import padded_length
-from parallel.distributed.topology import ParallelDims
+from parallel.distributed.topology import Layout
 from parallel.train.schedule import scheduler_problems
-
-
-@dataclass(frozen=True, kw_only=True)
-class Layout(ParallelDims):
-    """A checked run: the parallel sizes and the engine settings that go with them."""
-
-    zero_stage: int
-    precision: str
-    global_batch: int
-
-    @property
-    def dims(self) -> ParallelDims:
-        return ParallelDims(**self.as_dict())
 
 
 @dataclass(frozen=True)
@@ -256,7 +243,7 @@ def check_data_files(cfg: ExperimentConfig) -> list[str]:
         folders.append(("val.path", cfg.val.path))
     if not folders and not cfg.data.buckets:
         return []
-    from parallel.train.bucket_check import bucket_problems      # the manifest's buckets and data.buckets
+    from parallel.manifest import bucket_problems      # the manifest's buckets and data.buckets
     from parallel.train.data import check_shapes
     return bucket_problems(cfg) + [p for key, folder in folders for p in
                                    check_shapes(folder, cfg.model, cfg.data, key, captions=bool(cfg.data.text_encoder))]
@@ -294,8 +281,8 @@ def summary(cfg: ExperimentConfig, layout: Layout) -> str:
     padding = sequence_padding(cfg)
     buckets = ""
     if cfg.data.kind == "directory":
-        from parallel.train.bucket_check import bucket_configs
-        from parallel.train.buckets import format_shape
+        from parallel.manifest import bucket_configs
+        from parallel.shapes import format_shape
         found = bucket_configs(cfg)
         if len(found) > 1:               # each bucket's tokens and padding; the first (longest) is planned for
             buckets = "; buckets (longest first, the memory plan's): " + ", ".join(

@@ -19,7 +19,7 @@ name `blocks.{i}`:
   Parameters (and their views), buffers and cached tables are not activations and are left alone.
 
 The inputs a checkpoint keeps are not saved through autograd by torch's checkpoint, so saved-tensor hooks
-(the planner's tracer, parallel/plan/probe.py) would not see them: `_Keep` saves them explicitly, which
+(the planner's tracer, parallel/train/probe.py) would not see them: `_Keep` saves them explicitly, which
 costs nothing (they are held anyway) and makes every byte a block keeps visible to one instrument.
 """
 from __future__ import annotations

@@ -196,7 +196,7 @@ def load_first_frames(args, cfg, rows: int):
         from PIL import Image
 
         from models.registry import family
-        from parallel.prepare_data.vae import load_vae
+        from models.vae import load_vae
         condition = family(cfg.model).training_condition(cfg.model, cfg.data)
         pictures = [Image.open(p).convert("RGB") for p in args.image]
         first = condition.encode_pictures(load_vae(args.vae or cfg.val.decoder), pictures, cfg.data.height,

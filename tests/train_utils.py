@@ -33,12 +33,12 @@ def experiment(tp: int, pp: int, dp: int, extra=(), sp: int = 1, preset: str = "
 
 def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp, preset, probe_step):
     """Train `steps` steps; the losses, the full weights (and EMA) this rank holds, any replica drift, and
-    (probe_step > 0) what that step held, measured by parallel.plan.probe.StepProbe."""
+    (probe_step > 0) what that step held, measured by parallel.train.probe.StepProbe."""
     import contextlib
 
     import deepspeed
 
-    from parallel.plan.probe import StepProbe
+    from parallel.train.probe import StepProbe
     from parallel.train.ema import full_ema, has_ema
     from parallel.train.engine import build_trainer
     from parallel.weights.gather import full_state

@@ -63,7 +63,7 @@ unlink_shm_buffer()  (0.19.8)
     relies   shm.cpp's name "deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>",
              created and mapped by every rank inside TorchBackend.__init__ (shm_comm_op.initialize)
 
-Read, not patched (parallel/plan/probe.py measures through them; renamed, the probe would under-count
+Read, not patched (parallel/train/probe.py measures through them; renamed, the probe would under-count
 silently, so the tests check them too):
     CHECKPOINT_SAVED_TENSORS, OFFLOADED_DATA   CheckpointFunction.forward keeps its inputs as
                                                ctx.deepspeed_saved_tensors, partitioned or offloaded

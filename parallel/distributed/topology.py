@@ -104,6 +104,19 @@ class ParallelDims:
                 for d, s in itertools.product(range(self.dp_size), range(self.sp_size))]
 
 
+@dataclass(frozen=True, kw_only=True)
+class Layout(ParallelDims):
+    """A checked run (parallel/check.py builds it): the parallel sizes and the engine settings that go with them."""
+
+    zero_stage: int
+    precision: str
+    global_batch: int
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(**self.as_dict())
+
+
 @dataclass(frozen=True)
 class LaunchEnv:
     rank: int

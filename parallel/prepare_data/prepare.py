@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 8 -m parallel.prepare_data ...        # each rank takes every 8th video
 
 Each video becomes the clip training expects (data.num_frames x data.height x data.width, parallel.prepare_data.frames),
-then a VAE latent [C, T, H, W] (parallel.prepare_data.vae: the VAE class the model's family names) in
+then a VAE latent [C, T, H, W] (models.vae: the VAE class the model's family names) in
 latents/<video>.safetensors and, with --t5, its caption's embedding by the family's T5 or UMT5 encoder
 (models.text_encoder) [model.max_text_len, model.text_embed_dim] in text/<video>.safetensors, and once the empty
 prompt's, uncond.safetensors (caption dropout's and guidance's unconditional input); without --t5 the
@@ -39,12 +39,11 @@ from parallel.cli import CONFIG_HELP, add_experiment_args
 from parallel.units import DTYPES
 from parallel.prepare_data.captions import InputError, read_captions, video_files
 from parallel.config import UNCOND_FILE, ConfigError, load_config
-from parallel.prepare_data.buckets import choose_bucket, format_bucket, resolve_buckets
-from parallel.train.bucket_check import shape_problems
+from parallel.shapes import choose_bucket, format_shape, resolve_buckets, shape_problems
 from parallel.prepare_data.frames import VideoError, probe, read_clip
 from parallel.distributed.seed import derive_seed
 from parallel.distributed.topology import read_launch_env
-from parallel.prepare_data.vae import check_vae, default_dtype, encode, load_vae, read_vae_config
+from models.vae import check_vae, default_dtype, encode, load_vae, read_vae_config
 
 
 
@@ -84,7 +83,7 @@ def settings(args, cfg, vae_config: dict) -> dict:
             "fps": args.fps, "vae": str(args.vae.resolve()), "scaling_factor": vae_config.get("scaling_factor"),
             "posterior": args.posterior, "seed": cfg.train.seed, "dtype": args.dtype,
             "t5": str(args.t5.resolve()) if args.t5 else None, "max_text_len": cfg.model.max_text_len,
-            "buckets": [format_bucket(b) for b in args.bucket_list] or None}
+            "buckets": [format_shape(b) for b in args.bucket_list] or None}
 
 
 def bucket_config(cfg, bucket):
@@ -104,7 +103,7 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
         except ValueError as e:
             problems.append(str(e))
         for b in args.bucket_list:       # as training checks a bucket: whole latents, whole patches, positions
-            problems += shape_problems(cfg, b, f"--buckets: {format_bucket(b)}")
+            problems += shape_problems(cfg, b, f"--buckets: {format_shape(b)}")
     for module, role in (("diffusers", "the VAE"), ("av", "reading video files (PyAV)")):
         if importlib.util.find_spec(module) is None:
             problems.append(f"{module} is not installed, needed for {role}: pip install '.[data]'")
@@ -119,7 +118,7 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
     if vae_config:
         per_bucket = []                  # [(problem, where)]; one said of every bucket is said once
         for b in args.bucket_list or [None]:
-            c, where = (bucket_config(cfg, b), f" (bucket {format_bucket(b)})") if b else (cfg, "")
+            c, where = (bucket_config(cfg, b), f" (bucket {format_shape(b)})") if b else (cfg, "")
             per_bucket += [(p, where) for p in check_vae(vae_config, c.model, c.data, key=f"--vae={args.vae}")]
         count = {p: sum(q == p for q, _ in per_bucket) for p, _ in per_bucket}
         everywhere = {p for p, n in count.items() if n == len(args.bucket_list or [None])}
@@ -237,7 +236,7 @@ class ClipEncoder:
         if self.buckets:
             bucket = choose_bucket(self.buckets, *probe(args.videos / rel, args.fps))
             data = data.model_copy(update=dict(zip(("num_frames", "height", "width"), bucket)))
-            meta["shape"] = format_bucket(bucket)
+            meta["shape"] = format_shape(bucket)
         self.expected = (self.model.in_channels, *latent_shape(self.model, data))
         frames = read_clip(args.videos / rel, data.num_frames, data.height, data.width, args.fps)
         generator = torch.Generator().manual_seed(derive_seed(self.seed, "vae", rel)) \
@@ -314,7 +313,7 @@ def prepare(args, cfg, env) -> dict:
     counts["total"] = len(entries)
     if args.bucket_list:
         held = [tuple(json.loads(line).get("shape", ())) for line in (out / "manifest.jsonl").read_text().splitlines()]
-        counts["buckets"] = {format_bucket(b): held.count(b) for b in args.bucket_list}
+        counts["buckets"] = {format_shape(b): held.count(b) for b in args.bucket_list}
     return counts
 
 

@@ -1,7 +1,7 @@
-"""Buckets: a directory dataset of several video shapes, and which shape each training step uses.
+"""The bucket schedule: which bucket (the samples of one shape, parallel/shapes.py) each training step uses.
 
 A manifest line may give its sample's shape, `"shape": [frames, height, width]` in pixels (what
-`python -m parallel.prepare_data --buckets` writes); a line without one has the config's
+`python -m parallel.prepare_data --buckets` writes, parallel/manifest.py reads); a line without one has the config's
 data.num_frames x data.height x data.width. Samples of one shape form a bucket. Every step's global
 batch comes from one bucket, so the (tp, sp, pp) ranks of a step agree on the token grid:
 
@@ -21,43 +21,13 @@ from typing import Optional, Sequence
 import torch
 
 from parallel.distributed.seed import derive_seed
-
-Shape = Optional[tuple[int, int, int]]          # (frames, height, width) in pixels; None: the config's
-
-
-def parse_shape(value, where: str) -> Shape:
-    """A manifest line's "shape" value: three positive ints, or absent (None)."""
-    if value is None:
-        return None
-    if not (isinstance(value, list) and len(value) == 3 and all(isinstance(n, int) and n > 0 for n in value)):
-        raise ValueError(f'{where}: "shape" must be [frames, height, width] in pixels, e.g. [49, 480, 720]; '
-                         f"got {value!r}")
-    return tuple(value)
-
-
-def format_shape(shape: Shape) -> str:
-    return "the config's shape" if shape is None else "x".join(map(str, shape))
-
-
-def bucket_data(data, shape: Shape):
-    """The experiment's `data:` section with one bucket's frames x height x width (models.geometry takes it)."""
-    if shape is None:
-        return data
-    frames, height, width = shape
-    return data.model_copy(update={"num_frames": frames, "height": height, "width": width})
-
-
-def dataset_shapes(data, shapes: Sequence[Shape]) -> list:
-    """Each distinct shape of a dataset as a `data:` section, largest (most pixels) first."""
-    distinct = sorted(set(shapes), key=lambda s: (s is not None, s or ()))
-    sections = [bucket_data(data, s) for s in distinct]
-    return sorted(sections, key=lambda d: -d.num_frames * d.height * d.width)
+from parallel.shapes import Shape, format_shape
 
 
 class BucketSchedule:
     """Which bucket each step uses and which of its samples: see the module docstring."""
 
-    def __init__(self, shapes: Optional[Sequence[Shape]], num_samples: int, seed: int, global_batch: int):
+    def __init__(self, shapes: Optional[Sequence[Optional[Shape]]], num_samples: int, seed: int, global_batch: int):
         shapes = list(shapes) if shapes is not None else [None] * num_samples
         self.keys = sorted(set(shapes), key=lambda s: (s is not None, s or ()))
         self.members = [[i for i, s in enumerate(shapes) if s == k] for k in self.keys]

@@ -19,7 +19,9 @@ import torch
 
 from models.diffusion import NUM_TRAIN_TIMESTEPS, Objective
 from parallel.config import UNCOND_FILE
-from parallel.train.buckets import BucketSchedule, bucket_data, format_shape, parse_shape
+from parallel.manifest import read_manifest
+from parallel.shapes import bucket_data, format_shape
+from parallel.train.buckets import BucketSchedule
 from parallel.distributed.seed import derive_seed
 
 
@@ -106,39 +108,6 @@ def _load_tensor(path: Path, key: str) -> torch.Tensor:
             return tensors.get(key)
         return tensors[key] if key in tensors else next(iter(tensors.values()))
     return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def read_manifest(root: Path, captions: bool = False, key: str = "data.path") -> tuple[list, list, list[int], list]:
-    """`root`/manifest.jsonl as (latent, text) pairs, their captions, their manifest line numbers and their
-    shapes ("shape": [frames, height, width] in pixels, or None: the config's; parallel/train/buckets.py).
-
-    text is a file, or with `captions` (a text encoder will encode it) the line's caption when it has one.
-    Every listed file is checked to exist, so a missing one is named before training starts."""
-    manifest = root / "manifest.jsonl"
-    if not manifest.is_file():
-        raise FileNotFoundError(f"{key}={root}: no manifest.jsonl in it (lines of "
-                                '{"latent": "x.safetensors", "text": "x_text.safetensors"})')
-    items, texts, lines, shapes = [], [], [], []
-    for n, line in enumerate(manifest.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            entry = json.loads(line)
-            latent = root / entry["latent"]
-            text = entry["caption"] if captions and "caption" in entry else root / entry["text"]
-            shapes.append(parse_shape(entry.get("shape"), f"{manifest}:{n}"))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            need = '"text": file or "caption": str' if captions else '"text": file'
-            raise ValueError(f"{manifest}:{n}: expected {{\"latent\": file, {need}}} (problem: {e!r})") from None
-        for f in (latent, text):
-            if isinstance(f, Path) and not f.is_file():
-                raise FileNotFoundError(f"{manifest}:{n}: data file {f} does not exist")
-        items.append((latent, text))
-        texts.append(entry.get("caption") if isinstance(entry.get("caption"), str) else None)
-        lines.append(n)
-    if not items:
-        raise ValueError(f"{manifest}: no samples listed")
-    return items, texts, lines, shapes
 
 
 def stored_shape(path: Path, key: str) -> list[int]:

@@ -65,14 +65,14 @@ def load_decoder(spec: str | None) -> Decoder:
     """The decoder `spec` names, wrapped to return uint8 frames; None -> preview.
 
     `spec` is a CogVideoX VAE folder (`diffusers` AutoencoderKLCogVideoX, decoded with 1/scaling_factor,
-    see parallel.prepare_data.vae) or "package.module:function", a callable taking a latent [C, T, H, W] fp32 tensor
+    see models.vae) or "package.module:function", a callable taking a latent [C, T, H, W] fp32 tensor
     and returning frames [T, H, W, 3], uint8 or floats in [0, 1]. It runs on every process that decodes,
     so it should load its VAE once (e.g. functools.cache).
     """
     if spec is None:
         return latent_preview
     if Path(spec).is_dir():
-        from parallel.prepare_data.vae import vae_decoder
+        from models.vae import vae_decoder
         try:
             fn = vae_decoder(spec)
         except (FileNotFoundError, ImportError, ValueError) as e:

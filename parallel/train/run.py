@@ -23,14 +23,13 @@ from models.geometry import latent_grid, latent_shape, token_grid
 from models.registry import family, sequence_tokens
 from parallel.distributed import accelerator
 from parallel.train import checkpoint
-from parallel.check import Layout
 from parallel.config import ExperimentConfig
 from parallel.train.engine import build_trainer
-from parallel.plan.probe import StepMeasurement, StepProbe
+from parallel.train.probe import StepMeasurement, StepProbe
 from parallel.distributed.deepspeed_compat import unlink_shm_buffer, write_monitor_events
 from parallel.distributed.replicas import replica_mismatches
 from parallel.distributed.seed import seed_all
-from parallel.distributed.topology import LaunchEnv, ParallelContext
+from parallel.distributed.topology import LaunchEnv, Layout, ParallelContext
 from parallel.train.validate import Validator, check_outputs
 from parallel.train.watchdog import peer_failure, start_heartbeat
 from parallel.units import format_size
@@ -77,7 +76,7 @@ def run_plan(cfg: ExperimentConfig, ds: dict, layout: Layout, device_memory: int
     from parallel.plan.memory import EngineSettings, plan_memory
     from parallel.plan.trace import ActivationTracer
 
-    from parallel.train.bucket_check import bucket_configs
+    from parallel.manifest import bucket_configs
 
     shaped = [c for _, _, c in bucket_configs(cfg)]
     cfg = next((c for c in shaped if tokens == sequence_tokens(c.model, c.data)), shaped[0])

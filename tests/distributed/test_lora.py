@@ -147,7 +147,7 @@ def _train(cfg, ds, ctx):
     from parallel.distributed.replicas import replica_mismatches
     from parallel.distributed.seed import seed_all
     from parallel.lora import is_adapter
-    from parallel.plan.probe import StepProbe
+    from parallel.train.probe import StepProbe
     from parallel.train.engine import build_trainer
     from parallel.train.run import training_batches
     from parallel.weights.gather import full_state

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from parallel.config import load_config
-from parallel.plan.probe import storage_key
+from parallel.train.probe import storage_key
 from parallel.plan.memory import plan_memory
 from parallel.plan.trace import ActivationTracer
 from tests.dist_utils import run_ranks
@@ -50,7 +50,7 @@ def _states_rank(rank, world_size):
     # rebuilds it (30-60 s). scripts/test.sh puts the venv first; do the same when run without it.
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     from parallel.train.engine import build_trainer
-    from parallel.plan.probe import StepProbe
+    from parallel.train.probe import StepProbe
     from parallel.train.run import training_batches
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext, ParallelDims

@@ -12,7 +12,7 @@ from models.geometry import token_grid
 from parallel.build import build_model
 from parallel.config import load_config
 from parallel.distributed.topology import ParallelContext
-from parallel.prepare_data.buckets import choose_bucket, parse_buckets
+from parallel.shapes import choose_bucket, parse_shapes
 from parallel.train.buckets import BucketSchedule
 from parallel.train.data import DiffusionBatches, DirectoryLatents, check_shapes
 from models.diffusion import Objective
@@ -102,14 +102,14 @@ def test_batches_follow_the_step_bucket(tmp_path):
 
 
 def test_choose_bucket_keeps_the_most_of_a_video():
-    buckets = parse_buckets("9x32x32, 9x32x48,5x32x48,5x48x32")
+    buckets = parse_shapes("9x32x32, 9x32x48,5x32x48,5x48x32")
     assert choose_bucket(buckets, 11, 40, 40) == (9, 32, 32)       # square
     assert choose_bucket(buckets, 9, 32, 48) == (9, 32, 48)        # wide, long enough for 9 frames
     assert choose_bucket(buckets, 6, 40, 64) == (5, 32, 48)        # wide (nearest aspect), 6 frames: 5
     assert choose_bucket(buckets, 3, 40, 64) == (5, 32, 48)        # too short for any: the shortest
     assert choose_bucket(buckets, 7, 48, 30) == (5, 48, 32)        # tall
     with pytest.raises(ValueError, match="'9x32' is not FRAMESxHEIGHTxWIDTH"):
-        parse_buckets("9x32,5x32x32")
+        parse_shapes("9x32,5x32x32")
 
 
 def test_prepare_data_buckets(tmp_path, vae_dir, capsys):  # noqa: F811
@@ -144,7 +144,7 @@ def test_checker_names_each_bucket_and_refuses_learned_positions(tmp_path, monke
     every other bucket, naming it."""
     from models.cogvideox.config import CogVideoXConfig
     from parallel.check import check_data_files, load_and_check, summary
-    from parallel.train.bucket_check import bucket_configs
+    from parallel.manifest import bucket_configs
 
     write_buckets(tmp_path)
     sets = ["data.kind=directory", f"data.path={tmp_path}", "parallel.sp_size=2"]

@@ -230,7 +230,7 @@ def test_set_stage_bounds_gives_each_rank_its_stage_range():
         assert module.partitions() is parts
 
 
-# -- read, not patched (plan/probe.py, plan/memory.py, ZeRO-3 parameter attributes) ---------------------
+# -- read, not patched (train/probe.py, plan/memory.py, ZeRO-3 parameter attributes) ---------------------
 
 def test_probe_relies_on_checkpoint_and_bucket_names():
     p = "checkpoint_saved_tensors"

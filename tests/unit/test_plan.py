@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from parallel.config import load_config
-from parallel.plan.probe import graph_saved, storage_key
+from parallel.train.probe import graph_saved, storage_key
 from parallel.plan.memory import plan_memory
 from parallel.plan.trace import ActivationTracer
 
 GiB = 2 ** 30
 
 
-# ---- measurement instruments (parallel/plan/probe.py: independent of the planner's code) --------
+# ---- measurement instruments (parallel/train/probe.py: independent of the planner's code) --------
 
 def saved_bytes(run, module):
     """Run `run()` under saved-tensor hooks, plus the inputs DeepSpeed's checkpoints keep on the graph.

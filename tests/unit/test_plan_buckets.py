@@ -12,7 +12,7 @@ from parallel.distributed.sequence import padded_length
 from parallel.plan.memory import EngineSettings
 from parallel.plan.search import DEVICES, estimate_step_time
 from parallel.plan.trace import ActivationTracer
-from parallel.train.buckets import bucket_data
+from parallel.shapes import bucket_data
 from tests.buckets_utils import SHAPES, write_buckets
 
 LONG = ["--config", "configs/cogvideox-5b-long.yaml", "--deepspeed_config", "ds_configs/zero2_bf16_long.json",
@@ -126,7 +126,7 @@ def test_preset_buckets_make_whole_latents_and_patches(preset):
     whole patches (the latent frames padded to whole temporal patches, as CogVideoX 1.5's pipeline pads),
     and the checker training uses finds nothing; the preset's own shape is one of its buckets."""
     from parallel.check import check_data_files
-    from parallel.train.bucket_check import preset_bucket_problems
+    from parallel.shapes import preset_bucket_problems
     cfg = load_config(preset)
     m, shapes = cfg.model, cfg.data.buckets
     assert len(shapes) >= 4 and (cfg.data.num_frames, cfg.data.height, cfg.data.width) in shapes

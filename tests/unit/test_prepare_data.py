@@ -186,8 +186,8 @@ def test_rerun_after_interruption_does_not_redo_finished_files(videos, vae_dir, 
 
 
 def test_bad_input_is_refused_before_any_model_loads(videos, vae_dir, tmp_path, capsys, monkeypatch):
-    import parallel.prepare_data.vae
-    monkeypatch.setattr(parallel.prepare_data.vae, "load_vae", lambda *a, **k: pytest.fail("a model was loaded"))
+    import models.vae
+    monkeypatch.setattr(models.vae, "load_vae", lambda *a, **k: pytest.fail("a model was loaded"))
     root, _ = videos
 
     def refused(*args, sets=SETS) -> str:

@@ -144,8 +144,8 @@ def test_training_steps_from_the_prepared_folder(prepared):
 
 def test_wrong_vae_or_text_encoder_is_refused_by_name(videos, vae_dir, wan_vae_dir, umt5_dir, t5_dir,  # noqa: F811
                                                       tmp_path, capsys, monkeypatch):
-    import parallel.prepare_data.vae
-    monkeypatch.setattr(parallel.prepare_data.vae, "load_vae", lambda *a, **k: pytest.fail("a model was loaded"))
+    import models.vae
+    monkeypatch.setattr(models.vae, "load_vae", lambda *a, **k: pytest.fail("a model was loaded"))
     root, _ = videos
 
     def refused(*args, **kwargs) -> str:
@@ -177,7 +177,7 @@ def test_wrong_vae_or_text_encoder_is_refused_by_name(videos, vae_dir, wan_vae_d
 def test_validation_decodes_as_the_wan_pipeline(wan_vae_dir):
     """vae_decoder on a Wan VAE folder against WanPipeline.__call__'s decode path: a transformer that predicts
     zero velocity and one Euler step leave the given latents unchanged, so the pipeline decodes exactly them."""
-    from parallel.prepare_data.vae import vae_decoder
+    from models.vae import vae_decoder
     from parallel.train.media import load_decoder, to_uint8
 
     latent = torch.randn(4, 3, 4, 4, generator=torch.Generator().manual_seed(0))

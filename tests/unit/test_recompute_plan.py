@@ -9,7 +9,7 @@ import torch
 
 from parallel.config import load_config
 from parallel.plan.memory import plan_memory
-from parallel.plan.probe import storage_key
+from parallel.train.probe import storage_key
 from parallel.plan.trace import ActivationTracer
 from tests.train_utils import fp32_config
 

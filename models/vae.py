@@ -1,6 +1,6 @@
 """The VAE (a diffusers `AutoencoderKLCogVideoX` or `AutoencoderKLWan` folder): frames -> training latents and back.
 
-Each class normalises latents as its release trains on them (parallel/prepare_data/vae_formats.py); the
+Each class normalises latents as its release trains on them (models/vae_formats.py); the
 experiment's family names the class it takes (FamilySpec.vae), and a folder of another class is refused.
 The latent is a draw from the VAE's posterior for the clip in [-1, 1] (as CogVideoX and finetrainers' Wan
 train) or its mode. diffusers is an optional dependency (`pip install .[data]`), imported only when a VAE
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from parallel.prepare_data.vae_formats import VAES
+from models.vae_formats import VAES
 
 WHAT = "a folder written by " + " or ".join(f"{name}.save_pretrained ({f.release})" for name, f in VAES.items())
 
