@@ -10,11 +10,11 @@ from __future__ import annotations
 import re
 from typing import Callable, Optional
 
-from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.pipe import LayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 
-from parallel.distributed.deepspeed_compat import set_stage_bounds
+from parallel.distributed.deepspeed.pipeline import ExplicitPipelineModule
 from parallel.distributed.seed import init_rng
 
 
@@ -77,7 +77,7 @@ class SequentialDiT(nn.Module):
         return self.sequence_loss(self.predict(inputs), target)
 
 
-class DiTPipeline(PipelineModule):
+class DiTPipeline(ExplicitPipelineModule):
     """pp > 1: stage s holds blocks_per_stage[s] blocks; embed on the first stage, final + loss on the last.
 
     `dynamic_shape`: the tensors between stages may change shape from one micro-batch to the next (a
@@ -90,14 +90,10 @@ class DiTPipeline(PipelineModule):
         block_class = specs[1].typename.__name__          # the family's layer: DiTBlock, STDiT3Layer
         bounds = [0] + [1 + sum(blocks[:s + 1]) for s in range(len(blocks))]
         bounds[-1] = len(specs)
-        self._explicit_parts = bounds
         extra = {"activation_checkpoint_func": checkpoint_fn} if checkpoint_fn else {}
-        super().__init__(layers=specs, topology=topology, loss_fn=loss_fn, partition_method="explicit",
+        super().__init__(layers=specs, topology=topology, loss_fn=loss_fn, parts=bounds,
                          activation_checkpoint_interval=checkpoint_every, checkpointable_layers=[block_class],
                          dynamic_shape=dynamic_shape, **extra)
-
-    def _partition_layers(self, method="explicit"):
-        set_stage_bounds(self, self._explicit_parts)
 
 
 _PIPE_NAME = re.compile(r"^(\d+)\.(.*)$")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parallel.distributed.deepspeed.zero3 import local_data
+
 
 @torch.no_grad()
 def replica_mismatches(module: torch.nn.Module, ctx) -> list[str]:
@@ -20,8 +22,7 @@ def replica_mismatches(module: torch.nn.Module, ctx) -> list[str]:
     for name, p in module.named_parameters():
         if getattr(p, "tensor_model_parallel", False):
             continue
-        local = getattr(p, "ds_tensor", None)      # ZeRO-3: this rank's partition (same slice on tp peers)
-        local = p.data if local is None else local.data
+        local = local_data(p)                      # ZeRO-3: this rank's partition (same slice on tp peers)
         ref = local.clone()
         dist.broadcast(ref, src=src, group=ctx.tp_group)
         names.append(name)

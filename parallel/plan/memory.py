@@ -43,6 +43,7 @@ import torch
 
 from parallel import ds_config as dsc
 from parallel.config import ExperimentConfig
+from parallel.distributed.deepspeed.accounting import ENGINE_ALLREDUCE_BUCKET
 from parallel.build import blocks_per_stage, checkpoint_interval
 from parallel.plan.trace import ActivationTracer
 from parallel.recompute import checkpointed_blocks
@@ -53,7 +54,6 @@ DEFAULT_PREFETCH = 50_000_000
 DEFAULT_PERSISTENCE = 100_000
 DEFAULT_MAX_LIVE = 1_000_000_000
 DEFAULT_SUB_GROUP = 1_000_000_000
-ENGINE_ALLREDUCE_BUCKET = 500_000_000     # deepspeed.runtime.engine.MEMORY_OPT_ALLREDUCE_SIZE
 # (key, label) of each line of the breakdown, in report order.
 LINES = (("parameters", "parameters"), ("gradients", "gradients"), ("adam_moments", "Adam moments"),
          ("master_weights", "fp32 master weights"), ("ema_shadow", "EMA shadow"), ("buffers", "position tables"),

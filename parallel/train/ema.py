@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from deepspeed.utils import safe_get_full_optimizer_state
 
-from parallel.distributed.deepspeed_compat import relink_optimizer_fragments
+from parallel.distributed.deepspeed.optimizer import relink_optimizer_fragments
+from parallel.distributed.deepspeed.zero3 import full_shape
 
 EMA_KEY = "ema"
 
@@ -34,5 +35,5 @@ def full_ema(optimizer, wrapper=None):
         shadow = safe_get_full_optimizer_state(param, EMA_KEY)
         if shadow is None:                            # ZeRO-0 fp32: the optimizer holds the parameter itself
             shadow = optimizer.state[param][EMA_KEY]
-        return shadow.reshape(param.ds_shape if hasattr(param, "ds_shape") else param.shape)
+        return shadow.reshape(full_shape(param))
     return value

@@ -15,7 +15,10 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from parallel.distributed import accelerator, deepspeed_compat
+from parallel.distributed import accelerator
+from parallel.distributed.deepspeed.checkpoint import use_weights_only_checkpoints
+from parallel.distributed.deepspeed.clipping import clip_with_replica_norm
+from parallel.distributed.deepspeed.version import check_deepspeed_version
 from parallel import ds_config as dsc
 from parallel.config import ExperimentConfig
 from parallel.build import build_model, checkpoint_interval
@@ -131,7 +134,7 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
     instead of building one.
     """
     deepspeed.init_distributed(dist_backend=accelerator.backend())   # no-op when run.py already did it
-    deepspeed_compat.check_deepspeed_version()
+    check_deepspeed_version()
     ds_final = prepare_ds_config(ds, cfg, ctx.data_size)
     checkpoint_fn = None
     if checkpoint_interval(ds_final, cfg.model.num_layers):
@@ -151,8 +154,8 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
     mpu = None if cfg.parallel.pp_size > 1 else ctx      # the pipeline engine takes its grid from the module
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            config=ds_final, mpu=mpu)
-    deepspeed_compat.use_weights_only_checkpoints(engine)
-    deepspeed_compat.clip_with_replica_norm(engine, lambda params: grad_norm(params, ctx))
+    use_weights_only_checkpoints(engine)
+    clip_with_replica_norm(engine, lambda params: grad_norm(params, ctx))
     return Trainer(engine, cfg, ctx, optimizer)
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from parallel.distributed.deepspeed_compat import ZERO_BUCKETS, checkpoint_saved_tensors, engine_optimizers
+from parallel.distributed.deepspeed.accounting import ZERO_BUCKETS, checkpoint_saved_tensors
+from parallel.distributed.deepspeed.optimizer import engine_optimizers
 
 _WALKED_MODULES = ("deepspeed", "torch", "parallel", "models")
 

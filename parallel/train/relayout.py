@@ -52,7 +52,8 @@ import torch.distributed as dist
 from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
                              safe_set_full_optimizer_state)
 
-from parallel.distributed.deepspeed_compat import relink_optimizer_fragments, zero_holds_master
+from parallel.distributed.deepspeed.optimizer import relink_optimizer_fragments, zero_holds_master
+from parallel.distributed.deepspeed.zero3 import full_shape, is_partitioned
 from parallel.distributed.pipeline import canonical_name
 
 FOLDER = "layout_free"
@@ -93,7 +94,7 @@ class Slicing:
 
 def local_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
     """The rank's (tp shard) shape, also under ZeRO-3 where `param` itself is an empty partition."""
-    return tuple(param.ds_shape if hasattr(param, "ds_shape") else param.shape)
+    return tuple(full_shape(param))
 
 
 def slicing_of(param: torch.nn.Parameter, tp_size: int, tp_rank: int) -> Slicing:
@@ -176,7 +177,7 @@ def _supported(engine, optimizer) -> bool:
 
 
 def _frozen_value(param) -> torch.Tensor:
-    if hasattr(param, "ds_id"):
+    if is_partitioned(param):
         import deepspeed
         with deepspeed.zero.GatheredParameters([param]):
             return param.detach().float().cpu().clone()
@@ -293,7 +294,7 @@ def load(trainer, folder: Path) -> int:
         canonical = canonical_name(name, trainer.cfg.model.num_layers)
         target, shape = slicing_of(p, ctx.tp_size, ctx.tp_rank), local_shape(p)
         weight = stored.read(canonical, PARAM, target, shape)
-        if hasattr(p, "ds_id"):                 # ZeRO-3: every data rank writes the same full shard
+        if is_partitioned(p):                   # ZeRO-3: every data rank writes the same full shard
             with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
                 p.data.copy_(weight.to(p.dtype))
         else:

@@ -26,7 +26,8 @@ from parallel.train import checkpoint
 from parallel.config import ExperimentConfig
 from parallel.train.engine import build_trainer
 from parallel.train.probe import StepMeasurement, StepProbe
-from parallel.distributed.deepspeed_compat import unlink_shm_buffer, write_monitor_events
+from parallel.distributed.deepspeed.monitor import write_monitor_events
+from parallel.distributed.deepspeed.shm import unlink_shm_buffer
 from parallel.distributed.replicas import replica_mismatches
 from parallel.distributed.seed import seed_all
 from parallel.distributed.topology import LaunchEnv, Layout, ParallelContext

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from models.diffusion import Objective
 from models.registry import family
 from parallel.config import ExperimentConfig
+from parallel.distributed.deepspeed.pipeline import stage_layers
+from parallel.distributed.deepspeed.zero3 import is_partitioned
 from parallel.distributed.seed import derive_seed
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
@@ -68,11 +70,11 @@ class StageForward:
         self.next = g.rank(pp=c.pp + 1, dp=c.dp, tp=c.tp, sp=c.sp) if c.pp < ctx.pp_size - 1 else None
         self.last = g.rank(pp=ctx.pp_size - 1, dp=c.dp, tp=c.tp, sp=c.sp)
         # ZeRO-3: every forward gathers parameters from all data-parallel ranks.
-        self.lockstep = any(hasattr(p, "ds_id") for p in self.module.parameters())
+        self.lockstep = any(is_partitioned(p) for p in self.module.parameters())
 
     def _layers(self):
         m = self.module
-        return [m.embed, *m.blocks, m.final] if hasattr(m, "blocks") else list(m.forward_funcs)
+        return [m.embed, *m.blocks, m.final] if hasattr(m, "blocks") else stage_layers(m)
 
     @torch.no_grad()
     def predict(self, inputs: tuple[torch.Tensor, ...], like: torch.Tensor) -> torch.Tensor:

@@ -187,7 +187,7 @@ def test_wandb_gets_every_figure_of_metrics_jsonl(tmp_path):
     """wandb offline (WANDB_MODE=offline), its run file read back: every figure of every step, with the step as
     its x-axis ("step"), equal to metrics.jsonl's (JSON both ways: exact). wandb drops a log whose step is below
     the last it saw, and DeepSpeed logs Train/Samples/lr at the samples seen (4, 8, 12): figures logged at
-    steps 1, 2, 3 would all be lost (parallel/distributed/deepspeed_compat.write_monitor_events)."""
+    steps 1, 2, 3 would all be lost (parallel/distributed/deepspeed/monitor.py write_monitor_events)."""
     p, records, figures = _train_with(tmp_path, "wandb", {"enabled": True, "project": "vdp"},
                                       env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
     assert "Steps must be monotonically increasing" not in p.stdout + p.stderr

@@ -70,7 +70,7 @@ def _host_lines(ds: dict, dp: int) -> dict[str, int]:
 def _held_on_host(run: dict) -> dict[str, int]:
     """Per line, the largest of the ranks' offloaded bytes at the peak of the probed step (the planner
     plans the worst rank)."""
-    from parallel.distributed.deepspeed_compat import zero_offloaded
+    from parallel.distributed.deepspeed.accounting import zero_offloaded
 
     held = [zero_offloaded(probe.held) for probe in run["probes"]]
     print(f"host bytes held per rank {held}")
@@ -81,7 +81,7 @@ def test_zero2_cpu_optimizer_offload_trains_like_one_process_and_holds_the_plann
     """ZeRO-2 at dp 2 with the optimizer states and step on the CPU (DeepSpeed's offload_optimizer, running
     the toolkit's torch AdamW): per-step losses on both ranks and the final weights equal one process's.
     The planner's host lines are within 1% of what the worst rank keeps on its offload device at the peak of
-    the second step (parallel.distributed.deepspeed_compat.zero_offloaded: master, moments, every group's fp32
+    the second step (parallel.distributed.deepspeed.accounting.zero_offloaded: master, moments, every group's fp32
     gradient, the lp partition copy, the two micro-batches' accumulated gradients and the staging buffer).
     This machine has no accelerator: "host" and "device" are one memory, so the test sums the buffers
     DeepSpeed places on its offload device."""
@@ -101,7 +101,7 @@ def test_zero3_cpu_offload_trains_like_one_process_and_holds_the_planned_host_me
     ranks and the final weights equal one process's. The planner's host lines (parameters, gradients,
     master weights, Adam moments) are within 1% of what each rank's DeepSpeedZeroOptimizer_Stage3 keeps on
     its offload device at the peak of the second step (its optimizer step), summed from the buffers
-    DeepSpeed offloads (parallel.distributed.deepspeed_compat.zero_offloaded). This machine has no accelerator:
+    DeepSpeed offloads (parallel.distributed.deepspeed.accounting.zero_offloaded). This machine has no accelerator:
     "host" and "device" are one memory, so the test sums the buffers DeepSpeed places on its offload device.
     Persistence threshold 1000: the debug model's matrices are partitioned, its vectors stay whole on every
     rank (device memory, not offloaded)."""

@@ -1,4 +1,4 @@
-"""parallel/distributed/deepspeed_compat.py against the installed DeepSpeed: every internal a patch relies on is
+"""parallel/distributed/deepspeed/ against the installed DeepSpeed: every internal a patch relies on is
 still there and still used as the patch assumes (each failure names the patch and the DeepSpeed symbol),
 and each patch does what it says. One process, no process group."""
 import inspect
@@ -20,13 +20,16 @@ from deepspeed.runtime.zero import partition_parameters
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from parallel.distributed import deepspeed_compat as compat
+from parallel.distributed.deepspeed import accounting, checkpoint, clipping, pipeline, version, zero3
+from parallel.distributed.deepspeed import monitor as ds_monitor
+from parallel.distributed.deepspeed import optimizer as ds_optimizer
+from parallel.distributed.deepspeed import shm as ds_shm
 
 
 def relies(patch: str, symbol: str, ok: bool, detail: str) -> None:
-    assert ok, (f"deepspeed_compat.{patch} relies on DeepSpeed's {symbol}, changed in the installed deepspeed "
-                f"{deepspeed.__version__} (the patch was written against {compat.WRITTEN_AGAINST}): {detail}. "
-                f"Rewrite the patch in parallel/distributed/deepspeed_compat.py for this version, or pin deepspeed.")
+    assert ok, (f"{patch} (parallel/distributed/deepspeed/) relies on DeepSpeed's {symbol}, changed in the installed "
+                f"deepspeed {deepspeed.__version__} (the patch was written against {version.WRITTEN_AGAINST}): "
+                f"{detail}. Rewrite the patch for this version, or pin deepspeed.")
 
 
 def member(patch: str, owner, name: str):
@@ -51,15 +54,15 @@ def appears_in_order(src: str, *needles: str) -> bool:
 # -- version check ------------------------------------------------------------------------------------
 
 def test_version_check_passes_the_tested_series_and_warns_once_for_another():
-    assert compat.major_minor("0.19.8+cu121") == "0.19"
+    assert version.major_minor("0.19.8+cu121") == "0.19"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert compat.check_deepspeed_version("0.19.3")
+        assert version.check_deepspeed_version("0.19.3")
     with pytest.warns(RuntimeWarning, match=r"deepspeed 0\.98\.1 .* 0\.19"):
-        assert not compat.check_deepspeed_version("0.98.1")
+        assert not version.check_deepspeed_version("0.98.1")
     with warnings.catch_warnings():
         warnings.simplefilter("error")                     # the second call is silent
-        assert not compat.check_deepspeed_version("0.98.1")
+        assert not version.check_deepspeed_version("0.98.1")
 
 
 # -- use_weights_only_checkpoints ------------------------------------------------------------------------
@@ -88,7 +91,7 @@ def test_weights_only_engine_relies_on_torch_checkpoint_engine():
 
 def test_safe_globals_import():
     try:
-        names = [c.__name__ for c in compat.safe_globals()]
+        names = [c.__name__ for c in checkpoint.safe_globals()]
     except ImportError as e:
         relies("use_weights_only_checkpoints", "LossScaler / ZeroStageEnum / fragment_address", False, str(e))
     assert names == ["LossScaler", "ZeroStageEnum", "fragment_address"]
@@ -99,7 +102,7 @@ def test_weights_only_engine_loads_deepspeed_records_and_refuses_other_classes(t
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    engine = compat.WeightsOnlyCheckpointEngine(None)
+    engine = checkpoint.WeightsOnlyCheckpointEngine(None)
     good = {"scaler": LossScaler(scale=4.0), "stage": ZeroStageEnum.optimizer_states,
             "address": fragment_address(numel=3, start=5), "w": torch.arange(4.0)}
     engine.save(good, str(tmp_path / "good.pt"))
@@ -115,11 +118,11 @@ def test_weights_only_engine_loads_deepspeed_records_and_refuses_other_classes(t
 
 def test_use_weights_only_checkpoints_replaces_only_the_torch_engine():
     engine = types.SimpleNamespace(checkpoint_engine=TorchCheckpointEngine(None), _config=None)
-    compat.use_weights_only_checkpoints(engine)
-    assert type(engine.checkpoint_engine) is compat.WeightsOnlyCheckpointEngine
+    checkpoint.use_weights_only_checkpoints(engine)
+    assert type(engine.checkpoint_engine) is checkpoint.WeightsOnlyCheckpointEngine
     other = object()
     engine = types.SimpleNamespace(checkpoint_engine=other, _config=None)
-    compat.use_weights_only_checkpoints(engine)
+    checkpoint.use_weights_only_checkpoints(engine)
     assert engine.checkpoint_engine is other
 
 
@@ -156,7 +159,7 @@ def test_clip_with_replica_norm_clips_as_deepspeed_and_records_the_norm():
         seen.append(ps)
         return torch.stack([p.grad.norm() for p in ps]).norm() * 2     # e.g. another tp rank's equal share
 
-    compat.clip_with_replica_norm(engine, norm_fn)
+    clipping.clip_with_replica_norm(engine, norm_fn)
     engine.clip_fp32_gradients()
     norm = 2.0 * 6 ** 0.5 * 2
     assert seen == [[layer.weight]] and engine._global_grad_norm == pytest.approx(norm)
@@ -170,17 +173,17 @@ def test_clip_with_replica_norm_clips_as_deepspeed_and_records_the_norm():
 
 # -- relink_optimizer_fragments ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("optimizer", [DeepSpeedZeroOptimizer, BF16_Optimizer], ids=lambda c: c.__name__)
-def test_relink_relies_on_lazy_hp_state_linking(optimizer):
-    p, name = "relink_optimizer_fragments", optimizer.__name__
-    method = member(p, optimizer, "_lazy_init_hp_params_optimizer_state")
+@pytest.mark.parametrize("wrapper", [DeepSpeedZeroOptimizer, BF16_Optimizer], ids=lambda c: c.__name__)
+def test_relink_relies_on_lazy_hp_state_linking(wrapper):
+    p, name = "relink_optimizer_fragments", wrapper.__name__
+    method = member(p, wrapper, "_lazy_init_hp_params_optimizer_state")
     relies(p, f"{name}._lazy_init_hp_params_optimizer_state", params(method) == ["self"], "it takes arguments")
     body = source(method)
     relies(p, f"{name}._hp_optimizer_states_linked", "if not self._hp_optimizer_states_linked" in body
            and "self._hp_optimizer_states_linked = True" in body,
            "linking is no longer guarded by this flag, so clearing it does not rebuild the views")
     relies(p, f"{name}._hp_optimizer_states_linked", "self._hp_optimizer_states_linked = False"
-           in source(optimizer), "set-up no longer sets the flag: the patch finds these optimizers by it")
+           in source(wrapper), "set-up no longer sets the flag: the patch finds these optimizers by it")
 
 
 def test_relink_clears_the_flag_and_relinks_and_skips_other_optimizers():
@@ -193,9 +196,9 @@ def test_relink_clears_the_flag_and_relinks_and_skips_other_optimizers():
             calls.append(self._hp_optimizer_states_linked)
             self._hp_optimizer_states_linked = True
 
-    compat.relink_optimizer_fragments(Wrapper())
+    ds_optimizer.relink_optimizer_fragments(Wrapper())
     assert calls == [False]
-    compat.relink_optimizer_fragments(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+    ds_optimizer.relink_optimizer_fragments(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
 
 
 # -- set_stage_bounds -------------------------------------------------------------------------------------
@@ -217,6 +220,26 @@ def test_stage_bounds_relies_on_pipeline_module_partition_hook():
            "_build no longer builds the layers in [_local_start, _local_stop)")
 
 
+def test_explicit_pipeline_module_overrides_the_partition_hook():
+    relies("ExplicitPipelineModule", "PipelineModule._partition_layers",
+           pipeline.ExplicitPipelineModule._partition_layers is not PipelineModule._partition_layers
+           and hasattr(PipelineModule, "_partition_layers"), "the hook it overrides is gone")
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=1, num_dp=1)
+    module = pipeline.ExplicitPipelineModule.__new__(pipeline.ExplicitPipelineModule)
+    torch.nn.Module.__init__(module)
+    module._explicit_parts, module._topo, module.global_rank = [0, 3, 5], topo, 1
+    module._partition_layers()
+    assert (module._local_start, module._local_stop) == (3, 5) and module.partitions() == [0, 3, 5]
+
+
+def test_stage_layers_relies_on_forward_funcs():
+    build = source(member("stage_layers", PipelineModule, "_build"))
+    relies("stage_layers", "PipelineModule._build", "self.forward_funcs.append(" in build,
+           "the stage's layers are no longer kept in forward_funcs")
+    module = types.SimpleNamespace(forward_funcs=[abs, len])
+    assert pipeline.stage_layers(module) == [abs, len]
+
+
 def test_set_stage_bounds_gives_each_rank_its_stage_range():
     topo = PipeModelDataParallelTopology(num_pp=3, num_mp=2, num_dp=1)
     parts = [0, 2, 5, 9]
@@ -224,7 +247,7 @@ def test_set_stage_bounds_gives_each_rank_its_stage_range():
         module = PipelineModule.__new__(PipelineModule)
         torch.nn.Module.__init__(module)
         module._topo, module.global_rank = topo, rank
-        compat.set_stage_bounds(module, parts)
+        pipeline.set_stage_bounds(module, parts)
         stage = topo.get_coord(rank).pipe
         assert (module._local_start, module._local_stop) == (parts[stage], parts[stage + 1])
         assert module.partitions() is parts
@@ -235,18 +258,18 @@ def test_set_stage_bounds_gives_each_rank_its_stage_range():
 def test_probe_relies_on_checkpoint_and_bucket_names():
     p = "checkpoint_saved_tensors"
     forward = source(member(p, checkpointing.CheckpointFunction, "forward"))
-    relies(p, "CheckpointFunction.forward", f"ctx.{compat.CHECKPOINT_SAVED_TENSORS} =" in forward,
+    relies(p, "CheckpointFunction.forward", f"ctx.{accounting.CHECKPOINT_SAVED_TENSORS} =" in forward,
            "inputs are no longer kept there")
-    relies(p, "checkpointing.py", f".{compat.OFFLOADED_DATA} =" in source(checkpointing),
+    relies(p, "checkpointing.py", f".{accounting.OFFLOADED_DATA} =" in source(checkpointing),
            "partitioned/offloaded activations no longer keep their data there")
     for cls in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3):
-        relies("ZERO_BUCKETS", f"{cls.__name__}.__init__", f"self.{compat.ZERO_BUCKETS}" in source(cls.__init__),
+        relies("ZERO_BUCKETS", f"{cls.__name__}.__init__", f"self.{accounting.ZERO_BUCKETS}" in source(cls.__init__),
                "the gradient buckets were renamed")
     configure = source(member("engine_optimizers", DeepSpeedEngine, "_configure_optimizer"))
     relies("engine_optimizers", "DeepSpeedEngine.basic_optimizer",
            "self.basic_optimizer = basic_optimizer" in configure, "the client optimizer is no longer kept there")
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    assert compat.engine_optimizers(types.SimpleNamespace(optimizer=opt, basic_optimizer=opt)) == [opt]
+    assert ds_optimizer.engine_optimizers(types.SimpleNamespace(optimizer=opt, basic_optimizer=opt)) == [opt]
 
 
 def test_zero_offloaded_relies_on_offload_buffer_names():
@@ -269,29 +292,28 @@ def test_zero_offloaded_relies_on_offload_buffer_names():
             "optimizer.fp32_partitioned_groups_flat[0]": 4, "optimizer.fp16_partitioned_groups_flat[0]": 2,
             "optimizer.optimizer.state[.][exp_avg]": 4, "optimizer.optimizer.state[.][exp_avg_sq]": 4,
             "optimizer.optimizer.state[.][step]": 4, "optimizer.ipg_buckets[.].buffer": 100}
-    assert compat.zero_offloaded(held) == {"parameters": 2, "gradients": 12, "master_weights": 4, "adam_moments": 8}
+    assert accounting.zero_offloaded(held) == {"parameters": 2, "gradients": 12, "master_weights": 4, "adam_moments": 8}
     held = {"optimizer.single_partition_of_fp32_groups[0]": 4, "optimizer.single_partition_of_fp32_groups[0].grad": 4,
             "optimizer.param_buffer_of_bit16_for_cpu_offload_groups[0]": 2, "optimizer.accumulated_grads_in_cpu[3]": 6,
             "optimizer.temp_grad_buffer_for_cpu_offload": 1, "optimizer.temp_grad_buffer_for_gpu_offload": 1,
             "optimizer.optimizer.state[.][exp_avg]": 8}
-    assert compat.zero_offloaded(held) == {"parameters": 2, "gradients": 11, "master_weights": 4, "adam_moments": 8}
+    assert accounting.zero_offloaded(held) == {"parameters": 2, "gradients": 11, "master_weights": 4, "adam_moments": 8}
 
 
 def test_zero3_parameter_attributes_and_allreduce_size():
     src = source(partition_parameters)
     for attr in ("ds_shape", "ds_tensor", "ds_id"):
-        relies("(read) ZeRO-3 parameters", f"param.{attr}", f"param.{attr} =" in src, "no longer set")
+        relies("(read) zero3.py", f"param.{attr}", f"param.{attr} =" in src, "no longer set")
     from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
-    from parallel.plan.memory import ENGINE_ALLREDUCE_BUCKET
-    relies("(read) plan/memory.py", "engine.MEMORY_OPT_ALLREDUCE_SIZE", MEMORY_OPT_ALLREDUCE_SIZE ==
-           ENGINE_ALLREDUCE_BUCKET, f"{MEMORY_OPT_ALLREDUCE_SIZE} != ENGINE_ALLREDUCE_BUCKET")
+    relies("(read) accounting.ENGINE_ALLREDUCE_BUCKET", "engine.MEMORY_OPT_ALLREDUCE_SIZE", MEMORY_OPT_ALLREDUCE_SIZE ==
+           accounting.ENGINE_ALLREDUCE_BUCKET, f"{MEMORY_OPT_ALLREDUCE_SIZE} != ENGINE_ALLREDUCE_BUCKET")
 
 
 def test_monitor_events_rely_on_monitor_master_attributes():
     from deepspeed.monitor import monitor, wandb as wandb_monitor
     p = "write_monitor_events"
     master = source(monitor.MonitorMaster)
-    for attr in compat.MONITORS:
+    for attr in ds_monitor.MONITORS:
         relies(p, f"MonitorMaster.{attr}", f"self.{attr} = None" in master and f"self.{attr}.write_events" in master,
                "no longer set to None or a monitor with write_events")
     relies(p, "WandbMonitor.__init__", "dist.get_rank() == 0:\n            wandb.init(" in source(wandb_monitor.WandbMonitor),
@@ -302,7 +324,7 @@ def test_shm_buffer_name_is_the_one_deepspeed_creates():
     p = "unlink_shm_buffer"
     comm = os.path.join(os.path.dirname(deepspeed.__file__), "ops", "csrc", "cpu", "comm")
     shm, interface = (open(os.path.join(comm, f)).read() for f in ("shm.cpp", "shm_interface.cpp"))
-    prefix = compat.SHM_BUFFER.split("/")[-1].split("_{uid}")[0]
+    prefix = ds_shm.SHM_BUFFER.split("/")[-1].split("_{uid}")[0]
     relies(p, "shm.cpp SHM_BUFFER_NAME", f'#define SHM_BUFFER_NAME "{prefix}"' in shm, "the name changed")
     relies(p, "shm.cpp shm_initialize's names", '"%s_%d_%s_%s",\n             SHM_BUFFER_NAME,\n             getuid(),\n'
            "             addr_string,\n             port_string);" in shm and
@@ -334,8 +356,18 @@ def test_zero_holds_master_relies_on_the_safe_accessors_and_state_views():
 
 def test_zero_holds_master_tells_zero_parameters_from_plain_ones():
     plain = torch.nn.Parameter(torch.zeros(2))
-    assert not compat.zero_holds_master(plain)
+    assert not ds_optimizer.zero_holds_master(plain)
     for attr in ("ds_id", "_hp_mapping"):
         marked = torch.nn.Parameter(torch.zeros(2))
         setattr(marked, attr, None)
-        assert compat.zero_holds_master(marked)
+        assert ds_optimizer.zero_holds_master(marked)
+
+
+def test_zero3_helpers_read_partitioned_and_plain_parameters():
+    plain = torch.nn.Parameter(torch.arange(6.0).view(2, 3))
+    assert not zero3.is_partitioned(plain) and zero3.full_shape(plain) == (2, 3)
+    assert zero3.local_data(plain).data_ptr() == plain.data_ptr()
+    marked = torch.nn.Parameter(torch.empty(0))           # ZeRO-3: a placeholder, the partition aside
+    marked.ds_id, marked.ds_shape, marked.ds_tensor = 7, torch.Size([2, 3]), torch.nn.Parameter(torch.ones(3))
+    assert zero3.is_partitioned(marked) and zero3.full_shape(marked) == (2, 3)
+    torch.testing.assert_close(zero3.local_data(marked), torch.ones(3))

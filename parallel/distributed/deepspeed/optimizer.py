@@ -1,0 +1,42 @@
+"""DeepSpeed's optimizer wrappers: their per-parameter views of optimizer state, who holds the fp32
+master, and the optimizers an engine step calls.
+
+relink_optimizer_fragments(wrapper)  (0.19.8)
+    does     clears wrapper._hp_optimizer_states_linked, calls wrapper._lazy_init_hp_params_optimizer_state()
+    why      ZeRO-1/2 (DeepSpeedZeroOptimizer) and BF16_Optimizer build each parameter's views of optimizer
+             state once, after the first step of the first parameter group: later groups get none, and a
+             checkpoint load replaces the tensors they view
+    relies   that flag and that method on both optimizers
+zero_holds_master(param)  (read, 0.19.8)
+    ZeRO-3 marks its parameters with ds_id, ZeRO-1/2 and BF16_Optimizer with _hp_mapping (deepspeed.utils'
+    safe_*_full_* accessors dispatch on the same two); train/relayout.py then creates the client optimizer's
+    state on the flat fp32 partitions, which DeepSpeed's per-parameter views (ZeRO-1/2: tensors of the
+    partition's shape; ZeRO-3: optimizer.state[fp32 partition][key]) point into
+engine_optimizers(engine)  (read, 0.19.8)
+    engine.basic_optimizer, the client optimizer DeepSpeed wraps
+"""
+from __future__ import annotations
+
+from parallel.distributed.deepspeed.zero3 import is_partitioned
+
+
+def relink_optimizer_fragments(wrapper) -> None:
+    """Rebuild a ZeRO-1/2 or BF16_Optimizer wrapper's per-parameter views of optimizer state onto the
+    current state tensors; a no-op for optimizers without them (ZeRO-0, ZeRO-3)."""
+    if hasattr(wrapper, "_hp_optimizer_states_linked"):
+        wrapper._hp_optimizer_states_linked = False
+        wrapper._lazy_init_hp_params_optimizer_state()
+
+
+def zero_holds_master(param) -> bool:
+    """True when DeepSpeed keeps the parameter's fp32 master and optimizer state in its own partitions (ZeRO
+    1/2/3, BF16_Optimizer), reached through deepspeed.utils' safe_get/set_full_* accessors; False when the
+    client optimizer steps the parameter itself (fp32 ZeRO-0)."""
+    return is_partitioned(param) or hasattr(param, "_hp_mapping")
+
+
+def engine_optimizers(engine) -> list:
+    """The optimizer objects whose `step` an engine step calls: DeepSpeed's wrapper and the client
+    optimizer it wraps (`basic_optimizer`), each once."""
+    owners = (engine.optimizer, getattr(engine, "basic_optimizer", None))
+    return list({id(o): o for o in owners if o is not None}.values())
