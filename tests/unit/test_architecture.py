@@ -1,5 +1,6 @@
-"""The package layout holds (docs/architecture.md): imports point one way, no two modules import each
-other, and only the family registry and the family folders know the family names.
+"""The package layout holds (docs/architecture.md): packages are ordered and every import points down
+the order, no two modules or packages import each other, only the family registry and the family folders
+know the family names, and only parallel/distributed/deepspeed/ reads DeepSpeed's private attributes.
 
 Every import in the source counts, at module level or inside a function, since a lazy import is a
 dependency all the same.
@@ -7,12 +8,14 @@ dependency all the same.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from models.registry import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("parallel", "models", "bench")
+ENTRY_SCRIPTS = {"train": ROOT / "train.py"}
 
 
 def _modules() -> dict[str, Path]:
@@ -21,15 +24,16 @@ def _modules() -> dict[str, Path]:
         for path in sorted((ROOT / package).rglob("*.py")):
             parts = path.relative_to(ROOT).with_suffix("").parts
             out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return out
+    return {**out, **ENTRY_SCRIPTS}
 
 
 MODULES = _modules()
 
 
-def _imports(path: Path) -> set[str]:
-    """Project modules `path` imports (`from a.b import c` counts a.b.c when that is a module)."""
-    found = set()
+def _import_lines(path: Path) -> list[tuple[str, int, str]]:
+    """(project module, line, the import statement) for each project module `path` imports (`from a.b
+    import c` counts a.b.c when that is a module)."""
+    found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
@@ -38,11 +42,29 @@ def _imports(path: Path) -> set[str]:
                      for alias in node.names]
         else:
             continue
-        found.update(n for n in names if n.split(".")[0] in PACKAGES)
+        found += [(n, node.lineno, ast.unparse(node)) for n in dict.fromkeys(names) if n.split(".")[0] in PACKAGES]
     return found
 
 
-GRAPH = {name: _imports(path) - {name} for name, path in MODULES.items()}
+IMPORTS = {name: [i for i in _import_lines(path) if i[0] != name] for name, path in MODULES.items()}
+GRAPH = {name: {i[0] for i in imports} for name, imports in IMPORTS.items()}
+
+# The packages, lowest first; a module belongs to the longest prefix listed (so `parallel.plan.cli` is a
+# command while the rest of `parallel.plan` sits below training). docs/architecture.md says why each sits
+# where it does. A module may import its own layer's modules and any lower layer's, never a higher one's.
+LAYERS = (
+    ("primitives", ("parallel", "parallel.distributed")),
+    ("models", ("models",)),
+    ("experiment", ("parallel.units", "parallel.cli", "parallel.config", "parallel.ds_config", "parallel.ds_keys",
+                    "parallel.shapes", "parallel.manifest")),
+    ("model build", ("parallel.recompute", "parallel.lora", "parallel.build", "parallel.lora_check")),
+    ("weights, planning, data", ("parallel.weights", "parallel.plan", "parallel.prepare_data")),
+    ("training", ("parallel.train",)),
+    ("commands", ("parallel.check", "parallel.export", "parallel.sample", "parallel.verify", "parallel.plan.search",
+                  "parallel.plan.buckets", "parallel.plan.cli", "parallel.plan.__main__")),
+    ("entry points", ("train", "bench", "models.__main__")),
+)
+LAYER_OF = {prefix: i for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes}
 
 
 def _inside(module: str, package: str) -> bool:
@@ -68,8 +90,8 @@ def test_models_import_only_models_and_primitives():
     assert not wrong, wrong
 
 
-def test_no_import_cycles():
-    """No module reaches itself through the import graph (Tarjan's strongly connected components)."""
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan)."""
     index, low, stack, on_stack, cycles, counter = {}, {}, [], set(), [], [0]
 
     def visit(v):
@@ -77,7 +99,7 @@ def test_no_import_cycles():
         counter[0] += 1
         stack.append(v)
         on_stack.add(v)
-        for w in GRAPH.get(v, ()):
+        for w in sorted(graph.get(v, ())):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -94,10 +116,58 @@ def test_no_import_cycles():
             if len(component) > 1:
                 cycles.append(sorted(component))
 
-    for v in sorted(GRAPH):
+    for v in sorted(graph):
         if v not in index:
             visit(v)
-    assert not cycles, cycles
+    return cycles
+
+
+def test_no_import_cycles():
+    """No module reaches itself through the import graph."""
+    assert not _cycles(GRAPH), _cycles(GRAPH)
+
+
+def _package(module: str) -> str | None:
+    """The LAYERS prefix `module` belongs to (the longest that holds it)."""
+    holding = [p for p in LAYER_OF if _inside(module, p)]
+    return max(holding, key=len) if holding else None
+
+
+def test_every_module_has_a_layer():
+    assert not [m for m in MODULES if _package(m) is None], "add these modules to LAYERS (and docs/architecture.md)"
+
+
+def _upward(imports: dict[str, list[tuple[str, int, str]]]) -> list[str]:
+    """'file:line: import ... (module, layer, imports a higher layer's module)' for each upward import."""
+    wrong = []
+    for module, found in imports.items():
+        here = LAYER_OF[_package(module)]
+        for target, line, statement in found:
+            there = LAYER_OF[_package(target)]
+            if there > here:
+                path = MODULES[module].relative_to(ROOT) if module in MODULES else module
+                wrong.append(f"{path}:{line}: {statement}  ({module}, layer '{LAYERS[here][0]}', imports "
+                             f"{target}, layer '{LAYERS[there][0]}')")
+    return wrong
+
+
+def test_imports_point_down_the_layers():
+    wrong = _upward(IMPORTS)
+    assert not wrong, "imports of a higher layer (move the code down, or the import up):\n" + "\n".join(wrong)
+
+
+def _package_graph() -> dict[str, set[str]]:
+    packages = {}
+    for module, imports in GRAPH.items():
+        here = _package(module)
+        packages.setdefault(here, set()).update(_package(i) for i in imports if _package(i) != here)
+    return packages
+
+
+def test_no_package_cycles():
+    """No two packages of LAYERS import each other, directly or through others (same-layer ones included)."""
+    cycles = _cycles(_package_graph())
+    assert not cycles, f"packages that import each other: {cycles}"
 
 
 def _family_code(module: str) -> bool:
@@ -127,7 +197,79 @@ def test_family_names_only_in_the_registry_and_family_folders():
 def test_the_checks_see_a_violation():
     """The walkers find what they look for (a check that cannot fail would prove nothing)."""
     assert "parallel.distributed.comm" in GRAPH["parallel.distributed.layers"]
+    assert "models.registry" in GRAPH["models.vae"]          # imported inside check_vae: a lazy import counts
+    upward = _upward({"parallel.distributed.topology": [("parallel.check", 7, "from parallel.check import check")]})
+    assert upward == ["parallel/distributed/topology.py:7: from parallel.check import check  (parallel.distributed."
+                      "topology, layer 'primitives', imports parallel.check, layer 'commands')"]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _private_reads("engine._global_grad_norm = 1\nif hasattr(p, 'ds_id'):\n    x = m.module._x\n"
+                          "def _partition_layers(self, method):\n    pass\n", "f.py") == \
+        ["f.py:1: ._global_grad_norm", "f.py:2: 'ds_id'", "f.py:3: ._x", "f.py:4: def _partition_layers"]
     assert "models.registry" in GRAPH["parallel.config"]
     tree = ast.parse('if cfg.model.family == "stdit":\n    pass\n')
     compare = next(n for n in ast.walk(tree) if isinstance(n, ast.Compare))
     assert any(isinstance(o, ast.Attribute) and o.attr == "family" for o in [compare.left, *compare.comparators])
+
+
+# DeepSpeed's private names: ZeRO-3's parameter attributes, the optimizer wrappers', the engine's and the
+# pipeline module's (attributes, getattr/hasattr strings, or overridden hooks).
+DEEPSPEED_PRIVATE = {"ds_id", "ds_tensor", "ds_shape", "ds_numel", "ds_status", "ds_persist", "ds_process_group",
+                     "ds_secondary_tensor", "ds_active_sub_modules", "ds_external_parameters",
+                     "_hp_mapping", "_hp_optimizer_states_linked", "_lazy_init_hp_params_optimizer_state",
+                     "_global_grad_norm", "_config", "_topo", "_set_bounds", "_partition_layers", "_build",
+                     "_local_start", "_local_stop", "_take_model_step", "_do_optimizer_sanity_check",
+                     "_configure_checkpointing", "_configure_optimizer", "_release_sub_group",
+                     "forward_funcs", "basic_optimizer", "checkpoint_engine", "ipg_buckets", "deepspeed_saved_tensors"}
+DEEPSPEED_PREFIXES = ("_z3_", "_hp_", "_ds_")
+# Underscored names of torch and the standard library the source reads (not DeepSpeed's): storage identity,
+# a view's base, foreach kernels, the CPU flash-attention op the tracer calls, the watchdog's hard exit.
+OTHER_PRIVATE = {"_cdata", "_base", "_foreach_mul_", "_foreach_add_", "_scaled_dot_product_flash_attention_for_cpu",
+                 "_exit"}
+
+
+def _private_reads(text: str, where: str) -> list[str]:
+    """'where:line: name' for each DeepSpeed private name in `text`: an attribute (or any underscored
+    attribute of an object other than self/cls, not in OTHER_PRIVATE), a string naming one
+    (getattr/hasattr), or a method overriding one of DeepSpeed's hooks."""
+    def private(name: str) -> bool:
+        return name in DEEPSPEED_PRIVATE or name.startswith(DEEPSPEED_PREFIXES)
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Attribute):
+            own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            underscored = re.match(r"_[^_]", node.attr) and node.attr not in OTHER_PRIVATE
+            if private(node.attr) or (underscored and not own):
+                found.append((node.lineno, f".{node.attr}"))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and private(node.value):
+            found.append((node.lineno, repr(node.value)))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and private(node.name):
+            found.append((node.lineno, f"def {node.name}"))
+    return [f"{where}:{line}: {what}" for line, what in sorted(found)]
+
+
+def test_deepspeed_private_names_only_in_their_package():
+    """parallel/distributed/deepspeed/ holds every read of DeepSpeed's internals, each behind a named helper
+    with its version note and its test (tests/unit/test_deepspeed_compat.py)."""
+    found = [hit for module, path in MODULES.items() if not _inside(module, "parallel.distributed.deepspeed")
+             for hit in _private_reads(path.read_text(), str(path.relative_to(ROOT)))]
+    assert not found, ("DeepSpeed internals read outside parallel/distributed/deepspeed/ (add a named helper "
+                       "there, with its version note and a test in tests/unit/test_deepspeed_compat.py; "
+                       "a torch private name goes in OTHER_PRIVATE, with why):\n" + "\n".join(found))
+
+
+def render_package_graph() -> str:
+    """The layers, highest first, each package with the packages it imports (docs/architecture.md shows it):
+    python -m tests.unit.test_architecture"""
+    graph, out = _package_graph(), []
+    for i in reversed(range(len(LAYERS))):
+        name, prefixes = LAYERS[i]
+        out.append(f"{i} {name}")
+        for package in prefixes:
+            below = sorted(graph.get(package, ()), key=lambda p: (-LAYER_OF[p], p))
+            if package in graph:
+                out.append(f"    {package:<24} -> {', '.join(below) or '(nothing of the project)'}")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(render_package_graph())
