@@ -178,19 +178,21 @@ def resume_accumulation(directory: Path, global_batch: int, per_accumulation: in
     return None
 
 
-def find_resume(directory: Path, layout: dict) -> Optional[str]:
+def find_resume(directory: Path, layout: dict, quiet: bool = False) -> Optional[str]:
     """Tag of the newest complete, undamaged checkpoint, or None. A damaged one is reported (stderr, every
     rank) and skipped. One written at another layout is resumed through its layout-free copy
     (parallel/train/relayout.py); one without that copy (written before it existed, or fp16 ZeRO-0) is
     refused with the layout to resume it at. With `layout["global_batch"]` (a training run), a checkpoint
-    written at another global batch is refused: the step would no longer name the same samples."""
+    written at another global batch is refused: the step would no longer name the same samples.
+    quiet: no damage report (parallel/check.py looks before train.py's run, which reports it)."""
     directory = Path(directory)
     for step in reversed(complete_steps(directory)):
         tag = f"step{step}"
         problem = damage(directory / tag)
         if problem is None:
             break
-        print(f"checkpoint {directory}/{tag} is damaged ({problem}); trying the previous one", file=sys.stderr)
+        if not quiet:
+            print(f"checkpoint {directory}/{tag} is damaged ({problem}); trying the previous one", file=sys.stderr)
     else:
         return None
     saved = saved_layout(directory / tag)
