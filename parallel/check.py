@@ -294,10 +294,10 @@ def check_resume(cfg: ExperimentConfig, layout: Layout) -> None:
     says what is wrong with it and what would work)."""
     from pathlib import Path
 
-    from parallel.train.checkpoint import find_resume
+    from parallel.train.checkpoint import find_resume, model_signature
     saved = {**layout.as_dict(), "zero_stage": layout.zero_stage, "global_batch": layout.global_batch}
     try:
-        find_resume(Path(cfg.ckpt_dir), saved, quiet=True)
+        find_resume(Path(cfg.ckpt_dir), saved, quiet=True, model=model_signature(cfg.model))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -65,3 +65,12 @@ def test_a_checkpoint_at_another_layout_without_its_copy_is_refused_by_the_check
     cfg, _, layout = load_and_check("debug", [f"ckpt.dir={tmp_path}", "parallel.tp_size=2"],
                                     "ds_configs/zero0_fp32.json", 2)
     check_resume(cfg, layout)                                   # at its layout it resumes
+
+
+def test_an_unreadable_marker_is_damage_and_an_only_damaged_checkpoint_is_refused(tmp_path):
+    (tmp_path / "step3").mkdir()
+    (tmp_path / "step3" / checkpoint.MARKER).write_text('{"step": 3, "layo')       # a copy cut short
+    cfg, _, layout = load_and_check("debug", [f"ckpt.dir={tmp_path}"], "ds_configs/zero0_fp32.json", 1)
+    with pytest.raises(ConfigError, match=rf"{tmp_path} \(ckpt.dir\) has no checkpoint this run can continue: "
+                                          rf"{tmp_path}/step3 is damaged \(complete.json cannot be read \(JSONDecodeError"):
+        check_resume(cfg, layout)
