@@ -3,14 +3,15 @@
     deepspeed --num_gpus 4 train.py --config configs/debug.yaml \
         --deepspeed_config ds_configs/zero1_bf16.json --set parallel.tp_size=2 --set parallel.pp_size=2
 
-config -> checks -> topology -> model -> deepspeed.initialize -> loop.
+config -> checks (the checkpoint to resume included) -> Trainer (parallel/train/trainer.py): topology ->
+model -> deepspeed.initialize -> loop.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from parallel.check import load_and_check
+from parallel.check import check_resume, load_and_check
 from parallel.cli import add_experiment_args
 from parallel.config import ConfigError
 from parallel.distributed.topology import read_launch_env
@@ -39,14 +40,15 @@ def main(argv=None) -> int:
                 if env.local_rank == 0:
                     print(f"resuming at dp {layout.dp_size}: train.grad_accum_steps={kept[0]} keeps the "
                           f"checkpoint's global batch {kept[1]}", file=sys.stderr)
+            check_resume(cfg, layout)     # a checkpoint this run cannot continue
     except ConfigError as e:
         if env.local_rank == 0:      # once per node, so every node's log says why its ranks stopped
             print("refusing to start, the configuration has problems:\n  - " +
                   str(e).replace("\n", "\n  - "), file=sys.stderr)
         return 1
 
-    from parallel.train.run import run_training     # heavy imports (deepspeed, torch) only after the checks
-    return run_training(cfg, ds, layout, env, resume=args.resume == "auto")
+    from parallel.train.trainer import Trainer     # heavy imports (deepspeed, torch) only after the checks
+    return Trainer(cfg, ds, layout, env, resume=args.resume == "auto").fit()
 
 
 if __name__ == "__main__":

@@ -249,6 +249,46 @@ def check_data_files(cfg: ExperimentConfig) -> list[str]:
                                    check_shapes(folder, cfg.model, cfg.data, key, captions=bool(cfg.data.text_encoder))]
 
 
+def check_outputs(cfg: ExperimentConfig) -> list[str]:
+    """What validation sampling needs (val.every with val.num_prompts): the sampler fits the objective, the
+    decoder loads, MP4 has its encoder."""
+    v = cfg.val
+    if not v.every or not v.num_prompts:
+        return []
+    from models.sampling import check_sampler
+    from parallel.train.media import load_decoder
+    problems = []
+    try:
+        check_sampler(cfg.model.objective, v.sampler)
+    except ValueError as e:
+        problems.append(f"val.sampler={v.sampler}: {e}")
+    try:
+        load_decoder(v.decoder)
+    except ValueError as e:
+        problems.append(f"val.decoder: {e}")
+    if "mp4" in v.formats:
+        try:
+            import imageio_ffmpeg  # noqa: F401
+        except ImportError:
+            problems.append("val.formats has mp4, which needs imageio-ffmpeg: pip install imageio-ffmpeg, "
+                            "or use val.formats=[gif]")
+    return problems
+
+
+def check_resume(cfg: ExperimentConfig, layout: Layout) -> None:
+    """The checkpoint train.py --resume auto continues, found now, before any process group: raise
+    ConfigError when ckpt.dir holds one this run cannot continue (parallel.train.checkpoint.find_resume
+    says what is wrong with it and what would work)."""
+    from pathlib import Path
+
+    from parallel.train.checkpoint import find_resume, model_signature
+    saved = {**layout.as_dict(), "zero_stage": layout.zero_stage, "global_batch": layout.global_batch}
+    try:
+        find_resume(Path(cfg.ckpt_dir), saved, quiet=True, model=model_signature(cfg.model))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source: str = "deepspeed config",
           world_size: Optional[int] = None, device: Optional[DeviceDtypes] = None) -> tuple[Layout, list[str]]:
     """Return the layout and every problem found (an empty list means the layout is valid); with `device`,
@@ -316,7 +356,7 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
     device = DeviceDtypes.here() if device_check and dsc.precision(ds) != "fp32" else None
     layout, found = check(cfg, ds, deepspeed_config or "deepspeed config", world_size, device)
     problems += found
-    problems += check_unconditional(cfg) + check_data_files(cfg)
+    problems += check_unconditional(cfg) + check_data_files(cfg) + check_outputs(cfg)
     if cfg.model.init_from:                   # config.json and safetensors headers only, no tensor data
         from parallel.weights.diffusers import check_released
         from parallel.weights.scheduler import check_scheduler

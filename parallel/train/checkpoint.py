@@ -8,7 +8,9 @@ writes the marker `step{N}/complete.json` (the layout, the global batch and ever
 then replaces `<ckpt.dir>/latest` atomically (write a temporary file, `os.replace`). A folder without the
 marker is an interrupted save: it is never loaded and never counts towards the `ckpt.keep` newest that are
 kept. A checkpoint whose files no longer match the marker (truncated by a full disk, half-copied) is
-reported by name and the previous complete one is used.
+reported by name and the previous complete one is used. When none can be continued (all damaged, or the
+newest written for another model: the marker records the model keys that fix the parameters), resuming is
+refused rather than started from step 0, whose first save would overwrite them.
 
 Disk space: before each save rank 0 compares the filesystem's free bytes with the newest complete
 checkpoint's size (warning when a second one would not fit, stopping when this one cannot); a save that
@@ -107,9 +109,10 @@ def _write(trainer, directory: Path, step: int) -> None:
     raise CheckpointError(error[0])
 
 
-def save(trainer, directory: Path, step: int, keep: int, layout: dict) -> None:
+def save(trainer, directory: Path, step: int, keep: int, layout: dict, model: Optional[dict] = None) -> None:
     """Check the space, write step{step} on every rank, then publish it (marker + `latest`) and prune, on
-    rank 0. Raises CheckpointError on every rank when it cannot be written.
+    rank 0. Raises CheckpointError on every rank when it cannot be written. `model`: model_signature's
+    keys, recorded in the marker so that a run of another model refuses it (find_resume).
 
     Pruning keeps the newest `keep` undamaged checkpoints up to this step; damaged ones and ones from a
     later step (a run restarted before them) are left for the user to look at."""
@@ -123,7 +126,8 @@ def save(trainer, directory: Path, step: int, keep: int, layout: dict) -> None:
     dist.barrier()
     if dist.get_rank() == 0:
         files = {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*")) if f.is_file()}
-        (folder / MARKER).write_text(json.dumps({"step": step, "layout": layout, "files": files}))
+        marker = {"step": step, "layout": layout, **({"model": model} if model is not None else {}), "files": files}
+        (folder / MARKER).write_text(json.dumps(marker))
         tmp = directory / "latest.tmp"
         tmp.write_text(f"step{step}")
         os.replace(tmp, directory / "latest")
@@ -135,7 +139,11 @@ def save(trainer, directory: Path, step: int, keep: int, layout: dict) -> None:
 
 def damage(folder: Path) -> Optional[str]:
     """What is wrong with a complete checkpoint's files, or None when they are as written."""
-    for name, size in json.loads((folder / MARKER).read_text()).get("files", {}).items():
+    try:
+        files = json.loads((folder / MARKER).read_text()).get("files", {})
+    except (OSError, ValueError, AttributeError) as e:
+        return f"{MARKER} cannot be read ({type(e).__name__}: {e})"
+    for name, size in files.items():
         path = folder / name
         if not path.is_file():
             return f"{name} is missing"
@@ -178,21 +186,66 @@ def resume_accumulation(directory: Path, global_batch: int, per_accumulation: in
     return None
 
 
-def find_resume(directory: Path, layout: dict) -> Optional[str]:
+# The model config keys that fix the parameters and optimizer states a checkpoint holds.
+MODEL_KEYS = ("family", "num_layers", "hidden_size", "num_heads", "head_dim", "ffn_hidden_size", "time_embed_dim",
+              "in_channels", "patch_size", "patch_size_t", "text_embed_dim", "max_text_len", "pos_embed")
+
+
+def model_signature(model) -> dict:
+    """What a checkpoint records of the model config (a models.config.ModelConfig): MODEL_KEYS, the FFN
+    width resolved, and the LoRA adapters' rank and targets (None without LoRA)."""
+    lora = model.lora
+    return {**{k: getattr(model, k) for k in MODEL_KEYS}, "ffn_hidden_size": model.ffn_size,
+            "lora": None if lora is None else {"rank": lora.rank, "targets": list(lora.targets)}}
+
+
+def _model_problem(folder: Path, model: Optional[dict]) -> Optional[str]:
+    """The model keys where a checkpoint (its marker's record; none before markers had one) and this run differ."""
+    saved = json.loads((folder / MARKER).read_text()).get("model")
+    if model is None or saved is None:
+        return None
+    differ = [f"model.{k}={json.dumps(saved.get(k))} there, {json.dumps(v)} here" for k, v in model.items()
+              if saved.get(k) != v]
+    return "; ".join(differ) or None
+
+
+def _unusable(directory: Path, tags: list[str], what: str, fix: str) -> ValueError:
+    """A refusal of a ckpt.dir whose checkpoints this run cannot continue: starting from step 0 instead would
+    overwrite them with its first saves."""
+    return ValueError(f"{directory} (ckpt.dir) has no checkpoint this run can continue: {what}. Starting from step 0 "
+                      f"would overwrite {'it' if len(tags) == 1 else 'them'}, so nothing was started. {fix}, or set "
+                      f"a fresh ckpt.dir (--set ckpt.dir=<empty folder>) to train from step 0 beside it, or move "
+                      f"{' '.join(f'{directory}/{t}' for t in tags)} out of {directory} to train from step 0 there")
+
+
+def find_resume(directory: Path, layout: dict, quiet: bool = False, model: Optional[dict] = None) -> Optional[str]:
     """Tag of the newest complete, undamaged checkpoint, or None. A damaged one is reported (stderr, every
     rank) and skipped. One written at another layout is resumed through its layout-free copy
     (parallel/train/relayout.py); one without that copy (written before it existed, or fp16 ZeRO-0) is
     refused with the layout to resume it at. With `layout["global_batch"]` (a training run), a checkpoint
-    written at another global batch is refused: the step would no longer name the same samples."""
+    written at another global batch is refused: the step would no longer name the same samples.
+    When every complete checkpoint is damaged, or (with `model`, model_signature's) the newest undamaged one
+    was written for another model, it is refused (ValueError) rather than trained over from step 0.
+    quiet: no damage report (parallel/check.py looks before train.py's run, which reports it)."""
     directory = Path(directory)
+    damaged = []
     for step in reversed(complete_steps(directory)):
         tag = f"step{step}"
         problem = damage(directory / tag)
         if problem is None:
             break
-        print(f"checkpoint {directory}/{tag} is damaged ({problem}); trying the previous one", file=sys.stderr)
+        damaged.append(f"{directory}/{tag} is damaged ({problem})")
+        if not quiet:
+            print(f"checkpoint {damaged[-1]}; trying the previous one", file=sys.stderr)
     else:
+        if damaged:
+            raise _unusable(directory, [f"step{s}" for s in reversed(complete_steps(directory))], "; ".join(damaged),
+                            "Put the files back whole (a copy cut short: copy it again)")
         return None
+    other = _model_problem(directory / tag, model)
+    if other:
+        raise _unusable(directory, [tag], f"{directory}/{tag} was written for another model ({other})",
+                        "Set those keys back to resume it")
     saved = saved_layout(directory / tag)
     if not same_layout(saved, layout) and not (directory / tag / "layout_free" / "state.json").is_file():
         raise ValueError(

@@ -2,7 +2,7 @@
 
 `prepare_ds_config` derives what DeepSpeed reads from the experiment (batch keys, learning rate, the
 pipeline partitioning flags), `build_trainer` calls `deepspeed.initialize` for the layout, and
-`Trainer.train_step` runs one global batch on either engine and returns the layout-independent loss.
+`TrainingEngine.train_step` runs one global batch on either engine and returns the layout-independent loss.
 """
 from __future__ import annotations
 
@@ -55,8 +55,9 @@ class StepResult:
     lr: float
 
 
-class Trainer:
-    """One optimizer step over the global batch, on the pipeline or the plain DeepSpeed engine."""
+class TrainingEngine:
+    """The DeepSpeed engine with the toolkit's optimizer step over the global batch (pipeline or plain engine),
+    save and load; parallel/train/trainer.py's Trainer runs the loop around it."""
 
     def __init__(self, engine, cfg: ExperimentConfig, ctx, optimizer):
         self.engine, self.cfg, self.ctx = engine, cfg, ctx
@@ -122,7 +123,7 @@ class Trainer:
 
 
 def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
-                  model: Optional[torch.nn.Module] = None) -> Trainer:
+                  model: Optional[torch.nn.Module] = None) -> TrainingEngine:
     """Configure activation checkpointing, build the model for the layout, and initialise DeepSpeed.
 
     With model.init_from (and init_from=True; a run resuming a checkpoint passes False) every rank reads
@@ -156,7 +157,7 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
                                            config=ds_final, mpu=mpu)
     use_weights_only_checkpoints(engine)
     clip_with_replica_norm(engine, lambda params: grad_norm(params, ctx))
-    return Trainer(engine, cfg, ctx, optimizer)
+    return TrainingEngine(engine, cfg, ctx, optimizer)
 
 
 def grad_norm(params, ctx) -> torch.Tensor:

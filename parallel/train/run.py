@@ -1,18 +1,15 @@
-"""The training run behind train.py: process groups, data, DeepSpeed engine, loop, metrics."""
+"""The pieces of a training run that parallel/train/trainer.py's loop (and sampling, export, bench) put together:
+the launcher's environment, process groups, datasets and batches, the DeepSpeed engine, the memory plan and
+its check against a measured step."""
 from __future__ import annotations
 
 import datetime
 import json
 import math
 import os
-import signal
 import socket
-import sys
-import time
-from pathlib import Path
 
 import deepspeed
-import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from tqdm import tqdm
@@ -22,33 +19,13 @@ from models.diffusion import Objective
 from models.geometry import latent_grid, latent_shape, token_grid
 from models.registry import family, sequence_tokens
 from parallel.distributed import accelerator
-from parallel.train import checkpoint
 from parallel.config import ExperimentConfig
 from parallel.train.engine import build_trainer
-from parallel.train.probe import StepMeasurement, StepProbe
-from parallel.distributed.deepspeed.monitor import write_monitor_events
+from parallel.train.probe import StepMeasurement
 from parallel.distributed.deepspeed.shm import unlink_shm_buffer
-from parallel.distributed.replicas import replica_mismatches
 from parallel.distributed.seed import seed_all
 from parallel.distributed.topology import LaunchEnv, Layout, ParallelContext
-from parallel.train.validate import Validator, check_outputs
-from parallel.train.watchdog import peer_failure, start_heartbeat
 from parallel.units import format_size
-
-
-class StopSignal:
-    """SIGTERM / SIGUSR1 (slurm preemption) ask for a checkpoint and a clean stop after the current step."""
-
-    def __init__(self, device):
-        self.flag = torch.zeros(1, device=device)
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, lambda *_: self.flag.fill_(1))
-
-    def requested(self) -> bool:
-        """True on every rank if any rank was signalled (one scalar all-reduce per step)."""
-        flag = self.flag.clone()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
 
 def export_launch_env(env: LaunchEnv) -> None:
@@ -210,136 +187,3 @@ def report_memory(plan, measured: StepMeasurement, ctx, out_dir, step: int) -> N
     (out_dir / "memory_check.json").write_text(json.dumps(report, indent=1) + "\n")
     for line in memory_check_lines(report, step):
         tqdm.write(line)
-
-
-def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv, resume: bool = True) -> int:
-    if layout.precision == "bf16" and not accelerator.is_bf16_supported():
-        print(f"refusing to start: bf16.enabled=true but the {accelerator.name()} device here has no bf16; "
-              f"use ds_configs/zero0_fp32.json", file=sys.stderr)
-        return 1
-    dataset = build_dataset(cfg)               # a missing data file stops us before any process group
-    val_dataset = build_val_dataset(cfg) if cfg.val.every else None
-    try:
-        check_outputs(cfg)
-    except ValueError as e:
-        print(f"refusing to start: {e}", file=sys.stderr)
-        return 1
-
-    ckpt_dir, ckpt_layout = Path(cfg.ckpt_dir), checkpoint_layout(layout)
-    ckpt_layout["global_batch"] = layout.global_batch        # a resume must keep it (find_resume)
-    try:
-        tag = checkpoint.find_resume(ckpt_dir, ckpt_layout) if resume else None
-    except ValueError as e:                    # a checkpoint this run cannot continue, said before any group
-        if env.local_rank == 0:
-            print(f"refusing to start: {e}", file=sys.stderr)
-        return 1
-    ctx, trainer = start_engine(cfg, ds, layout, env, init_from=tag is None)   # a checkpoint wins over init_from
-    heartbeat = start_heartbeat(cfg, ctx, ckpt_dir)
-    plan = run_plan(cfg, ds, layout, accelerator.total_memory(env.local_rank))
-    start = trainer.load(ckpt_dir, tag) if tag else 0
-    batches = training_batches(cfg, ctx, dataset, start)
-    stop = StopSignal(accelerator.device(env.local_rank))
-
-    is_logger = ctx.rank == 0
-    out_dir = Path(cfg.train.output_dir)
-    validator = Validator(cfg, trainer, ctx, val_dataset, out_dir if is_logger else None) if val_dataset else None
-    if is_logger:
-        print(plan_line(plan), flush=True)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        print(f"training {cfg.model.name}: {ctx.describe()} ZeRO-{layout.zero_stage} {layout.precision}, "
-              f"global batch {layout.global_batch}, {cfg.train.max_steps} steps -> {out_dir}/metrics.jsonl",
-              flush=True)
-        print(f"optimizer: {trainer.optimizer.implementation}", flush=True)
-        if cfg.model.init_from:
-            print("initial weights: the checkpoint's (model.init_from is not read when resuming)" if tag else
-                  f"initial weights: {cfg.model.init_from} (model.init_from)", flush=True)
-        if tag:
-            done = "; train.max_steps reached, nothing to do (raise it, or --resume never)" \
-                if start >= cfg.train.max_steps else ""
-            saved = checkpoint.saved_layout(ckpt_dir / tag)
-            moved = "" if checkpoint.same_layout(saved, ckpt_layout) else \
-                f" (written at {checkpoint.describe(saved)}, read from its layout-free copy)"
-            print(f"resumed from {ckpt_dir}/{tag} at step {start}{moved}{done}", flush=True)
-    metrics = open(out_dir / "metrics.jsonl", "a") if is_logger else None   # append: earlier runs are kept
-    losses: list[float] = []
-    probe_step = start + 1 if cfg.train.memory_check else -1
-    resumed = {"resumed_from": start} if tag else {}     # on the first row after a resume: readers drop
-    status = 0                                           # the earlier run's rows after that step
-    bar = tqdm(total=cfg.train.max_steps, initial=start, disable=not is_logger, dynamic_ncols=True, file=sys.stderr)
-    try:
-        for step in range(start, cfg.train.max_steps):
-            tic = time.perf_counter()
-            tokens = layout.global_batch * step_tokens(cfg, batches)
-            if step == probe_step:      # the second step: Adam moments exist, everything is allocated
-                accelerator.reset_peak_memory()
-                with StepProbe(trainer.engine) as probe:
-                    result = trainer.train_step(batches)
-                elapsed = time.perf_counter() - tic
-                step_plan = plan if cfg.data.kind != "directory" else \
-                    run_plan(cfg, ds, layout, plan.device_memory, tokens // layout.global_batch)
-                report_memory(step_plan, probe.result, ctx, out_dir if is_logger else None, step + 1)
-            else:
-                result = trainer.train_step(batches)
-                elapsed = time.perf_counter() - tic
-            every = cfg.train.check_replicas_every
-            if every and (step + 1) % every == 0:
-                bad = replica_mismatches(trainer.engine.module, ctx)
-                if bad:
-                    raise RuntimeError(f"step {step + 1}: replicated parameters differ across tp ranks: {bad}")
-            val = {}
-            if validator and validator.due(step + 1):
-                tic = time.perf_counter()
-                val = {**validator.run(step + 1), "val_time_s": round(time.perf_counter() - tic, 4)}
-            if is_logger and ((step + 1) % cfg.train.log_every == 0 or val):
-                record = {"step": step + 1, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
-                          "step_time_s": round(elapsed, 4), "samples_per_s": round(layout.global_batch / elapsed, 3),
-                          "tokens_per_s": round(tokens / elapsed, 1), **accelerator.memory_stats(), **val}
-                metrics.write(json.dumps({**record, **resumed}) + "\n")
-                resumed = {}
-                metrics.flush()
-                if val:
-                    buckets = " ".join(f"t{k[10:]}={v:.4f}" for k, v in val.items() if k.startswith("val_loss_t"))
-                    tqdm.write(f"step {step + 1}: validation loss {val['val_loss']:.4f} ({buckets})")
-                    validator.publish()
-                monitor = getattr(trainer.engine, "monitor", None)
-                if monitor is not None and monitor.enabled:
-                    write_monitor_events(monitor, [(f"{'val' if k.startswith('val_') else 'train'}/{k}", v, step + 1)
-                                                   for k, v in record.items() if k != "step" and v is not None])
-            losses.append(result.loss)
-            bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{result.lr:.2e}")
-            bar.update()
-            last, interrupted = step + 1 == cfg.train.max_steps, stop.requested()
-            if last or interrupted or (cfg.ckpt.every and (step + 1) % cfg.ckpt.every == 0):
-                try:
-                    checkpoint.save(trainer, ckpt_dir, step + 1, cfg.ckpt.keep, ckpt_layout)
-                except checkpoint.CheckpointError as e:     # raised on every rank: all stop here
-                    if is_logger:
-                        tqdm.write(str(e), file=sys.stderr)     # on a line of its own, under the bar
-                    status = 1
-                    break
-            if interrupted:
-                if is_logger:
-                    print(f"stopped by signal after step {step + 1}; checkpoint {ckpt_dir}/step{step + 1}", flush=True)
-                break
-        bar.close()
-        if is_logger and len(losses) >= 10 and status == 0:
-            k = min(10, len(losses) // 2)
-            first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-            print(f"loss: mean of the first {k} steps {first:.4f} -> last {k} steps {last:.4f} "
-                  f"({last / first:.2f}x)", flush=True)
-        if (ds.get("comms_logger") or {}).get("enabled"):
-            deepspeed.comm.log_summary()      # every rank (it starts with a barrier); rank 0 prints the table
-    except RuntimeError as e:     # a peer's connection broke: wait for the lost-rank verdict, which ends
-        if heartbeat and peer_failure(e):     # the process naming the ranks, rather than a bare traceback
-            heartbeat.await_verdict()
-        raise
-    finally:
-        bar.close()
-        if metrics:
-            metrics.close()
-        if dist.is_initialized():
-            dist.barrier()
-            if heartbeat:
-                heartbeat.stop()
-            dist.destroy_process_group()
-    return status

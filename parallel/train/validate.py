@@ -269,23 +269,6 @@ def ema_weights(trainer) -> Iterator[None]:
                 p.data.copy_(old)
 
 
-def check_outputs(cfg: ExperimentConfig) -> None:
-    """What sampling needs, checked before training starts (on every rank): the sampler fits the
-    objective, the decoder imports, MP4 has its encoder."""
-    if not cfg.val.every or not cfg.val.num_prompts:
-        return
-    from models.sampling import check_sampler
-    from parallel.train.media import load_decoder
-    check_sampler(cfg.model.objective, cfg.val.sampler)
-    load_decoder(cfg.val.decoder)
-    if "mp4" in cfg.val.formats:
-        try:
-            import imageio_ffmpeg  # noqa: F401
-        except ImportError:
-            raise ValueError("val.formats has mp4, which needs imageio-ffmpeg: pip install imageio-ffmpeg, "
-                             "or use val.formats=[gif]") from None
-
-
 class Validator:
     """Validation for train.py: due every `val.every` steps and after the last; EMA weights if asked."""
 

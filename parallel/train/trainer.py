@@ -1,0 +1,239 @@
+"""The training loop behind train.py, as a class whose parts a model family or an objective overrides.
+
+    Trainer(cfg, ds, layout, env).fit()          # exit status: 0, or 1 when a checkpoint could not be written
+
+`fit` is the loop and nothing else; each of its concerns is a method:
+
+    start()            process groups, the DeepSpeed engine, the checkpoint to resume, batches, validator
+    step(batches)      one optimizer step over the global batch -> StepResult (loss, grad norm, lr): the
+                       extension point (torchtitan's FluxTrainer overrides forward_backward_step the same way)
+    timed_step(step)   step() timed, and measured against the memory plan once (train.memory_check)
+    check_replicas(n)  tp replicas of replicated parameters still equal (train.check_replicas_every)
+    validate(n)        the validation losses and samples due after step n ({} when none are)
+    log(n, ...)        the metrics.jsonl row, the validation line, DeepSpeed's monitors (logging rank)
+    save(n)            a checkpoint (parallel/train/checkpoint.py); False when it could not be written
+    finish(status)     the loss summary and the comms table
+    close()            metrics file, heartbeat and process groups, however the loop ended
+
+A subclass replaces `step` (say, another objective's loss) and the loop, checkpoints, metrics and
+validation stay as they are. Every refusal of the configuration happens before this class is built
+(parallel/check.py's load_and_check, resume included), when no process group exists yet.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from parallel.distributed.topology import Layout
+from parallel.config import ExperimentConfig
+from parallel.distributed import accelerator
+from parallel.distributed.deepspeed.monitor import write_monitor_events
+from parallel.distributed.replicas import replica_mismatches
+from parallel.distributed.topology import LaunchEnv
+from parallel.train.probe import StepProbe
+from parallel.train import checkpoint
+from parallel.train.engine import StepResult
+from parallel.train.run import (build_dataset, build_val_dataset, checkpoint_layout, plan_line, report_memory,
+                                run_plan, start_engine, step_tokens, training_batches)
+from parallel.train.validate import Validator
+from parallel.train.watchdog import peer_failure, start_heartbeat
+
+
+class StopSignal:
+    """SIGTERM / SIGUSR1 (slurm preemption) ask for a checkpoint and a clean stop after the current step."""
+
+    def __init__(self, device):
+        self.flag = torch.zeros(1, device=device)
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, lambda *_: self.flag.fill_(1))
+
+    def requested(self) -> bool:
+        """True on every rank if any rank was signalled (one scalar all-reduce per step)."""
+        flag = self.flag.clone()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+class Trainer:
+    """One training run of a checked experiment (cfg, DeepSpeed dict, layout) on this process's rank."""
+
+    def __init__(self, cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv, resume: bool = True):
+        self.cfg, self.ds, self.layout, self.env, self.resume = cfg, ds, layout, env, resume
+        self.ckpt_dir = Path(cfg.ckpt_dir)
+        self.ckpt_layout = {**checkpoint_layout(layout), "global_batch": layout.global_batch}  # a resume keeps it
+        self.model = checkpoint.model_signature(cfg.model)      # recorded in each checkpoint, checked on resume
+        self.out_dir = Path(cfg.train.output_dir)
+        self.metrics = self.heartbeat = None
+        self.losses: list[float] = []
+
+    def start(self) -> None:
+        """Everything before the first step; the datasets first, so a missing file stops us before any group."""
+        cfg, layout, env = self.cfg, self.layout, self.env
+        dataset = build_dataset(cfg)
+        val_dataset = build_val_dataset(cfg) if cfg.val.every else None
+        self.tag = checkpoint.find_resume(self.ckpt_dir, self.ckpt_layout, model=self.model) if self.resume else None
+        # a checkpoint wins over model.init_from
+        self.ctx, self.engine = start_engine(cfg, self.ds, layout, env, init_from=self.tag is None)
+        self.heartbeat = start_heartbeat(cfg, self.ctx, self.ckpt_dir)
+        self.plan = run_plan(cfg, self.ds, layout, accelerator.total_memory(env.local_rank))
+        self.start_step = self.engine.load(self.ckpt_dir, self.tag) if self.tag else 0
+        self.batches = training_batches(cfg, self.ctx, dataset, self.start_step)
+        self.stop = StopSignal(accelerator.device(env.local_rank))
+        self.is_logger = self.ctx.rank == 0
+        self.validator = Validator(cfg, self.engine, self.ctx, val_dataset, self.out_dir if self.is_logger else None) \
+            if val_dataset else None
+        if self.is_logger:
+            self.announce()
+        self.metrics = open(self.out_dir / "metrics.jsonl", "a") if self.is_logger else None  # earlier runs kept
+        self.probe_step = self.start_step + 1 if cfg.train.memory_check else -1
+        # on the first row after a resume: readers drop the earlier run's rows after that step
+        self.resumed = {"resumed_from": self.start_step} if self.tag else {}
+
+    def announce(self) -> None:
+        """The logging rank's opening lines: the memory plan, the layout, the optimizer, where weights come from."""
+        cfg, layout, tag, start = self.cfg, self.layout, self.tag, self.start_step
+        print(plan_line(self.plan), flush=True)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        print(f"training {cfg.model.name}: {self.ctx.describe()} ZeRO-{layout.zero_stage} {layout.precision}, "
+              f"global batch {layout.global_batch}, {cfg.train.max_steps} steps -> {self.out_dir}/metrics.jsonl",
+              flush=True)
+        print(f"optimizer: {self.engine.optimizer.implementation}", flush=True)
+        if cfg.model.init_from:
+            print("initial weights: the checkpoint's (model.init_from is not read when resuming)" if tag else
+                  f"initial weights: {cfg.model.init_from} (model.init_from)", flush=True)
+        if tag:
+            done = "; train.max_steps reached, nothing to do (raise it, or --resume never)" \
+                if start >= cfg.train.max_steps else ""
+            saved = checkpoint.saved_layout(self.ckpt_dir / tag)
+            moved = "" if checkpoint.same_layout(saved, self.ckpt_layout) else \
+                f" (written at {checkpoint.describe(saved)}, read from its layout-free copy)"
+            print(f"resumed from {self.ckpt_dir}/{tag} at step {start}{moved}{done}", flush=True)
+
+    def step(self, batches: Iterator) -> StepResult:
+        """One optimizer step over the global batch: forward, backward and update of every micro-batch."""
+        return self.engine.train_step(batches)
+
+    def timed_step(self, step: int) -> tuple[StepResult, float, int]:
+        """(result, seconds, tokens of the global batch) of step `step` + 1. The step after the first
+        (Adam moments exist, everything is allocated) is measured against the memory plan of its shape."""
+        cfg, layout = self.cfg, self.layout
+        tic = time.perf_counter()
+        tokens = layout.global_batch * step_tokens(cfg, self.batches)
+        if step != self.probe_step:
+            result = self.step(self.batches)
+            return result, time.perf_counter() - tic, tokens
+        accelerator.reset_peak_memory()
+        with StepProbe(self.engine.engine) as probe:
+            result = self.step(self.batches)
+        elapsed = time.perf_counter() - tic
+        step_plan = self.plan if cfg.data.kind != "directory" else \
+            run_plan(cfg, self.ds, layout, self.plan.device_memory, tokens // layout.global_batch)
+        report_memory(step_plan, probe.result, self.ctx, self.out_dir if self.is_logger else None, step + 1)
+        return result, elapsed, tokens
+
+    def check_replicas(self, done: int) -> None:
+        every = self.cfg.train.check_replicas_every
+        if every and done % every == 0:
+            bad = replica_mismatches(self.engine.engine.module, self.ctx)
+            if bad:
+                raise RuntimeError(f"step {done}: replicated parameters differ across tp ranks: {bad}")
+
+    def validate(self, done: int) -> dict:
+        if not (self.validator and self.validator.due(done)):
+            return {}
+        tic = time.perf_counter()
+        return {**self.validator.run(done), "val_time_s": round(time.perf_counter() - tic, 4)}
+
+    def log(self, done: int, result: StepResult, elapsed: float, tokens: int, val: dict) -> None:
+        """metrics.jsonl every train.log_every steps and with every validation; the logging rank only."""
+        if not self.is_logger or not (done % self.cfg.train.log_every == 0 or val):
+            return
+        batch = self.layout.global_batch
+        record = {"step": done, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+                  "step_time_s": round(elapsed, 4), "samples_per_s": round(batch / elapsed, 3),
+                  "tokens_per_s": round(tokens / elapsed, 1), **accelerator.memory_stats(), **val}
+        self.metrics.write(json.dumps({**record, **self.resumed}) + "\n")
+        self.resumed = {}
+        self.metrics.flush()
+        if val:
+            buckets = " ".join(f"t{k[10:]}={v:.4f}" for k, v in val.items() if k.startswith("val_loss_t"))
+            tqdm.write(f"step {done}: validation loss {val['val_loss']:.4f} ({buckets})")
+            self.validator.publish()
+        monitor = getattr(self.engine.engine, "monitor", None)
+        if monitor is not None and monitor.enabled:
+            write_monitor_events(monitor, [(f"{'val' if k.startswith('val_') else 'train'}/{k}", v, done)
+                                           for k, v in record.items() if k != "step" and v is not None])
+
+    def save(self, done: int) -> bool:
+        """Checkpoint step `done`; False (on every rank, the reason printed once) when it could not be written."""
+        try:
+            checkpoint.save(self.engine, self.ckpt_dir, done, self.cfg.ckpt.keep, self.ckpt_layout, self.model)
+        except checkpoint.CheckpointError as e:      # raised on every rank: all stop
+            if self.is_logger:
+                tqdm.write(str(e), file=sys.stderr)      # on a line of its own, under the bar
+            return False
+        return True
+
+    def fit(self) -> int:
+        """Train from the resumed step to train.max_steps; the exit status."""
+        cfg = self.cfg
+        self.start()
+        status = 0
+        bar = tqdm(total=cfg.train.max_steps, initial=self.start_step, disable=not self.is_logger,
+                   dynamic_ncols=True, file=sys.stderr)
+        try:
+            for step in range(self.start_step, cfg.train.max_steps):
+                done = step + 1
+                result, elapsed, tokens = self.timed_step(step)
+                self.check_replicas(done)
+                self.log(done, result, elapsed, tokens, self.validate(done))
+                self.losses.append(result.loss)
+                bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{result.lr:.2e}")
+                bar.update()
+                last, interrupted = done == cfg.train.max_steps, self.stop.requested()
+                if last or interrupted or (cfg.ckpt.every and done % cfg.ckpt.every == 0):
+                    if not self.save(done):
+                        status = 1
+                        break
+                if interrupted:
+                    if self.is_logger:
+                        print(f"stopped by signal after step {done}; checkpoint {self.ckpt_dir}/step{done}", flush=True)
+                    break
+            bar.close()
+            self.finish(status)
+        except RuntimeError as e:     # a peer's connection broke: wait for the lost-rank verdict, which ends
+            if self.heartbeat and peer_failure(e):     # the process naming the ranks, not a bare traceback
+                self.heartbeat.await_verdict()
+            raise
+        finally:
+            bar.close()
+            self.close()
+        return status
+
+    def finish(self, status: int) -> None:
+        losses = self.losses
+        if self.is_logger and len(losses) >= 10 and status == 0:
+            k = min(10, len(losses) // 2)
+            first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+            print(f"loss: mean of the first {k} steps {first:.4f} -> last {k} steps {last:.4f} "
+                  f"({last / first:.2f}x)", flush=True)
+        if (self.ds.get("comms_logger") or {}).get("enabled"):
+            deepspeed.comm.log_summary()      # every rank (it starts with a barrier); rank 0 prints the table
+
+    def close(self) -> None:
+        if self.metrics:
+            self.metrics.close()
+        if dist.is_initialized():
+            dist.barrier()
+            if self.heartbeat:
+                self.heartbeat.stop()
+            dist.destroy_process_group()
