@@ -29,6 +29,7 @@ def training(out) -> list[str]:
 
 def node_cmd(rank: int, port: str, out) -> list[str]:
     return ["bash", "launch.sh", "--launcher", "torchrun", "--nnodes", "2", "--nproc", "2", "--node-rank", str(rank),
+            "--master-addr", "127.0.0.1",
             "--master-port", port, "--", *training(out)]
 
 
