@@ -97,7 +97,12 @@ case "$launcher" in
     cmd=(mpirun -np "$nproc" --bind-to none)
     [ -n "$hostfile" ] && cmd+=(--hostfile "$hostfile")      # Open MPI reads the same 'host slots=N' lines
     [ "$(id -u)" = 0 ] && cmd+=(--allow-run-as-root)          # containers often run as root
-    cmd+=(-x MASTER_ADDR -x MASTER_PORT -x PATH -x PYTHONPATH ${OMP_NUM_THREADS:+-x OMP_NUM_THREADS} "$PY" "$@") ;;
+    # Ranks on other hosts get only the variables named by -x: the device settings, and the JIT-op cache
+    # (without it each host builds DeepSpeed's ops again in ~/.cache, for minutes)
+    for e in "${envs[@]}"; do cmd+=(-x "${e%%=*}"); done
+    cmd+=(-x PATH -x PYTHONPATH)
+    for v in OMP_NUM_THREADS TORCH_EXTENSIONS_DIR; do [ -z "${!v:-}" ] || cmd+=(-x "$v"); done
+    cmd+=("$PY" "$@") ;;
   *) die "--launcher $launcher: use auto, local, deepspeed, torchrun, slurm or openmpi" ;;
 esac
 

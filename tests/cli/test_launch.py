@@ -12,7 +12,8 @@ ARGS = ["train.py", "--config", "debug", "--deepspeed_config", "ds_configs/zero1
 
 
 def dry_run(*options, env_extra=None, args=ARGS, lines=False):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "OMP_NUM_THREADS"}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SLURM_") and k not in ("OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR")}
     env.update(env_extra or {})
     p = subprocess.run(["bash", "launch.sh", *options, "--dry-run", "--", *args], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
@@ -29,6 +30,10 @@ def dry_run(*options, env_extra=None, args=ARGS, lines=False):
      "+ MASTER_ADDR=127.0.0.1 MASTER_PORT=6000 mpirun -np 8 --bind-to none "
      + ("--allow-run-as-root " if os.getuid() == 0 else "")
      + "-x MASTER_ADDR -x MASTER_PORT -x PATH -x PYTHONPATH python " + " ".join(ARGS)),
+    (["--launcher", "openmpi", "--nproc", "2", "--device", "cpu"],
+     "+ DS_ACCELERATOR=cpu MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 mpirun -np 2 --bind-to none "
+     + ("--allow-run-as-root " if os.getuid() == 0 else "")
+     + "-x DS_ACCELERATOR -x MASTER_ADDR -x MASTER_PORT -x PATH -x PYTHONPATH python " + " ".join(ARGS)),
     (["--device", "npu", "--nproc", "8"],
      "+ DS_ACCELERATOR=npu ASCEND_RT_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 HCCL_CONNECT_TIMEOUT=1200 HCCL_EXEC_TIMEOUT=1200 "
      "deepspeed --num_gpus 8 --master_port 29500 " + " ".join(ARGS)),

@@ -69,3 +69,23 @@ def test_launch_sh_hostfile(reference, hosts, tmp_path):
     assert "127.0.0.1" not in log.split("cmd = pdsh", 1)[1].split("\n", 1)[0]
     assert losses(out) == reference
 
+
+def test_launch_sh_openmpi(reference, hosts, tmp_path):
+    """Open MPI over ssh: every rank gets MASTER_ADDR = the first host's address."""
+    out = tmp_path / "run"
+    cmd = ["bash", "launch.sh", "--launcher", "openmpi", "--hostfile", str(hosts.hostfile(2)),
+           "--master-port", str(free_port()), "--", *train_args(out, *LAYOUT)]
+    log = on_nodes(hosts, tmp_path, {0: cmd}, out, node_env(hosts))
+    assert "+ MASTER_ADDR=10.231.0.1 MASTER_PORT=" in log and " mpirun -np 4 " in log
+    assert losses(out) == reference
+
+
+def test_torchrun_two_nodes(reference, hosts, tmp_path):
+    """torchrun on each node (its own command), the rendezvous at vdp-node0 by name."""
+    out, port = tmp_path / "run", str(free_port())
+    cmds = {i: ["bash", "launch.sh", "--launcher", "torchrun", "--nnodes", "2", "--nproc", "2", "--node-rank", str(i),
+                "--master-addr", "vdp-node0", "--master-port", port, "--", *train_args(out, *LAYOUT)] for i in (0, 1)}
+    log = on_nodes(hosts, tmp_path, cmds, out, node_env(hosts))
+    assert "--node_rank 1 --master_addr vdp-node0 " in log
+    assert losses(out) == reference
+
