@@ -11,6 +11,7 @@ import pytest
 
 from tests.cli import netns_cluster
 from tests.cli.test_launchers import LAYOUT, ROOT, finish, losses, run_env, train_args
+from tests.cli.test_lost_node import lose_node_then_rerun
 from tests.dist_utils import free_port
 
 VENV_BIN = os.path.dirname(sys.executable)
@@ -89,3 +90,11 @@ def test_torchrun_two_nodes(reference, hosts, tmp_path):
     assert "--node_rank 1 --master_addr vdp-node0 " in log
     assert losses(out) == reference
 
+
+def test_lost_node(hosts, tmp_path):
+    """tests/cli/test_lost_node.py's scenario across the two nodes: vdp-node1's launcher and ranks killed after a
+    checkpoint; node 0's ranks name ranks 2, 3 on vdp-node1 and the checkpoint; the rerun on vdp-node0 resumes."""
+    env = node_env(hosts)
+    log0 = lose_node_then_rerun(tmp_path, lambda node, cmd, log: hosts.run(node, cmd, ROOT, env, log),
+                                master="vdp-node0")
+    assert "rank 0: lost rank(s) 2, 3 (host vdp-node1)" in log0
