@@ -58,8 +58,9 @@ case "$device" in
 esac
 if [ -z "$nproc" ] && [ "$launcher" != slurm ] && [ "$launcher" != deepspeed ] \
    && ! { [ "$launcher" = openmpi ] && [ -n "$hostfile" ]; }; then
-  nproc=$(env "${envs[@]}" "$PY" -c 'from parallel import accelerator; print(accelerator.device_count())' 2>/dev/null) \
-    || die "could not count devices; pass --nproc N"
+  # the last line: DeepSpeed logs its accelerator detection to stdout
+  nproc=$(env "${envs[@]}" "$PY" -c 'from parallel.distributed import accelerator; print(accelerator.device_count())' \
+          2>/dev/null | tail -n 1) || die "could not count devices; pass --nproc N"
 fi
 # The master address, the world size and (Open MPI with a hostfile) the rank count: "-" for none
 where=(--launcher "$launcher" --master-port "$master_port" --nnodes "$nnodes")

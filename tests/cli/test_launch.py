@@ -112,3 +112,11 @@ def test_loopback_never_reaches_other_hosts(tmp_path, options, error):
     hosts.write_text("10.231.0.7 slots=2\n10.231.0.8 slots=2\n")
     with_hosts = ["--hostfile", str(hosts)] if options[1] == "openmpi" else []
     assert dry_run(*options, *with_hosts) == (2, error.format(hosts=hosts))
+
+
+def test_dry_run_counts_the_devices_without_nproc():
+    """No --nproc: one rank per device (on a CPU-only machine DeepSpeed's CPU accelerator counts 1)."""
+    from parallel.distributed.accelerator import device_count
+
+    code, line = dry_run()
+    assert (code, line) == (0, f"+ deepspeed --num_gpus {device_count()} --master_port 29500 " + " ".join(ARGS))
