@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -76,6 +77,25 @@ def unavailable() -> str | None:
         return f"`ip netns add` fails here: {p.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
     return None
+
+
+def _remove(netns: str) -> None:
+    """Kill every process inside the namespace (by PID), then delete it; its veth end goes with it."""
+    pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, timeout=30).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+    subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=30)
+
+
+def _remove_stale() -> None:
+    """Namespaces left by a test session that was killed (SIGKILL skips finalizers): vdp-<pid>-n<i> whose
+    pid is gone."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
+        m = re.fullmatch(r"vdp-(\d+)-n\d+", name)
+        if m and not psutil.pid_exists(int(m.group(1))):
+            _remove(name)
 
 
 def _sh(*cmd: str) -> None:
@@ -140,9 +160,10 @@ def _wait_up(c: Cluster, timeout: float = 30) -> None:
 @contextlib.contextmanager
 def cluster(d: Path, nodes: int = 2):
     """Two nodes (vdp-node0, vdp-node1) up and reachable over ssh; everything removed on exit."""
-    tag = f"{os.getpid() % 100000}"
+    _remove_stale()
+    tag = str(os.getpid())
     c = Cluster(d, [Node(f"vdp-node{i}", f"{SUBNET}.{i + 1}", f"vdp-{tag}-n{i}") for i in range(nodes)], str(d / "bin"))
-    veth = (f"vdp{tag}a", f"vdp{tag}b")
+    veth = (f"vdp{tag}a", f"vdp{tag}b")          # at most 15 characters; moved into the namespaces at once
     _keys_and_configs(d)
     hosts = d / "etc_hosts"
     hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{n.addr} {n.name}\n" for n in c.nodes))
@@ -180,5 +201,5 @@ def cluster(d: Path, nodes: int = 2):
         for proc in c.procs:
             proc.kill()
             proc.wait(timeout=30)
-        for ns in made:            # the veth pair goes with its namespaces
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        for ns in made:            # anything left inside (by PID); the veth pair goes with its namespaces
+            _remove(ns)
