@@ -5,15 +5,21 @@
 #             [--nnodes N --node-rank R --master-addr HOST] [--master-port P] [--device cpu|cuda|npu]
 #             [--dry-run] -- train.py ARGS...
 #
+# --dry-run prints what each host will use (its ranks, the master address and port), runs train.py's checker
+# for that world size, prints the command and exits. The master: --master-addr; else the first host of the
+# hostfile (deepspeed over ssh resolves it itself, `ssh FIRST hostname -I`); else Slurm's first node; else
+# 127.0.0.1 on one host. torchrun --nnodes N > 1 needs --master-addr (parallel/distributed/master.py).
+#
 # auto picks: inside an allocation of slurm (SLURM_JOB_ID) -> slurm; with --hostfile -> deepspeed over
 # pdsh/ssh (with --node-rank R: no ssh, run this on every node); otherwise one node (local:
 # `deepspeed --num_gpus N`). Ranks read RANK/WORLD_SIZE/LOCAL_RANK,
 # OMPI_COMM_WORLD_*, PMI_* or SLURM_* themselves (parallel/distributed/topology.py), so every launcher trains alike.
 set -euo pipefail
 
-launcher=auto nproc="" hostfile="" nnodes=1 node_rank="" master_addr=127.0.0.1 master_port=29500
+launcher=auto nproc="" hostfile="" nnodes=1 node_rank="" master_addr="" master_port=29500
 device="" dry_run=0
 die() { echo "launch.sh: $*" >&2; exit 2; }
+usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --launcher) launcher="$2"; shift 2 ;;
@@ -25,6 +31,7 @@ while [ $# -gt 0 ]; do
     --master-port) master_port="$2"; shift 2 ;;
     --device) device="$2"; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
+    -h|--help) usage; exit 0 ;;
     --) shift; break ;;
     *) die "unknown option $1 (options go before --, train.py's arguments after it)" ;;
   esac
@@ -49,21 +56,28 @@ case "$device" in
   "") ;;
   *) die "--device $device: use cpu, cuda or npu" ;;
 esac
-if [ -n "$hostfile" ]; then
-  slots=$("$PY" -m parallel.distributed.hostfile "$hostfile" | awk '{n += $2} END {print n}') || exit 2
-  [ "$launcher" = openmpi ] && nproc="${nproc:-$slots}"
+if [ -z "$nproc" ] && [ "$launcher" != slurm ] && [ "$launcher" != deepspeed ] \
+   && ! { [ "$launcher" = openmpi ] && [ -n "$hostfile" ]; }; then
+  # the last line: DeepSpeed logs its accelerator detection to stdout
+  nproc=$(env "${envs[@]}" "$PY" -c 'from parallel.distributed import accelerator; print(accelerator.device_count())' \
+          2>/dev/null | tail -n 1) || die "could not count devices; pass --nproc N"
 fi
-if [ -z "$nproc" ] && [ "$launcher" != slurm ] && [ "$launcher" != deepspeed ]; then
-  nproc=$(env "${envs[@]}" "$PY" -c 'from parallel import accelerator; print(accelerator.device_count())' 2>/dev/null) \
-    || die "could not count devices; pass --nproc N"
-fi
+# The master address, the world size and (Open MPI with a hostfile) the rank count: "-" for none
+where=(--launcher "$launcher" --master-port "$master_port" --nnodes "$nnodes")
+for o in hostfile master_addr nproc node_rank; do [ -z "${!o}" ] || where+=("--${o//_/-}" "${!o}"); done
+[ "$dry_run" = 1 ] && where+=(--describe)
+plan=$("$PY" -m parallel.distributed.master "${where[@]}") || exit 2
+read -r master_addr world nproc <<<"$plan"
+for v in master_addr world nproc; do [ "${!v}" != - ] || printf -v "$v" ''; done
 
 case "$launcher" in
   local)
     cmd=(deepspeed --num_gpus "$nproc" --master_port "$master_port" "$@") ;;
   deepspeed)
     [ -n "$hostfile" ] || die "--launcher deepspeed needs --hostfile (lines 'host slots=N')"
-    cmd=(deepspeed --hostfile "$hostfile" --master_addr "$master_addr" --master_port "$master_port")
+    cmd=(deepspeed --hostfile "$hostfile")
+    [ -z "$master_addr" ] || cmd+=(--master_addr "$master_addr")   # none: DeepSpeed asks the first host
+    cmd+=(--master_port "$master_port")
     if [ -n "$node_rank" ]; then   # no ssh: the same command runs on every node, each starting its own ranks
       cmd+=(--no_ssh --node_rank "$node_rank")
     else   # pdsh/ssh: remote ranks get this Python environment, the device settings, the thread count and
@@ -76,10 +90,7 @@ case "$launcher" in
     cmd=(torchrun --nproc_per_node "$nproc" --nnodes "$nnodes" --node_rank "${node_rank:-0}"
          --master_addr "$master_addr" --master_port "$master_port" "$@") ;;
   slurm)
-    first=$(scontrol show hostnames "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}" | head -n 1)
-    # The node's NodeAddr (slurm.conf; it defaults to the node name): node names need not resolve
-    addr=$(scontrol show node -o "$first" 2>/dev/null | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p' || true)
-    envs+=("MASTER_ADDR=${addr:-$first}" "MASTER_PORT=$master_port")
+    envs+=("MASTER_ADDR=$master_addr" "MASTER_PORT=$master_port")
     cmd=(srun --kill-on-bad-exit=1 "$PY" "$@") ;;
   openmpi)
     envs+=("MASTER_ADDR=$master_addr" "MASTER_PORT=$master_port")
@@ -87,10 +98,20 @@ case "$launcher" in
     cmd=(mpirun -np "$nproc" --bind-to none)
     [ -n "$hostfile" ] && cmd+=(--hostfile "$hostfile")      # Open MPI reads the same 'host slots=N' lines
     [ "$(id -u)" = 0 ] && cmd+=(--allow-run-as-root)          # containers often run as root
-    cmd+=(-x MASTER_ADDR -x MASTER_PORT -x PATH -x PYTHONPATH ${OMP_NUM_THREADS:+-x OMP_NUM_THREADS} "$PY" "$@") ;;
+    # Ranks on other hosts get only the variables named by -x: the device settings, and the JIT-op cache
+    # (without it each host builds DeepSpeed's ops again in ~/.cache, for minutes)
+    for e in "${envs[@]}"; do cmd+=(-x "${e%%=*}"); done
+    cmd+=(-x PATH -x PYTHONPATH)
+    for v in OMP_NUM_THREADS TORCH_EXTENSIONS_DIR; do [ -z "${!v:-}" ] || cmd+=(-x "$v"); done
+    cmd+=("$PY" "$@") ;;
   *) die "--launcher $launcher: use auto, local, deepspeed, torchrun, slurm or openmpi" ;;
 esac
 
+if [ "$dry_run" = 1 ]; then     # train.py's checker at this world size (not the device: that is the ranks')
+  if [ "$(basename "$1")" != train.py ]; then echo "launch.sh: not train.py, nothing to check" >&2
+  elif [ -z "$world" ]; then echo "launch.sh: the world size is unknown here (SLURM_NTASKS): not checked" >&2
+  else env RANK=0 LOCAL_RANK=0 WORLD_SIZE="$world" "$PY" "$@" --check-only >&2 || exit $?; fi
+fi
 echo "+ ${envs[*]:+${envs[*]} }${cmd[*]}" >&2
 [ "$dry_run" = 1 ] && exit 0
 [ ${#ds_env[@]} = 0 ] || printf '%s\n' "${ds_env[@]}" > .deepspeed_env

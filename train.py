@@ -22,6 +22,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_experiment_args(ap)
     ap.add_argument("--resume", default="auto", choices=["auto", "never"],
                     help="auto: continue from the newest complete checkpoint in ckpt.dir, if there is one")
+    ap.add_argument("--check-only", action="store_true",
+                    help="check the configuration for WORLD_SIZE ranks (not the device), print the summary and "
+                         "exit: launch.sh --dry-run runs it")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -30,13 +33,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     env = read_launch_env()
     try:      # every rank checks before any process group, parameter or file exists
-        cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size)
+        device_check = not args.check_only
+        cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size,
+                                         device_check)
         if args.resume == "auto":     # on fewer or more nodes: the checkpoint's global batch, by accumulation
             from parallel.train.checkpoint import resume_accumulation
             kept = resume_accumulation(cfg.ckpt_dir, layout.global_batch, cfg.train.micro_batch_size * layout.dp_size)
             if kept is not None:
                 overrides = [*args.overrides, f"train.grad_accum_steps={kept[0]}"]
-                cfg, ds, layout = load_and_check(args.config, overrides, args.deepspeed_config, env.world_size)
+                cfg, ds, layout = load_and_check(args.config, overrides, args.deepspeed_config, env.world_size,
+                                                 device_check)
                 if env.local_rank == 0:
                     print(f"resuming at dp {layout.dp_size}: train.grad_accum_steps={kept[0]} keeps the "
                           f"checkpoint's global batch {kept[1]}", file=sys.stderr)
@@ -46,6 +52,10 @@ def main(argv=None) -> int:
             print("refusing to start, the configuration has problems:\n  - " +
                   str(e).replace("\n", "\n  - "), file=sys.stderr)
         return 1
+    if args.check_only:
+        from parallel.check import summary
+        print(summary(cfg, layout))
+        return 0
 
     from parallel.train.trainer import Trainer     # heavy imports (deepspeed, torch) only after the checks
     return Trainer(cfg, ds, layout, env, resume=args.resume == "auto").fit()

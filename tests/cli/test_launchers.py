@@ -121,7 +121,8 @@ def test_two_nodes_on_one_host(reference, tmp_path, launcher):
     """Two node launchers started side by side, as on two machines; node 0 hosts the rendezvous."""
     out, port, hosts = tmp_path / "run", str(free_port()), tmp_path / "hosts"
     hosts.write_text("localhost slots=2\n127.0.0.1 slots=2\n")
-    node_args = {"torchrun": ["--launcher", "torchrun", "--nnodes", "2", "--nproc", "2"],
+    node_args = {"torchrun": ["--launcher", "torchrun", "--nnodes", "2", "--nproc", "2",
+                              "--master-addr", "127.0.0.1"],
                  "deepspeed --no_ssh": ["--hostfile", str(hosts)]}[launcher]
     procs = [start(["bash", "launch.sh", *node_args, "--node-rank", str(r), "--master-port", port, "--",
                     *train_args(out, *LAYOUT)], tmp_path / f"node{r}.log", run_env()) for r in (0, 1)]
@@ -253,7 +254,8 @@ def test_refused_layout_stops_every_node_with_exit_code_1(tmp_path, launcher):
     """World size 2 with tp 2 x pp 2: every rank stops before any collective; each node says why."""
     out, port = tmp_path / "run", str(free_port())
     node_args = {"local": [["--launcher", "local", "--nproc", "2"]],
-                 "torchrun": [["--launcher", "torchrun", "--nnodes", "2", "--nproc", "1", "--node-rank", str(r)]
+                 "torchrun": [["--launcher", "torchrun", "--nnodes", "2", "--nproc", "1", "--node-rank", str(r),
+                               "--master-addr", "127.0.0.1"]
                               for r in (0, 1)]}[launcher]
     procs = [start(["bash", "launch.sh", *a, "--master-port", port, "--", *train_args(out, *LAYOUT)],
                    tmp_path / f"node{i}.log", run_env()) for i, a in enumerate(node_args)]

@@ -6,6 +6,7 @@ keeps the global batch by accumulating twice as many micro-batches, and repeats 
 the checkpoint with its losses.
 The survivors' collectives fail on the broken connections, so rank 0 names the silent ranks after 5 s
 (parallel/distributed/heartbeat.py); train.collective_timeout_s=20 bounds the silent-machine case at 10 s.
+`lose_node_then_rerun` is the scenario; tests/cli/test_netns_hosts.py runs it across two namespace hosts.
 """
 import json
 import signal
@@ -27,9 +28,9 @@ def training(out) -> list[str]:
                       "--set", "train.collective_timeout_s=20", steps=STEPS)
 
 
-def node_cmd(rank: int, port: str, out) -> list[str]:
+def node_cmd(rank: int, port: str, out, master: str = "127.0.0.1") -> list[str]:
     return ["bash", "launch.sh", "--launcher", "torchrun", "--nnodes", "2", "--nproc", "2", "--node-rank", str(rank),
-            "--master-port", port, "--", *training(out)]
+            "--master-addr", master, "--master-port", port, "--", *training(out)]
 
 
 def rows(out) -> list[dict]:
@@ -37,17 +38,19 @@ def rows(out) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_lost_node_names_ranks_and_checkpoint_then_rerun_resumes(tmp_path):
+def lose_node_then_rerun(tmp_path, run, master: str = "127.0.0.1") -> str:
+    """The scenario on two nodes that `run(node, cmd, log)` starts a command on (a Popen): node 1 killed after a
+    checkpoint, node 0's checks, the rerun on node 0. Returns node 0's log of the lost run."""
     out, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
     port = str(free_port())
-    procs = [start(node_cmd(r, port, out), tmp_path / f"node{r}.log", run_env()) for r in (0, 1)]
+    procs = [run(r, node_cmd(r, port, out, master), tmp_path / f"node{r}.log") for r in (0, 1)]
     logs = lambda: "".join((tmp_path / f"node{r}.log").read_text()[-2500:] for r in (0, 1))
     try:
         deadline = time.monotonic() + 240
         while not (complete_steps(ckpt) and len(rows(out)) > complete_steps(ckpt)[-1]):
             assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, logs()
             time.sleep(0.2)
-        node1 = psutil.Process(procs[1].pid)              # launch.sh exec'ed torchrun: the node's agent
+        node1 = psutil.Process(procs[1].pid)              # the node's launcher (torchrun, or nsenter before it)
         victims = [node1, *node1.children(recursive=True)]
         for p in victims:
             p.send_signal(signal.SIGKILL)
@@ -73,11 +76,11 @@ def test_lost_node_names_ranks_and_checkpoint_then_rerun_resumes(tmp_path):
     print(f"\nnode 1 killed after step {trained} (checkpoint step{last}); node 0 gone in {gone_after:.1f} s")
 
     # the same training command on the node that remains (dp 1): resumes at step{last} from the layout-free copy,
-    # twice the micro-batches a step (debug: 2 x 2 x dp 2 -> 2 x 4 x dp 1) keep the global batch, and steps last+1..trained repeat the lost run's losses
-    # (another layout: to fp32 round-off)
+    # twice the micro-batches a step (debug: 2 x 2 x dp 2 -> 2 x 4 x dp 1) keep the global batch, and steps
+    # last+1..trained repeat the lost run's losses (another layout: to fp32 round-off)
     one_node = ["bash", "launch.sh", "--launcher", "torchrun", "--nproc", "2", "--master-port", str(free_port()),
                 "--", *training(out)]
-    [proc] = [start(one_node, tmp_path / "rerun.log", run_env())]
+    proc = run(0, one_node, tmp_path / "rerun.log")
     assert finish([proc], str(out)) == [0], (tmp_path / "rerun.log").read_text()[-3000:]
     assert "resuming at dp 1: train.grad_accum_steps=4 keeps the checkpoint's global batch 8" in \
         (tmp_path / "rerun.log").read_text()
@@ -87,3 +90,8 @@ def test_lost_node_names_ranks_and_checkpoint_then_rerun_resumes(tmp_path):
     torch.testing.assert_close(torch.tensor([r["loss"] for r in rerun[:trained - last]], dtype=torch.float64),
                                torch.tensor([r["loss"] for r in first[last:]], dtype=torch.float64),
                                rtol=1e-5, atol=1e-6)
+    return log0
+
+
+def test_lost_node_names_ranks_and_checkpoint_then_rerun_resumes(tmp_path):
+    lose_node_then_rerun(tmp_path, lambda node, cmd, log: start(cmd, log, run_env()))

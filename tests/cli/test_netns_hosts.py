@@ -1,0 +1,100 @@
+"""Launchers across hosts with their own addresses: two network-namespace nodes (tests/cli/netns_cluster.py,
+vdp-node0 = 10.231.0.1, vdp-node1 = 10.231.0.2), 2 ranks each, PP2 x TP2 trained to the per-step losses of
+`deepspeed --num_gpus 4 train.py` on one host (the `reference` fixture), bit for bit. Every launcher starts on
+vdp-node0, as a user starts it on the first node; pdsh, mpirun's orted and torchrun's agents reach vdp-node1
+over the veth link. Skipped with the reason where namespaces cannot be made (not root, no `ip netns`).
+"""
+import os
+import sys
+
+import pytest
+
+from tests.cli import netns_cluster
+from tests.cli.test_launchers import LAYOUT, ROOT, finish, losses, run_env, train_args
+from tests.cli.test_lost_node import lose_node_then_rerun
+from tests.dist_utils import free_port
+
+VENV_BIN = os.path.dirname(sys.executable)
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    why = netns_cluster.unavailable()
+    if why:
+        pytest.skip(f"no namespace cluster: {why}")
+    with netns_cluster.cluster(tmp_path_factory.mktemp("netns")) as c:
+        yield c
+    if os.path.exists(os.path.join(ROOT, ".deepspeed_env")):       # launch.sh's, for the pdsh runs
+        os.remove(os.path.join(ROOT, ".deepspeed_env"))
+
+
+def node_env(c, **extra):
+    return run_env(PATH=f"{c.path}:{os.environ['PATH']}", **extra)
+
+
+def on_nodes(c, tmp_path, commands: dict[int, list[str]], out, env) -> str:
+    """Run each node's command at once; returns their logs after asserting every one exited 0."""
+    procs = {i: c.run(i, cmd, ROOT, env, tmp_path / f"node{i}.log") for i, cmd in commands.items()}
+    codes = finish(list(procs.values()), str(out))
+    logs = "".join(f"--- node{i}\n" + (tmp_path / f"node{i}.log").read_text() for i in procs)
+    assert codes == [0] * len(procs), logs[-6000:]
+    return logs
+
+
+def test_deepspeed_pdsh(reference, hosts, tmp_path):
+    """`deepspeed --hostfile` as DeepSpeed documents it: no --master_addr (it asks `ssh vdp-node0 hostname -I`),
+    the remote ranks' environment from a .deepspeed_env file (DS_ENV_FILE)."""
+    out, ds_env = tmp_path / "run", tmp_path / "deepspeed_env"
+    ds_env.write_text(f"PATH={VENV_BIN}:{os.environ['PATH']}\nPYTHONPATH={ROOT}\nOMP_NUM_THREADS=1\n"
+                      + "".join(f"{v}={os.environ[v]}\n" for v in ("TORCH_EXTENSIONS_DIR",) if v in os.environ))
+    cmd = [os.path.join(VENV_BIN, "deepspeed"), "--hostfile", str(hosts.hostfile(2)), "--master_port",
+           str(free_port()), *train_args(out, *LAYOUT)]
+    log = on_nodes(hosts, tmp_path, {0: cmd}, out, node_env(hosts, DS_ENV_FILE=str(ds_env)))
+    assert "Using IP address of 10.231.0.1 for node vdp-node0" in log
+    assert "cmd = pdsh -S -f 1024 -w vdp-node0,vdp-node1 " in log
+    assert any(line.startswith("vdp-node1: ") for line in log.splitlines())     # pdsh's prefix: ranks ran there
+    assert losses(out) == reference
+
+
+def test_launch_sh_hostfile(reference, hosts, tmp_path):
+    """`launch.sh --hostfile` on the first node: DeepSpeed over pdsh, the master left to DeepSpeed (never
+    127.0.0.1); the dry run names it."""
+    out, hostfile, port = tmp_path / "run", hosts.hostfile(2), free_port()
+    launch = ["bash", "launch.sh", "--hostfile", str(hostfile), "--master-port", str(port)]
+    log = on_nodes(hosts, tmp_path, {0: [*launch, "--dry-run", "--", *train_args(out, *LAYOUT)]}, out,
+                   node_env(hosts))
+    assert f"launch.sh: vdp-node1: ranks 2-3, master <vdp-node0's address>:{port}\n" in log
+    log = on_nodes(hosts, tmp_path, {0: [*launch, "--", *train_args(out, *LAYOUT)]}, out, node_env(hosts))
+    assert f"+ deepspeed --hostfile {hostfile} --master_port {port} train.py " in log
+    assert "Using IP address of 10.231.0.1 for node vdp-node0" in log
+    assert "127.0.0.1" not in log.split("cmd = pdsh", 1)[1].split("\n", 1)[0]
+    assert losses(out) == reference
+
+
+def test_launch_sh_openmpi(reference, hosts, tmp_path):
+    """Open MPI over ssh: every rank gets MASTER_ADDR = the first host's address."""
+    out = tmp_path / "run"
+    cmd = ["bash", "launch.sh", "--launcher", "openmpi", "--hostfile", str(hosts.hostfile(2)),
+           "--master-port", str(free_port()), "--", *train_args(out, *LAYOUT)]
+    log = on_nodes(hosts, tmp_path, {0: cmd}, out, node_env(hosts))
+    assert "+ MASTER_ADDR=10.231.0.1 MASTER_PORT=" in log and " mpirun -np 4 " in log
+    assert losses(out) == reference
+
+
+def test_torchrun_two_nodes(reference, hosts, tmp_path):
+    """torchrun on each node (its own command), the rendezvous at vdp-node0 by name."""
+    out, port = tmp_path / "run", str(free_port())
+    cmds = {i: ["bash", "launch.sh", "--launcher", "torchrun", "--nnodes", "2", "--nproc", "2", "--node-rank", str(i),
+                "--master-addr", "vdp-node0", "--master-port", port, "--", *train_args(out, *LAYOUT)] for i in (0, 1)}
+    log = on_nodes(hosts, tmp_path, cmds, out, node_env(hosts))
+    assert "--node_rank 1 --master_addr vdp-node0 " in log
+    assert losses(out) == reference
+
+
+def test_lost_node(hosts, tmp_path):
+    """tests/cli/test_lost_node.py's scenario across the two nodes: vdp-node1's launcher and ranks killed after a
+    checkpoint; node 0's ranks name ranks 2, 3 on vdp-node1 and the checkpoint; the rerun on vdp-node0 resumes."""
+    env = node_env(hosts)
+    log0 = lose_node_then_rerun(tmp_path, lambda node, cmd, log: hosts.run(node, cmd, ROOT, env, log),
+                                master="vdp-node0")
+    assert "rank 0: lost rank(s) 2, 3 (host vdp-node1)" in log0
