@@ -84,14 +84,22 @@ def _fmt(sizes: list[int]) -> str:
     return ", ".join(map(str, sizes))
 
 
+def _nearest(sizes: list[int], size: int) -> int:
+    """The largest of `sizes` (ascending, starting at 1) not above `size`: the advice keeps as much of the
+    asked-for parallelism as works."""
+    return max(s for s in sizes if s <= size)
+
+
 def _check_model_splits(cfg: ExperimentConfig) -> list[str]:
     tp, problems = cfg.parallel.tp_size, []
     for key, value in tp_split_dims(cfg.model).items():
         if value % tp:
             shown = f"{value} (4 x model.hidden_size)" if key == "model.ffn_hidden_size" and \
                 cfg.model.ffn_hidden_size is None else str(value)
+            sizes = valid_tp_sizes(cfg.model)
             problems.append(f"{key}={shown} is not divisible by parallel.tp_size={tp}; tp sizes that divide "
-                            f"every split dimension of this model: {_fmt(valid_tp_sizes(cfg.model))}")
+                            f"every split dimension of this model: {_fmt(sizes)}; set --set parallel.tp_size="
+                            f"{_nearest(sizes, tp)}")
     return problems
 
 
@@ -109,7 +117,8 @@ def _check_sequence(cfg: ExperimentConfig) -> list[str]:
         return []
     return [f"model.num_heads={heads} / parallel.tp_size={tp} = {heads // tp} heads per tp rank is not divisible "
             f"by parallel.sp_size={sp} (attention splits them over sp ranks); sp sizes that work with "
-            f"parallel.tp_size={tp}: {_fmt(valid_sp_sizes(cfg))}"]
+            f"parallel.tp_size={tp}: {_fmt(valid_sp_sizes(cfg))}; set --set parallel.sp_size="
+            f"{_nearest(valid_sp_sizes(cfg), sp)}"]
 
 
 def sequence_padding(cfg: ExperimentConfig) -> str:
@@ -128,7 +137,8 @@ def _check_pipeline(cfg: ExperimentConfig) -> list[str]:
         return []
     if layers % pp:
         return [f"model.num_layers={layers} is not divisible by parallel.pp_size={pp}; pp sizes with equal "
-                f"stages: {_fmt(divisors(layers))} (or give parallel.pp_partition, blocks per stage)"]
+                f"stages: {_fmt(divisors(layers))}; set --set parallel.pp_size={_nearest(divisors(layers), pp)}, "
+                f"or give parallel.pp_partition (blocks per stage)"]
     return []
 
 
@@ -146,7 +156,7 @@ def _resolve_dp(cfg: ExperimentConfig, world_size: Optional[int]) -> tuple[int, 
     if dp is not None and dp != derived:
         shown = f"tp {tp} x pp {pp}" + (f" x sp {sp}" if sp > 1 else "")
         return dp, [f"parallel.dp_size={dp} but world size {world_size} = {shown} x dp {derived}; "
-                    f"set parallel.dp_size={derived} or null, or launch {model_size * dp} processes"]
+                    f"set --set parallel.dp_size={derived} (or null), or launch {model_size * dp} processes"]
     return derived, []
 
 
@@ -176,7 +186,7 @@ def _check_engine(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
     if pp > 1 and stage >= 2:
         problems.append(f"{src}: zero_optimization.stage={stage} with parallel.pp_size={pp}: DeepSpeed's pipeline "
                         f"engine supports ZeRO stage 0 or 1 only; use stage 1 (ds_configs/zero1_bf16.json) "
-                        f"or parallel.pp_size=1")
+                        f"or --set parallel.pp_size=1")
     if pp == 1 and prec == "bf16" and stage == 0 and dsc.grad_accum_dtype(ds) == "fp32":
         problems.append(f"{src}: bf16 with zero_optimization.stage=0 and data_types.grad_accum_dtype=\"fp32\" is "
                         f"not implemented in DeepSpeed 0.19; use stage 1 (ds_configs/zero1_bf16.json) or drop "

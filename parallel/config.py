@@ -264,9 +264,10 @@ def _describe(error: dict, source: str, overridden: set[str]) -> str:
     if error["type"] == "missing":
         return f"{origin}: missing required key {dotted}"
     got = error.get("input")
+    msg = error["msg"].removeprefix("Value error, ")      # a validator's own sentence, without pydantic's label
     got_text = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
     where = f"{dotted}: " if dotted else ""
-    return f"{origin}: {where}{error['msg']}{got_text}"
+    return f"{origin}: {where}{msg}{got_text}"
 
 
 def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:

@@ -93,7 +93,7 @@ def test_config_differences_name_the_keys_to_set(releases15):
     folder, _ = releases15["t2v15"]
     cfg = load_config("debug", overrides("t2v15", folder) + ["model.patch_size_t=1", "model.patch_bias=true"])
     assert check_released(cfg.model, folder) == [
-        f"{folder / 'config.json'}: patch_size_t 2 != model.patch_size_t null; set "
+        f"{folder / 'config.json'}: patch_size_t 2 != model.patch_size_t 1; set "
         f"--set model.patch_size_t=2 or use the matching preset",
         f"{folder / 'config.json'}: patch_bias false != model.patch_bias true; set --set model.patch_bias=false or "
         f"use the matching preset"]
