@@ -352,7 +352,7 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
     return cfg, ds, layout
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parser() -> argparse.ArgumentParser:
     from parallel.cli import add_experiment_args
 
     ap = argparse.ArgumentParser(prog="python -m parallel.check", description=__doc__.splitlines()[0])
@@ -361,7 +361,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--device-check", action=argparse.BooleanOptionalAction, default=True,
                     help="check bf16/fp16 against this machine's accelerator (--no-device-check when checking "
                          "a run for another machine)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parser().parse_args(argv)
     # The output is the report alone: DeepSpeed, imported for the device check, logs its accelerator
     # auto-detection to stdout (a refusal names the accelerator itself).
     try:

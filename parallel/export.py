@@ -86,7 +86,7 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
     return written
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel.export", description=__doc__.splitlines()[0])
     add_experiment_args(ap)
     ap.add_argument("--tag", default=None, help="checkpoint tag (step{N}); default: the newest complete one")
@@ -101,8 +101,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-shard-size", "--max_shard_size", type=size_arg, default="5GB",
                     help="--format diffusers: largest shard file (5GB, 500MiB, bytes)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="--format diffusers: tensor dtype")
-    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     env = read_launch_env()
     try:
         cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size)

@@ -235,7 +235,7 @@ def render_markdown(r: dict) -> str:
     return "\n".join(_header(r) + [""] + rows)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel.plan", description=__doc__.splitlines()[0])
     add_experiment_args(ap)
     ap.add_argument("--devices", type=int, required=True, help="number of devices (processes)")
@@ -252,7 +252,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--buckets", default=None, help="several clip shapes, 'FxHxW,...' in pixels or 'preset' (the "
                     "config's data.buckets): sized on the longest, a row per bucket; default: a directory "
                     "dataset's shapes, else the config's one")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parser().parse_args(argv)
     try:
         if args.devices < 1 or args.devices_per_node < 1:
             raise ConfigError("--devices and --devices-per-node must be >= 1")
