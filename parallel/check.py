@@ -298,7 +298,11 @@ def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source:
     return layout, problems
 
 
-def summary(cfg: ExperimentConfig, layout: Layout) -> str:
+NO_DS_CONFIG = "no --deepspeed_config: DeepSpeed's defaults, its engine keys unchecked"
+
+
+def summary(cfg: ExperimentConfig, layout: Layout, deepspeed_config: Optional[str] = "") -> str:
+    """The one-line verdict; `deepspeed_config` None: the engine is DeepSpeed's default (ZeRO-0 fp32), said so."""
     t, tp = cfg.train, layout.tp_size
     splits = ", ".join(f"{k.split('.')[-1]} {v}/{tp}" for k, v in tp_split_dims(cfg.model).items())
     padding = sequence_padding(cfg)
@@ -312,7 +316,8 @@ def summary(cfg: ExperimentConfig, layout: Layout) -> str:
                 f"{format_shape(s)} x {n} -> {sequence_tokens(c.model, c.data):,} tokens"
                 + (f" ({sequence_padding(c)})" if sequence_padding(c) else "") for s, n, c in found)
     return (f"ok: {cfg.model.name} {layout.describe()} (world {layout.world_size}), "
-            f"ZeRO-{layout.zero_stage} {layout.precision}, global batch {layout.global_batch} = micro "
+            f"ZeRO-{layout.zero_stage} {layout.precision}"
+            + (f" ({NO_DS_CONFIG})" if deepspeed_config is None else "") + f", global batch {layout.global_batch} = micro "
             f"{t.micro_batch_size} x accum {t.grad_accum_steps} x dp {layout.dp_size}; tp splits {splits}"
             + (f"; sp pads the sequence: {padding}" if padding else "") + buckets)
 
@@ -353,11 +358,13 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
 
 
 def parser() -> argparse.ArgumentParser:
-    from parallel.cli import add_experiment_args
+    from parallel.cli import add_experiment_args, add_world_size
 
     ap = argparse.ArgumentParser(prog="python -m parallel.check", description=__doc__.splitlines()[0])
+    # --deepspeed_config stays optional here (the model, layout and data checks need none); without it the
+    # engine is DeepSpeed's default, ZeRO-0 fp32, and the summary says so.
     add_experiment_args(ap, deepspeed_required=False)
-    ap.add_argument("--world-size", "--world_size", type=int, default=None, help="number of processes")
+    add_world_size(ap, help="number of processes (default: parallel.dp_size, else 1)")
     ap.add_argument("--device-check", action=argparse.BooleanOptionalAction, default=True,
                     help="check bf16/fp16 against this machine's accelerator (--no-device-check when checking "
                          "a run for another machine)")
@@ -379,7 +386,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for line in lines:
             print(f"  - {line}", file=sys.stderr)
         return 1
-    print(summary(cfg, layout))
+    print(summary(cfg, layout, args.deepspeed_config))
     return 0
 
 

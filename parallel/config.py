@@ -181,13 +181,16 @@ class ExperimentConfig(Section):
 
 
 def resolve_config_path(name_or_path: str | Path) -> Path:
-    """A file path, or a preset name from configs/ (`cogvideox-2b` -> configs/cogvideox-2b.yaml)."""
+    """A file path, or a shipped preset by name or path (`cogvideox-2b`, `configs/cogvideox-2b.yaml`), found
+    through the package wherever the command runs from."""
     path = Path(name_or_path)
     if path.is_file():
         return path
-    preset = CONFIG_DIR / f"{name_or_path}.yaml"
-    if preset.is_file():
-        return preset
+    # a bare name, or the path as docs spell it (configs/NAME.yaml); another folder is the user's own file
+    if str(path.parent) in (".", "configs"):
+        for preset in (CONFIG_DIR / f"{path.name}.yaml", CONFIG_DIR / path.name):
+            if preset.is_file() and preset.suffix == ".yaml":
+                return preset
     names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
     raise ConfigError(f"{name_or_path}: no such config file or preset; presets: {', '.join(names)}")
 
