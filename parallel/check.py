@@ -266,10 +266,33 @@ def check_data_files(cfg: ExperimentConfig) -> list[str]:
         folders.append(("val.path", cfg.val.path))
     if not folders and not cfg.data.buckets:
         return []
+    missing = [p for key, folder in folders for p in [_folder_problem(key, folder)] if p]
+    if missing:                  # the shape and bucket checks would only say the manifest is missing again
+        return missing
     from parallel.train.bucket_check import bucket_problems      # the manifest's buckets and data.buckets
     from parallel.train.data import check_shapes
     return bucket_problems(cfg) + [p for key, folder in folders for p in
                                    check_shapes(folder, cfg.model, cfg.data, key, captions=bool(cfg.data.text_encoder))]
+
+
+PREPARE = "python -m parallel.prepare_data --config CONFIG --videos VIDEOS --vae VAE --t5 T5 --out {}"
+
+
+def _folder_problem(key: str, folder: str) -> Optional[str]:
+    """A data folder that does not exist, or has no manifest, with the command that makes one (CONFIG: this
+    experiment with the same --set; VIDEOS, VAE, T5: the clips and the family's VAE and text encoder)."""
+    from pathlib import Path
+
+    path, make = Path(folder), PREPARE.format(folder)
+    how = (f"{make} prepares it (CONFIG: this experiment, with the same --set; VIDEOS: a folder of clips with "
+           f"captions; VAE, T5: the model family's VAE and text encoder folders; docs/data.md)")
+    if not path.exists():
+        return f"{key}={folder}: no such folder; {how}"
+    if not path.is_dir():
+        return f"{key}={folder}: not a folder; {how}"
+    if not (path / "manifest.jsonl").is_file():
+        return f"{key}={folder}: no manifest.jsonl in it (the list of prepared samples); {how}"
+    return None
 
 
 def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source: str = "deepspeed config",

@@ -42,8 +42,10 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
     from parallel.train.run import checkpoint_layout, start_engine
 
     tag = tag or checkpoint.find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout))
-    if tag is None:
-        raise FileNotFoundError(f"no complete checkpoint in {cfg.ckpt_dir} (ckpt.dir)")
+    if tag is None:       # before any process group: the refusal is all the command prints
+        raise ConfigError(f"no complete checkpoint in {cfg.ckpt_dir} (ckpt.dir, default <train.output_dir>/"
+                          f"checkpoints): export reads what train.py wrote with the same --config, --deepspeed_config "
+                          f"and --set; train first, or point it at the run's checkpoints: --set ckpt.dir=DIR")
     ctx, trainer = start_engine(cfg, ds, layout, env, init_from=False)
     step = trainer.load(cfg.ckpt_dir, tag)
     module, n = trainer.engine.module, cfg.model.num_layers
@@ -124,8 +126,13 @@ def main(argv=None) -> int:
         print("refusing to export: --ema selects the weights of --format diffusers; the toolkit format "
               "writes ema.safetensors next to model.safetensors anyway", file=sys.stderr)
         return 1
-    for path in export(cfg, ds, layout, env, Path(args.out), args.tag, args.format, args.ema,
-                       args.max_shard_size, args.dtype, args.merge_lora):
+    try:
+        written = export(cfg, ds, layout, env, Path(args.out), args.tag, args.format, args.ema,
+                         args.max_shard_size, args.dtype, args.merge_lora)
+    except ConfigError as e:
+        print(f"refusing to export: {e}", file=sys.stderr)
+        return 1
+    for path in written:
         print(f"wrote {path}")
     return 0
 

@@ -3,12 +3,17 @@ in-process) on a config, takes the `--set KEY=VALUE` the refusal suggests, appli
 until the config is accepted (a bounded number of rounds: advice that leads in circles fails)."""
 import json
 import re
+import shlex
+import shutil
 
 import pytest
 
-from parallel.check import main
+from parallel.check import PREPARE, main
+from parallel.config import load_config
+from tests.unit.test_prepare_data import CAPTIONS, SETS, vae_dir, videos  # noqa: F401  (fixtures: tiny VAE, clips)
+from tests.unit.test_text_encoder import t5_dir  # noqa: F401  (fixture: tiny T5)
 
-SET = re.compile(r"--set '?([\w.]+=[^\s',;]+|[\w.]+=\[[^\]]*\])'?")
+SET = re.compile(r"--set '?([\w.]+=\[[^\]]*\]|[\w.]+=[^\s',;]+)'?")
 
 
 def suggested(err: str) -> list[str]:
@@ -29,7 +34,8 @@ def follow(capsys, config: str, sets: list[str], *extra: str, rounds: int = 5) -
         advice = suggested(out.err)
         assert advice, f"a refusal without advice:\n{out.err}"
         refusals.append(out.err)
-        keys = {a.split("=", 1)[0] for a in advice}
+        # a replacement for an unknown key takes its place (as a user edits the command line)
+        keys = {a.split("=", 1)[0] for a in advice} | set(re.findall(r"unknown key ([\w.]+)", out.err))
         sets = [s for s in sets if s.split("=", 1)[0] not in keys] + advice
     raise AssertionError(f"still refused after {rounds} rounds of following the advice:\n" + "\n".join(refusals))
 
@@ -73,3 +79,56 @@ def test_layout_refusals_suggest_the_nearest_size_that_works(capsys):
     assert sets == ["parallel.sp_size=3"]
     sets, refusals = follow(capsys, "debug", ["parallel.dp_size=2"], "--world-size", "4")
     assert sets == ["parallel.dp_size=4"]
+
+
+@pytest.mark.parametrize("given, accepted, value", [
+    # "did you mean train.min_lr?" was the closest spelling; following it set the floor, not the rate
+    ("train.learning_rate=0.0003", "train.lr=0.0003", ("train", "lr", 3e-4)),
+    ("train.batch_size=2", "train.micro_batch_size=2", ("train", "micro_batch_size", 2)),
+    ("parallel.tp=2", "parallel.tp_size=2", ("parallel", "tp_size", 2)),
+    # a floor above the rate was accepted (the cosine would climb); the advice is a tenth of train.lr (0.003)
+    ("train.min_lr=0.01", "train.min_lr=0.0003", ("train", "min_lr", 3e-4)),
+    # YAML reads gif,mp4 as one string: the list syntax, quoted for the shell
+    ("val.formats=gif,mp4", "val.formats=[gif,mp4]", ("val", "formats", ["gif", "mp4"])),
+])
+def test_misleading_messages_now_lead_to_the_key_meant(capsys, given, accepted, value):
+    sets, refusals = follow(capsys, "debug", [given])
+    assert sets == [accepted] and len(refusals) == 1
+    section, key, want = value
+    assert getattr(getattr(load_config("debug", sets), section), key) == want
+
+
+def test_a_learning_rate_below_its_floor_follows_to_an_accepted_pair(capsys):
+    """learning_rate -> lr first; the preset's min_lr then sits above it -> a tenth of it."""
+    sets, refusals = follow(capsys, "debug", ["train.learning_rate=1e-5", "train.min_lr=1e-4"])
+    cfg = load_config("debug", sets)
+    assert (cfg.train.lr, cfg.train.min_lr) == (1e-5, 1e-6) and len(refusals) == 2
+
+
+def test_a_data_folder_with_synthetic_data_and_a_missing_folder_lead_to_prepare_data(
+        capsys, tmp_path, videos, vae_dir, t5_dir):   # noqa: F811
+    """data.path with the synthetic data.kind was ignored silently: refused naming data.kind=directory. A folder
+    that does not exist was "no manifest.jsonl in it": now named, with the prepare_data command that makes it;
+    run as printed (placeholders filled), the checker accepts the folder it wrote."""
+    folder = tmp_path / "clips"
+    sets = SETS + [f"data.path={folder}"]
+    code = main(["--config", "debug", *[a for s in sets for a in ("--set", s)]])
+    err = capsys.readouterr().err
+    assert code == 1 and suggested(err) == ["data.kind=directory"]
+    sets.append("data.kind=directory")
+    flags = [a for s in sets for a in ("--set", s)]
+    code = main(["--config", "debug", *flags])
+    err = capsys.readouterr().err
+    assert code == 1 and f"data.path={folder}: no such folder; {PREPARE.format(folder)} prepares it" in err
+    command = shlex.split(PREPARE.format(folder))
+    assert command[:3] == ["python", "-m", "parallel.prepare_data"]
+    clips = tmp_path / "videos"          # the default captions: a .txt beside each video
+    shutil.copytree(videos[0], clips)
+    for name, caption in CAPTIONS.items():
+        (clips / name).with_suffix(".txt").write_text(caption)
+    fill = {"CONFIG": "debug", "VIDEOS": str(clips), "VAE": str(vae_dir), "T5": str(t5_dir)}
+    from parallel.prepare_data.prepare import main as prepare
+    assert prepare([fill.get(a, a) for a in command[3:]] + flags) == 0
+    capsys.readouterr()
+    assert main(["--config", "debug", *flags]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.startswith("ok: debug")
