@@ -24,15 +24,15 @@ from typing import Optional
 with contextlib.redirect_stdout(sys.stderr):
     import deepspeed  # noqa: F401
 
-from parallel import ds_config as dsc  # noqa: E402
-from parallel.check import check  # noqa: E402
-from parallel.config import ConfigError, ExperimentConfig, load_config  # noqa: E402
-from parallel.cli import add_experiment_args, add_renamed, add_world_size, require  # noqa: E402
-from parallel.plan.buckets import bucket_rows, plan_buckets, render_buckets_text  # noqa: E402
-from parallel.plan.memory import LINES, EngineSettings, MemoryPlan, plan_memory  # noqa: E402
-from parallel.plan.search import DEVICES, Candidate, SearchResult, count_params, search, shipped_config  # noqa: E402
-from parallel.plan.trace import ActivationTracer, sequence_length  # noqa: E402
-from parallel.units import gib, parse_size  # noqa: E402
+from parallel import ds_config as dsc
+from parallel.check import check
+from parallel.config import ConfigError, ExperimentConfig, load_config
+from parallel.cli import add_experiment_args, add_renamed, add_world_size, require
+from parallel.plan.buckets import bucket_rows, plan_buckets, render_buckets_text
+from parallel.plan.memory import LINES, EngineSettings, MemoryPlan, plan_memory
+from parallel.plan.search import DEVICES, Candidate, SearchResult, count_params, search, shipped_config
+from parallel.plan.trace import ActivationTracer, sequence_length
+from parallel.units import gib, parse_size
 
 SCHEMA = "video-dit-parallel/memory-plan/1"
 INVALID_SHOWN = 8

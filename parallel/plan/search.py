@@ -125,7 +125,7 @@ def estimate_step_time(cfg: ExperimentConfig, eng: EngineSettings, dp: int, devi
     flops = b * (block_flops * (1 + f / 3) + 6 * (n_all - n_blocks) * seq)
     peak = device.bf16_flops if eng.lp == 2 else device.fp32_flops
     compute = m * flops / (tp * sp * pp) / (peak * utilisation)
-    ring = lambda n: 2 * (n - 1) / n  # noqa: E731  (bytes moved per device by a ring all-reduce, x size)
+    ring = lambda n: 2 * (n - 1) / n  # (bytes moved per device by a ring all-reduce, x size)
     tp_time = 0.0
     if tp > 1:
         row_parallel = family(m_cfg).row_parallel_per_layer     # b S H all-reduces per layer's forward

@@ -106,7 +106,7 @@ def test_a_learning_rate_below_its_floor_follows_to_an_accepted_pair(capsys):
 
 
 def test_a_data_folder_with_synthetic_data_and_a_missing_folder_lead_to_prepare_data(
-        capsys, tmp_path, videos, vae_dir, t5_dir):   # noqa: F811
+        capsys, tmp_path, videos, vae_dir, t5_dir): 
     """data.path with the synthetic data.kind was ignored silently: refused naming data.kind=directory. A folder
     that does not exist was "no manifest.jsonl in it": now named, with the prepare_data command that makes it;
     run as printed (placeholders filled), the checker accepts the folder it wrote."""
