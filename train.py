@@ -17,16 +17,19 @@ from parallel.config import ConfigError
 from parallel.distributed.topology import read_launch_env
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="train.py", description=__doc__.splitlines()[0])
     add_experiment_args(ap)
     ap.add_argument("--resume", default="auto", choices=["auto", "never"],
                     help="auto: continue from the newest complete checkpoint in ckpt.dir, if there is one")
     ap.add_argument("--check-only", action="store_true",
                     help="check the configuration for WORLD_SIZE ranks (not the device), print the summary and "
                          "exit: launch.sh --dry-run runs it")
-    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def main(argv=None) -> int:

@@ -36,10 +36,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import comm, peer, recompute  # noqa: E402
-from bench import compile as compiled  # noqa: E402
-from bench.device import matmul_flops  # noqa: E402
-from bench.overhead import MID, build_engines  # noqa: E402
+from bench import comm, peer, recompute
+from bench import compile as compiled
+from bench.device import matmul_flops
+from bench.overhead import MID, build_engines
 
 
 def step_flops(cfg) -> float:

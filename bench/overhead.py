@@ -27,7 +27,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from parallel.distributed.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from parallel.distributed.layers import ColumnParallelLinear, RowParallelLinear
 
 MID = ["model.name=mid", "model.hidden_size=256", "model.num_heads=8", "model.head_dim=32",
        "model.time_embed_dim=128", "model.text_embed_dim=128", "model.max_text_len=16",

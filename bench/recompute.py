@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.overhead import MID  # noqa: E402
+from bench.overhead import MID
 
 OPTIONS = {"none": [], "block": ["train.recompute.granularity=block"],
            "attention": ["train.recompute.granularity=attention"], "mlp": ["train.recompute.granularity=mlp"],
@@ -164,7 +164,7 @@ def plot(r: dict, out: Path) -> list[str]:
 def markdown(r: dict) -> list[str]:
     o, c = r["options"], r["compression_curve"]
     none = o["rows"]["none"]
-    lines = ["", f"## Selective recomputation and activation compression (bench/recompute.py)", "",
+    lines = ["", "## Selective recomputation and activation compression (bench/recompute.py)", "",
              f"`debug` with {' '.join(o['overrides'])}; fp32 ZeRO-0, one process, medians of {o['steps_each']} "
              f"steps; saved bytes of one micro-batch's forward (StepProbe + what compression stores) against "
              f"the planner's activation line; recompute: the share of the blocks' forward FLOPs the planner's "
@@ -179,7 +179,7 @@ def markdown(r: dict) -> list[str]:
     lines += ["", f"Compression over {c['steps']} steps of configs/debug.yaml (same weights and batches): largest "
               f"per-step loss difference to the uncompressed run "
               + ", ".join(f"{k} {v:.2e}" for k, v in c["max_abs_diff"].items())
-              + f"; mean loss of the last tenth: " + ", ".join(f"{k} {v:.5f}" for k, v in c["final_loss"].items())
+              + "; mean loss of the last tenth: " + ", ".join(f"{k} {v:.5f}" for k, v in c["final_loss"].items())
               + ".", "", "![compression.png](compression.png)", ""]
     return lines
 

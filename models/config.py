@@ -112,7 +112,9 @@ class ModelConfig(Section):
         if self.num_heads * self.head_dim != self.hidden_size:
             raise ValueError(
                 f"model.num_heads x model.head_dim = {self.num_heads} x {self.head_dim} = "
-                f"{self.num_heads * self.head_dim} must equal model.hidden_size={self.hidden_size}"
+                f"{self.num_heads * self.head_dim} must equal model.hidden_size={self.hidden_size}; set "
+                f"--set model.hidden_size={self.num_heads * self.head_dim}, or model.num_heads and model.head_dim "
+                f"whose product is {self.hidden_size}"
             )
         return self
 

@@ -71,14 +71,22 @@ def _fmt(sizes: list[int]) -> str:
     return ", ".join(map(str, sizes))
 
 
+def _nearest(sizes: list[int], size: int) -> int:
+    """The largest of `sizes` (ascending, starting at 1) not above `size`: the advice keeps as much of the
+    asked-for parallelism as works."""
+    return max(s for s in sizes if s <= size)
+
+
 def _check_model_splits(cfg: ExperimentConfig) -> list[str]:
     tp, problems = cfg.parallel.tp_size, []
     for key, value in tp_split_dims(cfg.model).items():
         if value % tp:
             shown = f"{value} (4 x model.hidden_size)" if key == "model.ffn_hidden_size" and \
                 cfg.model.ffn_hidden_size is None else str(value)
+            sizes = valid_tp_sizes(cfg.model)
             problems.append(f"{key}={shown} is not divisible by parallel.tp_size={tp}; tp sizes that divide "
-                            f"every split dimension of this model: {_fmt(valid_tp_sizes(cfg.model))}")
+                            f"every split dimension of this model: {_fmt(sizes)}; set --set parallel.tp_size="
+                            f"{_nearest(sizes, tp)}")
     return problems
 
 
@@ -96,7 +104,8 @@ def _check_sequence(cfg: ExperimentConfig) -> list[str]:
         return []
     return [f"model.num_heads={heads} / parallel.tp_size={tp} = {heads // tp} heads per tp rank is not divisible "
             f"by parallel.sp_size={sp} (attention splits them over sp ranks); sp sizes that work with "
-            f"parallel.tp_size={tp}: {_fmt(valid_sp_sizes(cfg))}"]
+            f"parallel.tp_size={tp}: {_fmt(valid_sp_sizes(cfg))}; set --set parallel.sp_size="
+            f"{_nearest(valid_sp_sizes(cfg), sp)}"]
 
 
 def sequence_padding(cfg: ExperimentConfig) -> str:
@@ -115,7 +124,8 @@ def _check_pipeline(cfg: ExperimentConfig) -> list[str]:
         return []
     if layers % pp:
         return [f"model.num_layers={layers} is not divisible by parallel.pp_size={pp}; pp sizes with equal "
-                f"stages: {_fmt(divisors(layers))} (or give parallel.pp_partition, blocks per stage)"]
+                f"stages: {_fmt(divisors(layers))}; set --set parallel.pp_size={_nearest(divisors(layers), pp)}, "
+                f"or give parallel.pp_partition (blocks per stage)"]
     return []
 
 
@@ -133,7 +143,7 @@ def _resolve_dp(cfg: ExperimentConfig, world_size: Optional[int]) -> tuple[int, 
     if dp is not None and dp != derived:
         shown = f"tp {tp} x pp {pp}" + (f" x sp {sp}" if sp > 1 else "")
         return dp, [f"parallel.dp_size={dp} but world size {world_size} = {shown} x dp {derived}; "
-                    f"set parallel.dp_size={derived} or null, or launch {model_size * dp} processes"]
+                    f"set --set parallel.dp_size={derived} (or null), or launch {model_size * dp} processes"]
     return derived, []
 
 
@@ -163,7 +173,7 @@ def _check_engine(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
     if pp > 1 and stage >= 2:
         problems.append(f"{src}: zero_optimization.stage={stage} with parallel.pp_size={pp}: DeepSpeed's pipeline "
                         f"engine supports ZeRO stage 0 or 1 only; use stage 1 (ds_configs/zero1_bf16.json) "
-                        f"or parallel.pp_size=1")
+                        f"or --set parallel.pp_size=1")
     if pp == 1 and prec == "bf16" and stage == 0 and dsc.grad_accum_dtype(ds) == "fp32":
         problems.append(f"{src}: bf16 with zero_optimization.stage=0 and data_types.grad_accum_dtype=\"fp32\" is "
                         f"not implemented in DeepSpeed 0.19; use stage 1 (ds_configs/zero1_bf16.json) or drop "
@@ -243,6 +253,9 @@ def check_data_files(cfg: ExperimentConfig) -> list[str]:
         folders.append(("val.path", cfg.val.path))
     if not folders and not cfg.data.buckets:
         return []
+    missing = [p for key, folder in folders for p in [_folder_problem(key, folder)] if p]
+    if missing:                  # the shape and bucket checks would only say the manifest is missing again
+        return missing
     from parallel.manifest import bucket_problems      # the manifest's buckets and data.buckets
     from parallel.train.data import check_shapes
     return bucket_problems(cfg) + [p for key, folder in folders for p in
@@ -289,6 +302,26 @@ def check_resume(cfg: ExperimentConfig, layout: Layout) -> None:
         raise ConfigError(str(e)) from None
 
 
+PREPARE = "python -m parallel.prepare_data --config CONFIG --videos VIDEOS --vae VAE --t5 T5 --out {}"
+
+
+def _folder_problem(key: str, folder: str) -> Optional[str]:
+    """A data folder that does not exist, or has no manifest, with the command that makes one (CONFIG: this
+    experiment with the same --set; VIDEOS, VAE, T5: the clips and the family's VAE and text encoder)."""
+    from pathlib import Path
+
+    path, make = Path(folder), PREPARE.format(folder)
+    how = (f"{make} prepares it (CONFIG: this experiment, with the same --set; VIDEOS: a folder of clips with "
+           f"captions; VAE, T5: the model family's VAE and text encoder folders; docs/data.md)")
+    if not path.exists():
+        return f"{key}={folder}: no such folder; {how}"
+    if not path.is_dir():
+        return f"{key}={folder}: not a folder; {how}"
+    if not (path / "manifest.jsonl").is_file():
+        return f"{key}={folder}: no manifest.jsonl in it (the list of prepared samples); {how}"
+    return None
+
+
 def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source: str = "deepspeed config",
           world_size: Optional[int] = None, device: Optional[DeviceDtypes] = None) -> tuple[Layout, list[str]]:
     """Return the layout and every problem found (an empty list means the layout is valid); with `device`,
@@ -315,7 +348,11 @@ def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source:
     return layout, problems
 
 
-def summary(cfg: ExperimentConfig, layout: Layout) -> str:
+NO_DS_CONFIG = "no --deepspeed_config: DeepSpeed's defaults, its engine keys unchecked"
+
+
+def summary(cfg: ExperimentConfig, layout: Layout, deepspeed_config: Optional[str] = "") -> str:
+    """The one-line verdict; `deepspeed_config` None: the engine is DeepSpeed's default (ZeRO-0 fp32), said so."""
     t, tp = cfg.train, layout.tp_size
     splits = ", ".join(f"{k.split('.')[-1]} {v}/{tp}" for k, v in tp_split_dims(cfg.model).items())
     padding = sequence_padding(cfg)
@@ -329,7 +366,8 @@ def summary(cfg: ExperimentConfig, layout: Layout) -> str:
                 f"{format_shape(s)} x {n} -> {sequence_tokens(c.model, c.data):,} tokens"
                 + (f" ({sequence_padding(c)})" if sequence_padding(c) else "") for s, n, c in found)
     return (f"ok: {cfg.model.name} {layout.describe()} (world {layout.world_size}), "
-            f"ZeRO-{layout.zero_stage} {layout.precision}, global batch {layout.global_batch} = micro "
+            f"ZeRO-{layout.zero_stage} {layout.precision}"
+            + (f" ({NO_DS_CONFIG})" if deepspeed_config is None else "") + f", global batch {layout.global_batch} = micro "
             f"{t.micro_batch_size} x accum {t.grad_accum_steps} x dp {layout.dp_size}; tp splits {splits}"
             + (f"; sp pads the sequence: {padding}" if padding else "") + buckets)
 
@@ -369,16 +407,22 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
     return cfg, ds, layout
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    from parallel.cli import add_experiment_args
+def parser() -> argparse.ArgumentParser:
+    from parallel.cli import add_experiment_args, add_world_size
 
     ap = argparse.ArgumentParser(prog="python -m parallel.check", description=__doc__.splitlines()[0])
+    # --deepspeed_config stays optional here (the model, layout and data checks need none); without it the
+    # engine is DeepSpeed's default, ZeRO-0 fp32, and the summary says so.
     add_experiment_args(ap, deepspeed_required=False)
-    ap.add_argument("--world-size", "--world_size", type=int, default=None, help="number of processes")
+    add_world_size(ap, help="number of processes (default: parallel.dp_size, else 1)")
     ap.add_argument("--device-check", action=argparse.BooleanOptionalAction, default=True,
                     help="check bf16/fp16 against this machine's accelerator (--no-device-check when checking "
                          "a run for another machine)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parser().parse_args(argv)
     # The output is the report alone: DeepSpeed, imported for the device check, logs its accelerator
     # auto-detection to stdout (a refusal names the accelerator itself).
     try:
@@ -392,7 +436,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for line in lines:
             print(f"  - {line}", file=sys.stderr)
         return 1
-    print(summary(cfg, layout))
+    print(summary(cfg, layout, args.deepspeed_config))
     return 0
 
 

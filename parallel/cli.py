@@ -1,23 +1,75 @@
-"""The flags every command shares: the experiment (`--config`, `--set`) and its DeepSpeed JSON
-(`--deepspeed_config`), declared once so train.py, parallel.check, parallel.plan, parallel.export and
-parallel.prepare_data read them alike. Imports argparse only: train.py parses before any heavy import."""
+"""The flags every command shares, declared once so train.py, parallel.check, parallel.plan, parallel.export,
+parallel.sample, parallel.verify and parallel.prepare_data read them alike: the experiment (`--config`,
+`--set`), its DeepSpeed JSON (`--deepspeed_config`), the launcher's `--local_rank`, and the process count
+(`--world-size`). A renamed flag's old spelling still works and says the new one on stderr. Imports argparse
+only: train.py parses before any heavy import."""
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 CONFIG_HELP = "experiment YAML file or preset name"
+DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"     # shipped beside configs/
+
+
+def ds_config_arg(text: str) -> str:
+    """argparse `type=` for --deepspeed_config: a file, else a shipped one by path or name (`ds_configs/
+    zero1_bf16.json`, `zero1_bf16`) wherever the command runs from; an unknown name is left for the reader
+    to refuse with its path."""
+    path = Path(text)
+    if path.is_file() or str(path.parent) not in (".", "ds_configs"):    # another folder: the user's own file
+        return text
+    name = path.name
+    for candidate in (DS_CONFIG_DIR / name, DS_CONFIG_DIR / f"{name}.json"):
+        if candidate.is_file():
+            return str(candidate)
+    return text
+
+
+class Renamed(argparse.Action):
+    """An old spelling of a flag: stores into the new flag's dest and names the new flag on stderr."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"note: {option_string} is now {self.new} (the old spelling still works)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_renamed(ap: argparse.ArgumentParser, old: str, new: str, dest: str, **kwargs) -> None:
+    ap.add_argument(old, action=Renamed, new=new, dest=dest, help=argparse.SUPPRESS, **kwargs)
 
 
 def add_experiment_args(ap: argparse.ArgumentParser, deepspeed: bool = True, deepspeed_required: bool = True,
                         config_help: str = CONFIG_HELP) -> None:
     """--config (required), --deepspeed_config / --deepspeed-config (with `deepspeed`; default None when
-    not `deepspeed_required`) and --set KEY=VALUE, repeatable, into args.overrides."""
+    not `deepspeed_required`), --set KEY=VALUE, repeatable, into args.overrides, and --local_rank (hidden)."""
     ap.add_argument("--config", required=True, help=config_help)
     if deepspeed:
         ap.add_argument("--deepspeed_config", "--deepspeed-config", required=deepspeed_required, default=None,
-                        help="DeepSpeed JSON file")
+                        type=ds_config_arg, help="DeepSpeed JSON file, or a shipped one by name (zero1_bf16)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key, e.g. --set parallel.tp_size=2 (repeatable)")
+    # The launchers (deepspeed, torch.distributed.launch) append --local_rank=N to every process's arguments;
+    # the ranks are read from the environment (parallel.distributed.topology.read_launch_env).
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def add_world_size(ap: argparse.ArgumentParser, help: str = "number of processes (tp x sp x pp x dp)") -> None:
+    """--world-size N (also --world_size; parallel.plan's old --devices still works, with a note)."""
+    ap.add_argument("--world-size", "--world_size", dest="world_size", type=int, default=None, help=help)
+    add_renamed(ap, "--devices", "--world-size", "world_size", type=int)
+
+
+def require(ap: argparse.ArgumentParser, args: argparse.Namespace, **flags: str) -> argparse.Namespace:
+    """argparse's 'required' for flags that also have an old spelling (argparse would not count it): dest=flag."""
+    missing = [flag for dest, flag in flags.items() if getattr(args, dest) is None]
+    if missing:
+        ap.error(f"the following arguments are required: {', '.join(missing)}")
+    return args
 
 
 def size_arg(text: str) -> int:

@@ -49,6 +49,9 @@ class DataConfig(Section):
     def _directory_needs_path(self) -> "DataConfig":
         if self.kind == "directory" and not self.path:
             raise ValueError("data.kind=directory needs data.path (a folder with manifest.jsonl)")
+        if self.kind == "synthetic" and self.path:      # else the folder would be ignored, silently
+            raise ValueError(f"data.path={self.path} is set but data.kind=synthetic reads no files; set "
+                             f"--set data.kind=directory to train on it (or remove data.path for synthetic samples)")
         if self.buckets is not None and len(set(self.buckets)) != len(self.buckets):
             raise ValueError(f"data.buckets={[list(b) for b in self.buckets]} lists a shape twice")
         return self
@@ -107,6 +110,14 @@ class TrainConfig(Section):
                                                  "null = the JSON's activation_checkpointing section decides")
     activation_compression: Optional[CompressionConfig] = Field(None, description="store saved activations "
                                                                 "at lower precision; null = off")
+
+    @model_validator(mode="after")
+    def _min_lr_below_lr(self) -> "TrainConfig":
+        if self.min_lr > self.lr:       # the cosine would climb from lr to min_lr
+            raise ValueError(f"train.min_lr={self.min_lr} is above train.lr={self.lr} (the schedule decays from "
+                             f"train.lr to train.min_lr); set --set train.min_lr={self.lr / 10:g} (a tenth of "
+                             f"train.lr) or any value up to train.lr, or raise train.lr")
+        return self
 
 
 class CkptConfig(Section):
@@ -181,13 +192,16 @@ class ExperimentConfig(Section):
 
 
 def resolve_config_path(name_or_path: str | Path) -> Path:
-    """A file path, or a preset name from configs/ (`cogvideox-2b` -> configs/cogvideox-2b.yaml)."""
+    """A file path, or a shipped preset by name or path (`cogvideox-2b`, `configs/cogvideox-2b.yaml`), found
+    through the package wherever the command runs from."""
     path = Path(name_or_path)
     if path.is_file():
         return path
-    preset = CONFIG_DIR / f"{name_or_path}.yaml"
-    if preset.is_file():
-        return preset
+    # a bare name, or the path as docs spell it (configs/NAME.yaml); another folder is the user's own file
+    if str(path.parent) in (".", "configs"):
+        for preset in (CONFIG_DIR / f"{path.name}.yaml", CONFIG_DIR / path.name):
+            if preset.is_file() and preset.suffix == ".yaml":
+                return preset
     names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
     raise ConfigError(f"{name_or_path}: no such config file or preset; presets: {', '.join(names)}")
 
@@ -228,6 +242,11 @@ def _apply_override(tree: dict, keys: list[str], value: Any, text: str) -> None:
     node[keys[-1]] = value
 
 
+def _yaml(value: Any) -> str:
+    """A value as --set reads it back (YAML flow style: 0.0003, true, [1, 2])."""
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
+
+
 def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     keys = []
     for name, field in model.model_fields.items():
@@ -238,6 +257,30 @@ def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
             if isinstance(section, type) and issubclass(section, BaseModel):
                 keys += [k for k in _known_keys(section, dotted + ".") if k not in keys]
     return keys
+
+
+# Names other trainers use for a key (what "did you mean" by spelling alone gets wrong: learning_rate is
+# closer to min_lr than to lr), by the key's last part.
+SYNONYMS = {"learning_rate": "lr", "lr_max": "lr", "max_lr": "lr", "min_learning_rate": "min_lr", "lr_min": "min_lr",
+            "batch_size": "micro_batch_size", "train_batch_size": "micro_batch_size",
+            "micro_batch_size_per_gpu": "micro_batch_size", "train_micro_batch_size_per_gpu": "micro_batch_size",
+            "gradient_accumulation_steps": "grad_accum_steps", "grad_accum": "grad_accum_steps",
+            "steps": "max_steps", "train_steps": "max_steps", "num_steps": "max_steps", "total_steps": "max_steps",
+            "warmup": "warmup_steps", "num_warmup_steps": "warmup_steps", "tp": "tp_size", "pp": "pp_size",
+            "dp": "dp_size", "sp": "sp_size", "tensor_parallel_size": "tp_size", "pipeline_parallel_size": "pp_size",
+            "sequence_parallel_size": "sp_size", "data_parallel_size": "dp_size", "frames": "num_frames",
+            "num_layers": "num_layers", "depth": "num_layers", "heads": "num_heads", "num_attention_heads": "num_heads",
+            "attention_head_dim": "head_dim"}
+
+
+def _suggest(dotted: str, known: list[str]) -> Optional[str]:
+    """The known key a misspelt or foreign one means: a synonym in the same section, else the closest spelling."""
+    section, _, leaf = dotted.rpartition(".")
+    alias = f"{section}.{SYNONYMS[leaf]}" if leaf in SYNONYMS else None
+    if alias in known:
+        return alias
+    close = difflib.get_close_matches(dotted, known, n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def _describe(error: dict, source: str, overridden: set[str]) -> str:
@@ -258,15 +301,23 @@ def _describe(error: dict, source: str, overridden: set[str]) -> str:
                         f"model.family={family}; remove it")
         else:
             known = _known_keys(ExperimentConfig)
-        close = difflib.get_close_matches(dotted, known, n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        return f"{origin}: unknown key {dotted}{hint}"
+        close = _suggest(dotted, known)
+        value = error.get("input")
+        fix = f"; set --set {close}={_yaml(value)} instead" if close and origin == "--set" and not isinstance(value, dict) \
+            else ""
+        hint = f" (did you mean {close}?)" if close else ""
+        return f"{origin}: unknown key {dotted}{hint}{fix}"
     if error["type"] == "missing":
         return f"{origin}: missing required key {dotted}"
     got = error.get("input")
+    if error["type"] == "list_type" and isinstance(got, str) and "," in got:   # --set k=a,b is a string in YAML
+        items = ",".join(part.strip() for part in got.split(","))
+        return (f"{origin}: {dotted}: a list is written in brackets (got {got!r}); set --set '{dotted}=[{items}]' "
+                f"(quoted for the shell)")
+    msg = error["msg"].removeprefix("Value error, ")      # a validator's own sentence, without pydantic's label
     got_text = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
     where = f"{dotted}: " if dotted else ""
-    return f"{origin}: {where}{error['msg']}{got_text}"
+    return f"{origin}: {where}{msg}{got_text}"
 
 
 def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:

@@ -42,8 +42,10 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
     from parallel.train.run import checkpoint_layout, start_engine
 
     tag = tag or checkpoint.find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout))
-    if tag is None:
-        raise FileNotFoundError(f"no complete checkpoint in {cfg.ckpt_dir} (ckpt.dir)")
+    if tag is None:       # before any process group: the refusal is all the command prints
+        raise ConfigError(f"no complete checkpoint in {cfg.ckpt_dir} (ckpt.dir, default <train.output_dir>/"
+                          f"checkpoints): export reads what train.py wrote with the same --config, --deepspeed_config "
+                          f"and --set; train first, or point it at the run's checkpoints: --set ckpt.dir=DIR")
     ctx, trainer = start_engine(cfg, ds, layout, env, init_from=False)
     step = trainer.load(cfg.ckpt_dir, tag)
     module, n = trainer.engine.module, cfg.model.num_layers
@@ -86,7 +88,7 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
     return written
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel.export", description=__doc__.splitlines()[0])
     add_experiment_args(ap)
     ap.add_argument("--tag", default=None, help="checkpoint tag (step{N}); default: the newest complete one")
@@ -101,8 +103,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-shard-size", "--max_shard_size", type=size_arg, default="5GB",
                     help="--format diffusers: largest shard file (5GB, 500MiB, bytes)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="--format diffusers: tensor dtype")
-    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     env = read_launch_env()
     try:
         cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size)
@@ -121,8 +126,13 @@ def main(argv=None) -> int:
         print("refusing to export: --ema selects the weights of --format diffusers; the toolkit format "
               "writes ema.safetensors next to model.safetensors anyway", file=sys.stderr)
         return 1
-    for path in export(cfg, ds, layout, env, Path(args.out), args.tag, args.format, args.ema,
-                       args.max_shard_size, args.dtype, args.merge_lora):
+    try:
+        written = export(cfg, ds, layout, env, Path(args.out), args.tag, args.format, args.ema,
+                         args.max_shard_size, args.dtype, args.merge_lora)
+    except ConfigError as e:
+        print(f"refusing to export: {e}", file=sys.stderr)
+        return 1
+    for path in written:
         print(f"wrote {path}")
     return 0
 

@@ -52,7 +52,7 @@ from parallel.config import UNCOND_FILE, ConfigError
 from parallel.distributed.topology import read_launch_env
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel.sample", description=__doc__.splitlines()[0])
     add_experiment_args(ap, deepspeed_required=False)
     ap.add_argument("--prompt", action="append", default=[], help="a caption (needs data.text_encoder); repeatable")
@@ -75,8 +75,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--vae", default=None, help="decoder for the videos and encoder of --image (a VAE folder of "
                     "the model's family); default val.decoder")
     ap.add_argument("--out", required=True, type=Path, help="FILE.safetensors (latents) or a folder (latents, videos)")
-    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def _tensor(path: Path, load: bool = True):

@@ -21,13 +21,17 @@ from parallel.config import ConfigError
 from parallel.distributed.topology import read_launch_env
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel.verify", description=__doc__.splitlines()[0])
     add_experiment_args(ap, deepspeed_required=False)
     ap.add_argument("--batch", type=int, default=1, help="samples in the random batch")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random batch")
     ap.add_argument("--tolerance", type=float, default=1e-4, help="largest relative difference that passes")
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def relative_difference(ours, theirs) -> tuple[float, float]:

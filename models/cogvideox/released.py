@@ -94,9 +94,15 @@ class CogVideoXDiffusers(DiffusersFormat):
                 f"--set model.image_condition={show(theirs == 2 * config.get('out_channels', 16))} (image-to-video "
                 f"releases take 2 x out_channels)")
 
+        def patch_size_t(theirs, value) -> Optional[str]:
+            # diffusers' null (no temporal patches) is the toolkit's 1: model.patch_size_t takes an integer
+            return None if theirs == value else (f"patch_size_t {show(theirs)} != model.patch_size_t {m.patch_size_t}; "
+                                                 f"set --set model.patch_size_t={theirs or 1} or use the matching preset")
+
         problems = config_problems(_config_pairs(m), config, path, "the toolkit's CogVideoX model has {}; CogVideoX "
                                    "2B, 5B, 5B-I2V, 1.5-5B and 1.5-5B-I2V qualify",
-                                   {"use_rotary_positional_embeddings": rotary, "in_channels": in_channels})
+                                   {"use_rotary_positional_embeddings": rotary, "in_channels": in_channels,
+                                    "patch_size_t": patch_size_t})
         if m.ffn_hidden_size not in (None, 4 * m.hidden_size):
             problems.append(f"{path}: the released FFN is 4 x hidden = {4 * m.hidden_size} wide, model.ffn_hidden_size "
                             f"is {m.ffn_hidden_size}; remove it")

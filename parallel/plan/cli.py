@@ -1,11 +1,12 @@
 """Will it fit? Per-rank memory of a layout, or a search for the layouts that fit, ranked by step time.
 
     python -m parallel.plan --config configs/cogvideox-5b.yaml --deepspeed_config ds_configs/zero1_bf16.json \
-        --devices 8 --device-memory 80GiB --set parallel.tp_size=2 [--search] [--format text|json|markdown] \
-        [--buckets preset|FxHxW,...]
+        --world-size 8 --device-memory 80GiB --set parallel.tp_size=2 [--search] [--format text|json|markdown] \
+        [--device-profile a100-80gb] [--buckets preset|FxHxW,...]
 
 Plan mode sizes the layout in the config (checked first by `parallel.check`); `--search` tries every
-layout of the device count. A run of several shapes (buckets: `--buckets`, or a directory dataset's
+layout of the process count, and when its best layout needs a DeepSpeed JSON that ds_configs/ does not
+ship, writes it (`--ds-out`) and names it in the command it prints. A run of several shapes (buckets: `--buckets`, or a directory dataset's
 manifest) is sized on its longest, with a row per bucket (parallel/plan/buckets.py).
 Exit status: 0 fits, 2 does not fit (or nothing fits), 1 refused input.
 """
@@ -15,6 +16,7 @@ import argparse
 import contextlib
 import json
 import sys
+from pathlib import Path
 from typing import Optional
 
 # DeepSpeed's logger writes to the stdout it finds when first imported; point it at stderr, so stdout
@@ -22,15 +24,15 @@ from typing import Optional
 with contextlib.redirect_stdout(sys.stderr):
     import deepspeed  # noqa: F401
 
-from parallel import ds_config as dsc  # noqa: E402
-from parallel.check import check  # noqa: E402
-from parallel.config import ConfigError, ExperimentConfig, load_config  # noqa: E402
-from parallel.cli import add_experiment_args  # noqa: E402
-from parallel.plan.buckets import bucket_rows, plan_buckets, render_buckets_text  # noqa: E402
-from parallel.plan.memory import LINES, EngineSettings, MemoryPlan, plan_memory  # noqa: E402
-from parallel.plan.search import DEVICES, Candidate, SearchResult, count_params, search, shipped_config  # noqa: E402
-from parallel.plan.trace import ActivationTracer, sequence_length  # noqa: E402
-from parallel.units import gib, parse_size  # noqa: E402
+from parallel import ds_config as dsc
+from parallel.check import check
+from parallel.config import ConfigError, ExperimentConfig, load_config
+from parallel.cli import add_experiment_args, add_renamed, add_world_size, require
+from parallel.plan.buckets import bucket_rows, plan_buckets, render_buckets_text
+from parallel.plan.memory import LINES, EngineSettings, MemoryPlan, plan_memory
+from parallel.plan.search import DEVICES, Candidate, SearchResult, count_params, search, shipped_config
+from parallel.plan.trace import ActivationTracer, sequence_length
+from parallel.units import gib, parse_size
 
 SCHEMA = "video-dit-parallel/memory-plan/1"
 INVALID_SHOWN = 8
@@ -65,7 +67,7 @@ def plan_report(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer,
     eng = EngineSettings.from_ds(ds, cfg.model.num_layers)
     return {"schema": SCHEMA, "mode": "plan", "model": _model_info(cfg, tracer, ds),
             "layout": {"tp": cfg.parallel.tp_size, "sp": cfg.parallel.sp_size, "pp": cfg.parallel.pp_size, "dp": dp,
-                       "world": args.devices,
+                       "world": args.world_size,
                        "zero": eng.zero, "micro_batch": cfg.train.micro_batch_size,
                        "grad_accum": cfg.train.grad_accum_steps, "checkpoint_every": eng.checkpoint_every,
                        "partition_activations": eng.partition_activations,
@@ -77,7 +79,7 @@ def plan_report(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer,
 
 
 def _device_dict(args) -> dict:
-    return {"key": args.device, "name": DEVICES[args.device].name, "count": args.devices,
+    return {"key": args.device, "name": DEVICES[args.device].name, "count": args.world_size,
             "per_node": args.devices_per_node, "memory": args.device_memory}
 
 
@@ -85,11 +87,12 @@ def _assumptions(args) -> dict:
     return {"margin_fraction": args.margin, "workspace": args.workspace, "utilisation": args.utilisation}
 
 
-def _candidate_dict(c: Candidate, args) -> dict:
+def _candidate_dict(c: Candidate, args, ds_file: Optional[str] = None) -> dict:
+    """One layout; its command only when its JSON exists: shipped, or written (`ds_file`); else null."""
     shipped = shipped_config(c.ds)
     cfg_arg = " ".join(f"--set {o}" for o in c.overrides)
-    launcher = f"--num_gpus {args.devices}" if args.devices <= args.devices_per_node else "--hostfile hosts"
-    ds_arg = shipped or "PLANNED.json"
+    launcher = f"--num_gpus {args.world_size}" if args.world_size <= args.devices_per_node else "--hostfile hosts"
+    ds_arg = shipped or ds_file
     d = c.dims
     return {"tp": d.tp_size, "sp": d.sp_size, "pp": d.pp_size, "dp": d.dp_size, "zero": c.zero,
             "checkpointing": c.checkpointing, "recompute": c.recompute, "micro_batch": c.micro_batch,
@@ -98,12 +101,25 @@ def _candidate_dict(c: Candidate, args) -> dict:
                        "headroom": c.memory.headroom, "lines": c.memory.worst.lines,
                        "optimizer": c.memory.optimizer_path},
             "step_time": None if c.time is None else vars(c.time),
-            "overrides": c.overrides, "ds_config": {"file": shipped, "json": c.ds},
-            "command": f"deepspeed {launcher} train.py --config {args.config} --deepspeed_config {ds_arg} {cfg_arg}"}
+            "overrides": c.overrides, "ds_config": {"file": ds_arg, "shipped": shipped is not None, "json": c.ds},
+            "command": None if ds_arg is None else
+            f"deepspeed {launcher} train.py --config {args.config} --deepspeed_config {ds_arg} {cfg_arg}"}
+
+
+def write_planned(c: Candidate, cfg: ExperimentConfig, args) -> Optional[str]:
+    """The best layout's DeepSpeed JSON, written to --ds-out (default <train.output_dir>/ds_config.planned.json)
+    when ds_configs/ has no equal file, so the printed command runs as printed; its path, or None."""
+    if shipped_config(c.ds) is not None:
+        return None
+    path = Path(args.ds_out or f"{cfg.train.output_dir}/ds_config.planned.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(c.ds, indent=2) + "\n")
+    print(f"wrote {path} (the best layout's DeepSpeed JSON)", file=sys.stderr)
+    return str(path)
 
 
 def search_report(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer, found=None) -> dict:
-    res: SearchResult = search(cfg, ds, args.devices, args.devices_per_node, args.device_memory,
+    res: SearchResult = search(cfg, ds, args.world_size, args.devices_per_node, args.device_memory,
                                DEVICES[args.device], tracer, args.utilisation, args.margin, args.workspace,
                                source=args.deepspeed_config)
     closest = sorted(res.not_fitting, key=lambda c: c.memory.worst.total)
@@ -112,7 +128,8 @@ def search_report(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTrace
     return {"schema": SCHEMA, "mode": "search", "model": _model_info(cfg, tracer, ds),
             "device": _device_dict(args), "assumptions": _assumptions(args), "grad_accum": cfg.train.grad_accum_steps,
             "counts": {"fitting": len(res.ranked), "not_fitting": len(res.not_fitting), "invalid": len(res.invalid)},
-            "ranked": [_candidate_dict(c, args) for c in res.ranked[:args.top]],
+            "ranked": [_candidate_dict(c, args, write_planned(c, cfg, args) if i == 0 else None)
+                       for i, c in enumerate(res.ranked[:args.top])],
             "not_fitting": [_candidate_dict(c, args) for c in closest[:args.top]],
             "invalid": [{"layout": layout, "problems": problems} for layout, problems in res.invalid], **buckets}
 
@@ -190,8 +207,6 @@ def render_search_text(r: dict) -> str:
         out += ["", "best layout, worst rank (GiB): " + ", ".join(f"{labels[k]} {gib(v)}" for k, v in
                                                                   best["memory"]["lines"].items() if v),
                 f"run it: {best['command']}"]
-        if best["ds_config"]["file"] is None:
-            out.append(f"with PLANNED.json = {json.dumps(best['ds_config']['json'])}")
     if r["not_fitting"]:
         out += ["", "closest that do not fit (micro-batch 1):"] + [
             f"  tp={c['tp']} sp={c['sp']} pp={c['pp']} dp={c['dp']} ZeRO-{c['zero']} checkpointing "
@@ -235,15 +250,20 @@ def render_markdown(r: dict) -> str:
     return "\n".join(_header(r) + [""] + rows)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel.plan", description=__doc__.splitlines()[0])
     add_experiment_args(ap)
-    ap.add_argument("--devices", type=int, required=True, help="number of devices (processes)")
+    add_world_size(ap, help="number of processes, one a device (required)")
     ap.add_argument("--device-memory", "--device_memory", required=True, help="per device, with a unit: 80GiB")
     ap.add_argument("--devices-per-node", "--devices_per_node", type=int, default=8)
-    ap.add_argument("--device", choices=sorted(DEVICES), default="a100-80gb", help="peak FLOP/s and bandwidths")
+    # dest "device": the profile's key (DEVICES); launch.sh's --device is the accelerator kind (cpu|cuda|npu)
+    ap.add_argument("--device-profile", "--device_profile", dest="device", choices=sorted(DEVICES),
+                    default="a100-80gb", help="peak FLOP/s and bandwidths of the devices")
+    add_renamed(ap, "--device", "--device-profile", "device", choices=sorted(DEVICES))
     ap.add_argument("--format", choices=("text", "json", "markdown"), default="text")
-    ap.add_argument("--search", action="store_true", help="try every layout of --devices devices")
+    ap.add_argument("--search", action="store_true", help="try every layout of --world-size processes")
+    ap.add_argument("--ds-out", "--ds_out", default=None, help="--search: where to write the best layout's DeepSpeed "
+                    "JSON when ds_configs/ has none equal (default <train.output_dir>/ds_config.planned.json)")
     ap.add_argument("--top", type=int, default=10, help="layouts shown by --search")
     ap.add_argument("--margin", type=float, default=0.10, help="fragmentation margin, fraction of the rest")
     ap.add_argument("--workspace", default="1GiB", help="fixed workspace (context, kernels' scratch)")
@@ -252,10 +272,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--buckets", default=None, help="several clip shapes, 'FxHxW,...' in pixels or 'preset' (the "
                     "config's data.buckets): sized on the longest, a row per bucket; default: a directory "
                     "dataset's shapes, else the config's one")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = parser()
+    args = require(ap, ap.parse_args(argv), world_size="--world-size")
     try:
-        if args.devices < 1 or args.devices_per_node < 1:
-            raise ConfigError("--devices and --devices-per-node must be >= 1")
+        if args.world_size < 1 or args.devices_per_node < 1:
+            raise ConfigError("--world-size and --devices-per-node must be >= 1")
         args.device_memory = parse_bytes(args.device_memory, "--device-memory")
         args.workspace = parse_bytes(args.workspace, "--workspace")
         cfg = load_config(args.config, args.overrides)
@@ -268,7 +293,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             report = search_report(cfg, ds, args, tracer, found)
             status = 0 if report["ranked"] else 2
         else:
-            layout, problems = check(cfg, ds, args.deepspeed_config, args.devices)
+            layout, problems = check(cfg, ds, args.deepspeed_config, args.world_size)
             if problems:
                 raise ConfigError("\n".join(problems))
             report = plan_report(cfg, ds, args, tracer, layout.dp_size)

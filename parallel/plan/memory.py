@@ -92,7 +92,7 @@ class EngineSettings:
         z = ds.get("zero_optimization") or {}
         ac = ds.get("activation_checkpointing") or {}
         stage = dsc.zero_stage(ds)
-        off = lambda key: (z.get(key) or {}).get("device", "none") in ("cpu", "nvme")  # noqa: E731
+        off = lambda key: (z.get(key) or {}).get("device", "none") in ("cpu", "nvme")
         return cls(stage, dsc.precision(ds), dsc.grad_accum_dtype(ds) == "fp32",
                    checkpoint_interval(ds, num_layers), bool(ac.get("partition_activations")),
                    bool(ac.get("cpu_checkpointing")), int(z.get("reduce_bucket_size", DEFAULT_BUCKET)),

@@ -9,9 +9,9 @@ from __future__ import annotations
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from parallel.plan.memory import LINES  # noqa: E402
+from parallel.plan.memory import LINES
 
 GIB = 2**30
 

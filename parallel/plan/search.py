@@ -37,18 +37,17 @@ import copy
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 from models.registry import family
 from parallel.check import check, divisors
+from parallel.cli import DS_CONFIG_DIR      # was parallel/ds_configs here: no shipped file ever matched
 from parallel.config import ExperimentConfig, RecomputeConfig
 from parallel.distributed.topology import ParallelDims
 from parallel.plan.memory import EngineSettings, MemoryPlan, plan_memory
 from parallel.plan.trace import ActivationTracer, attention_pairs, sequence_length
 from parallel.recompute import checkpointed_blocks
 
-DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
 MAX_MICRO_BATCH = 64
 # (JSON activation_checkpointing on, train.recompute granularity, every): the options the search compares.
 RECOMPUTE_OPTIONS = ((True, None, 1), (False, None, 1), (False, "attention", 1), (False, "mlp", 1),
@@ -126,7 +125,7 @@ def estimate_step_time(cfg: ExperimentConfig, eng: EngineSettings, dp: int, devi
     flops = b * (block_flops * (1 + f / 3) + 6 * (n_all - n_blocks) * seq)
     peak = device.bf16_flops if eng.lp == 2 else device.fp32_flops
     compute = m * flops / (tp * sp * pp) / (peak * utilisation)
-    ring = lambda n: 2 * (n - 1) / n  # noqa: E731  (bytes moved per device by a ring all-reduce, x size)
+    ring = lambda n: 2 * (n - 1) / n  # (bytes moved per device by a ring all-reduce, x size)
     tp_time = 0.0
     if tp > 1:
         row_parallel = family(m_cfg).row_parallel_per_layer     # b S H all-reduces per layer's forward

@@ -47,8 +47,8 @@ from models.vae import check_vae, default_dtype, encode, load_vae, read_vae_conf
 
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m parallel.prepare_data", description=__doc__.splitlines()[0])
     add_experiment_args(ap, deepspeed=False, config_help=CONFIG_HELP + " (data.num_frames, data.height, "
                         "data.width; model.in_channels, vae scales, max_text_len, text_embed_dim)")
     ap.add_argument("--videos", required=True, type=Path, help="folder of video files (searched recursively)")
@@ -73,8 +73,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "of it (nearest aspect ratio, then the most frames it has); default: data.num_frames x "
                     "data.height x data.width")
     ap.add_argument("--limit", type=int, help="prepare at most this many more videos on each rank (a trial run)")
-    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def settings(args, cfg, vae_config: dict) -> dict:

@@ -151,7 +151,7 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
         load_lora(model, ctx, cfg.model, cfg.model.lora.init_from)
     optimizer = build_optimizer(model, ds, cfg.train)
     factor = schedule_factor(ds, cfg.train)
-    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)  # noqa: E731
+    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)
     mpu = None if cfg.parallel.pp_size > 1 else ctx      # the pipeline engine takes its grid from the module
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            config=ds_final, mpu=mpu)

@@ -22,7 +22,7 @@ import torch
 from PIL import GifImagePlugin, Image
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 Decoder = Callable[[torch.Tensor], np.ndarray]     # latent [C, T, H, W] fp32 -> frames uint8 [T, H, W, 3]
 

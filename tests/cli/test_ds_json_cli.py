@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from tests.unit.test_ds_precision import fp16_json  # noqa: F401, F811  (a fixture)
+from tests.unit.test_ds_precision import fp16_json  # noqa: F401  (a fixture)
 from tests.cli.test_train_cli import ROOT, train_py
 
 
@@ -65,7 +65,7 @@ def test_resumed_run_continues_the_json_schedule_exactly(tmp_path):
     assert len({r["lr"] for r in whole}) == 6
 
 
-def test_train_refuses_fp16_before_any_process_group(fp16_json, tmp_path):  # noqa: F811
+def test_train_refuses_fp16_before_any_process_group(fp16_json, tmp_path):
     out = tmp_path / "run"
     p = train_py("--config", "debug", "--deepspeed_config", str(fp16_json), "--set", f"train.output_dir={out}")
     assert p.returncode == 1 and not out.exists()

@@ -17,8 +17,8 @@ def test_cli_stdout_is_only_the_report():
     import subprocess
     import sys
     proc = subprocess.run([sys.executable, "-m", "parallel.plan", "--config", "debug", "--deepspeed_config",
-                           "ds_configs/zero1_bf16.json", "--devices", "2", "--device-memory", "4GiB",
-                           "--device", "cpu", "--format", "json"], capture_output=True, text=True, timeout=120)
+                           "ds_configs/zero1_bf16.json", "--world-size", "2", "--device-memory", "4GiB",
+                           "--device-profile", "cpu", "--format", "json"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["fits"] and report["layout"]["dp"] == 2 and report["model"]["parameters"] == 313_360
@@ -31,7 +31,7 @@ def test_png_bars_are_the_report_totals(tmp_path):
     out = tmp_path / "plan.json"
     png = tmp_path / "plan.png"
     code = subprocess.run([sys.executable, "-m", "parallel.plan", "--config", "configs/debug.yaml",
-                           "--deepspeed_config", "ds_configs/zero1_bf16.json", "--devices", "4",
+                           "--deepspeed_config", "ds_configs/zero1_bf16.json", "--world-size", "4",
                            "--device-memory", "4GiB", "--set", "parallel.pp_size=2", "--set", "parallel.tp_size=2",
                            "--format", "json", "--png", str(png)], cwd=ROOT, capture_output=True, text=True)
     assert code.returncode == 0, code.stderr[-2000:]

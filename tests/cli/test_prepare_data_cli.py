@@ -15,7 +15,7 @@ from tests.unit.test_text_encoder import t5_dir  # noqa: F401  (fixture: tiny T5
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_two_ranks_cover_every_video_once(videos, vae_dir, t5_dir, prepared, tmp_path):   # noqa: F811
+def test_two_ranks_cover_every_video_once(videos, vae_dir, t5_dir, prepared, tmp_path): 
     root, _ = videos
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "parallel.prepare_data", "--config", "debug", *[a for s in SETS for a in ("--set", s)],

@@ -82,7 +82,7 @@ def checkpoint_tensors(folder):
 RANKS, STAGE, LAYOUT = 2, 2, ["--set", "parallel.tp_size=1"]
 
 
-def test_sigterm_and_resume_equal_one_uninterrupted_run(tmp_path):
+def test_sigterm_and_resume_equal_one_uninterrupted_run(tmp_path, capsys):
     ranks, stage, layout = RANKS, STAGE, LAYOUT
     ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
     ds["optimizer"]["type"] = "FusedEmaAdam"
@@ -115,7 +115,18 @@ def test_sigterm_and_resume_equal_one_uninterrupted_run(tmp_path):
     assert f"resumed from {damaged}/checkpoints/step{stopped} at step {stopped}" in p.stdout
     assert [r["loss"] for r in metrics(damaged)] == [r["loss"] for r in metrics(whole)][stopped:]
     # Export: full fp32 weights and EMA (tp shards are gathered by the same full_state, tests/distributed/test_ema_layouts.py).
-    launch(["--module", "parallel.export"], parts, ranks, layout, "--out", str(parts / "export"))
+    # From another output_dir it is refused, naming ckpt.dir (was a traceback); the advice followed exports.
+    from parallel.export import main as export_main
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(parts / "ds.json", elsewhere / "ds.json")
+    argv = command(["x"], elsewhere, ranks, layout, "--out", str(parts / "export"))[6:]      # after "x"
+    assert export_main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"refusing to export: no complete checkpoint in {elsewhere}/checkpoints (ckpt.dir") \
+        and "--set ckpt.dir=DIR" in err
+    launch(["--module", "parallel.export"], elsewhere, ranks, layout, "--out", str(parts / "export"),
+           "--set", f"ckpt.dir={parts / 'checkpoints'}")
     model, ema = (load_file(parts / "export" / f"{n}.safetensors") for n in ("model", "ema"))
     assert model.keys() == ema.keys() and model["blocks.3.attn.to_qkv.weight"].shape == (3 * 64, 64)
     assert not torch.equal(model["blocks.0.ff_in.weight"], ema["blocks.0.ff_in.weight"])

@@ -35,7 +35,7 @@ def _compile_rank(rank, world_size, runs):
 
     out, totals = {}, {}
     for name, tp, pp, sp, dp, stage, checkpointing, backend, ds_extra, *sets in runs:
-        extra = [LAYERS, *sets] + ([f"train.compile=true", f"train.compile_backend={backend}"] if backend else [])
+        extra = [LAYERS, *sets] + (["train.compile=true", f"train.compile_backend={backend}"] if backend else [])
         if ds_extra is not None and not totals:
             _install_counter(totals)        # after the compiled runs: their graphs trace torch.distributed
         cfg = experiment(tp, pp, dp, extra, sp)

@@ -63,7 +63,7 @@ def _run(ctx):
     x = torch.randn(B, S, H, generator=g).requires_grad_()
     z = torch.randn(B, S, 3 * H, generator=g).requires_grad_()       # Row's full input (it scatters it)
     dq, dy = torch.randn(B, S, 3 * H, generator=g), torch.randn(B, S, H, generator=g)
-    full = lambda p, dim, parts=None: gather_shards(p, ctx, dim, parts) if ctx.tp_size > 1 else p  # noqa: E731
+    full = lambda p, dim, parts=None: gather_shards(p, ctx, dim, parts) if ctx.tp_size > 1 else p
     dq_local = torch.cat([p.chunk(ctx.tp_size, -1)[ctx.tp_rank] for p in dq.chunk(3, -1)], -1)
     with count_comm() as comm:
         q, y = col(x), row(z)
@@ -223,7 +223,7 @@ def _four(rank, world_size, folder, lora_path, export_dir):
 
 
 @pytest.fixture(scope="module")
-def runs(released, tmp_path_factory):  # noqa: F811
+def runs(released, tmp_path_factory):
     """Every rank's results: the one-process reference's and the 4-rank spawn's."""
     directory = tmp_path_factory.mktemp("lora")
     lora_path = adapter_file(released[POS][1], directory / "given")
@@ -243,7 +243,7 @@ def test_adapters_split_like_their_weights_and_ride_on_the_existing_all_reduces(
         assert got["calls"] == [("all_reduce", tokens * (H + R)), ("all_reduce", tokens * (H + len(PARTS) * R))]
 
 
-def test_prediction_with_adapters_equals_diffusers_with_peft(runs, released):  # noqa: F811
+def test_prediction_with_adapters_equals_diffusers_with_peft(runs, released):
     folder, base = released[POS]
     tmp_path, lora_path = runs["dir"], runs["lora_path"]
     results = [r["diffusers"] for r in runs["four"]]

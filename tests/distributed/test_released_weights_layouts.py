@@ -113,7 +113,7 @@ def _zero3(world_size, folder, export_dir):
 def _same_model(exported, model):
     """`from_pretrained` of the exported folder: the original config and tensors, bit for bit."""
     again = CogVideoXTransformer3DModel.from_pretrained(exported)
-    public = lambda config: {k: v for k, v in config.items() if not k.startswith("_")}  # noqa: E731
+    public = lambda config: {k: v for k, v in config.items() if not k.startswith("_")}
     assert public(again.config) == public(model.config)
     original = model.state_dict()
     assert again.state_dict().keys() == original.keys()

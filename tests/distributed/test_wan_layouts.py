@@ -115,7 +115,7 @@ def test_wan_in_every_layout(released, tmp_path):
     exported = tmp_path / "export"
     assert (exported / INDEX_NAME).is_file() and len(list(exported.glob("*.safetensors"))) > 2
     again = WanTransformer3DModel.from_pretrained(exported)
-    public = lambda config: json.loads(json.dumps({k: v for k, v in config.items() if not k.startswith("_")}))  # noqa: E731
+    public = lambda config: json.loads(json.dumps({k: v for k, v in config.items() if not k.startswith("_")}))
     assert public(again.config) == public(model.config)
     original = model.state_dict()
     assert again.state_dict().keys() == original.keys()

@@ -112,7 +112,7 @@ def test_choose_bucket_keeps_the_most_of_a_video():
         parse_shapes("9x32,5x32x32")
 
 
-def test_prepare_data_buckets(tmp_path, vae_dir, capsys):  # noqa: F811
+def test_prepare_data_buckets(tmp_path, vae_dir, capsys):
     """Clips of four sizes land in the expected buckets; the manifest's shapes match the latents, which
     the training check accepts; the summary counts each bucket."""
     videos = tmp_path / "videos"

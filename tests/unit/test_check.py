@@ -88,7 +88,8 @@ def test_dp_and_batch_keys_must_agree():
                              "d.json", world_size=4)
     assert layout.dp_size == 2 and layout.global_batch == 2 * 2 * 2
     assert problems == [
-        "parallel.dp_size=2 but world size 4 = tp 1 x pp 1 x dp 4; set parallel.dp_size=4 or null, or launch 2 processes",
+        "parallel.dp_size=2 but world size 4 = tp 1 x pp 1 x dp 4; set --set parallel.dp_size=4 (or null), or "
+        "launch 2 processes",
         "d.json: train_micro_batch_size_per_gpu=4 != train.micro_batch_size=2; remove it from the JSON (the toolkit "
         "fills it in from the experiment) or set it to 2"]
 

@@ -93,7 +93,7 @@ def test_config_differences_name_the_keys_to_set(releases15):
     folder, _ = releases15["t2v15"]
     cfg = load_config("debug", overrides("t2v15", folder) + ["model.patch_size_t=1", "model.patch_bias=true"])
     assert check_released(cfg.model, folder) == [
-        f"{folder / 'config.json'}: patch_size_t 2 != model.patch_size_t null; set "
+        f"{folder / 'config.json'}: patch_size_t 2 != model.patch_size_t 1; set "
         f"--set model.patch_size_t=2 or use the matching preset",
         f"{folder / 'config.json'}: patch_bias false != model.patch_bias true; set --set model.patch_bias=false or "
         f"use the matching preset"]
@@ -162,7 +162,7 @@ def test_i2v_validation_conditions_on_each_samples_first_frame():
     torch.testing.assert_close(torch.tensor(got), torch.cat(losses).mean())
 
 
-def test_prepare_data_pads_15_latents_and_stores_the_augmented_first_frame_for_i2v(videos, vae_dir, tmp_path):  # noqa: F811
+def test_prepare_data_pads_15_latents_and_stores_the_augmented_first_frame_for_i2v(videos, vae_dir, tmp_path):
     """An I2V 1.5 preset: latent frames padded in front (5 -> 6, a copy of the first), and beside the latent the
     VAE latent of the first frame + exp(N(-3, 0.5)) * randn (SAT add_noise_to_first_frame), drawn from the clip.
     The VAE says invert_scale_latents (as 1.5's does): the image latent is z / scaling_factor, as

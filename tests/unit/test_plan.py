@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 
 import pytest
 import torch
@@ -172,7 +173,7 @@ def test_model_states_against_deepspeeds_estimators(stage):
 
 # ---- (c) the CLI ------------------------------------------------------------------------------------
 
-FIVE_B = ["--config", "configs/cogvideox-5b.yaml", "--devices", "8", "--device-memory", "80GiB"]
+FIVE_B = ["--config", "configs/cogvideox-5b.yaml", "--world-size", "8", "--device-memory", "80GiB"]
 
 
 def cli(capsys, *argv):
@@ -237,7 +238,7 @@ def test_plan_cogvideox_5b_tp2_zero1_checkpointed_on_8_a100(capsys):
 def test_plan_opensora_stdit3_tp2_checkpointed(capsys):
     """STDiT3 at 51 x 480 x 848: x holds the 20,670 video tokens only; each of 28 checkpointed layers keeps
     its x, and the side tensors t, t_mlp and the projected caption y once for the stage."""
-    code, out, _ = cli(capsys, "--config", "configs/opensora-stdit3.yaml", "--devices", "8", "--device-memory",
+    code, out, _ = cli(capsys, "--config", "configs/opensora-stdit3.yaml", "--world-size", "8", "--device-memory",
                        "80GiB", "--deepspeed_config", "ds_configs/zero1_bf16.json", "--set", "parallel.tp_size=2",
                        "--format", "json")
     r = json.loads(out)
@@ -269,13 +270,13 @@ def test_plan_that_does_not_fit_says_by_how_much(capsys, tmp_path):
         f"short by {-r['headroom'] / GiB:.2f} GiB" in text
 
 
-def test_search_ranks_fitting_layouts_and_explains_refusals(capsys):
+def test_search_ranks_fitting_layouts_and_explains_refusals(capsys, tmp_path):
     from parallel.check import check
     from parallel.distributed.topology import ParallelDims
     from parallel.plan.search import ds_variant, with_layout
 
     code, out, _ = cli(capsys, *FIVE_B, "--deepspeed_config", "ds_configs/zero1_bf16.json", "--search",
-                       "--format", "json", "--top", "1000")
+                       "--format", "json", "--top", "1000", "--ds-out", str(tmp_path / "best.json"))
     r = json.loads(out)
     ranked = r["ranked"]
     assert code == 0 and len(ranked) == r["counts"]["fitting"] >= 5
@@ -311,8 +312,29 @@ def test_search_ranks_fitting_layouts_and_explains_refusals(capsys):
     assert refused[(1, 4, 1)] == expected
     assert any("model.num_layers=42 is not divisible by parallel.pp_size=4" in p for p in expected)
     assert any("pipeline engine supports ZeRO stage 0 or 1 only" in p for p in refused[(2, 2, 2)])
-    code, text, _ = cli(capsys, *FIVE_B, "--deepspeed_config", "ds_configs/zero1_bf16.json", "--search")
+    code, text, _ = cli(capsys, *FIVE_B, "--deepspeed_config", "ds_configs/zero1_bf16.json", "--search",
+                        "--ds-out", str(tmp_path / "planned.json"))
     assert "refused by the checker" in text and "run it: deepspeed --num_gpus 8 train.py" in text
+
+
+def test_the_printed_command_runs_as_printed(capsys, tmp_path):
+    """--search's `run it:` names a DeepSpeed JSON that exists (here one the search wrote, ds_configs/ having none
+    with the best layout's settings), and its flags pass the checker with the best layout's numbers."""
+    from parallel.check import main as check_main
+    planned = tmp_path / "planned.json"
+    code, text, err = cli(capsys, "--config", "debug", "--deepspeed_config", "ds_configs/zero1_bf16.json",
+                          "--world-size", "2", "--device-memory", "4GiB", "--device-profile", "cpu", "--search",
+                          "--ds-out", str(planned))
+    assert code == 0 and f"wrote {planned}" in err
+    line, = [x for x in text.splitlines() if x.startswith("run it: ")]
+    argv = shlex.split(line[len("run it: "):])
+    assert argv[:4] == ["deepspeed", "--num_gpus", "2", "train.py"]
+    assert argv[argv.index("--deepspeed_config") + 1] == str(planned) and planned.is_file()
+    rank = [x.split() for x in text.splitlines() if x.lstrip().startswith("1 ")][0]
+    tp, sp, pp, dp, zero = map(int, rank[1:6])
+    assert check_main(argv[4:] + ["--world-size", "2"]) == 0
+    assert capsys.readouterr().out.startswith(f"ok: debug tp={tp}{f' sp={sp}' if sp > 1 else ''} pp={pp} dp={dp} "
+                                              f"(world 2), ZeRO-{zero} bf16")
 
 
 @pytest.mark.parametrize("argv, message", [

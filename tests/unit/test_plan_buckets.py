@@ -16,7 +16,7 @@ from parallel.shapes import bucket_data
 from tests.buckets_utils import SHAPES, write_buckets
 
 LONG = ["--config", "configs/cogvideox-5b-long.yaml", "--deepspeed_config", "ds_configs/zero2_bf16_long.json",
-        "--devices", "8", "--device-memory", "80GiB"]
+        "--world-size", "8", "--device-memory", "80GiB"]
 PRESETS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if "buckets:" in p.read_text())
 
 
@@ -81,7 +81,8 @@ def test_each_bucket_row_is_the_plan_at_that_shape(capsys):
 def test_search_lists_sp4_and_sp8_and_sizes_the_longest_bucket(capsys, tmp_path):
     """`--search` over the preset's buckets: sp 4 and sp 8 layouts fit CogVideoX-5B at 49 x 768 x 1360 on
     8 x 80 GB; the best layout's rows are the plans of that layout at each shape."""
-    code, out, _ = cli(capsys, *LONG, "--buckets", "preset", "--search", "--top", "100", "--format", "json")
+    code, out, _ = cli(capsys, *LONG, "--buckets", "preset", "--search", "--top", "100", "--format", "json",
+                       "--ds-out", str(tmp_path / "best.json"))
     r = json.loads(out)
     assert code == 0 and r["model"]["tokens"] == 53_266
     assert {4, 8} <= {c["sp"] for c in r["ranked"]}
@@ -99,8 +100,8 @@ def test_directory_buckets_plan_the_longest_and_weigh_step_times(tmp_path, capsy
     tokens); rows carry the sample counts and the expected step time is their weighted mean."""
     lines = [x for i, x in enumerate(write_buckets(tmp_path)) if i not in (8, 11)]     # two of the 1x48x48 left out
     (tmp_path / "manifest.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    argv = ["--config", "debug", "--deepspeed_config", "ds_configs/zero1_bf16.json", "--devices", "2",
-            "--device-memory", "4GiB", "--device", "cpu"]
+    argv = ["--config", "debug", "--deepspeed_config", "ds_configs/zero1_bf16.json", "--world-size", "2",
+            "--device-memory", "4GiB", "--device-profile", "cpu"]
     sets = ["--set", "data.kind=directory", "--set", f"data.path={tmp_path}", "--set", "parallel.sp_size=2"]
     code, out, _ = cli(capsys, *argv, *sets, "--format", "json")
     r = json.loads(out)

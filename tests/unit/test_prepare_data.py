@@ -79,13 +79,13 @@ def lines(path: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def prepared(videos, vae_dir, t5_dir, tmp_path_factory):   # noqa: F811
+def prepared(videos, vae_dir, t5_dir, tmp_path_factory): 
     out = tmp_path_factory.mktemp("prepared")
     assert run(videos[0], vae_dir, out, "--t5", str(t5_dir)) == 0
     return out
 
 
-def test_latents_and_text_are_what_the_vae_and_t5_give(videos, vae_dir, t5_dir, prepared):   # noqa: F811
+def test_latents_and_text_are_what_the_vae_and_t5_give(videos, vae_dir, t5_dir, prepared): 
     root, frames = videos
     manifest = lines(prepared / "manifest.jsonl")
     assert [m["video"] for m in manifest] == ["a0.mkv", "a1.mkv", "sub/b.mp4"]       # captions order, bad left out

@@ -57,7 +57,7 @@ def run(root, vae, out, *extra, config="debug-wan", sets=SETS, captions=None) ->
 
 
 @pytest.fixture(scope="module")
-def prepared(videos, wan_vae_dir, umt5_dir, tmp_path_factory):   # noqa: F811
+def prepared(videos, wan_vae_dir, umt5_dir, tmp_path_factory): 
     out = tmp_path_factory.mktemp("prepared_wan")
     captions = out.parent / "wan_captions.jsonl"
     captions.write_text("".join(json.dumps({"video": v, "caption": c}) + "\n" for v, c in CAPTIONS.items()))
@@ -65,7 +65,7 @@ def prepared(videos, wan_vae_dir, umt5_dir, tmp_path_factory):   # noqa: F811
     return out
 
 
-def test_latents_and_text_are_what_diffusers_and_the_wan_pipeline_give(videos, wan_vae_dir, umt5_dir,  # noqa: F811
+def test_latents_and_text_are_what_diffusers_and_the_wan_pipeline_give(videos, wan_vae_dir, umt5_dir,
                                                                         prepared):
     frames = videos[1]
     manifest = lines(prepared / "manifest.jsonl")
@@ -142,7 +142,7 @@ def test_training_steps_from_the_prepared_folder(prepared):
     assert True in dropped and False in dropped           # both the captions' and the empty prompt's embeddings fed
 
 
-def test_wrong_vae_or_text_encoder_is_refused_by_name(videos, vae_dir, wan_vae_dir, umt5_dir, t5_dir,  # noqa: F811
+def test_wrong_vae_or_text_encoder_is_refused_by_name(videos, vae_dir, wan_vae_dir, umt5_dir, t5_dir,
                                                       tmp_path, capsys, monkeypatch):
     import models.vae
     monkeypatch.setattr(models.vae, "load_vae", lambda *a, **k: pytest.fail("a model was loaded"))

@@ -121,7 +121,7 @@ def test_same_noise_same_sample_bit_for_bit(kind):
 
 
 def test_bad_sampler_or_steps():
-    zero = lambda x, t, c: torch.zeros_like(x)  # noqa: E731
+    zero = lambda x, t, c: torch.zeros_like(x)
     _, noise = _pair()
     with pytest.raises(ValueError, match="sampler 'ddim' does not fit objective 'flow_matching'"):
         sample(zero, noise, Objective("flow_matching"), 4, sampler="ddim")

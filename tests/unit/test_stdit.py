@@ -44,7 +44,7 @@ def test_temporal_attention_sees_frame_order():
     (it would be without positions), while the spatial block commutes with any reordering of frames."""
     torch.manual_seed(0)
     x, y, t_mlp = torch.randn(B, S, 64), torch.randn(B, 8, 64), torch.randn(B, 6 * 64)
-    flip = lambda z: z.unflatten(1, (T, H * W)).flip(1).flatten(1, 2)  # noqa: E731
+    flip = lambda z: z.unflatten(1, (T, H * W)).flip(1).flatten(1, 2)
     with torch.no_grad():
         spatial, temporal = _block(False), _block(True)
         torch.testing.assert_close(spatial(flip(x), y, t_mlp), flip(spatial(x, y, t_mlp)))
