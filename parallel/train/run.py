@@ -233,9 +233,11 @@ def run_training(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv
         if env.local_rank == 0:
             print(f"refusing to start: {e}", file=sys.stderr)
         return 1
+    # The plan traces the model on the meta device: no process group needed, so a layout it cannot plan
+    # stops here, before any rank waits on another.
+    plan = run_plan(cfg, ds, layout, accelerator.total_memory(env.local_rank))
     ctx, trainer = start_engine(cfg, ds, layout, env, init_from=tag is None)   # a checkpoint wins over init_from
     heartbeat = start_heartbeat(cfg, ctx, ckpt_dir)
-    plan = run_plan(cfg, ds, layout, accelerator.total_memory(env.local_rank))
     start = trainer.load(ckpt_dir, tag) if tag else 0
     batches = training_batches(cfg, ctx, dataset, start)
     stop = StopSignal(accelerator.device(env.local_rank))
