@@ -8,7 +8,11 @@ The four Megatron regions, for a tp group of size p and a tensor x:
     scatter_to_tp   forward: split(x, -1)[r]   backward: all-gather(grad, -1)
 
 Every collective goes through `_all_reduce` / `_all_gather`, so `count_comm()` sees all of them.
-With p == 1 they are identities and communicate nothing.
+With p == 1 they are identities and communicate nothing. A context with p > 1 and no tp_group is a planning
+context (parallel/plan/trace.py builds the model at the layout's tp size on the meta device): there each
+region returns what the collective would, in shape (an all-reduce its input, an all-gather p copies along
+the last dim), and communicates nothing. None of the four keeps a tensor for backward, so autograd saves
+there what it saves on a real rank; and the model sees the tp size it was built for.
 """
 from __future__ import annotations
 
@@ -112,20 +116,36 @@ class _ScatterToTP(torch.autograd.Function):
         return _all_gather_last(grad, ctx.group, ctx.size), None, None, None
 
 
+def _planning(ctx) -> bool:
+    return ctx.tp_group is None          # tp_size > 1 here: a planning context (module docstring)
+
+
 def copy_to_tp(x: torch.Tensor, ctx) -> torch.Tensor:
-    return x if ctx.tp_size == 1 else _CopyToTP.apply(x, ctx.tp_group)
+    if ctx.tp_size == 1 or _planning(ctx):
+        return x
+    return _CopyToTP.apply(x, ctx.tp_group)
 
 
 def reduce_from_tp(x: torch.Tensor, ctx) -> torch.Tensor:
-    return x if ctx.tp_size == 1 else _ReduceFromTP.apply(x, ctx.tp_group)
+    if ctx.tp_size == 1 or _planning(ctx):
+        return x
+    return _ReduceFromTP.apply(x, ctx.tp_group)
 
 
 def gather_from_tp(x: torch.Tensor, ctx) -> torch.Tensor:
-    return x if ctx.tp_size == 1 else _GatherFromTP.apply(x, ctx.tp_group, ctx.tp_size, ctx.tp_rank)
+    if ctx.tp_size == 1:
+        return x
+    if _planning(ctx):
+        return torch.cat([x] * ctx.tp_size, dim=-1)
+    return _GatherFromTP.apply(x, ctx.tp_group, ctx.tp_size, ctx.tp_rank)
 
 
 def scatter_to_tp(x: torch.Tensor, ctx) -> torch.Tensor:
-    return x if ctx.tp_size == 1 else _ScatterToTP.apply(x, ctx.tp_group, ctx.tp_size, ctx.tp_rank)
+    if ctx.tp_size == 1:
+        return x
+    if _planning(ctx):
+        return _split_last(x, ctx.tp_size, ctx.tp_rank)
+    return _ScatterToTP.apply(x, ctx.tp_group, ctx.tp_size, ctx.tp_rank)
 
 
 def gather_shards(shard: torch.Tensor, ctx, dim: int, parts: list[int] | None = None) -> torch.Tensor:

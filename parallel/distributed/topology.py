@@ -159,8 +159,8 @@ class ParallelContext:
     """This rank's place in the grid and its process groups; also DeepSpeed's `mpu` interface.
 
     With tp_size == 1 (or on a single process) groups may be None: the layers then skip communication.
-    A context with sp_size > 1 and no sp_group is a planning context: the model is traced on the meta
-    device with one sp rank's shapes (parallel.distributed.sequence).
+    A context with tp_size or sp_size > 1 and no group for it is a planning context: the model is traced on
+    the meta device with one rank's shapes (parallel.distributed.comm, parallel.distributed.sequence).
     """
 
     dims: ParallelDims

@@ -3,10 +3,10 @@
 The memory planner reads activation sizes from here instead of from a hand formula, so the plan and
 the model cannot disagree. Two pieces make that possible without devices or process groups:
 
-- `TraceContext`, a stand-in for `ParallelContext`: while the model is built it reports the layout's
-  `tp_size`, so `ColumnParallelLinear` / `RowParallelLinear` allocate their shards; inside
-  `collectives_as_identity()` it reports `tp_size = 1`, so the four regions of `parallel/distributed/comm.py`
-  (`copy_to_tp`, `reduce_from_tp`, ...) take their identity branch instead of calling a process group.
+- A planning context, `ParallelContext.single(tp, sp)`: the layout's sizes and no process group. The
+  model is built and run at the layout's `tp_size` (a family may branch on it: Wan's q/k RMSNorm), so
+  `ColumnParallelLinear` / `RowParallelLinear` allocate their shards, and the four regions of
+  `parallel/distributed/comm.py` return what their collective would, in shape, without calling a group.
   This changes nothing that is saved: none of those autograd functions saves a tensor for backward
   (they keep only the group, size and rank), and an all-reduce returns a tensor of its input's size.
 - The meta device (shapes only, no storage): a CogVideoX-5B block at 17,776 tokens traces in tens of
@@ -44,6 +44,7 @@ from models.geometry import PositionCache, latent_shape, token_grid
 from models.registry import family, sequence_tokens
 from parallel.config import ExperimentConfig
 from parallel.build import layer_specs
+from parallel.distributed.topology import ParallelContext
 from parallel.lora import apply_lora
 from parallel.recompute import packed_nbytes, wrap_layer
 
@@ -59,31 +60,6 @@ def storage_key(t: torch.Tensor) -> int:
 
 def storage_bytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
-
-
-class TraceContext:
-    """`ParallelContext` look-alike for building at `tp_size` and running with collectives as identities.
-
-    With sp_size > 1 the model runs one sp rank's part of the sequence (the first) and attention sees
-    the shapes the all-to-alls would give (parallel.distributed.sequence.SequenceAttention without a group).
-    """
-
-    def __init__(self, tp_size: int, sp_size: int = 1):
-        self.built_tp_size, self.sp_size = tp_size, sp_size
-        self.tp_rank, self.tp_group, self.sp_rank, self.sp_group = 0, None, 0, None
-        self._identity = False
-
-    @property
-    def tp_size(self) -> int:
-        return 1 if self._identity else self.built_tp_size
-
-    @contextlib.contextmanager
-    def collectives_as_identity(self) -> Iterator[None]:
-        self._identity = True
-        try:
-            yield
-        finally:
-            self._identity = False
 
 
 def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -219,7 +195,7 @@ class ActivationTracer:
     def _module(self, kind: str, tp: int, sp: int = 1, granularity: Optional[str] = None):
         """The stage module on meta; a block with `granularity` checkpointed as train.recompute would."""
         if (kind, tp, sp, granularity) not in self._modules:
-            ctx = TraceContext(tp, sp)
+            ctx = ParallelContext.single(tp, sp)
             specs = layer_specs(self.cfg, ctx)
             spec = {"embed": specs[0], "block": specs[1], "final": specs[-1]}[kind]
             with torch.device("meta"):
@@ -248,8 +224,8 @@ class ActivationTracer:
 
     def _trace(self, kind: str, tp: int, b: int, sp: int = 1, granularity: Optional[str] = None,
                compression: Optional[str] = None) -> StageTrace:
-        module, ctx = self._module(kind, tp, sp, granularity)
-        with torch.device("meta"), ctx.collectives_as_identity(), fused_attention_on_meta():
+        module, _ = self._module(kind, tp, sp, granularity)
+        with torch.device("meta"), fused_attention_on_meta():
             inputs = self._inputs(kind, tp, b, sp)
             with record_saved() as saved:
                 out = module(inputs)
@@ -292,8 +268,8 @@ class ActivationTracer:
         if key not in self._traces:
             totals = []
             for g in (None, granularity):
-                module, ctx = self._module("block", tp, sp, g)
-                with torch.device("meta"), ctx.collectives_as_identity(), FlopCounterMode(display=False) as count:
+                module, _ = self._module("block", tp, sp, g)
+                with torch.device("meta"), FlopCounterMode(display=False) as count:
                     out = module(self._inputs("block", tp, 1, sp))[0]
                     forward = count.get_total_flops()
                     out.sum().backward()

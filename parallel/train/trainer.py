@@ -81,10 +81,12 @@ class Trainer:
         dataset = build_dataset(cfg)
         val_dataset = build_val_dataset(cfg) if cfg.val.every else None
         self.tag = checkpoint.find_resume(self.ckpt_dir, self.ckpt_layout, model=self.model) if self.resume else None
+        # The plan traces the model on the meta device: no process group needed, so a layout it cannot plan
+        # stops here, before any rank waits on another.
+        self.plan = run_plan(cfg, self.ds, layout, accelerator.total_memory(env.local_rank))
         # a checkpoint wins over model.init_from
         self.ctx, self.engine = start_engine(cfg, self.ds, layout, env, init_from=self.tag is None)
         self.heartbeat = start_heartbeat(cfg, self.ctx, self.ckpt_dir)
-        self.plan = run_plan(cfg, self.ds, layout, accelerator.total_memory(env.local_rank))
         self.start_step = self.engine.load(self.ckpt_dir, self.tag) if self.tag else 0
         self.batches = training_batches(cfg, self.ctx, dataset, self.start_step)
         self.stop = StopSignal(accelerator.device(env.local_rank))

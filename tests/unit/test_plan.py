@@ -254,6 +254,24 @@ def test_plan_opensora_stdit3_tp2_checkpointed(capsys):
     assert stage["lines"]["recompute"] == acts["block_activations"] > 10 * x
 
 
+def test_wan_plans_at_tp2_through_the_users_commands(capsys):
+    """Wan's q/k RMSNorm takes torch's fused kernel at tp 1 and an all-reduced statistic above: the plan must
+    run it at the layout's tp (it ran it at tp 1 on tp 2 shards, and both commands below ended in a shape
+    error). Its tp 2 activations against a real tp 2 run: tests/cli/test_family_matrix.py."""
+    code, out, _ = cli(capsys, "--config", "configs/debug-wan.yaml", "--deepspeed_config", "ds_configs/zero1_bf16.json",
+                       "--set", "parallel.tp_size=2", "--devices", "4", "--device-memory", "80GiB")
+    assert code == 0 and "layout: tp=2 sp=1 pp=1 dp=2" in out and re.search(r"^total +\d", out, re.M)
+    # docs/models.md's 14B search: tp 2 layouts are traced and ranked beside tp 1's.
+    code, out, _ = cli(capsys, "--config", "configs/wan2.1-t2v-14b.yaml", "--deepspeed_config",
+                       "ds_configs/zero1_bf16.json", "--devices", "8", "--device-memory", "80GiB", "--search",
+                       "--format", "json", "--top", "1000")
+    ranked = json.loads(out)["ranked"]
+    assert code == 0 and {c["tp"] for c in ranked} >= {1, 2}
+    tracer = ActivationTracer(load_config("debug-wan"), torch.float32)
+    one, two = tracer.trace("block", 1, B), tracer.trace("block", 2, B)
+    assert two.activations < one.activations and two.input_bytes == one.input_bytes
+
+
 def test_plan_that_does_not_fit_says_by_how_much(capsys, tmp_path):
     ds = json.load(open("ds_configs/zero1_bf16.json"))
     ds.pop("activation_checkpointing")
