@@ -2,7 +2,8 @@
 pair (10.231.0.1, 10.231.0.2; the addresses exist only inside the namespaces), each with its own sshd, sharing the
 file system.
 
-Each node is one process tree: `ip netns exec NS unshare --uts --mount --pid --fork --mount-proc sh -c SETUP`,
+Each node is one process tree: `nsenter --net=/run/netns/NS unshare --uts --mount --pid --fork --mount-proc sh -c
+SETUP`,
 whose PID 1 sets the node's hostname, binds a hosts file over /etc/hosts and a tmpfs over /dev/shm (its mount
 namespace) and execs sshd. Why each piece (DESIGN.md, "Test hosts as network namespaces"):
 - gloo takes a rank's address from its hostname: each node needs its own name resolving to its own address,
@@ -182,8 +183,9 @@ def cluster(d: Path, nodes: int = 2):
         for n in c.nodes:
             setup = (f"hostname {n.name} && mount --bind {hosts} /etc/hosts && mount -t tmpfs -o size=1g tmpfs "
                      f"/dev/shm && exec /usr/sbin/sshd -D -e -f {_sshd_config(d, n)}")
-            proc = subprocess.Popen(["ip", "netns", "exec", n.netns, "unshare", "--uts", "--mount", "--pid", "--fork",
-                                     "--mount-proc", "sh", "-c", setup],
+            # nsenter rather than `ip netns exec`, which remounts /sys and so hides the cgroup mounts slurmd needs
+            proc = subprocess.Popen(["nsenter", f"--net=/run/netns/{n.netns}", "unshare", "--uts", "--mount", "--pid",
+                                     "--fork", "--mount-proc", "sh", "-c", setup],
                                     stdout=open(d / f"{n.name}.log", "w"), stderr=subprocess.STDOUT)
             c.procs.append(proc)
             deadline = time.monotonic() + 30

@@ -1,8 +1,8 @@
 """Launchers across hosts with their own addresses: two network-namespace nodes (tests/cli/netns_cluster.py,
 vdp-node0 = 10.231.0.1, vdp-node1 = 10.231.0.2), 2 ranks each, PP2 x TP2 trained to the per-step losses of
 `deepspeed --num_gpus 4 train.py` on one host (the `reference` fixture), bit for bit. Every launcher starts on
-vdp-node0, as a user starts it on the first node; pdsh, mpirun's orted and torchrun's agents reach vdp-node1
-over the veth link. Skipped with the reason where namespaces cannot be made (not root, no `ip netns`).
+vdp-node0, as a user starts it on the first node; pdsh, mpirun's orted, torchrun's agents and Slurm's slurmd reach
+vdp-node1 over the veth link. And a lost node (tests/cli/test_lost_node.py's scenario) across them. Skipped with the reason where namespaces cannot be made (not root, no `ip netns`).
 """
 import os
 import sys
@@ -12,6 +12,7 @@ import pytest
 from tests.cli import netns_cluster
 from tests.cli.test_launchers import LAYOUT, ROOT, finish, losses, run_env, train_args
 from tests.cli.test_lost_node import lose_node_then_rerun
+from tests.cli.test_slurm import run_sbatch, slurm_cluster
 from tests.dist_utils import free_port
 
 VENV_BIN = os.path.dirname(sys.executable)
@@ -98,3 +99,16 @@ def test_lost_node(hosts, tmp_path):
     log0 = lose_node_then_rerun(tmp_path, lambda node, cmd, log: hosts.run(node, cmd, ROOT, env, log),
                                 master="vdp-node0")
     assert "rank 0: lost rank(s) 2, 3 (host vdp-node1)" in log0
+
+
+def test_slurm_sbatch(reference, hosts, tmp_path):
+    """tests/cli/test_slurm.py's cluster with slurmctld and slurmd on vdp-node0 and a slurmd on vdp-node1 (NodeAddr
+    their own addresses; munged here, its socket on the shared file system): docs/multi-node.md's sbatch
+    script gets MASTER_ADDR = vdp-node0's NodeAddr and trains across both."""
+    addrs = {n.name: n.addr for n in hosts.nodes}
+    wrap = lambda where, cmd: hosts.command(1 if where == "vdp-node1" else 0, cmd, ROOT)
+    with slurm_cluster(tmp_path / "slurm", addrs, ("vdp-node0", "10.231.0.1"), wrap) as env:
+        text, port = run_sbatch(tmp_path, {**node_env(hosts), **env}, wrap)
+    assert f"+ MASTER_ADDR=10.231.0.1 MASTER_PORT={port} srun --kill-on-bad-exit=1 " in text, text[-3000:]
+    assert "nodes vdp-node[0-1], 4 tasks" in text, text[-3000:]
+    assert losses(tmp_path / "run") == reference

@@ -9,8 +9,10 @@ without multiple-slurmd support (two nodes with one NodeHostname are refused), s
 name and NodeHostname, `slurmd -N <name>` tells each daemon which it is, and both have NodeAddr=127.0.0.1
 and their own Port. The node names do not resolve; launch.sh takes MASTER_ADDR from the first node's
 NodeAddr. gVisor-style sandboxes have no cgroups: proctrack/linuxproc and task/none need none.
-Slurm, munge: scripts/system-deps.sh installs them (as root).
+Slurm, munge: scripts/system-deps.sh installs them (as root). `slurm_cluster` and `run_sbatch` also run the
+cluster across two namespace hosts (tests/cli/test_netns_hosts.py::test_slurm_sbatch).
 """
+import contextlib
 import getpass
 import os
 import re
@@ -19,6 +21,7 @@ import subprocess
 import textwrap
 import time
 
+import psutil
 import pytest
 
 from tests.cli.test_launchers import ROOT, kill_marked, losses, run_env
@@ -38,11 +41,11 @@ def sbatch_script() -> str:
     return block.group(1)
 
 
-def slurm_conf(d, ports: dict, user: str) -> str:
-    nodes = "\n".join(f"NodeName={n} NodeHostname={n} NodeAddr=127.0.0.1 Port={ports[n]} CPUs=2" for n in NODES)
+def slurm_conf(d, ports: dict, user: str, addrs: dict, ctld: tuple[str, str]) -> str:
+    nodes = "\n".join(f"NodeName={n} NodeHostname={n} NodeAddr={a} Port={ports[n]} CPUs=2" for n, a in addrs.items())
     return textwrap.dedent(f"""\
         ClusterName=vdp-test
-        SlurmctldHost={os.uname().nodename}(127.0.0.1)
+        SlurmctldHost={ctld[0]}({ctld[1]})
         SlurmctldPort={ports['slurmctld']}
         SlurmUser={user}
         SlurmdUser={user}
@@ -67,21 +70,26 @@ def slurm_conf(d, ports: dict, user: str) -> str:
         SelectType=select/cons_tres
         SelectTypeParameters=CR_CPU
         ReturnToService=2
-        """) + nodes + "\nPartitionName=debug Nodes=" + ",".join(NODES) + " Default=YES MaxTime=INFINITE State=UP\n"
+        """) + nodes + "\nPartitionName=debug Nodes=" + ",".join(addrs) + " Default=YES MaxTime=INFINITE State=UP\n"
 
 
-def job_state(job: str, env: dict, timeout: float) -> dict:
+def local(where: str, cmd: list[str]) -> list[str]:
+    """Where a daemon or client command runs ("ctld" or a node's name): here, for the one-host cluster."""
+    return cmd
+
+
+def job_state(job: str, env: dict, timeout: float, wrap=local) -> dict:
     """JobState and ExitCode of a finished job, polled every 0.5 s (sbatch --wait backs off to 32 s); a job
     still running at the timeout is cancelled."""
     deadline = time.monotonic() + timeout
     while True:
-        p = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True, timeout=30,
-                           check=False)
+        p = subprocess.run(wrap("ctld", ["scontrol", "show", "job", "-o", job]), env=env, capture_output=True,
+                           text=True, timeout=30, check=False)
         fields = dict(f.split("=", 1) for f in p.stdout.split() if "=" in f)
         if fields.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
             return {k: fields[k] for k in ("JobState", "ExitCode")}
         if time.monotonic() > deadline:
-            subprocess.run(["scancel", job], env=env, timeout=30, check=False)
+            subprocess.run(wrap("ctld", ["scancel", job]), env=env, timeout=30, check=False)
             return {"JobState": f"still {fields.get('JobState')} after {timeout} s", "ExitCode": "-"}
         time.sleep(0.5)
 
@@ -89,25 +97,33 @@ def job_state(job: str, env: dict, timeout: float) -> dict:
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     """A running two-node cluster; yields the environment (SLURM_CONF) its client commands need."""
+    with slurm_cluster(tmp_path_factory.mktemp("slurm"), {n: "127.0.0.1" for n in NODES},
+                       (os.uname().nodename, "127.0.0.1")) as env:
+        yield env
+
+
+@contextlib.contextmanager
+def slurm_cluster(d, addrs: dict, ctld: tuple[str, str], wrap=local):
+    """munged here; slurmctld and a slurmd per node (`addrs`: name -> NodeAddr) where `wrap` runs them."""
     missing = [c for c in DAEMONS if not shutil.which(c, path=os.environ["PATH"] + ":/usr/sbin")]
     if missing:
         pytest.fail(f"no Slurm here ({', '.join(missing)} missing): run scripts/system-deps.sh as root "
                     "(apt-get install slurm-wlm munge)")
     tic = time.monotonic()
-    d = tmp_path_factory.mktemp("slurm")
+    d.mkdir(parents=True, exist_ok=True)
     for sub in ("state", "spool"):
         (d / sub).mkdir()
     (d / "plugstack.conf").write_text("")
     (d / "munge.key").write_bytes(os.urandom(1024))
     (d / "munge.key").chmod(0o600)
-    ports = {name: free_port() for name in ("slurmctld", *NODES)}
-    (d / "slurm.conf").write_text(slurm_conf(d, ports, getpass.getuser()))
+    ports = {name: free_port() for name in ("slurmctld", *addrs)}
+    (d / "slurm.conf").write_text(slurm_conf(d, ports, getpass.getuser(), addrs, ctld))
     env = run_env(SLURM_CONF=str(d / "slurm.conf"))
     sbin = lambda name: shutil.which(name, path="/usr/sbin:" + os.environ["PATH"])
     commands = {"munged": [sbin("munged"), "-F", "-f", f"--key-file={d}/munge.key", f"--socket={d}/munge.socket",
                            f"--pid-file={d}/munged.pid", f"--log-file={d}/munged.log", f"--seed-file={d}/munged.seed"],
-                "slurmctld": [sbin("slurmctld"), "-D", "-f", str(d / "slurm.conf")],
-                **{n: [sbin("slurmd"), "-D", "-N", n, "-f", str(d / "slurm.conf")] for n in NODES}}
+                "slurmctld": wrap("ctld", [sbin("slurmctld"), "-D", "-f", str(d / "slurm.conf")]),
+                **{n: wrap(n, [sbin("slurmd"), "-D", "-N", n, "-f", str(d / "slurm.conf")]) for n in addrs}}
     daemons = {}
     try:
         for name, cmd in commands.items():
@@ -118,9 +134,9 @@ def slurm(tmp_path_factory):
                     assert daemons[name].poll() is None and time.monotonic() - tic < 30, (d / "munged.out").read_text()
                     time.sleep(0.05)
         while True:       # both nodes registered and idle
-            p = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=env, capture_output=True, text=True,
-                               timeout=30, check=False)
-            if sorted(p.stdout.split()) == sorted([*NODES, "idle", "idle"]):
+            p = subprocess.run(wrap("ctld", ["sinfo", "-h", "-N", "-o", "%N %t"]), env=env, capture_output=True,
+                               text=True, timeout=30, check=False)
+            if sorted(p.stdout.split()) == sorted([*addrs, *["idle"] * len(addrs)]):
                 break
             dead = [n for n, proc in daemons.items() if proc.poll() is not None]
             assert not dead and time.monotonic() - tic < 30, \
@@ -130,7 +146,10 @@ def slurm(tmp_path_factory):
         print(f"\nslurm cluster up in {time.monotonic() - tic:.1f} s", flush=True)
         yield env
     finally:
-        for proc in reversed(daemons.values()):
+        for proc in reversed(daemons.values()):     # the daemon, also where a wrapper (nsenter) started it
+            for child in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else ():
+                with contextlib.suppress(psutil.Error):
+                    child.terminate()
             proc.terminate()
         for proc in daemons.values():
             try:
@@ -140,27 +159,33 @@ def slurm(tmp_path_factory):
                 proc.wait()
 
 
-def test_sbatch_two_nodes_equals_direct_deepspeed(reference, slurm, tmp_path):
-    """docs/multi-node.md's sbatch script: 2 nodes x 2 tasks, PP2 x TP2, the direct run's losses bit for bit."""
+def run_sbatch(tmp_path, env: dict, wrap=local) -> tuple[str, int]:
+    """docs/multi-node.md's sbatch script for 3 steps into tmp_path/run, submitted where `wrap` says; asserts
+    that the job completed and returns its log and master port."""
     out, port = tmp_path / "run", free_port()
     script = tmp_path / "train.sbatch"
     script.write_text(sbatch_script())
     log = tmp_path / "job.log"
     tic = time.monotonic()
-    submit = subprocess.run(["sbatch", "--parsable", f"--chdir={ROOT}", f"--output={log}", str(script),
-                             "--set", "train.max_steps=3", "--set", f"train.output_dir={out}"],
-                            env={**slurm, "MASTER_PORT": str(port)}, capture_output=True, text=True, timeout=60,
+    submit = subprocess.run(wrap("ctld", ["sbatch", "--parsable", f"--chdir={ROOT}", f"--output={log}", str(script),
+                                          "--set", "train.max_steps=3", "--set", f"train.output_dir={out}"]),
+                            env={**env, "MASTER_PORT": str(port)}, capture_output=True, text=True, timeout=60,
                             check=False)
     assert submit.returncode == 0, submit.stderr
     job = submit.stdout.strip().split(";")[0]
     try:
-        state = job_state(job, slurm, timeout=180)
+        state = job_state(job, env, timeout=180, wrap=wrap)
     finally:
         kill_marked(str(out))
     text = log.read_text() if log.exists() else ""
     assert state == {"JobState": "COMPLETED", "ExitCode": "0:0"}, f"{state}\n{text[-4000:]}"
     print(f"sbatch job: {time.monotonic() - tic:.1f} s", flush=True)
+    return text, port
+
+
+def test_sbatch_two_nodes_equals_direct_deepspeed(reference, slurm, tmp_path):
+    """docs/multi-node.md's sbatch script: 2 nodes x 2 tasks, PP2 x TP2, the direct run's losses bit for bit."""
+    text, port = run_sbatch(tmp_path, slurm)
     assert f"+ MASTER_ADDR=127.0.0.1 MASTER_PORT={port} srun --kill-on-bad-exit=1 " in text, text[-3000:]
     assert "nodes vdp-n[0-1], 4 tasks" in text, text[-3000:]
-    assert losses(out) == reference
-
+    assert losses(tmp_path / "run") == reference
