@@ -11,7 +11,6 @@ dataset's unconditional text embedding (T5 of the empty prompt) when rand(seed, 
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
