@@ -41,7 +41,8 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
     from parallel.weights.gather import full_state
     from parallel.train.run import checkpoint_layout, start_engine
 
-    tag = tag or checkpoint.find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout))
+    tag = tag or checkpoint.find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout),
+                                        model=checkpoint.model_signature(cfg.model))
     if tag is None:
         raise FileNotFoundError(f"no complete checkpoint in {cfg.ckpt_dir} (ckpt.dir)")
     ctx, trainer = start_engine(cfg, ds, layout, env, init_from=False)
