@@ -41,7 +41,8 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
     from parallel.weights.gather import full_state
     from parallel.train.run import checkpoint_layout, start_engine
 
-    tag = tag or checkpoint.find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout))
+    tag = tag or checkpoint.find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout),
+                                        model=checkpoint.model_signature(cfg.model))
     if tag is None:       # before any process group: the refusal is all the command prints
         raise ConfigError(f"no complete checkpoint in {cfg.ckpt_dir} (ckpt.dir, default <train.output_dir>/"
                           f"checkpoints): export reads what train.py wrote with the same --config, --deepspeed_config "

@@ -214,10 +214,10 @@ def _check_weights(args, cfg, layout, ds: dict) -> list[str]:
     if cfg.model.init_from:
         return ["--ema reads a checkpoint's EMA; model.init_from is set (released weights have none): "
                 "--set model.init_from=null to sample the newest checkpoint"] if args.ema else []
-    from parallel.train.checkpoint import find_resume
+    from parallel.train.checkpoint import find_resume, model_signature
     from parallel.train.run import checkpoint_layout
     try:
-        tag = find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout))
+        tag = find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout), model=model_signature(cfg.model))
     except ValueError as e:
         return [str(e)]
     if tag is None:

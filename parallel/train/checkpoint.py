@@ -209,9 +209,11 @@ def _model_problem(folder: Path, model: Optional[dict]) -> Optional[str]:
     return "; ".join(differ) or None
 
 
-def _unusable(directory: Path, tags: list[str], what: str, fix: str) -> ValueError:
-    """A refusal of a ckpt.dir whose checkpoints this run cannot continue: starting from step 0 instead would
-    overwrite them with its first saves."""
+def _unusable(directory: Path, tags: list[str], what: str, fix: str, training: bool) -> ValueError:
+    """A refusal of a ckpt.dir whose checkpoints this run cannot continue. A training run that started from
+    step 0 instead would overwrite them with its first saves; the ways on say so."""
+    if not training:        # export, sampling: nothing is written over
+        return ValueError(f"{directory} (ckpt.dir) has no usable checkpoint: {what}. {fix}")
     return ValueError(f"{directory} (ckpt.dir) has no checkpoint this run can continue: {what}. Starting from step 0 "
                       f"would overwrite {'it' if len(tags) == 1 else 'them'}, so nothing was started. {fix}, or set "
                       f"a fresh ckpt.dir (--set ckpt.dir=<empty folder>) to train from step 0 beside it, or move "
@@ -227,7 +229,7 @@ def find_resume(directory: Path, layout: dict, quiet: bool = False, model: Optio
     When every complete checkpoint is damaged, or (with `model`, model_signature's) the newest undamaged one
     was written for another model, it is refused (ValueError) rather than trained over from step 0.
     quiet: no damage report (parallel/check.py looks before train.py's run, which reports it)."""
-    directory = Path(directory)
+    directory, training = Path(directory), "global_batch" in layout
     damaged = []
     for step in reversed(complete_steps(directory)):
         tag = f"step{step}"
@@ -240,12 +242,12 @@ def find_resume(directory: Path, layout: dict, quiet: bool = False, model: Optio
     else:
         if damaged:
             raise _unusable(directory, [f"step{s}" for s in reversed(complete_steps(directory))], "; ".join(damaged),
-                            "Put the files back whole (a copy cut short: copy it again)")
+                            "Put the files back whole (a copy cut short: copy it again)", training)
         return None
     other = _model_problem(directory / tag, model)
     if other:
         raise _unusable(directory, [tag], f"{directory}/{tag} was written for another model ({other})",
-                        "Set those keys back to resume it")
+                        f"Set those keys back to {'resume' if training else 'read'} it", training)
     saved = saved_layout(directory / tag)
     if not same_layout(saved, layout) and not (directory / tag / "layout_free" / "state.json").is_file():
         raise ValueError(

@@ -70,7 +70,7 @@ class Trainer:
         self.cfg, self.ds, self.layout, self.env, self.resume = cfg, ds, layout, env, resume
         self.ckpt_dir = Path(cfg.ckpt_dir)
         self.ckpt_layout = {**checkpoint_layout(layout), "global_batch": layout.global_batch}  # a resume keeps it
-        self.model = checkpoint.model_signature(cfg.model)      # recorded in each checkpoint, checked on resume
+        self.model_keys = checkpoint.model_signature(cfg.model)    # recorded in each checkpoint, checked on resume
         self.out_dir = Path(cfg.train.output_dir)
         self.metrics = self.heartbeat = None
         self.losses: list[float] = []
@@ -80,7 +80,8 @@ class Trainer:
         cfg, layout, env = self.cfg, self.layout, self.env
         dataset = build_dataset(cfg)
         val_dataset = build_val_dataset(cfg) if cfg.val.every else None
-        self.tag = checkpoint.find_resume(self.ckpt_dir, self.ckpt_layout, model=self.model) if self.resume else None
+        self.tag = checkpoint.find_resume(self.ckpt_dir, self.ckpt_layout, model=self.model_keys) \
+            if self.resume else None
         # The plan traces the model on the meta device: no process group needed, so a layout it cannot plan
         # stops here, before any rank waits on another.
         self.plan = run_plan(cfg, self.ds, layout, accelerator.total_memory(env.local_rank))
@@ -178,7 +179,7 @@ class Trainer:
     def save(self, done: int) -> bool:
         """Checkpoint step `done`; False (on every rank, the reason printed once) when it could not be written."""
         try:
-            checkpoint.save(self.engine, self.ckpt_dir, done, self.cfg.ckpt.keep, self.ckpt_layout, self.model)
+            checkpoint.save(self.engine, self.ckpt_dir, done, self.cfg.ckpt.keep, self.ckpt_layout, self.model_keys)
         except checkpoint.CheckpointError as e:      # raised on every rank: all stop
             if self.is_logger:
                 tqdm.write(str(e), file=sys.stderr)      # on a line of its own, under the bar

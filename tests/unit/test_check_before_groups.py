@@ -72,5 +72,22 @@ def test_an_unreadable_marker_is_damage_and_an_only_damaged_checkpoint_is_refuse
     (tmp_path / "step3" / checkpoint.MARKER).write_text('{"step": 3, "layo')       # a copy cut short
     cfg, _, layout = load_and_check("debug", [f"ckpt.dir={tmp_path}"], "ds_configs/zero0_fp32.json", 1)
     with pytest.raises(ConfigError, match=rf"{tmp_path} \(ckpt.dir\) has no checkpoint this run can continue: "
-                                          rf"{tmp_path}/step3 is damaged \(complete.json cannot be read \(JSONDecodeError"):
+                                          rf"{tmp_path}/step3 is damaged \(complete.json cannot be read "
+                                          r"\(JSONDecodeError"):
         check_resume(cfg, layout)
+
+
+def test_export_and_sampling_are_told_the_model_differs_without_trainings_ways_on(tmp_path):
+    """find_resume without a global batch (parallel.export, parallel.sample): the same finding, read-only advice."""
+    cfg, _, layout = load_and_check("debug", [], "ds_configs/zero0_fp32.json", 1)
+    saved = {**layout.as_dict(), "zero_stage": 0}
+    marked(tmp_path, 3, saved)
+    marker = json.loads((tmp_path / "step3" / checkpoint.MARKER).read_text())
+    marker["model"] = {**checkpoint.model_signature(cfg.model), "num_layers": 2}
+    (tmp_path / "step3" / checkpoint.MARKER).write_text(json.dumps(marker))
+    with pytest.raises(ValueError) as e:
+        checkpoint.find_resume(tmp_path, saved, model=checkpoint.model_signature(cfg.model))
+    assert str(e.value) == (f"{tmp_path} (ckpt.dir) has no usable checkpoint: {tmp_path}/step3 was written for "
+                            f"another model (model.num_layers=2 there, 4 here). Set those keys back to read it")
+    assert checkpoint.find_resume(tmp_path, saved, model={**checkpoint.model_signature(cfg.model), "num_layers": 2}) \
+        == "step3"                                              # the advice: num_layers 2 reads it
