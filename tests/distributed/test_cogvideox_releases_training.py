@@ -25,7 +25,8 @@ def _merged(results, name):
     for r in results:
         state.update(r[name]["state"])
     return {"losses": results[0][name]["losses"], "all_losses": [r[name]["losses"] for r in results],
-            "state": state, "replica_mismatches": sorted({n for r in results for n in r[name]["replica_mismatches"]})}
+            "state": state, "slack": results[0][name]["slack"],
+            "replica_mismatches": sorted({n for r in results for n in r[name]["replica_mismatches"]})}
 
 
 def test_15_and_i2v_train_at_tp2_pp2_like_one_process():

@@ -1,12 +1,14 @@
 """Every (tp, pp, dp) layout and ZeRO stage trains the `debug` DiT exactly like one process (fp32).
 
 Three optimizer steps at a global batch of 4: per-step losses on every rank and the final weights,
-gathered to full tensors under canonical names, must equal the one-process run within fp32 tolerances.
+gathered to full tensors under canonical names, must equal the one-process run: the losses within fp32
+tolerance, the weights within fp32 tolerance plus the bound on what Adam makes of the gradients' round-off
+(tests/adam_bound.py; it matters only where a gradient cancels to near zero).
 """
 import pytest
 import torch
 
-from tests.train_utils import assert_matches, fp32_config, train
+from tests.train_utils import assert_matches, assert_weights_match, fp32_config, train
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +37,7 @@ def test_activation_checkpointing_changes_nothing(reference):
     off = train(1, 1, 1, fp32_config(checkpointing=False))
     assert off["losses"][0] == reference["losses"][0]
     torch.testing.assert_close(torch.tensor(off["losses"]), torch.tensor(reference["losses"]))
-    for name, value in reference["state"].items():
-        torch.testing.assert_close(off["state"][name], value, msg=lambda m: f"{name}: {m}")
+    assert_weights_match(off["state"], reference)
 
 
 def stdit_fp32_config(stage: int = 0) -> dict:
