@@ -6,24 +6,28 @@ touching this file. How each command runs, in short (the rules in full: tests/cl
   - everything else in a copy of the repository whose released presets are tiny (sizes overridden, same keys;
     tests/cli/doc_sandbox.py), beside tiny random folders of the released layout (`CogVideoX-5b/`,
     `Wan2.1-T2V-14B-Diffusers/`, `clips/`), one sandbox for all, the documents in order (README first);
-  - one substitution: `--num_gpus N` / `--nproc_per_node N` above 4 become 4;
+  - two substitutions: `--num_gpus N` / `--nproc_per_node N` above 4 become 4; launchers get a free port;
   - doc_blocks.NOT_HERE lists what cannot run on this machine, each with the test that covers it.
 Quoted output (`# ...` lines after a command, untagged ``` blocks after or beginning with `$ command`) must be in
 what the command prints; FIGURES ties each figure quoted in prose to the command that prints it. Timings are
 never asserted: the docs state them as measured, with a date.
+
+Slow (every launch of the docs, the planner's searches): marked `docs`, a second tier that scripts/test.sh and
+.ci/run still run; `-m "not docs"` leaves it out. The Wan 14B `--search` figures fail until the planner's tp 2
+trace of Wan's q/k norm is fixed (RuntimeError in models/wan/model.py rms_norm: weight [2560] vs [5120]).
 """
 from __future__ import annotations
 
 import os
 import re
 import subprocess
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
 
 from tests.cli import doc_blocks
 from tests.cli.doc_blocks import DOCS, ROOT, blocks, matches, output_blocks, rule, substitute
+from tests.dist_utils import free_port
 
 # The programs a documented command may start with; another one fails test_every_command_has_a_rule.
 PROGRAMS = re.compile(r"^(python -m (parallel\.\w+|bench|models)|deepspeed|torchrun|cp|bash scripts/\w+\.sh|"
@@ -38,10 +42,17 @@ def _run(command: str, prefix: list[str], cwd: Path) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
-@lru_cache(maxsize=None)
+_AS_WRITTEN: dict[str, tuple[int, str]] = {}
+
+
 def as_written(command: str, prefix: tuple[str, ...] = ()) -> tuple[int, str]:
-    """A planner command from the repository root, exactly as written (cached: several figures read one)."""
-    return _run(command, list(prefix), ROOT)
+    """A planner command from the repository root, exactly as written; one run for the same words (several
+    documents and figures quote one search)."""
+    key = " ".join([*prefix, command]).split()
+    key = " ".join(key)
+    if key not in _AS_WRITTEN:
+        _AS_WRITTEN[key] = _run(command, list(prefix), ROOT)
+    return _AS_WRITTEN[key]
 
 
 @pytest.fixture(scope="session")
@@ -71,7 +82,7 @@ def run_doc(doc: str, base: Path) -> dict[int, tuple[str, int, str]]:
             elif how == "as written":
                 results[command.line] = (how, *as_written(command.text, tuple(command.prefix)))
             else:
-                results[command.line] = (how, *_run(substitute(command.text), command.prefix, base))
+                results[command.line] = (how, *_run(substitute(command.text, free_port()), command.prefix, base))
     _DOC_RUNS[doc] = results
     return results
 
@@ -91,6 +102,7 @@ def expected_failure(quoted: list[str]) -> bool:
     return bool(quoted) and re.match(r"\d+ problems? in ", quoted[0]) is not None
 
 
+@pytest.mark.docs
 @pytest.mark.parametrize("doc", [d for d in DOCS if any(rule(c, b)[0] != "not here"
                                                         for b in blocks(d) for c in b.commands)])
 def test_doc_commands_run_and_print_what_they_quote(doc, sandbox_base, tmp_path_factory):
@@ -200,6 +212,7 @@ OUTPUT_OF = {("docs/planner.md", 47): "docs/planner.md:15", ("docs/planner.md", 
              ("docs/sequence-parallel.md", 69): "docs/sequence-parallel.md:65"}
 
 
+@pytest.mark.docs
 @pytest.mark.parametrize("doc, pattern, source, extract", FIGURES,
                          ids=[f"{d}:{i}" for i, (d, *_) in enumerate(FIGURES)])
 def test_quoted_figures_are_what_the_commands_print(doc, pattern, source, extract, sandbox_base_lazy,
@@ -210,6 +223,7 @@ def test_quoted_figures_are_what_the_commands_print(doc, pattern, source, extrac
         f"{doc} quotes {quoted.group(1)!r}; {source} prints {extract(output_of(source, sandbox_base_lazy, tmp_path_factory))!r}"
 
 
+@pytest.mark.docs
 @pytest.mark.parametrize("doc, line, lines", [(d, n, ls) for d in DOCS for n, ls in output_blocks(d)],
                          ids=[f"{d}:{n}" for d in DOCS for n, _ in output_blocks(d)])
 def test_output_blocks_are_what_the_commands_print(doc, line, lines, sandbox_base_lazy, tmp_path_factory):
