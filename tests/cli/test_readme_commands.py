@@ -146,8 +146,12 @@ def output_of(source: str, base, tmp_path_factory) -> str:
     return output
 
 
-def total(output: str) -> str:
-    return re.search(r"^total\s+([\d.]+)$", output, re.M).group(1)
+def value(name: str):
+    """A line of the plan's table: `activations   15.30`."""
+    return lambda output: re.search(rf"^{re.escape(name)}\s+([\d.]+)$", output, re.M).group(1)
+
+
+total = value("total")
 
 
 ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d)\s+\S+\s+\d+\s+([\d.]+)\s", re.M)
@@ -178,6 +182,8 @@ PLAN = "python -m parallel.plan --config configs/{} --deepspeed_config ds_config
 WAN_16 = PLAN.format("wan2.1-t2v-14b.yaml", 16)
 SEARCH = {name: PLAN.format(f"{name}.yaml", 8) for name in
           ("cogvideox-2b", "cogvideox-5b-i2v", "cogvideox1.5-5b", "cogvideox1.5-5b-i2v")}
+LONG_SP1 = "python -m parallel.plan --config configs/cogvideox-5b-long.yaml --deepspeed_config " \
+           "ds_configs/zero2_bf16_long.json --devices 8 --device-memory 80GiB --set parallel.sp_size=1"
 PRESETS = re.findall(r"^\| `([\w.-]+)` \| \w+ \| [\d,]+ \|", (ROOT / "README.md").read_text(), re.M)
 
 # (doc, a regex on the doc with one group: the figure, the command that prints it, what to read from its output)
@@ -203,6 +209,11 @@ FIGURES = [
      row(1, 8, 1, 1, 2, 0, first=True)),
     ("README.md", r"1.5-5B and 1.5-5B-I2V sp 8 ZeRO-2 \((\d+) GiB\)", SEARCH["cogvideox1.5-5b-i2v"],
      row(1, 8, 1, 1, 2, 0, first=True)),
+    ("docs/sequence-parallel.md", r"at tp 2 and sp 1 needs ([\d.]+) GiB", LONG_SP1, total),
+    ("docs/sequence-parallel.md", r"at tp 2 and sp 1 needs [\d.]+ GiB \(activations ([\d.]+)", LONG_SP1,
+     value("activations")),
+    ("docs/sequence-parallel.md", r"at tp 2 and sp 1 needs .*?, recompute ([\d.]+)\)", LONG_SP1,
+     value("recompute (1 segment)")),
     *[("README.md", rf"^\| `{re.escape(name)}` \| \w+ \| ([\d,]+) \|", f"python -m models --config configs/{name}.yaml",
        parameters) for name in PRESETS],
 ]
