@@ -27,6 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=1, help="samples in the random batch")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random batch")
     ap.add_argument("--tolerance", type=float, default=1e-4, help="largest relative difference that passes")
+    # `deepspeed --module parallel.verify` passes it to every rank (docs/released-weights.md's command)
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 

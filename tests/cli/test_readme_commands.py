@@ -6,7 +6,8 @@ touching this file. How each command runs, in short (the rules in full: tests/cl
   - everything else in a copy of the repository whose released presets are tiny (sizes overridden, same keys;
     tests/cli/doc_sandbox.py), beside tiny random folders of the released layout (`CogVideoX-5b/`,
     `Wan2.1-T2V-14B-Diffusers/`, `clips/`), one sandbox for all, the documents in order (README first);
-  - two substitutions: `--num_gpus N` / `--nproc_per_node N` above 4 become 4; launchers get a free port;
+  - substitutions: `--num_gpus N` / `--nproc_per_node N` above 4 become 4; `--buckets` in pixels become the
+    tiny preset's (`--buckets preset`); launchers get a free port;
   - doc_blocks.NOT_HERE lists what cannot run on this machine, each with the test that covers it.
 Quoted output (`# ...` lines after a command, untagged ``` blocks after or beginning with `$ command`) must be in
 what the command prints; FIGURES ties each figure quoted in prose to the command that prints it. Timings are
