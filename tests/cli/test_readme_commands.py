@@ -125,17 +125,18 @@ def test_doc_commands_run_and_print_what_they_quote(doc, sandbox_base, tmp_path_
 # --- figures quoted in prose and output blocks: each from the command that prints it -------------------------
 
 def command_at(source: str) -> tuple[doc_blocks.Block, doc_blocks.Command]:
-    doc, line = source.rsplit(":", 1)
+    """`doc|words`: the first command of doc that contains the words (line numbers drift as docs are edited)."""
+    doc, needle = source.split("|", 1)
     for block in blocks(doc):
         for command in block.commands:
-            if command.line == int(line):
+            if needle in command.text:
                 return block, command
-    raise AssertionError(f"{source}: no command starts on that line any more; point FIGURES at its new line")
+    raise AssertionError(f"{doc}: no command contains {needle!r} any more; update FIGURES / OUTPUT_OF")
 
 
 def output_of(source: str, base, tmp_path_factory) -> str:
-    """The output of a documented command (`doc:line`) or of a command given in full (run as written)."""
-    if not re.match(r"^[\w./-]+\.md:\d+$", source):
+    """The output of a documented command (`doc|words`) or of a command given in full (run as written)."""
+    if not re.match(r"^[\w./-]+\.md\|", source):
         code, output = as_written(source)
     else:
         block, command = command_at(source)
@@ -189,20 +190,20 @@ PRESETS = re.findall(r"^\| `([\w.-]+)` \| \w+ \| [\d,]+ \|", (ROOT / "README.md"
 
 # (doc, a regex on the doc with one group: the figure, the command that prints it, what to read from its output)
 FIGURES = [
-    ("README.md", r"`(loss: mean of the first 10 steps [^`]*)`", "README.md:12", loss_line),
-    ("docs/training.md", r"`(loss: mean of the first 10 steps [^`]*)`", "README.md:12", loss_line),
-    ("README.md", r"([\d.]+) GiB a rank with rank-64 adapters", "README.md:106", total),
-    ("README.md", r"([\d.]+) GiB for full fine-tuning", "docs/planner.md:15", total),
-    ("docs/lora.md", r"([\d.]+) GiB per rank at rank 64", "docs/lora.md:11", total),
-    ("docs/lora.md", r"at rank 64, ([\d.]+) GiB\s+for full", "docs/planner.md:15", total),
-    ("README.md", r"preset's sp 2 x dp 4, ZeRO-3 \(([\d.]+) GiB a rank\)", "README.md:125", row(1, 2, 1, 4, 3)),
-    ("docs/models.md", r"first on 8 x 80 GB \(([\d.]+) GiB per rank", "README.md:125", row(1, 2, 1, 4, 3, first=True)),
+    ("README.md", r"`(loss: mean of the first 10 steps [^`]*)`", "README.md|scripts/demo.sh", loss_line),
+    ("docs/training.md", r"`(loss: mean of the first 10 steps [^`]*)`", "README.md|scripts/demo.sh", loss_line),
+    ("README.md", r"([\d.]+) GiB a rank with rank-64 adapters", "README.md|parallel.plan $L", total),
+    ("README.md", r"([\d.]+) GiB for full fine-tuning", "docs/planner.md|--device a100-80gb --set parallel.tp_size=2", total),
+    ("docs/lora.md", r"([\d.]+) GiB per rank at rank 64", "docs/lora.md|parallel.plan", total),
+    ("docs/lora.md", r"at rank 64, ([\d.]+) GiB\s+for full", "docs/planner.md|--device a100-80gb --set parallel.tp_size=2", total),
+    ("README.md", r"preset's sp 2 x dp 4, ZeRO-3 \(([\d.]+) GiB a rank\)", "README.md|parallel.plan $W", row(1, 2, 1, 4, 3)),
+    ("docs/models.md", r"first on 8 x 80 GB \(([\d.]+) GiB per rank", "README.md|parallel.plan $W", row(1, 2, 1, 4, 3, first=True)),
     ("README.md", r"tp 2 x dp 8, ZeRO-3 \(([\d.]+) GiB\)", WAN_16, row(2, 1, 1, 8, 3)),
     ("docs/models.md", r"tp 2 x dp 8, ZeRO-3 \(([\d.]+) GiB\)", WAN_16, row(2, 1, 1, 8, 3)),
     ("README.md", r"tp 2 x sp 2 x dp 4, ZeRO-2 \(([\d.]+) GiB\)", WAN_16, row(2, 2, 1, 4, 2)),
     ("docs/models.md", r"tp 2 x sp 2 x dp 4, ZeRO-2 \(([\d.]+) GiB\)", WAN_16, row(2, 2, 1, 4, 2)),
     ("README.md", r"2B dp 8 ZeRO-1 \((\d+) GiB\)", SEARCH["cogvideox-2b"], row(1, 1, 1, 8, 1, 0, first=True)),
-    ("README.md", r"5B and 5B-I2V\s+tp 2 x sp 2 x dp 2 ZeRO-2 \((\d+) GiB\)", "README.md:52",
+    ("README.md", r"5B and 5B-I2V\s+tp 2 x sp 2 x dp 2 ZeRO-2 \((\d+) GiB\)", "README.md|--search",
      row(2, 2, 1, 2, 2, 0, first=True)),
     ("README.md", r"5B and 5B-I2V\s+tp 2 x sp 2 x dp 2 ZeRO-2 \((\d+) GiB\)", SEARCH["cogvideox-5b-i2v"],
      row(2, 2, 1, 2, 2, 0, first=True)),
@@ -220,8 +221,8 @@ FIGURES = [
 ]
 
 # Untagged ``` blocks: a command's output. Those that do not begin with `$ command` name their command here.
-OUTPUT_OF = {("docs/planner.md", 47): "docs/planner.md:15", ("docs/planner.md", 88): "docs/planner.md:19",
-             ("docs/sequence-parallel.md", 69): "docs/sequence-parallel.md:65"}
+OUTPUT_OF = {("docs/planner.md", 47): "docs/planner.md|--device a100-80gb --set parallel.tp_size=2", ("docs/planner.md", 88): "docs/planner.md|--search",
+             ("docs/sequence-parallel.md", 69): "docs/sequence-parallel.md|parallel.plan"}
 
 
 @pytest.mark.docs
