@@ -12,6 +12,9 @@ tests/cli/          Real commands as subprocesses: train.py, launch.sh and the d
                     (scripts/test.sh installs them).
                         python -m pytest tests/cli             (or: -m cli)
 All of them: python -m pytest (testpaths = ["tests"]), about 16 minutes on 2 cores. One test: add -k.
+A second tier inside cli, marked `docs`: every command of README.md and docs/*.md run as written
+(tests/cli/test_readme_commands.py: about 45 min for the commands and 12 for the figures and searches on a
+busy 2-core machine, measured 2026-11-24). Skip it while iterating: -m "not docs".
 
 A new test goes to the first tier that fits: unit unless it needs ranks (distributed) or a separate process
 (cli). A module whose tests span tiers is split along test functions; the split-off module imports the
@@ -47,6 +50,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 def pytest_configure(config):
     for name, description in TIERS.items():
         config.addinivalue_line("markers", f"{name}: {description}")
+    config.addinivalue_line("markers", "docs: the documentation's commands as written (tests/cli/test_readme_commands.py)")
 
 
 def pytest_collection_modifyitems(config, items):
