@@ -179,13 +179,13 @@ def loss_line(output: str) -> str:
     return re.search(r"(loss: mean of the first \d+ steps .*?\))", output).group(1)
 
 
-PLAN = "python -m parallel.plan --config configs/{} --deepspeed_config ds_configs/zero1_bf16.json --devices {} " \
+PLAN = "python -m parallel.plan --config configs/{} --deepspeed_config ds_configs/zero1_bf16.json --world-size {} " \
        "--device-memory 80GiB --search"
 WAN_16 = PLAN.format("wan2.1-t2v-14b.yaml", 16)
 SEARCH = {name: PLAN.format(f"{name}.yaml", 8) for name in
           ("cogvideox-2b", "cogvideox-5b-i2v", "cogvideox1.5-5b", "cogvideox1.5-5b-i2v")}
 LONG_SP1 = "python -m parallel.plan --config configs/cogvideox-5b-long.yaml --deepspeed_config " \
-           "ds_configs/zero2_bf16_long.json --devices 8 --device-memory 80GiB --set parallel.sp_size=1"
+           "ds_configs/zero2_bf16_long.json --world-size 8 --device-memory 80GiB --set parallel.sp_size=1"
 PRESETS = re.findall(r"^\| `([\w.-]+)` \| \w+ \| [\d,]+ \|", (ROOT / "README.md").read_text(), re.M)
 
 # (doc, a regex on the doc with one group: the figure, the command that prints it, what to read from its output)
