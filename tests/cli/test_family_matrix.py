@@ -14,7 +14,10 @@ tp 2 x pp 2, tp 2 x sp 2 and dp 2 with ZeRO-3 (fp32, global batch 4, 2 steps), e
   prediction equals the toolkit's; `python -m parallel.sample` from it equals the checkpoint's sample),
   else the toolkit's format (STDiT), whose tensors equal the one-process run's export.
 
-Slow (several minutes on 2 cores): marked `slow`, `-m "not slow"` leaves it out; `.ci/run` runs it.
+`parallel.check` and `parallel.plan` run in-process (their main(argv), the argv a user types; they start no
+process group), the rest as subprocesses under the real launcher. Slow (debug-wan alone: 9.3 min wall, 4 CPU-minutes,
+on a 2-core machine shared with other work; the three side by side: 17-18 min): marked `slow`, `-m "not slow"` leaves it
+out; `.ci/run` runs it.
 """
 from __future__ import annotations
 
@@ -166,7 +169,7 @@ def test_family_in_every_layout_through_the_commands(preset, tmp_path):
             # diffusers' model loaded from the export predicts what the toolkit predicts from it ...
             verify = launch(tmp_path, name, ONE, "-m", "parallel.verify", "--config", preset,
                             "--set", f"model.init_from={export}", log_name="verify")
-            assert "max relative difference" in verify
+            assert "max relative difference" in verify      # and exit 0: within --tolerance 1e-4
             # ... and the export holds the checkpoint's weights: sampling from it gives the checkpoint's sample.
             again = [*experiment_args(preset, tmp_path, "from-export", ONE), "--set", f"model.init_from={export}"]
             run_module(tmp_path, "from-export", ONE, "parallel.sample", *again,
