@@ -51,6 +51,8 @@ def pytest_configure(config):
     for name, description in TIERS.items():
         config.addinivalue_line("markers", f"{name}: {description}")
     config.addinivalue_line("markers", "docs: the documentation's commands as written (tests/cli/test_readme_commands.py)")
+    config.addinivalue_line("markers", "slow: minutes of end-to-end commands (tests/cli/test_family_matrix.py); "
+                                       "-m 'not slow' leaves them out, .ci/run runs them")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -337,6 +337,10 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
         saves_side = block.side_saved if rc is None else tuple(a or c for a, c in zip(plain.side_saved, selected.side_saved))
         shared = sum(size for size, in_block, in_final in zip(block.side_bytes, saves_side, final.side_saved)
                      if (n and (k or in_block)) or (last and in_final))
+        # sp: the first block's input x is this rank's view of the embed's whole (padded) sequence
+        # (split_sequence narrows it), so what the first block keeps of x holds that whole storage:
+        # measured at tp 2 x sp 2 (tests/cli/test_family_matrix.py). Unless the checkpoint copies its inputs.
+        own += embed.input_bytes - block.input_bytes if first and n and not copies else 0
         host_acts = 0
         if k:
             segments = math.ceil(n / k)
