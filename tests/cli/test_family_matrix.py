@@ -25,7 +25,6 @@ import contextlib
 import io
 import json
 import os
-import subprocess
 import sys
 
 import pytest
