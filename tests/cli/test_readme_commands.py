@@ -193,19 +193,17 @@ FIGURES = [
     ("README.md", r"`(loss: mean of the first 10 steps [^`]*)`", "README.md|scripts/demo.sh", loss_line),
     ("docs/training.md", r"`(loss: mean of the first 10 steps [^`]*)`", "README.md|scripts/demo.sh", loss_line),
     ("README.md", r"([\d.]+) GiB a rank with rank-64 adapters", "README.md|parallel.plan $L", total),
-    ("README.md", r"([\d.]+) GiB for full fine-tuning", "docs/planner.md|--device a100-80gb --set parallel.tp_size=2", total),
+    ("README.md", r"([\d.]+) GiB for full fine-tuning", "docs/planner.md|--device-profile a100-80gb --set parallel.tp_size=2", total),
     ("docs/lora.md", r"([\d.]+) GiB per rank at rank 64", "docs/lora.md|parallel.plan", total),
-    ("docs/lora.md", r"at rank 64, ([\d.]+) GiB\s+for full", "docs/planner.md|--device a100-80gb --set parallel.tp_size=2", total),
+    ("docs/lora.md", r"at rank 64, ([\d.]+) GiB\s+for full", "docs/planner.md|--device-profile a100-80gb --set parallel.tp_size=2", total),
     ("README.md", r"preset's sp 2 x dp 4, ZeRO-3 \(([\d.]+) GiB a rank\)", "README.md|parallel.plan $W", row(1, 2, 1, 4, 3)),
     ("docs/models.md", r"first on 8 x 80 GB \(([\d.]+) GiB per rank", "README.md|parallel.plan $W", row(1, 2, 1, 4, 3, first=True)),
-    ("README.md", r"tp 2 x dp 8, ZeRO-3 \(([\d.]+) GiB\)", WAN_16, row(2, 1, 1, 8, 3)),
-    ("docs/models.md", r"tp 2 x dp 8, ZeRO-3 \(([\d.]+) GiB\)", WAN_16, row(2, 1, 1, 8, 3)),
     ("README.md", r"tp 2 x sp 2 x dp 4, ZeRO-2 \(([\d.]+) GiB\)", WAN_16, row(2, 2, 1, 4, 2)),
     ("docs/models.md", r"tp 2 x sp 2 x dp 4, ZeRO-2 \(([\d.]+) GiB\)", WAN_16, row(2, 2, 1, 4, 2)),
     ("README.md", r"2B dp 8 ZeRO-1 \((\d+) GiB\)", SEARCH["cogvideox-2b"], row(1, 1, 1, 8, 1, 0, first=True)),
-    ("README.md", r"5B and 5B-I2V\s+tp 2 x sp 2 x dp 2 ZeRO-2 \((\d+) GiB\)", "README.md|--search",
+    ("README.md", r"5B tp 2 x sp 2 x dp 2\s+ZeRO-2 \((\d+) GiB\)", "README.md|--search",
      row(2, 2, 1, 2, 2, 0, first=True)),
-    ("README.md", r"5B and 5B-I2V\s+tp 2 x sp 2 x dp 2 ZeRO-2 \((\d+) GiB\)", SEARCH["cogvideox-5b-i2v"],
+    ("README.md", r"5B-I2V the same \((\d+) GiB\)", SEARCH["cogvideox-5b-i2v"],
      row(2, 2, 1, 2, 2, 0, first=True)),
     ("README.md", r"1.5-5B and 1.5-5B-I2V sp 8 ZeRO-2 \((\d+) GiB\)", SEARCH["cogvideox1.5-5b"],
      row(1, 8, 1, 1, 2, 0, first=True)),
@@ -221,7 +219,7 @@ FIGURES = [
 ]
 
 # Untagged ``` blocks: a command's output. Those that do not begin with `$ command` name their command here.
-OUTPUT_OF = {("docs/planner.md", 47): "docs/planner.md|--device a100-80gb --set parallel.tp_size=2", ("docs/planner.md", 88): "docs/planner.md|--search",
+OUTPUT_OF = {("docs/planner.md", 47): "docs/planner.md|--device-profile a100-80gb --set parallel.tp_size=2", ("docs/planner.md", 88): "docs/planner.md|--search",
              ("docs/sequence-parallel.md", 69): "docs/sequence-parallel.md|parallel.plan"}
 
 
