@@ -1,12 +1,13 @@
 """The model families, by the name `model.family` gives: one line each."""
 from __future__ import annotations
 
-from models import cogvideox, stdit, wan
+from models import cogvideox, hunyuanvideo, stdit, wan
 from models.config import ModelConfig
 from models.spec import FamilySpec
 
 FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
     cogvideox.SPEC,
+    hunyuanvideo.SPEC,
     stdit.SPEC,
     wan.SPEC,
 )}

@@ -1,0 +1,27 @@
+"""HunyuanVideo (13B) text-to-video: dual-stream blocks, then single-stream blocks, over text + video tokens."""
+from __future__ import annotations
+
+import math
+
+from models.hunyuanvideo.blocks import HunyuanBlock
+from models.hunyuanvideo.config import HunyuanVideoConfig
+from models.hunyuanvideo.embed import EmbedStage, FinalStage
+from models.hunyuanvideo.released import DIFFUSERS
+from models.spec import FamilySpec
+
+SPEC = FamilySpec(
+    name="hunyuanvideo",
+    config=HunyuanVideoConfig,
+    embed=EmbedStage,
+    layer=HunyuanBlock,
+    final=FinalStage,
+    text_in_sequence=True,
+    row_parallel_per_layer=2,                # dual: 4 on partial sequences (text, video x attention, FFN); single: 1
+    attentions_per_layer=1,
+    attention_pairs=lambda m, grid: (m.max_text_len + math.prod(grid)) ** 2,
+    describe_layers=lambda m: f"{m.num_dual_layers} dual-stream + {m.num_single_layers} single-stream blocks",
+    recompute_parts={"attention": ("attn.core",), "mlp": ("ffn", "mlp")},
+    released=DIFFUSERS,
+    vae="AutoencoderKLHunyuanVideo",
+    text_encoder="LlamaModel",
+)

@@ -1,0 +1,123 @@
+"""The HunyuanVideo family against diffusers' HunyuanVideoTransformer3DModel, in one process: a tiny random release
+(`released` fixture, written by `save_pretrained` in several shards) loaded into the toolkit predicts what diffusers
+predicts; the preset counts diffusers' parameters; the checker lists tp / sp sizes for 24 heads; wrong configs are
+refused by key. Every (tp, pp) layout, sp, the export and training equivalence:
+tests/distributed/test_hunyuanvideo_layouts.py.
+"""
+import json
+
+import pytest
+import torch
+from diffusers import HunyuanVideoTransformer3DModel
+
+from models.__main__ import summary
+from models.hunyuanvideo.released import DIFFUSERS
+from parallel.build import layer_specs
+from parallel.config import load_config
+from parallel.distributed.pipeline import SequentialDiT
+from parallel.distributed.topology import ParallelContext
+from parallel.weights.diffusers import INDEX_NAME, check_released, load_released
+
+B, FRAMES, HEIGHT, WIDTH = 2, 3, 8, 12            # latents [2, 4, 3, 8, 12] -> 3 x 4 x 6 = 72 video tokens
+LLAMA, POOLED, TEXT = 32, 8, 8
+DIFFUSERS_TINY = dict(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16, num_layers=2,
+                      num_single_layers=2, num_refiner_layers=1, mlp_ratio=2.0, patch_size=2, patch_size_t=1,
+                      text_embed_dim=LLAMA, pooled_projection_dim=POOLED, rope_axes_dim=(4, 6, 6))
+
+
+def overrides(folder) -> list[str]:
+    """debug-hunyuan on a non-square grid (rows and columns rotate by different channels)."""
+    return [f"data.width={WIDTH * 8}", f"model.init_from={folder}"]
+
+
+def released_model() -> HunyuanVideoTransformer3DModel:
+    torch.manual_seed(0)
+    model = HunyuanVideoTransformer3DModel(**DIFFUSERS_TINY).eval()
+    with torch.no_grad():              # every tensor non-trivial: norm weights and gates too
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    """(folder, diffusers model): a sharded save_pretrained folder with its index."""
+    folder = tmp_path_factory.mktemp("hunyuan")
+    model = released_model()
+    model.save_pretrained(folder, max_shard_size="200KB")
+    assert (folder / INDEX_NAME).is_file()
+    return folder, model
+
+
+def inputs():
+    """(latents, timesteps, text rows = [LLaMA state; pooled vector])."""
+    g = torch.Generator().manual_seed(7)
+    llama, pooled = torch.randn(B, TEXT, LLAMA, generator=g), torch.randn(B, 1, POOLED, generator=g)
+    return (torch.randn(B, 4, FRAMES, HEIGHT, WIDTH, generator=g), torch.tensor([3.0, 811.0]),
+            torch.cat([llama, pooled.expand(-1, TEXT, -1)], dim=-1))
+
+
+def diffusers_forward(model, latents, timesteps, text) -> torch.Tensor:
+    with torch.no_grad():
+        return DIFFUSERS.reference_call(model, (latents, timesteps, text), {})
+
+
+def test_forward_equals_diffusers(released):
+    folder, model = released
+    cfg = load_config("debug-hunyuan", overrides(folder))
+    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
+    read = load_released(ours, ParallelContext.single(), cfg.model, folder)
+    assert read == sum(p.numel() for p in model.parameters())
+    with torch.no_grad():
+        out = ours.predict(inputs())
+    torch.testing.assert_close(out, diffusers_forward(model, *inputs()))
+
+
+def test_reference_and_the_verify_command(released, capsys):
+    """The ReleasedFormat's reference (read from the folder) is diffusers' forward; python -m parallel.verify on
+    debug-hunyuan passes on the folder in one process."""
+    from parallel import verify
+    folder, model = released
+    torch.testing.assert_close(DIFFUSERS.reference(str(folder), inputs()), diffusers_forward(model, *inputs()))
+    assert verify.main(["--config", "debug-hunyuan", *(f"--set={o}" for o in overrides(folder))]) == 0
+    assert "equal at --tolerance" in capsys.readouterr().out
+
+
+def test_preset_counts_the_parameters_diffusers_builds():
+    with torch.device("meta"):
+        reference = HunyuanVideoTransformer3DModel()           # diffusers' defaults are the 13B release
+    want = sum(p.numel() for p in reference.parameters())
+    assert f"parameters: {want}" in summary(load_config("hunyuanvideo-t2v")).splitlines()
+
+
+def test_the_checker_lists_tp_and_sp_sizes_for_24_heads():
+    """24 heads: tp and sp 8 divide them, 16 does not (the heads, not the 3072 hidden, decide)."""
+    from parallel.check import check
+    _, problems = check(load_config("hunyuanvideo-t2v", ["parallel.sp_size=1", "parallel.tp_size=16"]), world_size=16)
+    assert problems == ["model.num_heads=24 is not divisible by parallel.tp_size=16; tp sizes that divide every split "
+                        "dimension of this model: 1, 2, 3, 4, 6, 8, 12, 24; set --set parallel.tp_size=12"]
+    _, problems = check(load_config("hunyuanvideo-t2v", ["parallel.sp_size=16"]), world_size=16)
+    assert problems == ["model.num_heads=24 / parallel.tp_size=1 = 24 heads per tp rank is not divisible by "
+                        "parallel.sp_size=16 (attention splits them over sp ranks); sp sizes that work with "
+                        "parallel.tp_size=1: 1, 2, 3, 4, 6, 8, 12, 24; set --set parallel.sp_size=12"]
+    for sizes in (["parallel.sp_size=8"], ["parallel.sp_size=1", "parallel.tp_size=8"]):
+        assert check(load_config("hunyuanvideo-t2v", sizes), world_size=8)[1] == []
+
+
+def test_wrong_config_is_refused_by_key(released, tmp_path):
+    folder, _ = released
+    cfg = load_config("debug-hunyuan", overrides(folder) + ["model.num_dual_layers=1", "model.text_embed_dim=48"])
+    config = folder / "config.json"
+    assert check_released(cfg.model, folder)[:3] == [
+        f"{config}: num_layers 2 != model.num_dual_layers 1; set --set model.num_dual_layers=2 or use the matching "
+        f"preset",
+        f"{config}: num_single_layers 2 != model.num_layers 3; set --set model.num_layers=2 or use the matching preset",
+        f"{config}: text_embed_dim 32 != model.text_embed_dim - model.pooled_projection_dim 40; set --set "
+        f"model.text_embed_dim=40"]
+    i2v = tmp_path / "i2v"
+    i2v.mkdir()
+    (i2v / "config.json").write_text(json.dumps({**json.loads(config.read_text()),
+                                                 "image_condition_type": "token_replace"}))
+    assert check_released(load_config("debug-hunyuan", overrides(i2v)).model, i2v)[0] == (
+        f"{i2v / 'config.json'}: image_condition_type \"token_replace\" is not supported (the toolkit's HunyuanVideo "
+        f"model has null; HunyuanVideo text-to-video (13B) qualifies)")
