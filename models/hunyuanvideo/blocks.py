@@ -69,7 +69,7 @@ class JointAttention(nn.Module):
 
     def __init__(self, cfg: HunyuanVideoConfig, grid, ctx, dual: bool):
         super().__init__()
-        hid, self.head_dim, self.ctx, self.grid, self.n_txt = cfg.hidden_size, cfg.head_dim, ctx, grid, cfg.max_text_len
+        self.head_dim, self.ctx, self.grid, self.n_txt = cfg.head_dim, ctx, grid, cfg.max_text_len
         self.norm_q, self.norm_k = nn.Parameter(torch.ones(self.head_dim)), nn.Parameter(torch.ones(self.head_dim))
         if dual:
             self.norm_added_q = nn.Parameter(torch.ones(self.head_dim))
