@@ -88,9 +88,9 @@ class StepTime:
 
 def count_params(tracer: ActivationTracer) -> tuple[int, int]:
     """(all parameters of one model replica, block parameters) counted on the tp = 1 build."""
-    block = sum(n for n, _ in tracer.trace("block", 1, 1).params)
+    blocks = sum(n for n, _ in tracer.layer_parameters(0, tracer.cfg.model.num_layers, 1)[0])
     ends = sum(n for kind in ("embed", "final") for n, _ in tracer.trace(kind, 1, 1).params)
-    return block * tracer.cfg.model.num_layers + ends, block * tracer.cfg.model.num_layers
+    return blocks + ends, blocks
 
 
 # DeepSpeed 0.19's ZeRO++: weights int8 in groups of under 8,000 elements (CUDAQuantizer.target_group_size, "the

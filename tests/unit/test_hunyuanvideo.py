@@ -88,6 +88,10 @@ def test_preset_counts_the_parameters_diffusers_builds():
         reference = HunyuanVideoTransformer3DModel()           # diffusers' defaults are the 13B release
     want = sum(p.numel() for p in reference.parameters())
     assert f"parameters: {want}" in summary(load_config("hunyuanvideo-t2v")).splitlines()
+    # The planner counts each layer's own parameters (a single-stream block is under half a dual-stream one).
+    from parallel.plan.search import count_params
+    from parallel.plan.trace import ActivationTracer
+    assert count_params(ActivationTracer(load_config("hunyuanvideo-t2v"), torch.bfloat16))[0] == want
 
 
 def test_the_checker_lists_tp_and_sp_sizes_for_24_heads():
