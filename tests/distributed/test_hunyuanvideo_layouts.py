@@ -6,7 +6,7 @@ tp 2) predicts what diffusers predicts (sp 2 splits the 8 text + 72 video tokens
 text, the other none); at tp 2 the gradients of a loss equal diffusers' own (the single block's fused
 [q, k, v, MLP] input and [attention; MLP] output split per part, the replicated q/k RMSNorm weights summed over
 ranks); tp 2 x pp 2 exports a diffusers folder that `from_pretrained` reads back bit for bit; and three training
-steps at tp 2 x pp 2 and at sp 2 x dp 2 equal one process.
+steps at tp 2 x pp 2 and at sp 2 x dp 2 equal one process, and so do three steps of rank-4 adapters at tp 2 x pp 2.
 """
 import json
 from pathlib import Path
@@ -22,6 +22,9 @@ from tests.unit.test_hunyuanvideo import DIFFUSERS, diffusers_forward, inputs, o
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2)]     # (tp, pp, sp); dp fills 4 ranks
 TRAIN_LAYOUTS = [(2, 2, 1, 1), (1, 1, 2, 2)]                                     # (tp, pp, sp, dp)
+# Adapters on the single block's fused input (its q and MLP parts) and its [attention; MLP] output (row-parallel over
+# two input parts), and on the dual block's text output.
+LORA = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[proj_out,to_q,proj_mlp,to_add_out]")
 
 
 def hunyuan_fp32_config() -> dict:
@@ -70,12 +73,14 @@ def _rank(rank, world_size, folder, export_dir):
     ds = hunyuan_fp32_config()
     for tp, pp, sp, dp in TRAIN_LAYOUTS:
         out[("train", tp, pp, sp, dp)] = _train_rank(rank, world_size, tp, pp, dp, ds, 3, (), sp, "debug-hunyuan", 0)
+    out["lora"] = _train_rank(rank, world_size, 2, 2, 1, ds, 3, LORA, 1, "debug-hunyuan", 0)
     return out
 
 
 def test_hunyuanvideo_in_every_layout(released, tmp_path):
     folder, model = released
     reference = train(1, 1, 1, hunyuan_fp32_config(), preset="debug-hunyuan")
+    lora_reference = train(1, 1, 1, hunyuan_fp32_config(), extra=LORA, preset="debug-hunyuan")
     results = run_ranks(_rank, 4, str(folder), str(tmp_path / "export"))
 
     # Prediction: every layout, every rank, equals diffusers.
@@ -117,3 +122,10 @@ def test_hunyuanvideo_in_every_layout(released, tmp_path):
                "state": {k: v for r in rows for k, v in r["state"].items()},
                "replica_mismatches": sorted({n for r in rows for n in r["replica_mismatches"]})}
         assert_matches(run, reference)
+    rows = [r["lora"] for r in results]
+    assert_matches({"losses": rows[0]["losses"], "all_losses": [r["losses"] for r in rows],
+                    "state": {k: v for r in rows for k, v in r["state"].items()},
+                    "replica_mismatches": sorted({n for r in rows for n in r["replica_mismatches"]})}, lora_reference)
+    adapted = [n for n in lora_reference["state"] if n.endswith("lora_B")]
+    assert "blocks.3.proj_out.lora_B" in adapted and "blocks.0.to_add_out.lora_B" in adapted
+    assert lora_reference["state"]["blocks.3.proj_out.lora_B"].abs().sum() > 0       # the adapters trained
