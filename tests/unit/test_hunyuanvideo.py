@@ -125,3 +125,27 @@ def test_wrong_config_is_refused_by_key(released, tmp_path):
     assert check_released(load_config("debug-hunyuan", overrides(i2v)).model, i2v)[0] == (
         f"{i2v / 'config.json'}: image_condition_type \"token_replace\" is not supported (the toolkit's HunyuanVideo "
         f"model has null; HunyuanVideo text-to-video (13B) qualifies)")
+
+
+@pytest.mark.parametrize("granularity", ["attention", "mlp", "block"])
+def test_recompute_gives_the_same_gradients(granularity):
+    """train.recompute's parts (attn.core; the dual block's FFNs and the single block's MLP activation; the whole
+    block) exist in both kinds of block and change no number."""
+    from parallel.build import build_model
+    from parallel.distributed.seed import seed_all
+
+    grads = []
+    for extra in ([], [f"train.recompute.granularity={granularity}", "train.recompute.every=1"]):
+        cfg = load_config("debug-hunyuan", [f"data.width={WIDTH * 8}", *extra])
+        seed_all(0)
+        model = build_model(cfg, {}, ParallelContext.single())
+        x = inputs()
+        model(x, torch.randn(x[0].shape, generator=torch.Generator().manual_seed(3))).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    wrapped = {"attention": lambda b: hasattr(b.attn.core.forward, "__wrapped__"),
+               "mlp": lambda b: hasattr(b.ffn if b.dual else b.mlp, "__wrapped__"),
+               "block": lambda b: "forward" in vars(b)}[granularity]
+    assert all(wrapped(block) for block in model.blocks)                              # dual (0, 1), single (2, 3)
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
