@@ -55,7 +55,7 @@ def _config_pairs(m: HunyuanVideoConfig) -> list[tuple[str, object, Optional[str
         ("num_attention_heads", 24, "model.num_heads", m.num_heads),
         ("attention_head_dim", 128, "model.head_dim", m.head_dim),
         ("num_layers", 20, "model.num_dual_layers", m.num_dual_layers),
-        ("num_single_layers", 40, "model.num_layers", m.num_single_layers),
+        ("num_single_layers", 40, "model.num_layers - model.num_dual_layers", m.num_single_layers),
         ("num_refiner_layers", 2, "model.num_refiner_layers", m.num_refiner_layers),
         ("mlp_ratio", 4.0, "model.ffn_hidden_size", m.ffn_size / m.hidden_size),
         ("in_channels", 16, "model.in_channels", m.in_channels),
@@ -91,8 +91,20 @@ class HunyuanVideoDiffusers(DiffusersFormat):
             return None if theirs == value else (f"text_embed_dim {theirs} != model.text_embed_dim - model."
                                                  f"pooled_projection_dim {value}; set --set model.text_embed_dim="
                                                  f"{theirs + m.pooled_projection_dim}")
+        # diffusers' mlp_ratio is the toolkit's ffn_hidden_size / hidden_size (its MLP width: int(hidden x ratio))
+        def mlp_ratio(theirs, value) -> Optional[str]:
+            return None if theirs == value else (f"mlp_ratio {theirs} != model.ffn_hidden_size / model.hidden_size "
+                                                 f"{value}; set --set model.ffn_hidden_size="
+                                                 f"{int(m.hidden_size * theirs)}")
+        # the toolkit's num_layers counts both kinds: the release's dual + single blocks
+        def single_layers(theirs, value) -> Optional[str]:
+            return None if theirs == value else (f"num_single_layers {theirs} != model.num_layers - model."
+                                                 f"num_dual_layers {value}; set --set model.num_layers="
+                                                 f"{config.get('num_layers', 20) + theirs}")
         problems = config_problems(_config_pairs(m), config, path, "the toolkit's HunyuanVideo model has {}; "
-                                   "HunyuanVideo text-to-video (13B) qualifies", {"text_embed_dim": text_dim})
+                                   "HunyuanVideo text-to-video (13B) qualifies",
+                                   {"text_embed_dim": text_dim, "mlp_ratio": mlp_ratio,
+                                    "num_single_layers": single_layers})
         return problems
 
     def config(self, m: HunyuanVideoConfig, data) -> dict:

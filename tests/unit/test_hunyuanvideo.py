@@ -110,14 +110,19 @@ def test_the_checker_lists_tp_and_sp_sizes_for_24_heads():
 
 def test_wrong_config_is_refused_by_key(released, tmp_path):
     folder, _ = released
-    cfg = load_config("debug-hunyuan", overrides(folder) + ["model.num_dual_layers=1", "model.text_embed_dim=48"])
+    cfg = load_config("debug-hunyuan", overrides(folder) + ["model.num_dual_layers=1", "model.text_embed_dim=48",
+                                                              "model.ffn_hidden_size=256"])
     config = folder / "config.json"
-    assert check_released(cfg.model, folder)[:3] == [
+    assert check_released(cfg.model, folder) == [
         f"{config}: num_layers 2 != model.num_dual_layers 1; set --set model.num_dual_layers=2 or use the matching "
         f"preset",
-        f"{config}: num_single_layers 2 != model.num_layers 3; set --set model.num_layers=2 or use the matching preset",
+        f"{config}: num_single_layers 2 != model.num_layers - model.num_dual_layers 3; set --set model.num_layers=4",
+        f"{config}: mlp_ratio 2.0 != model.ffn_hidden_size / model.hidden_size 4.0; set --set model.ffn_hidden_size=128",
         f"{config}: text_embed_dim 32 != model.text_embed_dim - model.pooled_projection_dim 40; set --set "
         f"model.text_embed_dim=40"]
+    fixed = load_config("debug-hunyuan", overrides(folder) + ["model.num_dual_layers=2", "model.num_layers=4",
+                                                              "model.text_embed_dim=40", "model.ffn_hidden_size=128"])
+    assert check_released(fixed.model, folder) == []                    # the advice, followed
     i2v = tmp_path / "i2v"
     i2v.mkdir()
     (i2v / "config.json").write_text(json.dumps({**json.loads(config.read_text()),
