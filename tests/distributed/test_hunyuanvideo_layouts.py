@@ -5,7 +5,7 @@ dual-stream + 2 single-stream blocks) loaded at (tp, pp) = (1, 1), (2, 1), (1, 2
 tp 2) predicts what diffusers predicts (sp 2 splits the 8 text + 72 video tokens so that one rank holds all the
 text, the other none); at tp 2 the gradients of a loss equal diffusers' own (the single block's fused
 [q, k, v, MLP] input and [attention; MLP] output split per part, the replicated q/k RMSNorm weights summed over
-ranks); tp 2 x pp 2 exports a diffusers folder that `from_pretrained` reads back bit for bit; and three training
+ranks), and one block's forward issues the all-reduces docs/tensor-parallel.md lists; tp 2 x pp 2 exports a diffusers folder that `from_pretrained` reads back bit for bit; and three training
 steps at tp 2 x pp 2 and at sp 2 x dp 2 equal one process, and so do three steps of rank-4 adapters at tp 2 x pp 2.
 """
 import json
@@ -68,7 +68,15 @@ def _rank(rank, world_size, folder, export_dir):
             export_diffusers(model, ctx, cfg, Path(export_dir), max_shard_bytes=200_000)
     cfg, ctx, model = _model(folder, 2, 1, 1, world_size)
     target = torch.randn(x[0].shape, generator=torch.Generator().manual_seed(3))
-    torch.nn.functional.mse_loss(model.predict(x), target).backward()
+    from parallel.distributed.comm import count_comm
+    h = model.embed(x)
+    with count_comm() as dual:
+        h = model.blocks[0](h)
+    h = model.blocks[1](h)
+    with count_comm() as single:
+        h = model.blocks[2](h)
+    out["all_reduces"] = dual.numels("all_reduce"), single.numels("all_reduce")
+    torch.nn.functional.mse_loss(model.final(model.blocks[3](h)), target).backward()
     out["grads"] = dict(full_tensors(model, ctx, cfg.model.num_layers, value=lambda p: p.grad))
     ds = hunyuan_fp32_config()
     for tp, pp, sp, dp in TRAIN_LAYOUTS:
@@ -103,6 +111,12 @@ def test_hunyuanvideo_in_every_layout(released, tmp_path):
     assert ours.keys() == theirs.keys()
     for name, grad in theirs.items():
         torch.testing.assert_close(ours[name], grad, msg=lambda m: f"{name}: {m}")
+
+    # One block's forward at tp 2: dual, the text and video outputs of attention and of the FFNs (B x L x H and
+    # B x S x H each); single, its one [attention; MLP] output over all B x (L + S) tokens.
+    b, text, video, hid = 2, 8, 72, 64
+    assert results[0]["all_reduces"] == ([b * text * hid, b * video * hid, b * text * hid, b * video * hid],
+                                         [b * (text + video) * hid])
 
     # Export from tp 2 x pp 2: shards of each stage with an index; from_pretrained gives the original bits.
     exported = tmp_path / "export"
