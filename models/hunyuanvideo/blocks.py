@@ -2,7 +2,9 @@
 pipeline stages, recomputation and compilation treat the 60 as one list.
 
 Between layers flow x [B, L + S_vid, H] (text tokens first, then video tokens in (t, h, w) order; diffusers
-orders them video first, which attention does not see: no mask, per-token everything else) and temb [B, H].
+orders them video first, which changes nothing: attention masks keys, not positions, and everything else is per
+token) and temb [B, H + L] (the time embedding, then the text mask: 1.0 for a real row; models/hunyuanvideo/embed.py).
+Attention skips the padding rows of the text as keys (HunyuanVideoPipeline's prompt_attention_mask).
 
 Dual-stream block (HunyuanVideoTransformerBlock): text (c) and video tokens have their own weights:
 
@@ -91,18 +93,23 @@ class JointAttention(nn.Module):
         k = torch.cat([head_rms_norm(k[:, :n_txt], w[3]), head_rms_norm(k[:, n_txt:], w[1])], dim=1)
         return q, k
 
-    def forward(self, q, k, v, n_txt: int):
-        """q, k, v [B, S/sp, H/tp] -> [B, S/sp, H/tp]."""
+    def forward(self, q, k, v, n_txt: int, keep: torch.Tensor):
+        """q, k, v [B, S/sp, H/tp], keep [B, L] bool (real text rows) -> [B, S/sp, H/tp]."""
         q, k, v = (z.unflatten(-1, (-1, self.head_dim)) for z in (q, k, v))
         q, k = self.qk_norm(q, k, n_txt)
-        return self.core(q, k, v).flatten(2)
+        return self.core(q, k, v, keep).flatten(2)
 
-    def _attend(self, q, k, v):
-        """[B, S, n, d] over the whole sequence (text + video, no sp padding) -> [B, S, n, d]."""
+    def _attend(self, q, k, v, keep):
+        """[B, S, n, d] over the whole sequence (text + video, no sp padding) -> [B, S, n, d]; padding text rows
+        are no key (their own queries still attend, as diffusers')."""
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))                                 # (B, n, S, d)
         freqs = self._rope.get(self.grid, q.device)                                      # (S, d/2) complex
         q, k = apply_rope_complex(q, freqs), apply_rope_complex(k, freqs)
-        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        # The planner's meta trace leaves the mask out: on a device the mask-taking fused kernel saves what the
+        # unmasked one does (meta would fall back to the S x S math kernel).
+        mask = None if q.device.type == "meta" else \
+            F.pad(keep, (0, q.shape[2] - keep.shape[1]), value=True)[:, None, None]    # (B, 1, 1, S)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -144,28 +151,29 @@ class HunyuanBlock(nn.Module):
         return min(max(self.cfg.max_text_len - start, 0), stop - start)
 
     def forward(self, inputs):
-        x, temb = inputs
-        return (self._dual(x, temb) if self.dual else self._single(x, temb)), temb
+        x, side = inputs
+        temb, keep = side[:, :x.shape[-1]], side[:, x.shape[-1]:] > 0.5                  # (B, H), (B, L)
+        return (self._dual(x, temb, keep) if self.dual else self._single(x, temb, keep)), side
 
-    def _dual(self, x, temb):
+    def _dual(self, x, temb, keep):
         n, e = self.n_txt, F.silu(temb)
         txt, vid = x[:, :n], x[:, n:]
         mv = self.norm1(e)[:, None].chunk(6, dim=-1)                                     # (B, 1, H) each
         mc = self.norm1_context(e)[:, None].chunk(6, dim=-1)
         qv, kv, vv = self.to_qkv(modulate(vid, mv[0], mv[1])).chunk(3, dim=-1)            # (B, S_v, H/tp)
         qc, kc, vc = self.add_qkv(modulate(txt, mc[0], mc[1])).chunk(3, dim=-1)           # (B, n, H/tp)
-        o = self.attn(*(torch.cat(pair, dim=1) for pair in ((qc, qv), (kc, kv), (vc, vv))), n)
+        o = self.attn(*(torch.cat(pair, dim=1) for pair in ((qc, qv), (kc, kv), (vc, vv))), n, keep)
         txt = txt + self.to_add_out(o[:, :n]) * mc[2]
         vid = vid + self.to_out(o[:, n:]) * mv[2]
         txt = txt + self.ffn(modulate(txt, mc[3], mc[4]), self.ff_context_in, self.ff_context_out) * mc[5]
         vid = vid + self.ffn(modulate(vid, mv[3], mv[4]), self.ff_in, self.ff_out) * mv[5]
         return torch.cat([txt, vid], dim=1)
 
-    def _single(self, x, temb):
+    def _single(self, x, temb, keep):
         shift, scale, gate = self.norm(F.silu(temb))[:, None].chunk(3, dim=-1)
         local = self.proj_in.weight.tp_parts                                             # [H, H, H, F] / tp
         q, k, v, m = self.proj_in(modulate(x, shift, scale)).split(local, dim=-1)
-        o = self.attn(q, k, v, 0)
+        o = self.attn(q, k, v, 0, keep)
         return x + self.proj_out(torch.cat([o, self.mlp(m)], dim=-1)) * gate
 
     def ffn(self, h, ff_in, ff_out):

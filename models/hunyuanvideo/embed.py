@@ -2,8 +2,14 @@
 the adaLN-continuous head out. Names follow diffusers' HunyuanVideoTransformer3DModel.
 
     temb = MLP_t(sinusoid(t)) + MLP_g(sinusoid(1000 g)) + MLP_clip(pooled)           [B, H]
-    text = refiner(proj_in(llama), MLP_t'(sinusoid(t)) + MLP_txt(mean_L llama))      [B, L, H]
+    text = refiner(proj_in(llama), MLP_t'(sinusoid(t)) + MLP_txt(mean_real llama))   [B, L, H]
     x    = [text; patch(latents)]                                                   [B, L + S_vid, H]
+
+The text mask, as HunyuanVideoPipeline's prompt_attention_mask: a row is real unless its LLaMA channels
+are all zero (the data path zeroes the padding). The refiner averages the real rows, and row i attends to
+row j when both are real, and to row 0 always (diffusers' rule); the blocks' attention skips padding keys.
+The mask travels beside temb, as the last L channels of the stage tensor temb [B, H + L] (1.0 real, 0.0
+padding), so the stage tuple stays (x, temb) and every pipeline stage sees it.
 
 The refiner (2 blocks): x + g_a Attn(LN(x)), then x + g_m FFN_silu(LN(x)), the gates from its own temb.
 It runs on the L text tokens before the sequence is split, replicated over tp and sp ranks (2% of the
@@ -49,17 +55,18 @@ class RefinerBlock(nn.Module):
         self.ff_in, self.ff_out = nn.Linear(hid, 4 * hid), nn.Linear(4 * hid, hid)
         self.norm_out = nn.Linear(hid, 2 * hid)                        # gate_msa, gate_mlp
 
-    def forward(self, x, temb):
+    def forward(self, x, temb, mask):
+        """x [B, L, H], temb [B, H], mask [B, 1, L, L] (query i may attend to key j)."""
         gate_msa, gate_mlp = self.norm_out(F.silu(temb))[:, None].chunk(2, dim=-1)        # (B, 1, H) each
         q, k, v = self.to_qkv(self.norm1(x)).unflatten(-1, (3, -1, self.head_dim)).permute(2, 0, 3, 1, 4)
-        o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)           # (B, L, H)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2)   # (B, L, H)
         x = x + self.to_out(o) * gate_msa
         return x + self.ff_out(F.silu(self.ff_in(self.norm2(x)))) * gate_mlp
 
 
 class EmbedStage(nn.Module):
     """(latents [B,C,T,H,W], timesteps [B], text [B,L,llama+pooled]) -> (x [B, L + S_vid, H] (sp: this rank's
-    chunk), temb [B, H])."""
+    chunk), temb [B, H + L]: the time embedding, then the text mask)."""
 
     def __init__(self, cfg: HunyuanVideoConfig, grid, ctx=None):
         super().__init__()
@@ -82,12 +89,17 @@ class EmbedStage(nn.Module):
         guidance = torch.full_like(timesteps, EMBEDDED_GUIDANCE * 1000.0, dtype=torch.float32)
         temb = (self.timestep_embedder(t_freq) + self.guidance_embedder(
             timestep_embedding(guidance, cfg.time_embed_dim).to(dtype)) + self.pooled_embedder(pooled[:, 0]))
-        r_temb = self.refiner_timestep_embedder(t_freq) + self.refiner_text_embedder(llama.mean(dim=1))
+        keep = llama.ne(0).any(dim=-1)                                                    # (B, L) real rows
+        real = keep.to(dtype)[..., None]
+        mean = (llama * real).sum(dim=1) / real.sum(dim=1).clamp(min=1)                   # caption with no row: 0
+        r_temb = self.refiner_timestep_embedder(t_freq) + self.refiner_text_embedder(mean)
+        pairs = keep[:, None, :, None] & keep[:, None, None, :]                          # (B, 1, L, L)
+        pairs[..., 0] = True
         y = self.refiner_proj_in(llama)                                                   # (B, L, H)
         for block in self.refiner:
-            y = block(y, r_temb)
+            y = block(y, r_temb, pairs)
         video = self.patch_proj(patchify(latents.to(dtype), cfg))                        # (B, S_vid, H)
-        return split_sequence(torch.cat([y, video], dim=1), self.ctx), temb
+        return split_sequence(torch.cat([y, video], dim=1), self.ctx), torch.cat([temb, keep.to(dtype)], dim=1)
 
 
 class FinalStage(nn.Module):
@@ -103,7 +115,7 @@ class FinalStage(nn.Module):
 
     def forward(self, inputs):
         x, temb = inputs
-        sp = sp_size_of(self.ctx)
+        temb, sp = temb[:, :x.shape[-1]], sp_size_of(self.ctx)                          # the mask left out
         v = x[:, self.cfg.max_text_len:] if sp == 1 else x                # (B, S_vid, H)
         scale, shift = self.norm_out_linear(F.silu(temb))[:, None].chunk(2, dim=-1)
         out = self.proj_out(F.layer_norm(v, (v.shape[-1],), eps=EPS) * (1 + scale) + shift)

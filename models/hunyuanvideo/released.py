@@ -153,12 +153,12 @@ class HunyuanVideoDiffusers(DiffusersFormat):
         return latents, timesteps, torch.cat([llama, pooled.expand(-1, m.max_text_len, -1)], dim=-1)
 
     def reference_call(self, model: torch.nn.Module, inputs: tuple, kwargs: dict) -> torch.Tensor:
-        """diffusers' HunyuanVideo takes [B, C, T, H, W], the LLaMA states with their mask (all real: the toolkit
-        attends to every text row), the pooled vector and the guidance x 1000, as HunyuanVideoPipeline."""
+        """diffusers' HunyuanVideo takes [B, C, T, H, W], the LLaMA states with their mask (a row is padding when
+        its LLaMA channels are all zero), the pooled vector and the guidance x 1000, as HunyuanVideoPipeline."""
         latents, timesteps, text = inputs
         pooled_dim = model.config.pooled_projection_dim
         llama, pooled = text[..., :-pooled_dim], text[:, 0, -pooled_dim:]
-        mask = torch.ones(llama.shape[:2], dtype=torch.long, device=latents.device)
+        mask = llama.ne(0).any(dim=-1).long()
         guidance = torch.full((latents.shape[0],), EMBEDDED_GUIDANCE * 1000.0, device=latents.device, dtype=text.dtype)
         return model(hidden_states=latents, timestep=timesteps, encoder_hidden_states=llama,
                      encoder_attention_mask=mask, pooled_projections=pooled, guidance=guidance).sample

@@ -82,7 +82,8 @@ class SequenceAttention(nn.Module):
     """`attend(q, k, v)` on [B, S, n, d] (batch first, sequence, heads): over the full sequence.
 
     `attend` receives the full sequence of `tokens` real tokens (the padding sliced off) and this rank's
-    heads, and returns [B, S, n_local, d]. With sp_size = 1 it is called directly; otherwise through
+    heads, and returns [B, S, n_local, d]. Further positional arguments (`extra`: a key mask [B, L] of
+    the leading text rows, the same on every sp rank) reach `attend` as they are. With sp_size = 1 it is called directly; otherwise through
     DeepSpeed's DistributedAttention (Ulysses), on the padded sequence [B, S_pad, n/sp, d] that
     `_unpadded` trims for it and pads again. `tokens` is an int, or a function giving the current step's
     count when the token grid changes from step to step (buckets: parallel/train/buckets.py).
@@ -96,21 +97,21 @@ class SequenceAttention(nn.Module):
             from deepspeed.sequence.layer import DistributedAttention
             self.ulysses = DistributedAttention(self._unpadded, ctx.sp_group, scatter_idx=2, gather_idx=1)
 
-    def _unpadded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _unpadded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *extra) -> torch.Tensor:
         """attend on the real tokens of [B, S_pad, n, d]; the padded rows' output is zero."""
         s, real = q.shape[1], self.tokens() if callable(self.tokens) else self.tokens
         if s == real:
-            return self.attend(q, k, v)
-        o = self.attend(q[:, :real], k[:, :real], v[:, :real])           # (B, S, n, d)
+            return self.attend(q, k, v, *extra)
+        o = self.attend(q[:, :real], k[:, :real], v[:, :real], *extra)   # (B, S, n, d)
         return torch.cat([o, o.new_zeros(o.shape[0], s - real, *o.shape[2:])], dim=1)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *extra) -> torch.Tensor:
         if self.ulysses is not None:
-            return self.ulysses(q, k, v, 0)
+            return self.ulysses(q, k, v, 0, None, *extra)               # DeepSpeed passes *extra to _unpadded
         if self.sp == 1:
-            return self.attend(q, k, v)
+            return self.attend(q, k, v, *extra)
         # A planning context (no process group): one sp rank's shapes, [B, S_pad/sp, n, d] <-> [B, S_pad, n/sp, d].
         # The all-to-all keeps nothing for backward, and neither does a reshape.
         b, s, n, d = q.shape
         full = [t.reshape(b, s * self.sp, n // self.sp, d) for t in (q, k, v)]
-        return self._unpadded(*full).reshape(b, s, n, d)
+        return self._unpadded(*full, *extra).reshape(b, s, n, d)

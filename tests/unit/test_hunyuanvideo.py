@@ -50,9 +50,11 @@ def released(tmp_path_factory):
 
 
 def inputs():
-    """(latents, timesteps, text rows = [LLaMA state; pooled vector])."""
+    """(latents, timesteps, text rows = [LLaMA state; pooled vector]); the second caption has 5 real rows, its
+    last 3 are padding (LLaMA channels zero: masked, as the pipeline's prompt_attention_mask)."""
     g = torch.Generator().manual_seed(7)
     llama, pooled = torch.randn(B, TEXT, LLAMA, generator=g), torch.randn(B, 1, POOLED, generator=g)
+    llama[1, 5:] = 0
     return (torch.randn(B, 4, FRAMES, HEIGHT, WIDTH, generator=g), torch.tensor([3.0, 811.0]),
             torch.cat([llama, pooled.expand(-1, TEXT, -1)], dim=-1))
 
