@@ -281,10 +281,10 @@ class DiffusionBatches:
 
     def micro_batch(self, step: int, micro: int):
         first = step * self.global_batch + (micro * self.dp_size + self.dp_rank) * self.mb
-        x0s, texts, noises, ts, keep, images = [], [], [], [], [], []
+        x0s, texts, noises, ts, keep, stored = [], [], [], [], [], []
         for pos in range(first, first + self.mb):
-            x0, text, *image = self.dataset[self.sample_index(pos)]       # image: I2V first-frame latents
-            images += image
+            x0, text, *extra = self.dataset[self.sample_index(pos)]       # extra: I2V image latents (, CLIP states)
+            stored.append(extra)
             if self.dropped(step, pos):
                 text = self.uncond.to(text.dtype)
             g = _generator(self.seed, "noise", pos)
@@ -296,10 +296,12 @@ class DiffusionBatches:
             x0s.append(x0)
             texts.append(text)
         x_t, target = self.objective.noised(torch.stack(x0s), torch.stack(noises), torch.cat(ts))
+        more = ()            # the condition's inputs after the text (Wan 2.1 I2V: the CLIP states)
         if self.condition is not None:
             x_t = self.condition(x_t, torch.stack(x0s), torch.tensor(keep),
-                                 torch.stack(images) if len(images) == len(x0s) else None)
-        return (x_t, self.objective.model_timesteps(torch.cat(ts)), torch.stack(texts)), target
+                                 *(torch.stack(z) for z in zip(*stored)) if all(stored) else ())
+            x_t, *more = x_t if isinstance(x_t, tuple) else (x_t,)
+        return (x_t, self.objective.model_timesteps(torch.cat(ts)), torch.stack(texts), *more), target
 
     def __iter__(self):
         return self

@@ -1,0 +1,75 @@
+"""Image-to-video conditioning of Wan 2.1 I2V: what the transformer takes beside the noisy latent.
+
+    latents [B, 2C + 4, T, H, W] = [x_t (C) ; mask (4) ; image latents (C)]       (C = 16: 36 channels)
+    image   [B, I, image_dim]      CLIP's penultimate hidden states of the first frame (I = 257 for ViT-H/14)
+
+as WanImageToVideoPipeline builds them (prepare_latents, encode_image):
+  - mask: one channel per pixel frame of a temporal VAE step (vae_scale_temporal = 4): latent frame 0 holds
+    pixel frame 0, repeated 4 times, all ones; the later latent frames are zeros (pixel frames 1.. are unknown);
+  - image latents: the VAE latent of the pixel video [first frame, 0, ..., 0] (num_frames frames, zeros = mid
+    gray in [-1, 1]), normalised as the training latents ((z - latents_mean) / latents_std): the VAE is causal,
+    so latent frame 0 is the first frame's latent alone, but the later frames encode the gray frames behind it
+    (not zeros), which is why data preparation stores the whole [C, T, H, W] tensor ("image");
+  - image: the CLIP states ("image_embeds"), fed to the image cross-attention unchanged.
+Synthetic data has neither stored tensor: latent frame 0 of x0 stands in for the image latents (zeros after it)
+and a fixed function of it for the CLIP states (`stand_in_embeds`), so every layout trains on the same inputs.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def first_frame_mask(x_t: torch.Tensor, channels: int) -> torch.Tensor:
+    """[B, channels, T, H, W]: ones at latent frame 0, zeros after (the pipeline's mask_lat_size)."""
+    mask = x_t.new_zeros(x_t.shape[0], channels, *x_t.shape[2:])
+    mask[:, :, 0] = 1
+    return mask
+
+
+def condition_latents(x_t: torch.Tensor, image_latents: torch.Tensor, channels: int,
+                      keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """cat([x_t, mask, image_latents]) on channels -> [B, 2C + channels, T, H, W]; samples whose keep [B] is False
+    get zeros for mask and image latents (an image dropout: Wan's releases train with none)."""
+    cond = torch.cat([first_frame_mask(x_t, channels), image_latents.to(x_t.dtype)], dim=1)
+    if keep is not None:
+        cond = cond * keep.to(cond.dtype)[:, None, None, None, None]
+    return torch.cat([x_t, cond], dim=1)
+
+
+def stand_in_latents(x0: torch.Tensor) -> torch.Tensor:
+    """Synthetic data: x0's latent frame 0 then zeros, [B, C, T, H, W]."""
+    return torch.cat([x0[:, :, :1], x0.new_zeros(x0.shape[0], x0.shape[1], x0.shape[2] - 1, *x0.shape[3:])], dim=2)
+
+
+def stand_in_embeds(x0: torch.Tensor, tokens: int, width: int) -> torch.Tensor:
+    """Synthetic data: x0's latent frame 0, flattened and tiled to [B, tokens, width] (deterministic, per sample)."""
+    z = x0[:, :, 0].flatten(1)                                                        # (B, C H W)
+    n = tokens * width
+    return z.repeat(1, -(-n // z.shape[1]))[:, :n].reshape(len(x0), tokens, width)
+
+
+class WanImageCondition:
+    """The family's training-input hook (FamilySpec.condition) for model.image_condition: (x_t, x0, keep,
+    stored image latents, stored CLIP states) -> (the transformer's latents, the CLIP states) when the model
+    has an image cross-attention (model.image_dim), else the latents alone (Wan 2.2 I2V)."""
+
+    dropout = 0.0        # Wan's releases and trainers (DiffSynth, musubi-tuner) never drop the image
+
+    def __init__(self, model, data):
+        self.model = model
+
+    def __call__(self, x_t: torch.Tensor, x0: torch.Tensor, keep: torch.Tensor,
+                 first: Optional[torch.Tensor] = None, embeds: Optional[torch.Tensor] = None):
+        """first [B, C, T, H, W]: prepare_data's image latents; embeds [B, I, image_dim]: its CLIP states."""
+        m = self.model
+        latents = condition_latents(x_t, stand_in_latents(x0) if first is None else first, m.vae_scale_temporal, keep)
+        if m.image_dim is None:
+            return latents
+        return latents, (stand_in_embeds(x0, m.image_len, m.image_dim) if embeds is None else embeds).to(x_t.dtype)
+
+
+def image_condition(model, data):
+    """WanImageCondition for an image-to-video section, None for text-to-video."""
+    return WanImageCondition(model, data) if model.image_condition else None
