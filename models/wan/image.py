@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 
@@ -50,6 +51,44 @@ def stand_in_embeds(x0: torch.Tensor, tokens: int, width: int) -> torch.Tensor:
     return z.repeat(1, -(-n // z.shape[1]))[:, :n].reshape(len(x0), tokens, width)
 
 
+def gray_after_first(pixels: torch.Tensor) -> torch.Tensor:
+    """pixels [B, 3, F, H, W] in [-1, 1] -> the first frame, then zeros (the pipeline's video_condition)."""
+    return torch.cat([pixels[:, :, :1], torch.zeros_like(pixels[:, :, 1:])], dim=2)
+
+
+def encode_condition(vae, frames: np.ndarray) -> torch.Tensor:
+    """A clip's uint8 frames [F, H, W, 3] -> its image latents [C, T, H', W'] fp32: the VAE posterior's mode of
+    [frame 0, gray, ..., gray], normalised as the training latents (prepare_latents: argmax, (z - mean) / std)."""
+    from models.vae import encode
+    return encode(vae, frames, None, gray_after_first)
+
+
+@torch.no_grad()
+def encode_pictures(vae, pictures: list, height: int, width: int, num_frames: int) -> torch.Tensor:
+    """Pictures (PIL images) -> image latents [N, C, T, H', W'] fp32 for sampling, as WanImageToVideoPipeline
+    builds its condition: VideoProcessor.preprocess (resize to height x width, [-1, 1]), the picture then
+    num_frames - 1 gray frames through the VAE (the posterior's mode), normalised."""
+    from diffusers.video_processor import VideoProcessor
+
+    from models.vae import VAES
+    spatial = vae.config.scale_factor_spatial
+    param = next(vae.parameters())
+    x = VideoProcessor(vae_scale_factor=spatial).preprocess(pictures, height=height, width=width).unsqueeze(2)
+    x = gray_after_first(x.expand(-1, -1, num_frames, -1, -1))
+    z = vae.encode(x.to(param.device, param.dtype)).latent_dist.mode().float()
+    return VAES[type(vae).__name__].normalise(z, vae.config).cpu()
+
+
+@torch.no_grad()
+def encode_image_states(encoder, processor, pictures: list) -> torch.Tensor:
+    """Pictures (PIL images or uint8 [H, W, 3] arrays) -> CLIP states [N, I, image_dim] fp32, as
+    WanImageToVideoPipeline.encode_image: CLIPImageProcessor (resize, center crop, normalise), then
+    CLIPVisionModel's penultimate hidden states (hidden_states[-2], before the last layer)."""
+    param = next(encoder.parameters())
+    pixels = processor(images=pictures, return_tensors="pt").pixel_values.to(param.device, param.dtype)
+    return encoder(pixel_values=pixels, output_hidden_states=True).hidden_states[-2].float().cpu()
+
+
 class WanImageCondition:
     """The family's training-input hook (FamilySpec.condition) for model.image_condition: (x_t, x0, keep,
     stored image latents, stored CLIP states) -> (the transformer's latents, the CLIP states) when the model
@@ -68,6 +107,11 @@ class WanImageCondition:
         if m.image_dim is None:
             return latents
         return latents, (stand_in_embeds(x0, m.image_len, m.image_dim) if embeds is None else embeds).to(x_t.dtype)
+
+    def sampling_input(self, x_t: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """Sampling: x_t [B, C, T, H, W] and the image latents [B, C, T, H, W] (`encode_pictures`) -> the
+        transformer's latents, for the conditional and the unconditional call alike (as the pipeline)."""
+        return condition_latents(x_t, first, self.model.vae_scale_temporal)
 
 
 def image_condition(model, data):

@@ -1,0 +1,104 @@
+"""Wan 2.1 I2V's inputs and sampling against WanImageToVideoPipeline (diffusers 0.42), with tiny random
+AutoencoderKLWan, CLIPVisionModel + CLIPImageProcessor and I2V transformer, fp32, one process:
+
+  - the image latents of a clip's first frame (models/wan/image.py `encode_condition`, what data preparation
+    stores) and of a picture (`encode_pictures`, sampling) equal prepare_latents' condition, and the training
+    input (x_t, mask, image latents) equals the pipeline's latent_model_input;
+  - the CLIP states (`encode_image_states`) equal the pipeline's encode_image;
+  - sampling (models.sampling.sample, UniPC, guidance) from the same noise equals the pipeline's latents.
+"""
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline
+from PIL import Image
+from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+from models.wan.image import WanImageCondition, condition_latents, encode_condition, encode_image_states, \
+    encode_pictures
+from parallel.config import load_config
+from tests.unit.test_wan_i2v import IMAGE, IMAGE_DIM, TEXT, released_i2v  # noqa: F401  (fixture)
+
+FRAMES, HEIGHT, WIDTH = 9, 64, 96            # pixels -> latents [4, 3, 8, 12]
+
+
+@pytest.fixture(scope="module")
+def parts():
+    """(vae, CLIP encoder, CLIP processor, a 64 x 96 picture): CLIP's 32 px input gives 2 x 2 + 1 = 5 tokens."""
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.3, 0.0],
+                           latents_std=[1.5, 0.8, 1.2, 2.0]).eval()
+    encoder = CLIPVisionModel(CLIPVisionConfig(hidden_size=IMAGE_DIM, intermediate_size=32, num_hidden_layers=3,
+                                               num_attention_heads=2, image_size=32, patch_size=16)).eval()
+    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    picture = Image.fromarray(np.random.default_rng(3).integers(0, 256, (HEIGHT, WIDTH, 3), dtype=np.uint8))
+    return vae, encoder, processor, picture
+
+
+def pipeline(transformer, parts):
+    vae, encoder, processor, _ = parts
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    pipe = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=transformer,
+                                   scheduler=scheduler, image_processor=processor, image_encoder=encoder)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_inputs_are_the_pipelines(released_i2v, parts):
+    _, model = released_i2v
+    vae, encoder, processor, picture = parts
+    pipe = pipeline(model, parts)
+    noise = torch.randn(1, 4, 3, 8, 12, generator=torch.Generator().manual_seed(1))
+    image = pipe.video_processor.preprocess(picture, height=HEIGHT, width=WIDTH).float()
+    with torch.no_grad():
+        latents, condition = pipe.prepare_latents(image, 1, 4, HEIGHT, WIDTH, FRAMES, torch.float32, "cpu",
+                                                  latents=noise.clone())
+    assert condition.shape == (1, 4 + 4, 3, 8, 12)
+    # data preparation: the clip's first frame (its other frames play no part)
+    clip = np.stack([np.asarray(picture)] + [np.full((HEIGHT, WIDTH, 3), 17, np.uint8)] * (FRAMES - 1))
+    stored = encode_condition(vae, clip)
+    torch.testing.assert_close(stored[None], condition[:, 4:], atol=1e-5, rtol=1e-4)  # /127.5 - 1 vs /255 * 2 - 1
+    torch.testing.assert_close(encode_pictures(vae, [picture], HEIGHT, WIDTH, FRAMES), condition[:, 4:])
+    # the training input: the pipeline's latent_model_input = cat([latents, condition])
+    torch.testing.assert_close(condition_latents(latents, condition[:, 4:], 4), torch.cat([latents, condition], 1),
+                               rtol=0, atol=0)
+    with torch.no_grad():
+        want = pipe.encode_image(picture, "cpu")
+    assert want.shape == (1, IMAGE, IMAGE_DIM)
+    torch.testing.assert_close(encode_image_states(encoder, processor, [picture]), want)
+    torch.testing.assert_close(encode_image_states(encoder, processor, [np.asarray(picture)]), want)
+
+
+def test_sampling_equals_the_pipeline(released_i2v, parts):
+    """UniPC, 4 steps, guidance 2 from the same noise: models.sampling.sample with the condition's sampling
+    input and the CLIP states gives WanImageToVideoPipeline(..., output_type="latent")'s latents."""
+    from models.diffusion import Objective
+    from models.sampling import sample
+    from parallel.build import layer_specs
+    from parallel.distributed.pipeline import SequentialDiT
+    from parallel.distributed.topology import ParallelContext
+    from parallel.weights.diffusers import load_released
+    from tests.unit.test_wan_i2v import overrides
+
+    folder, model = released_i2v
+    vae, encoder, processor, picture = parts
+    cfg = load_config("debug-wan-i2v", overrides(folder))
+    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
+    load_released(ours, ParallelContext.single(), cfg.model, folder)
+    g = torch.Generator().manual_seed(11)
+    noise, text, negative = (torch.randn(1, 4, 3, 8, 12, generator=g), torch.randn(1, TEXT, 32, generator=g),
+                             torch.randn(1, TEXT, 32, generator=g))
+    with torch.no_grad():
+        want = pipeline(model, parts)(image=picture, prompt_embeds=text, negative_prompt_embeds=negative,
+                                      latents=noise.clone(), height=HEIGHT, width=WIDTH, num_frames=FRAMES,
+                                      num_inference_steps=4, guidance_scale=2.0, output_type="latent").frames
+    condition = WanImageCondition(cfg.model, cfg.data)
+    first = encode_pictures(vae, [picture], HEIGHT, WIDTH, FRAMES)
+    states = encode_image_states(encoder, processor, [picture])
+
+    def predict(x, t, conditional):
+        with torch.no_grad():
+            return ours.predict((condition.sampling_input(x, first), t, text if conditional else negative, states))
+    got = sample(predict, noise, Objective.of(cfg.model), 4, "unipc", 2.0)
+    torch.testing.assert_close(got, want)
