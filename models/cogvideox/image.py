@@ -90,6 +90,18 @@ class FirstFrameCondition:
         """The first frame's pixels [1, 3, 1, H, W] before the VAE (data preparation): SAT's noise augmentation."""
         return noised_first_frame(pixels, generator)
 
+    def stored_tensors(self, encode, vae, frames, generator, noise: torch.Generator, image_encoder=None) -> dict:
+        """Data preparation (encode: models.vae.encode): {"image": the noise-augmented first frame's latent
+        [C, 1, H, W]} at the pipeline's scale of image latents (1.5's VAE: z / scaling_factor, not z x
+        scaling_factor)."""
+        image = encode(vae, frames[:1], generator, lambda x: self.augment(x, noise))
+        return {"image": image * self.stored_scale(dict(vae.config))}
+
+    @staticmethod
+    def stored_shapes(latent: list[int]) -> dict[str, list[int]]:
+        """The stored tensors' shapes for a sample's latent [C, T, H, W]: the first frame's latent alone."""
+        return {"image": [latent[0], 1, *latent[2:]]}
+
 
 def first_frame_condition(model, data):
     """FirstFrameCondition for an image-to-video section, None for text-to-video."""

@@ -45,10 +45,12 @@ def stand_in_latents(x0: torch.Tensor) -> torch.Tensor:
 
 
 def stand_in_embeds(x0: torch.Tensor, tokens: int, width: int) -> torch.Tensor:
-    """Synthetic data: x0's latent frame 0, flattened and tiled to [B, tokens, width] (deterministic, per sample)."""
+    """Synthetic data: [B, tokens, width] from x0's latent frame 0, deterministic and different per sample:
+    its values at scattered positions (stride 7919, a prime) plus a fixed cos pattern, so that no token is
+    constant (a LayerNorm would zero it)."""
     z = x0[:, :, 0].flatten(1)                                                        # (B, C H W)
-    n = tokens * width
-    return z.repeat(1, -(-n // z.shape[1]))[:, :n].reshape(len(x0), tokens, width)
+    n = torch.arange(tokens * width)
+    return (z[:, n * 7919 % z.shape[1]] + torch.cos(n.to(z.dtype))).reshape(len(x0), tokens, width)
 
 
 def gray_after_first(pixels: torch.Tensor) -> torch.Tensor:
@@ -56,10 +58,10 @@ def gray_after_first(pixels: torch.Tensor) -> torch.Tensor:
     return torch.cat([pixels[:, :, :1], torch.zeros_like(pixels[:, :, 1:])], dim=2)
 
 
-def encode_condition(vae, frames: np.ndarray) -> torch.Tensor:
-    """A clip's uint8 frames [F, H, W, 3] -> its image latents [C, T, H', W'] fp32: the VAE posterior's mode of
-    [frame 0, gray, ..., gray], normalised as the training latents (prepare_latents: argmax, (z - mean) / std)."""
-    from models.vae import encode
+def encode_condition(encode, vae, frames: np.ndarray) -> torch.Tensor:
+    """A clip's uint8 frames [F, H, W, 3] -> its image latents [C, T, H', W'] fp32 (encode: models.vae.encode): the
+    VAE posterior's mode of [frame 0, gray, ..., gray], normalised as the training latents (prepare_latents:
+    argmax, (z - mean) / std)."""
     return encode(vae, frames, None, gray_after_first)
 
 
@@ -70,7 +72,7 @@ def encode_pictures(vae, pictures: list, height: int, width: int, num_frames: in
     num_frames - 1 gray frames through the VAE (the posterior's mode), normalised."""
     from diffusers.video_processor import VideoProcessor
 
-    from models.vae import VAES
+    from models.vae_formats import VAES
     spatial = vae.config.scale_factor_spatial
     param = next(vae.parameters())
     x = VideoProcessor(vae_scale_factor=spatial).preprocess(pictures, height=height, width=width).unsqueeze(2)
@@ -87,6 +89,38 @@ def encode_image_states(encoder, processor, pictures: list) -> torch.Tensor:
     param = next(encoder.parameters())
     pixels = processor(images=pictures, return_tensors="pt").pixel_values.to(param.device, param.dtype)
     return encoder(pixel_values=pixels, output_hidden_states=True).hidden_states[-2].float().cpu()
+
+
+def load_image_encoder(path, device="cpu", dtype: torch.dtype = torch.float32):
+    """(CLIPVisionModel, CLIPImageProcessor) from one folder (a release's image_encoder/ with the files of its
+    image_processor/ copied in), eval mode, nothing downloaded."""
+    from transformers import CLIPImageProcessor, CLIPVisionModel
+    encoder = CLIPVisionModel.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
+    return encoder.to(device).eval().requires_grad_(False), CLIPImageProcessor.from_pretrained(str(path))
+
+
+def image_encoder_problems(path, model, key: str = "--image-encoder") -> list[str]:
+    """What is wrong with `path` as the CLIP vision encoder of `model` (config files only)."""
+    import json
+    from pathlib import Path
+    what = ("expected a folder written by CLIPVisionModel.save_pretrained with preprocessor_config.json beside it "
+            "(for a release: image_encoder/ with the files of image_processor/ copied in)")
+    path = Path(path)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return [f"{key}={path}: cannot read config.json ({e}); {what}"]
+    config = config.get("vision_config", config)
+    problems = []
+    if config.get("hidden_size") != model.image_dim:
+        problems.append(f"{key}={path}: hidden_size {config.get('hidden_size')} != model.image_dim {model.image_dim}")
+    tokens = (config.get("image_size", 224) // config.get("patch_size", 32)) ** 2 + 1
+    if tokens != model.image_len:
+        problems.append(f"{key}={path}: (image_size / patch_size)^2 + 1 = {tokens} tokens != model.image_len "
+                        f"{model.image_len}; set --set model.image_len={tokens}")
+    if not (path / "preprocessor_config.json").is_file():
+        problems.append(f"{key}={path}: no preprocessor_config.json in it; {what}")
+    return problems
 
 
 class WanImageCondition:
@@ -107,6 +141,33 @@ class WanImageCondition:
         if m.image_dim is None:
             return latents
         return latents, (stand_in_embeds(x0, m.image_len, m.image_dim) if embeds is None else embeds).to(x_t.dtype)
+
+    @property
+    def image_encoder(self) -> bool:
+        """Whether data preparation needs the CLIP vision encoder (an image cross-attention)."""
+        return self.model.image_dim is not None
+
+    def image_encoder_problems(self, path) -> list[str]:
+        return image_encoder_problems(path, self.model)
+
+    @staticmethod
+    def load_image_encoder(path, device="cpu", dtype: torch.dtype = torch.float32):
+        return load_image_encoder(path, device, dtype)
+
+    def stored_tensors(self, encode, vae, frames: np.ndarray, generator, noise, image_encoder=None) -> dict:
+        """Data preparation (encode: models.vae.encode): {"image": the image latents [C, T, H, W] of the clip's first
+        frame, "image_embeds": its CLIP states [I, image_dim] (with an image cross-attention; image_encoder =
+        load_image_encoder's pair)}. Neither is a posterior draw nor noise-augmented: the pipeline takes the
+        posterior's mode."""
+        out = {"image": encode_condition(encode, vae, frames)}
+        if self.model.image_dim is not None:
+            out["image_embeds"] = encode_image_states(*image_encoder, [frames[0]])[0]
+        return out
+
+    def stored_shapes(self, latent: list[int]) -> dict[str, list[int]]:
+        """The stored tensors' shapes for a sample's latent [C, T, H, W]."""
+        m = self.model
+        return {"image": list(latent), **({"image_embeds": [m.image_len, m.image_dim]} if m.image_dim else {})}
 
     def sampling_input(self, x_t: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         """Sampling: x_t [B, C, T, H, W] and the image latents [B, C, T, H, W] (`encode_pictures`) -> the

@@ -14,9 +14,12 @@ from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideo
 from PIL import Image
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
+from models.vae import encode
 from models.wan.image import WanImageCondition, condition_latents, encode_condition, encode_image_states, \
     encode_pictures
 from parallel.config import load_config
+from tests.unit.test_prepare_data import videos  # noqa: F401  (fixture: clips)
+from tests.unit.test_prepare_data_wan import umt5_dir, wan_vae_dir  # noqa: F401  (fixtures: UMT5, Wan VAE)
 from tests.unit.test_wan_i2v import IMAGE, IMAGE_DIM, TEXT, released_i2v  # noqa: F401  (fixture)
 
 FRAMES, HEIGHT, WIDTH = 9, 64, 96            # pixels -> latents [4, 3, 8, 12]
@@ -57,7 +60,7 @@ def test_inputs_are_the_pipelines(released_i2v, parts):
     assert condition.shape == (1, 4 + 4, 3, 8, 12)
     # data preparation: the clip's first frame (its other frames play no part)
     clip = np.stack([np.asarray(picture)] + [np.full((HEIGHT, WIDTH, 3), 17, np.uint8)] * (FRAMES - 1))
-    stored = encode_condition(vae, clip)
+    stored = encode_condition(encode, vae, clip)
     torch.testing.assert_close(stored[None], condition[:, 4:], atol=1e-5, rtol=1e-4)  # /127.5 - 1 vs /255 * 2 - 1
     torch.testing.assert_close(encode_pictures(vae, [picture], HEIGHT, WIDTH, FRAMES), condition[:, 4:])
     # the training input: the pipeline's latent_model_input = cat([latents, condition])
@@ -102,3 +105,60 @@ def test_sampling_equals_the_pipeline(released_i2v, parts):
             return ours.predict((condition.sampling_input(x, first), t, text if conditional else negative, states))
     got = sample(predict, noise, Objective.of(cfg.model), 4, "unipc", 2.0)
     torch.testing.assert_close(got, want)
+
+
+def test_prepared_folder_trains_on_the_pipelines_inputs(videos, wan_vae_dir, umt5_dir, parts, tmp_path, capsys):
+    """python -m parallel.prepare_data --image-encoder on debug-wan-i2v: each latent file holds "image" (the
+    first frame's image latents, encode_condition) and "image_embeds" (its CLIP states, as encode_image on that
+    frame); the data check passes; a training batch is (x_t, mask, image latents), t, text, CLIP states.
+    Without --image-encoder, or with a CLIP of another width, the run is refused by name before any encoding."""
+    from diffusers import AutoencoderKLWan
+    from safetensors.torch import load_file
+
+    from parallel.build import build_model
+    from parallel.check import check_data_files
+    from parallel.distributed.topology import ParallelContext
+    from parallel.prepare_data.frames import frame_indices
+    from parallel.train.run import build_dataset, training_batches
+    from tests.unit.test_prepare_data_wan import SETS, run
+
+    _, encoder, processor, _ = parts
+    clip_dir = tmp_path / "image_encoder"
+    encoder.save_pretrained(clip_dir)
+    processor.save_pretrained(clip_dir)
+    out = tmp_path / "prepared"
+    assert run(videos[0], wan_vae_dir, out, "--t5", str(umt5_dir), config="debug-wan-i2v") == 1
+    assert ("--image-encoder is missing: model debug-wan-i2v (--config=debug-wan-i2v) trains on the first frame's "
+            "CLIP states; give the release's image encoder folder") in capsys.readouterr().err
+    assert run(videos[0], wan_vae_dir, out, "--t5", str(umt5_dir), "--image-encoder", str(clip_dir),
+               config="debug-wan-i2v", sets=SETS + ["model.image_dim=32", "model.added_kv_proj_dim=64"]) == 1
+    assert f"--image-encoder={clip_dir}: hidden_size 24 != model.image_dim 32" in capsys.readouterr().err
+    assert not out.exists() or not list(out.glob("latents/*"))
+    assert run(videos[0], wan_vae_dir, out, "--t5", str(umt5_dir), "--image-encoder", str(clip_dir), "--posterior",
+               "mode", config="debug-wan-i2v") == 0
+
+    vae = AutoencoderKLWan.from_pretrained(wan_vae_dir).eval()
+    clip = videos[1]["a0.mkv"]
+    clip = clip[frame_indices(len(clip), 9)][:, :, 8:40]          # as test_prepare_data_wan: the middle 32 columns
+    stored = load_file(out / "latents/a0.mkv.safetensors")
+    assert stored["image"].shape == stored["latent"].shape == (4, 3, 4, 4)
+    torch.testing.assert_close(stored["image"], encode_condition(encode, vae, clip))
+    assert not torch.allclose(stored["image"][:, 1:], torch.zeros(4, 2, 4, 4))      # gray frames: not zeros
+    torch.testing.assert_close(stored["image_embeds"], encode_image_states(encoder, processor, [clip[0]])[0])
+
+    cfg = load_config("debug-wan-i2v", SETS + ["data.kind=directory", f"data.path={out}", "train.micro_batch_size=2",
+                                               "train.grad_accum_steps=1"])
+    assert check_data_files(cfg) == []
+    dataset = build_dataset(cfg)
+    batches = training_batches(cfg, ParallelContext.single(), dataset)
+    (x_t, t, text, embeds), target = next(batches)
+    samples = [dataset[batches.sample_index(p)] for p in (0, 1)]          # (latent, text, image, image_embeds)
+    assert all(len(sample) == 4 for sample in samples)
+    assert x_t.shape == (2, 12, 3, 4, 4) and text.shape == (2, 512, 32) and embeds.shape == (2, IMAGE, IMAGE_DIM)
+    assert torch.equal(x_t[:, 4:8, 0], torch.ones(2, 4, 4, 4)) and not x_t[:, 4:8, 1:].any()
+    torch.testing.assert_close(x_t[:, 8:], torch.stack([s[2] for s in samples]))
+    torch.testing.assert_close(embeds, torch.stack([s[3] for s in samples]))
+    torch.manual_seed(0)
+    loss = build_model(cfg, {}, ParallelContext.single())((x_t, t, text, embeds), target)
+    loss.backward()
+    assert torch.isfinite(loss)
