@@ -75,6 +75,12 @@ class FirstFrameCondition:
         return condition(x_t, first.to(x_t.dtype), torch.ones(len(x_t), dtype=torch.bool))
 
     @staticmethod
+    def sampling_parts(x0: torch.Tensor, stored: list) -> tuple[torch.Tensor, tuple]:
+        """Validation of sample x0 [C, T, H, W]: (its first-frame latents [1, C, 1, H, W], no further inputs): the
+        stored image latents, else x0's first latent frame."""
+        return (stored[0] if stored else x0[:, :1])[None], ()
+
+    @staticmethod
     def stored_scale(vae_config: dict) -> float:
         """Factor from a training latent's scale (scaling_factor x z) to the image latents' (`image_latent_scale`):
         1 for the 1.0 VAEs, 1 / scaling_factor^2 for a VAE with invert_scale_latents (1.5)."""

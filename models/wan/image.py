@@ -169,6 +169,15 @@ class WanImageCondition:
         m = self.model
         return {"image": list(latent), **({"image_embeds": [m.image_len, m.image_dim]} if m.image_dim else {})}
 
+    def sampling_parts(self, x0: torch.Tensor, stored: list) -> tuple[torch.Tensor, tuple]:
+        """Validation of sample x0 [C, T, H, W] with its stored tensors (image latents, CLIP states; none for
+        synthetic data): (image latents [1, C, T, H, W], (CLIP states [1, I, image_dim],) or ())."""
+        m = self.model
+        first = (stored[0] if stored else stand_in_latents(x0[None])[0])[None]
+        if m.image_dim is None:
+            return first, ()
+        return first, ((stored[1] if len(stored) > 1 else stand_in_embeds(x0[None], m.image_len, m.image_dim)[0])[None],)
+
     def sampling_input(self, x_t: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         """Sampling: x_t [B, C, T, H, W] and the image latents [B, C, T, H, W] (`encode_pictures`) -> the
         transformer's latents, for the conditional and the unconditional call alike (as the pipeline)."""

@@ -137,3 +137,55 @@ def test_wrong_image_settings_are_refused_by_key():
         with pytest.raises(ConfigError, match=words):
             load_config("debug-wan-i2v", sets + (["model.added_kv_proj_dim=null"] if sets[0].startswith(
                 "model.image_dim") else []))
+
+
+def test_validation_conditions_on_the_first_frame_and_its_clip_states():
+    """validation_loss and sample_latents of debug-wan-i2v on synthetic data: the inputs built here from the
+    condition's stand-ins ([x_t, mask, z_0, 0, 0] and the CLIP stand-in), the same in the guided call pair."""
+    import types
+
+    from models.diffusion import Objective
+    from models.sampling import sample
+    from models.wan.image import stand_in_embeds
+    from parallel.distributed.seed import derive_seed
+    from parallel.train.run import build_val_dataset
+    from parallel.train.validate import StageForward, sample_latents, validation_loss, validation_noise
+
+    cfg = load_config("debug-wan-i2v", ["model.num_layers=2", "val.num_samples=2", "val.timesteps=[100,700]",
+                                        "val.num_prompts=1", "val.sample_steps=2", "val.guidance_scale=3"])
+    ctx = ParallelContext.single()
+    torch.manual_seed(0)
+    model = SequentialDiT(layer_specs(cfg, ctx)).eval()
+    forward = StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx)
+    dataset, objective = build_val_dataset(cfg), Objective.of(cfg.model)
+
+    def inputs(x, x0):
+        image = torch.cat([x0[:, :1], torch.zeros_like(x0[:, 1:])], dim=1).expand(len(x), *x0.shape)
+        mask = torch.zeros(len(x), 4, *x0.shape[1:])
+        mask[:, :, 0] = 1
+        return torch.cat([x, mask, image], dim=1), stand_in_embeds(x0[None], 5, 24).expand(len(x), 5, 24)
+
+    got = validation_loss(forward, dataset, objective, cfg, ctx)["val_loss"]
+    losses = []
+    for i in range(2):
+        x0, text = dataset[i]
+        t = torch.tensor(cfg.val.timesteps)
+        x_t, target = objective.noised(x0.expand(2, *x0.shape), validation_noise(cfg.train.seed, i, [100, 700],
+                                                                                  x0.shape), t)
+        latents, states = inputs(x_t, x0)
+        with torch.no_grad():
+            pred = model.predict((latents, objective.model_timesteps(t), text.expand(2, *text.shape), states))
+        losses.append(((pred - target) ** 2).flatten(1).mean(1))
+    torch.testing.assert_close(torch.tensor(got), torch.cat(losses).mean())
+
+    x0, text = dataset[0]
+    uncond = dataset.unconditional()[None]
+    g = torch.Generator().manual_seed(derive_seed(cfg.train.seed, "sample", 0))
+    noise = torch.randn((1, *x0.shape), generator=g)
+
+    def predict(x, t, conditional):
+        latents, states = inputs(x, x0)
+        with torch.no_grad():
+            return model.predict((latents, t, text[None] if conditional else uncond, states))
+    want = sample(predict, noise, objective, 2, cfg.val.sampler, 3.0, generator=g)
+    torch.testing.assert_close(sample_latents(forward, dataset, objective, cfg, ctx)[0], want[0])
