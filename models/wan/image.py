@@ -131,7 +131,7 @@ class WanImageCondition:
     dropout = 0.0        # Wan's releases and trainers (DiffSynth, musubi-tuner) never drop the image
 
     def __init__(self, model, data):
-        self.model = model
+        self.model, self.data = model, data
 
     def __call__(self, x_t: torch.Tensor, x0: torch.Tensor, keep: torch.Tensor,
                  first: Optional[torch.Tensor] = None, embeds: Optional[torch.Tensor] = None):
@@ -177,6 +177,15 @@ class WanImageCondition:
         if m.image_dim is None:
             return first, ()
         return first, ((stored[1] if len(stored) > 1 else stand_in_embeds(x0[None], m.image_len, m.image_dim)[0])[None],)
+
+    def encode_pictures(self, vae, pictures: list, height: int, width: int) -> torch.Tensor:
+        """Image latents [N, C, T, H', W'] of the pictures for sampling (data.num_frames frames)."""
+        return encode_pictures(vae, pictures, height, width, self.data.num_frames)
+
+    @staticmethod
+    def encode_image_states(image_encoder, pictures: list) -> torch.Tensor:
+        """CLIP states [N, I, image_dim] of the pictures (image_encoder: load_image_encoder's pair)."""
+        return encode_image_states(*image_encoder, pictures)
 
     def sampling_input(self, x_t: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         """Sampling: x_t [B, C, T, H, W] and the image latents [B, C, T, H, W] (`encode_pictures`) -> the

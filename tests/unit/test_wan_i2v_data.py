@@ -5,7 +5,9 @@ AutoencoderKLWan, CLIPVisionModel + CLIPImageProcessor and I2V transformer, fp32
     stores) and of a picture (`encode_pictures`, sampling) equal prepare_latents' condition, and the training
     input (x_t, mask, image latents) equals the pipeline's latent_model_input;
   - the CLIP states (`encode_image_states`) equal the pipeline's encode_image;
-  - sampling (models.sampling.sample, UniPC, guidance) from the same noise equals the pipeline's latents.
+  - sampling (models.sampling.sample, UniPC, guidance) from the same noise equals the pipeline's latents, and so
+    does `python -m parallel.sample` (--image with --vae and --image-encoder, or --image-latents + --image-embeds);
+  - data preparation (--image-encoder) stores both, and training batches from the folder carry them.
 """
 import numpy as np
 import pytest
@@ -73,7 +75,7 @@ def test_inputs_are_the_pipelines(released_i2v, parts):
     torch.testing.assert_close(encode_image_states(encoder, processor, [np.asarray(picture)]), want)
 
 
-def test_sampling_equals_the_pipeline(released_i2v, parts):
+def test_sampling_equals_the_pipeline(released_i2v, parts, tmp_path, capsys):
     """UniPC, 4 steps, guidance 2 from the same noise: models.sampling.sample with the condition's sampling
     input and the CLIP states gives WanImageToVideoPipeline(..., output_type="latent")'s latents."""
     from models.diffusion import Objective
@@ -105,6 +107,50 @@ def test_sampling_equals_the_pipeline(released_i2v, parts):
             return ours.predict((condition.sampling_input(x, first), t, text if conditional else negative, states))
     got = sample(predict, noise, Objective.of(cfg.model), 4, "unipc", 2.0)
     torch.testing.assert_close(got, want)
+    sample_command(folder, parts, tmp_path, {"prompt": text, "negative": negative, "noise": noise}, first, states,
+                   want, capsys)
+
+
+def sample_command(folder, parts, tmp_path, tensors, first, states, want, capsys):
+    """python -m parallel.sample gives the pipeline's latents: with --image PICTURE --vae --image-encoder, and
+    with --image-latents + --image-embeds; without the CLIP states it is refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    from parallel.sample import main
+    from tests.unit.test_wan_i2v import overrides
+
+    vae, encoder, processor, picture = parts
+    for name, value in {**tensors, "first": first, "states": states}.items():
+        save_file({name: value.contiguous()}, str(tmp_path / f"{name}.safetensors"))
+    vae.save_pretrained(tmp_path / "vae")
+    encoder.save_pretrained(tmp_path / "clip")
+    processor.save_pretrained(tmp_path / "clip")
+    picture.save(tmp_path / "picture.png")
+    base = ["--config", "debug-wan-i2v", *[a for s in overrides(folder) + [f"data.num_frames={FRAMES}"]
+                                           for a in ("--set", s)],
+            "--prompt-embeds", str(tmp_path / "prompt.safetensors"), "--negative-embeds",
+            str(tmp_path / "negative.safetensors"), "--noise", str(tmp_path / "noise.safetensors"), "--steps", "4",
+            "--guidance", "2", "--sampler", "unipc"]
+    runs = {"picture": ["--image", str(tmp_path / "picture.png"), "--vae", str(tmp_path / "vae"), "--image-encoder",
+                        str(tmp_path / "clip")],
+            "latents": ["--image-latents", str(tmp_path / "first.safetensors"), "--image-embeds",
+                        str(tmp_path / "states.safetensors")]}
+    for name, image_args in runs.items():
+        out = tmp_path / f"{name}.safetensors"
+        assert main(base + image_args + ["--out", str(out)]) == 0
+        torch.testing.assert_close(load_file(str(out))["latents"], want, msg=lambda m: f"{name}: {m}")
+    assert main(base + ["--image-latents", str(tmp_path / "first.safetensors"), "--out", str(tmp_path / "x")]) == 1
+    assert ("--image-latents needs the CLIP states of the model's image cross-attention: --image-embeds FILE"
+            in capsys.readouterr().err)
+    assert main(base + ["--image", str(tmp_path / "picture.png"), "--vae", str(tmp_path / "vae"), "--out",
+                        str(tmp_path / "x")]) == 1
+    assert ("--image needs the CLIP vision encoder of the model's image cross-attention: --image-encoder DIR"
+            in capsys.readouterr().err)
+    save_file({"states": states[:, :3].contiguous()}, str(tmp_path / "short.safetensors"))
+    assert main(base + runs["latents"][:2] + ["--image-embeds", str(tmp_path / "short.safetensors"), "--out",
+                                              str(tmp_path / "x")]) == 1
+    assert (f"--image-embeds {tmp_path / 'short.safetensors'}: shape [1, 3, {IMAGE_DIM}], expected [I, D] = "
+            f"[{IMAGE}, {IMAGE_DIM}]" in capsys.readouterr().err)
 
 
 def test_prepared_folder_trains_on_the_pipelines_inputs(videos, wan_vae_dir, umt5_dir, parts, tmp_path, capsys):
