@@ -87,8 +87,11 @@ class WanDiffusers(DiffusersFormat):
             return f"patch_size {show(theirs)} != (model.patch_size_t, model.patch_size) {show(value)}; {fix}"
 
         def in_channels(theirs, value) -> Optional[str]:
-            i2v = 2 * config.get("out_channels", 16) + m.vae_scale_temporal
-            return None if theirs == value else (
+            out = config.get("out_channels", 16)
+            i2v = 2 * out + m.vae_scale_temporal
+            if theirs == value or ((theirs == i2v) == m.image_condition and out != m.in_channels):
+                return None       # equal, or the out_channels line says what to set
+            return (
                 f"in_channels {show(theirs)} != {value} (model.image_condition {show(m.image_condition)}); set "
                 f"--set model.image_condition={show(theirs == i2v)} (image-to-video releases take 2 x out_channels + "
                 f"{m.vae_scale_temporal}: noise, mask, image latents) or use the matching preset")
@@ -97,7 +100,8 @@ class WanDiffusers(DiffusersFormat):
             if theirs == value:
                 return None
             fix = ("--set model.image_dim=null --set model.added_kv_proj_dim=null" if theirs is None else
-                   f"--set model.image_dim={theirs} --set model.added_kv_proj_dim={m.hidden_size} --set "
+                   f"--set model.image_dim={theirs} --set model.added_kv_proj_dim="
+                   f"{config.get('added_kv_proj_dim') or m.hidden_size} --set "
                    f"model.image_condition=true --set model.max_text_len={I2V_TEXT_LEN}")
             return (f"image_dim {show(theirs)} != model.image_dim {show(value)}; set {fix} or use the matching preset "
                     f"(wan2.1-i2v-14b-480p, wan2.1-i2v-14b-720p: image-to-video)")
