@@ -220,6 +220,9 @@ class EmbedStage(nn.Module):
 
     def forward(self, inputs):
         latents, timesteps, text, *image = inputs
+        if bool(image) != (self.cfg.image_dim is not None):     # else the cross-attention would split y wrongly
+            raise ValueError(f"model {self.cfg.name}: {len(inputs)} inputs; (latents, timesteps, text"
+                             f"{', CLIP states' if self.cfg.image_dim is not None else ''}) expected")
         dtype = self.patch_embedding.weight.dtype
         x = split_sequence(self.patch_embedding(patchify(latents.to(dtype), self.cfg)), self.ctx)   # (B, S/sp, H)
         t_freq = timestep_embedding(timesteps, self.cfg.time_embed_dim).to(dtype)  # [cos, sin], as Timesteps

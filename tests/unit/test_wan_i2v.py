@@ -71,6 +71,8 @@ def test_forward_equals_diffusers(released_i2v):
     # the image matters: other CLIP states, another prediction
     other = (*inputs()[:3], inputs()[3] + 1)
     assert not torch.allclose(diffusers_forward(model, *other), want)
+    with pytest.raises(ValueError, match=r"3 inputs; \(latents, timesteps, text, CLIP states\) expected"):
+        ours.predict(inputs()[:3])
 
 
 def test_reference_and_the_verify_command(released_i2v, capsys):
