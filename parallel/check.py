@@ -18,7 +18,7 @@ from typing import Any, Optional
 from parallel import ds_config as dsc
 from parallel.ds_keys import ZERO_QUANTIZED, key_problems
 from models.config import ModelConfig
-from models.registry import sequence_tokens
+from models.registry import family, sequence_tokens
 from parallel.config import ConfigError, ExperimentConfig, load_config
 from parallel.distributed.sequence import padded_length
 from parallel.distributed.topology import Layout
@@ -272,7 +272,7 @@ def check_outputs(cfg: ExperimentConfig) -> list[str]:
     from parallel.train.media import load_decoder
     problems = []
     try:
-        check_sampler(cfg.model.objective, v.sampler)
+        check_sampler(cfg.model.objective, v.sampler, family(cfg.model).sampling.samplers)
     except ValueError as e:
         problems.append(f"val.sampler={v.sampler}: {e}")
     try:

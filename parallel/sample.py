@@ -46,6 +46,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from models.sampling import SAMPLERS
 from parallel.check import load_and_check
 from parallel.cli import add_experiment_args
 from parallel.config import UNCOND_FILE, ConfigError
@@ -69,7 +70,8 @@ def parser() -> argparse.ArgumentParser:
                     help="image-to-video: the first frames' latents, one tensor [C, 1, H, W] or [B, C, 1, H, W]")
     ap.add_argument("--steps", type=int, default=None, help="sampling steps; default val.sample_steps")
     ap.add_argument("--guidance", type=float, default=None, help="guidance scale; default val.guidance_scale")
-    ap.add_argument("--sampler", choices=["ddim", "dpm", "euler", "flow_euler", "unipc"], default=None, help="default val.sampler")
+    ap.add_argument("--sampler", choices=sorted(s for group in SAMPLERS.values() for s in group), default=None,
+                    help="default val.sampler, else the first the model's family offers for its objective")
     ap.add_argument("--seed", type=int, default=None, help="noise seed; default train.seed")
     ap.add_argument("--ema", action="store_true", help="a checkpoint's EMA weights instead of its weights")
     ap.add_argument("--vae", default=None, help="decoder for the videos and encoder of --image (a VAE folder of "
@@ -108,6 +110,7 @@ def _settings(args, cfg) -> tuple[int, float, Optional[str], int]:
 def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
     """Every problem with the command line, before a model loads."""
     from models.geometry import latent_shape
+    from models.registry import family
     from models.sampling import check_sampler
 
     problems, rows = [], len(args.prompt)
@@ -155,7 +158,7 @@ def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
     if not 1 <= steps <= 1000:
         problems.append(f"--steps={steps}: give a number in [1, 1000]")
     try:
-        check_sampler(cfg.model.objective, sampler)
+        check_sampler(cfg.model.objective, sampler, family(cfg.model).sampling.samplers)
     except ValueError as e:
         problems.append(f"--sampler / val.sampler: {e}")
     return problems + _check_weights(args, cfg, layout, ds or {})
@@ -291,10 +294,12 @@ def sample_videos(args, cfg, ds: dict, layout, env):
     from models.geometry import latent_shape
     from parallel.train.sampling import sample_batch, sampling_model
 
-    steps, guidance, sampler, seed = _settings(args, cfg)
-    labels, text, uncond = load_prompts(args, cfg)
     from models.registry import family
+    from models.sampling import check_sampler
 
+    steps, guidance, sampler, seed = _settings(args, cfg)
+    sampler = check_sampler(cfg.model.objective, sampler, family(cfg.model).sampling.samplers)
+    labels, text, uncond = load_prompts(args, cfg)
     noise = _tensor(args.noise) if args.noise else None
     first = load_first_frames(args, cfg, len(text))
     shape = (cfg.model.in_channels, *latent_shape(cfg.model, cfg.data))

@@ -127,7 +127,7 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
         everywhere = {p for p, n in count.items() if n == len(args.bucket_list or [None])}
         problems += list(dict.fromkeys(p if p in everywhere else p + where for p, where in per_bucket))
     if args.t5:
-        wanted = family(cfg.model).text_encoder
+        wanted = family(cfg.model).text_encoder.class_name
         what = (f"expected a folder written by {wanted}.save_pretrained with its tokenizer beside it "
                 "(for a release: text_encoder/ with the files of tokenizer/ copied in)")
         try:
@@ -227,7 +227,7 @@ class ClipEncoder:
         if args.t5:
             from models.text_encoder import T5TextEncoder
             self.t5 = T5TextEncoder(args.t5, cfg.model.max_text_len, cfg.model.text_embed_dim, device, cache_size=0,
-                                    expected_class=family(cfg.model).text_encoder, key="--t5")
+                                    expected=family(cfg.model).text_encoder, key="--t5")
         self.args, self.data, self.seed, self.tag = args, cfg.data, cfg.train.seed, tag
         self.store, self.model, self.buckets = DTYPES[args.dtype], cfg.model, args.bucket_list
         self.condition = family(cfg.model).training_condition(cfg.model, cfg.data)
