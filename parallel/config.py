@@ -313,7 +313,9 @@ def _describe(error: dict, source: str, overridden: set[str]) -> str:
     dotted = ".".join(str(p) for p in loc)
     if error["type"] == "union_tag_invalid":
         return (f"{source if 'model.family' not in overridden else '--set'}: model.family="
-                f"{error['ctx']['tag']!r} is not a model family; families: {', '.join(FAMILIES)}")
+                f"{error['ctx']['tag']!r} is not a model family; families: {', '.join(FAMILIES)} (a family kept "
+                f"outside models/ is registered by a module the experiment names under families:, "
+                f"docs/architecture.md)")
     origin = "--set" if dotted in overridden else source
     if error["type"] == "extra_forbidden":
         if family is not None:                        # a key of the model section: this family's keys

@@ -171,7 +171,7 @@ def _check_image(args, cfg, rows: int, shapes: dict) -> list[str]:
 
     given = [flag for flag, v in (("--image", args.image), ("--image-latents", args.image_latents)) if v]
     if family(cfg.model).training_condition(cfg.model, cfg.data) is None:
-        return [f"{' and '.join(given)}: model {cfg.model.name} is text-to-video (model.image_condition is false); "
+        return [f"{' and '.join(given)}: model {cfg.model.name} is text-to-video (its family's conditioning is off); "
                 "leave out the image"] if given else []
     if len(given) != 1:
         return [f"model {cfg.model.name} is image-to-video: give the first frame, either --image PICTURE (with --vae) "
@@ -183,7 +183,7 @@ def _check_image(args, cfg, rows: int, shapes: dict) -> list[str]:
         if len(args.image) not in (1, rows):
             problems.append(f"--image: {len(args.image)} pictures for {rows} prompts; give 1 or {rows}")
         if not (args.vae or cfg.val.decoder):
-            problems.append("--image needs the VAE that encodes it: --vae <CogVideoX vae/ folder>")
+            problems.append(f"--image needs the VAE that encodes it: --vae <{family(cfg.model).vae.release}>")
     shape = shapes.get(args.image_latents)
     if shape and not (list(shape) == want or (len(shape) == 5 and shape[0] in (1, rows) and list(shape[1:]) == want)):
         problems.append(f"--image-latents {args.image_latents}: shape {list(shape)}, expected [C, 1, H, W] = {want} "
