@@ -194,7 +194,8 @@ class FamilySpec:
 
     def __post_init__(self):
         bounds = [e.boundary for e in self.experts]
-        if self.experts and (bounds != sorted(bounds, reverse=True) or bounds[-1] != 0 or len(set(bounds)) != len(bounds)):
+        falling = bounds == sorted(set(bounds), reverse=True)
+        if self.experts and (not falling or bounds[-1] != 0):
             raise ValueError(f"family {self.name}: expert boundaries {bounds} must fall strictly, ending at 0")
 
     def expert(self, t: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ def _formats() -> dict:
 
 
 def _what() -> str:
-    return "a folder written by " + " or ".join(f"{name}.save_pretrained ({f.release})" for name, f in _formats().items())
+    return "a folder written by " + " or ".join(f"{name}.save_pretrained ({f.release})"
+                                                for name, f in _formats().items())
 
 
 def read_vae_config(path: str | Path, key: str = "--vae") -> dict:

@@ -90,6 +90,15 @@ def _check_model_splits(cfg: ExperimentConfig) -> list[str]:
     return problems
 
 
+def _check_objective(cfg: ExperimentConfig) -> list[str]:
+    """model.objective among those the family samples (FamilySpec.sampling.samplers)."""
+    offered = family(cfg.model).sampling.samplers
+    if cfg.model.objective in offered:
+        return []
+    return [f"model.objective={cfg.model.objective}: model.family={cfg.model.family} samples "
+            f"{' or '.join(offered)} only; set --set model.objective={next(iter(offered))}"]
+
+
 def valid_sp_sizes(cfg: ExperimentConfig) -> list[int]:
     """sp sizes that divide the heads of one tp rank (any token count works: it is padded)."""
     heads, tp = cfg.model.num_heads, cfg.parallel.tp_size
@@ -327,7 +336,7 @@ def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source:
     """Return the layout and every problem found (an empty list means the layout is valid); with `device`,
     the precision is checked against it too."""
     ds = ds or {}
-    problems = _check_model_splits(cfg) + _check_sequence(cfg) + _check_pipeline(cfg)
+    problems = _check_model_splits(cfg) + _check_objective(cfg) + _check_sequence(cfg) + _check_pipeline(cfg)
     dp, grid_problems = _resolve_dp(cfg, world_size)
     problems += grid_problems + _check_batch(cfg, ds, ds_source, dp) + _check_engine(cfg, ds, ds_source)
     if device is not None:

@@ -143,7 +143,8 @@ class ValConfig(Section):
     num_prompts: int = Field(0, ge=0, description="prompts to sample videos for; 0 = no videos")
     sample_steps: int = Field(20, ge=1)
     sampler: Optional[Literal["ddim", "dpm", "euler", "flow_euler", "unipc"]] = Field(
-        None, description="default: ddim for v_prediction, euler for flow_matching; dpm: v_prediction, "
+        None, description="default: the first the model's family offers for its objective (FamilySpec.sampling; "
+        "the built-in families: ddim for v_prediction, euler for flow_matching); dpm: v_prediction, "
         "CogVideoXDPMScheduler's DPM-Solver++(2M) SDE step; flow_euler: flow_matching, FlowMatchEulerDiscreteScheduler "
         "with shift model.schedule.shift; unipc: flow_matching, UniPCMultistepScheduler with flow sigmas and that shift "
         "(Wan 2.1's)")
@@ -153,8 +154,9 @@ class ValConfig(Section):
                                   "1 + g (1 - cos(pi ((N - t) / N) ** 5)) / 2 at timestep t of N steps")
     formats: list[Literal["gif", "mp4"]] = Field(["gif"], min_length=1)
     fps: int = Field(8, ge=1)
-    decoder: Optional[str] = Field(None, description="a CogVideoX VAE folder (diffusers) or 'package.module:function' "
-                                   "mapping a latent [C,T,H,W] to frames; default: a latent-to-RGB preview")
+    decoder: Optional[str] = Field(None, description="the model family's VAE folder (diffusers) or "
+                                   "'package.module:function' mapping a latent [C,T,H,W] to frames; default: a "
+                                   "latent-to-RGB preview")
 
     @field_validator("timesteps")
     @classmethod

@@ -92,3 +92,19 @@ def test_a_family_outside_models_is_named_by_the_experiment(registry, tmp_path):
     cfg = load_config(without, ["families=[tests.toy_family]"])          # the advice, followed
     assert cfg.model.family == "toy" and type(cfg.model).__name__ == "ToyConfig"
     assert load_config(TOY).model == cfg.model
+
+
+def test_the_checker_refuses_an_objective_the_family_does_not_sample(registry):
+    """A family that samples v_prediction only: flow_matching is refused by the checker, and the --set it
+    names is accepted."""
+    from models.registry import FAMILIES
+    from models.spec import Sampling
+    from parallel.check import check
+    load_config(TOY)
+    FAMILIES["toy"] = dataclasses.replace(FAMILIES["toy"], sampling=Sampling({"v_prediction": ("ddim",)}, None))
+    _, problems = check(load_config(TOY, ["model.objective=flow_matching"]), world_size=1)
+    assert problems == ["model.objective=flow_matching: model.family=toy samples v_prediction only; set --set "
+                        "model.objective=v_prediction"]
+    _, problems = check(load_config(TOY, ["model.objective=flow_matching", "model.objective=v_prediction"]),
+                        world_size=1)
+    assert problems == []
