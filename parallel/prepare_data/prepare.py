@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from models.geometry import latent_shape, pad_frames
-from models.registry import family
+from models.registry import family, text_encoder_formats, vae_formats
 from models.text_encoder import encoder_class
 from parallel.cli import CONFIG_HELP, add_experiment_args
 from parallel.units import DTYPES
@@ -56,9 +56,9 @@ def parser() -> argparse.ArgumentParser:
                     '{"video": ..., "caption": ...}; video paths relative to --videos. '
                     "Default: a .txt file next to each video")
     ap.add_argument("--vae", required=True, type=Path, help="the VAE folder (save_pretrained) of the model's family: "
-                    "AutoencoderKLCogVideoX (CogVideoX, STDiT) or AutoencoderKLWan (Wan 2.1)")
-    ap.add_argument("--t5", type=Path, help="text encoder + tokenizer folder of the model's family (T5EncoderModel, "
-                    "UMT5EncoderModel for Wan 2.1); without it the manifest keeps captions")
+                    + " or ".join(f"{name} ({f.release})" for name, f in vae_formats().items()))
+    ap.add_argument("--t5", type=Path, help="text encoder + tokenizer folder of the model's family ("
+                    + " or ".join(text_encoder_formats()) + "); without it the manifest keeps captions")
     ap.add_argument("--out", required=True, type=Path, help="output folder (data.path for training)")
     ap.add_argument("--fps", type=float, help="take a clip at this frame rate from the start of each video; "
                     "default: data.num_frames frames spread over the whole video")
