@@ -108,3 +108,14 @@ def test_the_checker_refuses_an_objective_the_family_does_not_sample(registry):
     _, problems = check(load_config(TOY, ["model.objective=flow_matching", "model.objective=v_prediction"]),
                         world_size=1)
     assert problems == []
+
+
+def test_python_m_models_names_a_familys_timesteps_and_experts(registry, capsys):
+    from models.__main__ import main
+    assert main(["--config", TOY]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("[")]   # DeepSpeed's log
+    assert lines[0].startswith("model: debug-toy (toy), 2 blocks (2 timestep experts in each MLP)")
+    assert lines[-1] == ("timesteps: one per token; experts by timestep: high_noise (t >= 500), "
+                                    "low_noise (t >= 0)")
+    assert main(["--config", "debug-stdit"]) == 0
+    assert "timesteps:" not in capsys.readouterr().out          # the built-ins: one per sample, no experts
