@@ -44,6 +44,7 @@ from models.geometry import PositionCache, latent_shape, token_grid
 from models.registry import family, sequence_tokens
 from parallel.config import ExperimentConfig
 from parallel.build import layer_specs
+from parallel.distributed.sequence import default_ring
 from parallel.distributed.topology import ParallelContext
 from parallel.lora import apply_lora
 from parallel.recompute import packed_nbytes, wrap_layer
@@ -192,10 +193,18 @@ class ActivationTracer:
         self._modules: dict = {}
         self._traces: dict = {}
 
+    def _ring(self, tp: int, sp: int) -> int:
+        """The ring share of sp: parallel.ring_size at the config's own sp and tp, else as the checker's default."""
+        p = self.cfg.parallel
+        if p.ring_size is not None and (tp, sp) == (p.tp_size, p.sp_size):
+            return p.ring_size
+        ring_ok = getattr(type(self.cfg.model), "RING_ATTENTION", True)
+        return default_ring(self.cfg.model.num_heads // tp, sp, ring_ok) if sp > 1 else 1
+
     def _module(self, kind: str, tp: int, sp: int = 1, granularity: Optional[str] = None):
         """The stage module on meta; a block with `granularity` checkpointed as train.recompute would."""
         if (kind, tp, sp, granularity) not in self._modules:
-            ctx = ParallelContext.single(tp, sp)
+            ctx = ParallelContext.single(tp, sp, self._ring(tp, sp))
             specs = layer_specs(self.cfg, ctx)
             spec = {"embed": specs[0], "block": specs[1], "final": specs[-1]}[kind]
             with torch.device("meta"):
