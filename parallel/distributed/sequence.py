@@ -173,12 +173,12 @@ class SequenceAttention(nn.Module):
         if self.sp == 1:
             return self._full(q, k, v)
         # A planning context (no process group): one sp rank's shapes, [B, S_pad/sp, n, d] <-> [B, S_pad/r, n/u, d]
-        # for Ulysses (the all-to-all keeps nothing for backward, and neither does a reshape), then attention
-        # over the whole sequence's keys (S_pad) as the ring's blocks see them one by one.
+        # for Ulysses (the all-to-all keeps nothing for backward, and neither does a reshape). Under ring the
+        # chunk attends to itself: ring attention saves what that saves (its q, k, v chunk, output and
+        # log-sum-exp); its transient buffers are the planner's (parallel/plan/memory.py `ring_buffers`).
         b, s, n, d = q.shape
-        u, r = self.ulysses_size, self.ring_size
+        u = self.ulysses_size
         q, k, v = (t.reshape(b, s * u, n // u, d) for t in (q, k, v))
-        if r == 1:
+        if self.ring_size == 1:
             return self._unpadded(q, k, v).reshape(b, s, n, d)
-        k, v = (t.repeat(1, r, 1, 1) for t in (k, v))
-        return _sdpa(q, k, v).reshape(b, s, n, d)
+        return _sdpa(*self.prepare(q, k, v, 0)).reshape(b, s, n, d)

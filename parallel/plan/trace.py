@@ -185,6 +185,17 @@ def _affine(a: int, b: int, n: int) -> int:
     return a + (n - 1) * (b - a)
 
 
+def ring_of(cfg: ExperimentConfig, tp: int, sp: int, explicit: bool = True) -> int:
+    """The ring share of sp at (tp, sp): parallel.ring_size at the config's own tp and sp (`explicit`), else
+    the checker's default (all Ulysses where it divides the heads of a tp rank, ring for the rest)."""
+    p = cfg.parallel
+    if sp == 1:
+        return 1
+    if explicit and p.ring_size is not None and (tp, sp) == (p.tp_size, p.sp_size):
+        return p.ring_size
+    return default_ring(cfg.model.num_heads // tp, sp, getattr(type(cfg.model), "RING_ATTENTION", True))
+
+
 class ActivationTracer:
     """Traces embed, one block and final at (tp, micro-batch) on the meta device, cached."""
 
@@ -193,18 +204,12 @@ class ActivationTracer:
         self._modules: dict = {}
         self._traces: dict = {}
 
-    def _ring(self, tp: int, sp: int) -> int:
-        """The ring share of sp: parallel.ring_size at the config's own sp and tp, else as the checker's default."""
-        p = self.cfg.parallel
-        if p.ring_size is not None and (tp, sp) == (p.tp_size, p.sp_size):
-            return p.ring_size
-        ring_ok = getattr(type(self.cfg.model), "RING_ATTENTION", True)
-        return default_ring(self.cfg.model.num_heads // tp, sp, ring_ok) if sp > 1 else 1
-
     def _module(self, kind: str, tp: int, sp: int = 1, granularity: Optional[str] = None):
         """The stage module on meta; a block with `granularity` checkpointed as train.recompute would."""
         if (kind, tp, sp, granularity) not in self._modules:
-            ctx = ParallelContext.single(tp, sp, self._ring(tp, sp))
+            # Traced at the default ring for (tp, sp): every (ulysses, ring) pair saves the same elements
+            # (q, k, v, out of b S/sp H/tp), so one trace serves all; ring's own buffers are memory.ring_buffers.
+            ctx = ParallelContext.single(tp, sp, ring_of(self.cfg, tp, sp, explicit=False))
             specs = layer_specs(self.cfg, ctx)
             spec = {"embed": specs[0], "block": specs[1], "final": specs[-1]}[kind]
             with torch.device("meta"):

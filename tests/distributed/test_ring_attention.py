@@ -4,7 +4,8 @@ call it (this rank's tokens in, a position-dependent `prepare`, padding at the s
 
 Lengths: 7 tokens at ring 2 (chunks of 4 and 3 real tokens), 13 at ring 4 (4, 4, 4, 1), 5 at ring 4 (2, 2, 1
 and an all-padding chunk), 13 at Ulysses 2 x ring 2 (ring chunks of 8 and 5); 3 heads at ring 4, which no
-Ulysses degree above 1 divides. One spawn per world size runs all of its cases.
+Ulysses degree above 1 divides. One spawn per world size runs all of its cases. Each rank's isend bytes are
+checked against the planner's ring traffic.
 """
 import torch
 
@@ -25,9 +26,11 @@ def _full(q, k, v):
         *(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
 
 
-def _case(ctx, tokens: int, heads: int, seed: int) -> None:
-    """This rank's chunk through SequenceAttention equals full attention's rows; padded rows give zeros."""
-    from parallel.distributed.sequence import SequenceAttention, local_range, split_sequence
+def _case(ctx, tokens: int, heads: int, seed: int, sent: list) -> None:
+    """This rank's chunk through SequenceAttention equals full attention's rows; padded rows give zeros; the bytes
+    this rank sends around the ring are the planner's count (parallel.plan.search.ring_traffic)."""
+    from parallel.distributed.sequence import SequenceAttention, local_range, padded_length, split_sequence
+    from parallel.plan.search import ring_traffic
 
     g = torch.Generator().manual_seed(seed)
     q, k, v, dout = (torch.randn(B, tokens, heads, D, generator=g) for _ in range(4))
@@ -36,8 +39,11 @@ def _case(ctx, tokens: int, heads: int, seed: int) -> None:
     ref.backward(dout)
 
     mine = [split_sequence(t, ctx).detach().clone().requires_grad_() for t in (q, k, v)]
+    sent.clear()
     out = SequenceAttention(ctx=ctx, tokens=tokens, prepare=_prepare)(*mine)
     out.backward(split_sequence(dout, ctx))
+    chunk = B * padded_length(tokens, ctx.sp_size) // ctx.sp_size * heads * D * 4     # b S/sp H/tp, fp32
+    assert sum(sent) == sum(ring_traffic(chunk, ctx.ring_size, 4)), (sent, ring_traffic(chunk, ctx.ring_size, 4))
     start, stop = local_range(tokens, ctx)
     real = max(min(stop, tokens) - start, 0)
     label = f"{tokens} tokens, {heads} heads, ulysses {ctx.ulysses_size} x ring {ctx.ring_size}, rank {ctx.rank}"
@@ -51,14 +57,21 @@ def _case(ctx, tokens: int, heads: int, seed: int) -> None:
 
 def _rank(rank, world_size, cases):
     import deepspeed
+    import torch.distributed as dist
 
     from parallel.distributed import accelerator
     from parallel.distributed.topology import ParallelContext, ParallelDims
     deepspeed.init_distributed(dist_backend=accelerator.backend())        # Ulysses' all-to-alls
 
+    sent, isend = [], dist.isend
+
+    def counted(tensor, *args, **kwargs):
+        sent.append(tensor.numel() * tensor.element_size())
+        return isend(tensor, *args, **kwargs)
+    dist.isend = counted
     for ring, tokens, heads in cases:
         ctx = ParallelContext.build(ParallelDims(sp_size=world_size, ring_size=ring))
-        _case(ctx, tokens, heads, seed=tokens * 10 + heads)
+        _case(ctx, tokens, heads, seed=tokens * 10 + heads, sent=sent)
     return True
 
 
