@@ -1,4 +1,6 @@
-"""Ulysses sequence parallelism: tokens split over the sp ranks outside attention, heads inside it.
+"""Sequence parallelism: tokens split over the sp ranks outside attention; inside it Ulysses (heads split
+by all-to-alls), ring attention (key/value chunks passed around, parallel/distributed/ring.py) or both
+(sp = ulysses x ring: Ulysses inside a ring chunk, `SequenceAttention`).
 
 With `parallel.sp_size = s`, every sp rank holds S/s consecutive tokens of the sequence (CogVideoX: text
 tokens first, then video tokens; STDiT: video tokens in (t, h, w) order) through the norms, projections
