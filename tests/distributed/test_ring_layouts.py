@@ -1,7 +1,8 @@
 """Training under ring attention and Ulysses x ring (parallel.ring_size) against one process: losses and
 weights after 3 fp32 steps (ring 2, ring 4, Ulysses 2 x ring 2, tp 2 x ring 2, pp 2 x ring 2), for CogVideoX with 3D rotary positions (text tokens join the sequence: 8 text +
 48 video = 56 tokens, so at ring 2 the text sits in the first chunk and each chunk rotates its keys from its
-own first position) and for Wan (cross-attention to the caption stays local: only the queries are split).
+own first position) and for Wan (ring 2, Ulysses 2 x ring 2, tp 2 x ring 2; cross-attention to the caption stays local: only the
+queries are split).
 """
 import pytest
 
@@ -20,7 +21,8 @@ def references():
 
 # (reference, tp, pp, sp, ring)
 LAYOUTS = [("debug rope", 1, 1, 2, 2), ("debug rope", 1, 1, 4, 4), ("debug rope", 1, 1, 4, 2),
-           ("debug rope", 2, 1, 2, 2), ("debug rope", 1, 2, 2, 2), ("debug-wan", 1, 1, 2, 2), ("debug-wan", 1, 1, 4, 2)]
+           ("debug rope", 2, 1, 2, 2), ("debug rope", 1, 2, 2, 2), ("debug-wan", 1, 1, 2, 2), ("debug-wan", 1, 1, 4, 2),
+           ("debug-wan", 2, 1, 2, 2)]
 
 
 @pytest.mark.parametrize("ref, tp, pp, sp, ring", LAYOUTS,
