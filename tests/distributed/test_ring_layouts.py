@@ -1,8 +1,8 @@
 """Training under ring attention and Ulysses x ring (parallel.ring_size) against one process: losses and
-weights after 3 fp32 steps (ring 2, ring 4, Ulysses 2 x ring 2, tp 2 x ring 2, pp 2 x ring 2), for CogVideoX with 3D rotary positions (text tokens join the sequence: 8 text +
-48 video = 56 tokens, so at ring 2 the text sits in the first chunk and each chunk rotates its keys from its
-own first position) and for Wan (ring 2, Ulysses 2 x ring 2, tp 2 x ring 2; cross-attention to the caption stays local: only the
-queries are split).
+weights after 3 fp32 steps. CogVideoX with 3D rotary positions at ring 2, ring 4, Ulysses 2 x ring 2, tp 2 x
+ring 2 and pp 2 x ring 2 (text tokens join the sequence: 8 text + 48 video = 56 tokens, so at ring 2 the text
+sits in the first chunk and each chunk rotates its keys from its own first position); Wan at ring 2, Ulysses
+2 x ring 2 and tp 2 x ring 2 (cross-attention to the caption stays local: only the queries are split).
 """
 import pytest
 
