@@ -18,6 +18,7 @@ import torch.distributed as dist
 from parallel.distributed import accelerator
 from parallel.distributed.deepspeed.checkpoint import use_weights_only_checkpoints
 from parallel.distributed.deepspeed.clipping import clip_with_replica_norm
+from parallel.distributed.deepspeed.skip import skipped_update
 from parallel.distributed.deepspeed.version import check_deepspeed_version
 from parallel import ds_config as dsc
 from parallel.config import ExperimentConfig
@@ -53,6 +54,7 @@ class StepResult:
     loss: float
     grad_norm: Optional[float]
     lr: float
+    skipped: Optional[str] = None       # why the update was not applied (train.anomaly), else None
 
 
 class TrainingEngine:
@@ -64,7 +66,10 @@ class TrainingEngine:
         self.optimizer = optimizer          # the toolkit-built (base) optimizer that DeepSpeed wraps
         self.pipeline = cfg.parallel.pp_size > 1
 
-    def train_step(self, batches: Iterator) -> StepResult:
+    def train_step(self, batches: Iterator, guard=None) -> StepResult:
+        """One global batch. With `guard` (parallel/train/anomaly.py's AnomalyGuard; plain engine only) the
+        step's loss (and, ZeRO-0, gradient norm) is judged after the last backward, before the update, and
+        the update skipped on every rank when the guard says so."""
         lr = self.engine.get_lr()[0]
         grid, shape = getattr(self.engine.module, "step_grid", None), getattr(batches, "step_latent_shape", None)
         shape = shape() if shape is not None else None
@@ -73,21 +78,45 @@ class TrainingEngine:
         if self.pipeline:
             loss = float(self.engine.train_batch(data_iter=batches))
         else:
-            total = torch.zeros((), dtype=torch.float64)
-            for _ in range(self.cfg.train.grad_accum_steps):
+            total, accum = torch.zeros((), dtype=torch.float64), self.cfg.train.grad_accum_steps
+            for micro in range(accum):
                 inputs, target = next(batches)
                 device = self.engine.device
                 loss = self.engine(tuple(x.to(device) for x in inputs), target.to(device))
                 self.engine.backward(loss)
-                self.engine.step()
+                if micro < accum - 1:       # not the boundary: no update; the last step() is below
+                    self.engine.step()
                 total += loss.detach().double().cpu()
-            total /= self.cfg.train.grad_accum_steps
+            total /= accum
             if self.ctx.data_size > 1:       # dp replicas' losses, and sp ranks' shares (SequenceLoss)
                 dist.all_reduce(total, group=self.ctx.data_group)
                 total /= self.ctx.data_size
             loss = float(total)
+            skipped = self._guarded_update(loss, guard)
+            if skipped is not None:
+                return StepResult(loss=loss, grad_norm=self.engine.get_global_grad_norm(), lr=lr, skipped=skipped)
         norm = self.engine.get_global_grad_norm()
         return StepResult(loss=loss, grad_norm=None if norm is None else float(norm), lr=lr)
+
+    def _guarded_update(self, loss: float, guard) -> Optional[str]:
+        """The boundary step(): applied, or (the guard's verdict, the same on every rank) skipped; the reason."""
+        if guard is None:
+            self.engine.step()
+            return None
+        norm = None
+        if self.engine.zero_optimization_stage() == 0:      # gradients whole and all-reduced on every rank
+            params = [p for p in self.engine.module.parameters() if p.grad is not None]
+            norm = float(grad_norm(params, self.ctx))
+        reason = guard.decide(loss, norm)
+        if reason is None:
+            before = self.engine.skipped_steps
+            self.engine.step()
+            if self.engine.skipped_steps > before:        # DeepSpeed's own overflow check (ZeRO-1/2, fp16)
+                return "gradient norm not finite (DeepSpeed skipped the update)"
+            return None
+        with skipped_update(self.engine):
+            self.engine.step()
+        return reason
 
     def save(self, directory, step: int) -> None:
         """Model, optimizer (with the EMA), LR schedule and step, in DeepSpeed's format, tag `step{N}`.
@@ -98,7 +127,8 @@ class TrainingEngine:
         """
         from parallel.train import relayout
 
-        part = relayout.collect(self)        # its collectives before any disk write that could fail
+        # its collectives before any disk write that could fail; ckpt.layout_free=false: DeepSpeed's files only
+        part = relayout.collect(self) if self.cfg.ckpt.layout_free else None
         self.engine.save_checkpoint(str(directory), tag=f"step{step}", client_state={"step": step},
                                     save_latest=False)
         if part is not None:

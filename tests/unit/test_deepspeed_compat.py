@@ -371,3 +371,32 @@ def test_zero3_helpers_read_partitioned_and_plain_parameters():
     marked.ds_id, marked.ds_shape, marked.ds_tensor = 7, torch.Size([2, 3]), torch.nn.Parameter(torch.ones(3))
     assert zero3.is_partitioned(marked) and zero3.full_shape(marked) == (2, 3)
     torch.testing.assert_close(zero3.local_data(marked), torch.ones(3))
+
+
+# -- skip.py ------------------------------------------------------------------------------------------
+
+def test_skipped_update_relies_on_the_overflow_paths():
+    take = source(member("skipped_update", DeepSpeedEngine, "_take_model_step"))
+    relies("skipped_update", "DeepSpeedEngine._take_model_step",
+           appears_in_order(take, "self.optimizer.step()", 'hasattr(self.optimizer, "overflow")',
+                            "self.skipped_steps += 1", "self.lr_scheduler.step"),
+           "it no longer reads optimizer.overflow after optimizer.step() to skip the LR schedule")
+    step = source(member("skipped_update", DeepSpeedZeroOptimizer, "step"))
+    relies("skipped_update", "DeepSpeedZeroOptimizer.step",
+           appears_in_order(step, "if self.check_grad_overflow:", "self.check_overflow(", "if self.overflow:",
+                            "self.averaged_gradients[k] = None", "return"),
+           "its overflow branch no longer follows check_overflow() and clears the partitioned gradients")
+
+
+def test_skipped_update_leaves_a_torch_optimizer_as_it_was():
+    from parallel.distributed.deepspeed.skip import skipped_update
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    engine = types.SimpleNamespace(optimizer=opt)
+    p.grad = torch.ones(2)
+    with skipped_update(engine):
+        opt.step()
+        assert opt.overflow is True
+    assert torch.equal(p, torch.ones(2)) and "overflow" not in vars(opt) and "step" not in vars(opt)
+    opt.step()
+    assert torch.equal(p.detach(), torch.zeros(2))

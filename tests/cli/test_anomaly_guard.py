@@ -1,0 +1,105 @@
+"""train.anomaly under the deepspeed launcher at dp 2: a NaN injected into one rank's input at step K is
+skipped on every rank (no optimizer update: weights, Adam, EMA and the LR schedule as they were), and the
+losses of the other steps equal a run that never saw step K's batch (its batches go from K-1 to K+1), with
+ZeRO-0 (the toolkit's skip of a torch optimizer) and ZeRO-2 (DeepSpeed's own overflow branch). The step,
+its samples and the count are in the log and metrics.jsonl; action=stop ends the run there, exit status 1.
+Gradient accumulation 2: the decision sits between the last backward and the update."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.dist_utils import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+K, STEPS = 1, 4          # step index K (the second step, "step 2" in the log) is poisoned
+
+SCRIPT = '''
+import sys
+import torch
+import torch.distributed as dist
+from parallel.check import load_and_check
+from parallel.distributed.topology import read_launch_env
+from parallel.train.trainer import Trainer
+
+argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]       # the launcher's
+out, mode, ds, K, extra = argv[0], argv[1], argv[2], int(argv[3]), argv[4:]
+
+
+class Batches:
+    """The run's batches; mode nan: rank 1's inputs of step K are NaN; drop: step K's batch never seen."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __next__(self):
+        if mode == "drop" and self.inner.step == K and self.inner.micro == 0:
+            self.inner.step = K + 1
+        step = self.inner.step
+        (x, t, text), target = next(self.inner)
+        if mode == "nan" and step == K and dist.get_rank() == 1:
+            x = x * float("nan")
+        return (x, t, text), target
+
+
+class Poisoned(Trainer):
+    def start(self):
+        super().start()
+        self.batches = Batches(self.batches)
+
+
+cfg, ds, layout = load_and_check("debug", [f"train.output_dir={out}", "train.warmup_steps=0",
+                                           "train.decay_steps=10", "train.check_replicas_every=0", *extra], ds, 2)
+sys.exit(Poisoned(cfg, ds, layout, read_launch_env(), resume=False).fit())
+'''
+
+
+def launch(tmp_path, name, mode, ds, *extra):
+    out = tmp_path / name
+    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
+    p = subprocess.run([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), str(tmp_path / "script.py"),
+                        str(out), mode, str(ds), str(K), *extra], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
+        if (out / "metrics.jsonl").exists() else []
+    return p, rows
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_nan_on_one_rank_is_skipped_everywhere_and_the_run_equals_one_without_that_batch(tmp_path, stage):
+    (tmp_path / "script.py").write_text(SCRIPT)
+    ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
+    ds["optimizer"]["type"] = "FusedEmaAdam"       # the EMA must skip too
+    ds["zero_optimization"] = {"stage": stage}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    guard = ["train.anomaly={action: skip}", f"train.max_steps={STEPS}"]
+    p, skipped = launch(tmp_path, "skip", "nan", tmp_path / "ds.json", *guard)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    p_ref, never = launch(tmp_path, "never", "drop", tmp_path / "ds.json", f"train.max_steps={STEPS - 1}")
+    assert p_ref.returncode == 0, (p_ref.stdout + p_ref.stderr)[-4000:]
+
+    assert [r["step"] for r in skipped] == list(range(1, STEPS + 1))
+    bad = skipped[K]
+    assert bad["skipped"] == "loss nan is not finite" and bad["anomalies"] == 1
+    assert [r["anomalies"] for r in skipped] == [0] + [1] * (STEPS - 1)
+    kept = [r["loss"] for i, r in enumerate(skipped) if i != K]
+    assert kept == pytest.approx([r["loss"] for r in never], rel=1e-6, abs=0)
+    assert [r["lr"] for i, r in enumerate(skipped) if i != K] == [r["lr"] for r in never]
+    lines = [line for line in p.stderr.splitlines() if line.startswith(f"step {K + 1}: loss nan is not finite")]
+    assert len(lines) == 1 and "samples [" in lines[0] and "update skipped (1 skipped so far" in lines[0], \
+        p.stderr[-3000:]
+
+    if stage == 0:      # action=stop: ends at step K + 1, status 1, no checkpoint
+        p, rows = launch(tmp_path, "stop", "nan", tmp_path / "ds.json", "train.anomaly={action: stop}",
+                         f"train.max_steps={STEPS}")
+        assert p.returncode != 0 and [r["step"] for r in rows] == list(range(1, K + 1)), (p.stdout + p.stderr)[-3000:]
+        assert f"step {K + 1}: loss nan is not finite; samples [" in p.stderr
+        assert "stopping (train.anomaly)" in p.stderr and "Traceback" not in p.stderr
+        assert not (tmp_path / "stop" / "checkpoints").exists()
