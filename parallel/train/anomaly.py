@@ -17,9 +17,11 @@ count, EMA and the LR schedule stay as they were (parallel/distributed/deepspeed
 continues as one that never saw that batch. Under ZeRO-1/2 the gradient norm is checked by DeepSpeed's
 own overflow path (fp32: it skips a non-finite norm itself; the guard counts it when it reports one).
 
-A bad latent file (truncated, not safetensors, wrong shape) in a directory dataset is read through
-GuardedSamples: the sample is replaced by zeros of the bucket's shape (the step still runs its
-collectives in lockstep) and its step is skipped as above, or stops, as `bad_samples` says.
+A bad sample in a directory dataset (a file that cannot be read any more: truncated or replaced after the
+checker read its header; or one holding NaN or inf, a VAE overflow) is read through GuardedSamples: it is
+replaced by zeros of the same shapes (the step still runs its collectives in lockstep) and its step is
+skipped as above, or stops, as `bad_samples` says. Without train.anomaly a directory dataset still gets
+this guard for its samples only, stopping on one: the file named, never a traceback.
 """
 from __future__ import annotations
 
@@ -41,8 +43,10 @@ class AnomalyStop(RuntimeError):
 class AnomalyGuard:
     """Per-step anomaly decisions of one rank; `decide` is collective (every rank calls it every step)."""
 
-    def __init__(self, cfg, device=None):
-        self.cfg, self.device = cfg, device
+    def __init__(self, cfg, device=None, values: bool = True):
+        """cfg: train.anomaly (parallel.config.AnomalyConfig); values=False: judge unreadable samples only
+        (the guard a directory dataset gets without train.anomaly, which stops on one)."""
+        self.cfg, self.device, self.values = cfg, device, values
         self.history: deque[float] = deque(maxlen=cfg.window)
         self.bad_samples: list[str] = []          # GuardedSamples appends; cleared each step
         self.skipped = 0
@@ -51,6 +55,8 @@ class AnomalyGuard:
     def local_reason(self, loss: float, grad_norm: Optional[float]) -> Optional[str]:
         if self.bad_samples:
             return f"unreadable sample {self.bad_samples[0]}"
+        if not self.values:
+            return None
         if not math.isfinite(loss):
             return f"loss {loss} is not finite"
         if grad_norm is not None and not math.isfinite(grad_norm):
@@ -86,8 +92,10 @@ class AnomalyGuard:
         self.in_a_row += 1
         stop = self.cfg.action == "stop" or (reason.startswith("unreadable") and self.cfg.bad_samples == "stop") \
             or self.in_a_row > self.cfg.max_skips
+        advice = " (fix the file or drop its manifest.jsonl line, or --set 'train.anomaly={bad_samples: skip}' " \
+            "to skip such steps)" if reason.startswith("unreadable") and stop else ""
         line = (f"step {step}: {reason}; samples {samples}; "
-                + ("stopping (train.anomaly)" if stop else
+                + (f"stopping (train.anomaly){advice}" if stop else
                    f"update skipped ({self.skipped} skipped so far, train.anomaly.action=skip)"))
         if is_logger:
             tqdm.write(line, file=sys.stderr)        # on a line of its own, under the progress bar
@@ -113,14 +121,17 @@ class GuardedSamples:
 
     def __getitem__(self, i: int):
         key = self._shape(i)
+        name = self.dataset.items[i][0] if hasattr(self.dataset, "items") else f"index {i}"
         try:
             sample = self.dataset[i]
         except Exception as e:             # noqa: BLE001 - any reader's failure on a bad file
             if key not in self.template:
                 self.template[key] = self._readable(key, i)
-            name = self.dataset.items[i][0] if hasattr(self.dataset, "items") else f"index {i}"
             self.guard.bad_samples.append(f"{name} ({type(e).__name__}: {str(e)[:120]})")
             return tuple(torch.zeros_like(t) for t in self.template[key])
+        if not all(torch.isfinite(t).all() for t in sample if t.is_floating_point()):    # a VAE overflow
+            self.guard.bad_samples.append(f"{name} (holds NaN or inf values)")
+            return tuple(torch.zeros_like(t) for t in sample)
         self.template.setdefault(key, sample)
         return sample
 

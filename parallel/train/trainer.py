@@ -34,7 +34,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from parallel.distributed.topology import Layout
-from parallel.config import ExperimentConfig
+from parallel.config import AnomalyConfig, ExperimentConfig
 from parallel.distributed import accelerator
 from parallel.distributed.deepspeed.monitor import write_monitor_events
 from parallel.distributed.replicas import replica_mismatches
@@ -84,9 +84,11 @@ class Trainer:
         """Everything before the first step; the datasets first, so a missing file stops us before any group."""
         cfg, layout, env = self.cfg, self.layout, self.env
         dataset = build_dataset(cfg)
-        self.guard = AnomalyGuard(cfg.train.anomaly, accelerator.device(env.local_rank)) \
-            if cfg.train.anomaly else None
-        if self.guard and cfg.data.kind == "directory":      # an unreadable latent: its step skipped, counted
+        device = accelerator.device(env.local_rank)
+        self.guard = AnomalyGuard(cfg.train.anomaly, device) if cfg.train.anomaly else None
+        if cfg.data.kind == "directory":      # an unreadable latent: its step skipped and counted, or a stop
+            self.guard = self.guard or AnomalyGuard(AnomalyConfig(action="stop", bad_samples="stop"), device,
+                                                    values=False)
             dataset = GuardedSamples(dataset, self.guard)
         val_dataset = build_val_dataset(cfg) if cfg.val.every else None
         step = None if self.resume is True else self.resume       # an int: train.py --resume N
@@ -182,7 +184,7 @@ class Trainer:
         record = {"step": done, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                   "step_time_s": round(elapsed, 4), "samples_per_s": round(batch / elapsed, 3),
                   "tokens_per_s": round(tokens / elapsed, 1), **accelerator.memory_stats(), **val}
-        if self.guard:
+        if self.guard and (self.cfg.train.anomaly or self.guard.skipped):
             record["anomalies"] = self.guard.skipped
             if result.skipped:
                 record["skipped"] = result.skipped

@@ -103,3 +103,49 @@ def test_a_nan_on_one_rank_is_skipped_everywhere_and_the_run_equals_one_without_
         assert f"step {K + 1}: loss nan is not finite; samples [" in p.stderr
         assert "stopping (train.anomaly)" in p.stderr and "Traceback" not in p.stderr
         assert not (tmp_path / "stop" / "checkpoints").exists()
+
+
+def write_latents(root, bad):
+    """Four samples of the debug model's shapes; sample `bad`'s latent holds a NaN (a VAE overflow)."""
+    import torch
+    from safetensors.torch import save_file
+    lines = []
+    for i in range(4):
+        latent = torch.randn(4, 3, 8, 8)
+        if i == bad:
+            latent[0, 1, 2, 3] = float("nan")
+        save_file({"latent": latent}, str(root / f"v{i}.safetensors"))
+        torch.save(torch.randn(8, 32), root / f"v{i}_text.pt")
+        lines.append(json.dumps({"latent": f"v{i}.safetensors", "text": f"v{i}_text.pt"}))
+    (root / "manifest.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_a_bad_latent_file_is_skipped_and_counted_or_stops_naming_the_file(tmp_path):
+    """One process, a directory of 4 samples at global batch 1: the step that reads the bad one."""
+    data = tmp_path / "data"
+    data.mkdir()
+    write_latents(data, bad=2)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+
+    def train(out, *args):
+        return subprocess.run([sys.executable, "train.py", "--config", "debug", "--deepspeed_config",
+                               "ds_configs/zero0_fp32.json", "--set", "data.kind=directory", "--set",
+                               f"data.path={data}", "--set", "train.micro_batch_size=1", "--set",
+                               "train.grad_accum_steps=1", "--set", "train.max_steps=4", "--set",
+                               f"train.output_dir={out}", *args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    p = train(tmp_path / "skip", "--set", "train.anomaly={bad_samples: skip}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    bad = [r for r in rows if "skipped" in r]
+    assert len(bad) == 1 and bad[0]["skipped"] == f"unreadable sample {data / 'v2.safetensors'} (holds NaN or inf values)"
+    assert rows[-1]["anomalies"] == 1 and all(r["loss"] == r["loss"] for r in rows)       # no NaN logged
+    assert f"step {bad[0]['step']}: unreadable sample {data / 'v2.safetensors'} (holds NaN or inf values); " \
+           f"samples [2]; update skipped (1 skipped so far" in p.stderr
+
+    p = train(tmp_path / "default")            # no train.anomaly: a clear stop naming the file and the way on
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert (f"unreadable sample {data / 'v2.safetensors'} (holds NaN or inf values); samples [2]; stopping "
+            f"(train.anomaly) (fix the file or drop its manifest.jsonl line, or --set 'train.anomaly={{bad_samples: "
+            f"skip}}' to skip such steps)") in p.stderr
