@@ -205,14 +205,6 @@ class ExperimentConfig(Section):
             data = {**data, "model": {**data["model"], "family": DEFAULT_FAMILY}}
         return data
 
-    @model_validator(mode="after")
-    def _anomaly_without_pipeline(self) -> "ExperimentConfig":
-        if self.train.anomaly is not None and self.parallel.pp_size > 1:   # train_batch steps inside DeepSpeed
-            raise ValueError(f"train.anomaly needs parallel.pp_size=1 (got {self.parallel.pp_size}): the pipeline "
-                             f"engine applies the update inside train_batch, before the guard sees the loss; use "
-                             f"tp/sp/dp with ZeRO for a guarded run, or remove train.anomaly")
-        return self
-
     @property
     def ckpt_dir(self) -> str:
         return self.ckpt.dir or f"{self.train.output_dir}/checkpoints"

@@ -3,7 +3,9 @@ spike_factor x the running median of the last `window` applied steps, or whose b
 that could not be read, is skipped (no optimizer update) or stops the run, the same way on every rank.
 
 The decision, per step, after the backward of the last micro-batch and before the optimizer update
-(parallel/train/engine.py, TrainingEngine.train_step):
+(parallel/train/engine.py, TrainingEngine.train_step; with the pipeline engine inside train_batch, before
+its optimizer step: parallel/distributed/deepspeed/skip.py's guard_pipeline_updates, the loss judged on
+the last stage, None elsewhere):
 
     reason_r = first of: a bad sample read on rank r | loss not finite | grad norm not finite (ZeRO-0:
                the replica's norm before clipping) | loss > spike_factor x median(last `window` losses)
@@ -52,10 +54,10 @@ class AnomalyGuard:
         self.skipped = 0
         self.in_a_row = 0
 
-    def local_reason(self, loss: float, grad_norm: Optional[float]) -> Optional[str]:
+    def local_reason(self, loss: Optional[float], grad_norm: Optional[float]) -> Optional[str]:
         if self.bad_samples:
             return f"unreadable sample {self.bad_samples[0]}"
-        if not self.values:
+        if not self.values or loss is None:        # None: a pipeline stage without the loss
             return None
         if not math.isfinite(loss):
             return f"loss {loss} is not finite"
@@ -69,22 +71,24 @@ class AnomalyGuard:
                         f"{len(self.history)} steps (train.anomaly.spike_factor={f:g})")
         return None
 
-    def decide(self, loss: float, grad_norm: Optional[float]) -> Optional[str]:
+    def decide(self, loss: Optional[float], grad_norm: Optional[float] = None) -> Optional[str]:
         """The reason to skip this step (the same on every rank), or None to apply it."""
         mine = self.local_reason(loss, grad_norm)
         self.bad_samples = []
         flag = torch.tensor([0.0 if mine is None else 1.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not flag.item():
-            self.history.append(loss)
+            if loss is not None:
+                self.history.append(loss)
             self.in_a_row = 0
             return None
         reasons = [None] * dist.get_world_size()
         dist.all_gather_object(reasons, mine)
-        rank, reason = next((r, x) for r, x in enumerate(reasons) if x)
+        reason = next(x for x in reasons if x)
         if all(x == reason for x in reasons):      # the global loss: every rank saw the same
             return reason
-        return f"{reason} (rank {rank}{' and others' if sum(map(bool, reasons)) > 1 else ''})"
+        ranks = [r for r, x in enumerate(reasons) if x == reason]     # pipeline: the last stage's
+        return f"{reason} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
 
     def skip(self, step: int, reason: str, samples: list[int], is_logger: bool) -> None:
         """Count a skipped step, say so (logging rank), and stop when asked or after max_skips in a row."""

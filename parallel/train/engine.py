@@ -18,7 +18,7 @@ import torch.distributed as dist
 from parallel.distributed import accelerator
 from parallel.distributed.deepspeed.checkpoint import use_weights_only_checkpoints
 from parallel.distributed.deepspeed.clipping import clip_with_replica_norm
-from parallel.distributed.deepspeed.skip import skipped_update
+from parallel.distributed.deepspeed.skip import guard_pipeline_updates, skipped_update
 from parallel.distributed.deepspeed.version import check_deepspeed_version
 from parallel import ds_config as dsc
 from parallel.config import ExperimentConfig
@@ -65,18 +65,24 @@ class TrainingEngine:
         self.engine, self.cfg, self.ctx = engine, cfg, ctx
         self.optimizer = optimizer          # the toolkit-built (base) optimizer that DeepSpeed wraps
         self.pipeline = cfg.parallel.pp_size > 1
+        self.pipeline_guard = None        # guard_pipeline_updates' state, once a guarded step installed it
 
     def train_step(self, batches: Iterator, guard=None) -> StepResult:
-        """One global batch. With `guard` (parallel/train/anomaly.py's AnomalyGuard; plain engine only) the
-        step's loss (and, ZeRO-0, gradient norm) is judged after the last backward, before the update, and
-        the update skipped on every rank when the guard says so."""
+        """One global batch. With `guard` (parallel/train/anomaly.py's AnomalyGuard) the step's loss (and,
+        plain engine at ZeRO-0, gradient norm) is judged after the last backward, before the update, and
+        the update skipped on every rank when the guard says so (the pipeline engine: inside train_batch)."""
         lr = self.engine.get_lr()[0]
         grid, shape = getattr(self.engine.module, "step_grid", None), getattr(batches, "step_latent_shape", None)
         shape = shape() if shape is not None else None
         if grid is not None and shape is not None:      # every rank: this step's bucket (parallel/train/buckets.py)
             grid.set_latent(shape)
         if self.pipeline:
+            if guard is not None and self.pipeline_guard is None:
+                self.pipeline_guard = guard_pipeline_updates(self.engine, guard.decide)
             loss = float(self.engine.train_batch(data_iter=batches))
+            reason = self.pipeline_guard["reason"] if self.pipeline_guard else None
+            if reason is not None:
+                return StepResult(loss=loss, grad_norm=None, lr=lr, skipped=reason)
         else:
             total, accum = torch.zeros((), dtype=torch.float64), self.cfg.train.grad_accum_steps
             for micro in range(accum):

@@ -1,7 +1,8 @@
-"""train.anomaly under the deepspeed launcher at dp 2: a NaN injected into one rank's input at step K is
-skipped on every rank (no optimizer update: weights, Adam, EMA and the LR schedule as they were), and the
-losses of the other steps equal a run that never saw step K's batch (its batches go from K-1 to K+1), with
-ZeRO-0 (the toolkit's skip of a torch optimizer) and ZeRO-2 (DeepSpeed's own overflow branch). The step,
+"""train.anomaly under the deepspeed launcher: a NaN injected into one rank's input at step K is skipped on
+every rank (no optimizer update: weights, Adam, EMA and the LR schedule as they were), and the losses of
+the other steps equal a run that never saw step K's batch (its batches go from K-1 to K+1): dp 2 with
+ZeRO-0 (the toolkit's skip of a torch optimizer) and ZeRO-2 (DeepSpeed's own overflow branch), and tp 2 x
+pp 2 with ZeRO-1 (the decision inside the pipeline engine's train_batch). The step,
 its samples and the count are in the log and metrics.jsonl; action=stop ends the run there, exit status 1.
 Gradient accumulation 2: the decision sits between the last backward and the update."""
 import json
@@ -17,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 K, STEPS = 1, 4          # step index K (the second step, "step 2" in the log) is poisoned
 
 SCRIPT = '''
+import os
 import sys
 import torch
 import torch.distributed as dist
@@ -54,17 +56,18 @@ class Poisoned(Trainer):
 
 
 cfg, ds, layout = load_and_check("debug", [f"train.output_dir={out}", "train.warmup_steps=0",
-                                           "train.decay_steps=10", "train.check_replicas_every=0", *extra], ds, 2)
+                                           "train.decay_steps=10", "train.check_replicas_every=0", *extra], ds,
+                                 int(os.environ["WORLD_SIZE"]))
 sys.exit(Poisoned(cfg, ds, layout, read_launch_env(), resume=False).fit())
 '''
 
 
-def launch(tmp_path, name, mode, ds, *extra):
+def launch(tmp_path, name, mode, ds, *extra, ranks=2):
     out = tmp_path / name
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
-    p = subprocess.run([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), str(tmp_path / "script.py"),
+    p = subprocess.run([deepspeed, "--num_gpus", str(ranks), "--master_port", str(free_port()), str(tmp_path / "script.py"),
                         str(out), mode, str(ds), str(K), *extra], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
@@ -72,31 +75,38 @@ def launch(tmp_path, name, mode, ds, *extra):
     return p, rows
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_a_nan_on_one_rank_is_skipped_everywhere_and_the_run_equals_one_without_that_batch(tmp_path, stage):
+LAYOUTS = {"dp2-zero0": (2, 0, []), "dp2-zero2": (2, 2, []),           # ranks, ZeRO stage, sizes
+           "tp2-pp2-zero1": (4, 1, ["parallel.tp_size=2", "parallel.pp_size=2"])}     # inside train_batch
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_nan_on_one_rank_is_skipped_everywhere_and_the_run_equals_one_without_that_batch(tmp_path, name):
+    ranks, stage, sizes = LAYOUTS[name]
     (tmp_path / "script.py").write_text(SCRIPT)
     ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
     ds["optimizer"]["type"] = "FusedEmaAdam"       # the EMA must skip too
     ds["zero_optimization"] = {"stage": stage}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
-    guard = ["train.anomaly={action: skip}", f"train.max_steps={STEPS}"]
-    p, skipped = launch(tmp_path, "skip", "nan", tmp_path / "ds.json", *guard)
+    guard = ["train.anomaly={action: skip}", f"train.max_steps={STEPS}", *sizes]
+    p, skipped = launch(tmp_path, "skip", "nan", tmp_path / "ds.json", *guard, ranks=ranks)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    p_ref, never = launch(tmp_path, "never", "drop", tmp_path / "ds.json", f"train.max_steps={STEPS - 1}")
+    p_ref, never = launch(tmp_path, "never", "drop", tmp_path / "ds.json", f"train.max_steps={STEPS - 1}", *sizes,
+                          ranks=ranks)
     assert p_ref.returncode == 0, (p_ref.stdout + p_ref.stderr)[-4000:]
 
     assert [r["step"] for r in skipped] == list(range(1, STEPS + 1))
     bad = skipped[K]
-    assert bad["skipped"] == "loss nan is not finite" and bad["anomalies"] == 1
+    said = "loss nan is not finite" + (" (ranks 2, 3)" if sizes else "")     # pipeline: the last stage judges
+    assert bad["skipped"] == said and bad["anomalies"] == 1
     assert [r["anomalies"] for r in skipped] == [0] + [1] * (STEPS - 1)
     kept = [r["loss"] for i, r in enumerate(skipped) if i != K]
     assert kept == pytest.approx([r["loss"] for r in never], rel=1e-6, abs=0)
     assert [r["lr"] for i, r in enumerate(skipped) if i != K] == [r["lr"] for r in never]
-    lines = [line for line in p.stderr.splitlines() if line.startswith(f"step {K + 1}: loss nan is not finite")]
+    lines = [line for line in p.stderr.splitlines() if line.startswith(f"step {K + 1}: {said}; ")]
     assert len(lines) == 1 and "samples [" in lines[0] and "update skipped (1 skipped so far" in lines[0], \
         p.stderr[-3000:]
 
-    if stage == 0:      # action=stop: ends at step K + 1, status 1, no checkpoint
+    if name == "dp2-zero0":      # action=stop: ends at step K + 1, status 1, no checkpoint
         p, rows = launch(tmp_path, "stop", "nan", tmp_path / "ds.json", "train.anomaly={action: stop}",
                          f"train.max_steps={STEPS}")
         assert p.returncode != 0 and [r["step"] for r in rows] == list(range(1, K + 1)), (p.stdout + p.stderr)[-3000:]

@@ -400,3 +400,16 @@ def test_skipped_update_leaves_a_torch_optimizer_as_it_was():
     assert torch.equal(p, torch.ones(2)) and "overflow" not in vars(opt) and "step" not in vars(opt)
     opt.step()
     assert torch.equal(p.detach(), torch.zeros(2))
+
+
+def test_guard_pipeline_updates_relies_on_the_optimizer_step_instruction():
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    step = source(member("guard_pipeline_updates", PipelineEngine, "_exec_optimizer_step"))
+    relies("guard_pipeline_updates", "PipelineEngine._exec_optimizer_step", "self._take_model_step(lr_kwargs)" in step,
+           "it no longer applies the update through self._take_model_step(lr_kwargs)")
+    forward = source(member("guard_pipeline_updates", PipelineEngine, "_exec_forward_pass"))
+    relies("guard_pipeline_updates", "PipelineEngine._exec_forward_pass",
+           "self.total_loss = add_to_total_loss(self.total_loss, self.loss)" in forward,
+           "the last stage no longer sums the micro-batches' losses into total_loss")
+    for name in ("is_last_stage", "gradient_accumulation_steps"):
+        member("guard_pipeline_updates", PipelineEngine, name)

@@ -11,11 +11,23 @@ skipped_update(engine)  (0.19.8)
              lr_scheduler.step) and clearing gradients either way; ZeRO-1/2's DeepSpeedZeroOptimizer.step
              setting overflow from check_overflow() when check_grad_overflow, and then clearing its
              partitioned gradients (averaged_gradients) and returning before the update
+
+guard_pipeline_updates(engine, decide)  (0.19.8)
+    does     the pipeline engine's optimizer step (the last instruction of train_batch's schedule) first
+             asks decide(loss) (loss: the step's loss on the last stage, the mean over micro-batches and
+             data-parallel replicas; None on other stages), and runs under skipped_update when it gives a
+             reason; the reason is left in the returned dict's "reason" for the caller
+    why      train_batch runs forward, backward and the update in one call: the decision must be made
+             inside it, after the last backward
+    relies   PipelineEngine._exec_optimizer_step calling self._take_model_step(lr_kwargs); total_loss on
+             the last stage holding the sum of the micro-batches' detached losses at that point;
+             gradient_accumulation_steps(); mpu.get_data_parallel_group(); is_last_stage()
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 
+import torch.distributed as dist
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 
@@ -48,3 +60,24 @@ def skipped_update(engine):
             opt.overflow = False
         else:
             vars(opt).pop("overflow", None)
+
+
+def guard_pipeline_updates(engine, decide) -> dict:
+    """Install the guarded optimizer step on a PipelineEngine; returns {"reason": the last step's or None}."""
+    take, state = engine._take_model_step, {"reason": None}
+
+    def guarded(lr_kwargs=None):
+        loss = None
+        if engine.is_last_stage():
+            total = engine.total_loss.detach().clone().float() / engine.gradient_accumulation_steps()
+            group = engine.mpu.get_data_parallel_group()
+            dist.all_reduce(total, group=group)
+            loss = float(total) / dist.get_world_size(group)
+        state["reason"] = decide(loss)
+        if state["reason"] is None:
+            return take(lr_kwargs)
+        with skipped_update(engine):
+            return take(lr_kwargs)
+
+    engine._take_model_step = guarded
+    return state
