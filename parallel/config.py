@@ -92,8 +92,10 @@ class AnomalyConfig(Section):
     above spike_factor x the running median, or an unreadable sample, is skipped (no optimizer update, on
     every rank) or stops the run."""
 
-    action: Literal["skip", "stop"] = Field("skip", description="skip: the step's update is not applied (the "
-                                            "run continues as one that never saw its batch); stop: end the run")
+    action: Literal["skip", "rollback", "stop"] = Field(
+        "skip", description="skip: the step's update is not applied (the run continues as one that never saw its "
+        "batch); rollback: also load the newest verified checkpoint before it and replay from there, skipping "
+        "that batch when reached (needs ckpt.every); stop: end the run")
     spike_factor: Optional[float] = Field(None, gt=1, description="a loss above this x the median of the last "
                                           "`window` applied steps is an anomaly; null = non-finite values only")
     window: int = Field(50, ge=1, description="steps in the running median")

@@ -53,8 +53,15 @@ class AnomalyGuard:
         self.bad_samples: list[str] = []          # GuardedSamples appends; cleared each step
         self.skipped = 0
         self.in_a_row = 0
+        self.forced: Optional[str] = None         # the next step's reason, given alike on every rank
+
+    def force(self, reason: Optional[str]) -> None:
+        """Skip the next step for `reason` (the trainer: a batch a rollback went back past), or not (None)."""
+        self.forced = reason
 
     def local_reason(self, loss: Optional[float], grad_norm: Optional[float]) -> Optional[str]:
+        if self.forced:
+            return self.forced
         if self.bad_samples:
             return f"unreadable sample {self.bad_samples[0]}"
         if not self.values or loss is None:        # None: a pipeline stage without the loss
@@ -90,23 +97,27 @@ class AnomalyGuard:
         ranks = [r for r, x in enumerate(reasons) if x == reason]     # pipeline: the last stage's
         return f"{reason} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
 
-    def skip(self, step: int, reason: str, samples: list[int], is_logger: bool) -> None:
-        """Count a skipped step, say so (logging rank), and stop when asked or after max_skips in a row."""
+    def skip(self, step: int, reason: str, samples: list[int], is_logger: bool) -> bool:
+        """Count a skipped step, say so (logging rank), and stop when asked or after max_skips in a row;
+        True when the run should roll back (train.anomaly.action=rollback)."""
         self.skipped += 1
         self.in_a_row += 1
-        stop = self.cfg.action == "stop" or (reason.startswith("unreadable") and self.cfg.bad_samples == "stop") \
+        unreadable = reason.startswith("unreadable")
+        stop = self.cfg.action == "stop" or (unreadable and self.cfg.bad_samples == "stop") \
             or self.in_a_row > self.cfg.max_skips
+        rollback = self.cfg.action == "rollback" and not unreadable and not self.forced and not stop
         advice = " (fix the file or drop its manifest.jsonl line, or --set 'train.anomaly={bad_samples: skip}' " \
             "to skip such steps)" if reason.startswith("unreadable") and stop else ""
         line = (f"step {step}: {reason}; samples {samples}; "
-                + (f"stopping (train.anomaly){advice}" if stop else
-                   f"update skipped ({self.skipped} skipped so far, train.anomaly.action=skip)"))
+                + (f"stopping (train.anomaly){advice}" if stop else "update skipped, rolling back" if rollback else
+                   f"update skipped ({self.skipped} skipped so far, train.anomaly.action={self.cfg.action})"))
         if is_logger:
             tqdm.write(line, file=sys.stderr)        # on a line of its own, under the progress bar
         if stop:
             why = f" ({self.in_a_row} in a row, train.anomaly.max_skips={self.cfg.max_skips})" \
                 if self.in_a_row > self.cfg.max_skips else ""
             raise AnomalyStop(line + why)
+        return rollback
 
 
 class GuardedSamples:

@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import deepspeed
 import torch
@@ -78,6 +78,7 @@ class Trainer:
         self.records = run_records(cfg, ds)          # the data order and schedule, compared on resume
         self.out_dir = Path(cfg.train.output_dir)
         self.metrics = self.heartbeat = None
+        self.rolled_past: dict[int, str] = {}      # step index -> why: skipped when reached after a rollback
         self.losses: list[float] = []
 
     def start(self) -> None:
@@ -90,6 +91,7 @@ class Trainer:
             self.guard = self.guard or AnomalyGuard(AnomalyConfig(action="stop", bad_samples="stop"), device,
                                                     values=False)
             dataset = GuardedSamples(dataset, self.guard)
+        self.dataset = dataset
         val_dataset = build_val_dataset(cfg) if cfg.val.every else None
         step = None if self.resume is True else self.resume       # an int: train.py --resume N
         self.tag = checkpoint.find_resume(self.ckpt_dir, self.ckpt_layout, model=self.model_keys, step=step) \
@@ -200,11 +202,26 @@ class Trainer:
             write_monitor_events(monitor, [(f"{'val' if k.startswith('val_') else 'train'}/{k}", v, done)
                                            for k, v in record.items() if k != "step" and v is not None])
 
-    def skip(self, step: int, result: StepResult) -> None:
-        """A step the anomaly guard skipped: counted and said with its samples; AnomalyStop when it must stop."""
+    def skip(self, step: int, result: StepResult) -> Optional[int]:
+        """A step the anomaly guard skipped: counted and said with its samples; AnomalyStop when it must stop.
+        train.anomaly.action=rollback: the newest verified checkpoint before it is loaded and its batch is
+        skipped when the run gets there again; the step to continue from (None without a rollback)."""
         g = self.layout.global_batch
         samples = [self.batches.sample_index(step * g + j) for j in range(g)]
-        self.guard.skip(step + 1, result.skipped, samples, self.is_logger)
+        if not self.guard.skip(step + 1, result.skipped, samples, self.is_logger) or step in self.rolled_past:
+            return None
+        tag = checkpoint.verified_resume(self.ckpt_dir, self.ckpt_layout, self.model_keys, quiet=True) \
+            if checkpoint.complete_steps(self.ckpt_dir) else None
+        if tag is None or int(tag[4:]) > step:
+            raise AnomalyStop(f"step {step + 1}: train.anomaly.action=rollback found no checkpoint before it in "
+                              f"{self.ckpt_dir}; stopping (set ckpt.every to keep one)")
+        back = self.engine.load(self.ckpt_dir, tag)
+        self.rolled_past[step] = f"rolled back past it: {result.skipped}"
+        self.batches = training_batches(self.cfg, self.ctx, self.dataset, back)
+        if self.is_logger:
+            tqdm.write(f"step {step + 1}: rolled back to {self.ckpt_dir}/{tag}; step {step + 1}'s batch will be "
+                       f"skipped", file=sys.stderr)
+        return back
 
     def save(self, done: int) -> bool:
         """Checkpoint step `done`; False (on every rank, the reason printed once) when it could not be written."""
@@ -231,13 +248,21 @@ class Trainer:
         bar = tqdm(total=cfg.train.max_steps, initial=self.start_step, disable=not self.is_logger,
                    dynamic_ncols=True, file=sys.stderr)
         try:
-            for step in range(self.start_step, cfg.train.max_steps):
+            step = self.start_step
+            while step < cfg.train.max_steps:
                 done = step + 1
+                if self.guard:      # a batch a rollback went back past is skipped, on every rank alike
+                    self.guard.force(self.rolled_past.get(step))
                 result, elapsed, tokens = self.timed_step(step)
-                if result.skipped:
-                    self.skip(step, result)
+                back = self.skip(step, result) if result.skipped else None
                 self.check_replicas(done)
-                self.log(done, result, elapsed, tokens, self.validate(done))
+                self.log(done, result, elapsed, tokens, self.validate(done) if back is None else {})
+                if back is not None:            # rolled back: continue from the checkpoint's step
+                    step, self.resumed = back, {"resumed_from": back}    # readers drop the rows after it
+                    bar.reset(total=cfg.train.max_steps)
+                    bar.update(step)
+                    continue
+                step += 1
                 if not result.skipped:
                     self.losses.append(result.loss)
                 bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{result.lr:.2e}")

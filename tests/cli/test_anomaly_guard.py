@@ -2,7 +2,8 @@
 every rank (no optimizer update: weights, Adam, EMA and the LR schedule as they were), and the losses of
 the other steps equal a run that never saw step K's batch (its batches go from K-1 to K+1): dp 2 with
 ZeRO-0 (the toolkit's skip of a torch optimizer) and ZeRO-2 (DeepSpeed's own overflow branch), and tp 2 x
-pp 2 with ZeRO-1 (the decision inside the pipeline engine's train_batch). The step,
+pp 2 with ZeRO-1 (the decision inside the pipeline engine's train_batch). action=rollback (dp 2, ZeRO-0)
+loads the checkpoint before the step, replays and skips that batch: the same losses. The step,
 its samples and the count are in the log and metrics.jsonl; action=stop ends the run there, exit status 1.
 Gradient accumulation 2: the decision sits between the last backward and the update."""
 import json
@@ -105,6 +106,17 @@ def test_a_nan_on_one_rank_is_skipped_everywhere_and_the_run_equals_one_without_
     lines = [line for line in p.stderr.splitlines() if line.startswith(f"step {K + 1}: {said}; ")]
     assert len(lines) == 1 and "samples [" in lines[0] and "update skipped (1 skipped so far" in lines[0], \
         p.stderr[-3000:]
+
+    if name == "dp2-zero0":      # action=rollback: back to step K's checkpoint, replayed, step K + 1 skipped
+        p, rolled = launch(tmp_path, "rollback", "nan", tmp_path / "ds.json", "train.anomaly={action: rollback}",
+                           "ckpt.every=1", f"train.max_steps={STEPS}")
+        assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+        assert [r["step"] for r in rolled] == [1, 2, 2, 3, 4] and rolled[2]["resumed_from"] == K
+        assert rolled[1]["skipped"] == "loss nan is not finite"
+        assert rolled[2]["skipped"] == "rolled back past it: loss nan is not finite"
+        assert f"step {K + 1}: rolled back to {tmp_path}/rollback/checkpoints/step{K}" in p.stderr
+        assert [r["loss"] for r in rolled if "skipped" not in r] == pytest.approx([r["loss"] for r in never],
+                                                                                   rel=1e-6, abs=0)
 
     if name == "dp2-zero0":      # action=stop: ends at step K + 1, status 1, no checkpoint
         p, rows = launch(tmp_path, "stop", "nan", tmp_path / "ds.json", "train.anomaly={action: stop}",
