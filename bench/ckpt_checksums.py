@@ -1,14 +1,17 @@
 """What checksumming a checkpoint costs at save: `ranks` processes each write their share of a training
-state with torch.save (as DeepSpeed's save_checkpoint does: no fsync), then, after all have written, each
-CRC-32s its share of the files (parallel/train/checksums.py, as parallel/train/checkpoint.save does).
+state with torch.save (as DeepSpeed's save_checkpoint does: no fsync); then, after all have written, each
+CRC-32s its share of the files read back (parallel/train/checksums.py: how the layout-free copy is
+hashed); then the same state written through the CRC-32 writer, the checksums taken while writing (how
+DeepSpeed's files are hashed: parallel/distributed/deepspeed/checkpoint.py).
 
     python -m bench.ckpt_checksums                          # the debug preset's checkpoint and a 1.3B state
     python -m bench.ckpt_checksums --sizes 1.3e9 --ranks 8 --dir /scratch/x
 
 A state of P parameters is P x 16 bytes (fp32 weights, two Adam moments, the EMA), plus the same again
 for the layout-free copy unless --no-layout-free. The debug preset (configs/debug.yaml, 4 blocks x 64) has
-its measured parameter count. Reported per size: the slowest rank's save and checksum seconds (median of
---repeat), and the ratio save+checksum / save. Nothing is asserted: a shared machine's figures.
+its measured parameter count. Reported per size, the slowest rank's seconds (median of --repeat): the
+save, the read-back checksum, the save through the writer, and the ratios (save + read-back) / save and
+(save through the writer) / save. Nothing is asserted: a shared machine's figures.
 """
 from __future__ import annotations
 
@@ -45,25 +48,37 @@ def debug_params() -> int:
 
 def _rank(rank: int, world: int, nbytes: int, folder: str, barrier, out) -> None:
     """One rank: its share written as files of at most CHUNK bytes (one buffer, saved again under each
-    name: memory stays at CHUNK), then its share of everyone's files checksummed."""
+    name: memory stays at CHUNK) with plain torch.save, then its share of everyone's files read back and
+    checksummed; the files removed; then written again through the CRC-32 writer (checksums taken while
+    writing, as WeightsOnlyCheckpointEngine.save does)."""
     import torch
+    from parallel.distributed.deepspeed.checkpoint import CrcWriter
     chunks = [min(CHUNK, nbytes - i) for i in range(0, nbytes, CHUNK)]
     buffer = torch.empty(max(chunks) // 4, dtype=torch.float32).fill_(rank + 0.5)
-    per_rank = len(chunks)
-    names = [f"rank{r:03d}_{c:03d}.pt" for r in range(world) for c in range(per_rank)]
+    names = [f"rank{r:03d}_{c:03d}.pt" for r in range(world) for c in range(len(chunks))]
+    mine = [os.path.join(folder, f"rank{rank:03d}_{c:03d}.pt") for c in range(len(chunks))]
     barrier.wait()
     tic = time.perf_counter()
-    for c, size in enumerate(chunks):
-        torch.save({"flat": buffer[:size // 4]}, os.path.join(folder, f"rank{rank:03d}_{c:03d}.pt"))
+    for path, size in zip(mine, chunks):
+        torch.save({"flat": buffer[:size // 4]}, path)
     saved = time.perf_counter() - tic
-    barrier.wait()          # checkpoint.save hashes once every rank has written
+    barrier.wait()          # checkpoint.save reads back once every rank has written
     tic = time.perf_counter()
     hash_share(Path(folder), names, rank, world)
-    out.put((rank, saved, time.perf_counter() - tic))
+    reread = time.perf_counter() - tic
+    barrier.wait()
+    for path in mine:
+        os.remove(path)
+    barrier.wait()
+    tic = time.perf_counter()
+    for path, size in zip(mine, chunks):
+        with open(path, "wb") as raw:
+            torch.save({"flat": buffer[:size // 4]}, CrcWriter(raw))
+    out.put((rank, saved, reread, time.perf_counter() - tic))
 
 
 def measure(nbytes: int, ranks: int, root: str, repeat: int) -> dict:
-    saves, hashes = [], []
+    runs = []
     ctx = mp.get_context("spawn")
     for _ in range(repeat):
         with tempfile.TemporaryDirectory(dir=root) as folder:
@@ -75,11 +90,11 @@ def measure(nbytes: int, ranks: int, root: str, repeat: int) -> dict:
             got = [out.get() for _ in procs]
             for p in procs:
                 p.join()
-            saves.append(max(g[1] for g in got))
-            hashes.append(max(g[2] for g in got))
-    save, crc = statistics.median(saves), statistics.median(hashes)
-    return {"bytes": nbytes, "ranks": ranks, "save_s": round(save, 4), "checksum_s": round(crc, 4),
-            "ratio": round((save + crc) / save, 3), "save_GiB_per_s": round(nbytes / save / 2**30, 2)}
+            runs.append([max(g[i] for g in got) for i in (1, 2, 3)])     # the slowest rank of each phase
+    save, reread, inline = (statistics.median(r[i] for r in runs) for i in range(3))
+    return {"bytes": nbytes, "ranks": ranks, "save_s": round(save, 4), "reread_checksum_s": round(reread, 4),
+            "ratio_reread": round((save + reread) / save, 3), "save_with_inline_checksum_s": round(inline, 4),
+            "ratio_inline": round(inline / save, 3), "save_GiB_per_s": round(nbytes / save / 2**30, 2)}
 
 
 def main(argv=None) -> int:

@@ -7,8 +7,9 @@ from; a run at the saved layout loads DeepSpeed's files. After every rank has wr
 writes the marker `step{N}/complete.json` (the layout, the global batch and every file with its size) and
 then replaces `<ckpt.dir>/latest` atomically (write a temporary file, `os.replace`). A folder without the
 marker is an interrupted save: it is never loaded and never counts towards the `ckpt.keep` newest that are
-kept. The marker records each file's size and CRC-32 (parallel/train/checksums.py: every rank hashes a share
-of the files after all have written). A checkpoint whose files no longer match the marker (truncated by a
+kept. The marker records each file's size and CRC-32 (parallel/train/checksums.py): DeepSpeed's files
+hashed as they are written (parallel/distributed/deepspeed/checkpoint.py), the others (the layout-free
+copy) read back once all have written, every rank a share. A checkpoint whose files no longer match the marker (truncated by a
 full disk, half-copied: the sizes, checked by every reader; a flipped byte: the checksums, checked by the
 training run's ranks together once process groups exist, before any weight is loaded) is reported by name
 and the previous complete one is used. Old checkpoints are pruned only once the newest is published, and
@@ -97,11 +98,13 @@ def _check_space(directory: Path, step: int) -> None:
         raise CheckpointError(verdict[0])
 
 
-def _write(trainer, directory: Path, step: int) -> None:
-    """trainer.save on every rank; a failure on any rank (a full disk: OSError, or DeepSpeed's
-    RuntimeError from torch.save) is shared so that all ranks stop, and the partial folder is removed."""
+def _write(trainer, directory: Path, step: int) -> dict:
+    """trainer.save on every rank, and the checksums it took while writing ({} when none); a failure on any
+    rank (a full disk: OSError, or DeepSpeed's RuntimeError from torch.save) is shared so that all ranks
+    stop, and the partial folder is removed."""
+    written = {}
     try:
-        trainer.save(directory, step)
+        written = trainer.save(directory, step) or {}
         mine = None
     except (OSError, RuntimeError) as e:
         mine = f"{type(e).__name__}: {e}".strip()
@@ -109,7 +112,7 @@ def _write(trainer, directory: Path, step: int) -> None:
     dist.all_gather_object(failures, mine)
     failed = next((f for f in failures if f), None)
     if failed is None:
-        return
+        return written
     error = [None]
     if dist.get_rank() == 0:
         shutil.rmtree(directory / f"step{step}", ignore_errors=True)
@@ -132,17 +135,22 @@ def _set_aside(folder: Path) -> Optional[str]:
     return f"checkpoint {folder} ({why}) moved to {target}, not written over"
 
 
-def _checksum_files(folder: Path) -> dict:
-    """{name: [bytes, crc32]} of every file under `folder`, each rank hashing its share (checksums.share);
-    the whole table on every rank."""
-    names = [None]
+def _checksum_files(folder: Path, written: dict) -> dict:
+    """{name: [bytes, crc32]} of every file under `folder`: the CRC-32s the ranks took while writing
+    (`written`, this rank's), and the rest read back, each rank hashing its share (checksums.share); the
+    whole table on every rank."""
+    names, world = [None], dist.get_world_size()
     if dist.get_rank() == 0:
         names = [[str(f.relative_to(folder)) for f in sorted(folder.rglob("*")) if f.is_file()]]
     dist.broadcast_object_list(names, src=0)
-    mine = _checksums.hash_share(folder, names[0], dist.get_rank(), dist.get_world_size())
-    everyone = [None] * dist.get_world_size()
+    known = [None] * world
+    dist.all_gather_object(known, written)
+    crcs = {k: v for part in known for k, v in part.items()}
+    rest = [n for n in names[0] if n not in crcs]
+    mine = _checksums.hash_share(folder, rest, dist.get_rank(), world)
+    everyone = [None] * world
     dist.all_gather_object(everyone, mine)
-    crcs = {k: v for part in everyone for k, v in part.items()}
+    crcs.update({k: v for part in everyone for k, v in part.items()})
     return {n: [(folder / n).stat().st_size, crcs[n]] for n in names[0]}
 
 
@@ -163,9 +171,9 @@ def save(trainer, directory: Path, step: int, keep: int, layout: dict, model: Op
         if (folder / MARKER).is_file():      # complete, of an earlier run: kept, never written over
             print(_set_aside(folder), file=sys.stderr, flush=True)
     dist.barrier()
-    _write(trainer, directory, step)
+    written = _write(trainer, directory, step)
     dist.barrier()
-    files = _checksum_files(folder)
+    files = _checksum_files(folder, written)
     if dist.get_rank() == 0:
         marker = {"step": step, "layout": layout, **({"model": model} if model is not None else {}),
                   **(extra or {}), "files": files}

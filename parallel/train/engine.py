@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.distributed import accelerator
-from parallel.distributed.deepspeed.checkpoint import use_weights_only_checkpoints
+from parallel.distributed.deepspeed.checkpoint import use_weights_only_checkpoints, written_checksums
 from parallel.distributed.deepspeed.clipping import clip_with_replica_norm
 from parallel.distributed.deepspeed.skip import guard_pipeline_updates, skipped_update
 from parallel.distributed.deepspeed.version import check_deepspeed_version
@@ -124,8 +124,10 @@ class TrainingEngine:
             self.engine.step()
         return reason
 
-    def save(self, directory, step: int) -> None:
-        """Model, optimizer (with the EMA), LR schedule and step, in DeepSpeed's format, tag `step{N}`.
+    def save(self, directory, step: int) -> dict[str, str]:
+        """Model, optimizer (with the EMA), LR schedule and step, in DeepSpeed's format, tag `step{N}`; returns
+        the CRC-32s of the files this rank wrote through DeepSpeed ({name under step{N}: crc32}), taken as
+        they were written (parallel/distributed/deepspeed/checkpoint.py).
 
         Beside it every rank writes its part of the layout-free copy (parallel/train/relayout.py) that a
         resume on another layout reads. Publishing it (marker, `latest`) is parallel.train.checkpoint.save's
@@ -135,10 +137,16 @@ class TrainingEngine:
 
         # its collectives before any disk write that could fail; ckpt.layout_free=false: DeepSpeed's files only
         part = relayout.collect(self) if self.cfg.ckpt.layout_free else None
+        sums = written_checksums(self.engine)    # the CRC-32s of what DeepSpeed writes, taken as it writes
+        if sums is not None:
+            sums.clear()
         self.engine.save_checkpoint(str(directory), tag=f"step{step}", client_state={"step": step},
                                     save_latest=False)
+        folder = (Path(directory) / f"step{step}").resolve()
         if part is not None:
-            relayout.write(part, Path(directory) / f"step{step}", step, self.layout())
+            relayout.write(part, folder, step, self.layout())
+        return {str(p.relative_to(folder)): crc for p, crc in ((Path(k).resolve(), v) for k, v in (sums or {}).items())
+                if p.is_relative_to(folder)}
 
     def layout(self) -> dict:
         """This run's sizes and ZeRO stage, as a checkpoint records them."""

@@ -87,6 +87,9 @@ def test_weights_only_engine_relies_on_torch_checkpoint_engine():
     relies(p, "DeepSpeedEngine._load_checkpoint / _load_zero_checkpoint",
            "checkpoint_engine=self.checkpoint_engine" in load and "self.checkpoint_engine.load(" in load,
            "checkpoints are no longer read through self.checkpoint_engine")
+    save = source(member(p, TorchCheckpointEngine, "save"))
+    relies(p, "TorchCheckpointEngine.save(state_dict, path)", "torch.save(state_dict, path" in save and
+           "self.zipfile_serialization" in save, "it no longer is torch.save with self.zipfile_serialization")
 
 
 def test_safe_globals_import():
@@ -110,6 +113,13 @@ def test_weights_only_engine_loads_deepspeed_records_and_refuses_other_classes(t
     assert out["scaler"].cur_scale == 4.0 and out["stage"] is ZeroStageEnum.optimizer_states
     assert out["address"] == fragment_address(numel=3, start=5)
     torch.testing.assert_close(out["w"], torch.arange(4.0))
+
+    import zlib      # the CRC-32 taken while writing is the file's, in either serialization
+    assert engine.checksums[str(tmp_path / "good.pt")] == f"{zlib.crc32((tmp_path / 'good.pt').read_bytes()):08x}"
+    engine.zipfile_serialization = True
+    engine.save(good, str(tmp_path / "zip.pt"))
+    assert engine.checksums[str(tmp_path / "zip.pt")] == f"{zlib.crc32((tmp_path / 'zip.pt').read_bytes()):08x}"
+    assert engine.load(str(tmp_path / "zip.pt"))["scaler"].cur_scale == 4.0
 
     engine.save({"w": torch.zeros(1), "payload": Payload()}, str(tmp_path / "bad.pt"))
     with pytest.raises(pickle.UnpicklingError, match="Payload"):
