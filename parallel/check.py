@@ -342,16 +342,17 @@ def check_outputs(cfg: ExperimentConfig) -> list[str]:
     return problems
 
 
-def check_resume(cfg: ExperimentConfig, layout: Layout) -> None:
-    """The checkpoint train.py --resume auto continues, found now, before any process group: raise
-    ConfigError when ckpt.dir holds one this run cannot continue (parallel.train.checkpoint.find_resume
-    says what is wrong with it and what would work)."""
+def check_resume(cfg: ExperimentConfig, layout: Layout, step: Optional[int] = None) -> None:
+    """The checkpoint train.py --resume auto (or --resume `step`) continues, found now, before any process
+    group: raise ConfigError when ckpt.dir holds one this run cannot continue (parallel.train.checkpoint.
+    find_resume says what is wrong with it and what would work). Sizes only: the checksums are read by
+    the run's ranks together (checkpoint.verified_resume)."""
     from pathlib import Path
 
     from parallel.train.checkpoint import find_resume, model_signature
     saved = {**layout.as_dict(), "zero_stage": layout.zero_stage, "global_batch": layout.global_batch}
     try:
-        find_resume(Path(cfg.ckpt_dir), saved, quiet=True, model=model_signature(cfg.model))
+        find_resume(Path(cfg.ckpt_dir), saved, quiet=True, model=model_signature(cfg.model), step=step)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

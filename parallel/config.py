@@ -92,6 +92,24 @@ class CompressionConfig(Section):
                                           "and bf16 tensors stored as float8 e4m3 with one fp32 scale per tensor")
 
 
+class AnomalyConfig(Section):
+    """The anomaly guard (parallel/train/anomaly.py): a step with a non-finite loss or gradient norm, a loss
+    above spike_factor x the running median, or an unreadable sample, is skipped (no optimizer update, on
+    every rank) or stops the run."""
+
+    action: Literal["skip", "rollback", "stop"] = Field(
+        "skip", description="skip: the step's update is not applied (the run continues as one that never saw its "
+        "batch); rollback: also load the newest verified checkpoint before it and replay from there, skipping "
+        "that batch when reached (needs ckpt.every); stop: end the run")
+    spike_factor: Optional[float] = Field(None, gt=1, description="a loss above this x the median of the last "
+                                          "`window` applied steps is an anomaly; null = non-finite values only")
+    window: int = Field(50, ge=1, description="steps in the running median")
+    min_history: int = Field(10, ge=1, description="spike checks start once the median has this many steps")
+    max_skips: int = Field(5, ge=0, description="more skipped steps than this in a row stop the run")
+    bad_samples: Literal["skip", "stop"] = Field("skip", description="a latent file that cannot be read: its "
+                                                 "step skipped and counted, or the run stopped")
+
+
 class TrainConfig(Section):
     seed: int = 1234
     max_steps: int = Field(100, ge=0)
@@ -115,6 +133,8 @@ class TrainConfig(Section):
                                                  "null = the JSON's activation_checkpointing section decides")
     activation_compression: Optional[CompressionConfig] = Field(None, description="store saved activations "
                                                                 "at lower precision; null = off")
+    anomaly: Optional[AnomalyConfig] = Field(None, description="skip or stop on a non-finite or spiking loss "
+                                             "or gradient norm, or an unreadable sample; null = off")
 
     @model_validator(mode="after")
     def _min_lr_below_lr(self) -> "TrainConfig":
@@ -130,7 +150,11 @@ class CkptConfig(Section):
 
     every: int = Field(0, ge=0)
     dir: Optional[str] = Field(None, description="default <train.output_dir>/checkpoints")
-    keep: int = Field(3, ge=1)
+    keep: int = Field(3, ge=1, description="the newest undamaged checkpoints kept; older ones are deleted once "
+                      "a newer one is published with every file's checksum")
+    layout_free: bool = Field(True, description="also write the layout-free copy (about doubles the checkpoint) "
+                              "that a run at another tp/sp/pp/dp/ZeRO layout resumes from; false: only a run at "
+                              "the saved layout can resume")
 
 
 class ValConfig(Section):
@@ -299,7 +323,7 @@ SYNONYMS = {"learning_rate": "lr", "lr_max": "lr", "max_lr": "lr", "min_learning
             "dp": "dp_size", "sp": "sp_size", "tensor_parallel_size": "tp_size", "pipeline_parallel_size": "pp_size",
             "sequence_parallel_size": "sp_size", "data_parallel_size": "dp_size", "frames": "num_frames",
             "num_layers": "num_layers", "depth": "num_layers", "heads": "num_heads", "num_attention_heads": "num_heads",
-            "attention_head_dim": "head_dim"}
+            "attention_head_dim": "head_dim", "keep_last": "keep"}
 
 
 def _suggest(dotted: str, known: list[str]) -> Optional[str]:
