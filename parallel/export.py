@@ -77,7 +77,7 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
     written = []
     for name, local in files.items():
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, local if ctx.dp_rank == 0 else {})   # one replica's stages suffice
+        dist.all_gather_object(parts, local if ctx.stage_writer else {})   # one replica's stages suffice
         if dist.get_rank() == 0:
             merged = {k: v for part in parts for k, v in part.items()}
             out.mkdir(parents=True, exist_ok=True)

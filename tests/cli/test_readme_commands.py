@@ -14,8 +14,7 @@ what the command prints; FIGURES ties each figure quoted in prose to the command
 never asserted: the docs state them as measured, with a date.
 
 Slow (every launch of the docs, the planner's searches): marked `docs`, a second tier that scripts/test.sh and
-.ci/run still run; `-m "not docs"` leaves it out. The Wan 14B `--search` figures fail until the planner's tp 2
-trace of Wan's q/k norm is fixed (RuntimeError in models/wan/model.py rms_norm: weight [2560] vs [5120]).
+.ci/run still run; `-m "not docs"` leaves it out.
 """
 from __future__ import annotations
 
@@ -103,25 +102,9 @@ def expected_failure(quoted: list[str]) -> bool:
     return bool(quoted) and re.match(r"\d+ problems? in ", quoted[0]) is not None
 
 
-# Documents whose commands, run in order in one sandbox, still fail: what the first full run found (2026-11-24),
-# open in issue 32. Each stays run and reported (xfail, not skipped); an XPASS says the entry can go.
-NOT_YET = {
-    "README.md": "Wan's `parallel.export --format diffusers` at ZeRO-3 on 4 ranks ends with a rank crashing "
-                 "(README.md:130)",
-    "docs/data.md": "its commands reuse data/clips and runs/cogvideox-5b that README.md's made with other settings "
-                    "(refused, as they should be: the doc needs its own --out and train.output_dir)",
-    "docs/released-weights.md": "parallel.verify of the tiny CogVideoX 1.5 preset refuses its own data.buckets "
-                                "(larger than the tiny rotary table): the sandbox's tiny preset needs its buckets cut",
-    "docs/training.md": "its validation command is README.md's, so it resumes README.md's finished run in the shared "
-                        "sandbox (the doc needs its own train.output_dir)",
-}
-
-
 @pytest.mark.docs
-@pytest.mark.parametrize("doc", [pytest.param(d, marks=[pytest.mark.xfail(reason=NOT_YET[d], strict=False)]
-                                              if d in NOT_YET else [])
-                                 for d in DOCS if any(rule(c, b)[0] != "not here"
-                                                      for b in blocks(d) for c in b.commands)])
+@pytest.mark.parametrize("doc", [d for d in DOCS if any(rule(c, b)[0] != "not here"
+                                                         for b in blocks(d) for c in b.commands)])
 def test_doc_commands_run_and_print_what_they_quote(doc, sandbox_base, tmp_path_factory):
     results = run_doc(doc, sandbox_base)
     failures = []
