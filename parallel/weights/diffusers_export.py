@@ -17,7 +17,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from parallel.weights.diffusers import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, diffusers_config, released_format
-from parallel.weights.gather import full_tensors
+from parallel.weights.gather import exporting, full_tensors
 
 
 def to_diffusers(name: str, full: torch.Tensor, m: ModelConfig) -> dict[str, torch.Tensor]:
@@ -64,7 +64,7 @@ def export_diffusers(module: nn.Module, ctx, cfg, out: str | Path, value: Option
             written.append((path.name, sorted(shard), size))
         shard, size = {}, 0
 
-    tensors = full_tensors(module, ctx, m.num_layers, value, zero3)
+    tensors = exporting(full_tensors(module, ctx, m.num_layers, value, zero3), module, dist.get_rank() == 0)
     if m.lora is not None:
         from parallel.lora import merged_tensors
         tensors = merged_tensors(tensors, module, m, merge_lora)

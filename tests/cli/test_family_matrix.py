@@ -8,7 +8,8 @@ tp 2 x pp 2, tp 2 x sp 2 and dp 2 with ZeRO-3 (fp32, global batch 4, 2 steps), e
 - `deepspeed --num_gpus N train.py` gives the one-process run's per-step losses (fp32 tolerances);
 - `python -m parallel.plan` on the layout plans the activations train.py's own memory check predicted, and
   that check measured them within 5% (memory_check.json);
-- `deepspeed --module parallel.sample` from the run's checkpoint equals the one-process run's sample;
+- `deepspeed --module parallel.sample` from the run's checkpoint equals the one-process run's sample (and
+  shows its progress: a bar of denoising steps; export one of tensors);
 - `deepspeed --module parallel.export`: a diffusers folder where the family has a released format, else the
   toolkit's format (STDiT), whose tensors equal the one-process run's export in the same format (every layout:
   sp ranks hold whole replicas, ZeRO-3 partitions; each must write one copy). From tp 2 x pp 2 (the layout
@@ -138,11 +139,14 @@ def test_family_in_every_layout_through_the_commands(preset, tmp_path):
     launch(tmp_path, "one", ONE, "train.py", *one, log_name="train")
     reference = losses(tmp_path / "one")
     assert len(reference) == STEPS and len(set(reference)) == STEPS
-    run_module(tmp_path, "one", ONE, "parallel.sample", *one, *sample_args(tmp_path, preset, "one"), log_name="sample")
+    log = run_module(tmp_path, "one", ONE, "parallel.sample", *one, *sample_args(tmp_path, preset, "one"),
+                     log_name="sample")
+    assert "sampling: 100%" in log and "6/6" in log, log[-2000:]     # the bar: 2 prompts x 3 steps
     want = sampled(tmp_path, "one")
     fmt = ["--format", "diffusers"] if released else []
-    run_module(tmp_path, "one", ONE, "parallel.export", *one, *fmt, "--out", str(tmp_path / "one" / "export"),
-               log_name="export")
+    log = run_module(tmp_path, "one", ONE, "parallel.export", *one, *fmt, "--out", str(tmp_path / "one" / "export"),
+                     log_name="export")
+    assert "exporting: 100%" in log, log[-2000:]
     theirs = exported(tmp_path / "one" / "export")
 
     for name, layout in LAYOUTS.items():
