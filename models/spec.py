@@ -70,10 +70,13 @@ class DiffusersFormat:
     class_name: str
 
     def example_inputs(self, model: ModelConfig, data, batch: int, generator) -> tuple:
-        """(latents [B, C_in, T, H, W], integer timesteps [B] in [0, 1000), text [B, max_text_len, text_embed_dim])."""
+        """(latents [B, C_in, T, H, W], integer timesteps [B] in [0, 1000), text [B, max_text_len, text_embed_dim],
+        then any conditioning input the model takes (ModelConfig.extra_input_shapes), each [B, *shape])."""
         latents = torch.randn(batch, model.transformer_in_channels, *latent_shape(model, data), generator=generator)
         timesteps = torch.randint(0, 1000, (batch,), generator=generator)
-        return latents, timesteps, torch.randn(batch, model.max_text_len, model.text_embed_dim, generator=generator)
+        text = torch.randn(batch, model.max_text_len, model.text_embed_dim, generator=generator)
+        return (latents, timesteps, text,
+                *(torch.randn(batch, *shape, generator=generator) for shape in model.extra_input_shapes()))
 
     def reference_model(self, folder: str) -> nn.Module:
         import diffusers
@@ -94,7 +97,7 @@ class FamilySpec:
 
     name: str
     config: type[ModelConfig]                 # the `model:` section of this family (fields, defaults, checks)
-    embed: type[nn.Module]                    # (latents, timesteps, text) -> stage tuple
+    embed: type[nn.Module]                    # (latents, timesteps, text, *extra inputs) -> stage tuple
     layer: type[nn.Module]                    # stage tuple -> stage tuple; the unit pipelines split and recompute
     final: type[nn.Module]                    # stage tuple -> prediction [B, C, T, H, W]; .assemble() under sp
     text_in_sequence: bool                    # text tokens join x (CogVideoX) or enter by cross-attention (STDiT)

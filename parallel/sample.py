@@ -33,6 +33,10 @@ call see the image latents, as in the pipeline; with --noise the batch equals
 CogVideoXImageToVideoPipeline(image=..., latents=noise.transpose(1, 2), generator=..., output_type="latent")
 given the same image latents (the pipeline draws its image latent from the posterior with the sampler's generator;
 --image takes the mode).
+Wan 2.1 I2V (models/wan/image.py): the image latents are [C, T, H, W] (the picture then gray frames through the
+VAE, as WanImageToVideoPipeline.prepare_latents), and the model also takes the picture's CLIP states: with
+`--image`, encoded by `--image-encoder DIR` (CLIPVisionModel + preprocessor_config.json) as the pipeline's
+encode_image; with `--image-latents`, given as `--image-embeds FILE` ([I, image_dim] or [B, I, image_dim]).
 
 Output (rank 0): `--out FILE.safetensors` writes {"latents": [B, C, T, H, W]}, and with a decoder (--vae DIR or
 val.decoder) the videos FILE/prompt<i>.{gif,mp4,txt} (FILE without the suffix). `--out DIR` (any other name)
@@ -67,6 +71,10 @@ def parser() -> argparse.ArgumentParser:
                     help="image-to-video: the first frame, a picture encoded with --vae; repeatable (1 or one per row)")
     ap.add_argument("--image-latents", "--image_latents", type=Path, default=None,
                     help="image-to-video: the first frames' latents, one tensor [C, 1, H, W] or [B, C, 1, H, W]")
+    ap.add_argument("--image-encoder", type=Path, default=None, help="image-to-video with an image cross-attention "
+                    "(Wan 2.1 I2V): the CLIP vision encoder folder that encodes --image")
+    ap.add_argument("--image-embeds", type=Path, default=None, help="image-to-video with an image cross-attention: "
+                    "the CLIP states beside --image-latents, one tensor [I, image_dim] or [B, I, image_dim]")
     ap.add_argument("--steps", type=int, default=None, help="sampling steps; default val.sample_steps")
     ap.add_argument("--guidance", type=float, default=None, help="guidance scale; default val.guidance_scale")
     ap.add_argument("--sampler", choices=["ddim", "dpm", "euler", "flow_euler", "unipc"], default=None, help="default val.sampler")
@@ -117,7 +125,8 @@ def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
     if args.prompt and not cfg.data.text_encoder:
         problems.append("--prompt needs a T5 encoder: --set data.text_encoder=<folder>, or give --prompt-embeds")
     shapes = {}
-    for path in args.prompt_embeds + [p for p in (args.negative_embeds, args.noise, args.image_latents) if p]:
+    for path in args.prompt_embeds + [p for p in (args.negative_embeds, args.noise, args.image_latents,
+                                                  args.image_embeds) if p]:
         try:
             shapes[path] = _tensor(path, load=False) if path.is_file() else None
         except Exception as e:                   # not a safetensors file, or several tensors
@@ -167,34 +176,59 @@ def _check_image(args, cfg, rows: int, shapes: dict) -> list[str]:
     from models.registry import family
 
     given = [flag for flag, v in (("--image", args.image), ("--image-latents", args.image_latents)) if v]
-    if family(cfg.model).training_condition(cfg.model, cfg.data) is None:
+    condition = family(cfg.model).training_condition(cfg.model, cfg.data)
+    if condition is None:
         return [f"{' and '.join(given)}: model {cfg.model.name} is text-to-video (model.image_condition is false); "
                 "leave out the image"] if given else []
+    stored = condition.stored_shapes([cfg.model.in_channels, *latent_shape(cfg.model, cfg.data)])
+    want = stored["image"]
+    label = "[C, 1, H, W]" if want[1] == 1 else "[C, T, H, W]"
     if len(given) != 1:
         return [f"model {cfg.model.name} is image-to-video: give the first frame, either --image PICTURE (with --vae) "
-                f"or --image-latents FILE [C, 1, H, W]" + (", not both" if given else "")]
-    problems, want = [], [cfg.model.in_channels, 1, *latent_shape(cfg.model, cfg.data)[1:]]
+                f"or --image-latents FILE {label}" + (", not both" if given else "")]
+    problems = _check_image_embeds(args, condition, rows, shapes, stored)
     if args.image:
         missing = [str(p) for p in args.image if not p.is_file()]
         problems += [f"--image {', '.join(missing)}: no such file"] if missing else []
         if len(args.image) not in (1, rows):
             problems.append(f"--image: {len(args.image)} pictures for {rows} prompts; give 1 or {rows}")
         if not (args.vae or cfg.val.decoder):
-            problems.append("--image needs the VAE that encodes it: --vae <CogVideoX vae/ folder>")
+            problems.append("--image needs the VAE that encodes it: --vae <the release's vae/ folder>")
     shape = shapes.get(args.image_latents)
     if shape and not (list(shape) == want or (len(shape) == 5 and shape[0] in (1, rows) and list(shape[1:]) == want)):
-        problems.append(f"--image-latents {args.image_latents}: shape {list(shape)}, expected [C, 1, H, W] = {want} "
-                        f"or [B, C, 1, H, W] with B 1 or {rows} (model.in_channels; H, W from data.height, "
+        problems.append(f"--image-latents {args.image_latents}: shape {list(shape)}, expected {label} = {want} "
+                        f"or [B, {label[1:]} with B 1 or {rows} (model.in_channels; H, W from data.height, "
                         f"data.width)")
     return problems
 
 
+def _check_image_embeds(args, condition, rows: int, shapes: dict, stored: dict) -> list[str]:
+    """An image cross-attention's CLIP states: --image-encoder with --image, --image-embeds with --image-latents."""
+    if not getattr(condition, "image_encoder", False):
+        given = [flag for flag, v in (("--image-encoder", args.image_encoder), ("--image-embeds", args.image_embeds))
+                 if v]
+        return [f"{' and '.join(given)}: the model has no image cross-attention; leave it out"] if given else []
+    if args.image and not args.image_encoder:
+        return ["--image needs the CLIP vision encoder of the model's image cross-attention: --image-encoder DIR"]
+    if args.image:
+        return condition.image_encoder_problems(args.image_encoder)
+    if args.image_latents and not args.image_embeds:
+        return ["--image-latents needs the CLIP states of the model's image cross-attention: --image-embeds FILE"]
+    shape, want = shapes.get(args.image_embeds), stored["image_embeds"]
+    if shape and not (list(shape) == want or (len(shape) == 3 and shape[0] in (1, rows) and list(shape[1:]) == want)):
+        return [f"--image-embeds {args.image_embeds}: shape {list(shape)}, expected [I, D] = {want} or [B, I, D] "
+                f"with B 1 or {rows} (model.image_len, model.image_dim)"]
+    return []
+
+
 def load_first_frames(args, cfg, rows: int):
-    """The image-to-video rows' first-frame latents [B, C, 1, H, W], or None for a text-to-video model."""
+    """(The image-to-video rows' first-frame latents [B, C, 1, H, W] (Wan: [B, C, T, H, W]), the inputs after the
+    text: (CLIP states [B, I, image_dim],) or ()), or (None, ()) for a text-to-video model."""
     if not (args.image or args.image_latents):
-        return None
+        return None, ()
     if args.image_latents:
         first = _tensor(args.image_latents)
+        extra = (_tensor(args.image_embeds),) if args.image_embeds else ()
     else:
         from PIL import Image
 
@@ -204,8 +238,12 @@ def load_first_frames(args, cfg, rows: int):
         pictures = [Image.open(p).convert("RGB") for p in args.image]
         first = condition.encode_pictures(load_vae(args.vae or cfg.val.decoder), pictures, cfg.data.height,
                                           cfg.data.width)
+        extra = ((condition.encode_image_states(condition.load_image_encoder(args.image_encoder), pictures),)
+                 if args.image_encoder else ())
     first = first[None] if first.dim() == 4 else first
-    return first.expand(rows, *first.shape[1:]).contiguous()
+    extra = tuple(e[None] if e.dim() == 2 else e for e in extra)
+    return (first.expand(rows, *first.shape[1:]).contiguous(),
+            tuple(e.expand(rows, *e.shape[1:]).contiguous() for e in extra))
 
 
 def _check_weights(args, cfg, layout, ds: dict) -> list[str]:
@@ -296,12 +334,13 @@ def sample_videos(args, cfg, ds: dict, layout, env):
     from models.registry import family
 
     noise = _tensor(args.noise) if args.noise else None
-    first = load_first_frames(args, cfg, len(text))
+    first, extra = load_first_frames(args, cfg, len(text))
     shape = (cfg.model.in_channels, *latent_shape(cfg.model, cfg.data))
     with sampling_model(cfg, ds, layout, env, args.ema) as (forward, ctx):
         latents = sample_batch(forward, ctx, Objective.of(cfg.model), text, uncond, noise, shape, seed, steps,
                                sampler, guidance, cfg.val.use_dynamic_cfg, first,
-                               family(cfg.model).training_condition(cfg.model, cfg.data), progress=True)
+                               family(cfg.model).training_condition(cfg.model, cfg.data), extra,
+                               progress=True)
         if ctx.rank == 0:
             for path in write_outputs(args.out, latents, labels, cfg, args.vae or cfg.val.decoder):
                 print(f"wrote {path}", flush=True)

@@ -214,7 +214,8 @@ class ActivationTracer:
         (with sp, one sp rank's part of the sequence)."""
         m = self.cfg.model
         raw = (torch.empty(b, m.transformer_in_channels, *latent_shape(m, self.cfg.data)),
-               torch.zeros(b, dtype=torch.long), torch.empty(b, m.max_text_len, m.text_embed_dim))
+               torch.zeros(b, dtype=torch.long), torch.empty(b, m.max_text_len, m.text_embed_dim),
+               *(torch.empty(b, *shape) for shape in m.extra_input_shapes()))
         if kind == "embed":
             return raw
         embed, _ = self._module("embed", tp, sp)

@@ -76,10 +76,11 @@ def sampling_model(cfg, ds: dict, layout, env, ema: bool = False) -> Iterator[tu
 def sample_batch(forward: StageForward, ctx, objective: Objective, text: torch.Tensor, uncond: Optional[torch.Tensor],
                  noise: Optional[torch.Tensor], shape: tuple[int, ...], seed: int, steps: int, sampler: Optional[str],
                  guidance: float, dynamic: bool, first: Optional[torch.Tensor] = None, condition=None,
-                 progress: bool = False) -> torch.Tensor:
+                 extra: tuple = (), progress: bool = False) -> torch.Tensor:
     """Latents [B, C, T, H, W] of the batch on every rank, from text and uncond [B, L, D] (uncond: None when
     guidance is 1); data-parallel replicas sample contiguous rows. Image-to-video: first [B, C, 1, H, W], the
-    first frames' latents, and `condition` (the family's training_condition) that puts them on channels.
+    first frames' latents, and `condition` (the family's training_condition) that puts them on channels; `extra`
+    the inputs after the text, each [B, ...] (Wan 2.1 I2V: the CLIP states).
 
     noise [B, C, T, H, W]: one generator (seed) for the whole batch, as the pipeline's; None: row i starts
     from noise drawn from (seed, i) of `shape` [C, T, H, W] and continues that generator (validation's rule).
@@ -94,7 +95,8 @@ def sample_batch(forward: StageForward, ctx, objective: Objective, text: torch.T
 
     def run(r: range, x, g, rows=None):
         predict = row_predictor(forward, text[r.start:r.stop], None if uncond is None else uncond[r.start:r.stop],
-                                None if first is None else first[r.start:r.stop], condition)
+                                None if first is None else first[r.start:r.stop], condition,
+                                tuple(e[r.start:r.stop] for e in extra))
 
         def counted(x_, t, cond):
             bar.update(int(cond))            # a step's conditional prediction comes once, its unconditional after

@@ -35,6 +35,8 @@ def test_cogvideox_2b_tp2_passes_with_one_line(capsys):
     ("opensora-stdit3", [1, 2, 4, 8, 16]),
     ("debug", [1, 2, 4]),
     ("debug-stdit", [1, 2, 4]),
+    ("wan2.1-i2v-14b-480p", [1, 2, 4, 8]),           # the image k/v and norm_added_k split as the text's
+    ("debug-wan-i2v", [1, 2, 4]),
 ])
 def test_valid_tp_sizes_per_preset(preset, expected):
     assert valid_tp_sizes(load_config(preset).model) == expected
