@@ -18,7 +18,7 @@ from typing import Any, Optional
 from parallel import ds_config as dsc
 from parallel.ds_keys import ZERO_QUANTIZED, key_problems
 from models.config import ModelConfig
-from models.registry import sequence_tokens
+from models.registry import family, sequence_tokens
 from parallel.config import ConfigError, ExperimentConfig, load_config
 from parallel.distributed.sequence import padded_length
 from parallel.distributed.topology import Layout
@@ -88,6 +88,15 @@ def _check_model_splits(cfg: ExperimentConfig) -> list[str]:
                             f"every split dimension of this model: {_fmt(sizes)}; set --set parallel.tp_size="
                             f"{_nearest(sizes, tp)}")
     return problems
+
+
+def _check_objective(cfg: ExperimentConfig) -> list[str]:
+    """model.objective among those the family samples (FamilySpec.sampling.samplers)."""
+    offered = family(cfg.model).sampling.samplers
+    if cfg.model.objective in offered:
+        return []
+    return [f"model.objective={cfg.model.objective}: model.family={cfg.model.family} samples "
+            f"{' or '.join(offered)} only; set --set model.objective={next(iter(offered))}"]
 
 
 def valid_sp_sizes(cfg: ExperimentConfig) -> list[int]:
@@ -272,7 +281,7 @@ def check_outputs(cfg: ExperimentConfig) -> list[str]:
     from parallel.train.media import load_decoder
     problems = []
     try:
-        check_sampler(cfg.model.objective, v.sampler)
+        check_sampler(cfg.model.objective, v.sampler, family(cfg.model).sampling.samplers)
     except ValueError as e:
         problems.append(f"val.sampler={v.sampler}: {e}")
     try:
@@ -327,7 +336,7 @@ def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source:
     """Return the layout and every problem found (an empty list means the layout is valid); with `device`,
     the precision is checked against it too."""
     ds = ds or {}
-    problems = _check_model_splits(cfg) + _check_sequence(cfg) + _check_pipeline(cfg)
+    problems = _check_model_splits(cfg) + _check_objective(cfg) + _check_sequence(cfg) + _check_pipeline(cfg)
     dp, grid_problems = _resolve_dp(cfg, world_size)
     problems += grid_problems + _check_batch(cfg, ds, ds_source, dp) + _check_engine(cfg, ds, ds_source)
     if device is not None:

@@ -7,6 +7,7 @@ expensive starts. Functions elsewhere take the section they need (`cfg.model`, `
 from __future__ import annotations
 
 import difflib
+import functools
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args
 
@@ -14,7 +15,7 @@ import yaml
 from pydantic import BaseModel, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from models.config import Section
-from models.registry import FAMILIES
+from models.registry import FAMILIES, import_families
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -142,7 +143,8 @@ class ValConfig(Section):
     num_prompts: int = Field(0, ge=0, description="prompts to sample videos for; 0 = no videos")
     sample_steps: int = Field(20, ge=1)
     sampler: Optional[Literal["ddim", "dpm", "euler", "flow_euler", "unipc"]] = Field(
-        None, description="default: ddim for v_prediction, euler for flow_matching; dpm: v_prediction, "
+        None, description="default: the first the model's family offers for its objective (FamilySpec.sampling; "
+        "the built-in families: ddim for v_prediction, euler for flow_matching); dpm: v_prediction, "
         "CogVideoXDPMScheduler's DPM-Solver++(2M) SDE step; flow_euler: flow_matching, FlowMatchEulerDiscreteScheduler "
         "with shift model.schedule.shift; unipc: flow_matching, UniPCMultistepScheduler with flow sigmas and that shift "
         "(Wan 2.1's)")
@@ -152,8 +154,9 @@ class ValConfig(Section):
                                   "1 + g (1 - cos(pi ((N - t) / N) ** 5)) / 2 at timestep t of N steps")
     formats: list[Literal["gif", "mp4"]] = Field(["gif"], min_length=1)
     fps: int = Field(8, ge=1)
-    decoder: Optional[str] = Field(None, description="a CogVideoX VAE folder (diffusers) or 'package.module:function' "
-                                   "mapping a latent [C,T,H,W] to frames; default: a latent-to-RGB preview")
+    decoder: Optional[str] = Field(None, description="the model family's VAE folder (diffusers) or "
+                                   "'package.module:function' mapping a latent [C,T,H,W] to frames; default: a "
+                                   "latent-to-RGB preview")
 
     @field_validator("timesteps")
     @classmethod
@@ -163,12 +166,19 @@ class ValConfig(Section):
         return timesteps
 
 
-# The `model:` section is the config class of its family (models/registry.py), picked by `model.family`.
-FamilyConfig = Annotated[Union[tuple(spec.config for spec in FAMILIES.values())], Field(discriminator="family")]
+def family_union(configs: tuple) -> Any:
+    """The `model:` section's type: the config class of its family (models/registry.py), picked by `model.family`."""
+    return Annotated[Union[configs], Field(discriminator="family")]
+
+
+FamilyConfig = family_union(tuple(spec.config for spec in FAMILIES.values()))
 DEFAULT_FAMILY = "cogvideox"
 
 
 class ExperimentConfig(Section):
+    families: list[str] = Field([], description="modules to import before the model section is read, each "
+                                "registering a model family kept outside models/ (models.registry.register); "
+                                "the built-in families need none")
     model: FamilyConfig
     data: DataConfig = DataConfig()
     parallel: ParallelConfig = ParallelConfig()
@@ -189,6 +199,21 @@ class ExperimentConfig(Section):
 
     def global_batch_size(self, dp_size: int) -> int:
         return self.train.micro_batch_size * self.train.grad_accum_steps * dp_size
+
+
+@functools.lru_cache(maxsize=None)
+def _experiment_class(configs: tuple) -> type[ExperimentConfig]:
+    """ExperimentConfig whose model section also takes the families registered since import."""
+    return type("ExperimentConfig", (ExperimentConfig,), {"__annotations__": {"model": family_union(configs)},
+                                                           "__module__": __name__})
+
+
+def experiment_class() -> type[ExperimentConfig]:
+    """The experiment config class for the families registered now (ExperimentConfig itself for the built-ins)."""
+    configs = tuple(spec.config for spec in FAMILIES.values())
+    if configs == get_args(get_args(FamilyConfig)[0]):
+        return ExperimentConfig
+    return _experiment_class(configs)
 
 
 def resolve_config_path(name_or_path: str | Path) -> Path:
@@ -290,7 +315,9 @@ def _describe(error: dict, source: str, overridden: set[str]) -> str:
     dotted = ".".join(str(p) for p in loc)
     if error["type"] == "union_tag_invalid":
         return (f"{source if 'model.family' not in overridden else '--set'}: model.family="
-                f"{error['ctx']['tag']!r} is not a model family; families: {', '.join(FAMILIES)}")
+                f"{error['ctx']['tag']!r} is not a model family; families: {', '.join(FAMILIES)} (a family kept "
+                f"outside models/ is registered by a module the experiment names under families:, "
+                f"docs/architecture.md)")
     origin = "--set" if dotted in overridden else source
     if error["type"] == "extra_forbidden":
         if family is not None:                        # a key of the model section: this family's keys
@@ -334,8 +361,16 @@ def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
         keys, value = parse_override(text)
         _apply_override(tree, keys, value, text)
         overridden.add(".".join(keys))
+    families = tree.get("families") or []
+    if not isinstance(families, list) or not all(isinstance(f, str) for f in families):
+        raise ConfigError(f"{path}: families: a list of module names (families: [my_package.my_family]), "
+                          f"got {families!r}")
     try:
-        return ExperimentConfig.model_validate(tree)
+        import_families(families, f"{path}: families")
+    except ImportError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        return experiment_class().model_validate(tree)
     except ValidationError as e:
         problems = [_describe(err, str(path), overridden) for err in e.errors()]
         raise ConfigError("\n".join(problems)) from None

@@ -50,6 +50,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from models.sampling import SAMPLERS
 from parallel.check import load_and_check
 from parallel.cli import add_experiment_args
 from parallel.config import UNCOND_FILE, ConfigError
@@ -77,7 +78,8 @@ def parser() -> argparse.ArgumentParser:
                     "the CLIP states beside --image-latents, one tensor [I, image_dim] or [B, I, image_dim]")
     ap.add_argument("--steps", type=int, default=None, help="sampling steps; default val.sample_steps")
     ap.add_argument("--guidance", type=float, default=None, help="guidance scale; default val.guidance_scale")
-    ap.add_argument("--sampler", choices=["ddim", "dpm", "euler", "flow_euler", "unipc"], default=None, help="default val.sampler")
+    ap.add_argument("--sampler", choices=sorted(s for group in SAMPLERS.values() for s in group), default=None,
+                    help="default val.sampler, else the first the model's family offers for its objective")
     ap.add_argument("--seed", type=int, default=None, help="noise seed; default train.seed")
     ap.add_argument("--ema", action="store_true", help="a checkpoint's EMA weights instead of its weights")
     ap.add_argument("--vae", default=None, help="decoder for the videos and encoder of --image (a VAE folder of "
@@ -116,6 +118,7 @@ def _settings(args, cfg) -> tuple[int, float, Optional[str], int]:
 def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
     """Every problem with the command line, before a model loads."""
     from models.geometry import latent_shape
+    from models.registry import family
     from models.sampling import check_sampler
 
     problems, rows = [], len(args.prompt)
@@ -164,7 +167,7 @@ def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
     if not 1 <= steps <= 1000:
         problems.append(f"--steps={steps}: give a number in [1, 1000]")
     try:
-        check_sampler(cfg.model.objective, sampler)
+        check_sampler(cfg.model.objective, sampler, family(cfg.model).sampling.samplers)
     except ValueError as e:
         problems.append(f"--sampler / val.sampler: {e}")
     return problems + _check_weights(args, cfg, layout, ds or {})
@@ -178,7 +181,7 @@ def _check_image(args, cfg, rows: int, shapes: dict) -> list[str]:
     given = [flag for flag, v in (("--image", args.image), ("--image-latents", args.image_latents)) if v]
     condition = family(cfg.model).training_condition(cfg.model, cfg.data)
     if condition is None:
-        return [f"{' and '.join(given)}: model {cfg.model.name} is text-to-video (model.image_condition is false); "
+        return [f"{' and '.join(given)}: model {cfg.model.name} is text-to-video (its family's conditioning is off); "
                 "leave out the image"] if given else []
     stored = condition.stored_shapes([cfg.model.in_channels, *latent_shape(cfg.model, cfg.data)])
     want = stored["image"]
@@ -193,7 +196,7 @@ def _check_image(args, cfg, rows: int, shapes: dict) -> list[str]:
         if len(args.image) not in (1, rows):
             problems.append(f"--image: {len(args.image)} pictures for {rows} prompts; give 1 or {rows}")
         if not (args.vae or cfg.val.decoder):
-            problems.append("--image needs the VAE that encodes it: --vae <the release's vae/ folder>")
+            problems.append(f"--image needs the VAE that encodes it: --vae <{family(cfg.model).vae.release}>")
     shape = shapes.get(args.image_latents)
     if shape and not (list(shape) == want or (len(shape) == 5 and shape[0] in (1, rows) and list(shape[1:]) == want)):
         problems.append(f"--image-latents {args.image_latents}: shape {list(shape)}, expected {label} = {want} "
@@ -329,10 +332,12 @@ def sample_videos(args, cfg, ds: dict, layout, env):
     from models.geometry import latent_shape
     from parallel.train.sampling import sample_batch, sampling_model
 
-    steps, guidance, sampler, seed = _settings(args, cfg)
-    labels, text, uncond = load_prompts(args, cfg)
     from models.registry import family
+    from models.sampling import check_sampler
 
+    steps, guidance, sampler, seed = _settings(args, cfg)
+    sampler = check_sampler(cfg.model.objective, sampler, family(cfg.model).sampling.samplers)
+    labels, text, uncond = load_prompts(args, cfg)
     noise = _tensor(args.noise) if args.noise else None
     first, extra = load_first_frames(args, cfg, len(text))
     shape = (cfg.model.in_channels, *latent_shape(cfg.model, cfg.data))

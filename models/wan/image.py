@@ -72,13 +72,13 @@ def encode_pictures(vae, pictures: list, height: int, width: int, num_frames: in
     num_frames - 1 gray frames through the VAE (the posterior's mode), normalised."""
     from diffusers.video_processor import VideoProcessor
 
-    from models.vae_formats import VAES
+    from models.wan.pipeline import WanLatents
     spatial = vae.config.scale_factor_spatial
     param = next(vae.parameters())
     x = VideoProcessor(vae_scale_factor=spatial).preprocess(pictures, height=height, width=width).unsqueeze(2)
     x = gray_after_first(x.expand(-1, -1, num_frames, -1, -1))
     z = vae.encode(x.to(param.device, param.dtype)).latent_dist.mode().float()
-    return VAES[type(vae).__name__].normalise(z, vae.config).cpu()
+    return WanLatents.normalise(z, vae.config).cpu()
 
 
 @torch.no_grad()

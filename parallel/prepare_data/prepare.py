@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from models.geometry import latent_shape, pad_frames
-from models.registry import family
+from models.registry import family, text_encoder_formats, vae_formats
 from models.text_encoder import encoder_class
 from parallel.cli import CONFIG_HELP, add_experiment_args
 from parallel.units import DTYPES
@@ -56,9 +56,9 @@ def parser() -> argparse.ArgumentParser:
                     '{"video": ..., "caption": ...}; video paths relative to --videos. '
                     "Default: a .txt file next to each video")
     ap.add_argument("--vae", required=True, type=Path, help="the VAE folder (save_pretrained) of the model's family: "
-                    "AutoencoderKLCogVideoX (CogVideoX, STDiT) or AutoencoderKLWan (Wan 2.1)")
-    ap.add_argument("--t5", type=Path, help="text encoder + tokenizer folder of the model's family (T5EncoderModel, "
-                    "UMT5EncoderModel for Wan 2.1); without it the manifest keeps captions")
+                    + " or ".join(f"{name} ({f.release})" for name, f in vae_formats().items()))
+    ap.add_argument("--t5", type=Path, help="text encoder + tokenizer folder of the model's family ("
+                    + " or ".join(text_encoder_formats()) + "); without it the manifest keeps captions")
     ap.add_argument("--image-encoder", type=Path, help="image-to-video with an image cross-attention (model.image_dim, "
                     "Wan 2.1 I2V): the CLIP vision encoder folder (CLIPVisionModel with preprocessor_config.json; "
                     "for a release: image_encoder/ with the files of image_processor/ copied in)")
@@ -131,7 +131,7 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
         everywhere = {p for p, n in count.items() if n == len(args.bucket_list or [None])}
         problems += list(dict.fromkeys(p if p in everywhere else p + where for p, where in per_bucket))
     if args.t5:
-        wanted = family(cfg.model).text_encoder
+        wanted = family(cfg.model).text_encoder.class_name
         what = (f"expected a folder written by {wanted}.save_pretrained with its tokenizer beside it "
                 "(for a release: text_encoder/ with the files of tokenizer/ copied in)")
         try:
@@ -240,7 +240,7 @@ class ClipEncoder:
         if args.t5:
             from models.text_encoder import T5TextEncoder
             self.t5 = T5TextEncoder(args.t5, cfg.model.max_text_len, cfg.model.text_embed_dim, device, cache_size=0,
-                                    expected_class=family(cfg.model).text_encoder, key="--t5")
+                                    expected=family(cfg.model).text_encoder, key="--t5")
         self.args, self.data, self.seed, self.tag = args, cfg.data, cfg.train.seed, tag
         self.store, self.model, self.buckets = DTYPES[args.dtype], cfg.model, args.bucket_list
         self.condition = family(cfg.model).training_condition(cfg.model, cfg.data)

@@ -5,7 +5,8 @@ global batch), never on the layout: position j of global step s is sample positi
 batch), and data-parallel rank d takes positions [(a*dp + d)*mb, (a*dp + d + 1)*mb) at micro-step a.
 So every (tp, pp, dp) layout sees the same global batch, and resuming at step s needs nothing but s.
 A directory dataset of several shapes (buckets) draws each step's bucket from (seed, step) and walks each
-bucket on its own (parallel/train/buckets.py); noise, timesteps and dropout still key on s*G + j.
+bucket on its own (parallel/train/buckets.py); noise, timesteps and dropout still key on s*G + j. A sample's
+timesteps are its family's draw (FamilySpec.timesteps: one per sample, or one per token) from its noise generator.
 Caption dropout (data.caption_dropout = p) is decided the same way: position j of step s trains on the
 dataset's unconditional text embedding (T5 of the empty prompt) when rand(seed, step, s*G + j) < p.
 """
@@ -16,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from models.diffusion import NUM_TRAIN_TIMESTEPS, Objective
+from models.diffusion import PER_SAMPLE, Objective
 from parallel.config import UNCOND_FILE
 from parallel.manifest import read_manifest
 from parallel.shapes import bucket_data, format_shape
@@ -252,9 +253,11 @@ class DiffusionBatches:
     """Infinite iterator of this rank's micro-batches: ((x_t, t, text), target), grad_accum per step."""
 
     def __init__(self, dataset, objective: Objective, *, seed: int, micro_batch: int, grad_accum: int,
-                 dp_rank: int, dp_size: int, start_step: int = 0, caption_dropout: float = 0.0, condition=None):
+                 dp_rank: int, dp_size: int, start_step: int = 0, caption_dropout: float = 0.0, condition=None,
+                 timesteps=PER_SAMPLE, model=None):
         self.dataset, self.objective, self.seed = dataset, objective, seed
         self.condition = condition        # FamilySpec.training_condition: image latents onto x_t, or None
+        self.timesteps, self.model = timesteps, model     # FamilySpec.timesteps: per sample or per token
         self.caption_dropout = caption_dropout
         # Loaded once, at start-up: a missing file is named before the first step.
         self.uncond = dataset.unconditional() if caption_dropout > 0 else None
@@ -295,7 +298,7 @@ class DiffusionBatches:
                 text = self.uncond.to(text.dtype)
             g = _generator(self.seed, "noise", pos)
             noises.append(torch.randn(x0.shape, generator=g))
-            ts.append(torch.randint(0, NUM_TRAIN_TIMESTEPS, (1,), generator=g))
+            ts.append(self.timesteps.draw(g, tuple(x0.shape), self.model))        # [1] or [1, T, H, W]
             if self.condition is not None:    # the condition's dropout, drawn like the caption's
                 keep.append(float(torch.rand(1, generator=_generator(self.seed, "condition_dropout", step, pos)))
                             >= self.condition.dropout)
