@@ -63,7 +63,11 @@ class ParallelConfig(Section):
     leaves."""
 
     tp_size: int = Field(1, ge=1)
-    sp_size: int = Field(1, ge=1, description="Ulysses sequence parallel: tokens split outside attention, heads inside")
+    sp_size: int = Field(1, ge=1, description="sequence parallel: tokens split outside attention; inside it "
+                         "Ulysses splits heads and ring attention passes key/value chunks (sp = ulysses x ring)")
+    ring_size: Optional[int] = Field(None, ge=1, description="ring attention's share of sp_size (ulysses = sp_size / "
+                                     "ring_size); null: all Ulysses where it divides the heads of a tp rank, ring "
+                                     "for the rest (python -m parallel.check lists the pairs that work)")
     pp_size: int = Field(1, ge=1)
     dp_size: Optional[int] = Field(None, ge=1)
     pp_partition: Optional[list[int]] = Field(None, description="blocks per pipeline stage; default uniform")

@@ -32,8 +32,9 @@ head, so each rank sums the squares of its channels and the sums are all-reduced
 backward too. Patch, text and time embeddings, the modulation tables, norm2 and the head are replicated.
 
 Sequence parallelism: everything but self-attention works token by token (the RMSNorms normalise one
-token's channels), so it runs on any chunk of x; self-attention's `_attend` gets the full sequence for its
-heads (Ulysses) and applies the rotary positions there.
+token's channels), so it runs on any chunk of x; self-attention's `_prepare` applies the rotary positions
+to the tokens SequenceAttention gives it (the full sequence for its heads under Ulysses, a ring chunk under
+ring attention, with that chunk's first position).
 """
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ class SelfAttention(nn.Module):
         self.norm_q, self.norm_k = HeadsRMSNorm(hid, ctx), HeadsRMSNorm(hid, ctx)
         self.to_out = RowParallelLinear(hid, hid, ctx=ctx)
         self._rope = PositionCache(functools.partial(wan_rope_complex, self.head_dim))
-        self.core = SequenceAttention(self._attend, ctx, tokens=self.tokens)
+        self.core = SequenceAttention(ctx=ctx, tokens=self.tokens, prepare=self._prepare)
 
     def tokens(self) -> int:
         """Real tokens of the step's sequence (its bucket's video grid), before any sp padding."""
@@ -130,12 +131,13 @@ class SelfAttention(nn.Module):
         o = self.core(q, k, v)                                                        # (B, S, heads/p, d)
         return self.to_out(o.flatten(2))                                              # (B, S, H)
 
-    def _attend(self, q, k, v):
-        """[B, S, n, d] over the whole token grid (no sp padding) -> [B, S, n, d]."""
-        q, k, v = (z.transpose(1, 2) for z in (q, k, v))                              # (B, n, S, d)
-        freqs = self._rope.get(self.grid, q.device)                                   # (S, d/2) complex
+    def _prepare(self, q, k, v, start: int):
+        """Rotary positions of tokens start.. of the token grid (no sp padding): [B, s, n, d] each -> same;
+        SequenceAttention then attends (whole sequence, or ring chunks)."""
+        q, k = (z.transpose(1, 2) for z in (q, k))                                    # (B, n, s, d)
+        freqs = self._rope.get(self.grid, q.device)[start:start + q.shape[2]]         # (s, d/2) complex
         q, k = apply_rope_complex(q, freqs), apply_rope_complex(k, freqs)
-        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        return q.transpose(1, 2), k.transpose(1, 2), v
 
 
 class CrossAttention(nn.Module):
