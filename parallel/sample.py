@@ -344,7 +344,8 @@ def sample_videos(args, cfg, ds: dict, layout, env):
     with sampling_model(cfg, ds, layout, env, args.ema) as (forward, ctx):
         latents = sample_batch(forward, ctx, Objective.of(cfg.model), text, uncond, noise, shape, seed, steps,
                                sampler, guidance, cfg.val.use_dynamic_cfg, first,
-                               family(cfg.model).training_condition(cfg.model, cfg.data), extra)
+                               family(cfg.model).training_condition(cfg.model, cfg.data), extra,
+                               progress=True)
         if ctx.rank == 0:
             for path in write_outputs(args.out, latents, labels, cfg, args.vae or cfg.val.decoder):
                 print(f"wrote {path}", flush=True)

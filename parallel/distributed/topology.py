@@ -297,6 +297,12 @@ class ParallelContext:
     def pp_rank(self) -> int:
         return self.coord.pp
 
+    @property
+    def stage_writer(self) -> bool:
+        """The one rank of its pipeline stage that writes the stage's full tensors (exports): data rank 0 (dp and
+        sp: sp ranks hold whole replicas too) and tp rank 0."""
+        return self.data_rank == 0 and self.tp_rank == 0
+
     # DeepSpeed / Megatron mpu interface: "model parallel" means tensor parallel there.
     def get_model_parallel_rank(self) -> int:
         return self.tp_rank

@@ -122,7 +122,7 @@ def write_planned(c: Candidate, cfg: ExperimentConfig, args) -> Optional[str]:
 def search_report(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer, found=None) -> dict:
     res: SearchResult = search(cfg, ds, args.world_size, args.devices_per_node, args.device_memory,
                                DEVICES[args.device], tracer, args.utilisation, args.margin, args.workspace,
-                               source=args.deepspeed_config)
+                               source=args.deepspeed_config, progress=True)
     closest = sorted(res.not_fitting, key=lambda c: c.memory.worst.total)
     best = res.ranked[0] if res.ranked else None
     buckets = {"buckets": bucket_rows(best.cfg, found, best.ds, best.dims.dp_size, args)} if found and best else {}

@@ -39,8 +39,11 @@ from __future__ import annotations
 import copy
 import json
 import math
+import sys
 from dataclasses import dataclass
 from typing import Optional
+
+from tqdm import tqdm
 
 from models.registry import family
 from parallel.check import check, divisors
@@ -285,47 +288,51 @@ def with_layout(cfg: ExperimentConfig, dims: ParallelDims, micro_batch: int,
 
 def search(cfg: ExperimentConfig, ds: dict, devices: int, per_node: int, device_memory: int, device: Device,
            tracer: ActivationTracer, utilisation: float = 0.4, margin: float = 0.10,
-           workspace: int = 2 ** 30, source: str = "deepspeed config") -> SearchResult:
+           workspace: int = 2 ** 30, source: str = "deepspeed config", progress: bool = False) -> SearchResult:
     """Every layout of `devices` devices; tp and Ulysses stay within a node (tp x ulysses divides the devices per
     node). Each sp runs as `sp_split` gives it: Ulysses as far as the heads and the node allow, ring for the
     rest (only for families whose attention takes a ring), so ring opens the sp sizes Ulysses cannot reach:
-    head counts it does not divide, and sequence groups across nodes."""
+    head counts it does not divide, and sequence groups across nodes. `progress`: a bar of the (tp, sp, pp)
+    grids on stderr."""
     node = min(devices, per_node)
     ranked, not_fitting, invalid = [], [], []
     ring_ok = getattr(type(cfg.model), "RING_ATTENTION", True)
+    grids = []
     for tp, sp in ((t, s) for t in divisors(node) for s in divisors(devices // t)):
         ulysses, ring = sp_split(cfg.model.num_heads, tp, sp, node, ring_ok)
         if ring == 1 and (node // tp) % sp:            # Ulysses alone stays in a node
             continue
-        for pp in (p for p in divisors(devices // (tp * sp)) if p <= cfg.model.num_layers):
-            dp = devices // (tp * sp * pp)
-            dims = ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp, ring_size=ring)
-            for zero in range(4):
-                for n, (checkpointing, granularity, every) in enumerate(RECOMPUTE_OPTIONS):
-                    rc = (granularity, every) if granularity else None
-                    cfg_l, ds_l = with_layout(cfg, dims, 1, rc), ds_variant(ds, zero, checkpointing)
-                    # The verdict does not depend on the recompute option (ds_variant drops the JSON's section
-                    # whenever train.recompute is set): checked and reported once.
-                    problems = [] if n else check(cfg_l, ds_l, f"{source} at zero_optimization.stage={zero}", devices)[1]
-                    if problems:
-                        invalid.append(({"tp": tp, "sp": sp, "pp": pp, "dp": dp, "zero": zero,
-                                         **({"ring": ring} if ring > 1 else {})}, problems))
+        grids += [(tp, sp, ring, p) for p in divisors(devices // (tp * sp)) if p <= cfg.model.num_layers]
+    for tp, sp, ring, pp in tqdm(grids, desc="search", unit="grid", file=sys.stderr, dynamic_ncols=True,
+                                 disable=not progress):
+        dp = devices // (tp * sp * pp)
+        dims = ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp, ring_size=ring)
+        for zero in range(4):
+            for n, (checkpointing, granularity, every) in enumerate(RECOMPUTE_OPTIONS):
+                rc = (granularity, every) if granularity else None
+                cfg_l, ds_l = with_layout(cfg, dims, 1, rc), ds_variant(ds, zero, checkpointing)
+                # The verdict does not depend on the recompute option (ds_variant drops the JSON's section
+                # whenever train.recompute is set): checked and reported once.
+                problems = [] if n else check(cfg_l, ds_l, f"{source} at zero_optimization.stage={zero}", devices)[1]
+                if problems:
+                    invalid.append(({"tp": tp, "sp": sp, "pp": pp, "dp": dp, "zero": zero,
+                                     **({"ring": ring} if ring > 1 else {})}, problems))
+                    break
+                best = None
+                for b in (2 ** i for i in range(int(math.log2(MAX_MICRO_BATCH)) + 1)):
+                    cfg_b = with_layout(cfg, dims, b, rc)
+                    memory = plan_memory(cfg_b, ds_l, dp, device_memory, tracer, margin, workspace)
+                    cand = Candidate(dims, zero, checkpointing, b, cfg_b, ds_l, memory)
+                    if not memory.fits:
+                        if best is None:
+                            not_fitting.append(cand)
                         break
-                    best = None
-                    for b in (2 ** i for i in range(int(math.log2(MAX_MICRO_BATCH)) + 1)):
-                        cfg_b = with_layout(cfg, dims, b, rc)
-                        memory = plan_memory(cfg_b, ds_l, dp, device_memory, tracer, margin, workspace)
-                        cand = Candidate(dims, zero, checkpointing, b, cfg_b, ds_l, memory)
-                        if not memory.fits:
-                            if best is None:
-                                not_fitting.append(cand)
-                            break
-                        best = cand
-                    if best is not None:
-                        eng = EngineSettings.from_ds(best.ds, cfg.model.num_layers)
-                        stage_params = max(stage.params for stage in best.memory.stages)
-                        best.time = estimate_step_time(best.cfg, eng, dp, device, per_node, utilisation, tracer,
-                                                       stage_params)
-                        ranked.append(best)
+                    best = cand
+                if best is not None:
+                    eng = EngineSettings.from_ds(best.ds, cfg.model.num_layers)
+                    stage_params = max(stage.params for stage in best.memory.stages)
+                    best.time = estimate_step_time(best.cfg, eng, dp, device, per_node, utilisation, tracer,
+                                                   stage_params)
+                    ranked.append(best)
     ranked.sort(key=lambda c: -c.time.samples_per_s)
     return SearchResult(ranked, not_fitting, invalid)

@@ -267,9 +267,12 @@ MODEL_KEYS = ("family", "num_layers", "hidden_size", "num_heads", "head_dim", "f
 
 def model_signature(model) -> dict:
     """What a checkpoint records of the model config (a models.config.ModelConfig): MODEL_KEYS, the FFN
-    width resolved, and the LoRA adapters' rank and targets (None without LoRA)."""
+    width resolved, the first stage's inputs (channels with any image condition, and the shapes of extra inputs
+    such as Wan I2V's CLIP states), and the LoRA adapters' rank and targets (None without LoRA)."""
     lora = model.lora
     return {**{k: getattr(model, k) for k in MODEL_KEYS}, "ffn_hidden_size": model.ffn_size,
+            "transformer_in_channels": model.transformer_in_channels,
+            "extra_input_shapes": [list(s) for s in model.extra_input_shapes()],
             "lora": None if lora is None else {"rank": lora.rank, "targets": list(lora.targets)}}
 
 
@@ -278,8 +281,9 @@ def _model_problem(folder: Path, model: Optional[dict]) -> Optional[str]:
     saved = json.loads((folder / MARKER).read_text()).get("model")
     if model is None or saved is None:
         return None
-    differ = [f"model.{k}={json.dumps(saved.get(k))} there, {json.dumps(v)} here" for k, v in model.items()
-              if saved.get(k) != v]
+    # A key a marker does not record (written before the key was added) is not compared.
+    differ = [f"model.{k}={json.dumps(saved[k])} there, {json.dumps(v)} here" for k, v in model.items()
+              if k in saved and saved[k] != v]
     return "; ".join(differ) or None
 
 

@@ -345,6 +345,7 @@ def test_the_printed_command_runs_as_printed(capsys, tmp_path):
                           "--world-size", "2", "--device-memory", "4GiB", "--device-profile", "cpu", "--search",
                           "--ds-out", str(planned))
     assert code == 0 and f"wrote {planned}" in err
+    assert re.search(r"search: 100%\|.*\| (\d+)/\1 ", err), err          # the progress bar, to its end
     line, = [x for x in text.splitlines() if x.startswith("run it: ")]
     argv = shlex.split(line[len("run it: "):])
     assert argv[:4] == ["deepspeed", "--num_gpus", "2", "train.py"]
