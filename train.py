@@ -17,11 +17,23 @@ from parallel.config import ConfigError
 from parallel.distributed.topology import read_launch_env
 
 
+def resume_choice(text: str):
+    """--resume: 'auto', 'never', or a step (N or stepN)."""
+    if text in ("auto", "never"):
+        return text
+    step = text.removeprefix("step")
+    if not step.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: give auto, never, or a checkpoint's step (40 or step40)")
+    return int(step)
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="train.py", description=__doc__.splitlines()[0])
     add_experiment_args(ap)
-    ap.add_argument("--resume", default="auto", choices=["auto", "never"],
-                    help="auto: continue from the newest complete checkpoint in ckpt.dir, if there is one")
+    ap.add_argument("--resume", default="auto", type=resume_choice, metavar="{auto,never,N}",
+                    help="auto: continue from the newest usable checkpoint in ckpt.dir, if there is one; never: "
+                         "start from step 0 (a complete checkpoint a save would write over is moved aside); "
+                         "N: from ckpt.dir's stepN and no other")
     ap.add_argument("--check-only", action="store_true",
                     help="check the configuration for WORLD_SIZE ranks (not the device), print the summary and "
                          "exit: launch.sh --dry-run runs it")
@@ -39,7 +51,7 @@ def main(argv=None) -> int:
         device_check = not args.check_only
         cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size,
                                          device_check)
-        if args.resume == "auto":     # on fewer or more nodes: the checkpoint's global batch, by accumulation
+        if args.resume != "never":    # on fewer or more nodes: the checkpoint's global batch, by accumulation
             from parallel.train.checkpoint import resume_accumulation
             kept = resume_accumulation(cfg.ckpt_dir, layout.global_batch, cfg.train.micro_batch_size * layout.dp_size)
             if kept is not None:
@@ -49,7 +61,7 @@ def main(argv=None) -> int:
                 if env.local_rank == 0:
                     print(f"resuming at dp {layout.dp_size}: train.grad_accum_steps={kept[0]} keeps the "
                           f"checkpoint's global batch {kept[1]}", file=sys.stderr)
-            check_resume(cfg, layout)     # a checkpoint this run cannot continue
+            check_resume(cfg, layout, None if args.resume == "auto" else args.resume)   # one it cannot continue
     except ConfigError as e:
         if env.local_rank == 0:      # once per node, so every node's log says why its ranks stopped
             print("refusing to start, the configuration has problems:\n  - " +
@@ -61,7 +73,8 @@ def main(argv=None) -> int:
         return 0
 
     from parallel.train.trainer import Trainer     # heavy imports (deepspeed, torch) only after the checks
-    return Trainer(cfg, ds, layout, env, resume=args.resume == "auto").fit()
+    resume = {"auto": True, "never": False}.get(args.resume, args.resume)
+    return Trainer(cfg, ds, layout, env, resume=resume).fit()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -262,7 +263,9 @@ def main() -> int:
     report = json.loads(old.read_text()) if old.is_file() and len(only) < len(SECTIONS) else {}
     report.update({"steps": args.steps, "date": time.strftime("%Y-%m-%d"),
                    "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}"})
-    for name in only:
+    bar = tqdm(only, desc="bench", unit="section", file=sys.stderr, dynamic_ncols=True)
+    for name in bar:
+        bar.set_postfix_str(name)
         report[name] = SECTIONS[name](args.steps)
     report["seconds"] = round(time.perf_counter() - tic, 1)
     figures = plots(report, out) if "pipeline" in report and "in_process" in report else []

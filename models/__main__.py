@@ -34,6 +34,10 @@ def summary(cfg) -> str:
         f"final:  {count_parameters(model.final):>14,d}",
         f"parameters: {count_parameters(model)}",
     ]
+    if spec.timesteps.per_token or spec.experts:      # the traits a family may add (models/spec.py)
+        experts = ", ".join(f"{e.name} (t >= {e.boundary})" for e in spec.experts)
+        lines.append(f"timesteps: {'one per token' if spec.timesteps.per_token else 'one per sample'}"
+                     + (f"; experts by timestep: {experts}" if experts else ""))
     return "\n".join(lines)
 
 

@@ -137,3 +137,8 @@ class ModelConfig(Section):
     def transformer_in_channels(self) -> int:
         """Channels of the first stage's latents (image-to-video models take conditioning channels too)."""
         return self.in_channels
+
+    def extra_input_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shapes (without the batch) of the first stage's inputs after (latents, timesteps, text): a
+        conditioning input the family's embed stage takes (Wan 2.1 I2V: the CLIP image states [257, 1280])."""
+        return ()

@@ -13,6 +13,9 @@ scheduler_config.json keys of `model.schedule` (models/config.py NoiseSchedule):
 0.00085 to 0.012 over 1000 steps, alpha_bar = cumprod(1 - beta), the SNR shift
 alpha_bar / (s + (1 - s) alpha_bar) (s = snr_shift_scale: 3.0 for CogVideoX-2B, 1.0 for 5B), then the
 rescale to zero terminal SNR.
+
+Timesteps: t is [B] (one per sample, `PerSample`) or [B, T, H, W] (one per latent position, a family whose
+FamilySpec.timesteps draws per token); noising broadcasts either over the latent [B, C, T, H, W].
 """
 from __future__ import annotations
 
@@ -41,6 +44,26 @@ def ddpm_alphas_cumprod(num_steps: int = NUM_TRAIN_TIMESTEPS, beta_start: float 
     return sqrt_ab ** 2
 
 
+class PerSample:
+    """One training timestep per sample, uniform over [0, 1000) (FamilySpec.timesteps of CogVideoX, Wan 2.1, STDiT)."""
+
+    per_token = False
+
+    @staticmethod
+    def draw(generator: torch.Generator, latent_shape, model) -> torch.Tensor:
+        return torch.randint(0, NUM_TRAIN_TIMESTEPS, (1,), generator=generator)     # [1]
+
+
+PER_SAMPLE = PerSample()
+
+
+def _over_latent(t: torch.Tensor, x0: torch.Tensor) -> tuple[int, ...]:
+    """The view of t ([B] or [B, T, H, W]) that broadcasts over x0 [B, C, T, H, W]."""
+    if t.dim() == 1:
+        return (-1,) + (1,) * (x0.dim() - 1)
+    return (t.shape[0], 1, *t.shape[1:])
+
+
 class Objective:
     """Noising and targets for one objective; `alphas_cumprod` (fp32; `alphas_cumprod64` in float64) is
     built once from `schedule` (default: NoiseSchedule(), CogVideoX-5B's)."""
@@ -61,8 +84,8 @@ class Objective:
         return cls(model.objective, model.schedule)
 
     def noised(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x0, noise: [B, C, T, H, W]; t: [B] integer timesteps in [0, 1000). Returns (x_t, target)."""
-        shape = (-1,) + (1,) * (x0.dim() - 1)
+        """x0, noise: [B, C, T, H, W]; t: [B] or [B, T, H, W] integer timesteps in [0, 1000). Returns (x_t, target)."""
+        shape = _over_latent(t, x0)
         if self.kind == "v_prediction":
             a = self.alphas_cumprod.to(x0.device)[t].view(shape)
             return a.sqrt() * x0 + (1 - a).sqrt() * noise, a.sqrt() * noise - (1 - a).sqrt() * x0
@@ -70,7 +93,7 @@ class Objective:
         return (1 - s) * x0 + s * noise, noise - x0
 
     def flow_sigmas(self, t: torch.Tensor) -> torch.Tensor:
-        """flow_matching's noise level of integer timesteps t [B]: r = t / 1000, shifted (fp32)."""
+        """flow_matching's noise level of integer timesteps t (any shape): r = t / 1000, shifted (fp32)."""
         r, k = t.float() / NUM_TRAIN_TIMESTEPS, self.schedule.shift
         return r if k == 1 else k * r / (1 + (k - 1) * r)
 

@@ -1,5 +1,13 @@
-"""The model families, by the name `model.family` gives: one line each."""
+"""The model families, by the name `model.family` gives: one line each for the built-in ones.
+
+A family kept outside models/ (a user's, or tests/toy_family/) registers itself at import: its module calls
+`register(SPEC)`, and an experiment names the module in its top-level `families:` list (parallel/config.py
+imports them before it reads the `model:` section), so every command and every rank train.py spawns, all
+of which load the experiment, know the family.
+"""
 from __future__ import annotations
+
+import importlib
 
 from models import cogvideox, hunyuanvideo, stdit, wan
 from models.config import ModelConfig
@@ -13,6 +21,31 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
 )}
 
 
+def register(spec: FamilySpec) -> FamilySpec:
+    """Add a family (its config's `family` field must default to spec.name). Registering the same spec again
+    is a no-op; another spec under a taken name is refused."""
+    if not isinstance(spec, FamilySpec):
+        raise TypeError(f"register() takes a models.spec.FamilySpec, got {type(spec).__name__}")
+    default = spec.config.model_fields["family"].default
+    if default != spec.name:
+        raise ValueError(f"family {spec.name}: its config {spec.config.__name__} must declare "
+                         f"family: Literal[{spec.name!r}] = {spec.name!r} (got {default!r})")
+    if FAMILIES.get(spec.name, spec) is not spec:
+        raise ValueError(f"a family named {spec.name!r} is already registered; choose another name")
+    FAMILIES[spec.name] = spec
+    return spec
+
+
+def import_families(modules: list[str], where: str = "families") -> None:
+    """Import each module (dotted name), which registers its families; a module that does not import is named."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ImportError(f"{where}: cannot import {name!r} ({e}); give a module importable from the "
+                              f"working directory or PYTHONPATH that calls models.registry.register") from None
+
+
 def family(model: ModelConfig) -> FamilySpec:
     """The spec of a model section's family."""
     return FAMILIES[model.family]
@@ -21,3 +54,13 @@ def family(model: ModelConfig) -> FamilySpec:
 def sequence_tokens(model: ModelConfig, data) -> int:
     """Tokens of the sequence x per sample (what sequence parallelism splits); see FamilySpec."""
     return family(model).sequence_tokens(model, data)
+
+
+def vae_formats() -> dict:
+    """Every registered family's VAE format, by the VAE folder's `_class_name`."""
+    return {spec.vae.class_name: spec.vae for spec in FAMILIES.values()}
+
+
+def text_encoder_formats() -> dict:
+    """Every registered family's text-encoder format, by its transformers class name."""
+    return {spec.text_encoder.class_name: spec.text_encoder for spec in FAMILIES.values() if spec.text_encoder.prepared}

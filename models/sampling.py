@@ -39,14 +39,18 @@ from models.unipc import unipc_sample, unipc_schedule
 # predict(x_t [B, C, T, H, W], t [B] int64 (float32: flow_euler), conditional) -> v (v_prediction) or u (flow_matching)
 Predictor = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
-SAMPLERS = {"v_prediction": ("ddim", "dpm"), "flow_matching": ("euler", "flow_euler", "unipc")}   # the first is the default
+# Every sampler below, by the objective it integrates; a family lists those its pipeline offers, the first the
+# default (FamilySpec.sampling.samplers).
+SAMPLERS = {"v_prediction": ("ddim", "dpm"), "flow_matching": ("euler", "flow_euler", "unipc")}
 
 
-def check_sampler(objective_kind: str, sampler: str | None) -> str:
-    """The sampler to use for `objective_kind`: `sampler`, or the objective's own when None."""
-    if objective_kind not in SAMPLERS:
-        raise ValueError(f"unknown objective {objective_kind!r}; use one of {sorted(SAMPLERS)}")
-    fitting = SAMPLERS[objective_kind]
+def check_sampler(objective_kind: str, sampler: str | None, offered: Optional[dict] = None) -> str:
+    """The sampler to use for `objective_kind`: `sampler`, or the first the family offers for it when None.
+    offered: the family's FamilySpec.sampling.samplers (default: every sampler of the objective)."""
+    offered = SAMPLERS if offered is None else offered
+    if objective_kind not in SAMPLERS or objective_kind not in offered:
+        raise ValueError(f"unknown objective {objective_kind!r}; use one of {sorted(offered)}")
+    fitting = offered[objective_kind]
     if sampler is None:
         return fitting[0]
     known = sorted(s for group in SAMPLERS.values() for s in group)

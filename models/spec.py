@@ -1,8 +1,11 @@
 """What a model family is, in one place: the `FamilySpec` every family folder exports.
 
-The checker, the planner and its tracer, `python -m models`, the model builder and the released-weights
-reader and writer ask a family's spec; none of them tests a family's name. Adding a family is one folder
-under models/ that defines a spec, and one line in models/registry.py.
+The checker, the planner and its tracer, `python -m models`, the model builder, the released-weights
+reader and writer, data preparation (VAE latents, text embeddings), the training batches (objective inputs,
+timesteps, conditioning) and the samplers ask a family's spec; none of them tests a family's name. Every
+field is required: no family inherits another's VAE, text encoder, timesteps or sampler by default. Adding
+a family is one folder under models/ that defines a spec, and one line in models/registry.py (or, for a
+family kept elsewhere, `models.registry.register` called by a module the experiment names under `families:`).
 
 A family's network is a list of stages, embed -> layer_0 .. layer_{L-1} -> final, each taking and
 returning a tuple (the stage tuple: the hidden states x [B, S, H] first, then tensors every layer reads
@@ -70,10 +73,13 @@ class DiffusersFormat:
     class_name: str
 
     def example_inputs(self, model: ModelConfig, data, batch: int, generator) -> tuple:
-        """(latents [B, C_in, T, H, W], integer timesteps [B] in [0, 1000), text [B, max_text_len, text_embed_dim])."""
+        """(latents [B, C_in, T, H, W], integer timesteps [B] in [0, 1000), text [B, max_text_len, text_embed_dim],
+        then any conditioning input the model takes (ModelConfig.extra_input_shapes), each [B, *shape])."""
         latents = torch.randn(batch, model.transformer_in_channels, *latent_shape(model, data), generator=generator)
         timesteps = torch.randint(0, 1000, (batch,), generator=generator)
-        return latents, timesteps, torch.randn(batch, model.max_text_len, model.text_embed_dim, generator=generator)
+        text = torch.randn(batch, model.max_text_len, model.text_embed_dim, generator=generator)
+        return (latents, timesteps, text,
+                *(torch.randn(batch, *shape, generator=generator) for shape in model.extra_input_shapes()))
 
     def reference_model(self, folder: str) -> nn.Module:
         import diffusers
@@ -88,13 +94,84 @@ class DiffusersFormat:
             return self.reference_call(model, inputs, self.reference_kwargs(model, inputs)).float()
 
 
+class LatentFormat(Protocol):
+    """A VAE folder class (diffusers' `_class_name`) and how its release normalises latents for training
+    (models/vae.py reads and writes through it; models/cogvideox/pipeline.py, models/wan/pipeline.py)."""
+
+    class_name: str                    # `_class_name` of the VAE folder's config.json
+    release: str                       # where a user finds such a folder, for messages
+
+    def channels(self, config: dict) -> Optional[int]:
+        """Latent channels of the VAE described by `config`."""
+
+    def compression(self, config: dict) -> tuple[int, int]:
+        """(temporal, spatial) downsampling factors."""
+
+    def normalise(self, z: torch.Tensor, config) -> torch.Tensor:
+        """Posterior latent (1, C, T, H, W) fp32 -> training latent."""
+
+    def denormalise(self, z: torch.Tensor, config) -> torch.Tensor:
+        """Training latent (1, C, T, H, W) fp32 -> what vae.decode takes."""
+
+
+@dataclass(frozen=True)
+class TextEncoderFormat:
+    """A text encoder class (transformers) and how the release's pipeline turns a caption into the
+    transformer's text input with it (models/text_encoder.py)."""
+
+    class_name: str       # transformers class ("T5EncoderModel"); also the `architectures` entry of its config.json
+    model_type: str       # config.json `model_type` ("t5"): a whole checkpoint of that type loads as this encoder
+    masked: bool          # encode with the attention mask and zero the padding rows; else keep them (no mask)
+    clean: bool           # WanPipeline's prompt_clean (ftfy, HTML unescape, whitespace) before tokenising
+    prepared: bool = True  # False: the toolkit does not encode captions as this release does (yet); refused by name
+
+
+class SchedulerFormat(Protocol):
+    """The release's `scheduler/scheduler_config.json` against the model section (parallel/weights/scheduler.py
+    reads the file; the family says what its keys mean)."""
+
+    def check(self, model: ModelConfig, config: dict, path: str) -> list[str]:
+        """Every key that disagrees with model.objective / model.schedule, named with the --set that fixes it."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the family samples (models/sampling.py) and reads its release's schedule."""
+
+    # objective -> the samplers (models/sampling.py names) that fit it, the first used when val.sampler is unset
+    samplers: dict[str, tuple[str, ...]]
+    scheduler: Optional[SchedulerFormat]      # the release's scheduler_config.json; None: no released pipeline
+
+
+class TimestepSampling(Protocol):
+    """The training timesteps of one sample (parallel/train/data.py), drawn from the sample's generator after
+    its noise: per sample, a [1] integer tensor in [0, 1000); per token, [1, T, H, W] on the latent grid
+    (constant within a patch). models/diffusion.py broadcasts either over the latent; the family's embed stage
+    takes what `model_timesteps` makes of it ([B] or [B, T, H, W])."""
+
+    per_token: bool
+
+    def draw(self, generator: torch.Generator, latent_shape: tuple[int, ...], model: ModelConfig) -> torch.Tensor:
+        """latent_shape: the sample's [C, T, H, W]."""
+
+
+@dataclass(frozen=True)
+class Expert:
+    """One of the transformers a family switches between by timestep (Wan 2.2 A14B: high noise, then low).
+    An expert serves the timesteps t with boundary <= t < the previous expert's boundary (experts ordered from
+    the highest noise down, the last boundary 0)."""
+
+    name: str
+    boundary: int
+
+
 @dataclass(frozen=True)
 class FamilySpec:
     """A model family: its config, its stages, its token geometry and its published-weights format."""
 
     name: str
     config: type[ModelConfig]                 # the `model:` section of this family (fields, defaults, checks)
-    embed: type[nn.Module]                    # (latents, timesteps, text) -> stage tuple
+    embed: type[nn.Module]                    # (latents, timesteps, text, *extra inputs) -> stage tuple
     layer: type[nn.Module]                    # stage tuple -> stage tuple; the unit pipelines split and recompute
     final: type[nn.Module]                    # stage tuple -> prediction [B, C, T, H, W]; .assemble() under sp
     text_in_sequence: bool                    # text tokens join x (CogVideoX) or enter by cross-attention (STDiT)
@@ -102,18 +179,36 @@ class FamilySpec:
     attentions_per_layer: int                 # self-attentions per layer: Ulysses all-to-all sets
     attention_pairs: Callable[[ModelConfig, tuple[int, int, int]], int]   # (query, key) pairs a layer scores
     describe_layers: Callable[[ModelConfig], str]                         # "30 blocks", "28 layers (...)"
-    layer_noun: str = "block"
-    released: Optional[ReleasedFormat] = None
+    layer_noun: str
+    released: Optional[ReleasedFormat]        # None: no published format (no init_from, toolkit-format export)
     # (model, data) -> None, or a training-input hook: (x_t, x0, keep [B] bool) -> the first stage's latents
     # (image-to-video: x_t with the image latents on channels), its `.dropout` the probability of keep False.
-    condition: Optional[Callable] = None
-    # The data it trains on: the diffusers VAE class whose normalised latents it takes (models/vae.py
-    # VAES), and the transformers text-encoder class whose embeddings it reads (models/text_encoder.py ENCODERS).
-    vae: str = "AutoencoderKLCogVideoX"
-    text_encoder: str = "T5EncoderModel"
+    condition: Optional[Callable]
+    # The data it trains on: the VAE whose normalised latents it takes (models/vae.py), and the text encoder
+    # whose embeddings it reads, as its release's pipeline feeds them (models/text_encoder.py).
+    vae: LatentFormat
+    text_encoder: TextEncoderFormat
+    timesteps: TimestepSampling               # per sample or per token (models/diffusion.py)
+    sampling: Sampling                        # its samplers and its release's scheduler
     # Selective recomputation (parallel/recompute.py): per granularity ("attention", "mlp"), the dotted paths,
     # relative to one layer, of the modules or methods a checkpoint wraps (`attn.core`, `mlp`).
-    recompute_parts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    recompute_parts: dict[str, tuple[str, ...]]
+    # Transformers chosen by timestep, highest noise first (empty: one transformer); see `expert`.
+    experts: tuple[Expert, ...] = field(default=())
+
+    def __post_init__(self):
+        bounds = [e.boundary for e in self.experts]
+        falling = bounds == sorted(set(bounds), reverse=True)
+        if self.experts and (not falling or bounds[-1] != 0):
+            raise ValueError(f"family {self.name}: expert boundaries {bounds} must fall strictly, ending at 0")
+
+    def expert(self, t: torch.Tensor) -> torch.Tensor:
+        """The index of the expert serving each timestep of t (any shape, integer or fractional): the first,
+        from the highest noise down, whose boundary <= t."""
+        if not self.experts:
+            return torch.zeros_like(t, dtype=torch.long)
+        bounds = torch.tensor([e.boundary for e in self.experts], dtype=torch.float64, device=t.device)
+        return (t.double().unsqueeze(-1) < bounds).sum(-1)
 
     def training_condition(self, model: ModelConfig, data):
         return self.condition(model, data) if self.condition else None
@@ -129,8 +224,6 @@ class FamilySpec:
         if self.text_in_sequence:
             return f"{video} video tokens + {model.max_text_len} text tokens = {video + model.max_text_len}"
         return f"{video} video tokens, cross-attending to {model.max_text_len} text tokens"
-
-
 
 
 def show(value) -> str:

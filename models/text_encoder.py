@@ -1,15 +1,14 @@
 """Caption -> text embeddings with a T5-family encoder from a local folder (`transformers`), as the
 released pipeline that ships that encoder feeds its transformer.
 
-The encoder class comes from the folder's config.json (`architectures`), and each class is used as its
-pipeline uses it (`ENCODERS`; a family names the class it trains with in its FamilySpec.text_encoder):
-- `T5EncoderModel` (CogVideoX, `CogVideoXPipeline._get_t5_prompt_embeds`): the caption tokenised to exactly
-  `max_len` tokens (padded, truncated), encoded without an attention mask; the last hidden state
-  [max_len, d_model] is the text input, padding positions included (CogVideoX attends to all 226).
-- `UMT5EncoderModel` (Wan 2.1, `WanPipeline._get_t5_prompt_embeds`, diffusers 0.42): the caption cleaned
-  (`prompt_clean`: ftfy when installed, HTML entities unescaped twice, runs of whitespace to one space),
-  tokenised to `max_len` with the attention mask, encoded with that mask; the rows of the n real tokens
-  kept and rows n..max_len-1 set to ZERO ([max_len, d_model], zeros where the padding was).
+The encoder class comes from the folder's config.json (`model_type`, else `architectures`), and each class is
+used as the family that trains on it says (its FamilySpec.text_encoder, a models.spec.TextEncoderFormat in the
+family's folder: models/cogvideox/pipeline.py, models/wan/pipeline.py):
+- not masked (CogVideoX's T5EncoderModel): the caption tokenised to exactly `max_len` tokens (padded,
+  truncated), encoded without an attention mask; the last hidden state [max_len, d_model] is the text input,
+  padding positions included.
+- masked (Wan 2.1's UMT5EncoderModel): tokenised to `max_len` with the attention mask, encoded with that mask;
+  the rows of the n real tokens kept and rows n..max_len-1 set to ZERO; `clean`: `prompt_clean` first.
 Nothing is downloaded: `path` is a folder written by `save_pretrained` holding the encoder and its tokenizer.
 """
 from __future__ import annotations
@@ -18,31 +17,24 @@ import html
 import importlib.util
 import json
 import re
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
 
-@dataclass(frozen=True)
-class EncoderKind:
-    """How the pipeline that ships one encoder class turns a caption into its transformer's text input."""
-
-    masked: bool          # encode with the attention mask and zero the padding rows (Wan); else keep them
-    clean: bool           # WanPipeline's prompt_clean before tokenising
-
-
-ENCODERS = {"T5EncoderModel": EncoderKind(masked=False, clean=False),
-            "UMT5EncoderModel": EncoderKind(masked=True, clean=True)}
-# By model_type: a whole T5 checkpoint (T5ForConditionalGeneration: t5-v1_1-xxl, which SAT's CogVideoX reads)
-# loads as its encoder alone, as the release's text_encoder/ folder holds it.
-_MODEL_TYPES = {"t5": "T5EncoderModel", "umt5": "UMT5EncoderModel"}
+def encoder_formats() -> dict:
+    """The text-encoder formats of the registered families, by transformers class name."""
+    from models.registry import text_encoder_formats
+    return text_encoder_formats()
 
 
 def encoder_class(config: dict) -> str | None:
-    """The encoder class of a config.json ("T5EncoderModel", "UMT5EncoderModel"), or what it describes instead."""
-    return _MODEL_TYPES.get(config.get("model_type")) or (config.get("architectures") or [None])[0]
+    """The encoder class of a config.json ("T5EncoderModel", "UMT5EncoderModel"), or what it describes instead.
+    By model_type first: a whole T5 checkpoint (T5ForConditionalGeneration: t5-v1_1-xxl, which SAT's CogVideoX
+    reads) loads as its encoder alone, as the release's text_encoder/ folder holds it."""
+    by_type = {f.model_type: name for name, f in encoder_formats().items()}
+    return by_type.get(config.get("model_type")) or (config.get("architectures") or [None])[0]
 
 
 def prompt_clean(text: str) -> str:
@@ -56,22 +48,30 @@ def prompt_clean(text: str) -> str:
 
 class T5TextEncoder:
     def __init__(self, path: str | Path, max_len: int, expected_dim: int | None = None, device="cpu",
-                 cache_size: int = 4096, expected_class: str | None = None, key: str = "data.text_encoder"):
+                 cache_size: int = 4096, expected=None, key: str = "data.text_encoder"):
+        """expected: the TextEncoderFormat the model's family trains on (FamilySpec.text_encoder); None takes
+        the folder's class as its registered family uses it."""
         import transformers
 
         path = Path(path)
-        what = "a folder saved with T5EncoderModel or UMT5EncoderModel .save_pretrained and its tokenizer"
+        if expected is not None and not expected.prepared:
+            raise ValueError(f"{key}={path}: this model family's captions are {expected.class_name} states as its "
+                             f"release's pipeline builds them, which the toolkit does not encode yet; give data "
+                             f"prepared elsewhere (data.kind=directory, each caption's [max_text_len, text_embed_dim] "
+                             f"tensor beside its latent: docs/data.md)")
+        formats = encoder_formats()
+        what = f"a folder saved with {' or '.join(formats)} .save_pretrained and its tokenizer"
         try:
             config = json.loads((path / "config.json").read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise FileNotFoundError(f"{key}={path}: cannot read config.json ({e}); expected {what}") from None
         name = encoder_class(config)
-        if name not in ENCODERS:
+        if name not in formats:
             raise ValueError(f"{key}={path}: config.json describes {name!r}; expected {what}")
-        if expected_class is not None and name != expected_class:
-            raise ValueError(f"{key}={path}: a {name}, but this model family trains on {expected_class} "
+        if expected is not None and name != expected.class_name:
+            raise ValueError(f"{key}={path}: a {name}, but this model family trains on {expected.class_name} "
                              "embeddings (the text_encoder/ folder of its release)")
-        self.kind = ENCODERS[name]
+        self.kind = expected or formats[name]
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
         self.model = getattr(transformers, name).from_pretrained(str(path)).to(device).eval()
         dim = self.model.config.d_model

@@ -1,7 +1,8 @@
-"""The VAE (a diffusers `AutoencoderKLCogVideoX` or `AutoencoderKLWan` folder): frames -> training latents and back.
+"""The VAE (a diffusers folder of a class some registered family trains on): frames -> training latents and back.
 
-Each class normalises latents as its release trains on them (models/vae_formats.py); the
-experiment's family names the class it takes (FamilySpec.vae), and a folder of another class is refused.
+Each class normalises latents as its release trains on them: the family's FamilySpec.vae (a LatentFormat,
+in the family's folder, e.g. models/cogvideox/pipeline.py), found by the folder's `_class_name`; the
+experiment's family names the class it takes, and a folder of another class is refused.
 The latent is a draw from the VAE's posterior for the clip in [-1, 1] (as CogVideoX and finetrainers' Wan
 train) or its mode. diffusers is an optional dependency (`pip install .[data]`), imported only when a VAE
 is loaded. Compression, from the config: T frames -> (T - 1) / temporal + 1 latent frames, H -> H / spatial.
@@ -17,28 +18,35 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.vae_formats import VAES
 
-WHAT = "a folder written by " + " or ".join(f"{name}.save_pretrained ({f.release})" for name, f in VAES.items())
+
+def _formats() -> dict:
+    from models.registry import vae_formats
+    return vae_formats()
+
+
+def _what() -> str:
+    return "a folder written by " + " or ".join(f"{name}.save_pretrained ({f.release})"
+                                                for name, f in _formats().items())
 
 
 def read_vae_config(path: str | Path, key: str = "--vae") -> dict:
     """config.json of a VAE folder written by `save_pretrained` (the `vae/` folder of a release)."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"{key}={path}: no such folder; expected {WHAT}")
+        raise FileNotFoundError(f"{key}={path}: no such folder; expected {_what()}")
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise FileNotFoundError(f"{key}={path}: cannot read config.json ({e}); expected {WHAT}") from None
-    if config.get("_class_name") not in VAES:
-        raise ValueError(f"{key}={path}: config.json is a {config.get('_class_name')!r}; expected {WHAT}")
+        raise FileNotFoundError(f"{key}={path}: cannot read config.json ({e}); expected {_what()}") from None
+    if config.get("_class_name") not in _formats():
+        raise ValueError(f"{key}={path}: config.json is a {config.get('_class_name')!r}; expected {_what()}")
     return config
 
 
 def compression(config: dict) -> tuple[int, int]:
     """(temporal, spatial) downsampling factors of the encoder described by `config`."""
-    return VAES[config["_class_name"]].compression(config)
+    return _formats()[config["_class_name"]].compression(config)
 
 
 def check_vae(config: dict, model, data, key: str = "--vae") -> list[str]:
@@ -47,13 +55,12 @@ def check_vae(config: dict, model, data, key: str = "--vae") -> list[str]:
     from models.registry import family
 
     name, wanted = config["_class_name"], family(model).vae
-    if name != wanted:
-        use = VAES[wanted].release if wanted in VAES else wanted
-        problem = (f"{key}: an {name} folder, but model.family={model.family} trains on {wanted} latents (use {use}, "
-                   f"or a config of a family that takes {name})")
+    if name != wanted.class_name:
+        problem = (f"{key}: an {name} folder, but model.family={model.family} trains on {wanted.class_name} latents "
+                   f"(use {wanted.release}, or a config of a family that takes {name})")
         return [problem]
     temporal, spatial = compression(config)
-    channels = VAES[name].channels(config)
+    channels = wanted.channels(config)
     problems = []
     if channels != model.in_channels:
         problems.append(f"{key}: latent channels {channels} != model.in_channels={model.in_channels} (use the VAE the "
@@ -84,7 +91,7 @@ def load_vae(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32)
 
 
 def _format(vae):
-    return VAES[type(vae).__name__]
+    return _formats()[type(vae).__name__]
 
 
 @torch.no_grad()

@@ -18,9 +18,10 @@ from typing import Any, Optional
 from parallel import ds_config as dsc
 from parallel.ds_keys import ZERO_QUANTIZED, key_problems
 from models.config import ModelConfig
-from models.registry import sequence_tokens
+from models.registry import family, sequence_tokens
 from parallel.config import ConfigError, ExperimentConfig, load_config
-from parallel.distributed.sequence import padded_length
+from parallel.distributed.sequence import default_ring, padded_length
+from parallel.distributed.sequence import sp_pairs as _sp_pairs
 from parallel.distributed.topology import Layout
 from parallel.train.schedule import scheduler_problems
 
@@ -90,22 +91,75 @@ def _check_model_splits(cfg: ExperimentConfig) -> list[str]:
     return problems
 
 
+def _check_objective(cfg: ExperimentConfig) -> list[str]:
+    """model.objective among those the family samples (FamilySpec.sampling.samplers)."""
+    offered = family(cfg.model).sampling.samplers
+    if cfg.model.objective in offered:
+        return []
+    return [f"model.objective={cfg.model.objective}: model.family={cfg.model.family} samples "
+            f"{' or '.join(offered)} only; set --set model.objective={next(iter(offered))}"]
+
+
 def valid_sp_sizes(cfg: ExperimentConfig) -> list[int]:
-    """sp sizes that divide the heads of one tp rank (any token count works: it is padded)."""
+    """sp sizes that divide the heads of one tp rank (any token count works: it is padded); with ring attention
+    (a family whose attention takes it) any sp size works: `sp_pairs`."""
     heads, tp = cfg.model.num_heads, cfg.parallel.tp_size
     return divisors(heads // tp) if heads % tp == 0 else [1]
 
 
+def ring_capable(cfg: ExperimentConfig) -> bool:
+    """Whether the family's self-attention runs under ring attention (full attention over the sequence)."""
+    return getattr(type(cfg.model), "RING_ATTENTION", True)
+
+
+def sp_pairs(cfg: ExperimentConfig, sp: Optional[int] = None, tp: Optional[int] = None) -> list[tuple[int, int]]:
+    """Every (ulysses, ring) with ulysses x ring = sp (parallel.sp_size) that this model takes at tp
+    (parallel.tp_size): Ulysses must divide the heads of a tp rank; ring takes any head count, and any token
+    count (padded)."""
+    sp = cfg.parallel.sp_size if sp is None else sp
+    heads, tp = cfg.model.num_heads, cfg.parallel.tp_size if tp is None else tp
+    return [] if heads % tp else _sp_pairs(heads // tp, sp, ring_capable(cfg))
+
+
+def ring_size(cfg: ExperimentConfig) -> int:
+    """parallel.ring_size, or when null all Ulysses where it divides the heads of a tp rank, ring for the rest."""
+    p = cfg.parallel
+    if p.ring_size is not None:
+        return p.ring_size
+    return default_ring(cfg.model.num_heads // p.tp_size, p.sp_size, ring_capable(cfg)) if p.sp_size > 1 else 1
+
+
+def _pairs_text(pairs: list[tuple[int, int]]) -> str:
+    return ", ".join(f"ulysses {u} x ring {r}" for u, r in pairs) or "none"
+
+
 def _check_sequence(cfg: ExperimentConfig) -> list[str]:
-    """Ulysses splits each tp rank's heads over the sp ranks inside attention (the token sequence outside
-    it is padded to a multiple of sp: `sequence_padding`)."""
-    sp, tp, heads = cfg.parallel.sp_size, cfg.parallel.tp_size, cfg.model.num_heads
-    if sp == 1 or heads % tp or (heads // tp) % sp == 0:      # heads % tp: _check_model_splits says it
+    """Ulysses splits each tp rank's heads over the ulysses ranks inside attention, ring attention passes
+    key/value chunks over the ring ranks (the token sequence outside it is padded to a multiple of sp:
+    `sequence_padding`)."""
+    sp, tp, heads, ring = cfg.parallel.sp_size, cfg.parallel.tp_size, cfg.model.num_heads, cfg.parallel.ring_size
+    if heads % tp:                                          # _check_model_splits says it
         return []
+    pairs = sp_pairs(cfg)
+    if ring is not None and sp % ring:
+        return [f"parallel.ring_size={ring} does not divide parallel.sp_size={sp} (sp = ulysses x ring); "
+                f"(ulysses, ring) pairs for sp {sp}: {_pairs_text(pairs)}"]
+    if ring is not None and ring > 1 and not ring_capable(cfg):
+        return [f"parallel.ring_size={ring}: model.family={cfg.model.family}'s attention does not run under ring "
+                f"attention (it regroups the sequence); set --set parallel.ring_size=1 with an sp size that divides "
+                f"its heads: {_fmt(valid_sp_sizes(cfg))}"]
+    u = sp // ring_size(cfg)
+    if (heads // tp) % u == 0:
+        return []
+    if ring is None:
+        return [f"model.num_heads={heads} / parallel.tp_size={tp} = {heads // tp} heads per tp rank is not divisible "
+                f"by parallel.sp_size={sp} (attention splits them over sp ranks); sp sizes that work with "
+                f"parallel.tp_size={tp}: {_fmt(valid_sp_sizes(cfg))}; set --set parallel.sp_size="
+                f"{_nearest(valid_sp_sizes(cfg), sp)}"]
+    hint = f"; set --set parallel.ring_size={pairs[-1][1]}" if pairs else ""
     return [f"model.num_heads={heads} / parallel.tp_size={tp} = {heads // tp} heads per tp rank is not divisible "
-            f"by parallel.sp_size={sp} (attention splits them over sp ranks); sp sizes that work with "
-            f"parallel.tp_size={tp}: {_fmt(valid_sp_sizes(cfg))}; set --set parallel.sp_size="
-            f"{_nearest(valid_sp_sizes(cfg), sp)}"]
+            f"by the Ulysses degree parallel.sp_size / parallel.ring_size = {sp} / {ring} = {u}; (ulysses, ring) "
+            f"pairs that work for sp {sp}: {_pairs_text(pairs)}{hint}"]
 
 
 def sequence_padding(cfg: ExperimentConfig) -> str:
@@ -272,7 +326,7 @@ def check_outputs(cfg: ExperimentConfig) -> list[str]:
     from parallel.train.media import load_decoder
     problems = []
     try:
-        check_sampler(cfg.model.objective, v.sampler)
+        check_sampler(cfg.model.objective, v.sampler, family(cfg.model).sampling.samplers)
     except ValueError as e:
         problems.append(f"val.sampler={v.sampler}: {e}")
     try:
@@ -288,16 +342,17 @@ def check_outputs(cfg: ExperimentConfig) -> list[str]:
     return problems
 
 
-def check_resume(cfg: ExperimentConfig, layout: Layout) -> None:
-    """The checkpoint train.py --resume auto continues, found now, before any process group: raise
-    ConfigError when ckpt.dir holds one this run cannot continue (parallel.train.checkpoint.find_resume
-    says what is wrong with it and what would work)."""
+def check_resume(cfg: ExperimentConfig, layout: Layout, step: Optional[int] = None) -> None:
+    """The checkpoint train.py --resume auto (or --resume `step`) continues, found now, before any process
+    group: raise ConfigError when ckpt.dir holds one this run cannot continue (parallel.train.checkpoint.
+    find_resume says what is wrong with it and what would work). Sizes only: the checksums are read by
+    the run's ranks together (checkpoint.verified_resume)."""
     from pathlib import Path
 
     from parallel.train.checkpoint import find_resume, model_signature
     saved = {**layout.as_dict(), "zero_stage": layout.zero_stage, "global_batch": layout.global_batch}
     try:
-        find_resume(Path(cfg.ckpt_dir), saved, quiet=True, model=model_signature(cfg.model))
+        find_resume(Path(cfg.ckpt_dir), saved, quiet=True, model=model_signature(cfg.model), step=step)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -327,7 +382,7 @@ def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source:
     """Return the layout and every problem found (an empty list means the layout is valid); with `device`,
     the precision is checked against it too."""
     ds = ds or {}
-    problems = _check_model_splits(cfg) + _check_sequence(cfg) + _check_pipeline(cfg)
+    problems = _check_model_splits(cfg) + _check_objective(cfg) + _check_sequence(cfg) + _check_pipeline(cfg)
     dp, grid_problems = _resolve_dp(cfg, world_size)
     problems += grid_problems + _check_batch(cfg, ds, ds_source, dp) + _check_engine(cfg, ds, ds_source)
     if device is not None:
@@ -344,6 +399,7 @@ def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source:
                             f"train.activation_compression=null to compile")
     p = cfg.parallel
     layout = Layout(tp_size=p.tp_size, sp_size=p.sp_size, pp_size=p.pp_size, dp_size=dp, zero_stage=dsc.zero_stage(ds),
+                    ring_size=ring_size(cfg) if p.sp_size % ring_size(cfg) == 0 else 1,
                     precision=dsc.precision(ds), global_batch=cfg.global_batch_size(dp))
     return layout, problems
 
@@ -369,7 +425,9 @@ def summary(cfg: ExperimentConfig, layout: Layout, deepspeed_config: Optional[st
             f"ZeRO-{layout.zero_stage} {layout.precision}"
             + (f" ({NO_DS_CONFIG})" if deepspeed_config is None else "") + f", global batch {layout.global_batch} = micro "
             f"{t.micro_batch_size} x accum {t.grad_accum_steps} x dp {layout.dp_size}; tp splits {splits}"
-            + (f"; sp pads the sequence: {padding}" if padding else "") + buckets)
+            + (f"; sp pads the sequence: {padding}" if padding else "")
+            + (f"; (ulysses, ring) pairs for sp {layout.sp_size}: {_pairs_text(sp_pairs(cfg))}" if layout.sp_size > 1
+               else "") + buckets)
 
 
 def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional[str],

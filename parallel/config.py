@@ -7,6 +7,7 @@ expensive starts. Functions elsewhere take the section they need (`cfg.model`, `
 from __future__ import annotations
 
 import difflib
+import functools
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args
 
@@ -14,7 +15,7 @@ import yaml
 from pydantic import BaseModel, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from models.config import Section
-from models.registry import FAMILIES
+from models.registry import FAMILIES, import_families
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -62,7 +63,11 @@ class ParallelConfig(Section):
     leaves."""
 
     tp_size: int = Field(1, ge=1)
-    sp_size: int = Field(1, ge=1, description="Ulysses sequence parallel: tokens split outside attention, heads inside")
+    sp_size: int = Field(1, ge=1, description="sequence parallel: tokens split outside attention; inside it "
+                         "Ulysses splits heads and ring attention passes key/value chunks (sp = ulysses x ring)")
+    ring_size: Optional[int] = Field(None, ge=1, description="ring attention's share of sp_size (ulysses = sp_size / "
+                                     "ring_size); null: all Ulysses where it divides the heads of a tp rank, ring "
+                                     "for the rest (python -m parallel.check lists the pairs that work)")
     pp_size: int = Field(1, ge=1)
     dp_size: Optional[int] = Field(None, ge=1)
     pp_partition: Optional[list[int]] = Field(None, description="blocks per pipeline stage; default uniform")
@@ -85,6 +90,24 @@ class CompressionConfig(Section):
 
     dtype: Literal["bf16", "fp8"] = Field("bf16", description="bf16: fp32 tensors stored as bf16; fp8: fp32 "
                                           "and bf16 tensors stored as float8 e4m3 with one fp32 scale per tensor")
+
+
+class AnomalyConfig(Section):
+    """The anomaly guard (parallel/train/anomaly.py): a step with a non-finite loss or gradient norm, a loss
+    above spike_factor x the running median, or an unreadable sample, is skipped (no optimizer update, on
+    every rank) or stops the run."""
+
+    action: Literal["skip", "rollback", "stop"] = Field(
+        "skip", description="skip: the step's update is not applied (the run continues as one that never saw its "
+        "batch); rollback: also load the newest verified checkpoint before it and replay from there, skipping "
+        "that batch when reached (needs ckpt.every); stop: end the run")
+    spike_factor: Optional[float] = Field(None, gt=1, description="a loss above this x the median of the last "
+                                          "`window` applied steps is an anomaly; null = non-finite values only")
+    window: int = Field(50, ge=1, description="steps in the running median")
+    min_history: int = Field(10, ge=1, description="spike checks start once the median has this many steps")
+    max_skips: int = Field(5, ge=0, description="more skipped steps than this in a row stop the run")
+    bad_samples: Literal["skip", "stop"] = Field("skip", description="a latent file that cannot be read: its "
+                                                 "step skipped and counted, or the run stopped")
 
 
 class TrainConfig(Section):
@@ -110,6 +133,8 @@ class TrainConfig(Section):
                                                  "null = the JSON's activation_checkpointing section decides")
     activation_compression: Optional[CompressionConfig] = Field(None, description="store saved activations "
                                                                 "at lower precision; null = off")
+    anomaly: Optional[AnomalyConfig] = Field(None, description="skip or stop on a non-finite or spiking loss "
+                                             "or gradient norm, or an unreadable sample; null = off")
 
     @model_validator(mode="after")
     def _min_lr_below_lr(self) -> "TrainConfig":
@@ -125,7 +150,11 @@ class CkptConfig(Section):
 
     every: int = Field(0, ge=0)
     dir: Optional[str] = Field(None, description="default <train.output_dir>/checkpoints")
-    keep: int = Field(3, ge=1)
+    keep: int = Field(3, ge=1, description="the newest undamaged checkpoints kept; older ones are deleted once "
+                      "a newer one is published with every file's checksum")
+    layout_free: bool = Field(True, description="also write the layout-free copy (about doubles the checkpoint) "
+                              "that a run at another tp/sp/pp/dp/ZeRO layout resumes from; false: only a run at "
+                              "the saved layout can resume")
 
 
 class ValConfig(Section):
@@ -142,7 +171,8 @@ class ValConfig(Section):
     num_prompts: int = Field(0, ge=0, description="prompts to sample videos for; 0 = no videos")
     sample_steps: int = Field(20, ge=1)
     sampler: Optional[Literal["ddim", "dpm", "euler", "flow_euler", "unipc"]] = Field(
-        None, description="default: ddim for v_prediction, euler for flow_matching; dpm: v_prediction, "
+        None, description="default: the first the model's family offers for its objective (FamilySpec.sampling; "
+        "the built-in families: ddim for v_prediction, euler for flow_matching); dpm: v_prediction, "
         "CogVideoXDPMScheduler's DPM-Solver++(2M) SDE step; flow_euler: flow_matching, FlowMatchEulerDiscreteScheduler "
         "with shift model.schedule.shift; unipc: flow_matching, UniPCMultistepScheduler with flow sigmas and that shift "
         "(Wan 2.1's)")
@@ -152,8 +182,9 @@ class ValConfig(Section):
                                   "1 + g (1 - cos(pi ((N - t) / N) ** 5)) / 2 at timestep t of N steps")
     formats: list[Literal["gif", "mp4"]] = Field(["gif"], min_length=1)
     fps: int = Field(8, ge=1)
-    decoder: Optional[str] = Field(None, description="a CogVideoX VAE folder (diffusers) or 'package.module:function' "
-                                   "mapping a latent [C,T,H,W] to frames; default: a latent-to-RGB preview")
+    decoder: Optional[str] = Field(None, description="the model family's VAE folder (diffusers) or "
+                                   "'package.module:function' mapping a latent [C,T,H,W] to frames; default: a "
+                                   "latent-to-RGB preview")
 
     @field_validator("timesteps")
     @classmethod
@@ -163,12 +194,19 @@ class ValConfig(Section):
         return timesteps
 
 
-# The `model:` section is the config class of its family (models/registry.py), picked by `model.family`.
-FamilyConfig = Annotated[Union[tuple(spec.config for spec in FAMILIES.values())], Field(discriminator="family")]
+def family_union(configs: tuple) -> Any:
+    """The `model:` section's type: the config class of its family (models/registry.py), picked by `model.family`."""
+    return Annotated[Union[configs], Field(discriminator="family")]
+
+
+FamilyConfig = family_union(tuple(spec.config for spec in FAMILIES.values()))
 DEFAULT_FAMILY = "cogvideox"
 
 
 class ExperimentConfig(Section):
+    families: list[str] = Field([], description="modules to import before the model section is read, each "
+                                "registering a model family kept outside models/ (models.registry.register); "
+                                "the built-in families need none")
     model: FamilyConfig
     data: DataConfig = DataConfig()
     parallel: ParallelConfig = ParallelConfig()
@@ -189,6 +227,21 @@ class ExperimentConfig(Section):
 
     def global_batch_size(self, dp_size: int) -> int:
         return self.train.micro_batch_size * self.train.grad_accum_steps * dp_size
+
+
+@functools.lru_cache(maxsize=None)
+def _experiment_class(configs: tuple) -> type[ExperimentConfig]:
+    """ExperimentConfig whose model section also takes the families registered since import."""
+    return type("ExperimentConfig", (ExperimentConfig,), {"__annotations__": {"model": family_union(configs)},
+                                                           "__module__": __name__})
+
+
+def experiment_class() -> type[ExperimentConfig]:
+    """The experiment config class for the families registered now (ExperimentConfig itself for the built-ins)."""
+    configs = tuple(spec.config for spec in FAMILIES.values())
+    if configs == get_args(get_args(FamilyConfig)[0]):
+        return ExperimentConfig
+    return _experiment_class(configs)
 
 
 def resolve_config_path(name_or_path: str | Path) -> Path:
@@ -270,7 +323,7 @@ SYNONYMS = {"learning_rate": "lr", "lr_max": "lr", "max_lr": "lr", "min_learning
             "dp": "dp_size", "sp": "sp_size", "tensor_parallel_size": "tp_size", "pipeline_parallel_size": "pp_size",
             "sequence_parallel_size": "sp_size", "data_parallel_size": "dp_size", "frames": "num_frames",
             "num_layers": "num_layers", "depth": "num_layers", "heads": "num_heads", "num_attention_heads": "num_heads",
-            "attention_head_dim": "head_dim"}
+            "attention_head_dim": "head_dim", "keep_last": "keep"}
 
 
 def _suggest(dotted: str, known: list[str]) -> Optional[str]:
@@ -290,7 +343,9 @@ def _describe(error: dict, source: str, overridden: set[str]) -> str:
     dotted = ".".join(str(p) for p in loc)
     if error["type"] == "union_tag_invalid":
         return (f"{source if 'model.family' not in overridden else '--set'}: model.family="
-                f"{error['ctx']['tag']!r} is not a model family; families: {', '.join(FAMILIES)}")
+                f"{error['ctx']['tag']!r} is not a model family; families: {', '.join(FAMILIES)} (a family kept "
+                f"outside models/ is registered by a module the experiment names under families:, "
+                f"docs/architecture.md)")
     origin = "--set" if dotted in overridden else source
     if error["type"] == "extra_forbidden":
         if family is not None:                        # a key of the model section: this family's keys
@@ -334,8 +389,16 @@ def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
         keys, value = parse_override(text)
         _apply_override(tree, keys, value, text)
         overridden.add(".".join(keys))
+    families = tree.get("families") or []
+    if not isinstance(families, list) or not all(isinstance(f, str) for f in families):
+        raise ConfigError(f"{path}: families: a list of module names (families: [my_package.my_family]), "
+                          f"got {families!r}")
     try:
-        return ExperimentConfig.model_validate(tree)
+        import_families(families, f"{path}: families")
+    except ImportError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        return experiment_class().model_validate(tree)
     except ValidationError as e:
         problems = [_describe(err, str(path), overridden) for err in e.errors()]
         raise ConfigError("\n".join(problems)) from None

@@ -38,7 +38,7 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
 
     from parallel.train import checkpoint
     from parallel.train.ema import full_ema, has_ema
-    from parallel.weights.gather import full_state
+    from parallel.weights.gather import exporting, full_tensors
     from parallel.train.run import checkpoint_layout, start_engine
 
     tag = tag or checkpoint.find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout),
@@ -66,18 +66,20 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
                                        merge_lora=merge_lora)
         dist.destroy_process_group()
         return written
+    show = dist.get_rank() == 0
     if layout.zero_stage == 3:
         with deepspeed.zero.GatheredParameters(list(module.parameters())):
-            weights = full_state(module, ctx, n)
+            weights = dict(exporting(full_tensors(module, ctx, n), module, show))
     else:
-        weights = full_state(module, ctx, n)
+        weights = dict(exporting(full_tensors(module, ctx, n), module, show))
     files = {"model": weights}
     if has_ema(trainer.optimizer):
-        files["ema"] = full_state(module, ctx, n, full_ema(trainer.optimizer, trainer.engine.optimizer))
+        ema_of = full_ema(trainer.optimizer, trainer.engine.optimizer)
+        files["ema"] = dict(exporting(full_tensors(module, ctx, n, ema_of), module, show))
     written = []
     for name, local in files.items():
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, local if ctx.dp_rank == 0 else {})   # one replica's stages suffice
+        dist.all_gather_object(parts, local if ctx.stage_writer else {})   # one replica's stages suffice
         if dist.get_rank() == 0:
             merged = {k: v for part in parts for k, v in part.items()}
             out.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,10 @@ call see the image latents, as in the pipeline; with --noise the batch equals
 CogVideoXImageToVideoPipeline(image=..., latents=noise.transpose(1, 2), generator=..., output_type="latent")
 given the same image latents (the pipeline draws its image latent from the posterior with the sampler's generator;
 --image takes the mode).
+Wan 2.1 I2V (models/wan/image.py): the image latents are [C, T, H, W] (the picture then gray frames through the
+VAE, as WanImageToVideoPipeline.prepare_latents), and the model also takes the picture's CLIP states: with
+`--image`, encoded by `--image-encoder DIR` (CLIPVisionModel + preprocessor_config.json) as the pipeline's
+encode_image; with `--image-latents`, given as `--image-embeds FILE` ([I, image_dim] or [B, I, image_dim]).
 
 Output (rank 0): `--out FILE.safetensors` writes {"latents": [B, C, T, H, W]}, and with a decoder (--vae DIR or
 val.decoder) the videos FILE/prompt<i>.{gif,mp4,txt} (FILE without the suffix). `--out DIR` (any other name)
@@ -46,6 +50,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from models.sampling import SAMPLERS
 from parallel.check import load_and_check
 from parallel.cli import add_experiment_args
 from parallel.config import UNCOND_FILE, ConfigError
@@ -67,9 +72,14 @@ def parser() -> argparse.ArgumentParser:
                     help="image-to-video: the first frame, a picture encoded with --vae; repeatable (1 or one per row)")
     ap.add_argument("--image-latents", "--image_latents", type=Path, default=None,
                     help="image-to-video: the first frames' latents, one tensor [C, 1, H, W] or [B, C, 1, H, W]")
+    ap.add_argument("--image-encoder", type=Path, default=None, help="image-to-video with an image cross-attention "
+                    "(Wan 2.1 I2V): the CLIP vision encoder folder that encodes --image")
+    ap.add_argument("--image-embeds", type=Path, default=None, help="image-to-video with an image cross-attention: "
+                    "the CLIP states beside --image-latents, one tensor [I, image_dim] or [B, I, image_dim]")
     ap.add_argument("--steps", type=int, default=None, help="sampling steps; default val.sample_steps")
     ap.add_argument("--guidance", type=float, default=None, help="guidance scale; default val.guidance_scale")
-    ap.add_argument("--sampler", choices=["ddim", "dpm", "euler", "flow_euler", "unipc"], default=None, help="default val.sampler")
+    ap.add_argument("--sampler", choices=sorted(s for group in SAMPLERS.values() for s in group), default=None,
+                    help="default val.sampler, else the first the model's family offers for its objective")
     ap.add_argument("--seed", type=int, default=None, help="noise seed; default train.seed")
     ap.add_argument("--ema", action="store_true", help="a checkpoint's EMA weights instead of its weights")
     ap.add_argument("--vae", default=None, help="decoder for the videos and encoder of --image (a VAE folder of "
@@ -108,6 +118,7 @@ def _settings(args, cfg) -> tuple[int, float, Optional[str], int]:
 def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
     """Every problem with the command line, before a model loads."""
     from models.geometry import latent_shape
+    from models.registry import family
     from models.sampling import check_sampler
 
     problems, rows = [], len(args.prompt)
@@ -117,7 +128,8 @@ def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
     if args.prompt and not cfg.data.text_encoder:
         problems.append("--prompt needs a T5 encoder: --set data.text_encoder=<folder>, or give --prompt-embeds")
     shapes = {}
-    for path in args.prompt_embeds + [p for p in (args.negative_embeds, args.noise, args.image_latents) if p]:
+    for path in args.prompt_embeds + [p for p in (args.negative_embeds, args.noise, args.image_latents,
+                                                  args.image_embeds) if p]:
         try:
             shapes[path] = _tensor(path, load=False) if path.is_file() else None
         except Exception as e:                   # not a safetensors file, or several tensors
@@ -155,7 +167,7 @@ def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
     if not 1 <= steps <= 1000:
         problems.append(f"--steps={steps}: give a number in [1, 1000]")
     try:
-        check_sampler(cfg.model.objective, sampler)
+        check_sampler(cfg.model.objective, sampler, family(cfg.model).sampling.samplers)
     except ValueError as e:
         problems.append(f"--sampler / val.sampler: {e}")
     return problems + _check_weights(args, cfg, layout, ds or {})
@@ -167,34 +179,59 @@ def _check_image(args, cfg, rows: int, shapes: dict) -> list[str]:
     from models.registry import family
 
     given = [flag for flag, v in (("--image", args.image), ("--image-latents", args.image_latents)) if v]
-    if family(cfg.model).training_condition(cfg.model, cfg.data) is None:
-        return [f"{' and '.join(given)}: model {cfg.model.name} is text-to-video (model.image_condition is false); "
+    condition = family(cfg.model).training_condition(cfg.model, cfg.data)
+    if condition is None:
+        return [f"{' and '.join(given)}: model {cfg.model.name} is text-to-video (its family's conditioning is off); "
                 "leave out the image"] if given else []
+    stored = condition.stored_shapes([cfg.model.in_channels, *latent_shape(cfg.model, cfg.data)])
+    want = stored["image"]
+    label = "[C, 1, H, W]" if want[1] == 1 else "[C, T, H, W]"
     if len(given) != 1:
         return [f"model {cfg.model.name} is image-to-video: give the first frame, either --image PICTURE (with --vae) "
-                f"or --image-latents FILE [C, 1, H, W]" + (", not both" if given else "")]
-    problems, want = [], [cfg.model.in_channels, 1, *latent_shape(cfg.model, cfg.data)[1:]]
+                f"or --image-latents FILE {label}" + (", not both" if given else "")]
+    problems = _check_image_embeds(args, condition, rows, shapes, stored)
     if args.image:
         missing = [str(p) for p in args.image if not p.is_file()]
         problems += [f"--image {', '.join(missing)}: no such file"] if missing else []
         if len(args.image) not in (1, rows):
             problems.append(f"--image: {len(args.image)} pictures for {rows} prompts; give 1 or {rows}")
         if not (args.vae or cfg.val.decoder):
-            problems.append("--image needs the VAE that encodes it: --vae <CogVideoX vae/ folder>")
+            problems.append(f"--image needs the VAE that encodes it: --vae <{family(cfg.model).vae.release}>")
     shape = shapes.get(args.image_latents)
     if shape and not (list(shape) == want or (len(shape) == 5 and shape[0] in (1, rows) and list(shape[1:]) == want)):
-        problems.append(f"--image-latents {args.image_latents}: shape {list(shape)}, expected [C, 1, H, W] = {want} "
-                        f"or [B, C, 1, H, W] with B 1 or {rows} (model.in_channels; H, W from data.height, "
+        problems.append(f"--image-latents {args.image_latents}: shape {list(shape)}, expected {label} = {want} "
+                        f"or [B, {label[1:]} with B 1 or {rows} (model.in_channels; H, W from data.height, "
                         f"data.width)")
     return problems
 
 
+def _check_image_embeds(args, condition, rows: int, shapes: dict, stored: dict) -> list[str]:
+    """An image cross-attention's CLIP states: --image-encoder with --image, --image-embeds with --image-latents."""
+    if not getattr(condition, "image_encoder", False):
+        given = [flag for flag, v in (("--image-encoder", args.image_encoder), ("--image-embeds", args.image_embeds))
+                 if v]
+        return [f"{' and '.join(given)}: the model has no image cross-attention; leave it out"] if given else []
+    if args.image and not args.image_encoder:
+        return ["--image needs the CLIP vision encoder of the model's image cross-attention: --image-encoder DIR"]
+    if args.image:
+        return condition.image_encoder_problems(args.image_encoder)
+    if args.image_latents and not args.image_embeds:
+        return ["--image-latents needs the CLIP states of the model's image cross-attention: --image-embeds FILE"]
+    shape, want = shapes.get(args.image_embeds), stored["image_embeds"]
+    if shape and not (list(shape) == want or (len(shape) == 3 and shape[0] in (1, rows) and list(shape[1:]) == want)):
+        return [f"--image-embeds {args.image_embeds}: shape {list(shape)}, expected [I, D] = {want} or [B, I, D] "
+                f"with B 1 or {rows} (model.image_len, model.image_dim)"]
+    return []
+
+
 def load_first_frames(args, cfg, rows: int):
-    """The image-to-video rows' first-frame latents [B, C, 1, H, W], or None for a text-to-video model."""
+    """(The image-to-video rows' first-frame latents [B, C, 1, H, W] (Wan: [B, C, T, H, W]), the inputs after the
+    text: (CLIP states [B, I, image_dim],) or ()), or (None, ()) for a text-to-video model."""
     if not (args.image or args.image_latents):
-        return None
+        return None, ()
     if args.image_latents:
         first = _tensor(args.image_latents)
+        extra = (_tensor(args.image_embeds),) if args.image_embeds else ()
     else:
         from PIL import Image
 
@@ -204,8 +241,12 @@ def load_first_frames(args, cfg, rows: int):
         pictures = [Image.open(p).convert("RGB") for p in args.image]
         first = condition.encode_pictures(load_vae(args.vae or cfg.val.decoder), pictures, cfg.data.height,
                                           cfg.data.width)
+        extra = ((condition.encode_image_states(condition.load_image_encoder(args.image_encoder), pictures),)
+                 if args.image_encoder else ())
     first = first[None] if first.dim() == 4 else first
-    return first.expand(rows, *first.shape[1:]).contiguous()
+    extra = tuple(e[None] if e.dim() == 2 else e for e in extra)
+    return (first.expand(rows, *first.shape[1:]).contiguous(),
+            tuple(e.expand(rows, *e.shape[1:]).contiguous() for e in extra))
 
 
 def _check_weights(args, cfg, layout, ds: dict) -> list[str]:
@@ -291,17 +332,20 @@ def sample_videos(args, cfg, ds: dict, layout, env):
     from models.geometry import latent_shape
     from parallel.train.sampling import sample_batch, sampling_model
 
-    steps, guidance, sampler, seed = _settings(args, cfg)
-    labels, text, uncond = load_prompts(args, cfg)
     from models.registry import family
+    from models.sampling import check_sampler
 
+    steps, guidance, sampler, seed = _settings(args, cfg)
+    sampler = check_sampler(cfg.model.objective, sampler, family(cfg.model).sampling.samplers)
+    labels, text, uncond = load_prompts(args, cfg)
     noise = _tensor(args.noise) if args.noise else None
-    first = load_first_frames(args, cfg, len(text))
+    first, extra = load_first_frames(args, cfg, len(text))
     shape = (cfg.model.in_channels, *latent_shape(cfg.model, cfg.data))
     with sampling_model(cfg, ds, layout, env, args.ema) as (forward, ctx):
         latents = sample_batch(forward, ctx, Objective.of(cfg.model), text, uncond, noise, shape, seed, steps,
                                sampler, guidance, cfg.val.use_dynamic_cfg, first,
-                               family(cfg.model).training_condition(cfg.model, cfg.data))
+                               family(cfg.model).training_condition(cfg.model, cfg.data), extra,
+                               progress=True)
         if ctx.rank == 0:
             for path in write_outputs(args.out, latents, labels, cfg, args.vae or cfg.val.decoder):
                 print(f"wrote {path}", flush=True)

@@ -6,7 +6,9 @@ import math
 from models.cogvideox.config import CogVideoXConfig
 from models.cogvideox.image import first_frame_condition
 from models.cogvideox.model import DiTBlock, EmbedStage, FinalStage
+from models.cogvideox.pipeline import SAMPLING, T5, CogVideoXLatents
 from models.cogvideox.released import DIFFUSERS
+from models.diffusion import PER_SAMPLE
 from models.spec import FamilySpec
 
 SPEC = FamilySpec(
@@ -20,7 +22,13 @@ SPEC = FamilySpec(
     attentions_per_layer=1,
     attention_pairs=lambda m, grid: (m.max_text_len + math.prod(grid)) ** 2,
     describe_layers=lambda m: f"{m.num_layers} blocks",
+    layer_noun="block",
     recompute_parts={"attention": ("attn.core",), "mlp": ("mlp",)},
     released=DIFFUSERS,
-    condition=first_frame_condition,
+    condition=first_frame_condition,         # image-to-video presets: the first frame's latents on channels
+    vae=CogVideoXLatents(),
+    text_encoder=T5,
+    timesteps=PER_SAMPLE,
+    sampling=SAMPLING,
+    experts=(),
 )

@@ -75,6 +75,12 @@ class FirstFrameCondition:
         return condition(x_t, first.to(x_t.dtype), torch.ones(len(x_t), dtype=torch.bool))
 
     @staticmethod
+    def sampling_parts(x0: torch.Tensor, stored: list) -> tuple[torch.Tensor, tuple]:
+        """Validation of sample x0 [C, T, H, W]: (its first-frame latents [1, C, 1, H, W], no further inputs): the
+        stored image latents, else x0's first latent frame."""
+        return (stored[0] if stored else x0[:, :1])[None], ()
+
+    @staticmethod
     def stored_scale(vae_config: dict) -> float:
         """Factor from a training latent's scale (scaling_factor x z) to the image latents' (`image_latent_scale`):
         1 for the 1.0 VAEs, 1 / scaling_factor^2 for a VAE with invert_scale_latents (1.5)."""
@@ -89,6 +95,18 @@ class FirstFrameCondition:
     def augment(pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """The first frame's pixels [1, 3, 1, H, W] before the VAE (data preparation): SAT's noise augmentation."""
         return noised_first_frame(pixels, generator)
+
+    def stored_tensors(self, encode, vae, frames, generator, noise: torch.Generator, image_encoder=None) -> dict:
+        """Data preparation (encode: models.vae.encode): {"image": the noise-augmented first frame's latent
+        [C, 1, H, W]} at the pipeline's scale of image latents (1.5's VAE: z / scaling_factor, not z x
+        scaling_factor)."""
+        image = encode(vae, frames[:1], generator, lambda x: self.augment(x, noise))
+        return {"image": image * self.stored_scale(dict(vae.config))}
+
+    @staticmethod
+    def stored_shapes(latent: list[int]) -> dict[str, list[int]]:
+        """The stored tensors' shapes for a sample's latent [C, T, H, W]: the first frame's latent alone."""
+        return {"image": [latent[0], 1, *latent[2:]]}
 
 
 def first_frame_condition(model, data):

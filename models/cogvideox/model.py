@@ -133,7 +133,7 @@ class Attention(nn.Module):
         # complex rotations for text + video tokens, text rows 1 + 0i: one multiply rotates the whole sequence
         self._rope = PositionCache(functools.partial(rope_3d_complex, self.head_dim, base=base, grid=cfg.rope_grid,
                                                      lead=self.n_txt)) if cfg.pos_embed == "rope3d" else None
-        self.core = SequenceAttention(self._attend, ctx, tokens=self.tokens)
+        self.core = SequenceAttention(ctx=ctx, tokens=self.tokens, prepare=self._prepare)
 
     def tokens(self) -> int:
         """Real tokens of the step's sequence (text + video), before any sp padding."""
@@ -144,9 +144,10 @@ class Attention(nn.Module):
         o = self.core(q, k, v)                                             # (B, S/sp, heads/tp, d)
         return self.to_out(o.flatten(2))                                   # (B, S/sp, H)
 
-    def _attend(self, q, k, v):
-        """[B, S, n, d] over the whole sequence (S = text + video tokens, no sp padding) -> [B, S, n, d]."""
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))                 # (B, n, S, d)
+    def _prepare(self, q, k, v, start: int):
+        """q/k LayerNorms and 3D rotary positions of tokens start.. of the sequence (text + video, no sp padding):
+        [B, s, n, d] each -> [B, s, n, d] each; SequenceAttention then attends (whole sequence, or ring chunks)."""
+        q, k = (t.transpose(1, 2) for t in (q, k))                       # (B, n, s, d)
         d = self.head_dim
         qk = [self.norm_q_weight, self.norm_q_bias, self.norm_k_weight]
         k_trained = isinstance(self.norm_k_bias, nn.Parameter)
@@ -155,9 +156,9 @@ class Attention(nn.Module):
         k_bias = norm[3] if k_trained else self.norm_k_bias.to(k.dtype)   # buffers stay fp32 under bf16 ZeRO
         k = F.layer_norm(k, (d,), norm[2], k_bias, eps=1e-6)
         if self._rope is not None:                                         # video tokens only (text: 1 + 0i)
-            freqs = self._rope.get(self.grid, q.device)                    # (S_txt + S_vid, d/2) complex
+            freqs = self._rope.get(self.grid, q.device)[start:start + q.shape[2]]  # (s, d/2) complex
             q, k = apply_rope_complex(q, freqs), apply_rope_complex(k, freqs)
-        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        return q.transpose(1, 2), k.transpose(1, 2), v
 
 
 class DiTBlock(nn.Module):

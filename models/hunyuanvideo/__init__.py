@@ -6,6 +6,8 @@ import math
 from models.hunyuanvideo.blocks import HunyuanBlock
 from models.hunyuanvideo.config import HunyuanVideoConfig
 from models.hunyuanvideo.embed import EmbedStage, FinalStage
+from models.diffusion import PER_SAMPLE
+from models.hunyuanvideo.pipeline import LLAMA_CLIP, SAMPLING, HunyuanLatents
 from models.hunyuanvideo.released import DIFFUSERS
 from models.spec import FamilySpec
 
@@ -20,8 +22,12 @@ SPEC = FamilySpec(
     attentions_per_layer=1,
     attention_pairs=lambda m, grid: (m.max_text_len + math.prod(grid)) ** 2,
     describe_layers=lambda m: f"{m.num_dual_layers} dual-stream + {m.num_single_layers} single-stream blocks",
+    layer_noun="block",
     recompute_parts={"attention": ("attn.core",), "mlp": ("ffn", "mlp")},
     released=DIFFUSERS,
-    vae="AutoencoderKLHunyuanVideo",
-    text_encoder="LlamaModel",
+    condition=None,                          # text-to-video
+    vae=HunyuanLatents(),                    # latents z * scaling_factor
+    text_encoder=LLAMA_CLIP,                 # LLaMA states + the CLIP pooled vector per row (not prepared yet)
+    timesteps=PER_SAMPLE,
+    sampling=SAMPLING,
 )

@@ -1,7 +1,9 @@
 """Open-Sora STDiT3-style (1.2/1.3): a spatial and a temporal block per layer, cross-attention to the text."""
 from __future__ import annotations
 
-from models.spec import FamilySpec
+from models.cogvideox.pipeline import T5, CogVideoXLatents
+from models.diffusion import PER_SAMPLE
+from models.spec import FamilySpec, Sampling
 from models.stdit.config import STDiTConfig
 from models.stdit.model import EmbedStage, FinalStage, STDiT3Layer
 
@@ -25,4 +27,13 @@ SPEC = FamilySpec(
     describe_layers=lambda m: f"{m.num_layers} layers ({m.num_layers} spatial + {m.num_layers} temporal blocks)",
     recompute_parts={"attention": ("spatial.attn.core", "temporal.attn.core"), "mlp": ("spatial.mlp", "temporal.mlp")},
     layer_noun="layer",
+    released=None,                           # no diffusers release: exports in the toolkit's format
+    condition=None,
+    # Trained here on CogVideoX's VAE latents and T5 embeddings (Open-Sora's own VAE is not in diffusers).
+    vae=CogVideoXLatents(),
+    text_encoder=T5,
+    timesteps=PER_SAMPLE,
+    sampling=Sampling(samplers={"v_prediction": ("ddim", "dpm"), "flow_matching": ("euler", "flow_euler", "unipc")},
+                      scheduler=None),
+    experts=(),
 )

@@ -11,5 +11,7 @@ class STDiTConfig(ModelConfig):
 
     # 2D sin-cos added per frame, 1D rotary in temporal attention.
     POS_EMBEDS: ClassVar[tuple[str, ...]] = ("sincos2d_rope1d",)
+    # Spatial and temporal attention regroup the sequence (per frame, per position): no ring attention.
+    RING_ATTENTION: ClassVar[bool] = False
 
     family: Literal["stdit"] = "stdit"

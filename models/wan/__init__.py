@@ -1,18 +1,22 @@
-"""Wan 2.1 text-to-video (1.3B, 14B): self-attention with 3D rotary positions, cross-attention to UMT5."""
+"""Wan 2.1 text-to-video (1.3B, 14B) and image-to-video (14B): self-attention with 3D rotary positions,
+cross-attention to UMT5 (and to the CLIP image tokens)."""
 from __future__ import annotations
 
 import math
 
+from models.diffusion import PER_SAMPLE
 from models.spec import FamilySpec
 from models.wan.config import WanConfig
+from models.wan.image import image_condition
 from models.wan.model import EmbedStage, FinalStage, WanBlock
+from models.wan.pipeline import SAMPLING, UMT5, WanLatents
 from models.wan.released import DIFFUSERS
 
 
 def attention_pairs(m: WanConfig, grid: tuple[int, int, int]) -> int:
-    """Self-attention S^2 + cross-attention S L (S = t h w video tokens, L text tokens)."""
+    """Self-attention S^2 + cross-attention S (L + I) (S = t h w video tokens, L text tokens, I image tokens)."""
     s = math.prod(grid)
-    return s * s + s * m.max_text_len
+    return s * s + s * (m.max_text_len + (m.image_len if m.image_dim is not None else 0))
 
 
 SPEC = FamilySpec(
@@ -26,8 +30,13 @@ SPEC = FamilySpec(
     attentions_per_layer=1,
     attention_pairs=attention_pairs,
     describe_layers=lambda m: f"{m.num_layers} blocks",
+    layer_noun="block",
     recompute_parts={"attention": ("attn1.core",), "mlp": ("ffn",)},     # self-attention; cross-attention is S x L
     released=DIFFUSERS,
-    vae="AutoencoderKLWan",                  # latents (x - latents_mean) / latents_std per channel
-    text_encoder="UMT5EncoderModel",         # padding rows zeroed, as WanPipeline
+    condition=image_condition,               # I2V: mask + image latents on channels, CLIP states (models/wan/image.py)
+    vae=WanLatents(),                        # latents (x - latents_mean) / latents_std per channel
+    text_encoder=UMT5,                       # padding rows zeroed, as WanPipeline
+    timesteps=PER_SAMPLE,
+    sampling=SAMPLING,
+    experts=(),
 )

@@ -1,17 +1,23 @@
 """The `model:` section of the Wan 2.1 family: the shared fields with Wan's defaults."""
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from models.config import ModelConfig
+
+# diffusers' WanAttnProcessor takes the last 512 cross-attention tokens as the caption ("512 is the context
+# length of the text encoder, hardcoded for now"), the ones before them as the image.
+I2V_TEXT_LEN = 512
 
 
 class WanConfig(ModelConfig):
     """Wan 2.1 text-to-video (diffusers' WanTransformer3DModel): self-attention over the video tokens with 3D
     rotary positions, cross-attention to the UMT5 caption; flow matching. Defaults are the release's where the
-    1.3B and 14B models agree (time_embed_dim is diffusers' freq_dim, the sinusoidal timestep features)."""
+    1.3B and 14B models agree (time_embed_dim is diffusers' freq_dim, the sinusoidal timestep features).
+    Image-to-video (Wan 2.1 I2V 14B): `image_condition` (36 input channels) and `image_dim` /
+    `added_kv_proj_dim` (a cross-attention to the CLIP image tokens beside the caption's)."""
 
     POS_EMBEDS: ClassVar[tuple[str, ...]] = ("rope3d",)     # head_dim split over (t, h, w): Wan's own rotary
 
@@ -20,6 +26,18 @@ class WanConfig(ModelConfig):
     text_embed_dim: int = Field(4096, ge=1, description="UMT5 hidden size (diffusers' text_dim)")
     max_text_len: int = Field(512, ge=1, description="UMT5 tokens the caption is padded to")
     objective: Literal["v_prediction", "flow_matching"] = "flow_matching"
+    image_condition: bool = Field(False, description="image-to-video: the transformer takes the noisy latent, a "
+                                  "first-frame mask (model.vae_scale_temporal channels) and the first frame's "
+                                  "conditioning latents on channels, 2 x in_channels + 4 = 36 (diffusers' "
+                                  "in_channels), and predicts in_channels")
+    image_dim: Optional[int] = Field(None, ge=1, description="width of the CLIP image states (ViT-H/14: 1280; "
+                                     "diffusers' image_dim); set: a cross-attention to the image tokens beside the "
+                                     "caption's")
+    added_kv_proj_dim: Optional[int] = Field(None, ge=1, description="input width of the image cross-attention's "
+                                             "k and v projections (diffusers' added_kv_proj_dim): the projected "
+                                             "image tokens, so model.hidden_size")
+    image_len: int = Field(257, ge=1, description="CLIP image tokens (ViT-H/14 at 224 px: 256 patches + the class "
+                           "token; the penultimate hidden states)")
 
     @field_validator("head_dim")
     @classmethod
@@ -28,3 +46,30 @@ class WanConfig(ModelConfig):
             raise ValueError(f"Wan's rotary positions rotate channel pairs of (t, h, w) parts of head_dim: "
                              f"model.head_dim={value} must be even and >= 6 (the releases: 128)")
         return value
+
+    @model_validator(mode="after")
+    def _image_parts(self) -> "WanConfig":
+        if (self.image_dim is None) != (self.added_kv_proj_dim is None):
+            raise ValueError(f"model.image_dim={self.image_dim} and model.added_kv_proj_dim={self.added_kv_proj_dim}: "
+                             f"set both (the image cross-attention) or neither")
+        if self.image_dim is None:
+            return self
+        if self.added_kv_proj_dim != self.hidden_size:
+            raise ValueError(f"model.added_kv_proj_dim={self.added_kv_proj_dim} must equal model.hidden_size="
+                             f"{self.hidden_size}: the image tokens are projected to hidden_size before their k/v")
+        if not self.image_condition:
+            raise ValueError("model.image_dim needs model.image_condition=true (Wan 2.1 I2V takes both the CLIP "
+                             "image tokens and the first frame's latents)")
+        if self.max_text_len != I2V_TEXT_LEN:
+            raise ValueError(f"model.max_text_len={self.max_text_len} with model.image_dim: diffusers' Wan reads the "
+                             f"last {I2V_TEXT_LEN} cross-attention tokens as the caption; set "
+                             f"--set model.max_text_len={I2V_TEXT_LEN}")
+        return self
+
+    @property
+    def transformer_in_channels(self) -> int:
+        """Image-to-video: noisy latent, mask (one channel per frame of a temporal VAE step), image latents."""
+        return 2 * self.in_channels + self.vae_scale_temporal if self.image_condition else self.in_channels
+
+    def extra_input_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return ((self.image_len, self.image_dim),) if self.image_dim is not None else ()

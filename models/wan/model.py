@@ -5,7 +5,8 @@ Between stages flow (all receive gradients, as DeepSpeed's pipeline requires)
     x      [B, S, H]    video tokens, S = t*h*w in (t, h, w) order (patch (1, 2, 2); no text in the sequence)
     temb   [B, H]       time embedding (the output head's modulation)
     tproj  [B, 6H]      time_proj(silu(temb)): every block's modulation
-    y      [B, L, H]    projected UMT5 caption tokens, keys and values of every cross-attention
+    y      [B, L, H]    projected UMT5 caption tokens, keys and values of every cross-attention; image-to-video
+                        (model.image_dim): [B, I + L, H], the I projected CLIP image tokens first (as diffusers)
 
 A block (names and order of operations as diffusers' WanTransformerBlock; norms and modulation in fp32):
 
@@ -14,19 +15,26 @@ A block (names and order of operations as diffusers' WanTransformerBlock; norms 
     x = x + CrossAttn(LN_affine(x), y)                            every video token attends to the caption
     x = x + c_gate * FFN(LN(x) * (1 + c_scale) + c_shift)         GELU (tanh)
 
-q and k of both attentions pass an RMSNorm over all heads' channels together (qk_norm
+Image-to-video adds an image part to the cross-attention, summed before its output projection (diffusers'
+WanAttnProcessor): CrossAttn(h, y) = W_o [softmax(q k_txt^T) v_txt + softmax(q k_img^T) v_img], k_img, v_img =
+add_kv(y_img), k_img through its own RMSNorm (norm_added_k). The image tokens enter as CLIP's penultimate
+states [B, I, image_dim], through LN -> Linear -> GELU -> Linear -> LN (diffusers' WanImageEmbedding, fp32 norms
+with eps 1e-5). The first stage's latents are then [B, 36, T, H, W]: x_t, mask, image latents (models/wan/image.py).
+
+q and k of both attentions (and the image keys) pass an RMSNorm over all heads' channels together (qk_norm
 `rms_norm_across_heads`): y = x / sqrt(mean_{n*d channels} x^2 + eps) * w. The rotary positions split
 head_dim into a time part (d - 4 (d // 6) channels) and height and width parts (2 (d // 6) each).
 
-Tensor parallelism (ctx.tp_size = p): QKV, cross-attention Q and KV and the FFN input are column-parallel
+Tensor parallelism (ctx.tp_size = p): QKV, cross-attention Q, KV and image KV and the FFN input are column-parallel
 (heads and FFN width split p ways), the three output projections row-parallel. A rank then holds n/p heads
 of q and k, and the RMSNorm's weight for those channels (a sharded parameter); the statistic spans every
 head, so each rank sums the squares of its channels and the sums are all-reduced (`HeadsRMSNorm`), in
 backward too. Patch, text and time embeddings, the modulation tables, norm2 and the head are replicated.
 
 Sequence parallelism: everything but self-attention works token by token (the RMSNorms normalise one
-token's channels), so it runs on any chunk of x; self-attention's `_attend` gets the full sequence for its
-heads (Ulysses) and applies the rotary positions there.
+token's channels), so it runs on any chunk of x; self-attention's `_prepare` applies the rotary positions
+to the tokens SequenceAttention gives it (the full sequence for its heads under Ulysses, a ring chunk under
+ring attention, with that chunk's first position).
 """
 from __future__ import annotations
 
@@ -46,6 +54,7 @@ from parallel.distributed.layers import ColumnParallelLinear, RowParallelLinear,
 from parallel.distributed.sequence import SequenceAttention, gather_sequence, sp_size_of, split_sequence
 
 EPS = 1e-6                  # diffusers' eps: every LayerNorm and RMSNorm of the released models
+IMAGE_EPS = 1e-5            # but the image embedding's two LayerNorms (FP32LayerNorm's default)
 ROPE_THETA = 10000.0
 
 
@@ -110,7 +119,7 @@ class SelfAttention(nn.Module):
         self.norm_q, self.norm_k = HeadsRMSNorm(hid, ctx), HeadsRMSNorm(hid, ctx)
         self.to_out = RowParallelLinear(hid, hid, ctx=ctx)
         self._rope = PositionCache(functools.partial(wan_rope_complex, self.head_dim))
-        self.core = SequenceAttention(self._attend, ctx, tokens=self.tokens)
+        self.core = SequenceAttention(ctx=ctx, tokens=self.tokens, prepare=self._prepare)
 
     def tokens(self) -> int:
         """Real tokens of the step's sequence (its bucket's video grid), before any sp padding."""
@@ -122,12 +131,13 @@ class SelfAttention(nn.Module):
         o = self.core(q, k, v)                                                        # (B, S, heads/p, d)
         return self.to_out(o.flatten(2))                                              # (B, S, H)
 
-    def _attend(self, q, k, v):
-        """[B, S, n, d] over the whole token grid (no sp padding) -> [B, S, n, d]."""
-        q, k, v = (z.transpose(1, 2) for z in (q, k, v))                              # (B, n, S, d)
-        freqs = self._rope.get(self.grid, q.device)                                   # (S, d/2) complex
+    def _prepare(self, q, k, v, start: int):
+        """Rotary positions of tokens start.. of the token grid (no sp padding): [B, s, n, d] each -> same;
+        SequenceAttention then attends (whole sequence, or ring chunks)."""
+        q, k = (z.transpose(1, 2) for z in (q, k))                                    # (B, n, s, d)
+        freqs = self._rope.get(self.grid, q.device)[start:start + q.shape[2]]         # (s, d/2) complex
         q, k = apply_rope_complex(q, freqs), apply_rope_complex(k, freqs)
-        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        return q.transpose(1, 2), k.transpose(1, 2), v
 
 
 class CrossAttention(nn.Module):
@@ -135,18 +145,28 @@ class CrossAttention(nn.Module):
 
     def __init__(self, cfg: WanConfig, ctx):
         super().__init__()
-        hid, self.head_dim = cfg.hidden_size, cfg.head_dim
+        hid, self.head_dim, self.text_len = cfg.hidden_size, cfg.head_dim, cfg.max_text_len
         self.to_q = ColumnParallelLinear(hid, hid, ctx=ctx)
         self.to_kv = ColumnParallelLinear(hid, [hid, hid], ctx=ctx)
         self.norm_q, self.norm_k = HeadsRMSNorm(hid, ctx), HeadsRMSNorm(hid, ctx)
+        self.add_kv = None
+        if cfg.added_kv_proj_dim is not None:       # image-to-video: the image tokens' own k and v
+            self.add_kv = ColumnParallelLinear(cfg.added_kv_proj_dim, [hid, hid], ctx=ctx)
+            self.norm_added_k = HeadsRMSNorm(hid, ctx)
         self.to_out = RowParallelLinear(hid, hid, ctx=ctx)
 
     def forward(self, x, y):
+        y, image = y[:, -self.text_len:], y[:, :-self.text_len]                      # (B, L, H), (B, I, H)
         k, v = self.to_kv(y).chunk(2, dim=-1)                                         # (B, L, H/p) each
         q = rearrange(self.norm_q(self.to_q(x)), "b s (n d) -> b n s d", d=self.head_dim)
-        k, v = (rearrange(z, "b l (n d) -> b n l d", d=self.head_dim) for z in (self.norm_k(k), v))
-        o = F.scaled_dot_product_attention(q, k, v)                                   # (B, heads/p, S, d)
+        o = F.scaled_dot_product_attention(q, *self._heads(self.norm_k(k), v))         # (B, heads/p, S, d)
+        if self.add_kv is not None:
+            k, v = self.add_kv(image).chunk(2, dim=-1)                                # (B, I, H/p) each
+            o = o + F.scaled_dot_product_attention(q, *self._heads(self.norm_added_k(k), v))
         return self.to_out(rearrange(o, "b n s d -> b s (n d)"))
+
+    def _heads(self, k, v):
+        return (rearrange(z, "b l (n d) -> b n l d", d=self.head_dim) for z in (k, v))
 
 
 class WanBlock(nn.Module):
@@ -181,28 +201,45 @@ class WanBlock(nn.Module):
 
 
 class EmbedStage(nn.Module):
-    """(latents [B,C,T,H,W], timesteps [B], text [B,L,text_dim]) -> (x [B,S,H], temb [B,H], tproj [B,6H], y [B,L,H])."""
+    """(latents [B,C,T,H,W], timesteps [B], text [B,L,text_dim]) -> (x [B,S,H], temb [B,H], tproj [B,6H], y [B,L,H]);
+    image-to-video: (latents [B,36,T,H,W], timesteps, text, image [B,I,image_dim]) -> (..., y [B,I+L,H])."""
 
     def __init__(self, cfg: WanConfig, grid: tuple[int, int, int], ctx=None):
         super().__init__()
         self.cfg, self.grid, self.ctx = cfg, grid, ctx
-        p, pt, c, hid = cfg.patch_size, cfg.patch_size_t, cfg.in_channels, cfg.hidden_size
+        p, pt, c, hid = cfg.patch_size, cfg.patch_size_t, cfg.transformer_in_channels, cfg.hidden_size
         self.patch_embedding = nn.Linear(c * pt * p * p, hid)          # = Conv3d(kernel = stride = (pt, p, p))
         self.time_linear_1 = nn.Linear(cfg.time_embed_dim, hid)
         self.time_linear_2 = nn.Linear(hid, hid)
         self.time_proj = nn.Linear(hid, 6 * hid)
         self.text_linear_1 = nn.Linear(cfg.text_embed_dim, hid)
         self.text_linear_2 = nn.Linear(hid, hid)
+        if cfg.image_dim is not None:               # diffusers' WanImageEmbedding (FP32LayerNorm: eps 1e-5)
+            self.image_norm1 = nn.LayerNorm(cfg.image_dim, eps=IMAGE_EPS)
+            self.image_linear_1 = nn.Linear(cfg.image_dim, cfg.image_dim)
+            self.image_linear_2 = nn.Linear(cfg.image_dim, hid)
+            self.image_norm2 = nn.LayerNorm(hid, eps=IMAGE_EPS)
 
     def forward(self, inputs):
-        latents, timesteps, text = inputs
+        latents, timesteps, text, *image = inputs
+        if bool(image) != (self.cfg.image_dim is not None):     # else the cross-attention would split y wrongly
+            raise ValueError(f"model {self.cfg.name}: {len(inputs)} inputs; (latents, timesteps, text"
+                             f"{', CLIP states' if self.cfg.image_dim is not None else ''}) expected")
         dtype = self.patch_embedding.weight.dtype
         x = split_sequence(self.patch_embedding(patchify(latents.to(dtype), self.cfg)), self.ctx)   # (B, S/sp, H)
         t_freq = timestep_embedding(timesteps, self.cfg.time_embed_dim).to(dtype)  # [cos, sin], as Timesteps
         temb = self.time_linear_2(F.silu(self.time_linear_1(t_freq)))               # (B, H)
         tproj = self.time_proj(F.silu(temb))                                        # (B, 6H)
         y = self.text_linear_2(F.gelu(self.text_linear_1(text.to(dtype)), approximate="tanh"))   # (B, L, H)
+        if image:
+            y = torch.cat([self.image_tokens(image[0].to(dtype)), y], dim=1)                       # (B, I + L, H)
         return x, temb, tproj, y
+
+    def image_tokens(self, image: torch.Tensor) -> torch.Tensor:
+        """CLIP states [B, I, image_dim] -> [B, I, H]: LN -> Linear -> GELU -> Linear -> LN, norms in fp32."""
+        def norm(z, ln):
+            return F.layer_norm(z.float(), ln.normalized_shape, ln.weight.float(), ln.bias.float(), ln.eps).to(z.dtype)
+        return norm(self.image_linear_2(F.gelu(self.image_linear_1(norm(image, self.image_norm1)))), self.image_norm2)
 
 
 class FinalStage(nn.Module):

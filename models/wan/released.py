@@ -5,6 +5,8 @@
     embed.time_linear_{1,2}         condition_embedder.time_embedder.linear_{1,2}
     embed.time_proj                 condition_embedder.time_proj
     embed.text_linear_{1,2}         condition_embedder.text_embedder.linear_{1,2}
+    embed.image_norm{1,2}           condition_embedder.image_embedder.norm{1,2} (image-to-video)
+    embed.image_linear_{1,2}        condition_embedder.image_embedder.ff.net.0.proj / ff.net.2
     blocks.i.scale_shift_table      blocks.i.scale_shift_table ([6, H] = [1, 6, H])
     blocks.i.attn1.to_qkv           blocks.i.attn1.to_{q,k,v} (fused: rows [q; k; v])
     blocks.i.attn{1,2}.norm_{q,k}   blocks.i.attn{1,2}.norm_{q,k} (RMSNorm over all heads)
@@ -12,6 +14,8 @@
     blocks.i.norm2                  blocks.i.norm2 (the cross-attention's affine LayerNorm)
     blocks.i.attn2.to_q             blocks.i.attn2.to_q
     blocks.i.attn2.to_kv            blocks.i.attn2.to_{k,v} (fused: rows [k; v])
+    blocks.i.attn2.add_kv           blocks.i.attn2.add_{k,v}_proj (image-to-video; fused: rows [k; v])
+    blocks.i.attn2.norm_added_k     blocks.i.attn2.norm_added_k
     blocks.i.ffn_in / ffn_out       blocks.i.ffn.net.0.proj / ffn.net.2
     final.scale_shift_table         scale_shift_table ([2, H] = [1, 2, H])
     final.proj_out                  proj_out
@@ -25,16 +29,22 @@ from typing import Optional
 import torch
 
 from models.spec import DiffusersFormat, config_problems, show
-from models.wan.config import WanConfig
+from models.wan.config import I2V_TEXT_LEN, WanConfig
 
 _EMBED = {"patch_embedding": "patch_embedding", "time_linear_1": "condition_embedder.time_embedder.linear_1",
           "time_linear_2": "condition_embedder.time_embedder.linear_2", "time_proj": "condition_embedder.time_proj",
           "text_linear_1": "condition_embedder.text_embedder.linear_1",
-          "text_linear_2": "condition_embedder.text_embedder.linear_2"}
+          "text_linear_2": "condition_embedder.text_embedder.linear_2",
+          "image_norm1": "condition_embedder.image_embedder.norm1",
+          "image_linear_1": "condition_embedder.image_embedder.ff.net.0.proj",
+          "image_linear_2": "condition_embedder.image_embedder.ff.net.2",
+          "image_norm2": "condition_embedder.image_embedder.norm2"}
 _BLOCK = {"attn1.norm_q": "attn1.norm_q", "attn1.norm_k": "attn1.norm_k", "attn1.to_out": "attn1.to_out.0",
           "norm2": "norm2", "attn2.to_q": "attn2.to_q", "attn2.norm_q": "attn2.norm_q", "attn2.norm_k": "attn2.norm_k",
-          "attn2.to_out": "attn2.to_out.0", "ffn_in": "ffn.net.0.proj", "ffn_out": "ffn.net.2"}
-_FUSED = {"attn1.to_qkv": ("attn1.to_q", "attn1.to_k", "attn1.to_v"), "attn2.to_kv": ("attn2.to_k", "attn2.to_v")}
+          "attn2.to_out": "attn2.to_out.0", "ffn_in": "ffn.net.0.proj", "ffn_out": "ffn.net.2",
+          "attn2.norm_added_k": "attn2.norm_added_k"}
+_FUSED = {"attn1.to_qkv": ("attn1.to_q", "attn1.to_k", "attn1.to_v"), "attn2.to_kv": ("attn2.to_k", "attn2.to_v"),
+          "attn2.add_kv": ("attn2.add_k_proj", "attn2.add_v_proj")}
 _FINAL = {"proj_out": "proj_out"}
 PATCH_WEIGHT = "embed.patch_embedding.weight"
 ROPE_MAX_SEQ_LEN = 1024     # the release's rotary table: frames, rows and columns of patches up to 1024 each
@@ -47,17 +57,17 @@ def _config_pairs(m: WanConfig) -> list[tuple[str, object, Optional[str], object
         ("attention_head_dim", 128, "model.head_dim", m.head_dim),
         ("num_layers", 40, "model.num_layers", m.num_layers),
         ("ffn_dim", 13824, "model.ffn_hidden_size", m.ffn_size),
-        ("in_channels", 16, "model.in_channels", m.in_channels),
+        ("in_channels", 16, "model.image_condition", m.transformer_in_channels),
         ("out_channels", 16, "model.in_channels", m.in_channels),
         ("text_dim", 4096, "model.text_embed_dim", m.text_embed_dim),
         ("freq_dim", 256, "model.time_embed_dim", m.time_embed_dim),
         ("patch_size", [1, 2, 2], "model.patch_size_t, model.patch_size", [m.patch_size_t, m.patch_size, m.patch_size]),
-        # What the toolkit's Wan model always is (Wan 2.1 text-to-video): these have no model.* key.
+        ("image_dim", None, "model.image_dim", m.image_dim),
+        ("added_kv_proj_dim", None, "model.added_kv_proj_dim", m.added_kv_proj_dim),
+        # What the toolkit's Wan model always is (Wan 2.1): these have no model.* key.
         ("cross_attn_norm", True, None, True),
         ("qk_norm", "rms_norm_across_heads", None, "rms_norm_across_heads"),
         ("eps", 1e-6, None, 1e-6),
-        ("image_dim", None, None, None),
-        ("added_kv_proj_dim", None, None, None),
         ("rope_max_seq_len", 1024, None, ROPE_MAX_SEQ_LEN),
         ("pos_embed_seq_len", None, None, None),
     ]
@@ -76,8 +86,37 @@ class WanDiffusers(DiffusersFormat):
                    if len(theirs) == 3 and theirs[1] == theirs[2] else "square patches only")
             return f"patch_size {show(theirs)} != (model.patch_size_t, model.patch_size) {show(value)}; {fix}"
 
+        def in_channels(theirs, value) -> Optional[str]:
+            out = config.get("out_channels", 16)
+            i2v = 2 * out + m.vae_scale_temporal
+            if theirs == value or ((theirs == i2v) == m.image_condition and out != m.in_channels):
+                return None       # equal, or the out_channels line says what to set
+            return (
+                f"in_channels {show(theirs)} != {value} (model.image_condition {show(m.image_condition)}); set "
+                f"--set model.image_condition={show(theirs == i2v)} (image-to-video releases take 2 x out_channels + "
+                f"{m.vae_scale_temporal}: noise, mask, image latents) or use the matching preset")
+
+        def image_dim(theirs, value) -> Optional[str]:
+            if theirs == value:
+                return None
+            fix = ("--set model.image_dim=null --set model.added_kv_proj_dim=null" if theirs is None else
+                   f"--set model.image_dim={theirs} --set model.added_kv_proj_dim="
+                   f"{config.get('added_kv_proj_dim') or m.hidden_size} --set "
+                   f"model.image_condition=true --set model.max_text_len={I2V_TEXT_LEN}")
+            return (f"image_dim {show(theirs)} != model.image_dim {show(value)}; set {fix} or use the matching preset "
+                    f"(wan2.1-i2v-14b-480p, wan2.1-i2v-14b-720p: image-to-video)")
+
+        def added_kv_proj_dim(theirs, value) -> Optional[str]:
+            if theirs == value or config.get("image_dim") != m.image_dim:
+                return None       # equal, or the image_dim line says what to set
+            return (f"added_kv_proj_dim {show(theirs)} with image_dim {show(m.image_dim)} is not supported (the "
+                    f"toolkit's Wan model has {show(value)}: the image cross-attention's k/v take the image tokens "
+                    f"the image embedder projects to hidden_size, or none without image_dim)")
+
         return config_problems(_config_pairs(m), config, path, "the toolkit's Wan model has {}; Wan 2.1 "
-                               "text-to-video transformers, 1.3B and 14B, qualify", {"patch_size": patch_size})
+                               "transformers, text- and image-to-video, qualify",
+                               {"patch_size": patch_size, "in_channels": in_channels, "image_dim": image_dim,
+                                "added_kv_proj_dim": added_kv_proj_dim})
 
     def config(self, m: WanConfig, data) -> dict:
         return {key: value for key, _, _, value in _config_pairs(m)}
@@ -105,16 +144,18 @@ class WanDiffusers(DiffusersFormat):
     def shapes(self, name: str, shape: tuple[int, ...], m: WanConfig) -> dict[str, tuple[int, ...]]:
         sources = self.names(name)
         if name == PATCH_WEIGHT:
-            return {sources[0]: (m.hidden_size, m.in_channels, m.patch_size_t, m.patch_size, m.patch_size)}
+            return {sources[0]: (m.hidden_size, m.transformer_in_channels, m.patch_size_t, m.patch_size, m.patch_size)}
         if name.endswith("scale_shift_table"):
             return {sources[0]: (1, *shape)}
         rows = shape[0] // len(sources)
         return {s: (rows, *shape[1:]) for s in sources}
 
     def reference_call(self, model: torch.nn.Module, inputs: tuple, kwargs: dict) -> torch.Tensor:
-        """diffusers' Wan takes and returns [B, C, T, H, W], as the toolkit."""
-        latents, timesteps, text = inputs
-        return model(hidden_states=latents, timestep=timesteps, encoder_hidden_states=text, **kwargs).sample
+        """diffusers' Wan takes and returns [B, C, T, H, W], as the toolkit; image-to-video: the CLIP states
+        [B, I, image_dim] as encoder_hidden_states_image."""
+        latents, timesteps, text, *image = inputs
+        return model(hidden_states=latents, timestep=timesteps, encoder_hidden_states=text,
+                     encoder_hidden_states_image=image[0] if image else None, **kwargs).sample
 
 
 DIFFUSERS = WanDiffusers()

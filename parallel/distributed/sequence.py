@@ -1,4 +1,6 @@
-"""Ulysses sequence parallelism: tokens split over the sp ranks outside attention, heads inside it.
+"""Sequence parallelism: tokens split over the sp ranks outside attention; inside it Ulysses (heads split
+by all-to-alls), ring attention (key/value chunks passed around, parallel/distributed/ring.py) or both
+(sp = ulysses x ring: Ulysses inside a ring chunk, `SequenceAttention`).
 
 With `parallel.sp_size = s`, every sp rank holds S/s consecutive tokens of the sequence (CogVideoX: text
 tokens first, then video tokens; STDiT: video tokens in (t, h, w) order) through the norms, projections
@@ -28,6 +30,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -38,6 +41,17 @@ def sp_size_of(ctx) -> int:
 def padded_length(total: int, sp: int) -> int:
     """`total` rounded up to a multiple of sp: the length the sp ranks split (53,266 -> 53,268 at sp 4)."""
     return -(-total // sp) * sp
+
+
+def sp_pairs(heads: int, sp: int, ring: bool = True) -> list[tuple[int, int]]:
+    """Every (ulysses, ring) with ulysses x ring = sp that `heads` heads per tp rank take: Ulysses must divide
+    them, ring takes any count (`ring` False: an attention that cannot run under ring, Ulysses only)."""
+    return [(u, sp // u) for u in range(1, sp + 1) if sp % u == 0 and heads % u == 0 and (u == sp or ring)]
+
+
+def default_ring(heads: int, sp: int, ring: bool = True) -> int:
+    """The ring size when parallel.ring_size is unset: all Ulysses where it divides the heads, ring for the rest."""
+    return min((r for _, r in sp_pairs(heads, sp, ring)), default=1)
 
 
 def local_range(total: int, ctx) -> tuple[int, int]:
@@ -78,40 +92,97 @@ def gather_sequence(x: torch.Tensor, ctx, dim: int = 1, total: Optional[int] = N
     return full if total is None else full.narrow(dim, 0, total)
 
 
-class SequenceAttention(nn.Module):
-    """`attend(q, k, v)` on [B, S, n, d] (batch first, sequence, heads): over the full sequence.
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Full attention, batch first: [B, S, n, d] -> [B, S, n, d]."""
+    return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
 
-    `attend` receives the full sequence of `tokens` real tokens (the padding sliced off) and this rank's
-    heads, and returns [B, S, n_local, d]. Further positional arguments (`extra`: a key mask [B, L] of
-    the leading text rows, the same on every sp rank) reach `attend` as they are. With sp_size = 1 it is called directly; otherwise through
-    DeepSpeed's DistributedAttention (Ulysses), on the padded sequence [B, S_pad, n/sp, d] that
-    `_unpadded` trims for it and pads again. `tokens` is an int, or a function giving the current step's
-    count when the token grid changes from step to step (buckets: parallel/train/buckets.py).
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """[B, s, ...] -> [B, rows, ...] with zero rows after the s given."""
+    if x.shape[1] == rows:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[0], rows - x.shape[1], *x.shape[2:])], dim=1)
+
+
+class SequenceAttention(nn.Module):
+    """Attention over the full sequence for q, k, v given as this sp rank's tokens, [B, S_pad/sp, n, d].
+
+    The model gives either `attend(q, k, v)`, its whole attention on the full sequence of `tokens` real
+    tokens (the padding sliced off) -> [B, S, n_local, d] (Ulysses only), or `prepare(q, k, v, start)`, its
+    per-token transforms (q/k norms, rotary positions) for tokens start.. of the sequence, after which this
+    module attends (`F.scaled_dot_product_attention`, or ring attention across the ring group). `tokens` is an
+    int, or a function giving the current step's count when the token grid changes from step to step
+    (buckets: parallel/train/buckets.py). Further positional arguments of forward (`extra`: a key mask [B, L]
+    of the leading text rows, the same on every sp rank: HunyuanVideo) reach `attend` as they are (attend
+    only: ring attention takes none).
+
+    Ulysses x ring (sp = u x r): DeepSpeed's DistributedAttention all-to-alls over the Ulysses group turn
+    [B, S_pad/sp, n, d] into this ring rank's chunk [B, S_pad/r, n/u, d]; ring attention
+    (parallel/distributed/ring.py) runs it against the other ring ranks' chunks; the all-to-all brings the
+    output back. With u = 1 there is no all-to-all, with r = 1 no ring (Ulysses as before).
     """
 
-    def __init__(self, attend: Callable, ctx, tokens: "int | Callable[[], int]"):
+    def __init__(self, attend: Optional[Callable] = None, ctx=None, tokens: "int | Callable[[], int]" = 0, *,
+                 prepare: Optional[Callable] = None):
         super().__init__()
-        self.attend, self.sp, self.tokens = attend, sp_size_of(ctx), tokens
-        self.ulysses = None
+        if (attend is None) == (prepare is None):
+            raise ValueError("SequenceAttention takes one of attend (the whole attention) or prepare (its per-token "
+                             "transforms)")
+        self.attend, self.prepare, self.sp, self.tokens = attend, prepare, sp_size_of(ctx), tokens
+        self.ring_size = getattr(ctx, "ring_size", 1) if ctx is not None else 1
+        self.ulysses_size = self.sp // self.ring_size
+        if self.ring_size > 1 and prepare is None:
+            raise ValueError(f"ring attention (ring_size={self.ring_size}) needs the model's per-token transforms "
+                             f"(prepare=...): this attention gives only attend")
+        self.ctx, self.ulysses, self.ring = ctx, None, None
         if self.sp > 1 and ctx.sp_group is not None:
-            from deepspeed.sequence.layer import DistributedAttention
-            self.ulysses = DistributedAttention(self._unpadded, ctx.sp_group, scatter_idx=2, gather_idx=1)
+            inner = self._unpadded
+            if self.ring_size > 1:
+                from parallel.distributed.ring import Ring
+                self.ring, inner = Ring(ctx.ring_group), self._ring_chunk
+            if self.ulysses_size > 1:
+                from deepspeed.sequence.layer import DistributedAttention
+                self.ulysses = DistributedAttention(inner, ctx.ulysses_group, scatter_idx=2, gather_idx=1)
+
+    def _real(self) -> int:
+        return self.tokens() if callable(self.tokens) else self.tokens
+
+    def _full(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *extra) -> torch.Tensor:
+        """The whole sequence's real tokens [B, S, n, d] -> [B, S, n, d]."""
+        if self.attend is not None:
+            return self.attend(q, k, v, *extra)
+        return _sdpa(*self.prepare(q, k, v, 0))
 
     def _unpadded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *extra) -> torch.Tensor:
         """attend on the real tokens of [B, S_pad, n, d]; the padded rows' output is zero."""
-        s, real = q.shape[1], self.tokens() if callable(self.tokens) else self.tokens
+        s, real = q.shape[1], self._real()
         if s == real:
-            return self.attend(q, k, v, *extra)
-        o = self.attend(q[:, :real], k[:, :real], v[:, :real], *extra)   # (B, S, n, d)
-        return torch.cat([o, o.new_zeros(o.shape[0], s - real, *o.shape[2:])], dim=1)
+            return self._full(q, k, v, *extra)
+        return _pad_rows(self._full(q[:, :real], k[:, :real], v[:, :real], *extra), s)      # (B, S_pad, n, d)
+
+    def _ring_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """This ring rank's chunk [B, c, n, d] of the padded sequence (c = S_pad / r) against every ring rank's."""
+        from parallel.distributed.ring import ring_attention
+        c, total, me = q.shape[1], self._real(), self.ring.index
+        lengths = [min(max(total - j * c, 0), c) for j in range(self.ring.size)]     # real tokens per chunk
+        real = lengths[me]
+        q, k, v = (_pad_rows(t, c) for t in self.prepare(q[:, :real], k[:, :real], v[:, :real], me * c))
+        return ring_attention(q, k, v, self.ring, lengths)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *extra) -> torch.Tensor:
         if self.ulysses is not None:
-            return self.ulysses(q, k, v, 0, None, *extra)               # DeepSpeed passes *extra to _unpadded
+            return self.ulysses(q, k, v, 0, None, *extra)               # DeepSpeed passes *extra to the inner
+        if self.ring is not None:
+            return self._ring_chunk(q, k, v)
         if self.sp == 1:
-            return self.attend(q, k, v, *extra)
-        # A planning context (no process group): one sp rank's shapes, [B, S_pad/sp, n, d] <-> [B, S_pad, n/sp, d].
-        # The all-to-all keeps nothing for backward, and neither does a reshape.
+            return self._full(q, k, v, *extra)
+        # A planning context (no process group): one sp rank's shapes, [B, S_pad/sp, n, d] <-> [B, S_pad/r, n/u, d]
+        # for Ulysses (the all-to-all keeps nothing for backward, and neither does a reshape). Under ring the
+        # chunk attends to itself: ring attention saves what that saves (its q, k, v chunk, output and
+        # log-sum-exp); its transient buffers are the planner's (parallel/plan/memory.py `ring_buffers`).
         b, s, n, d = q.shape
-        full = [t.reshape(b, s * self.sp, n // self.sp, d) for t in (q, k, v)]
-        return self._unpadded(*full, *extra).reshape(b, s, n, d)
+        u = self.ulysses_size
+        q, k, v = (t.reshape(b, s * u, n // u, d) for t in (q, k, v))
+        if self.ring_size == 1:
+            return self._unpadded(q, k, v, *extra).reshape(b, s, n, d)
+        return _sdpa(*self.prepare(q, k, v, 0)).reshape(b, s, n, d)

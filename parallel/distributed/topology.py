@@ -6,6 +6,14 @@ next to them:
 
     rank = ((pp_rank * dp_size + dp_rank) * sp_size + sp_rank) * tp_size + tp_rank
 
+Inside the sp axis, Ulysses x ring (parallel/distributed/sequence.py): sp_size = ulysses_size x ring_size and
+
+    sp_rank = ring_rank * ulysses_size + ulysses_rank
+
+so Ulysses peers (four all-to-alls per attention, the heavier traffic) are neighbouring ranks, inside a node,
+and ring peers (key/value chunks passed point to point, overlapped with attention) stride across nodes.
+A Ulysses group holds one contiguous ring chunk of the sequence (sp ranks hold consecutive tokens).
+
 To DeepSpeed the sp ranks are data-parallel ranks (they hold the same parameters; ZeRO shards and the
 gradient average run over dp x sp, its "data" axis of size dp_size * sp_size), while the toolkit's
 own dp (data shards, validation replicas) counts only the replicas that read different samples.
@@ -42,24 +50,37 @@ class ParallelDims:
     sp_size: int = 1
     pp_size: int = 1
     dp_size: int = 1
+    ring_size: int = 1          # of sp_size: ring attention's share (the rest, ulysses_size, is Ulysses')
 
     def __post_init__(self):
-        for name in ("tp_size", "sp_size", "pp_size", "dp_size"):
+        for name in ("tp_size", "sp_size", "pp_size", "dp_size", "ring_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.sp_size % self.ring_size:
+            raise ValueError(f"ring_size={self.ring_size} must divide sp_size={self.sp_size} "
+                             f"(sp_size = ulysses_size x ring_size)")
+
+    @property
+    def ulysses_size(self) -> int:
+        return self.sp_size // self.ring_size
 
     @property
     def world_size(self) -> int:
         return self.pp_size * self.dp_size * self.sp_size * self.tp_size
 
     def as_dict(self) -> dict[str, int]:
-        """{"tp_size": .., "sp_size": .., "pp_size": .., "dp_size": ..}: checkpoints and reports."""
-        return {"tp_size": self.tp_size, "sp_size": self.sp_size, "pp_size": self.pp_size, "dp_size": self.dp_size}
+        """{"tp_size": .., "sp_size": .., "pp_size": .., "dp_size": ..}: checkpoints and reports; "ring_size"
+        only when > 1 (it changes no parameter or optimizer shard, and older checkpoints lack it)."""
+        ring = {"ring_size": self.ring_size} if self.ring_size > 1 else {}
+        return {"tp_size": self.tp_size, "sp_size": self.sp_size, "pp_size": self.pp_size, "dp_size": self.dp_size,
+                **ring}
 
     def describe(self) -> str:
-        """`tp=2 sp=2 pp=1 dp=2` (sp only when > 1)."""
+        """`tp=2 sp=2 pp=1 dp=2` (sp only when > 1; `sp=4 (ulysses 2 x ring 2)` with a ring)."""
         sp = f" sp={self.sp_size}" if self.sp_size > 1 else ""
+        if self.ring_size > 1:
+            sp += f" (ulysses {self.ulysses_size} x ring {self.ring_size})"
         return f"tp={self.tp_size}{sp} pp={self.pp_size} dp={self.dp_size}"
 
     def rank(self, *, pp: int, dp: int, tp: int, sp: int = 0) -> int:
@@ -86,6 +107,16 @@ class ParallelDims:
 
     def sp_groups(self) -> list[list[int]]:
         return self._groups("sp")
+
+    def ulysses_groups(self) -> list[list[int]]:
+        """Each sp group cut into ring_size runs of ulysses_size consecutive sp ranks (one ring chunk each)."""
+        u = self.ulysses_size
+        return [g[i:i + u] for g in self.sp_groups() for i in range(0, self.sp_size, u)]
+
+    def ring_groups(self) -> list[list[int]]:
+        """The sp ranks of one Ulysses position, in ring order: every ulysses_size-th rank of an sp group."""
+        u = self.ulysses_size
+        return [g[i::u] for g in self.sp_groups() for i in range(u)]
 
     def dp_groups(self) -> list[list[int]]:
         return self._groups("dp")
@@ -171,15 +202,17 @@ class ParallelContext:
     model_group: Optional[object] = None
     sp_group: Optional[object] = None
     data_group: Optional[object] = None
+    ulysses_group: Optional[object] = None      # the sp group when ring_size == 1
+    ring_group: Optional[object] = None         # the sp group when ulysses_size == 1
     coord: Coord = field(init=False)
 
     def __post_init__(self):
         self.coord = self.dims.coord(self.rank)
 
     @classmethod
-    def single(cls, tp_size: int = 1, sp_size: int = 1) -> "ParallelContext":
+    def single(cls, tp_size: int = 1, sp_size: int = 1, ring_size: int = 1) -> "ParallelContext":
         """A context with no process groups: one process, or a meta-device build for planning."""
-        return cls(ParallelDims(tp_size=tp_size, sp_size=sp_size), rank=0)
+        return cls(ParallelDims(tp_size=tp_size, sp_size=sp_size, ring_size=ring_size), rank=0)
 
     @classmethod
     def build(cls, dims: ParallelDims) -> "ParallelContext":
@@ -194,12 +227,16 @@ class ParallelContext:
                  ("model_group", dims.model_groups())]
         if dims.sp_size > 1:
             kinds += [("sp_group", dims.sp_groups()), ("data_group", dims.data_groups())]
+        if 1 < dims.ring_size < dims.sp_size:
+            kinds += [("ulysses_group", dims.ulysses_groups()), ("ring_group", dims.ring_groups())]
         for name, lists in kinds:
             for ranks in lists:
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     mine[name] = group
         mine.setdefault("data_group", mine.get("dp_group"))
+        if dims.sp_size > 1:
+            mine.setdefault("ring_group" if dims.ulysses_size == 1 else "ulysses_group", mine["sp_group"])
         return cls(dims, rank=rank, **mine)
 
     # The vocabulary used across the toolkit.
@@ -228,6 +265,22 @@ class ParallelContext:
         return self.coord.sp
 
     @property
+    def ring_size(self) -> int:
+        return self.dims.ring_size
+
+    @property
+    def ring_rank(self) -> int:
+        return self.coord.sp // self.dims.ulysses_size
+
+    @property
+    def ulysses_size(self) -> int:
+        return self.dims.ulysses_size
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self.coord.sp % self.dims.ulysses_size
+
+    @property
     def data_size(self) -> int:
         """DeepSpeed's data-parallel size: dp x sp ranks share the gradient average and the ZeRO shards."""
         return self.dims.dp_size * self.dims.sp_size
@@ -243,6 +296,12 @@ class ParallelContext:
     @property
     def pp_rank(self) -> int:
         return self.coord.pp
+
+    @property
+    def stage_writer(self) -> bool:
+        """The one rank of its pipeline stage that writes the stage's full tensors (exports): data rank 0 (dp and
+        sp: sp ranks hold whole replicas too) and tp rank 0."""
+        return self.data_rank == 0 and self.tp_rank == 0
 
     # DeepSpeed / Megatron mpu interface: "model parallel" means tensor parallel there.
     def get_model_parallel_rank(self) -> int:
@@ -281,4 +340,6 @@ class ParallelContext:
 
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.dims.world_size}: pp {self.pp_rank}/{self.pp_size} "
-                f"dp {self.dp_rank}/{self.dp_size} sp {self.sp_rank}/{self.sp_size} tp {self.tp_rank}/{self.tp_size}")
+                f"dp {self.dp_rank}/{self.dp_size} sp {self.sp_rank}/{self.sp_size} tp {self.tp_rank}/{self.tp_size}"
+                + (f" (ulysses {self.ulysses_rank}/{self.ulysses_size} ring {self.ring_rank}/{self.ring_size})"
+                   if self.ring_size > 1 else ""))

@@ -29,9 +29,9 @@ from parallel.check import check
 from parallel.config import ConfigError, ExperimentConfig, load_config
 from parallel.cli import add_experiment_args, add_renamed, add_world_size, require
 from parallel.plan.buckets import bucket_rows, plan_buckets, render_buckets_text
-from parallel.plan.memory import LINES, EngineSettings, MemoryPlan, plan_memory
+from parallel.plan.memory import LINES, OPTIONAL_LINES, EngineSettings, MemoryPlan, plan_memory
 from parallel.plan.search import DEVICES, Candidate, SearchResult, count_params, search, shipped_config
-from parallel.plan.trace import ActivationTracer, sequence_length
+from parallel.plan.trace import ActivationTracer, ring_of, sequence_length
 from parallel.units import gib, parse_size
 
 SCHEMA = "video-dit-parallel/memory-plan/1"
@@ -67,6 +67,7 @@ def plan_report(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer,
     eng = EngineSettings.from_ds(ds, cfg.model.num_layers)
     return {"schema": SCHEMA, "mode": "plan", "model": _model_info(cfg, tracer, ds),
             "layout": {"tp": cfg.parallel.tp_size, "sp": cfg.parallel.sp_size, "pp": cfg.parallel.pp_size, "dp": dp,
+                       "ring": ring_of(cfg, cfg.parallel.tp_size, cfg.parallel.sp_size),
                        "world": args.world_size,
                        "zero": eng.zero, "micro_batch": cfg.train.micro_batch_size,
                        "grad_accum": cfg.train.grad_accum_steps, "checkpoint_every": eng.checkpoint_every,
@@ -94,7 +95,7 @@ def _candidate_dict(c: Candidate, args, ds_file: Optional[str] = None) -> dict:
     launcher = f"--num_gpus {args.world_size}" if args.world_size <= args.devices_per_node else "--hostfile hosts"
     ds_arg = shipped or ds_file
     d = c.dims
-    return {"tp": d.tp_size, "sp": d.sp_size, "pp": d.pp_size, "dp": d.dp_size, "zero": c.zero,
+    return {"tp": d.tp_size, "sp": d.sp_size, "ring": d.ring_size, "pp": d.pp_size, "dp": d.dp_size, "zero": c.zero,
             "checkpointing": c.checkpointing, "recompute": c.recompute, "micro_batch": c.micro_batch,
             "global_batch": c.cfg.global_batch_size(d.dp_size),
             "memory": {"total": c.memory.worst.total, "worst_stage": c.memory.worst.stage,
@@ -121,7 +122,7 @@ def write_planned(c: Candidate, cfg: ExperimentConfig, args) -> Optional[str]:
 def search_report(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer, found=None) -> dict:
     res: SearchResult = search(cfg, ds, args.world_size, args.devices_per_node, args.device_memory,
                                DEVICES[args.device], tracer, args.utilisation, args.margin, args.workspace,
-                               source=args.deepspeed_config)
+                               source=args.deepspeed_config, progress=True)
     closest = sorted(res.not_fitting, key=lambda c: c.memory.worst.total)
     best = res.ranked[0] if res.ranked else None
     buckets = {"buckets": bucket_rows(best.cfg, found, best.ds, best.dims.dp_size, args)} if found and best else {}
@@ -153,7 +154,8 @@ def render_plan_text(r: dict) -> str:
     if lay.get("activation_compression"):
         ckpt += f", saved activations stored as {lay['activation_compression']}"
     out = _header(r) + [
-        f"layout: tp={lay['tp']} sp={lay['sp']} pp={lay['pp']} dp={lay['dp']}, ZeRO-{lay['zero']} ({r['optimizer']}), "
+        f"layout: tp={lay['tp']} sp={lay['sp']}{_ring_text(lay)} pp={lay['pp']} dp={lay['dp']}, ZeRO-{lay['zero']} "
+        f"({r['optimizer']}), "
         f"micro-batch {lay['micro_batch']} x {lay['grad_accum']} accumulation steps, activation checkpointing {ckpt}",
         f"activations per micro-batch on one tp{' x sp' if lay['sp'] > 1 else ''} rank (traced): block {gib(acts['block_activations'])} GiB, "
         f"its input {gib(acts['block_input'])} GiB (kept per checkpoint: {gib(acts['checkpoint_input'])}), "
@@ -165,6 +167,8 @@ def render_plan_text(r: dict) -> str:
     out.append(f"{'blocks':<{width}}" + "".join(f"{s['blocks']:>10}" for s in shown))
     out.append(f"{'micro-batches in flight':<{width}}" + "".join(f"{s['micro_batches_in_flight']:>10}" for s in shown))
     for key, label in LINES:
+        if key in OPTIONAL_LINES and not any(s["lines"][key] for s in stages):
+            continue
         out.append(f"{label:<{width}}" + "".join(f"{gib(s['lines'][key]):>10}" for s in shown))
     out.append(f"{'total':<{width}}" + "".join(f"{gib(s['total']):>10}" for s in shown))
     host = [sum(s["host"].values()) for s in shown]
@@ -180,10 +184,17 @@ def render_plan_text(r: dict) -> str:
     return "\n".join(out)
 
 
+def _ring_text(lay: dict) -> str:
+    """` (ulysses 8 x ring 2)` for a layout with ring attention, else ``."""
+    ring = lay.get("ring", 1)
+    return f" (ulysses {lay['sp'] // ring} x ring {ring})" if ring > 1 else ""
+
+
 def _row(rank, c: dict) -> str:
     t = c["step_time"] or {}
     ckpt = c["recompute"]
-    return (f"{rank:>4} {c['tp']:>3} {c['sp']:>3} {c['pp']:>3} {c['dp']:>4} {c['zero']:>5} {ckpt:>5} "
+    sp = c["sp"] if c.get("ring", 1) == 1 else f"{c['sp'] // c['ring']}x{c['ring']}"     # ulysses x ring
+    return (f"{rank:>4} {c['tp']:>3} {sp:>3} {c['pp']:>3} {c['dp']:>4} {c['zero']:>5} {ckpt:>5} "
             f"{c['micro_batch']:>4} {gib(c['memory']['total']):>8} {gib(c['memory']['headroom']):>8} "
             + (f"{t['total']:>8.2f} {t['samples_per_s']:>9.3f} {t['compute']:>8.2f} {t['tp']:>6.2f} {t['sp']:>6.2f} "
                f"{t['pp']:>6.2f} {t['dp']:>6.2f} {t['bubble']:>7.2f}" if t else ""))
@@ -216,7 +227,7 @@ def render_search_text(r: dict) -> str:
         for item in r["invalid"][:INVALID_SHOWN]:
             lay, problems = item["layout"], item["problems"]
             more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-            out.append(f"  tp={lay['tp']} sp={lay['sp']} pp={lay['pp']} dp={lay['dp']} ZeRO-{lay['zero']}: "
+            out.append(f"  tp={lay['tp']} sp={lay['sp']}{_ring_text(lay)} pp={lay['pp']} dp={lay['dp']} ZeRO-{lay['zero']}: "
                        f"{problems[0]}{more}")
         if len(r["invalid"]) > INVALID_SHOWN:
             out.append(f"  ... {len(r['invalid']) - INVALID_SHOWN} more (--format json lists every one)")
@@ -230,7 +241,8 @@ def render_markdown(r: dict) -> str:
         stages = r["stages"]
         rows = ["| per rank (GiB) | " + " | ".join(f"stage {s['stage']}" for s in stages) + " |",
                 "|---|" + "---:|" * len(stages)]
-        rows += [f"| {label} | " + " | ".join(gib(s["lines"][key]) for s in stages) + " |" for key, label in LINES]
+        rows += [f"| {label} | " + " | ".join(gib(s["lines"][key]) for s in stages) + " |" for key, label in LINES
+                 if key not in OPTIONAL_LINES or any(s["lines"][key] for s in stages)]
         rows.append("| **total** | " + " | ".join(f"**{gib(s['total'])}**" for s in stages) + " |")
         verdict = "fits" if r["fits"] else "does not fit"
         rows += ["", f"Worst rank {gib(r['total'])} GiB of {gib(r['device_memory'])} GiB: {verdict}."]

@@ -45,7 +45,7 @@ from parallel import ds_config as dsc
 from parallel.config import ExperimentConfig
 from parallel.distributed.deepspeed.accounting import ENGINE_ALLREDUCE_BUCKET
 from parallel.build import blocks_per_stage, checkpoint_interval
-from parallel.plan.trace import ActivationTracer
+from parallel.plan.trace import ActivationTracer, ring_of
 from parallel.recompute import checkpointed_blocks
 from parallel.units import BYTES, DTYPES, GiB
 
@@ -59,7 +59,20 @@ LINES = (("parameters", "parameters"), ("gradients", "gradients"), ("adam_moment
          ("master_weights", "fp32 master weights"), ("ema_shadow", "EMA shadow"), ("buffers", "position tables"),
          ("activations", "activations"), ("recompute", "recompute (1 segment)"),
          ("zero_buckets", "gradient reduce buffers"), ("zero3_gathered", "ZeRO-3 gathered params"),
-         ("pipeline_buffers", "pipeline buffers"), ("margin", "margin"))
+         ("pipeline_buffers", "pipeline buffers"), ("ring_buffers", "ring attention buffers"), ("margin", "margin"))
+# Lines reports leave out when they are zero on every stage (a layout without them).
+OPTIONAL_LINES = {"ring_buffers"}
+
+
+def ring_buffers(block_input: int, tp: int, ring: int, lp: int) -> int:
+    """Transient bytes of one ring attention's backward (parallel/distributed/ring.py), c = this rank's
+    b x S/sp x H/tp chunk (the block input over tp, lp bytes an element): the stacked key/value chunk and the
+    next one arriving (4 c lp), this rank's fp32 dK/dV, the accumulator arriving and the one still being
+    sent (3 x 2 c x 4), and the fp32 dQ (4 c). Zero without a ring."""
+    if ring == 1:
+        return 0
+    c = block_input // tp // lp
+    return 4 * c * lp + 6 * c * 4 + c * 4
 
 
 @dataclass
@@ -365,7 +378,8 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
         lines = {**dev, "buffers": own_buffers * n + (block.tables if n else 0) + (embed.buffers if first else 0)
                  + (final.buffers if last else 0), "activations": acts, "recompute": recompute,
                  "zero_buckets": zero_buckets(eng, pp, trainable, dp), "zero3_gathered": gathered,
-                 "pipeline_buffers": pipe}
+                 "pipeline_buffers": pipe,
+                 "ring_buffers": ring_buffers(block.input_bytes, tp, ring_of(cfg, tp, sp), eng.lp) if n else 0}
         lines["margin"] = int(margin * sum(lines.values())) + workspace
         stages.append(StageMemory(s, n, flight, {key: lines[key] for key, _ in LINES},
                                   {**host, "activations": host_acts}, numel))

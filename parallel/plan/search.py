@@ -12,9 +12,12 @@ L blocks of hidden size H, N parameters):
              K/V projections, 1/8 of a block's weights, 6 N S counts over S tokens instead of L: an overestimate)
     TP       m (L / pp) (4 [+2 f]) all-reduces of b S/sp H, ring 2 (tp-1)/tp, intra-node bandwidth
              (STDiT: 12 [+6] per layer, 3 row-parallel outputs in each of its two blocks)
-    SP       m (L / pp) a (8 [+4 f]) all-to-alls of b S/sp H/tp (q, k, v, out forward and their
-             gradients backward; a = self-attentions per layer), each moving (sp-1)/sp of it, intra-node
-             while tp x sp fits a node
+    SP       sp = u x r (Ulysses x ring). Ulysses: m (L / pp) a (8 [+4 f]) all-to-alls of b S/sp H/tp (q, k, v,
+             out forward and their gradients backward; a = self-attentions per layer), each moving (u-1)/u of
+             it, intra-node while tp x u fits a node. Ring: per attention, forward r - 1 key/value chunks
+             (2 b S/sp H/tp each) and backward r - 1 more plus r fp32 dK/dV accumulators (`ring_traffic`),
+             over the inter-node link when tp x sp spans nodes; each transfer overlaps one chunk's attention
+             (4 b (S/sp)(S/r) H/(u tp) FLOPs forward, twice that backward), so only the excess counts
     PP       m x 2 (activation forward, gradient backward) of the stage boundary, p2p
     bubble   (compute + TP + PP) x (m + pp - 1) / m                   (1F1B: bubble (pp-1)/(m+pp-1))
     DP       gradient reduce 2 (d-1)/d x grad bytes once a step over d = dp x sp ranks (ZeRO-3 adds two
@@ -36,8 +39,11 @@ from __future__ import annotations
 import copy
 import json
 import math
+import sys
 from dataclasses import dataclass
 from typing import Optional
+
+from tqdm import tqdm
 
 from models.registry import family
 from parallel.check import check, divisors
@@ -45,7 +51,7 @@ from parallel.cli import DS_CONFIG_DIR      # was parallel/ds_configs here: no s
 from parallel.config import ExperimentConfig, RecomputeConfig
 from parallel.distributed.topology import ParallelDims
 from parallel.plan.memory import EngineSettings, MemoryPlan, plan_memory
-from parallel.plan.trace import ActivationTracer, attention_pairs, sequence_length
+from parallel.plan.trace import ActivationTracer, attention_pairs, ring_of, sequence_length
 from parallel.recompute import checkpointed_blocks
 
 MAX_MICRO_BATCH = 64
@@ -112,6 +118,14 @@ def dp_bytes(eng: EngineSettings, params: int) -> tuple[float, float, float]:
     return grads, forward, params * eng.lp
 
 
+def ring_traffic(chunk_bytes: int, ring: int, lp: int) -> tuple[int, int]:
+    """Bytes one rank sends per ring attention (parallel/distributed/ring.py), forward and backward, for a
+    chunk of `chunk_bytes` (b x S/sp x H/tp in lp bytes an element: this rank's q, or its k, or its v): forward
+    r - 1 key/value chunks (2 chunks each); backward r - 1 key/value chunks again and r fp32 dK/dV accumulators."""
+    kv = 2 * chunk_bytes
+    return (ring - 1) * kv, (ring - 1) * kv + ring * kv * 4 // lp
+
+
 def estimate_step_time(cfg: ExperimentConfig, eng: EngineSettings, dp: int, device: Device, per_node: int,
                        utilisation: float, tracer: ActivationTracer, stage_params: int) -> StepTime:
     m_cfg, t = cfg.model, cfg.train
@@ -133,8 +147,18 @@ def estimate_step_time(cfg: ExperimentConfig, eng: EngineSettings, dp: int, devi
         tp_time = m * (m_cfg.num_layers / pp) * per_block
     sp_time = 0.0
     if sp > 1:
-        link = device.inter_bw if tp * sp > per_node else device.intra_bw
-        per_attention = (8 + 4 * f) * (sp - 1) / sp * trace.input_bytes / tp / link
+        r = ring_of(cfg, tp, sp)
+        u = sp // r
+        per_attention = 0.0
+        if u > 1:                    # Ulysses peers are neighbouring ranks: inside a node while tp x u fits one
+            link = device.inter_bw if tp * u > per_node else device.intra_bw
+            per_attention += (8 + 4 * f) * (u - 1) / u * trace.input_bytes / tp / link
+        if r > 1:                    # what ring traffic the chunk's attention does not hide
+            chunk_attention = 4 * b * (seq / sp) * (seq / r) * m_cfg.hidden_size / (u * tp) / (peak * utilisation)
+            fwd, bwd = ring_traffic(trace.input_bytes // tp, r, eng.lp)
+            link = device.inter_bw if tp * sp > per_node else device.intra_bw
+            per_attention += (1 + f) * max(fwd / link - (r - 1) * chunk_attention, 0.0) \
+                + max(bwd / link - 2 * (r - 1) * chunk_attention, 0.0)
         sp_time = m * (m_cfg.num_layers / pp) * family(m_cfg).attentions_per_layer * per_attention
     pp_time = 0.0
     if pp > 1:
@@ -229,6 +253,7 @@ class Candidate:
             ([f"train.recompute.every={rc.every}"] if rc.every > 1 else []) if rc is not None else []
         return [f"parallel.tp_size={d.tp_size}", f"parallel.pp_size={d.pp_size}"] \
             + ([f"parallel.sp_size={d.sp_size}"] if d.sp_size > 1 else []) \
+            + ([f"parallel.ring_size={d.ring_size}"] if d.ring_size > 1 else []) \
             + [f"train.micro_batch_size={self.micro_batch}"] + recompute
 
 
@@ -239,11 +264,23 @@ class SearchResult:
     invalid: list[tuple[dict, list[str]]]
 
 
+def sp_split(heads: int, tp: int, sp: int, node: int, ring_ok: bool = True) -> tuple[int, int]:
+    """(ulysses, ring) for sp at tp: the largest Ulysses degree that divides sp, the heads of a tp rank and
+    the node's devices left by tp, ring the rest; (sp, 1) when the family takes no ring (the checker then says
+    whether the heads allow it)."""
+    if not ring_ok or heads % tp:
+        return sp, 1
+    u = max(u for u in divisors(sp) if (heads // tp) % u == 0 and (node // tp) % u == 0)
+    return u, sp // u
+
+
 def with_layout(cfg: ExperimentConfig, dims: ParallelDims, micro_batch: int,
                 recompute: Optional[tuple] = None) -> ExperimentConfig:
     """cfg at this layout and micro-batch; `recompute` (granularity, every) sets train.recompute (None: off)."""
     parallel = cfg.parallel.model_copy(update={"tp_size": dims.tp_size, "pp_size": dims.pp_size,
-                                               "sp_size": dims.sp_size, "dp_size": None, "pp_partition": None})
+                                               "sp_size": dims.sp_size, "dp_size": None,
+                                               "ring_size": dims.ring_size if dims.ring_size > 1 else None,
+                                               "pp_partition": None})
     rc = None if recompute is None else RecomputeConfig(granularity=recompute[0], every=recompute[1])
     train = cfg.train.model_copy(update={"micro_batch_size": micro_batch, "recompute": rc})
     return cfg.model_copy(update={"parallel": parallel, "train": train})
@@ -251,39 +288,51 @@ def with_layout(cfg: ExperimentConfig, dims: ParallelDims, micro_batch: int,
 
 def search(cfg: ExperimentConfig, ds: dict, devices: int, per_node: int, device_memory: int, device: Device,
            tracer: ActivationTracer, utilisation: float = 0.4, margin: float = 0.10,
-           workspace: int = 2 ** 30, source: str = "deepspeed config") -> SearchResult:
-    """Every layout of `devices` devices; tp and sp stay within a node (tp x sp divides the devices per node)."""
+           workspace: int = 2 ** 30, source: str = "deepspeed config", progress: bool = False) -> SearchResult:
+    """Every layout of `devices` devices; tp and Ulysses stay within a node (tp x ulysses divides the devices per
+    node). Each sp runs as `sp_split` gives it: Ulysses as far as the heads and the node allow, ring for the
+    rest (only for families whose attention takes a ring), so ring opens the sp sizes Ulysses cannot reach:
+    head counts it does not divide, and sequence groups across nodes. `progress`: a bar of the (tp, sp, pp)
+    grids on stderr."""
     node = min(devices, per_node)
     ranked, not_fitting, invalid = [], [], []
-    for tp, sp in ((t, s) for t in divisors(node) for s in divisors(node // t) if devices % (t * s) == 0):
-        for pp in (p for p in divisors(devices // (tp * sp)) if p <= cfg.model.num_layers):
-            dp = devices // (tp * sp * pp)
-            dims = ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp)
-            for zero in range(4):
-                for n, (checkpointing, granularity, every) in enumerate(RECOMPUTE_OPTIONS):
-                    rc = (granularity, every) if granularity else None
-                    cfg_l, ds_l = with_layout(cfg, dims, 1, rc), ds_variant(ds, zero, checkpointing)
-                    # The verdict does not depend on the recompute option (ds_variant drops the JSON's section
-                    # whenever train.recompute is set): checked and reported once.
-                    problems = [] if n else check(cfg_l, ds_l, f"{source} at zero_optimization.stage={zero}", devices)[1]
-                    if problems:
-                        invalid.append(({"tp": tp, "sp": sp, "pp": pp, "dp": dp, "zero": zero}, problems))
+    ring_ok = getattr(type(cfg.model), "RING_ATTENTION", True)
+    grids = []
+    for tp, sp in ((t, s) for t in divisors(node) for s in divisors(devices // t)):
+        ulysses, ring = sp_split(cfg.model.num_heads, tp, sp, node, ring_ok)
+        if ring == 1 and (node // tp) % sp:            # Ulysses alone stays in a node
+            continue
+        grids += [(tp, sp, ring, p) for p in divisors(devices // (tp * sp)) if p <= cfg.model.num_layers]
+    for tp, sp, ring, pp in tqdm(grids, desc="search", unit="grid", file=sys.stderr, dynamic_ncols=True,
+                                 disable=not progress):
+        dp = devices // (tp * sp * pp)
+        dims = ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp, ring_size=ring)
+        for zero in range(4):
+            for n, (checkpointing, granularity, every) in enumerate(RECOMPUTE_OPTIONS):
+                rc = (granularity, every) if granularity else None
+                cfg_l, ds_l = with_layout(cfg, dims, 1, rc), ds_variant(ds, zero, checkpointing)
+                # The verdict does not depend on the recompute option (ds_variant drops the JSON's section
+                # whenever train.recompute is set): checked and reported once.
+                problems = [] if n else check(cfg_l, ds_l, f"{source} at zero_optimization.stage={zero}", devices)[1]
+                if problems:
+                    invalid.append(({"tp": tp, "sp": sp, "pp": pp, "dp": dp, "zero": zero,
+                                     **({"ring": ring} if ring > 1 else {})}, problems))
+                    break
+                best = None
+                for b in (2 ** i for i in range(int(math.log2(MAX_MICRO_BATCH)) + 1)):
+                    cfg_b = with_layout(cfg, dims, b, rc)
+                    memory = plan_memory(cfg_b, ds_l, dp, device_memory, tracer, margin, workspace)
+                    cand = Candidate(dims, zero, checkpointing, b, cfg_b, ds_l, memory)
+                    if not memory.fits:
+                        if best is None:
+                            not_fitting.append(cand)
                         break
-                    best = None
-                    for b in (2 ** i for i in range(int(math.log2(MAX_MICRO_BATCH)) + 1)):
-                        cfg_b = with_layout(cfg, dims, b, rc)
-                        memory = plan_memory(cfg_b, ds_l, dp, device_memory, tracer, margin, workspace)
-                        cand = Candidate(dims, zero, checkpointing, b, cfg_b, ds_l, memory)
-                        if not memory.fits:
-                            if best is None:
-                                not_fitting.append(cand)
-                            break
-                        best = cand
-                    if best is not None:
-                        eng = EngineSettings.from_ds(best.ds, cfg.model.num_layers)
-                        stage_params = max(stage.params for stage in best.memory.stages)
-                        best.time = estimate_step_time(best.cfg, eng, dp, device, per_node, utilisation, tracer,
-                                                       stage_params)
-                        ranked.append(best)
+                    best = cand
+                if best is not None:
+                    eng = EngineSettings.from_ds(best.ds, cfg.model.num_layers)
+                    stage_params = max(stage.params for stage in best.memory.stages)
+                    best.time = estimate_step_time(best.cfg, eng, dp, device, per_node, utilisation, tracer,
+                                                   stage_params)
+                    ranked.append(best)
     ranked.sort(key=lambda c: -c.time.samples_per_s)
     return SearchResult(ranked, not_fitting, invalid)

@@ -44,6 +44,7 @@ from models.geometry import PositionCache, latent_shape, token_grid
 from models.registry import family, sequence_tokens
 from parallel.config import ExperimentConfig
 from parallel.build import layer_specs
+from parallel.distributed.sequence import default_ring
 from parallel.distributed.topology import ParallelContext
 from parallel.lora import apply_lora
 from parallel.recompute import packed_nbytes, wrap_layer
@@ -184,6 +185,17 @@ def _affine(a: int, b: int, n: int) -> int:
     return a + (n - 1) * (b - a)
 
 
+def ring_of(cfg: ExperimentConfig, tp: int, sp: int, explicit: bool = True) -> int:
+    """The ring share of sp at (tp, sp): parallel.ring_size at the config's own tp and sp (`explicit`), else
+    the checker's default (all Ulysses where it divides the heads of a tp rank, ring for the rest)."""
+    p = cfg.parallel
+    if sp == 1:
+        return 1
+    if explicit and p.ring_size is not None and (tp, sp) == (p.tp_size, p.sp_size):
+        return p.ring_size
+    return default_ring(cfg.model.num_heads // tp, sp, getattr(type(cfg.model), "RING_ATTENTION", True))
+
+
 class ActivationTracer:
     """Traces embed, one block and final at (tp, micro-batch) on the meta device, cached."""
 
@@ -195,7 +207,9 @@ class ActivationTracer:
     def _module(self, kind: str, tp: int, sp: int = 1, granularity: Optional[str] = None):
         """The stage module on meta; a block with `granularity` checkpointed as train.recompute would."""
         if (kind, tp, sp, granularity) not in self._modules:
-            ctx = ParallelContext.single(tp, sp)
+            # Traced at the default ring for (tp, sp): every (ulysses, ring) pair saves the same elements
+            # (q, k, v, out of b S/sp H/tp), so one trace serves all; ring's own buffers are memory.ring_buffers.
+            ctx = ParallelContext.single(tp, sp, ring_of(self.cfg, tp, sp, explicit=False))
             specs = layer_specs(self.cfg, ctx)
             spec = {"embed": specs[0], "block": specs[1], "final": specs[-1]}[kind]
             with torch.device("meta"):
@@ -214,7 +228,8 @@ class ActivationTracer:
         (with sp, one sp rank's part of the sequence)."""
         m = self.cfg.model
         raw = (torch.empty(b, m.transformer_in_channels, *latent_shape(m, self.cfg.data)),
-               torch.zeros(b, dtype=torch.long), torch.empty(b, m.max_text_len, m.text_embed_dim))
+               torch.zeros(b, dtype=torch.long), torch.empty(b, m.max_text_len, m.text_embed_dim),
+               *(torch.empty(b, *shape) for shape in m.extra_input_shapes()))
         if kind == "embed":
             return raw
         embed, _ = self._module("embed", tp, sp)

@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from models.geometry import latent_shape, pad_frames
-from models.registry import family
+from models.registry import family, text_encoder_formats, vae_formats
 from models.text_encoder import encoder_class
 from parallel.cli import CONFIG_HELP, add_experiment_args
 from parallel.units import DTYPES
@@ -56,9 +56,12 @@ def parser() -> argparse.ArgumentParser:
                     '{"video": ..., "caption": ...}; video paths relative to --videos. '
                     "Default: a .txt file next to each video")
     ap.add_argument("--vae", required=True, type=Path, help="the VAE folder (save_pretrained) of the model's family: "
-                    "AutoencoderKLCogVideoX (CogVideoX, STDiT) or AutoencoderKLWan (Wan 2.1)")
-    ap.add_argument("--t5", type=Path, help="text encoder + tokenizer folder of the model's family (T5EncoderModel, "
-                    "UMT5EncoderModel for Wan 2.1); without it the manifest keeps captions")
+                    + " or ".join(f"{name} ({f.release})" for name, f in vae_formats().items()))
+    ap.add_argument("--t5", type=Path, help="text encoder + tokenizer folder of the model's family ("
+                    + " or ".join(text_encoder_formats()) + "); without it the manifest keeps captions")
+    ap.add_argument("--image-encoder", type=Path, help="image-to-video with an image cross-attention (model.image_dim, "
+                    "Wan 2.1 I2V): the CLIP vision encoder folder (CLIPVisionModel with preprocessor_config.json; "
+                    "for a release: image_encoder/ with the files of image_processor/ copied in)")
     ap.add_argument("--out", required=True, type=Path, help="output folder (data.path for training)")
     ap.add_argument("--fps", type=float, help="take a clip at this frame rate from the start of each video; "
                     "default: data.num_frames frames spread over the whole video")
@@ -86,6 +89,7 @@ def settings(args, cfg, vae_config: dict) -> dict:
             "fps": args.fps, "vae": str(args.vae.resolve()), "scaling_factor": vae_config.get("scaling_factor"),
             "posterior": args.posterior, "seed": cfg.train.seed, "dtype": args.dtype,
             "t5": str(args.t5.resolve()) if args.t5 else None, "max_text_len": cfg.model.max_text_len,
+            **({"image_encoder": str(args.image_encoder.resolve())} if getattr(args, "image_encoder", None) else {}),
             "buckets": [format_shape(b) for b in args.bucket_list] or None}
 
 
@@ -127,7 +131,7 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
         everywhere = {p for p, n in count.items() if n == len(args.bucket_list or [None])}
         problems += list(dict.fromkeys(p if p in everywhere else p + where for p, where in per_bucket))
     if args.t5:
-        wanted = family(cfg.model).text_encoder
+        wanted = family(cfg.model).text_encoder.class_name
         what = (f"expected a folder written by {wanted}.save_pretrained with its tokenizer beside it "
                 "(for a release: text_encoder/ with the files of tokenizer/ copied in)")
         try:
@@ -143,6 +147,15 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
                 problems.append(f"--t5={args.t5}: no tokenizer_config.json in it; {what}")
         except (OSError, json.JSONDecodeError) as e:
             problems.append(f"--t5={args.t5}: cannot read config.json ({e}); {what}")
+    condition = family(cfg.model).training_condition(cfg.model, cfg.data)
+    needs_encoder = getattr(condition, "image_encoder", False)     # an image cross-attention (Wan 2.1 I2V)
+    if needs_encoder and getattr(args, "image_encoder", None) is None:
+        problems.append(f"--image-encoder is missing: model {cfg.model.name} (--config={args.config}) trains on the "
+                        f"first frame's CLIP states; give the release's image encoder folder")
+    elif getattr(args, "image_encoder", None) is not None:
+        problems += (condition.image_encoder_problems(args.image_encoder) if needs_encoder else
+                     [f"--image-encoder={args.image_encoder}: model {cfg.model.name} has no image cross-attention; "
+                      f"leave --image-encoder out"])
     if args.limit is not None and args.limit < 0:
         problems.append(f"--limit={args.limit}: give a number >= 0")
     stamp = args.out / "prepare.json"
@@ -227,10 +240,13 @@ class ClipEncoder:
         if args.t5:
             from models.text_encoder import T5TextEncoder
             self.t5 = T5TextEncoder(args.t5, cfg.model.max_text_len, cfg.model.text_embed_dim, device, cache_size=0,
-                                    expected_class=family(cfg.model).text_encoder, key="--t5")
+                                    expected=family(cfg.model).text_encoder, key="--t5")
         self.args, self.data, self.seed, self.tag = args, cfg.data, cfg.train.seed, tag
         self.store, self.model, self.buckets = DTYPES[args.dtype], cfg.model, args.bucket_list
         self.condition = family(cfg.model).training_condition(cfg.model, cfg.data)
+        self.image_encoder = None
+        if getattr(args, "image_encoder", None):
+            self.image_encoder = self.condition.load_image_encoder(args.image_encoder, device, self.vae.dtype)
 
     def __call__(self, rel: str, caption: str) -> None:
         """Writes the video's files; raises VideoError for an unusable video."""
@@ -246,11 +262,10 @@ class ClipEncoder:
             if args.posterior == "sample" else None
         latent = pad_frames(encode(self.vae, frames, generator), self.model).to(self.store).contiguous()
         tensors = {"latent": latent}
-        if self.condition is not None:        # image-to-video: the noise-augmented first frame's latent
+        if self.condition is not None:        # image-to-video: the first frame's latents (and CLIP states)
             noise = torch.Generator().manual_seed(derive_seed(self.seed, "image", rel))
-            image = encode(self.vae, frames[:1], generator, lambda x: self.condition.augment(x, noise))
-            # the pipeline's scale of image latents (1.5's VAE: z / scaling_factor, not z x scaling_factor)
-            tensors["image"] = (image * self.condition.stored_scale(dict(self.vae.config))).to(self.store).contiguous()
+            stored = self.condition.stored_tensors(encode, self.vae, frames, generator, noise, self.image_encoder)
+            tensors.update({name: value.to(self.store).contiguous() for name, value in stored.items()})
         if tuple(latent.shape) != self.expected:
             raise RuntimeError(f"{rel}: the VAE gave a latent of shape {list(latent.shape)}, the model expects "
                                f"{list(self.expected)} (data.num_frames/height/width, model.vae_scale_*)")

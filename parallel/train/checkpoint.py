@@ -7,8 +7,16 @@ from; a run at the saved layout loads DeepSpeed's files. After every rank has wr
 writes the marker `step{N}/complete.json` (the layout, the global batch and every file with its size) and
 then replaces `<ckpt.dir>/latest` atomically (write a temporary file, `os.replace`). A folder without the
 marker is an interrupted save: it is never loaded and never counts towards the `ckpt.keep` newest that are
-kept. A checkpoint whose files no longer match the marker (truncated by a full disk, half-copied) is
-reported by name and the previous complete one is used. When none can be continued (all damaged, or the
+kept. The marker records each file's size and CRC-32 (parallel/train/checksums.py): DeepSpeed's files
+hashed as they are written (parallel/distributed/deepspeed/checkpoint.py), the others (the layout-free
+copy) read back once all have written, every rank a share. A checkpoint whose files no longer match the marker (truncated by a
+full disk, half-copied: the sizes, checked by every reader; a flipped byte: the checksums, checked by the
+training run's ranks together once process groups exist, before any weight is loaded) is reported by name
+and the previous complete one is used. Old checkpoints are pruned only once the newest is published, and
+only undamaged ones count, so the last good one is never deleted; a save that fails half-way deletes none.
+A complete checkpoint is never written over: a save to an existing complete step{N} (a run started again
+with --resume never, or past a damaged step{N}) first moves it aside to step{N}.damaged or step{N}.replaced,
+and says so. When none can be continued (all damaged, or the
 newest written for another model: the marker records the model keys that fix the parameters), resuming is
 refused rather than started from step 0, whose first save would overwrite them.
 
@@ -30,6 +38,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from parallel.train import checksums as _checksums
 from parallel.units import format_size
 
 MARKER = "complete.json"
@@ -60,7 +69,8 @@ def space_problem(directory: Path, step: int, free: int, failure: str = "") -> t
     steps = [s for s in complete_steps(directory) if s != step]
     last = f"{directory}/step{steps[-1]}" if steps else None
     needed = folder_bytes(directory / f"step{steps[-1]}") if steps else 0
-    free += folder_bytes(directory / f"step{step}")
+    if not (directory / f"step{step}" / MARKER).is_file():    # an interrupted save's folder is written over
+        free += folder_bytes(directory / f"step{step}")
     if not failure and free >= 2 * needed:
         return None, None
     figures = f"needs ~{format_size(needed)}, {format_size(free)} free on that filesystem" if needed else \
@@ -88,11 +98,13 @@ def _check_space(directory: Path, step: int) -> None:
         raise CheckpointError(verdict[0])
 
 
-def _write(trainer, directory: Path, step: int) -> None:
-    """trainer.save on every rank; a failure on any rank (a full disk: OSError, or DeepSpeed's
-    RuntimeError from torch.save) is shared so that all ranks stop, and the partial folder is removed."""
+def _write(trainer, directory: Path, step: int) -> dict:
+    """trainer.save on every rank, and the checksums it took while writing ({} when none); a failure on any
+    rank (a full disk: OSError, or DeepSpeed's RuntimeError from torch.save) is shared so that all ranks
+    stop, and the partial folder is removed."""
+    written = {}
     try:
-        trainer.save(directory, step)
+        written = trainer.save(directory, step) or {}
         mine = None
     except (OSError, RuntimeError) as e:
         mine = f"{type(e).__name__}: {e}".strip()
@@ -100,7 +112,7 @@ def _write(trainer, directory: Path, step: int) -> None:
     dist.all_gather_object(failures, mine)
     failed = next((f for f in failures if f), None)
     if failed is None:
-        return
+        return written
     error = [None]
     if dist.get_rank() == 0:
         shutil.rmtree(directory / f"step{step}", ignore_errors=True)
@@ -109,24 +121,62 @@ def _write(trainer, directory: Path, step: int) -> None:
     raise CheckpointError(error[0])
 
 
-def save(trainer, directory: Path, step: int, keep: int, layout: dict, model: Optional[dict] = None) -> None:
-    """Check the space, write step{step} on every rank, then publish it (marker + `latest`) and prune, on
-    rank 0. Raises CheckpointError on every rank when it cannot be written. `model`: model_signature's
-    keys, recorded in the marker so that a run of another model refuses it (find_resume).
+def _set_aside(folder: Path) -> Optional[str]:
+    """Move a complete checkpoint folder out of a save's way (rank 0): step{N}.damaged when its files no
+    longer match its marker, else step{N}.replaced (a numbered suffix when that exists); the line to print."""
+    problem = damage(folder, checksums=True)
+    base = folder.with_name(f"{folder.name}.{'damaged' if problem else 'replaced'}")
+    target, n = base, 1
+    while target.exists():
+        n += 1
+        target = base.with_name(f"{base.name}.{n}")
+    os.replace(folder, target)
+    why = f"damaged: {problem}" if problem else "complete, from an earlier run"
+    return f"checkpoint {folder} ({why}) moved to {target}, not written over"
 
-    Pruning keeps the newest `keep` undamaged checkpoints up to this step; damaged ones and ones from a
-    later step (a run restarted before them) are left for the user to look at."""
+
+def _checksum_files(folder: Path, written: dict) -> dict:
+    """{name: [bytes, crc32]} of every file under `folder`: the CRC-32s the ranks took while writing
+    (`written`, this rank's), and the rest read back, each rank hashing its share (checksums.share); the
+    whole table on every rank."""
+    names, world = [None], dist.get_world_size()
+    if dist.get_rank() == 0:
+        names = [[str(f.relative_to(folder)) for f in sorted(folder.rglob("*")) if f.is_file()]]
+    dist.broadcast_object_list(names, src=0)
+    known = [None] * world
+    dist.all_gather_object(known, written)
+    crcs = {k: v for part in known for k, v in part.items()}
+    rest = [n for n in names[0] if n not in crcs]
+    mine = _checksums.hash_share(folder, rest, dist.get_rank(), world)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    crcs.update({k: v for part in everyone for k, v in part.items()})
+    return {n: [(folder / n).stat().st_size, crcs[n]] for n in names[0]}
+
+
+def save(trainer, directory: Path, step: int, keep: int, layout: dict, model: Optional[dict] = None,
+         extra: Optional[dict] = None) -> None:
+    """Check the space, write step{step} on every rank, checksum its files (every rank a share), then
+    publish it (marker + `latest`) and prune, on rank 0. Raises CheckpointError on every rank when it cannot
+    be written. `model`: model_signature's keys, recorded in the marker so that a run of another model
+    refuses it (find_resume); `extra`: more records for the marker (the data order and schedule,
+    resume_changes compares them).
+
+    Pruning, once this step is published, keeps the newest `keep` undamaged checkpoints up to this step;
+    damaged ones and ones from a later step (a run restarted before them) are left for the user to look at."""
     directory = Path(directory)
     folder = directory / f"step{step}"
     _check_space(directory, step)
-    if dist.get_rank() == 0:            # writing over an earlier step{N}: it is incomplete until re-marked
-        (folder / MARKER).unlink(missing_ok=True)
-    dist.barrier()
-    _write(trainer, directory, step)
-    dist.barrier()
     if dist.get_rank() == 0:
-        files = {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*")) if f.is_file()}
-        marker = {"step": step, "layout": layout, **({"model": model} if model is not None else {}), "files": files}
+        if (folder / MARKER).is_file():      # complete, of an earlier run: kept, never written over
+            print(_set_aside(folder), file=sys.stderr, flush=True)
+    dist.barrier()
+    written = _write(trainer, directory, step)
+    dist.barrier()
+    files = _checksum_files(folder, written)
+    if dist.get_rank() == 0:
+        marker = {"step": step, "layout": layout, **({"model": model} if model is not None else {}),
+                  **(extra or {}), "files": files}
         (folder / MARKER).write_text(json.dumps(marker))
         tmp = directory / "latest.tmp"
         tmp.write_text(f"step{step}")
@@ -137,19 +187,43 @@ def save(trainer, directory: Path, step: int, keep: int, layout: dict, model: Op
     dist.barrier()
 
 
-def damage(folder: Path) -> Optional[str]:
-    """What is wrong with a complete checkpoint's files, or None when they are as written."""
+def damage(folder: Path, checksums: bool = False) -> Optional[str]:
+    """What is wrong with a complete checkpoint's files, or None when they are as written: a missing file
+    or another size, and with `checksums` (every file read) other bytes."""
     try:
         files = json.loads((folder / MARKER).read_text()).get("files", {})
     except (OSError, ValueError, AttributeError) as e:
         return f"{MARKER} cannot be read ({type(e).__name__}: {e})"
-    for name, size in files.items():
-        path = folder / name
+    for name, value in files.items():
+        path, size = folder / name, _checksums.entry(value)[0]
         if not path.is_file():
             return f"{name} is missing"
         if path.stat().st_size != size:
             return f"{name} has {path.stat().st_size} bytes, {size} were written"
-    return None
+    return _checksums.mismatch(folder, files) if checksums else None
+
+
+def verified_resume(directory: Path, layout: dict, model: Optional[dict] = None, step: Optional[int] = None,
+                    quiet: bool = False) -> Optional[str]:
+    """find_resume with every file's checksum checked, by all ranks together (a share each: process groups
+    must exist): a checkpoint whose bytes changed is reported (rank 0) and the previous one tried, as for a
+    wrong size; the same tag, or the same ValueError, on every rank."""
+    known: dict[str, str] = {}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    while True:
+        tag = find_resume(directory, layout, quiet=True, model=model, step=step, known=known)
+        if tag is None:
+            return None
+        files = json.loads((Path(directory) / tag / MARKER).read_text()).get("files", {})
+        found = [None] * world
+        dist.all_gather_object(found, _checksums.mismatch(Path(directory) / tag, files, rank, world))
+        problem = next((f for f in found if f), None)
+        if problem is None:
+            return tag
+        known[tag] = problem
+        if rank == 0 and not quiet:
+            print(f"checkpoint {directory}/{tag} is damaged ({problem}); trying the previous one",
+                  file=sys.stderr, flush=True)
 
 
 LAYOUT_KEYS = ("tp_size", "sp_size", "pp_size", "dp_size", "zero_stage")
@@ -193,9 +267,12 @@ MODEL_KEYS = ("family", "num_layers", "hidden_size", "num_heads", "head_dim", "f
 
 def model_signature(model) -> dict:
     """What a checkpoint records of the model config (a models.config.ModelConfig): MODEL_KEYS, the FFN
-    width resolved, and the LoRA adapters' rank and targets (None without LoRA)."""
+    width resolved, the first stage's inputs (channels with any image condition, and the shapes of extra inputs
+    such as Wan I2V's CLIP states), and the LoRA adapters' rank and targets (None without LoRA)."""
     lora = model.lora
     return {**{k: getattr(model, k) for k in MODEL_KEYS}, "ffn_hidden_size": model.ffn_size,
+            "transformer_in_channels": model.transformer_in_channels,
+            "extra_input_shapes": [list(s) for s in model.extra_input_shapes()],
             "lora": None if lora is None else {"rank": lora.rank, "targets": list(lora.targets)}}
 
 
@@ -204,8 +281,9 @@ def _model_problem(folder: Path, model: Optional[dict]) -> Optional[str]:
     saved = json.loads((folder / MARKER).read_text()).get("model")
     if model is None or saved is None:
         return None
-    differ = [f"model.{k}={json.dumps(saved.get(k))} there, {json.dumps(v)} here" for k, v in model.items()
-              if saved.get(k) != v]
+    # A key a marker does not record (written before the key was added) is not compared.
+    differ = [f"model.{k}={json.dumps(saved[k])} there, {json.dumps(v)} here" for k, v in model.items()
+              if k in saved and saved[k] != v]
     return "; ".join(differ) or None
 
 
@@ -220,7 +298,8 @@ def _unusable(directory: Path, tags: list[str], what: str, fix: str, training: b
                       f"{' '.join(f'{directory}/{t}' for t in tags)} out of {directory} to train from step 0 there")
 
 
-def find_resume(directory: Path, layout: dict, quiet: bool = False, model: Optional[dict] = None) -> Optional[str]:
+def find_resume(directory: Path, layout: dict, quiet: bool = False, model: Optional[dict] = None,
+                step: Optional[int] = None, known: Optional[dict] = None) -> Optional[str]:
     """Tag of the newest complete, undamaged checkpoint, or None. A damaged one is reported (stderr, every
     rank) and skipped. One written at another layout is resumed through its layout-free copy
     (parallel/train/relayout.py); one without that copy (written before it existed, or fp16 ZeRO-0) is
@@ -228,20 +307,29 @@ def find_resume(directory: Path, layout: dict, quiet: bool = False, model: Optio
     written at another global batch is refused: the step would no longer name the same samples.
     When every complete checkpoint is damaged, or (with `model`, model_signature's) the newest undamaged one
     was written for another model, it is refused (ValueError) rather than trained over from step 0.
-    quiet: no damage report (parallel/check.py looks before train.py's run, which reports it)."""
-    directory, training = Path(directory), "global_batch" in layout
+    quiet: no damage report (parallel/check.py looks before train.py's run, which reports it).
+    step: that checkpoint and no other (train.py --resume N); known: {tag: problem} of damage found
+    otherwise (verified_resume's checksums)."""
+    directory, training, known = Path(directory), "global_batch" in layout, known or {}
+    steps = complete_steps(directory)
+    if step is not None:
+        if step not in steps:
+            have = ", ".join(f"step{s}" for s in steps) or "none"
+            raise ValueError(f"--resume {step}: {directory}/step{step} is not a complete checkpoint (ckpt.dir "
+                             f"{directory} holds {have}); name one of those, or --resume auto for the newest usable")
+        steps = [step]
     damaged = []
-    for step in reversed(complete_steps(directory)):
-        tag = f"step{step}"
-        problem = damage(directory / tag)
+    for s in reversed(steps):
+        tag = f"step{s}"
+        problem = known.get(tag) or damage(directory / tag)
         if problem is None:
             break
         damaged.append(f"{directory}/{tag} is damaged ({problem})")
-        if not quiet:
+        if not quiet and tag not in known:
             print(f"checkpoint {damaged[-1]}; trying the previous one", file=sys.stderr)
     else:
         if damaged:
-            raise _unusable(directory, [f"step{s}" for s in reversed(complete_steps(directory))], "; ".join(damaged),
+            raise _unusable(directory, [f"step{s}" for s in reversed(steps)], "; ".join(damaged),
                             "Put the files back whole (a copy cut short: copy it again)", training)
         return None
     other = _model_problem(directory / tag, model)

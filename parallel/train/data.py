@@ -5,7 +5,8 @@ global batch), never on the layout: position j of global step s is sample positi
 batch), and data-parallel rank d takes positions [(a*dp + d)*mb, (a*dp + d + 1)*mb) at micro-step a.
 So every (tp, pp, dp) layout sees the same global batch, and resuming at step s needs nothing but s.
 A directory dataset of several shapes (buckets) draws each step's bucket from (seed, step) and walks each
-bucket on its own (parallel/train/buckets.py); noise, timesteps and dropout still key on s*G + j.
+bucket on its own (parallel/train/buckets.py); noise, timesteps and dropout still key on s*G + j. A sample's
+timesteps are its family's draw (FamilySpec.timesteps: one per sample, or one per token) from its noise generator.
 Caption dropout (data.caption_dropout = p) is decided the same way: position j of step s trains on the
 dataset's unconditional text embedding (T5 of the empty prompt) when rand(seed, step, s*G + j) < p.
 """
@@ -16,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from models.diffusion import NUM_TRAIN_TIMESTEPS, Objective
+from models.diffusion import PER_SAMPLE, Objective
 from parallel.config import UNCOND_FILE
 from parallel.manifest import read_manifest
 from parallel.shapes import bucket_data, format_shape
@@ -103,7 +104,7 @@ def _load_tensor(path: Path, key: str) -> torch.Tensor:
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
         tensors = load_file(str(path))
-        if key == "image":                # optional: None when the file has no image latents
+        if key in STORED_CONDITION:       # optional: None when the file has no image latents
             return tensors.get(key)
         return tensors[key] if key in tensors else next(iter(tensors.values()))
     return torch.load(path, map_location="cpu", weights_only=True)
@@ -129,6 +130,10 @@ def stored_shape(path: Path, key: str) -> list[int]:
 
 
 MAX_SHAPE_PROBLEMS = 10
+# Image-to-video tensors prepare_data stores beside a latent, in the order the condition hook takes them: the
+# first frame's latents, the first frame's CLIP states (an image cross-attention: Wan 2.1 I2V).
+STORED_CONDITION = ("image", "image_embeds")
+_STORED_WORDS = {"image": ("VAE latent", "latent of the sample's"), "image_embeds": ("CLIP states", "CLIP states")}
 
 
 def _holds(path: Path, key: str) -> bool:
@@ -143,7 +148,8 @@ def check_shapes(root: str | Path, model, data, key: str = "data.path", captions
     the model takes: latent [model.in_channels, *latent_shape(model, data)], text [model.max_text_len,
     model.text_embed_dim]; a line with a "shape" is checked against that bucket's latent. Image-to-video models:
     a latent file's "image" tensor (prepare_data's first-frame latent) is [model.in_channels, 1, H, W] of that
-    latent. Headers only. The first MAX_SHAPE_PROBLEMS mismatches, then a count of the rest."""
+    latent (Wan: [model.in_channels, T, H, W], and "image_embeds" [model.image_len, model.image_dim]: the
+    condition's stored_shapes). Headers only. The first MAX_SHAPE_PROBLEMS mismatches, then a count of the rest."""
     from models.geometry import latent_shape
     from models.registry import family
 
@@ -163,25 +169,26 @@ def check_shapes(root: str | Path, model, data, key: str = "data.path", captions
                 f"{model.vae_scale_temporal}, model.vae_scale_spatial={model.vae_scale_spatial} -> {t} x {h} x {w} latent")
     text = ([model.max_text_len, model.text_embed_dim],
             f"model.max_text_len={model.max_text_len}, model.text_embed_dim={model.text_embed_dim}")
-    image = family(model).training_condition(model, data) is not None
+    condition = family(model).training_condition(model, data)
+    stored = list(condition.stored_shapes([1, 1, 1, 1])) if condition is not None else []     # the tensors' names
     files = [(f, what, f"manifest.jsonl:{n}", shape) for (latent, txt), n, shape in zip(items, lines, shapes)
-             for f, what in ((latent, "latent"), (txt, "text"), (latent, "image")) if isinstance(f, Path)
-             and (what != "image" or image)]
+             for f, what in ((latent, "latent"), (txt, "text"), *((latent, name) for name in stored))
+             if isinstance(f, Path)]
     if (root / UNCOND_FILE).is_file():
         files.append((root / UNCOND_FILE, "text", "the unconditional embedding", None))
     problems = []
     for f, what, where, shape in files:
         want, why = expect_latent(shape) if what != "text" else text
-        if what == "image":      # the first frame's latent: the sample's latent with one frame
-            want, why = [want[0], 1, *want[2:]], f"the first frame's latent of the sample's; {why}"
+        if what in stored:       # the first frame's latent(s) or CLIP states, for the sample's latent
+            want, why = condition.stored_shapes(want)[what], f"the first frame's {_STORED_WORDS[what][1]}; {why}"
         try:
-            if what == "image" and (f.suffix != ".safetensors" or not _holds(f, "image")):
+            if what in stored and (f.suffix != ".safetensors" or not _holds(f, what)):
                 # the latent's first frame is no stand-in: its scale is the training latents' (scaling_factor
                 # x z), the image latents' is the pipeline's (z / scaling_factor for CogVideoX 1.5's VAE)
-                problems.append(f"{f}: no \"image\" tensor ({where}): an image-to-video model trains on the "
-                                f"first frame's VAE latent stored beside the video's; prepare the videos with "
-                                f"this image-to-video config (python -m parallel.prepare_data --config ...), "
-                                f"which writes it")
+                problems.append(f"{f}: no \"{what}\" tensor ({where}): an image-to-video model trains on the "
+                                f"first frame's {_STORED_WORDS[what][0]} stored beside the video's; prepare the "
+                                f"videos with this image-to-video config (python -m parallel.prepare_data "
+                                f"--config ...), which writes it")
                 continue
             shape = stored_shape(f, what)
         except Exception as e:    # a damaged header: name the file, whatever the reader raised
@@ -236,19 +243,21 @@ class DirectoryLatents:
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         latent, text = self.items[i]
         embedding = self.text_encoder.encode(text) if isinstance(text, str) else _load_tensor(text, "text")
-        image = _load_tensor(latent, "image") if latent.suffix == ".safetensors" else None
-        if image is not None:     # image-to-video: prepare_data's first-frame latent [C, 1, H, W] beside it
-            return _load_tensor(latent, "latent").float(), embedding.float(), image.float()
-        return _load_tensor(latent, "latent").float(), embedding.float()
+        # image-to-video: prepare_data's first-frame latents (and CLIP states) beside the latent
+        stored = [_load_tensor(latent, key) for key in STORED_CONDITION] if latent.suffix == ".safetensors" else []
+        return (_load_tensor(latent, "latent").float(), embedding.float(),
+                *(z.float() for z in stored if z is not None))
 
 
 class DiffusionBatches:
     """Infinite iterator of this rank's micro-batches: ((x_t, t, text), target), grad_accum per step."""
 
     def __init__(self, dataset, objective: Objective, *, seed: int, micro_batch: int, grad_accum: int,
-                 dp_rank: int, dp_size: int, start_step: int = 0, caption_dropout: float = 0.0, condition=None):
+                 dp_rank: int, dp_size: int, start_step: int = 0, caption_dropout: float = 0.0, condition=None,
+                 timesteps=PER_SAMPLE, model=None):
         self.dataset, self.objective, self.seed = dataset, objective, seed
         self.condition = condition        # FamilySpec.training_condition: image latents onto x_t, or None
+        self.timesteps, self.model = timesteps, model     # FamilySpec.timesteps: per sample or per token
         self.caption_dropout = caption_dropout
         # Loaded once, at start-up: a missing file is named before the first step.
         self.uncond = dataset.unconditional() if caption_dropout > 0 else None
@@ -281,25 +290,27 @@ class DiffusionBatches:
 
     def micro_batch(self, step: int, micro: int):
         first = step * self.global_batch + (micro * self.dp_size + self.dp_rank) * self.mb
-        x0s, texts, noises, ts, keep, images = [], [], [], [], [], []
+        x0s, texts, noises, ts, keep, stored = [], [], [], [], [], []
         for pos in range(first, first + self.mb):
-            x0, text, *image = self.dataset[self.sample_index(pos)]       # image: I2V first-frame latents
-            images += image
+            x0, text, *extra = self.dataset[self.sample_index(pos)]       # extra: I2V image latents (, CLIP states)
+            stored.append(extra)
             if self.dropped(step, pos):
                 text = self.uncond.to(text.dtype)
             g = _generator(self.seed, "noise", pos)
             noises.append(torch.randn(x0.shape, generator=g))
-            ts.append(torch.randint(0, NUM_TRAIN_TIMESTEPS, (1,), generator=g))
+            ts.append(self.timesteps.draw(g, tuple(x0.shape), self.model))        # [1] or [1, T, H, W]
             if self.condition is not None:    # the condition's dropout, drawn like the caption's
                 keep.append(float(torch.rand(1, generator=_generator(self.seed, "condition_dropout", step, pos)))
                             >= self.condition.dropout)
             x0s.append(x0)
             texts.append(text)
         x_t, target = self.objective.noised(torch.stack(x0s), torch.stack(noises), torch.cat(ts))
+        more = ()            # the condition's inputs after the text (Wan 2.1 I2V: the CLIP states)
         if self.condition is not None:
             x_t = self.condition(x_t, torch.stack(x0s), torch.tensor(keep),
-                                 torch.stack(images) if len(images) == len(x0s) else None)
-        return (x_t, self.objective.model_timesteps(torch.cat(ts)), torch.stack(texts)), target
+                                 *(torch.stack(z) for z in zip(*stored)) if all(stored) else ())
+            x_t, *more = x_t if isinstance(x_t, tuple) else (x_t,)
+        return (x_t, self.objective.model_timesteps(torch.cat(ts)), torch.stack(texts), *more), target
 
     def __iter__(self):
         return self

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from parallel.distributed import accelerator
-from parallel.distributed.deepspeed.checkpoint import use_weights_only_checkpoints
+from parallel.distributed.deepspeed.checkpoint import use_weights_only_checkpoints, written_checksums
 from parallel.distributed.deepspeed.clipping import clip_with_replica_norm
+from parallel.distributed.deepspeed.skip import guard_pipeline_updates, skipped_update
 from parallel.distributed.deepspeed.version import check_deepspeed_version
 from parallel import ds_config as dsc
 from parallel.config import ExperimentConfig
@@ -53,6 +54,7 @@ class StepResult:
     loss: float
     grad_norm: Optional[float]
     lr: float
+    skipped: Optional[str] = None       # why the update was not applied (train.anomaly), else None
 
 
 class TrainingEngine:
@@ -63,34 +65,69 @@ class TrainingEngine:
         self.engine, self.cfg, self.ctx = engine, cfg, ctx
         self.optimizer = optimizer          # the toolkit-built (base) optimizer that DeepSpeed wraps
         self.pipeline = cfg.parallel.pp_size > 1
+        self.pipeline_guard = None        # guard_pipeline_updates' state, once a guarded step installed it
 
-    def train_step(self, batches: Iterator) -> StepResult:
+    def train_step(self, batches: Iterator, guard=None) -> StepResult:
+        """One global batch. With `guard` (parallel/train/anomaly.py's AnomalyGuard) the step's loss (and,
+        plain engine at ZeRO-0, gradient norm) is judged after the last backward, before the update, and
+        the update skipped on every rank when the guard says so (the pipeline engine: inside train_batch)."""
         lr = self.engine.get_lr()[0]
         grid, shape = getattr(self.engine.module, "step_grid", None), getattr(batches, "step_latent_shape", None)
         shape = shape() if shape is not None else None
         if grid is not None and shape is not None:      # every rank: this step's bucket (parallel/train/buckets.py)
             grid.set_latent(shape)
         if self.pipeline:
+            if guard is not None and self.pipeline_guard is None:
+                self.pipeline_guard = guard_pipeline_updates(self.engine, guard.decide)
             loss = float(self.engine.train_batch(data_iter=batches))
+            reason = self.pipeline_guard["reason"] if self.pipeline_guard else None
+            if reason is not None:
+                return StepResult(loss=loss, grad_norm=None, lr=lr, skipped=reason)
         else:
-            total = torch.zeros((), dtype=torch.float64)
-            for _ in range(self.cfg.train.grad_accum_steps):
+            total, accum = torch.zeros((), dtype=torch.float64), self.cfg.train.grad_accum_steps
+            for micro in range(accum):
                 inputs, target = next(batches)
                 device = self.engine.device
                 loss = self.engine(tuple(x.to(device) for x in inputs), target.to(device))
                 self.engine.backward(loss)
-                self.engine.step()
+                if micro < accum - 1:       # not the boundary: no update; the last step() is below
+                    self.engine.step()
                 total += loss.detach().double().cpu()
-            total /= self.cfg.train.grad_accum_steps
+            total /= accum
             if self.ctx.data_size > 1:       # dp replicas' losses, and sp ranks' shares (SequenceLoss)
                 dist.all_reduce(total, group=self.ctx.data_group)
                 total /= self.ctx.data_size
             loss = float(total)
+            skipped = self._guarded_update(loss, guard)
+            if skipped is not None:
+                return StepResult(loss=loss, grad_norm=self.engine.get_global_grad_norm(), lr=lr, skipped=skipped)
         norm = self.engine.get_global_grad_norm()
         return StepResult(loss=loss, grad_norm=None if norm is None else float(norm), lr=lr)
 
-    def save(self, directory, step: int) -> None:
-        """Model, optimizer (with the EMA), LR schedule and step, in DeepSpeed's format, tag `step{N}`.
+    def _guarded_update(self, loss: float, guard) -> Optional[str]:
+        """The boundary step(): applied, or (the guard's verdict, the same on every rank) skipped; the reason."""
+        if guard is None:
+            self.engine.step()
+            return None
+        norm = None
+        if self.engine.zero_optimization_stage() == 0:      # gradients whole and all-reduced on every rank
+            params = [p for p in self.engine.module.parameters() if p.grad is not None]
+            norm = float(grad_norm(params, self.ctx))
+        reason = guard.decide(loss, norm)
+        if reason is None:
+            before = self.engine.skipped_steps
+            self.engine.step()
+            if self.engine.skipped_steps > before:        # DeepSpeed's own overflow check (ZeRO-1/2, fp16)
+                return "gradient norm not finite (DeepSpeed skipped the update)"
+            return None
+        with skipped_update(self.engine):
+            self.engine.step()
+        return reason
+
+    def save(self, directory, step: int) -> dict[str, str]:
+        """Model, optimizer (with the EMA), LR schedule and step, in DeepSpeed's format, tag `step{N}`; returns
+        the CRC-32s of the files this rank wrote through DeepSpeed ({name under step{N}: crc32}), taken as
+        they were written (parallel/distributed/deepspeed/checkpoint.py).
 
         Beside it every rank writes its part of the layout-free copy (parallel/train/relayout.py) that a
         resume on another layout reads. Publishing it (marker, `latest`) is parallel.train.checkpoint.save's
@@ -98,11 +135,18 @@ class TrainingEngine:
         """
         from parallel.train import relayout
 
-        part = relayout.collect(self)        # its collectives before any disk write that could fail
+        # its collectives before any disk write that could fail; ckpt.layout_free=false: DeepSpeed's files only
+        part = relayout.collect(self) if self.cfg.ckpt.layout_free else None
+        sums = written_checksums(self.engine)    # the CRC-32s of what DeepSpeed writes, taken as it writes
+        if sums is not None:
+            sums.clear()
         self.engine.save_checkpoint(str(directory), tag=f"step{step}", client_state={"step": step},
                                     save_latest=False)
+        folder = (Path(directory) / f"step{step}").resolve()
         if part is not None:
-            relayout.write(part, Path(directory) / f"step{step}", step, self.layout())
+            relayout.write(part, folder, step, self.layout())
+        return {str(p.relative_to(folder)): crc for p, crc in ((Path(k).resolve(), v) for k, v in (sums or {}).items())
+                if p.is_relative_to(folder)}
 
     def layout(self) -> dict:
         """This run's sizes and ZeRO stage, as a checkpoint records them."""

@@ -64,9 +64,9 @@ def latent_preview(latent: torch.Tensor, scale: int = 4) -> np.ndarray:
 def load_decoder(spec: str | None) -> Decoder:
     """The decoder `spec` names, wrapped to return uint8 frames; None -> preview.
 
-    `spec` is a CogVideoX VAE folder (`diffusers` AutoencoderKLCogVideoX, decoded with 1/scaling_factor,
-    see models.vae) or "package.module:function", a callable taking a latent [C, T, H, W] fp32 tensor
-    and returning frames [T, H, W, 3], uint8 or floats in [0, 1]. It runs on every process that decodes,
+    `spec` is a VAE folder of a class some family trains on (`diffusers`; decoded as the family's
+    FamilySpec.vae says, see models.vae) or "package.module:function", a callable taking a latent
+    [C, T, H, W] fp32 tensor and returning frames [T, H, W, 3], uint8 or floats in [0, 1]. It runs on every process that decodes,
     so it should load its VAE once (e.g. functools.cache).
     """
     if spec is None:
@@ -79,7 +79,7 @@ def load_decoder(spec: str | None) -> Decoder:
             raise ValueError(str(e)) from None
         return lambda latent: to_uint8(fn(latent))
     form = ('expected "package.module:function", a callable taking a latent [C, T, H, W] and returning frames, '
-            'or a CogVideoX VAE folder (AutoencoderKLCogVideoX.save_pretrained)')
+            "or a VAE folder of the model's family (its diffusers save_pretrained folder, e.g. a release's vae/)")
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"decoder {spec!r}: not a folder; {form}")

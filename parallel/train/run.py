@@ -110,7 +110,7 @@ def _text_encoder(cfg: ExperimentConfig):
         return None
     from models.text_encoder import T5TextEncoder
     return T5TextEncoder(cfg.data.text_encoder, cfg.model.max_text_len, cfg.model.text_embed_dim,
-                         expected_class=family(cfg.model).text_encoder)
+                         expected=family(cfg.model).text_encoder)
 
 
 def build_dataset(cfg: ExperimentConfig):
@@ -127,7 +127,8 @@ def training_batches(cfg: ExperimentConfig, ctx, dataset=None, start_step: int =
                             seed=cfg.train.seed, micro_batch=cfg.train.micro_batch_size,
                             grad_accum=cfg.train.grad_accum_steps, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
                             start_step=start_step, caption_dropout=cfg.data.caption_dropout,
-                            condition=family(cfg.model).training_condition(cfg.model, cfg.data))
+                            condition=family(cfg.model).training_condition(cfg.model, cfg.data),
+                            timesteps=family(cfg.model).timesteps, model=cfg.model)
 
 
 def build_val_dataset(cfg: ExperimentConfig):

@@ -10,6 +10,7 @@ rank. Used by `python -m parallel.sample`.
 from __future__ import annotations
 
 import contextlib
+import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Optional
 import deepspeed
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from models.diffusion import Objective
 from models.sampling import sample
@@ -73,28 +75,41 @@ def sampling_model(cfg, ds: dict, layout, env, ema: bool = False) -> Iterator[tu
 
 def sample_batch(forward: StageForward, ctx, objective: Objective, text: torch.Tensor, uncond: Optional[torch.Tensor],
                  noise: Optional[torch.Tensor], shape: tuple[int, ...], seed: int, steps: int, sampler: Optional[str],
-                 guidance: float, dynamic: bool, first: Optional[torch.Tensor] = None, condition=None) -> torch.Tensor:
+                 guidance: float, dynamic: bool, first: Optional[torch.Tensor] = None, condition=None,
+                 extra: tuple = (), progress: bool = False) -> torch.Tensor:
     """Latents [B, C, T, H, W] of the batch on every rank, from text and uncond [B, L, D] (uncond: None when
     guidance is 1); data-parallel replicas sample contiguous rows. Image-to-video: first [B, C, 1, H, W], the
-    first frames' latents, and `condition` (the family's training_condition) that puts them on channels.
+    first frames' latents, and `condition` (the family's training_condition) that puts them on channels; `extra`
+    the inputs after the text, each [B, ...] (Wan 2.1 I2V: the CLIP states).
 
     noise [B, C, T, H, W]: one generator (seed) for the whole batch, as the pipeline's; None: row i starts
     from noise drawn from (seed, i) of `shape` [C, T, H, W] and continues that generator (validation's rule).
+    `progress`: rank 0 shows a bar of its denoising steps (one conditional prediction each) on stderr.
     """
+    n, mine = len(text), {}
+    share = replica_slice(n, ctx.dp_rank, ctx.dp_size)
+    items = [] if noise is not None else list(replica_items(n, forward, ctx))
+    runs = (1 if len(share) or forward.lockstep else 0) if noise is not None else len(items)
+    bar = tqdm(total=steps * runs, desc="sampling", unit="step", file=sys.stderr, dynamic_ncols=True,
+               disable=not (progress and ctx.rank == 0))
+
     def run(r: range, x, g, rows=None):
         predict = row_predictor(forward, text[r.start:r.stop], None if uncond is None else uncond[r.start:r.stop],
-                                None if first is None else first[r.start:r.stop], condition)
-        return sample(predict, x, objective, steps, sampler, guidance, use_dynamic_cfg=dynamic, generator=g, rows=rows)
+                                None if first is None else first[r.start:r.stop], condition,
+                                tuple(e[r.start:r.stop] for e in extra))
 
-    n, mine = len(text), {}
+        def counted(x_, t, cond):
+            bar.update(int(cond))            # a step's conditional prediction comes once, its unconditional after
+            return predict(x_, t, cond)
+        return sample(counted, x, objective, steps, sampler, guidance, use_dynamic_cfg=dynamic, generator=g, rows=rows)
+
     if noise is not None:
-        share = replica_slice(n, ctx.dp_rank, ctx.dp_size)
         if len(share) or forward.lockstep:        # ZeRO-3: an idle replica joins every forward with row 0
             r = share if len(share) else range(1)
             out = run(r, noise[r.start:r.stop], torch.Generator().manual_seed(seed), (r, n))
             mine = {i: out[k] for k, i in enumerate(share)}
     else:
-        for i, counts in replica_items(n, forward, ctx):
+        for i, counts in items:
             g = torch.Generator().manual_seed(derive_seed(seed, "sample", i))
             out = run(range(i, i + 1), torch.randn((1, *shape), generator=g), g)
             if counts:
@@ -104,4 +119,5 @@ def sample_batch(forward: StageForward, ctx, objective: Objective, text: torch.T
         head = ctx.tp_rank == 0 and ctx.pp_rank == 0 and ctx.sp_rank == 0
         dist.all_gather_object(everyone, mine if head else {})
         mine = {i: v for part in everyone for i, v in part.items()}
+    bar.close()
     return torch.stack([mine[i] for i in range(n)])

@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import deepspeed
 import torch
@@ -34,13 +34,15 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from parallel.distributed.topology import Layout
-from parallel.config import ExperimentConfig
+from parallel.config import AnomalyConfig, ExperimentConfig
 from parallel.distributed import accelerator
 from parallel.distributed.deepspeed.monitor import write_monitor_events
 from parallel.distributed.replicas import replica_mismatches
 from parallel.distributed.topology import LaunchEnv
 from parallel.train.probe import StepProbe
 from parallel.train import checkpoint
+from parallel.train.anomaly import AnomalyGuard, AnomalyStop, GuardedSamples
+from parallel.train.continuity import resume_changes, run_records
 from parallel.train.engine import StepResult
 from parallel.train.run import (build_dataset, build_val_dataset, checkpoint_layout, plan_line, report_memory,
                                 run_plan, start_engine, step_tokens, training_batches)
@@ -66,28 +68,45 @@ class StopSignal:
 class Trainer:
     """One training run of a checked experiment (cfg, DeepSpeed dict, layout) on this process's rank."""
 
-    def __init__(self, cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv, resume: bool = True):
+    def __init__(self, cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv, resume: bool | int = True):
+        """resume: True continues from the newest usable checkpoint, False starts from step 0, an int from
+        that step's checkpoint only."""
         self.cfg, self.ds, self.layout, self.env, self.resume = cfg, ds, layout, env, resume
         self.ckpt_dir = Path(cfg.ckpt_dir)
         self.ckpt_layout = {**checkpoint_layout(layout), "global_batch": layout.global_batch}  # a resume keeps it
         self.model_keys = checkpoint.model_signature(cfg.model)    # recorded in each checkpoint, checked on resume
+        self.records = run_records(cfg, ds)          # the data order and schedule, compared on resume
         self.out_dir = Path(cfg.train.output_dir)
         self.metrics = self.heartbeat = None
+        self.rolled_past: dict[int, str] = {}      # step index -> why: skipped when reached after a rollback
         self.losses: list[float] = []
 
     def start(self) -> None:
         """Everything before the first step; the datasets first, so a missing file stops us before any group."""
         cfg, layout, env = self.cfg, self.layout, self.env
         dataset = build_dataset(cfg)
+        device = accelerator.device(env.local_rank)
+        self.guard = AnomalyGuard(cfg.train.anomaly, device) if cfg.train.anomaly else None
+        if cfg.data.kind == "directory":      # an unreadable latent: its step skipped and counted, or a stop
+            self.guard = self.guard or AnomalyGuard(AnomalyConfig(action="stop", bad_samples="stop"), device,
+                                                    values=False)
+            dataset = GuardedSamples(dataset, self.guard)
+        self.dataset = dataset
         val_dataset = build_val_dataset(cfg) if cfg.val.every else None
-        self.tag = checkpoint.find_resume(self.ckpt_dir, self.ckpt_layout, model=self.model_keys) \
-            if self.resume else None
+        step = None if self.resume is True else self.resume       # an int: train.py --resume N
+        self.tag = checkpoint.find_resume(self.ckpt_dir, self.ckpt_layout, model=self.model_keys, step=step) \
+            if self.resume is not False else None
         # The plan traces the model on the meta device: no process group needed, so a layout it cannot plan
         # stops here, before any rank waits on another.
         self.plan = run_plan(cfg, self.ds, layout, accelerator.total_memory(env.local_rank))
         # a checkpoint wins over model.init_from
         self.ctx, self.engine = start_engine(cfg, self.ds, layout, env, init_from=self.tag is None)
         self.heartbeat = start_heartbeat(cfg, self.ctx, self.ckpt_dir)
+        if self.tag:         # every file's checksum, read by all ranks together, before any weight is loaded
+            try:
+                self.tag = checkpoint.verified_resume(self.ckpt_dir, self.ckpt_layout, self.model_keys, step)
+            except ValueError as e:      # every rank: all damaged; refused, nothing written
+                raise checkpoint.CheckpointError(str(e)) from None
         self.start_step = self.engine.load(self.ckpt_dir, self.tag) if self.tag else 0
         self.batches = training_batches(cfg, self.ctx, dataset, self.start_step)
         self.stop = StopSignal(accelerator.device(env.local_rank))
@@ -120,10 +139,13 @@ class Trainer:
             moved = "" if checkpoint.same_layout(saved, self.ckpt_layout) else \
                 f" (written at {checkpoint.describe(saved)}, read from its layout-free copy)"
             print(f"resumed from {self.ckpt_dir}/{tag} at step {start}{moved}{done}", flush=True)
+            changed = resume_changes(self.ckpt_dir / tag, self.records)
+            if changed:
+                print(changed, flush=True)
 
     def step(self, batches: Iterator) -> StepResult:
         """One optimizer step over the global batch: forward, backward and update of every micro-batch."""
-        return self.engine.train_step(batches)
+        return self.engine.train_step(batches, self.guard)
 
     def timed_step(self, step: int) -> tuple[StepResult, float, int]:
         """(result, seconds, tokens of the global batch) of step `step` + 1. The step after the first
@@ -164,6 +186,10 @@ class Trainer:
         record = {"step": done, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                   "step_time_s": round(elapsed, 4), "samples_per_s": round(batch / elapsed, 3),
                   "tokens_per_s": round(tokens / elapsed, 1), **accelerator.memory_stats(), **val}
+        if self.guard and (self.cfg.train.anomaly or self.guard.skipped):
+            record["anomalies"] = self.guard.skipped
+            if result.skipped:
+                record["skipped"] = result.skipped
         self.metrics.write(json.dumps({**record, **self.resumed}) + "\n")
         self.resumed = {}
         self.metrics.flush()
@@ -176,10 +202,32 @@ class Trainer:
             write_monitor_events(monitor, [(f"{'val' if k.startswith('val_') else 'train'}/{k}", v, done)
                                            for k, v in record.items() if k != "step" and v is not None])
 
+    def skip(self, step: int, result: StepResult) -> Optional[int]:
+        """A step the anomaly guard skipped: counted and said with its samples; AnomalyStop when it must stop.
+        train.anomaly.action=rollback: the newest verified checkpoint before it is loaded and its batch is
+        skipped when the run gets there again; the step to continue from (None without a rollback)."""
+        g = self.layout.global_batch
+        samples = [self.batches.sample_index(step * g + j) for j in range(g)]
+        if not self.guard.skip(step + 1, result.skipped, samples, self.is_logger) or step in self.rolled_past:
+            return None
+        tag = checkpoint.verified_resume(self.ckpt_dir, self.ckpt_layout, self.model_keys, quiet=True) \
+            if checkpoint.complete_steps(self.ckpt_dir) else None
+        if tag is None or int(tag[4:]) > step:
+            raise AnomalyStop(f"step {step + 1}: train.anomaly.action=rollback found no checkpoint before it in "
+                              f"{self.ckpt_dir}; stopping (set ckpt.every to keep one)")
+        back = self.engine.load(self.ckpt_dir, tag)
+        self.rolled_past[step] = f"rolled back past it: {result.skipped}"
+        self.batches = training_batches(self.cfg, self.ctx, self.dataset, back)
+        if self.is_logger:
+            tqdm.write(f"step {step + 1}: rolled back to {self.ckpt_dir}/{tag}; step {step + 1}'s batch will be "
+                       f"skipped", file=sys.stderr)
+        return back
+
     def save(self, done: int) -> bool:
         """Checkpoint step `done`; False (on every rank, the reason printed once) when it could not be written."""
         try:
-            checkpoint.save(self.engine, self.ckpt_dir, done, self.cfg.ckpt.keep, self.ckpt_layout, self.model_keys)
+            checkpoint.save(self.engine, self.ckpt_dir, done, self.cfg.ckpt.keep, self.ckpt_layout, self.model_keys,
+                            self.records)
         except checkpoint.CheckpointError as e:      # raised on every rank: all stop
             if self.is_logger:
                 tqdm.write(str(e), file=sys.stderr)      # on a line of its own, under the bar
@@ -189,17 +237,34 @@ class Trainer:
     def fit(self) -> int:
         """Train from the resumed step to train.max_steps; the exit status."""
         cfg = self.cfg
-        self.start()
+        try:
+            self.start()
+        except checkpoint.CheckpointError as e:      # the checkpoint to resume turned out damaged
+            if self.env.rank == 0:
+                print(str(e), file=sys.stderr, flush=True)
+            self.close()
+            return 1
         status = 0
         bar = tqdm(total=cfg.train.max_steps, initial=self.start_step, disable=not self.is_logger,
                    dynamic_ncols=True, file=sys.stderr)
         try:
-            for step in range(self.start_step, cfg.train.max_steps):
+            step = self.start_step
+            while step < cfg.train.max_steps:
                 done = step + 1
+                if self.guard:      # a batch a rollback went back past is skipped, on every rank alike
+                    self.guard.force(self.rolled_past.get(step))
                 result, elapsed, tokens = self.timed_step(step)
+                back = self.skip(step, result) if result.skipped else None
                 self.check_replicas(done)
-                self.log(done, result, elapsed, tokens, self.validate(done))
-                self.losses.append(result.loss)
+                self.log(done, result, elapsed, tokens, self.validate(done) if back is None else {})
+                if back is not None:            # rolled back: continue from the checkpoint's step
+                    step, self.resumed = back, {"resumed_from": back}    # readers drop the rows after it
+                    bar.reset(total=cfg.train.max_steps)
+                    bar.update(step)
+                    continue
+                step += 1
+                if not result.skipped:
+                    self.losses.append(result.loss)
                 bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{result.lr:.2e}")
                 bar.update()
                 last, interrupted = done == cfg.train.max_steps, self.stop.requested()
@@ -212,6 +277,9 @@ class Trainer:
                         print(f"stopped by signal after step {done}; checkpoint {self.ckpt_dir}/step{done}", flush=True)
                     break
             bar.close()
+            self.finish(status)
+        except AnomalyStop:           # every rank, the same step; said by the logging rank; no checkpoint
+            status = 1
             self.finish(status)
         except RuntimeError as e:     # a peer's connection broke: wait for the lost-rank verdict, which ends
             if self.heartbeat and peer_failure(e):     # the process naming the ranks, not a bare traceback

@@ -146,17 +146,20 @@ def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: E
     condition = family(cfg.model).training_condition(cfg.model, cfg.data)    # I2V: the sample's first frame
     mine: dict[int, list[float]] = {}
     for i, counts in replica_items(len(dataset), forward, ctx):
-        x0, text, *image = dataset[i]                         # image: I2V first-frame latents [C, 1, H, W]
+        x0, text, *stored = dataset[i]                        # stored: I2V first-frame latents (, CLIP states)
         noise = validation_noise(cfg.train.seed, i, ts, x0.shape)
         losses = []
         for a in range(0, len(ts), chunk):
             t = torch.tensor(ts[a:a + chunk])
             x0s = x0.expand(len(t), *x0.shape)
             x_t, target = objective.noised(x0s, noise[a:a + chunk], t)
+            more = ()            # the condition's inputs after the text (Wan 2.1 I2V: the CLIP states)
             if condition is not None:
                 x_t = condition(x_t, x0s, torch.ones(len(t), dtype=torch.bool),
-                                image[0].expand(len(t), *image[0].shape) if image else None)
-            prediction = forward.predict((x_t, objective.model_timesteps(t), text.expand(len(t), *text.shape)), target)
+                                *(z.expand(len(t), *z.shape) for z in stored))
+                x_t, *more = x_t if isinstance(x_t, tuple) else (x_t,)
+            prediction = forward.predict((x_t, objective.model_timesteps(t), text.expand(len(t), *text.shape), *more),
+                                         target)
             err = (prediction.cpu() - target.float()) ** 2
             losses += err.flatten(1).mean(1).tolist()
         if counts:
@@ -172,13 +175,15 @@ def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: E
     return result
 
 
-def row_predictor(forward: StageForward, text: torch.Tensor, uncond, first=None, condition=None):
+def row_predictor(forward: StageForward, text: torch.Tensor, uncond, first=None, condition=None, extra=()):
     """predict(x, t, conditional) for models.sampling.sample on rows of a batch (validation and
     parallel.sample): text and uncond [B, L, D] (uncond None without guidance); image-to-video: first
-    [B, C, 1, H, W] the first frame's latents, put on channels by `condition.sampling_input` for both calls."""
+    [B, C, 1, H, W] the first frame's latents (Wan: [B, C, T, H, W]), put on channels by
+    `condition.sampling_input` for both calls, and `extra` the inputs after the text (Wan 2.1 I2V: the CLIP
+    states [B, I, image_dim]), the same in both calls (as WanImageToVideoPipeline)."""
     def predict(x, t, conditional):
         inp = x if first is None else condition.sampling_input(x, first)
-        return forward.predict((inp, t, text if conditional else uncond), x).cpu()
+        return forward.predict((inp, t, text if conditional else uncond, *extra), x).cpu()
     return predict
 
 
@@ -187,21 +192,22 @@ def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: Ex
     rank. Prompt i starts from noise drawn from (seed, i) alone (the dpm sampler's step noise continues that
     generator); the unconditional input of guidance is the dataset's unconditional embedding (T5 of "");
     replicas split the prompts like samples."""
-    from models.sampling import sample
+    from models.sampling import check_sampler, sample
 
+    sampler = check_sampler(cfg.model.objective, cfg.val.sampler, family(cfg.model).sampling.samplers)
     n = min(cfg.val.num_prompts, len(dataset))
     condition = family(cfg.model).training_condition(cfg.model, cfg.data)    # I2V: the prompt's first frame
     uncond = dataset.unconditional()[None] if cfg.val.guidance_scale != 1 and n else None
     mine = {}
     for i, counts in replica_items(n, forward, ctx):
-        x0, text, *image = dataset[i]
+        x0, text, *stored = dataset[i]
         g = torch.Generator().manual_seed(derive_seed(cfg.train.seed, "sample", i))
         noise = torch.randn((1, *x0.shape), generator=g)
-        # I2V: the stored first-frame latents [1, C, 1, H, W], else the sample's first latent frame stands in
-        first = (image[0] if image else x0[:, :1])[None] if condition is not None else None
+        # I2V: the stored first-frame latents (and CLIP states), else stand-ins from the sample (the condition's)
+        first, extra = condition.sampling_parts(x0, stored) if condition is not None else (None, ())
         predict = row_predictor(forward, text[None], uncond.to(text.dtype) if uncond is not None else None,
-                                first, condition)
-        latent = sample(predict, noise, objective, cfg.val.sample_steps, cfg.val.sampler, cfg.val.guidance_scale,
+                                first, condition, extra)
+        latent = sample(predict, noise, objective, cfg.val.sample_steps, sampler, cfg.val.guidance_scale,
                         use_dynamic_cfg=cfg.val.use_dynamic_cfg, generator=g)
         if counts:
             mine[i] = [latent[0]]

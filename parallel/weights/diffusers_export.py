@@ -17,7 +17,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from parallel.weights.diffusers import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, diffusers_config, released_format
-from parallel.weights.gather import full_tensors
+from parallel.weights.gather import exporting, full_tensors
 
 
 def to_diffusers(name: str, full: torch.Tensor, m: ModelConfig) -> dict[str, torch.Tensor]:
@@ -36,8 +36,9 @@ def export_diffusers(module: nn.Module, ctx, cfg, out: str | Path, value: Option
     """Write this model (or `value(param)`, e.g. its EMA) of experiment `cfg` as a diffusers folder; call on
     every rank.
 
-    Tensor-parallel shards are gathered one tensor at a time; the first data-parallel, first tp rank of
-    each pipeline stage writes its stage's shards of at most max_shard_bytes, and rank 0 names them
+    Tensor-parallel shards are gathered one tensor at a time; one rank of each pipeline stage
+    (`ctx.stage_writer`: data rank 0 over dp and sp, tp rank 0) writes the stage's shards of at most
+    max_shard_bytes, and rank 0 names them
     diffusion_pytorch_model-0000k-of-0000n.safetensors with the index (or one file when n = 1) and
     config.json. Returns the files written (on rank 0). With model.lora the base is written, or with
     `merge_lora` the base with the adapters folded in (W + alpha/r B A).
@@ -47,7 +48,7 @@ def export_diffusers(module: nn.Module, ctx, cfg, out: str | Path, value: Option
 
 
     m, out = cfg.model, Path(out)
-    writer = ctx.dp_rank == 0 and ctx.tp_rank == 0
+    writer = ctx.stage_writer
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         for old in out.glob("diffusion_pytorch_model*.safetensors*"):     # an earlier export's shards
@@ -64,7 +65,7 @@ def export_diffusers(module: nn.Module, ctx, cfg, out: str | Path, value: Option
             written.append((path.name, sorted(shard), size))
         shard, size = {}, 0
 
-    tensors = full_tensors(module, ctx, m.num_layers, value, zero3)
+    tensors = exporting(full_tensors(module, ctx, m.num_layers, value, zero3), module, dist.get_rank() == 0)
     if m.lora is not None:
         from parallel.lora import merged_tensors
         tensors = merged_tensors(tensors, module, m, merge_lora)

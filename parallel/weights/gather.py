@@ -6,6 +6,7 @@ exporter never holds more than one full tensor beyond what it writes; `full_stat
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -36,6 +37,16 @@ def full_tensors(module: nn.Module, ctx, num_blocks: int, value: Optional[Callab
         yield canonical_name(name, num_blocks), t.cpu().clone()
     for name, b in module.named_buffers():                # replicated, never sharded
         yield canonical_name(name, num_blocks), b.detach().float().cpu().clone()
+
+
+def exporting(tensors: Iterator[tuple[str, torch.Tensor]], module: nn.Module, show: bool
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`full_tensors` with a progress bar on stderr where `show` (one rank: the gathers are collective, so every
+    rank advances together)."""
+    from tqdm import tqdm
+    total = sum(1 for _ in module.parameters()) + sum(1 for _ in module.buffers())
+    return tqdm(tensors, total=total, desc="exporting", unit="tensor", file=sys.stderr, dynamic_ncols=True,
+                disable=not show)
 
 
 def full_state(module: nn.Module, ctx, num_blocks: int, value: Optional[Callable] = None, zero3: bool = False

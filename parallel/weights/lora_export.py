@@ -32,7 +32,7 @@ def export_lora(module: nn.Module, ctx, cfg, out: str | Path, value: Optional[Ca
         if leaf in ADAPTER_PARAMS:
             held.setdefault(layer, {})[leaf] = full
     local = {}
-    if ctx.dp_rank == 0 and ctx.tp_rank == 0:
+    if ctx.stage_writer:
         rows = {name: part_rows(layer) for name, layer in tp_linears(module, m.num_layers)}
         for layer, ab in held.items():
             local.update(to_diffusers_lora(layer, ab["lora_A"], ab["lora_B"], m, rows[layer]))

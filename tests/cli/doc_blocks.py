@@ -152,10 +152,28 @@ def substitute(text: str, port: int) -> str:
     return re.sub(r"^(deepspeed|torchrun) ", rf"\1 --master_port {port} ", text)
 
 
-def matches(quoted: str, output: str) -> bool:
-    """A quoted output line is in the output; `...` stands for anything."""
-    parts = [r"\s+".join(map(re.escape, p.split())) for p in quoted.split("...")]
-    return re.search(r".*?".join(p for p in parts if p), output) is not None
+DECIMAL = re.compile(r"\d+\.\d+")
+
+
+def within_last_digit(quoted: str, printed: str) -> bool:
+    """Two decimals equal but for one unit of the quoted one's last digit: what a training run prints (a bf16 or
+    several-rank loss) rounds differently on another CPU (a quoted t100=0.9938 printed 0.9937 on the next
+    machine); the planners' arithmetic has no such slack and is compared exactly."""
+    return abs(float(quoted) - float(printed)) <= 1.01 * 10 ** -len(quoted.split(".")[1])
+
+
+def matches(quoted: str, output: str, last_digit: bool = False) -> bool:
+    """A quoted output line is in the output; `...` stands for anything. last_digit: its decimals may differ by
+    one unit of their last digit (within_last_digit)."""
+    if not last_digit:
+        parts = [r"\s+".join(map(re.escape, p.split())) for p in quoted.split("...")]
+        return re.search(r".*?".join(p for p in parts if p), output) is not None
+    numbers = DECIMAL.findall(quoted)
+    parts = [r"\s+".join(r"(\d+\.\d+)".join(map(re.escape, DECIMAL.split(w))) for w in p.split())
+             for p in quoted.split("...")]
+    pattern = re.compile(r".*?".join(p for p in parts if p))
+    return any(all(within_last_digit(q, m) for q, m in zip(numbers, found.groups()))
+               for found in pattern.finditer(output))
 
 
 def output_blocks(doc: str) -> list[tuple[int, list[str]]]:

@@ -50,6 +50,11 @@ def tiny_preset(path: Path) -> None:
     for key, value in {**SIZES[tree["model"]["family"]], **STEPS}.items():
         section, name = key.split(".")
         tree.setdefault(section, {})[name] = value
+    if tree["model"].get("patch_size_t"):
+        # CogVideoX 1.5's rotary table is sample_height x sample_width latents at most ("slice" grid, max_size):
+        # it must hold the largest bucket (48 px / 2 = 24 latents), as the release's 300 holds 1360 / 8.
+        largest = max(max(h, w) for _, h, w in tree["data"]["buckets"]) // tree["model"]["vae_scale_spatial"]
+        tree["model"]["sample_height"] = tree["model"]["sample_width"] = largest
     path.write_text(f"# {path.name} with sizes overridden for a CPU (tests/cli/doc_sandbox.py)\n"
                     + yaml.safe_dump(tree, sort_keys=False))
 

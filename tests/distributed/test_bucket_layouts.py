@@ -1,5 +1,5 @@
-"""Bucketed training: a directory dataset of three shapes trains at tp2 x sp2, pp2 x dp2 and dp2 x tp2 with
-ZeRO-2 to one process's losses (fp32) and weights (fp32 plus Adam's round-off bound, tests/adam_bound.py),
+"""Bucketed training: a directory dataset of three shapes trains at tp2 x sp2, pp2 x dp2, dp2 x tp2 with
+ZeRO-2 and Ulysses 2 x ring 2 to one process's losses (fp32) and weights (fp32 plus Adam's round-off bound, tests/adam_bound.py),
 step by step, every step's batch from one bucket.
 
 The layouts share one spawn of 4 ranks (each builds its context and engine in turn); the one-process
@@ -15,19 +15,21 @@ from tests.adam_bound import add_step_slack
 from tests.train_utils import assert_weights_match, experiment, fp32_config
 
 STEPS = 4
-# (tp, sp, pp, dp, ZeRO stage)
-LAYOUTS = {"tp2-sp2": (2, 2, 1, 1, 0), "pp2-dp2": (1, 1, 2, 2, 1), "dp2-tp2-zero2": (2, 1, 1, 2, 2)}
+# (tp, sp, pp, dp, ZeRO stage[, ring]): ulysses 2 x ring 2 pads each bucket's sequence to a multiple of 4 and
+# hands the ring the step's real token count.
+LAYOUTS = {"tp2-sp2": (2, 2, 1, 1, 0), "pp2-dp2": (1, 1, 2, 2, 1), "dp2-tp2-zero2": (2, 1, 1, 2, 2),
+           "ulysses2-ring2": (1, 4, 1, 1, 0, 2)}
 
 
-def _train(root, tp, sp, pp, dp, stage):
+def _train(root, tp, sp, pp, dp, stage, ring=1):
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.train.engine import build_trainer
     from parallel.train.run import training_batches
     from parallel.weights.gather import full_state
 
-    cfg = experiment(tp, pp, dp, ("data.kind=directory", f"data.path={root}"), sp)
-    ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp))
+    cfg = experiment(tp, pp, dp, ("data.kind=directory", f"data.path={root}", f"parallel.ring_size={ring}"), sp)
+    ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp, ring_size=ring))
     seed_all(cfg.train.seed)
     trainer = build_trainer(cfg, fp32_config(stage), ctx)
     batches = training_batches(cfg, ctx)

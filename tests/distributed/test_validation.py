@@ -31,6 +31,7 @@ def _validate_rank(rank, world_size, layouts, extra):
     import os
     import sys
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    from parallel.check import ring_size
     from parallel.train.engine import build_trainer
     from parallel.train.run import build_val_dataset
     from parallel.distributed.seed import seed_all
@@ -44,7 +45,7 @@ def _validate_rank(rank, world_size, layouts, extra):
     for (tp, pp, dp, *sp), stage in layouts:       # (tp, pp, dp) or (tp, pp, dp, sp)
         sp = sp[0] if sp else 1
         cfg = experiment(tp, pp, dp, VAL + extra, sp)
-        ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp))
+        ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp, ring_size=ring_size(cfg)))
         seed_all(cfg.train.seed)
         trainer = build_trainer(cfg, fp32_config(stage), ctx)
         dataset = Recording(build_val_dataset(cfg))
@@ -156,11 +157,12 @@ def test_validation_with_ema_weights(tp=2, pp=2, dp=1, stage=1):
     print(json.dumps({"ema": expected["val_loss"], "raw": raw["val_loss"]}))
 
 
-def _sample_rank(rank, world_size, layouts, out):
+def _sample_rank(rank, world_size, layouts, out, extra=()):
     import os
     import sys
     from pathlib import Path
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    from parallel.check import ring_size
     from parallel.train.engine import build_trainer
     from parallel.train.run import build_val_dataset
     from parallel.distributed.seed import seed_all
@@ -171,9 +173,9 @@ def _sample_rank(rank, world_size, layouts, out):
     frames = []
     for (tp, pp, dp, *sp), stage in layouts:
         sp = sp[0] if sp else 1
-        cfg = experiment(tp, pp, dp, VAL + ["val.num_prompts=3", "val.sample_steps=4", "val.formats=[gif, mp4]"],
-                         sp)
-        ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp))
+        cfg = experiment(tp, pp, dp, VAL + ["val.num_prompts=3", "val.sample_steps=4", "val.formats=[gif, mp4]",
+                                            *extra], sp)
+        ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp, ring_size=ring_size(cfg)))
         seed_all(cfg.train.seed)
         trainer = build_trainer(cfg, fp32_config(stage), ctx)
         folder = Path(out) / f"tp{tp}pp{pp}dp{dp}z{stage}" if sp == 1 else Path(out) / f"tp{tp}pp{pp}dp{dp}sp{sp}z{stage}"

@@ -1,6 +1,8 @@
 """The Wan 2.1 family in 4 gloo ranks against diffusers' WanTransformer3DModel and against one process.
 
-One spawn serves every case: the tiny random release (tests/unit/test_wan.py's `released` fixture) loaded at
+One spawn serves every case, for text-to-video and image-to-video (debug-wan-i2v: the CLIP tokens and the image
+cross-attention, tests/unit/test_wan_i2v.py's `released_i2v`) alike: the tiny random release
+(tests/unit/test_wan.py's `released` fixture) loaded at
 (tp, pp) = (1, 1), (2, 1), (1, 2), (2, 2) and at sp 2 (tp 1 and tp 2) predicts what diffusers predicts; at
 tp 2 the gradients of a loss (the q/k RMSNorm across heads all-reduces its statistic, forward and backward)
 equal diffusers' own; tp 2 x pp 2 exports a diffusers folder that `from_pretrained` reads back bit for bit;
@@ -16,10 +18,13 @@ from parallel.config import load_config
 from parallel.weights.diffusers import INDEX_NAME
 from tests.dist_utils import run_ranks
 from tests.train_utils import assert_matches, fp32_config, train
-from tests.unit.test_wan import diffusers_forward, inputs, overrides, released  # noqa: F401  (fixture)
+from tests.unit import test_wan, test_wan_i2v
+from tests.unit.test_wan import released  # noqa: F401  (fixture)
+from tests.unit.test_wan_i2v import released_i2v  # noqa: F401  (fixture)
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2)]     # (tp, pp, sp); dp fills 4 ranks
 TRAIN_LAYOUTS = [(2, 2, 1, 1), (1, 1, 2, 2)]                                     # (tp, pp, sp, dp)
+VARIANTS = {"debug-wan": test_wan, "debug-wan-i2v": test_wan_i2v}               # preset -> its unit-test module
 
 
 def wan_fp32_config() -> dict:
@@ -29,42 +34,47 @@ def wan_fp32_config() -> dict:
     return ds
 
 
-def _model(folder, tp, pp, sp, world_size):
+def _model(preset, folder, tp, pp, sp, world_size):
     from parallel.build import build_model
     from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.weights.diffusers import load_released
 
-    cfg = load_config("debug-wan", overrides(folder) + [f"parallel.tp_size={tp}", f"parallel.pp_size={pp}",
-                                                          f"parallel.sp_size={sp}"])
+    cfg = load_config(preset, VARIANTS[preset].overrides(folder) + [f"parallel.tp_size={tp}",
+                                                                    f"parallel.pp_size={pp}", f"parallel.sp_size={sp}"])
     ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=world_size // (tp * pp * sp)))
     model = build_model(cfg, {}, ctx)
     load_released(model, ctx, cfg.model, folder)
     return cfg, ctx, model
 
 
-def _rank(rank, world_size, folder, export_dir):
-    import types
-
+def _rank(rank, world_size, variants):
     import deepspeed
 
     from parallel.distributed import accelerator
+
+    deepspeed.init_distributed(dist_backend=accelerator.backend())
+    return {preset: _variant(rank, world_size, preset, folder, export_dir) for preset, folder, export_dir in variants}
+
+
+def _variant(rank, world_size, preset, folder, export_dir):
+    import types
+
     from parallel.distributed.comm import count_comm
     from parallel.train.validate import StageForward
     from parallel.weights.diffusers_export import export_diffusers
     from parallel.weights.gather import full_tensors
     from tests.train_utils import _train_rank
 
-    deepspeed.init_distributed(dist_backend=accelerator.backend())
-    x, out = inputs(), {}
+    x, out = VARIANTS[preset].inputs(), {}
     for tp, pp, sp in LAYOUTS:
-        cfg, ctx, model = _model(folder, tp, pp, sp, world_size)
+        cfg, ctx, model = _model(preset, folder, tp, pp, sp, world_size)
         forward = StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx)
-        out[("predict", tp, pp, sp)] = forward.predict(x, x[0])
+        out[("predict", tp, pp, sp)] = forward.predict(x, x[0][:, :cfg.model.in_channels])
         if (tp, pp) == (2, 2):
             export_diffusers(model, ctx, cfg, Path(export_dir), max_shard_bytes=100_000)
     # tp 2 (pp 1): a loss's gradients as full tensors; the all-reduces of one block's forward counted.
-    cfg, ctx, model = _model(folder, 2, 1, 1, world_size)
-    target = torch.randn(x[0].shape, generator=torch.Generator().manual_seed(3))
+    cfg, ctx, model = _model(preset, folder, 2, 1, 1, world_size)
+    target = torch.randn(x[0][:, :cfg.model.in_channels].shape, generator=torch.Generator().manual_seed(3))
     with count_comm() as counter:
         h = model.embed(x)
         h = model.blocks[0](h)
@@ -75,17 +85,25 @@ def _rank(rank, world_size, folder, export_dir):
     out["grads"] = dict(full_tensors(model, ctx, cfg.model.num_layers, value=lambda p: p.grad))
     ds = wan_fp32_config()
     for tp, pp, sp, dp in TRAIN_LAYOUTS:
-        out[("train", tp, pp, sp, dp)] = _train_rank(rank, world_size, tp, pp, dp, ds, 3, (), sp, "debug-wan", 0)
+        out[("train", tp, pp, sp, dp)] = _train_rank(rank, world_size, tp, pp, dp, ds, 3, (), sp, preset, 0)
     return out
 
 
-def test_wan_in_every_layout(released, tmp_path):
-    folder, model = released
-    reference = train(1, 1, 1, wan_fp32_config(), preset="debug-wan")
-    results = run_ranks(_rank, 4, str(folder), str(tmp_path / "export"))
+def test_wan_in_every_layout(released, released_i2v, tmp_path):
+    """Text-to-video, then image-to-video (y = [image tokens; caption]: one more all-reduce per block, the image
+    keys' RMSNorm statistic over B x I tokens), from one spawn."""
+    variants = [("debug-wan", released, tmp_path / "export"), ("debug-wan-i2v", released_i2v, tmp_path / "export_i2v")]
+    results = run_ranks(_rank, 4, [(preset, str(folder), str(export)) for preset, (folder, _), export in variants])
+    for preset, (folder, model), export in variants:
+        check_variant(preset, folder, model, export, [r[preset] for r in results])
+
+
+def check_variant(preset, folder, model, exported, results):
+    unit = VARIANTS[preset]
+    reference = train(1, 1, 1, wan_fp32_config(), preset=preset)
 
     # Prediction: every layout, every rank, equals diffusers.
-    want = diffusers_forward(model, *inputs())
+    want = unit.diffusers_forward(model, *unit.inputs())
     for rank, out in enumerate(results):
         for tp, pp, sp in LAYOUTS:
             torch.testing.assert_close(out[("predict", tp, pp, sp)], want,
@@ -93,12 +111,13 @@ def test_wan_in_every_layout(released, tmp_path):
 
     # Gradients at tp 2 equal diffusers' (names through the released format's map).
     from parallel.weights.diffusers_export import to_diffusers
-    cfg = load_config("debug-wan", overrides(folder))
+    cfg = load_config(preset, unit.overrides(folder))
     model.zero_grad()
-    target = torch.randn(inputs()[0].shape, generator=torch.Generator().manual_seed(3))
-    x = inputs()
-    torch.nn.functional.mse_loss(model(hidden_states=x[0], timestep=x[1], encoder_hidden_states=x[2]).sample,
-                                 target).backward()
+    x = unit.inputs()
+    target = torch.randn(x[0][:, :cfg.model.in_channels].shape, generator=torch.Generator().manual_seed(3))
+    prediction = model(hidden_states=x[0], timestep=x[1], encoder_hidden_states=x[2],
+                       encoder_hidden_states_image=x[3] if len(x) > 3 else None).sample
+    torch.nn.functional.mse_loss(prediction, target).backward()
     theirs = {n: p.grad for n, p in model.named_parameters()}
     ours = {}
     for name, grad in results[0]["grads"].items():
@@ -108,11 +127,13 @@ def test_wan_in_every_layout(released, tmp_path):
         torch.testing.assert_close(ours[name], grad, msg=lambda m: f"{name}: {m}")
     # One block's forward at tp 2: the q and k statistics of both attentions (B x S and B x L of them), then
     # the self-attention, cross-attention and FFN outputs (B x S x H each).
-    b, s, text, hid = 2, 72, 8, 64
-    assert results[0]["block_all_reduces"] == [b * s, b * s, b * s * hid, b * s, b * text, b * s * hid, b * s * hid]
+    # Image-to-video: then the image keys' statistic (B x I).
+    b, s, text, hid = 2, 72, cfg.model.max_text_len, 64
+    image = [b * cfg.model.image_len] if cfg.model.image_dim else []
+    assert results[0]["block_all_reduces"] == [b * s, b * s, b * s * hid, b * s, b * text, *image, b * s * hid,
+                                               b * s * hid]
 
     # Export from tp 2 x pp 2: shards of each stage with an index; from_pretrained gives the original bits.
-    exported = tmp_path / "export"
     assert (exported / INDEX_NAME).is_file() and len(list(exported.glob("*.safetensors"))) > 2
     again = WanTransformer3DModel.from_pretrained(exported)
     public = lambda config: json.loads(json.dumps({k: v for k, v in config.items() if not k.startswith("_")}))

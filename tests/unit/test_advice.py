@@ -45,8 +45,9 @@ def tiny_releases(tmp_path_factory):
     """{family: (folder, config.json)}: a tiny random diffusers transformer of each family (save_pretrained)."""
     from tests.unit.test_released_weights import released_model as cogvideox_model
     from tests.unit.test_wan import released_model as wan_model
+    from tests.unit.test_wan_i2v import released_model as wan_i2v_model
     out = {}
-    for family, model in (("cogvideox", cogvideox_model("sincos")), ("wan", wan_model())):
+    for family, model in (("cogvideox", cogvideox_model("sincos")), ("wan", wan_model()), ("wan-i2v", wan_i2v_model())):
         folder = tmp_path_factory.mktemp(family)
         model.save_pretrained(folder)
         out[family] = folder, json.loads((folder / "config.json").read_text())
@@ -55,7 +56,8 @@ def tiny_releases(tmp_path_factory):
 
 @pytest.mark.parametrize("preset, family", [
     ("cogvideox-5b", "cogvideox"), ("cogvideox-2b", "cogvideox"), ("cogvideox1.5-5b", "cogvideox"),
-    ("cogvideox-5b-long", "cogvideox"), ("wan2.1-t2v-1.3b", "wan"), ("wan2.1-t2v-14b", "wan")])
+    ("cogvideox-5b-long", "cogvideox"), ("wan2.1-t2v-1.3b", "wan"), ("wan2.1-t2v-14b", "wan"),
+    ("wan2.1-i2v-14b-480p", "wan-i2v")])
 def test_a_preset_pointed_at_a_release_of_another_size_is_accepted_by_following_the_advice(
         capsys, tiny_releases, preset, family):
     """The released config.json's keys first; then what they imply (hidden = heads x head_dim) and what the

@@ -222,9 +222,11 @@ DEEPSPEED_PRIVATE = {"ds_id", "ds_tensor", "ds_shape", "ds_numel", "ds_status", 
                      "forward_funcs", "basic_optimizer", "checkpoint_engine", "ipg_buckets", "deepspeed_saved_tensors"}
 DEEPSPEED_PREFIXES = ("_z3_", "_hp_", "_ds_")
 # Underscored names of torch and the standard library the source reads (not DeepSpeed's): storage identity,
-# a view's base, foreach kernels, the CPU flash-attention op the tracer calls, the watchdog's hard exit.
+# a view's base, foreach kernels, the CPU flash-attention op the tracer calls, the watchdog's hard exit, and the
+# attention ops that return the log-sum-exp ring attention merges by (parallel/distributed/ring.py).
 OTHER_PRIVATE = {"_cdata", "_base", "_foreach_mul_", "_foreach_add_", "_scaled_dot_product_flash_attention_for_cpu",
-                 "_exit"}
+                 "_exit", "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_flash_attention_backward"}
 
 
 def _private_reads(text: str, where: str) -> list[str]:

@@ -35,6 +35,8 @@ def test_cogvideox_2b_tp2_passes_with_one_line(capsys):
     ("opensora-stdit3", [1, 2, 4, 8, 16]),
     ("debug", [1, 2, 4]),
     ("debug-stdit", [1, 2, 4]),
+    ("wan2.1-i2v-14b-480p", [1, 2, 4, 8]),           # the image k/v and norm_added_k split as the text's
+    ("debug-wan-i2v", [1, 2, 4]),
 ])
 def test_valid_tp_sizes_per_preset(preset, expected):
     assert valid_tp_sizes(load_config(preset).model) == expected
@@ -127,21 +129,40 @@ def test_config_and_json_errors_reported_together(tmp_path, capsys):
 
 
 def test_sequence_parallel_sizes_are_checked_against_heads_and_the_padding_stated(capsys):
-    """sp splits the heads of a tp rank inside attention, and the token sequence (text included) outside,
-    padded to a multiple of sp."""
-    code, _, err = run(capsys, "--config", "configs/cogvideox-2b.yaml", "--set", "parallel.sp_size=4")
-    assert code == 1 and ("model.num_heads=30 / parallel.tp_size=1 = 30 heads per tp rank is not divisible by "
-                          "parallel.sp_size=4 (attention splits them over sp ranks); sp sizes that work with "
-                          "parallel.tp_size=1: 1, 2, 3, 5, 6, 10, 15, 30") in err
+    """sp = ulysses x ring: Ulysses splits the heads of a tp rank inside attention, ring attention takes any
+    head count; the token sequence (text included) is split outside, padded to a multiple of sp. With
+    parallel.ring_size unset, sp is all Ulysses where that divides the heads, ring for the rest."""
+    code, out, err = run(capsys, "--config", "configs/cogvideox-2b.yaml", "--set", "parallel.sp_size=4")
+    assert code == 0 and out.startswith("ok: cogvideox-2b tp=1 sp=4 (ulysses 2 x ring 2) pp=1 dp=1 (world 4)")
+    assert out.rstrip().endswith("; (ulysses, ring) pairs for sp 4: ulysses 1 x ring 4, ulysses 2 x ring 2")
+    code, _, err = run(capsys, "--config", "configs/cogvideox-2b.yaml", "--set", "parallel.sp_size=4",
+                       "--set", "parallel.ring_size=1")
+    assert code == 1 and ("model.num_heads=30 / parallel.tp_size=1 = 30 heads per tp rank is not divisible by the "
+                          "Ulysses degree parallel.sp_size / parallel.ring_size = 4 / 1 = 4; (ulysses, ring) pairs "
+                          "that work for sp 4: ulysses 1 x ring 4, ulysses 2 x ring 2; set --set "
+                          "parallel.ring_size=2") in err
+    code, out, _ = run(capsys, "--config", "configs/cogvideox-2b.yaml", "--set", "parallel.sp_size=4", "--set",
+                       "parallel.ring_size=2")                          # the advice, followed
+    assert code == 0 and "sp=4 (ulysses 2 x ring 2)" in out
+    code, _, err = run(capsys, "--config", "configs/cogvideox-2b.yaml", "--set", "parallel.sp_size=4",
+                       "--set", "parallel.ring_size=3")
+    assert code == 1 and "parallel.ring_size=3 does not divide parallel.sp_size=4" in err
     # 226 text + 13 x 48 x 85 video tokens = 53,266 = 2 x 26,633: sp 4 divides the 48 / 2 heads, and the
     # tokens are padded to 4 x 13,317.
     code, out, err = run(capsys, "--config", "configs/cogvideox-5b-long.yaml", "--set", "parallel.sp_size=4")
     assert code == 0 and err == "" and out.startswith("ok: cogvideox-5b-long tp=2 sp=4 pp=1 dp=1 (world 8)")
-    assert out.rstrip().endswith("; sp pads the sequence: 53,266 tokens padded to 53,268 for sp 4")
-    code, _, err = run(capsys, "--config", "configs/cogvideox-5b-long.yaml", "--set", "parallel.sp_size=16")
-    assert code == 1 and ("model.num_heads=48 / parallel.tp_size=2 = 24 heads per tp rank is not divisible by "
-                          "parallel.sp_size=16 (attention splits them over sp ranks); sp sizes that work with "
-                          "parallel.tp_size=2: 1, 2, 3, 4, 6, 8, 12, 24") in err and "tokens" not in err
+    assert "; sp pads the sequence: 53,266 tokens padded to 53,268 for sp 4; (ulysses, ring) pairs for sp 4: " \
+           "ulysses 1 x ring 4, ulysses 2 x ring 2, ulysses 4 x ring 1" in out
+    code, out, err = run(capsys, "--config", "configs/cogvideox-5b-long.yaml", "--set", "parallel.sp_size=16")
+    assert code == 0 and "sp=16 (ulysses 8 x ring 2)" in out
+    # STDiT's spatial and temporal attentions regroup the sequence: no ring, so sp must divide its heads.
+    code, _, err = run(capsys, "--config", "configs/debug-stdit.yaml", "--set", "parallel.sp_size=3")
+    assert code == 1 and ("model.num_heads=4 / parallel.tp_size=1 = 4 heads per tp rank is not divisible by "
+                          "parallel.sp_size=3 (attention splits them over sp ranks); sp sizes that work with "
+                          "parallel.tp_size=1: 1, 2, 4") in err
+    code, _, err = run(capsys, "--config", "configs/debug-stdit.yaml", "--set", "parallel.sp_size=2", "--set",
+                       "parallel.ring_size=2")
+    assert code == 1 and "model.family=stdit's attention does not run under ring attention" in err
     code, out, _ = run(capsys, "--config", "configs/cogvideox-5b-long.yaml", "--set", "parallel.sp_size=1")
     assert code == 0 and "pads" not in out                  # nothing to pad without sp
     # The world size counts sp: tp 2 x sp 2 needs a multiple of 4 processes, and dp is what is left.

@@ -3,6 +3,7 @@ made before any: validation sampling's needs (sampler, decoder, MP4 encoder) and
 this run cannot continue. Each names the key and what would work, and doing that passes. The bf16 one is
 tests/unit/test_ds_precision.py's (the checker had it already; the run's copy is gone)."""
 import json
+import re
 import sys
 
 import pytest
@@ -91,3 +92,25 @@ def test_export_and_sampling_are_told_the_model_differs_without_trainings_ways_o
                             f"another model (model.num_layers=2 there, 4 here). Set those keys back to read it")
     assert checkpoint.find_resume(tmp_path, saved, model={**checkpoint.model_signature(cfg.model), "num_layers": 2}) \
         == "step3"                                              # the advice: num_layers 2 reads it
+
+
+def test_an_image_to_video_run_does_not_continue_a_text_to_video_checkpoint(tmp_path):
+    """Wan 2.1 T2V and I2V share every size key; the first stage's inputs (36 channels, the CLIP states) tell them
+    apart. A marker written before those keys were recorded is compared on the keys it has."""
+    t2v, _, layout = load_and_check("debug-wan", [], "ds_configs/zero0_fp32.json", 1)
+    i2v, _, _ = load_and_check("debug-wan-i2v", [], "ds_configs/zero0_fp32.json", 1)
+    saved = {**layout.as_dict(), "zero_stage": 0}
+    marked(tmp_path, 3, saved)
+    marker = json.loads((tmp_path / "step3" / checkpoint.MARKER).read_text())
+    marker["model"] = checkpoint.model_signature(t2v.model)
+    (tmp_path / "step3" / checkpoint.MARKER).write_text(json.dumps(marker))
+    theirs, ours = t2v.model, i2v.model
+    with pytest.raises(ValueError, match=re.escape(
+            f"model.transformer_in_channels={theirs.transformer_in_channels} there, {ours.transformer_in_channels} "
+            f"here; model.extra_input_shapes=[] there, {json.dumps([list(s) for s in ours.extra_input_shapes()])} "
+            f"here")):
+        checkpoint.find_resume(tmp_path, saved, model=checkpoint.model_signature(ours))
+    for key in ("transformer_in_channels", "extra_input_shapes"):     # an older marker's record
+        del marker["model"][key]
+    (tmp_path / "step3" / checkpoint.MARKER).write_text(json.dumps(marker))
+    assert checkpoint.find_resume(tmp_path, saved, model=checkpoint.model_signature(t2v.model)) == "step3"

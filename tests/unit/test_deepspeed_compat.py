@@ -87,6 +87,9 @@ def test_weights_only_engine_relies_on_torch_checkpoint_engine():
     relies(p, "DeepSpeedEngine._load_checkpoint / _load_zero_checkpoint",
            "checkpoint_engine=self.checkpoint_engine" in load and "self.checkpoint_engine.load(" in load,
            "checkpoints are no longer read through self.checkpoint_engine")
+    save = source(member(p, TorchCheckpointEngine, "save"))
+    relies(p, "TorchCheckpointEngine.save(state_dict, path)", "torch.save(state_dict, path" in save and
+           "self.zipfile_serialization" in save, "it no longer is torch.save with self.zipfile_serialization")
 
 
 def test_safe_globals_import():
@@ -110,6 +113,13 @@ def test_weights_only_engine_loads_deepspeed_records_and_refuses_other_classes(t
     assert out["scaler"].cur_scale == 4.0 and out["stage"] is ZeroStageEnum.optimizer_states
     assert out["address"] == fragment_address(numel=3, start=5)
     torch.testing.assert_close(out["w"], torch.arange(4.0))
+
+    import zlib      # the CRC-32 taken while writing is the file's, in either serialization
+    assert engine.checksums[str(tmp_path / "good.pt")] == f"{zlib.crc32((tmp_path / 'good.pt').read_bytes()):08x}"
+    engine.zipfile_serialization = True
+    engine.save(good, str(tmp_path / "zip.pt"))
+    assert engine.checksums[str(tmp_path / "zip.pt")] == f"{zlib.crc32((tmp_path / 'zip.pt').read_bytes()):08x}"
+    assert engine.load(str(tmp_path / "zip.pt"))["scaler"].cur_scale == 4.0
 
     engine.save({"w": torch.zeros(1), "payload": Payload()}, str(tmp_path / "bad.pt"))
     with pytest.raises(pickle.UnpicklingError, match="Payload"):
@@ -371,3 +381,45 @@ def test_zero3_helpers_read_partitioned_and_plain_parameters():
     marked.ds_id, marked.ds_shape, marked.ds_tensor = 7, torch.Size([2, 3]), torch.nn.Parameter(torch.ones(3))
     assert zero3.is_partitioned(marked) and zero3.full_shape(marked) == (2, 3)
     torch.testing.assert_close(zero3.local_data(marked), torch.ones(3))
+
+
+# -- skip.py ------------------------------------------------------------------------------------------
+
+def test_skipped_update_relies_on_the_overflow_paths():
+    take = source(member("skipped_update", DeepSpeedEngine, "_take_model_step"))
+    relies("skipped_update", "DeepSpeedEngine._take_model_step",
+           appears_in_order(take, "self.optimizer.step()", 'hasattr(self.optimizer, "overflow")',
+                            "self.skipped_steps += 1", "self.lr_scheduler.step"),
+           "it no longer reads optimizer.overflow after optimizer.step() to skip the LR schedule")
+    step = source(member("skipped_update", DeepSpeedZeroOptimizer, "step"))
+    relies("skipped_update", "DeepSpeedZeroOptimizer.step",
+           appears_in_order(step, "if self.check_grad_overflow:", "self.check_overflow(", "if self.overflow:",
+                            "self.averaged_gradients[k] = None", "return"),
+           "its overflow branch no longer follows check_overflow() and clears the partitioned gradients")
+
+
+def test_skipped_update_leaves_a_torch_optimizer_as_it_was():
+    from parallel.distributed.deepspeed.skip import skipped_update
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    engine = types.SimpleNamespace(optimizer=opt)
+    p.grad = torch.ones(2)
+    with skipped_update(engine):
+        opt.step()
+        assert opt.overflow is True
+    assert torch.equal(p, torch.ones(2)) and "overflow" not in vars(opt) and "step" not in vars(opt)
+    opt.step()
+    assert torch.equal(p.detach(), torch.zeros(2))
+
+
+def test_guard_pipeline_updates_relies_on_the_optimizer_step_instruction():
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    step = source(member("guard_pipeline_updates", PipelineEngine, "_exec_optimizer_step"))
+    relies("guard_pipeline_updates", "PipelineEngine._exec_optimizer_step", "self._take_model_step(lr_kwargs)" in step,
+           "it no longer applies the update through self._take_model_step(lr_kwargs)")
+    forward = source(member("guard_pipeline_updates", PipelineEngine, "_exec_forward_pass"))
+    relies("guard_pipeline_updates", "PipelineEngine._exec_forward_pass",
+           "self.total_loss = add_to_total_loss(self.total_loss, self.loss)" in forward,
+           "the last stage no longer sums the micro-batches' losses into total_loss")
+    for name in ("is_last_stage", "gradient_accumulation_steps"):
+        member("guard_pipeline_updates", PipelineEngine, name)

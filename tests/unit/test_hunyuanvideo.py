@@ -156,3 +156,29 @@ def test_recompute_gives_the_same_gradients(granularity):
     assert grads[0].keys() == grads[1].keys()
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_data_path_takes_the_release_vae_and_refuses_to_encode_captions_it_cannot(tmp_path):
+    """Latents as the pipeline scales them (z * scaling_factor; decoded / scaling_factor), compression and channels
+    read from a tiny AutoencoderKLHunyuanVideo's config; a text encoder folder is refused by name, since the
+    release's LLaMA-template + CLIP rows are not what a T5-style encode gives."""
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    from models.registry import family
+    from models.text_encoder import T5TextEncoder
+    from models.vae import compression
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8, 8, 8),
+                                    layers_per_block=1, norm_num_groups=4, spatial_compression_ratio=8,
+                                    temporal_compression_ratio=4).eval()
+    config = {"_class_name": "AutoencoderKLHunyuanVideo", **vae.config}
+    fmt = family(load_config("debug-hunyuan").model).vae
+    assert (fmt.channels(config), compression(config)) == (4, (4, 8))
+    with torch.no_grad():
+        z = vae.encode(torch.rand(1, 3, 5, 16, 16) * 2 - 1).latent_dist.mode()
+    assert z.shape == (1, 4, 2, 2, 2)
+    torch.testing.assert_close(fmt.normalise(z, vae.config), z * vae.config.scaling_factor, rtol=0, atol=0)
+    torch.testing.assert_close(fmt.denormalise(fmt.normalise(z, vae.config), vae.config), z)
+    cfg = load_config("debug-hunyuan")
+    with pytest.raises(ValueError, match="does not encode yet"):
+        T5TextEncoder(tmp_path, cfg.model.max_text_len, expected=family(cfg.model).text_encoder)

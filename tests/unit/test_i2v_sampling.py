@@ -149,5 +149,5 @@ def test_i2v_sample_command_refuses_missing_or_wrong_images(tmp_path, capsys):
     args = parse_args(["--config", "debug", "--prompt-embeds", str(tmp_path / "prompt.safetensors"), "--image",
                        str(tmp_path / "picture0.png"), "--out", str(tmp_path / "x.safetensors")])
     cfg = load_config("debug", [f"train.output_dir={tmp_path}"])
-    assert "--image: model debug is text-to-video (model.image_condition is false); leave out the image" in \
+    assert "--image: model debug is text-to-video (its family's conditioning is off); leave out the image" in \
         check_args(args, cfg, check(cfg, {}, "ds.json", 1)[0])

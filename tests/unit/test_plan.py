@@ -309,7 +309,8 @@ def test_search_ranks_fitting_layouts_and_explains_refusals(capsys, tmp_path):
     assert {c["sp"] for c in ranked} > {1}
     best = ranked[0]
     assert best["overrides"] == [f"parallel.tp_size={best['tp']}", f"parallel.pp_size={best['pp']}"] \
-        + ([f"parallel.sp_size={best['sp']}"] if best["sp"] > 1 else []) + [f"train.micro_batch_size={best['micro_batch']}"] \
+        + ([f"parallel.sp_size={best['sp']}"] if best["sp"] > 1 else []) \
+        + ([f"parallel.ring_size={best['ring']}"] if best["ring"] > 1 else []) + [f"train.micro_batch_size={best['micro_batch']}"] \
         + [o for o in best["overrides"] if o.startswith("train.recompute.")]
     assert {c["recompute"] for c in ranked} >= {"off", "on", "attention", "mlp", "block/2"}
     # The best layout, run back through plan mode with its overrides and ds_config, gives the same total.
@@ -344,6 +345,7 @@ def test_the_printed_command_runs_as_printed(capsys, tmp_path):
                           "--world-size", "2", "--device-memory", "4GiB", "--device-profile", "cpu", "--search",
                           "--ds-out", str(planned))
     assert code == 0 and f"wrote {planned}" in err
+    assert re.search(r"search: 100%\|.*\| (\d+)/\1 ", err), err          # the progress bar, to its end
     line, = [x for x in text.splitlines() if x.startswith("run it: ")]
     argv = shlex.split(line[len("run it: "):])
     assert argv[:4] == ["deepspeed", "--num_gpus", "2", "train.py"]

@@ -49,8 +49,8 @@ def test_encoder_width_must_match_the_model(t5_dir, tmp_path):
 def test_encoder_class_reads_the_model_type():
     """A whole T5 checkpoint (T5ForConditionalGeneration, as t5-v1_1-xxl ships) is read as its encoder; UMT5 as
     UMT5EncoderModel; a config of another kind names what it describes (refused by T5TextEncoder)."""
-    from models.text_encoder import ENCODERS, encoder_class
+    from models.text_encoder import encoder_class, encoder_formats
     assert encoder_class({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}) == "T5EncoderModel"
     assert encoder_class({"model_type": "umt5", "architectures": ["UMT5EncoderModel"]}) == "UMT5EncoderModel"
     assert encoder_class({"model_type": "t5"}) == "T5EncoderModel"
-    assert encoder_class({"model_type": "bert", "architectures": ["BertModel"]}) == "BertModel" not in ENCODERS
+    assert encoder_class({"model_type": "bert", "architectures": ["BertModel"]}) == "BertModel" not in encoder_formats()

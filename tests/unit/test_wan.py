@@ -106,8 +106,9 @@ def test_wrong_config_is_refused_by_key(released, tmp_path):
     assert problems == [
         f"{i2v / 'config.json'}: patch_size [1, 4, 4] != (model.patch_size_t, model.patch_size) [1, 2, 2]; set "
         f"--set model.patch_size_t=1 --set model.patch_size=4",
-        f"{i2v / 'config.json'}: added_kv_proj_dim 1280 is not supported (the toolkit's Wan model has null; Wan 2.1 "
-        f"text-to-video transformers, 1.3B and 14B, qualify)"]
+        f"{i2v / 'config.json'}: added_kv_proj_dim 1280 with image_dim null is not supported (the toolkit's Wan "
+        f"model has null: the image cross-attention's k/v take the image tokens the image embedder projects to "
+        f"hidden_size, or none without image_dim)"]
 
 
 def test_training_noise_levels_are_the_schedulers():

@@ -1,0 +1,74 @@
+"""Checkpoints verified (train.py, one process): each file's CRC-32 is in the marker; a flipped byte in the
+newest checkpoint (same size, so only the checksum can tell) is named at resume and the previous one
+resumes to the uninterrupted run's loss; the damaged folder is moved aside when its step is saved again,
+never written over; `--resume N` picks a checkpoint, and a changed schedule is said in one line;
+ckpt.layout_free=false writes DeepSpeed's files only; ckpt.keep prunes to the newest."""
+import json
+import os
+import subprocess
+import sys
+import zlib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def train_py(out, *args):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    return subprocess.run([sys.executable, "train.py", "--config", "debug", "--deepspeed_config",
+                           "ds_configs/zero0_fp32.json", "--set", "train.output_dir=" + str(out), "--set",
+                           "train.decay_steps=10", "--set", "ckpt.every=1", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def contents(folder):
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def test_a_flipped_byte_is_named_the_previous_checkpoint_resumes_and_nothing_is_written_over(tmp_path):
+    out = tmp_path / "run"
+    ckpt = out / "checkpoints"
+    p = train_py(out, "--set", "train.max_steps=3", "--set", "ckpt.keep=2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sorted(x.name for x in ckpt.iterdir() if x.is_dir()) == ["step2", "step3"]      # keep 2: step1 pruned
+    whole = rows(out)
+    marker = json.loads((ckpt / "step3" / "complete.json").read_text())
+    for name, (size, crc) in marker["files"].items():
+        data = (ckpt / "step3" / name).read_bytes()
+        assert len(data) == size and f"{zlib.crc32(data):08x}" == crc, name
+    assert any(n.startswith("layout_free/") for n in marker["files"])
+    assert marker["schedule"]["train.lr"] == 3e-3 and marker["data_order"]["train.seed"] == 1234
+
+    victim = ckpt / "step3" / "mp_rank_00_model_states.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+    flipped = contents(ckpt / "step3")
+    crc = f"{zlib.crc32(bytes(data)):08x}"
+    p = train_py(out, "--set", "train.max_steps=3", "--set", "ckpt.keep=2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (f"checkpoint {ckpt}/step3 is damaged (mp_rank_00_model_states.pt has crc32 {crc}, "
+            f"{marker['files']['mp_rank_00_model_states.pt'][1]} was written: its bytes changed since the save); "
+            f"trying the previous one") in p.stderr
+    assert f"resumed from {ckpt}/step2 at step 2" in p.stdout
+    assert rows(out)[-1]["step"] == 3 and rows(out)[-1]["loss"] == whole[2]["loss"]
+    assert (f"checkpoint {ckpt}/step3 (damaged: mp_rank_00_model_states.pt has crc32 {crc}") in p.stderr
+    assert f"moved to {ckpt}/step3.damaged, not written over" in p.stderr
+    assert contents(ckpt / "step3.damaged") == flipped and (ckpt / "latest").read_text() == "step3"
+
+    # --resume 2 with another learning rate: said in one line; the good step3 is moved aside, not written over.
+    p = train_py(out, "--resume", "2", "--set", "train.max_steps=3", "--set", "train.lr=0.001",
+                 "--set", "ckpt.layout_free=false", "--set", "ckpt.keep=5")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"resumed from {ckpt}/step2 at step 2" in p.stdout
+    assert (f"resuming {ckpt}/step2 with the schedule (train.lr 0.003 -> 0.001) changed: the steps after it are "
+            f"not the ones the run that wrote it would have taken") in p.stdout
+    assert f"checkpoint {ckpt}/step3 (complete, from an earlier run) moved to {ckpt}/step3.replaced" in p.stderr
+    assert not (ckpt / "step3" / "layout_free").exists() and (ckpt / "step3.replaced" / "layout_free").is_dir()
+    assert rows(out)[-1]["loss"] == whole[2]["loss"]       # step 3's loss is computed before its update
+    p = train_py(out, "--resume", "7", "--set", "train.max_steps=3")
+    assert p.returncode == 1 and (f"--resume 7: {ckpt}/step7 is not a complete checkpoint (ckpt.dir {ckpt} holds "
+                                  f"step2, step3); name one of those") in p.stderr

@@ -1,0 +1,80 @@
+"""The planner's per-layer collective counts, held against the collectives a layer really makes.
+
+parallel/plan/search.py prices tensor parallelism by FamilySpec.row_parallel_per_layer (b x S x H all-reduces in
+one layer's forward) and sequence parallelism by FamilySpec.attentions_per_layer (Ulysses attentions, four
+all-to-alls each). Both are written by hand in each family's spec; here one forward of one layer of every
+registered family (the built-ins' debug presets, and the toy family of tests/toy_family registered at run
+time) at tp 2 x sp 2 counts them: all-reduces through parallel/distributed/comm.py's count_comm(), all-to-alls
+at torch.distributed.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+from tests.dist_utils import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Every tiny preset (a built-in family brings its configs/debug*.yaml), and the toy family's.
+PRESETS = sorted(glob.glob(os.path.join(ROOT, "configs", "debug*.yaml"))) + \
+    [os.path.join(ROOT, "tests", "toy_family", "debug-toy.yaml")]
+B = 2
+
+
+def _count_rank(rank, world_size):
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from models.registry import FAMILIES, family
+    from parallel.build import build_model
+    from parallel.config import load_config
+    from parallel.distributed import accelerator
+    from parallel.distributed.comm import count_comm
+    from parallel.distributed.topology import ParallelContext, ParallelDims
+    from parallel.train.run import training_batches
+
+    calls = []
+    original = dist.all_to_all_single
+
+    def counted(output, input, *args, **kwargs):
+        calls.append(input.numel())
+        return original(output, input, *args, **kwargs)
+    dist.all_to_all_single = counted
+
+    deepspeed.init_distributed(dist_backend=accelerator.backend())
+    ctx = ParallelContext.build(ParallelDims(tp_size=2, sp_size=2, pp_size=1, dp_size=1))
+    out = {"counted": []}
+    for preset in PRESETS:
+        cfg = load_config(preset, [f"train.micro_batch_size={B}", "parallel.tp_size=2", "parallel.sp_size=2"])
+        spec = family(cfg.model)
+        if spec.name in out:                                      # one preset per family suffices
+            continue
+        out["counted"].append(spec.name)
+        inputs, _ = next(training_batches(cfg, ParallelContext.single()))
+        torch.manual_seed(0)
+        model = build_model(cfg, {}, ctx)
+        with torch.no_grad():
+            h = model.embed(inputs)
+            x = h[0]                                              # (B, S_pad / sp, H): this rank's tokens
+            calls.clear()
+            with count_comm() as comm:
+                model.blocks[0](h)
+        bsh = x.shape[0] * x.shape[1] * cfg.model.hidden_size
+        out[spec.name] = {"row_parallel": sum(op == "all_reduce" and n == bsh for op, n in comm.calls),
+                          "all_to_all": len(calls),
+                          "declared": (spec.row_parallel_per_layer, spec.attentions_per_layer)}
+    out["families"] = sorted(FAMILIES)
+    return out
+
+
+def test_declared_collective_counts_equal_one_layers_forward():
+    results = run_ranks(_count_rank, 4)
+    for r in results:
+        assert sorted(r["counted"]) == r["families"]                     # every registered family is counted
+        assert {"cogvideox", "stdit", "toy", "wan"} <= set(r["families"])
+        for name in r["families"]:
+            counts = r[name]
+            row_parallel, attentions = counts["declared"]
+            assert counts["row_parallel"] == row_parallel, f"{name}: {counts}"
+            assert counts["all_to_all"] == 4 * attentions, f"{name}: {counts}"

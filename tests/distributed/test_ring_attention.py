@@ -1,0 +1,83 @@
+"""Ring attention (parallel/distributed/ring.py) and Ulysses x ring (parallel/distributed/sequence.py) against
+full attention in one process: outputs and q, k, v gradients, fp32, through `SequenceAttention` as the models
+call it (this rank's tokens in, a position-dependent `prepare`, padding at the sequence's end).
+
+Lengths: 7 tokens at ring 2 (chunks of 4 and 3 real tokens), 13 at ring 4 (4, 4, 4, 1), 5 at ring 4 (2, 2, 1
+and an all-padding chunk), 13 at Ulysses 2 x ring 2 (ring chunks of 8 and 5); 3 heads at ring 4, which no
+Ulysses degree above 1 divides. One spawn per world size runs all of its cases. Each rank's isend bytes are
+checked against the planner's ring traffic.
+"""
+import torch
+
+from tests.dist_utils import run_ranks
+
+B, D = 2, 8
+
+
+def _prepare(q, k, v, start):
+    """A stand-in for q/k norms and rotary positions: a per-token, position-dependent transform."""
+    pos = torch.arange(start, start + q.shape[1], dtype=q.dtype).view(1, -1, 1, 1)
+    return torch.tanh(q) * (1 + 0.1 * pos), k * torch.cos(0.3 * pos), v
+
+
+def _full(q, k, v):
+    q, k, v = _prepare(q, k, v, 0)
+    return torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+
+
+def _case(ctx, tokens: int, heads: int, seed: int, sent: list) -> None:
+    """This rank's chunk through SequenceAttention equals full attention's rows; padded rows give zeros; the bytes
+    this rank sends around the ring are the planner's count (parallel.plan.search.ring_traffic)."""
+    from parallel.distributed.sequence import SequenceAttention, local_range, padded_length, split_sequence
+    from parallel.plan.search import ring_traffic
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(B, tokens, heads, D, generator=g) for _ in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _full(*full)
+    ref.backward(dout)
+
+    mine = [split_sequence(t, ctx).detach().clone().requires_grad_() for t in (q, k, v)]
+    sent.clear()
+    out = SequenceAttention(ctx=ctx, tokens=tokens, prepare=_prepare)(*mine)
+    out.backward(split_sequence(dout, ctx))
+    chunk = B * padded_length(tokens, ctx.sp_size) // ctx.sp_size * heads * D * 4     # b S/sp H/tp, fp32
+    assert sum(sent) == sum(ring_traffic(chunk, ctx.ring_size, 4)), (sent, ring_traffic(chunk, ctx.ring_size, 4))
+    start, stop = local_range(tokens, ctx)
+    real = max(min(stop, tokens) - start, 0)
+    label = f"{tokens} tokens, {heads} heads, ulysses {ctx.ulysses_size} x ring {ctx.ring_size}, rank {ctx.rank}"
+    torch.testing.assert_close(out[:, :real], ref[:, start:start + real], msg=lambda m: f"{label}: output {m}")
+    assert not out[:, real:].any(), label
+    for name, got, want in zip("qkv", mine, full):
+        torch.testing.assert_close(got.grad[:, :real], want.grad[:, start:start + real],
+                                   msg=lambda m: f"{label}: d{name} {m}")
+        assert not got.grad[:, real:].any(), label
+
+
+def _rank(rank, world_size, cases):
+    import deepspeed
+    import torch.distributed as dist
+
+    from parallel.distributed import accelerator
+    from parallel.distributed.topology import ParallelContext, ParallelDims
+    deepspeed.init_distributed(dist_backend=accelerator.backend())        # Ulysses' all-to-alls
+
+    sent, isend = [], dist.isend
+
+    def counted(tensor, *args, **kwargs):
+        sent.append(tensor.numel() * tensor.element_size())
+        return isend(tensor, *args, **kwargs)
+    dist.isend = counted
+    for ring, tokens, heads in cases:
+        ctx = ParallelContext.build(ParallelDims(sp_size=world_size, ring_size=ring))
+        _case(ctx, tokens, heads, seed=tokens * 10 + heads, sent=sent)
+    return True
+
+
+def test_ring_2_matches_full_attention():
+    assert all(run_ranks(_rank, 2, [(2, 7, 2), (2, 8, 1)]))
+
+
+def test_ring_4_and_ulysses_2_by_ring_2_match_full_attention():
+    assert all(run_ranks(_rank, 4, [(4, 13, 3), (4, 5, 2), (2, 13, 4)]))

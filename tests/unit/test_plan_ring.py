@@ -1,0 +1,50 @@
+"""The planner under ring attention: Wan 14B at sp 16 on 16 devices (40 heads: Ulysses 8 x ring 2) plans, with the
+ring's buffers counted from the traced block input, and its traffic model against the ring's message sizes."""
+import json
+
+from tests.unit.test_plan import cli
+
+WAN_14B_SP16 = ["--config", "configs/wan2.1-t2v-14b.yaml", "--deepspeed_config", "ds_configs/zero3_bf16.json",
+                "--set", "parallel.sp_size=16", "--world-size", "16", "--device-memory", "80GiB",
+                "--device-profile", "h100-80gb"]
+
+
+def test_wan_14b_plans_at_sp_16_with_its_ring_buffers(capsys):
+    from parallel.plan.memory import ring_buffers
+
+    code, out, _ = cli(capsys, *WAN_14B_SP16, "--format", "json")
+    r = json.loads(out)
+    assert code == 0 and r["fits"] and (r["layout"]["sp"], r["layout"]["ring"]) == (16, 2)
+    block_input = r["activations_per_micro_batch"]["block_input"]      # b x 75,600/16 tokens x 5,120 x bf16
+    assert block_input == 75_600 // 16 * 5_120 * 2
+    assert r["stages"][0]["lines"]["ring_buffers"] == ring_buffers(block_input, 1, 2, 2) > 0
+    code, text, _ = cli(capsys, *WAN_14B_SP16)
+    assert "layout: tp=1 sp=16 (ulysses 8 x ring 2) pp=1 dp=1" in text and "ring attention buffers" in text
+    code, text, _ = cli(capsys, *WAN_14B_SP16[:4], "--world-size", "8", "--device-memory", "80GiB")
+    assert "ring attention buffers" not in text                          # no ring, no line
+
+
+def test_ring_traffic_counts_the_chunks_each_rank_sends():
+    """Forward r - 1 key/value chunks; backward r - 1 again and r fp32 dK/dV accumulators (bf16: twice the bytes)."""
+    from parallel.plan.search import ring_traffic
+
+    assert ring_traffic(100, 4, 2) == (3 * 200, 3 * 200 + 4 * 400)
+    assert ring_traffic(100, 2, 4) == (200, 200 + 2 * 200)
+
+
+def test_search_runs_the_sp_sizes_ulysses_cannot_reach_with_a_ring(capsys):
+    """Wan 14B's 40 heads on 16 devices, 8 a node: Ulysses alone stops at sp 8 (and at tp 2 at sp 4); the search
+    adds ring for the rest (ulysses as large as the heads and the node allow) and charges the ring's traffic that
+    the chunks' attention does not hide, over the inter-node link when tp x sp spans nodes."""
+    code, out, _ = cli(capsys, *WAN_14B_SP16[:4], "--world-size", "16", "--device-memory", "80GiB", "--device-profile",
+                       "h100-80gb", "--search", "--top", "1000", "--format", "json")
+    r = json.loads(out)
+    rings = [c for c in r["ranked"] + r["not_fitting"] if c["ring"] > 1]
+    assert code == 0 and rings
+    for c in rings:
+        ulysses = c["sp"] // c["ring"]
+        assert 40 // c["tp"] % ulysses == 0 and c["tp"] * ulysses <= 8 and f"parallel.ring_size={c['ring']}" in c["overrides"]
+        assert c["tp"] * c["sp"] > 8 or 40 // c["tp"] % c["sp"]         # only where Ulysses alone could not
+    assert {(c["tp"], c["sp"], c["ring"]) for c in rings} >= {(1, 16, 2), (2, 8, 2)}
+    spanning = [c for c in r["ranked"] if c["ring"] > 1 and c["tp"] * c["sp"] > 8 and c["sp"] > c["ring"]]
+    assert spanning and all(c["step_time"]["sp"] > 0 for c in spanning)
