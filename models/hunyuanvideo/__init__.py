@@ -18,7 +18,8 @@ SPEC = FamilySpec(
     layer=HunyuanBlock,
     final=FinalStage,
     text_in_sequence=True,
-    row_parallel_per_layer=2,                # dual: 4 on partial sequences (text, video x attention, FFN); single: 1
+    # dual-stream: 4 on partial sequences (text, video x attention, FFN), 2 x b S H in all; single-stream: 1
+    row_parallel_per_layer=lambda m: (2 * m.num_dual_layers + (m.num_layers - m.num_dual_layers)) / m.num_layers,
     attentions_per_layer=1,
     attention_pairs=lambda m, grid: (m.max_text_len + math.prod(grid)) ** 2,
     describe_layers=lambda m: f"{m.num_dual_layers} dual-stream + {m.num_single_layers} single-stream blocks",

@@ -142,7 +142,7 @@ def estimate_step_time(cfg: ExperimentConfig, eng: EngineSettings, dp: int, devi
     ring = lambda n: 2 * (n - 1) / n  # (bytes moved per device by a ring all-reduce, x size)
     tp_time = 0.0
     if tp > 1:
-        row_parallel = family(m_cfg).row_parallel_per_layer     # b S H all-reduces per layer's forward
+        row_parallel = family(m_cfg).row_parallel(m_cfg)        # b S H all-reduces per layer's forward
         per_block = row_parallel * (2 + f) * ring(tp) * trace.input_bytes / device.intra_bw
         tp_time = m * (m_cfg.num_layers / pp) * per_block
     sp_time = 0.0
