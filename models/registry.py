@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import importlib
 
-from models import cogvideox, stdit, wan
+from models import cogvideox, hunyuanvideo, stdit, wan
 from models.config import ModelConfig
 from models.spec import FamilySpec
 
 FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
     cogvideox.SPEC,
+    hunyuanvideo.SPEC,
     stdit.SPEC,
     wan.SPEC,
 )}
@@ -62,4 +63,4 @@ def vae_formats() -> dict:
 
 def text_encoder_formats() -> dict:
     """Every registered family's text-encoder format, by its transformers class name."""
-    return {spec.text_encoder.class_name: spec.text_encoder for spec in FAMILIES.values()}
+    return {spec.text_encoder.class_name: spec.text_encoder for spec in FAMILIES.values() if spec.text_encoder.prepared}

@@ -123,6 +123,7 @@ class TextEncoderFormat:
     model_type: str       # config.json `model_type` ("t5"): a whole checkpoint of that type loads as this encoder
     masked: bool          # encode with the attention mask and zero the padding rows; else keep them (no mask)
     clean: bool           # WanPipeline's prompt_clean (ftfy, HTML unescape, whitespace) before tokenising
+    prepared: bool = True  # False: the toolkit does not encode captions as this release does (yet); refused by name
 
 
 class SchedulerFormat(Protocol):
@@ -174,7 +175,9 @@ class FamilySpec:
     layer: type[nn.Module]                    # stage tuple -> stage tuple; the unit pipelines split and recompute
     final: type[nn.Module]                    # stage tuple -> prediction [B, C, T, H, W]; .assemble() under sp
     text_in_sequence: bool                    # text tokens join x (CogVideoX) or enter by cross-attention (STDiT)
-    row_parallel_per_layer: int               # b x S x H all-reduces in one layer's forward under tp
+    # b x S x H all-reduces in one layer's forward under tp: a count, or (model) -> the mean over the layers where
+    # layers differ (HunyuanVideo: dual-stream blocks 2, single-stream 1); see `row_parallel`
+    row_parallel_per_layer: "int | Callable[[ModelConfig], float]"
     attentions_per_layer: int                 # self-attentions per layer: Ulysses all-to-all sets
     attention_pairs: Callable[[ModelConfig, tuple[int, int, int]], int]   # (query, key) pairs a layer scores
     describe_layers: Callable[[ModelConfig], str]                         # "30 blocks", "28 layers (...)"
@@ -208,6 +211,11 @@ class FamilySpec:
             return torch.zeros_like(t, dtype=torch.long)
         bounds = torch.tensor([e.boundary for e in self.experts], dtype=torch.float64, device=t.device)
         return (t.double().unsqueeze(-1) < bounds).sum(-1)
+
+    def row_parallel(self, model: ModelConfig) -> float:
+        """b x S x H all-reduces per layer's forward under tp, the mean over the model's layers."""
+        n = self.row_parallel_per_layer
+        return n(model) if callable(n) else n
 
     def training_condition(self, model: ModelConfig, data):
         return self.condition(model, data) if self.condition else None

@@ -54,6 +54,11 @@ class T5TextEncoder:
         import transformers
 
         path = Path(path)
+        if expected is not None and not expected.prepared:
+            raise ValueError(f"{key}={path}: this model family's captions are {expected.class_name} states as its "
+                             f"release's pipeline builds them, which the toolkit does not encode yet; give data "
+                             f"prepared elsewhere (data.kind=directory, each caption's [max_text_len, text_embed_dim] "
+                             f"tensor beside its latent: docs/data.md)")
         formats = encoder_formats()
         what = f"a folder saved with {' or '.join(formats)} .save_pretrained and its tokenizer"
         try:

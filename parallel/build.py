@@ -27,7 +27,9 @@ def layer_specs(cfg: ExperimentConfig, ctx, grid: Optional[StepGrid] = None) -> 
     spec = family(cfg.model)
     grid, seed = grid or StepGrid(token_grid(cfg.model, cfg.data), cfg.model), cfg.train.seed
     return ([SeededLayerSpec(seed, "embed", spec.embed, cfg.model, grid, ctx)]
-            + [SeededLayerSpec(seed, f"blocks.{i}", spec.layer, cfg.model, grid, ctx) for i in range(cfg.model.num_layers)]
+            + [SeededLayerSpec(seed, f"blocks.{i}", spec.layer, cfg.model, grid, ctx,
+                               **({"index": i} if getattr(spec.layer, "indexed", False) else {}))
+               for i in range(cfg.model.num_layers)]
             + [SeededLayerSpec(seed, "final", spec.final, cfg.model, grid, ctx)])
 
 

@@ -43,7 +43,7 @@ def released_format(m: ModelConfig):
     if fmt is None:
         raise ValueError(f"model.family={m.family} has no released-weights format (models/spec.py): model.lora's "
                          f"targets are its released module names")
-    return fmt
+    return fmt.bind(m) if hasattr(fmt, "bind") else fmt     # a name map that depends on the config
 
 
 def is_adapter(name: str) -> bool:

@@ -25,9 +25,10 @@ import torch.distributed as dist
 
 @dataclass
 class CommCounter:
-    """Collectives issued inside `count_comm()`: a list of (op, numel) in call order."""
+    """Collectives issued inside `count_comm()`: a list of (op, numel) in call order, and their tensors' shapes."""
 
     calls: list[tuple[str, int]] = field(default_factory=list)
+    shapes: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
 
     def count(self, op: str) -> int:
         return sum(1 for name, _ in self.calls if name == op)
@@ -49,20 +50,21 @@ def count_comm():
         _counters.remove(counter)
 
 
-def _record(op: str, numel: int) -> None:
+def _record(op: str, x: torch.Tensor) -> None:
     for counter in _counters:
-        counter.calls.append((op, numel))
+        counter.calls.append((op, x.numel()))
+        counter.shapes.append((op, tuple(x.shape)))
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    _record("all_reduce", x.numel())
+    _record("all_reduce", x)
     x = x.contiguous()
     dist.all_reduce(x, group=group)
     return x
 
 
 def _all_gather_last(x: torch.Tensor, group, size: int) -> torch.Tensor:
-    _record("all_gather", x.numel())
+    _record("all_gather", x)
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x, group=group)

@@ -176,22 +176,33 @@ class ColumnParallelLinear(_Lora):
 
 
 class RowParallelLinear(_Lora):
-    """Linear layer split along its input features; the output is all-reduced over the tp group."""
+    """Linear layer split along its input features; the output is all-reduced over the tp group.
 
-    def __init__(self, in_features: int, out_features: int, *, ctx, bias: bool = True,
+    `in_features` may be a list of fused inputs ([attention, MLP] of a parallel block): each part's columns
+    are split separately and rank i holds [W_a,i  W_m,i], taking the concatenation of its parts' shards."""
+
+    def __init__(self, in_features: Union[int, Sequence[int]], out_features: int, *, ctx, bias: bool = True,
                  input_is_parallel: bool = True, init_method: InitFn = default_weight_init,
                  device=None, dtype=None):
         super().__init__()
+        parts = [in_features] if isinstance(in_features, int) else list(in_features)
+        if not input_is_parallel and len(parts) > 1:
+            raise ValueError("input_is_parallel=False needs a single input part")
+        in_features = sum(parts)
         self.ctx, self.in_features, self.out_features = ctx, in_features, out_features
         self.input_is_parallel = input_is_parallel
         p, r = ctx.tp_size, ctx.tp_rank
-        self.in_features_per_partition = local = _divide(in_features, p, "in_features")
+        local_parts = [_divide(n, p, "in_features") for n in parts]
+        self.in_features_per_partition = local = sum(local_parts)
 
         full_w = _full_init((out_features, in_features), init_method, device, dtype)
         weight = torch.empty((out_features, local), device=device, dtype=dtype) if full_w is None \
-            else full_w[:, r * local:(r + 1) * local].clone()
+            else torch.cat([piece[:, r * n:(r + 1) * n] for piece, n in zip(full_w.split(parts, dim=1), local_parts)],
+                           dim=1).clone()
         self.weight = nn.Parameter(weight)
         mark_tensor_parallel(self.weight, 1)
+        if len(parts) > 1:
+            self.weight.tp_parts = local_parts
         if bias:
             full_b = _full_init((out_features,), lambda b: _default_bias_init(b, in_features), device, dtype)
             self.bias = nn.Parameter(torch.empty((out_features,), device=device, dtype=dtype)
@@ -201,10 +212,15 @@ class RowParallelLinear(_Lora):
 
     def add_lora(self, rank: int, alpha: float, generator: torch.Generator, dropout: float = 0.0) -> None:
         """An adapter: A [r, in / p] (this rank's columns of the full A), B [out, r] replicated."""
-        n, r = self.in_features_per_partition, self.ctx.tp_rank
-        a = _lora_a((rank, self.in_features), generator, self.weight)[:, r * n:(r + 1) * n].contiguous()
+        r = self.ctx.tp_rank
+        local = getattr(self.weight, "tp_parts", None) or [self.in_features_per_partition]
+        full = _lora_a((rank, self.in_features), generator, self.weight)
+        a = torch.cat([piece[:, r * n:(r + 1) * n] for piece, n in
+                       zip(full.split([n * self.ctx.tp_size for n in local], dim=1), local)], dim=1).contiguous()
         self._lora_setup(rank, alpha, dropout, a, torch.zeros(self.out_features, rank))
         mark_tensor_parallel(self.lora_A, 1)
+        if len(local) > 1:
+            self.lora_A.tp_parts = local
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

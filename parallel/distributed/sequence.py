@@ -112,7 +112,9 @@ class SequenceAttention(nn.Module):
     per-token transforms (q/k norms, rotary positions) for tokens start.. of the sequence, after which this
     module attends (`F.scaled_dot_product_attention`, or ring attention across the ring group). `tokens` is an
     int, or a function giving the current step's count when the token grid changes from step to step
-    (buckets: parallel/train/buckets.py).
+    (buckets: parallel/train/buckets.py). Further positional arguments of forward (`extra`: a key mask [B, L]
+    of the leading text rows, the same on every sp rank: HunyuanVideo) reach `attend` as they are (attend
+    only: ring attention takes none).
 
     Ulysses x ring (sp = u x r): DeepSpeed's DistributedAttention all-to-alls over the Ulysses group turn
     [B, S_pad/sp, n, d] into this ring rank's chunk [B, S_pad/r, n/u, d]; ring attention
@@ -145,18 +147,18 @@ class SequenceAttention(nn.Module):
     def _real(self) -> int:
         return self.tokens() if callable(self.tokens) else self.tokens
 
-    def _full(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _full(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *extra) -> torch.Tensor:
         """The whole sequence's real tokens [B, S, n, d] -> [B, S, n, d]."""
         if self.attend is not None:
-            return self.attend(q, k, v)
+            return self.attend(q, k, v, *extra)
         return _sdpa(*self.prepare(q, k, v, 0))
 
-    def _unpadded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _unpadded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *extra) -> torch.Tensor:
         """attend on the real tokens of [B, S_pad, n, d]; the padded rows' output is zero."""
         s, real = q.shape[1], self._real()
         if s == real:
-            return self._full(q, k, v)
-        return _pad_rows(self._full(q[:, :real], k[:, :real], v[:, :real]), s)      # (B, S_pad, n, d)
+            return self._full(q, k, v, *extra)
+        return _pad_rows(self._full(q[:, :real], k[:, :real], v[:, :real], *extra), s)      # (B, S_pad, n, d)
 
     def _ring_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """This ring rank's chunk [B, c, n, d] of the padded sequence (c = S_pad / r) against every ring rank's."""
@@ -167,13 +169,13 @@ class SequenceAttention(nn.Module):
         q, k, v = (_pad_rows(t, c) for t in self.prepare(q[:, :real], k[:, :real], v[:, :real], me * c))
         return ring_attention(q, k, v, self.ring, lengths)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *extra) -> torch.Tensor:
         if self.ulysses is not None:
-            return self.ulysses(q, k, v, 0)
+            return self.ulysses(q, k, v, 0, None, *extra)               # DeepSpeed passes *extra to the inner
         if self.ring is not None:
             return self._ring_chunk(q, k, v)
         if self.sp == 1:
-            return self._full(q, k, v)
+            return self._full(q, k, v, *extra)
         # A planning context (no process group): one sp rank's shapes, [B, S_pad/sp, n, d] <-> [B, S_pad/r, n/u, d]
         # for Ulysses (the all-to-all keeps nothing for backward, and neither does a reshape). Under ring the
         # chunk attends to itself: ring attention saves what that saves (its q, k, v chunk, output and
@@ -182,5 +184,5 @@ class SequenceAttention(nn.Module):
         u = self.ulysses_size
         q, k, v = (t.reshape(b, s * u, n // u, d) for t in (q, k, v))
         if self.ring_size == 1:
-            return self._unpadded(q, k, v).reshape(b, s, n, d)
+            return self._unpadded(q, k, v, *extra).reshape(b, s, n, d)
         return _sdpa(*self.prepare(q, k, v, 0)).reshape(b, s, n, d)

@@ -338,10 +338,11 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
         chosen = checkpointed_blocks(cfg.model.num_layers, every, start, start + n) if rc is not None else 0
         first, last = s == 0, s == pp - 1
         flight = min(pp - s, m)
-        params = list(embed.params if first else ()) + list(block.params) * n + list(final.params if last else ())
+        layers, layers_trainable = tracer.layer_parameters(start, n, tp, sp)
+        params = list(embed.params if first else ()) + layers + list(final.params if last else ())
         # LoRA: the optimizer, its master weights and gradients hold the adapters; the frozen base is weights only.
         trainable = params if block.trainable is None else \
-            list(embed.trainable if first else ()) + list(block.trainable) * n + list(final.trainable if last else ())
+            list(embed.trainable if first else ()) + layers_trainable + list(final.trainable if last else ())
         dev, host = model_states(trainable, eng, dp, pp, m)
         dev["parameters"] += frozen_bytes(params, trainable, eng, dp, pp)
         own = (embed.activations if first else 0) + (final.activations if last else 0)

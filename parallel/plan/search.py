@@ -94,9 +94,9 @@ class StepTime:
 
 def count_params(tracer: ActivationTracer) -> tuple[int, int]:
     """(all parameters of one model replica, block parameters) counted on the tp = 1 build."""
-    block = sum(n for n, _ in tracer.trace("block", 1, 1).params)
+    blocks = sum(n for n, _ in tracer.layer_parameters(0, tracer.cfg.model.num_layers, 1)[0])
     ends = sum(n for kind in ("embed", "final") for n, _ in tracer.trace(kind, 1, 1).params)
-    return block * tracer.cfg.model.num_layers + ends, block * tracer.cfg.model.num_layers
+    return blocks + ends, blocks
 
 
 # DeepSpeed 0.19's ZeRO++: weights int8 in groups of under 8,000 elements (CUDAQuantizer.target_group_size, "the
@@ -142,7 +142,7 @@ def estimate_step_time(cfg: ExperimentConfig, eng: EngineSettings, dp: int, devi
     ring = lambda n: 2 * (n - 1) / n  # (bytes moved per device by a ring all-reduce, x size)
     tp_time = 0.0
     if tp > 1:
-        row_parallel = family(m_cfg).row_parallel_per_layer     # b S H all-reduces per layer's forward
+        row_parallel = family(m_cfg).row_parallel(m_cfg)        # b S H all-reduces per layer's forward
         per_block = row_parallel * (2 + f) * ring(tp) * trace.input_bytes / device.intra_bw
         tp_time = m * (m_cfg.num_layers / pp) * per_block
     sp_time = 0.0

@@ -275,6 +275,29 @@ class ActivationTracer:
                           tuple(_affine(a, c, b) for a, c in zip(one.side_bytes, two.side_bytes)), one.side_saved,
                           one.buffers, one.params, one.tables, one.trainable)
 
+    def layer_parameters(self, start: int, n: int, tp: int, sp: int = 1) -> tuple[list, Optional[list]]:
+        """(params, trainable) as in StageTrace, of layers [start, start + n) at tp: the traced block's n times,
+        or, for a family whose layers differ by index (its layer class `indexed`: HunyuanVideo's dual- and
+        single-stream blocks), each layer built on meta by itself."""
+        block = self.trace("block", tp, 1, sp)
+        if not getattr(family(self.cfg.model).layer, "indexed", False):
+            return list(block.params) * n, (list(block.trainable) * n if block.trainable is not None else None)
+        params, trainable = [], [] if block.trainable is not None else None
+        specs = layer_specs(self.cfg, ParallelContext.single(tp, sp))
+        for i in range(start, start + n):
+            key = ("layer", i, tp, sp)
+            if key not in self._traces:
+                with torch.device("meta"):
+                    module = specs[1 + i].build()
+                    if self.cfg.model.lora is not None:
+                        apply_lora(module, self.cfg.model, self.cfg.train.seed, prefix=f"{specs[1 + i].name}.")
+                self._traces[key] = (tuple((p.numel(), p.dim()) for p in module.parameters()),
+                                     tuple((p.numel(), p.dim()) for p in module.parameters() if p.requires_grad))
+            params += self._traces[key][0]
+            if trainable is not None:
+                trainable += self._traces[key][1]
+        return params, trainable
+
     def recompute_fraction(self, granularity: str, tp: int = 1, sp: int = 1) -> float:
         """FLOPs a checkpointed block repeats in backward, as a fraction of its forward's: (forward + backward
         with `granularity` checkpointed - without) / forward, counted by torch's FlopCounterMode on meta

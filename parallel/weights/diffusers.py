@@ -37,7 +37,7 @@ def released_format(m: ModelConfig) -> ReleasedFormat:
     if fmt is None:
         raise ValueError(f"model.family={m.family} has no released-weights format: model.init_from and "
                          f"--format diffusers need a family that has one")
-    return fmt
+    return fmt.bind(m) if hasattr(fmt, "bind") else fmt     # a name map that depends on the config
 
 
 def check_config(m: ModelConfig, folder: Path) -> list[str]:
@@ -154,9 +154,12 @@ def _rank_slices(sources: list[str], p: torch.Tensor, ctx) -> list[tuple[str, tu
     r = ctx.tp_rank
     if not getattr(p, "tensor_model_parallel", False):    # replicated: the whole tensor(s)
         return [(s, (slice(None),)) for s in sources]
-    if p.partition_dim == 1:                              # row-parallel: columns of the one source
-        n = p.shape[1]
-        return [(sources[0], (slice(None), slice(r * n, (r + 1) * n)))]
+    if p.partition_dim == 1:                              # row-parallel: columns of each fused input part
+        offsets, pieces = 0, []
+        for n in getattr(p, "tp_parts", None) or [p.shape[1]]:
+            pieces.append((sources[0], (slice(None), slice(offsets + r * n, offsets + (r + 1) * n))))
+            offsets += n * ctx.tp_size
+        return pieces
     local = getattr(p, "tp_parts", None) or [p.shape[0]]  # column-parallel: rows of each fused part
     return [(s, (slice(r * n, (r + 1) * n),)) for s, n in zip(sources, local)]
 

@@ -26,7 +26,8 @@ def to_diffusers(name: str, full: torch.Tensor, m: ModelConfig) -> dict[str, tor
     if len(shapes) == 1:
         (source, shape), = shapes.items()
         return {source: full.reshape(shape).contiguous()}
-    return {s: piece.contiguous() for s, piece in zip(shapes, full.chunk(len(shapes), dim=0))}
+    rows = [shape[0] for shape in shapes.values()]          # fused parts, not always equal ([q; k; v; MLP])
+    return {s: piece.contiguous() for s, piece in zip(shapes, full.split(rows, dim=0))}
 
 
 def export_diffusers(module: nn.Module, ctx, cfg, out: str | Path, value: Optional[Callable] = None,

@@ -62,10 +62,10 @@ def test_one_shape_is_the_plain_walk():
 
 
 MODEL_CASES = [("debug", (), SHAPES[1]), ("debug", ("model.pos_embed=rope3d",), SHAPES[1]),
-               ("debug-stdit", (), SHAPES[2]), ("debug-wan", (), SHAPES[1])]
+               ("debug-stdit", (), SHAPES[2]), ("debug-wan", (), SHAPES[1]), ("debug-hunyuan", (), SHAPES[1])]
 
 
-@pytest.mark.parametrize("preset, extra, shape", MODEL_CASES, ids=["sincos", "rope3d", "stdit", "wan"])
+@pytest.mark.parametrize("preset, extra, shape", MODEL_CASES, ids=["sincos", "rope3d", "stdit", "wan", "hunyuanvideo"])
 def test_model_at_a_step_shape_equals_one_built_for_it(preset, extra, shape):
     """The stages built at the config's shape and set to a bucket's grid predict what stages built for
     that shape predict (position tables, token counts and unpatchify follow the step's grid)."""

@@ -46,9 +46,10 @@ def test_every_builtin_spec_names_its_own_pipeline():
                  if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING]
     assert defaulted == ["experts"]                 # optional: one transformer unless a family lists experts
     assert {n: s.vae.class_name for n, s in FAMILIES.items()} == {
-        "cogvideox": "AutoencoderKLCogVideoX", "stdit": "AutoencoderKLCogVideoX", "wan": "AutoencoderKLWan"}
-    assert sorted(vae_formats()) == ["AutoencoderKLCogVideoX", "AutoencoderKLWan"]
-    assert sorted(text_encoder_formats()) == ["T5EncoderModel", "UMT5EncoderModel"]
+        "cogvideox": "AutoencoderKLCogVideoX", "hunyuanvideo": "AutoencoderKLHunyuanVideo",
+        "stdit": "AutoencoderKLCogVideoX", "wan": "AutoencoderKLWan"}
+    assert sorted(vae_formats()) == ["AutoencoderKLCogVideoX", "AutoencoderKLHunyuanVideo", "AutoencoderKLWan"]
+    assert sorted(text_encoder_formats()) == ["T5EncoderModel", "UMT5EncoderModel"]     # HunyuanVideo's: not yet
 
 
 def test_register_refuses_a_taken_name_and_a_config_of_another_family(registry):
@@ -80,7 +81,7 @@ def test_a_family_outside_models_is_named_by_the_experiment(registry, tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(without)
     assert str(e.value).startswith(f"{without}: model.family='toy' is not a model family; families: cogvideox, "
-                                   "stdit, wan (a family kept outside models/ is registered by a module the "
+                                   "hunyuanvideo, stdit, wan (a family kept outside models/ is registered by a module the "
                                    "experiment names under families:")
     missing = tmp_path / "missing.yaml"
     missing.write_text(yaml.safe_dump({**tree, "families": ["tests.no_such_family"]}))

@@ -1,0 +1,145 @@
+"""The HunyuanVideo family in 4 gloo ranks against diffusers' HunyuanVideoTransformer3DModel and against one process.
+
+One spawn serves every case: the tiny random release (tests/unit/test_hunyuanvideo.py's `released` fixture: 2
+dual-stream + 2 single-stream blocks) loaded at (tp, pp) = (1, 1), (2, 1), (1, 2), (2, 2) and at sp 2 (tp 1 and
+tp 2) predicts what diffusers predicts (sp 2 splits the 8 text + 72 video tokens so that one rank holds all the
+text, the other none); at tp 2 the gradients of a loss equal diffusers' own (the single block's fused
+[q, k, v, MLP] input and [attention; MLP] output split per part, the replicated q/k RMSNorm weights summed over
+ranks), and one block's forward issues the all-reduces docs/tensor-parallel.md lists; tp 2 x pp 2 exports a diffusers folder that `from_pretrained` reads back bit for bit; and three training
+steps at tp 2 x pp 2 and at sp 2 x dp 2 equal one process, and so do three steps of rank-4 adapters at tp 2 x pp 2.
+"""
+import json
+from pathlib import Path
+
+import torch
+from diffusers import HunyuanVideoTransformer3DModel
+
+from parallel.config import load_config
+from parallel.weights.diffusers import INDEX_NAME
+from tests.dist_utils import run_ranks
+from tests.train_utils import assert_matches, fp32_config, train
+from tests.unit.test_hunyuanvideo import DIFFUSERS, diffusers_forward, inputs, overrides, released  # noqa: F401
+
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2)]     # (tp, pp, sp); dp fills 4 ranks
+TRAIN_LAYOUTS = [(2, 2, 1, 1), (1, 1, 2, 2)]                                     # (tp, pp, sp, dp)
+# Adapters on the single block's fused input (its q and MLP parts) and its [attention; MLP] output (row-parallel over
+# two input parts), and on the dual block's text output.
+LORA = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[proj_out,to_q,proj_mlp,to_add_out]")
+
+
+def hunyuan_fp32_config() -> dict:
+    """fp32_config with Adam's eps at 1e-6, as tests/distributed/test_sequence_parallel.py's sp_config says why."""
+    ds = fp32_config()
+    ds["optimizer"]["params"]["eps"] = 1e-6
+    return ds
+
+
+def _model(folder, tp, pp, sp, world_size):
+    from parallel.build import build_model
+    from parallel.distributed.topology import ParallelContext, ParallelDims
+    from parallel.weights.diffusers import load_released
+
+    cfg = load_config("debug-hunyuan", overrides(folder) + [f"parallel.tp_size={tp}", f"parallel.pp_size={pp}",
+                                                              f"parallel.sp_size={sp}"])
+    ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=world_size // (tp * pp * sp)))
+    model = build_model(cfg, {}, ctx)
+    load_released(model, ctx, cfg.model, folder)
+    return cfg, ctx, model
+
+
+def _rank(rank, world_size, folder, export_dir):
+    import types
+
+    import deepspeed
+
+    from parallel.distributed import accelerator
+    from parallel.train.validate import StageForward
+    from parallel.weights.diffusers_export import export_diffusers
+    from parallel.weights.gather import full_tensors
+    from tests.train_utils import _train_rank
+
+    deepspeed.init_distributed(dist_backend=accelerator.backend())
+    x, out = inputs(), {}
+    for tp, pp, sp in LAYOUTS:
+        cfg, ctx, model = _model(folder, tp, pp, sp, world_size)
+        forward = StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx)
+        out[("predict", tp, pp, sp)] = forward.predict(x, x[0])
+        if (tp, pp) == (2, 2):
+            export_diffusers(model, ctx, cfg, Path(export_dir), max_shard_bytes=200_000)
+    cfg, ctx, model = _model(folder, 2, 1, 1, world_size)
+    target = torch.randn(x[0].shape, generator=torch.Generator().manual_seed(3))
+    from parallel.distributed.comm import count_comm
+    h = model.embed(x)
+    with count_comm() as dual:
+        h = model.blocks[0](h)
+    h = model.blocks[1](h)
+    with count_comm() as single:
+        h = model.blocks[2](h)
+    out["all_reduces"] = dual.numels("all_reduce"), single.numels("all_reduce")
+    torch.nn.functional.mse_loss(model.final(model.blocks[3](h)), target).backward()
+    out["grads"] = dict(full_tensors(model, ctx, cfg.model.num_layers, value=lambda p: p.grad))
+    ds = hunyuan_fp32_config()
+    for tp, pp, sp, dp in TRAIN_LAYOUTS:
+        out[("train", tp, pp, sp, dp)] = _train_rank(rank, world_size, tp, pp, dp, ds, 3, (), sp, "debug-hunyuan", 0)
+    out["lora"] = _train_rank(rank, world_size, 2, 2, 1, ds, 3, LORA, 1, "debug-hunyuan", 0)
+    return out
+
+
+def test_hunyuanvideo_in_every_layout(released, tmp_path):
+    folder, model = released
+    reference = train(1, 1, 1, hunyuan_fp32_config(), preset="debug-hunyuan")
+    lora_reference = train(1, 1, 1, hunyuan_fp32_config(), extra=LORA, preset="debug-hunyuan")
+    results = run_ranks(_rank, 4, str(folder), str(tmp_path / "export"))
+
+    # Prediction: every layout, every rank, equals diffusers.
+    want = diffusers_forward(model, *inputs())
+    for rank, out in enumerate(results):
+        for tp, pp, sp in LAYOUTS:
+            torch.testing.assert_close(out[("predict", tp, pp, sp)], want,
+                                       msg=lambda m: f"tp={tp} pp={pp} sp={sp} rank {rank}: {m}")
+
+    # Gradients at tp 2 equal diffusers' (names through the released format's map).
+    from parallel.weights.diffusers_export import to_diffusers
+    cfg = load_config("debug-hunyuan", overrides(folder))
+    model.zero_grad()
+    target = torch.randn(inputs()[0].shape, generator=torch.Generator().manual_seed(3))
+    torch.nn.functional.mse_loss(DIFFUSERS.reference_call(model, inputs(), {}), target).backward()
+    theirs = {n: p.grad for n, p in model.named_parameters()}
+    ours = {}
+    for name, grad in results[0]["grads"].items():
+        ours.update(to_diffusers(name, grad, cfg.model))
+    assert ours.keys() == theirs.keys()
+    for name, grad in theirs.items():
+        torch.testing.assert_close(ours[name], grad, msg=lambda m: f"{name}: {m}")
+
+    # One block's forward at tp 2: dual, the text and video outputs of attention and of the FFNs (B x L x H and
+    # B x S x H each); single, its one [attention; MLP] output over all B x (L + S) tokens.
+    b, text, video, hid = 2, 8, 72, 64
+    assert results[0]["all_reduces"] == ([b * text * hid, b * video * hid, b * text * hid, b * video * hid],
+                                         [b * (text + video) * hid])
+
+    # Export from tp 2 x pp 2: shards of each stage with an index; from_pretrained gives the original bits.
+    exported = tmp_path / "export"
+    assert (exported / INDEX_NAME).is_file() and len(list(exported.glob("*.safetensors"))) > 2
+    again = HunyuanVideoTransformer3DModel.from_pretrained(exported)
+    public = lambda config: json.loads(json.dumps({k: v for k, v in config.items() if not k.startswith("_")}))
+    assert public(again.config) == public(model.config)
+    original = model.state_dict()
+    assert again.state_dict().keys() == original.keys()
+    for name, value in again.state_dict().items():
+        assert torch.equal(value, original[name]), name
+
+    # Training: tp 2 x pp 2 and sp 2 x dp 2 equal one process, 3 steps.
+    for tp, pp, sp, dp in TRAIN_LAYOUTS:
+        rows = [r[("train", tp, pp, sp, dp)] for r in results]
+        run = {"losses": rows[0]["losses"], "all_losses": [r["losses"] for r in rows],
+               "state": {k: v for r in rows for k, v in r["state"].items()},
+               "replica_mismatches": sorted({n for r in rows for n in r["replica_mismatches"]})}
+        assert_matches(run, reference)
+    rows = [r["lora"] for r in results]
+    assert_matches({"losses": rows[0]["losses"], "all_losses": [r["losses"] for r in rows],
+                    "state": {k: v for r in rows for k, v in r["state"].items()},
+                    "replica_mismatches": sorted({n for r in rows for n in r["replica_mismatches"]})}, lora_reference)
+    adapted = [n for n in lora_reference["state"] if n.endswith("lora_B")]
+    assert "blocks.3.proj_out.lora_B" in adapted and "blocks.0.to_add_out.lora_B" in adapted
+    assert lora_reference["state"]["blocks.3.proj_out.lora_B"].abs().sum() > 0       # the adapters trained
