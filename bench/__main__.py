@@ -15,6 +15,8 @@ Sections (each names what it is compared with):
   compile       step time with compiled blocks (train.compile) vs eager, and the compile time (bench/compile.py)
   recompute     each train.recompute / activation_compression option: step time and saved bytes vs the
                 planner, and compression's loss curve (bench/recompute.py; alone: --only recompute)
+  ring          sp 4 as Ulysses 4, Ulysses 2 x ring 2 and ring 4: step time and the bytes each moves vs the
+                planner's counts (bench/ring.py)
   peer          the toolkit vs diffusers' CogVideoX and Wan on the same weights, with a profile (bench/peer.py)
 Nothing here is asserted: these are measurements on a shared machine, reported with their medians.
 """
@@ -37,7 +39,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import comm, peer, recompute
+from bench import comm, peer, recompute, ring
 from bench import compile as compiled
 from bench.device import matmul_flops
 from bench.overhead import MID, build_engines
@@ -197,6 +199,7 @@ def plots(report: dict, out: Path) -> list[str]:
 def markdown(r: dict, figures: list[str]) -> str:
     peer_lines = peer.markdown(r["peer"]) if "peer" in r else []
     peer_lines += recompute.markdown(r["recompute"]) if "recompute" in r else []
+    peer_lines += ring.markdown(r["ring"], r.get("runs", {}).get("ring")) if "ring" in r else []
     if "in_process" not in r:                      # a report of the peer section alone
         return "\n".join([f"# Benchmarks ({r['date']}, {r['machine']})", *peer_lines, ""])
     p = r["in_process"]
@@ -241,7 +244,7 @@ def markdown(r: dict, figures: list[str]) -> str:
 SECTIONS = {"in_process": lambda steps: in_process(steps), "pipeline": lambda steps: pipeline(max(6, steps // 2)),
             "validation": lambda steps: validation(8), "communication": lambda steps: comm.measure(MID),
             "compile": lambda steps: compiled.measure(MID, steps), "recompute": lambda steps: recompute.measure(steps),
-            "peer": lambda steps: peer.run()}
+            "ring": lambda steps: ring.measure(MID, max(3, steps // 4)), "peer": lambda steps: peer.run()}
 
 
 def main() -> int:
@@ -261,8 +264,11 @@ def main() -> int:
     tic = time.perf_counter()
     old = out / "report.json"
     report = json.loads(old.read_text()) if old.is_file() and len(only) < len(SECTIONS) else {}
-    report.update({"steps": args.steps, "date": time.strftime("%Y-%m-%d"),
-                   "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}"})
+    stamp = {"steps": args.steps, "date": time.strftime("%Y-%m-%d"),
+             "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}"}
+    if len(only) == len(SECTIONS) or "date" not in report:
+        report.update(stamp)                     # the header's run; a section run alone carries its own stamp
+    report.setdefault("runs", {}).update({name: stamp for name in only})
     bar = tqdm(only, desc="bench", unit="section", file=sys.stderr, dynamic_ncols=True)
     for name in bar:
         bar.set_postfix_str(name)
