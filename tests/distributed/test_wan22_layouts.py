@@ -1,6 +1,9 @@
 """Wan 2.2 A14B, both experts in one run (configs/debug-wan22.yaml, models/wan/experts.py): three training steps at
 tp 2 x pp 2 and at sp 2 x dp 2 equal one process (losses on every rank, both experts' weights), and every rank of
-every layout routes each sample of each step to the expert one process routes it to. One spawn of 4 gloo ranks.
+every layout routes each sample of each step to the expert one process routes it to; a tiny random release
+(tests/unit/test_wan22_released.py) read at tp 2 x pp 2 and exported with --format diffusers's writer gives
+transformer/ and transformer_2/ that WanTransformer3DModel.from_pretrained reads back bit for bit. One spawn of 4
+gloo ranks.
 """
 import torch
 
@@ -34,14 +37,30 @@ def experts_by_position(tp, pp, sp, dp):
     return out
 
 
-def _rank(rank, world_size):
+def _export(folder, out):
+    """Read the release at tp 2 x pp 2, export it as diffusers folders."""
+    from parallel.build import build_model
+    from parallel.config import load_config
+    from parallel.distributed.topology import ParallelContext, ParallelDims
+    from parallel.weights.diffusers import load_released
+    from parallel.weights.diffusers_export import export_diffusers
+    from tests.unit.test_wan22_released import overrides
+
+    cfg = load_config(PRESET, overrides(folder, "parallel.tp_size=2", "parallel.pp_size=2"))
+    ctx = ParallelContext.build(ParallelDims(tp_size=2, sp_size=1, pp_size=2, dp_size=1))
+    model = build_model(cfg, {}, ctx)
+    load_released(model, ctx, cfg.model, folder)
+    return [str(p) for p in export_diffusers(model, ctx, cfg, out, max_shard_bytes=100_000)]
+
+
+def _rank(rank, world_size, folder, export):
     import deepspeed
 
     from parallel.distributed import accelerator
     from tests.train_utils import _train_rank
 
     deepspeed.init_distributed(dist_backend=accelerator.backend())
-    out = {}
+    out = {"export": _export(folder, export)}
     for tp, pp, sp, dp in TRAIN_LAYOUTS:
         out[("train", tp, pp, sp, dp)] = _train_rank(rank, world_size, tp, pp, dp, wan_fp32_config(), STEPS, (), sp,
                                                      PRESET, 0)
@@ -49,8 +68,23 @@ def _rank(rank, world_size):
     return out
 
 
-def test_both_experts_train_alike_in_every_layout():
-    results = run_ranks(_rank, 4)
+def test_both_experts_train_alike_in_every_layout(tmp_path):
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import load_file
+
+    from tests.unit.test_wan22_released import write_release
+    folder, models = write_release(tmp_path / "release")
+    results = run_ranks(_rank, 4, str(folder), str(tmp_path / "export"))
+    # Export: both folders, sharded, read back bit for bit by diffusers.
+    for sub, model in zip(("transformer", "transformer_2"), models):
+        files = sorted((tmp_path / "export" / sub).glob("*.safetensors"))
+        assert len(files) > 1 and (tmp_path / "export" / sub / "diffusion_pytorch_model.safetensors.index.json").is_file()
+        again = WanTransformer3DModel.from_pretrained(tmp_path / "export" / sub)
+        theirs = {n: p for n, p in model.state_dict().items()}
+        ours = again.state_dict()
+        assert ours.keys() == theirs.keys() and sum(len(load_file(str(f))) for f in files) == len(theirs)
+        for name, want in theirs.items():
+            assert torch.equal(ours[name], want), (sub, name)
     reference = train(1, 1, 1, wan_fp32_config(), steps=STEPS, preset=PRESET)
     want = experts_by_position(1, 1, 1, 1)
     # Both experts train, and some micro-batch of 2 mixes them (the split-by-sample path).
