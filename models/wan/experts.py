@@ -154,3 +154,14 @@ class ExpertFinal(nn.Module):
 
     def assemble(self, out: torch.Tensor) -> torch.Tensor:
         return self.experts[0].assemble(out)
+
+
+def guidance(cfg, guidance_scale: float, guidance_scale_2: float | None):
+    """The sampler's guidance (models/sampling.py `sample`): WanPipeline's guidance_scale while the high-noise
+    expert samples (t >= the boundary), guidance_scale_2 after; a float when there is one expert or no
+    guidance_scale_2 (the pipeline then uses guidance_scale throughout)."""
+    if not both(cfg) or guidance_scale_2 is None:
+        return guidance_scale
+    bound = experts_at(boundary(cfg))
+    return lambda t: guidance_scale if int(bound.expert(torch.as_tensor(t, dtype=torch.float64))) == 0 \
+        else guidance_scale_2

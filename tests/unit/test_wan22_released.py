@@ -106,3 +106,41 @@ def test_wrong_folders_are_refused_by_name(release, tmp_path):
                         "--set model.experts.boundary_ratio=0.9 or use the matching preset"]
     fixed = load_config("debug-wan22", overrides(i2v, "model.experts.boundary_ratio=0.9"))
     assert check_released(fixed.model, i2v) == []
+
+
+def test_sampling_switches_experts_and_guidance_as_the_pipeline(release):
+    """WanPipeline(transformer, transformer_2, boundary_ratio) with guidance_scale and guidance_scale_2, 6 UniPC
+    steps (flow shift 3): its latents, from the same noise, equal the toolkit's model read from the release and
+    models/sampling.py's sampler with the experts' guidance (models/wan/experts.py `guidance`)."""
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    from models.diffusion import Objective
+    from models.sampling import sample
+    from models.wan.experts import expert_of, guidance
+    folder, (high, low) = release
+    cfg = load_config("debug-wan22", overrides(folder))
+    ours, _ = _loaded(folder)
+    g = torch.Generator().manual_seed(11)
+    noise, text, negative = (torch.randn(1, 4, 3, HEIGHT, WIDTH, generator=g), torch.randn(1, 8, 32, generator=g),
+                             torch.randn(1, 8, 32, generator=g))
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        flow_shift=cfg.model.schedule.shift)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=high, transformer_2=low,
+                       scheduler=scheduler, boundary_ratio=BOUNDARY)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        want = pipe(prompt_embeds=text, negative_prompt_embeds=negative, latents=noise.clone(), height=HEIGHT * 8,
+                    width=WIDTH * 8, num_frames=9, num_inference_steps=6, guidance_scale=2.0, guidance_scale_2=3.5,
+                    output_type="latent").frames
+    seen = []
+
+    def predict(x, t, conditional):
+        seen.append(t)
+        with torch.no_grad():
+            return ours.predict((x, t, text if conditional else negative))
+    got = sample(predict, noise, Objective.of(cfg.model), 6, "unipc", guidance(cfg.model, 2.0, 3.5))
+    torch.testing.assert_close(got, want)
+    assert [float(t[0]) for t in seen[::2]] == pipe.scheduler.timesteps.tolist()
+    assert expert_of(cfg.model, torch.stack(seen[::2])[:, 0]).unique().tolist() == [0, 1]      # the switch is in it
+    # With one guidance throughout, another result: guidance_scale_2 is used.
+    assert not torch.allclose(sample(predict, noise, Objective.of(cfg.model), 6, "unipc", 2.0), want)
