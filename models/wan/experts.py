@@ -95,7 +95,8 @@ def band(model) -> torch.Tensor:
 def _route(modules: Sequence[nn.Module], expert: torch.Tensor, inputs: tuple, first: Callable):
     """Each sample of `inputs` (batch-first tensors) through modules[expert[b]]; the outputs in sample order.
     `first(out)` is the output's tensor that carries the idle experts' zero term."""
-    used = sorted(set(expert.tolist()))
+    # The planner traces on the meta device (no values): a micro-batch of one expert, what each step's memory is.
+    used = [0] if expert.is_meta else sorted(set(expert.tolist()))
     if len(used) == 1:
         out = modules[used[0]](inputs)
     else:
@@ -135,6 +136,11 @@ class ExpertLayer(nn.Module):
     def __init__(self, stage: type, cfg, grid, ctx):
         super().__init__()
         self.experts = nn.ModuleList([stage(cfg, grid, ctx) for _ in NAMES])
+
+    @property
+    def expert_layers(self) -> tuple[nn.Module, ...]:
+        """Each expert's block, whose parts selective recomputation wraps (parallel/recompute.py)."""
+        return tuple(self.experts)
 
     def forward(self, inputs):
         *wan, expert = inputs

@@ -68,3 +68,30 @@ def test_each_sample_runs_through_its_own_expert_only():
 def test_bad_expert_settings_are_refused_by_key(setting, words):
     with pytest.raises(ConfigError, match=words):
         _cfg(setting)
+
+
+@pytest.mark.parametrize("granularity", ["attention", "mlp", "block"])
+def test_selective_recompute_wraps_both_experts(granularity):
+    """train.recompute on a two-expert model: each expert's part is checkpointed; the gradients are unchanged."""
+    from parallel.build import build_model
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext
+    from parallel.recompute import layers_of
+    g = torch.Generator().manual_seed(0)
+    lat, text = torch.randn(2, 4, 3, 8, 8, generator=g), torch.randn(2, 8, 32, generator=g)
+    grads = []
+    for extra in ([], [f"train.recompute.granularity={granularity}"]):
+        cfg = _cfg(*extra)
+        seed_all(cfg.train.seed)
+        model = build_model(cfg, {}, ParallelContext.single())
+        h = model.embed((lat, torch.tensor([950.0, 100.0]), text))
+        for block in model.blocks:
+            h = block(h)
+        model.final(h).square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert [i for i, _ in layers_of(model, cfg)] == [0, 0, 1, 1, 2, 2, 3, 3]     # each expert's block i
+    owner, attribute = {"attention": (lambda b: b.attn1.core, "forward"), "mlp": (lambda b: b, "ffn"),
+                        "block": (lambda b: b, "forward")}[granularity]
+    assert all(attribute in vars(owner(b)) for b in model.blocks[0].experts)      # replaced on the instance
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=lambda m: f"{name}: {m}")
