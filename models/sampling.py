@@ -115,6 +115,17 @@ def guidance_at(guidance_scale: float, t: int, steps: int, use_dynamic_cfg: bool
     return 1 + guidance_scale * (1 - math.cos(math.pi * ((steps - t) / steps) ** 5.0)) / 2
 
 
+def family_guidance(spec, model, guidance_scale: float, guidance_scale_2: Optional[float]):
+    """The guidance `sample` takes for a model of family `spec` (FamilySpec): guidance_scale, or with
+    guidance_scale_2 (val.guidance_scale_2) what the family makes of both (Wan 2.2 A14B: one per expert)."""
+    if guidance_scale_2 is None:
+        return guidance_scale
+    if spec.sampling.guidance is None:
+        raise ValueError(f"val.guidance_scale_2={guidance_scale_2}: model.family={spec.name} has one transformer; "
+                         f"set val.guidance_scale only (--set val.guidance_scale_2=null)")
+    return spec.sampling.guidance(model, guidance_scale, guidance_scale_2)
+
+
 def _guided(predict: Predictor, x: torch.Tensor, t, guidance_scale) -> torch.Tensor:
     """t: an int timestep, or a 0-dim float32 tensor (flow_euler's fractional ones); guidance_scale a float or a
     function of t (guidance_at)."""

@@ -165,9 +165,13 @@ class ExpertFinal(nn.Module):
 def guidance(cfg, guidance_scale: float, guidance_scale_2: float | None):
     """The sampler's guidance (models/sampling.py `sample`): WanPipeline's guidance_scale while the high-noise
     expert samples (t >= the boundary), guidance_scale_2 after; a float when there is one expert or no
-    guidance_scale_2 (the pipeline then uses guidance_scale throughout)."""
-    if not both(cfg) or guidance_scale_2 is None:
+    guidance_scale_2 (the pipeline then uses guidance_scale throughout); guidance_scale_2 for one transformer is
+    refused."""
+    if guidance_scale_2 is None:
         return guidance_scale
+    if not both(cfg):
+        raise ValueError(f"val.guidance_scale_2={guidance_scale_2}: model {cfg.name} has one transformer (two: "
+                         f"model.experts.train both); set val.guidance_scale only (--set val.guidance_scale_2=null)")
     bound = experts_at(boundary(cfg))
     return lambda t: guidance_scale if int(bound.expert(torch.as_tensor(t, dtype=torch.float64))) == 0 \
         else guidance_scale_2

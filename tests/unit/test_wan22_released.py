@@ -138,9 +138,27 @@ def test_sampling_switches_experts_and_guidance_as_the_pipeline(release):
         seen.append(t)
         with torch.no_grad():
             return ours.predict((x, t, text if conditional else negative))
+    # val.guidance_scale and val.guidance_scale_2, as validation and python -m parallel.sample read them
+    from models.registry import family
+    from models.sampling import family_guidance
+    cfg = load_config("debug-wan22", overrides(folder, "val.guidance_scale=2.0", "val.guidance_scale_2=3.5"))
+    scales = family_guidance(family(cfg.model), cfg.model, cfg.val.guidance_scale, cfg.val.guidance_scale_2)
+    assert [scales(t) for t in (999, 875, 874.9, 0)] == [2.0, 2.0, 3.5, 3.5]
     got = sample(predict, noise, Objective.of(cfg.model), 6, "unipc", guidance(cfg.model, 2.0, 3.5))
     torch.testing.assert_close(got, want)
     assert [float(t[0]) for t in seen[::2]] == pipe.scheduler.timesteps.tolist()
     assert expert_of(cfg.model, torch.stack(seen[::2])[:, 0]).unique().tolist() == [0, 1]      # the switch is in it
     # With one guidance throughout, another result: guidance_scale_2 is used.
     assert not torch.allclose(sample(predict, noise, Objective.of(cfg.model), 6, "unipc", 2.0), want)
+
+
+def test_guidance_scale_2_is_refused_for_one_transformer():
+    from models.registry import family
+    from models.sampling import family_guidance
+    fix = r"set val.guidance_scale only \(--set val.guidance_scale_2=null\)"
+    for preset, words in [("debug", "model.family=cogvideox has one transformer"),
+                          ("debug-wan", r"model debug-wan has one transformer \(two: model.experts.train both\)")]:
+        cfg = load_config(preset, ["val.guidance_scale_2=3.5"])
+        with pytest.raises(ValueError, match=rf"val.guidance_scale_2=3.5: {words}; {fix}"):
+            family_guidance(family(cfg.model), cfg.model, 2.0, 3.5)
+        assert family_guidance(family(cfg.model), cfg.model, 2.0, None) == 2.0
