@@ -38,19 +38,31 @@ def experts_by_position(tp, pp, sp, dp):
 
 
 def _export(folder, out):
-    """Read the release at tp 2 x pp 2, export it as diffusers folders."""
+    """Read the release at tp 2 x pp 2 and at sp 2 x dp 2: the prediction of a batch mixing both experts in
+    each; export it from tp 2 x pp 2 as diffusers folders."""
+    import types
+
     from parallel.build import build_model
     from parallel.config import load_config
     from parallel.distributed.topology import ParallelContext, ParallelDims
+    from parallel.train.validate import StageForward
     from parallel.weights.diffusers import load_released
     from parallel.weights.diffusers_export import export_diffusers
-    from tests.unit.test_wan22_released import overrides
+    from tests.unit.test_wan22_released import MIXED, inputs, overrides
 
-    cfg = load_config(PRESET, overrides(folder, "parallel.tp_size=2", "parallel.pp_size=2"))
-    ctx = ParallelContext.build(ParallelDims(tp_size=2, sp_size=1, pp_size=2, dp_size=1))
-    model = build_model(cfg, {}, ctx)
-    load_released(model, ctx, cfg.model, folder)
-    return [str(p) for p in export_diffusers(model, ctx, cfg, out, max_shard_bytes=100_000)]
+    result = {}
+    for tp, pp, sp in [(2, 2, 1), (1, 1, 2)]:
+        cfg = load_config(PRESET, overrides(folder, f"parallel.tp_size={tp}", f"parallel.pp_size={pp}",
+                                            f"parallel.sp_size={sp}"))
+        ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=4 // (tp * pp * sp)))
+        model = build_model(cfg, {}, ctx)
+        load_released(model, ctx, cfg.model, folder)
+        forward = StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx)
+        x = inputs(MIXED)
+        result[(tp, pp, sp)] = forward.predict(x, x[0])
+        if (tp, pp) == (2, 2):
+            result["files"] = [str(p) for p in export_diffusers(model, ctx, cfg, out, max_shard_bytes=100_000)]
+    return result
 
 
 def _rank(rank, world_size, folder, export):
@@ -75,6 +87,13 @@ def test_both_experts_train_alike_in_every_layout(tmp_path):
     from tests.unit.test_wan22_released import write_release
     folder, models = write_release(tmp_path / "release")
     results = run_ranks(_rank, 4, str(folder), str(tmp_path / "export"))
+    # Prediction at tp 2 x pp 2 and sp 2 x dp 2, every rank: each row by its own expert, as diffusers.
+    from tests.unit.test_wan22_released import MIXED, inputs
+    from tests.unit.test_wan import diffusers_forward
+    want = torch.cat([diffusers_forward(models[0], *inputs(MIXED))[:1], diffusers_forward(models[1], *inputs(MIXED))[1:]])
+    for rank, r in enumerate(results):
+        for layout in [(2, 2, 1), (1, 1, 2)]:
+            torch.testing.assert_close(r["export"][layout], want, msg=lambda m: f"{layout} rank {rank}: {m}")
     # Export: both folders, sharded, read back bit for bit by diffusers.
     for sub, model in zip(("transformer", "transformer_2"), models):
         files = sorted((tmp_path / "export" / sub).glob("*.safetensors"))

@@ -18,6 +18,7 @@ from parallel.weights.diffusers import check_released, load_released
 from tests.unit.test_wan import DIFFUSERS_TINY, HEIGHT, WIDTH, diffusers_forward
 
 BOUNDARY = 0.875
+MIXED = [950.0, 3.0]            # row 0 high noise, row 1 low noise
 
 
 def overrides(folder, *extra) -> list[str]:
