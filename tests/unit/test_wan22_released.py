@@ -163,3 +163,19 @@ def test_guidance_scale_2_is_refused_for_one_transformer():
         with pytest.raises(ValueError, match=rf"val.guidance_scale_2=3.5: {words}; {fix}"):
             family_guidance(family(cfg.model), cfg.model, 2.0, 3.5)
         assert family_guidance(family(cfg.model), cfg.model, 2.0, None) == 2.0
+
+
+def test_the_release_folders_scheduler_is_checked(release, tmp_path):
+    """model.init_from a whole release folder: its own scheduler/scheduler_config.json is checked (flow sigmas
+    need model.objective flow_matching), as a transformer folder's sibling one is for Wan 2.1."""
+    from diffusers import UniPCMultistepScheduler
+
+    from parallel.weights.scheduler import check_scheduler
+    folder = tmp_path / "release"
+    shutil.copytree(release[0], folder)
+    UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0).save_pretrained(
+        folder / "scheduler")
+    assert check_scheduler(load_config("debug-wan22", overrides(folder)).model, folder) == []
+    problems = check_scheduler(load_config("debug-wan22", overrides(folder, "model.objective=v_prediction")).model,
+                               folder)
+    assert len(problems) == 1 and problems[0].startswith(str(folder / "scheduler" / "scheduler_config.json"))
