@@ -213,6 +213,16 @@ class WanDiffusers(DiffusersFormat):
         rows = shape[0] // len(sources)
         return {s: (rows, *shape[1:]) for s in sources}
 
+    def reference(self, folder: str, inputs: tuple) -> torch.Tensor:
+        """diffusers' prediction; a Wan 2.2 A14B release folder: each row by the transformer its timestep picks
+        (t >= model_index.json's boundary_ratio x 1000: transformer/, else transformer_2/), as WanPipeline."""
+        root = Path(folder)
+        if not (root / FOLDERS[1]).is_dir():
+            return super().reference(folder, inputs)
+        ratio = json.loads((root / "model_index.json").read_text())["boundary_ratio"]
+        high, low = (super(WanDiffusers, self).reference(str(root / sub), inputs) for sub in FOLDERS)
+        return torch.where((inputs[1] >= ratio * 1000).view(-1, 1, 1, 1, 1), high, low)
+
     def reference_call(self, model: torch.nn.Module, inputs: tuple, kwargs: dict) -> torch.Tensor:
         """diffusers' Wan takes and returns [B, C, T, H, W], as the toolkit; image-to-video: the CLIP states
         [B, I, image_dim] as encoder_hidden_states_image."""

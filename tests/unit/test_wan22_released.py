@@ -179,3 +179,15 @@ def test_the_release_folders_scheduler_is_checked(release, tmp_path):
     problems = check_scheduler(load_config("debug-wan22", overrides(folder, "model.objective=v_prediction")).model,
                                folder)
     assert len(problems) == 1 and problems[0].startswith(str(folder / "scheduler" / "scheduler_config.json"))
+
+
+def test_verify_routes_each_row_to_its_transformer(release, capsys):
+    """The ReleasedFormat's reference on a release folder: each row by its expert; python -m parallel.verify on
+    debug-wan22 (both experts) passes on the release in one process."""
+    from models.wan.released import DIFFUSERS
+    from parallel import verify
+    folder, (high, low) = release
+    want = torch.cat([diffusers_forward(high, *inputs(MIXED))[:1], diffusers_forward(low, *inputs(MIXED))[1:]])
+    torch.testing.assert_close(DIFFUSERS.reference(str(folder), inputs(MIXED)), want)
+    assert verify.main(["--config", "debug-wan22", *(f"--set={o}" for o in overrides(folder)), "--batch", "4"]) == 0
+    assert "equal at --tolerance" in capsys.readouterr().out
