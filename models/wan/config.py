@@ -68,6 +68,14 @@ class WanConfig(ModelConfig):
         return value
 
     @model_validator(mode="after")
+    def _experts_lora(self) -> "WanConfig":
+        if self.lora is not None and self.experts is not None and self.experts.train == "both":
+            raise ValueError("model.lora with model.experts.train=both: adapters for both experts in one run are not "
+                             "built yet; train one expert's adapters at a time (--set model.experts.train=high_noise "
+                             "or low_noise)")
+        return self
+
+    @model_validator(mode="after")
     def _image_parts(self) -> "WanConfig":
         if (self.image_dim is None) != (self.added_kv_proj_dim is None):
             raise ValueError(f"model.image_dim={self.image_dim} and model.added_kv_proj_dim={self.added_kv_proj_dim}: "

@@ -64,7 +64,8 @@ def test_each_sample_runs_through_its_own_expert_only():
 
 @pytest.mark.parametrize("setting, words", [("model.experts.boundary_ratio=0.8755", "whole timestep"),
                                             ("model.experts.boundary_ratio=1.0", "model.experts.boundary_ratio"),
-                                            ("model.experts.train=middle", "model.experts.train")])
+                                            ("model.experts.train=middle", "model.experts.train"),
+                                            ("model.lora.rank=4", "model.lora with model.experts.train=both")])
 def test_bad_expert_settings_are_refused_by_key(setting, words):
     with pytest.raises(ConfigError, match=words):
         _cfg(setting)
@@ -95,3 +96,12 @@ def test_selective_recompute_wraps_both_experts(granularity):
     assert all(attribute in vars(owner(b)) for b in model.blocks[0].experts)      # replaced on the instance
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, msg=lambda m: f"{name}: {m}")
+
+
+def test_one_experts_lora_builds():
+    """LoRA on one expert (the band mode): the plain Wan model's adapters, the advice of the both-experts refusal."""
+    from parallel.build import build_model
+    from parallel.distributed.topology import ParallelContext
+    cfg = _cfg("model.lora.rank=4", "model.experts.train=low_noise")
+    model = build_model(cfg, {}, ParallelContext.single())
+    assert any("lora_A" in n for n, p in model.named_parameters() if p.requires_grad)
