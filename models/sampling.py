@@ -106,14 +106,30 @@ def sampling_timesteps(objective_kind: str, steps: int, sampler: str | None = No
 
 
 def guidance_at(guidance_scale: float, t: int, steps: int, use_dynamic_cfg: bool) -> float:
-    """The guidance scale at timestep t: g, or CogVideoXPipeline's dynamic one (when g > 1)."""
+    """The guidance scale at timestep t: g, or CogVideoXPipeline's dynamic one (when g > 1); g a function of t: its
+    value (Wan 2.2 A14B: guidance_scale above the experts' boundary, guidance_scale_2 below)."""
+    if callable(guidance_scale):
+        return guidance_scale(t)
     if not use_dynamic_cfg or guidance_scale <= 1.0:
         return guidance_scale
     return 1 + guidance_scale * (1 - math.cos(math.pi * ((steps - t) / steps) ** 5.0)) / 2
 
 
-def _guided(predict: Predictor, x: torch.Tensor, t, guidance_scale: float) -> torch.Tensor:
-    """t: an int timestep, or a 0-dim float32 tensor (flow_euler's fractional ones)."""
+def family_guidance(spec, model, guidance_scale: float, guidance_scale_2: Optional[float]):
+    """The guidance `sample` takes for a model of family `spec` (FamilySpec): guidance_scale, or with
+    guidance_scale_2 (val.guidance_scale_2) what the family makes of both (Wan 2.2 A14B: one per expert)."""
+    if guidance_scale_2 is None:
+        return guidance_scale
+    if spec.sampling.guidance is None:
+        raise ValueError(f"val.guidance_scale_2={guidance_scale_2}: model.family={spec.name} has one transformer; "
+                         f"set val.guidance_scale only (--set val.guidance_scale_2=null)")
+    return spec.sampling.guidance(model, guidance_scale, guidance_scale_2)
+
+
+def _guided(predict: Predictor, x: torch.Tensor, t, guidance_scale) -> torch.Tensor:
+    """t: an int timestep, or a 0-dim float32 tensor (flow_euler's fractional ones); guidance_scale a float or a
+    function of t (guidance_at)."""
+    guidance_scale = guidance_at(guidance_scale, t, 0, False)
     tt = torch.full((x.shape[0],), t, dtype=torch.long, device=x.device) if isinstance(t, int) \
         else t.to(x.device).expand(x.shape[0])
     c = predict(x, tt, True).float()
@@ -158,7 +174,7 @@ def _dpm_step(x: torch.Tensor, v: torch.Tensor, ab: torch.Tensor, t: int, t_prev
 
 @torch.no_grad()
 def sample(predict: Predictor, noise: torch.Tensor, objective: Objective, steps: int,
-           sampler: str | None = None, guidance_scale: float = 1.0, *, use_dynamic_cfg: bool = False,
+           sampler: str | None = None, guidance_scale: float | Callable = 1.0, *, use_dynamic_cfg: bool = False,
            generator: Optional[torch.Generator] = None, rows: Optional[tuple[range, int]] = None) -> torch.Tensor:
     """Integrate from `noise` (x_T, [B, C, T, H, W], seeded by the caller) to a clean latent, in fp32.
     dpm draws its step noise from `generator`. rows = (r, N): `noise` is rows r of a batch of N (a data-parallel

@@ -141,6 +141,9 @@ class Sampling:
     # objective -> the samplers (models/sampling.py names) that fit it, the first used when val.sampler is unset
     samplers: dict[str, tuple[str, ...]]
     scheduler: Optional[SchedulerFormat]      # the release's scheduler_config.json; None: no released pipeline
+    # (model, guidance_scale, guidance_scale_2) -> the sampler's guidance, a float or a function of the timestep
+    # (models/sampling.py `family_guidance`); None: the family takes no guidance_scale_2.
+    guidance: Optional[Callable] = None
 
 
 class TimestepSampling(Protocol):

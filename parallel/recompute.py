@@ -159,8 +159,10 @@ def layers_of(model: nn.Module, cfg: ExperimentConfig) -> list[tuple[int, nn.Mod
     found = []
     for name, module in model.named_modules():
         if isinstance(module, layer):
-            # SequentialDiT: `blocks.{i}`; DiTPipeline: `{i + 1}` (the pipeline layer index, embed being 0).
-            found.append((int(name.split(".")[1]) if name.startswith("blocks.") else int(name) - 1, module))
+            # SequentialDiT: `blocks.{i}`; DiTPipeline: `{i + 1}` (the pipeline layer index, embed being 0); a
+            # layer of several experts (FamilySpec.experts) holds one per expert (`blocks.{i}.experts.{e}`).
+            parts = name.split(".")
+            found.append((int(parts[1]) if parts[0] == "blocks" else int(parts[0]) - 1, module))
     return found
 
 
@@ -173,8 +175,9 @@ def wrap_layer(layer: nn.Module, parts: dict, granularity: Optional[str], compre
         if granularity not in parts:
             raise ConfigError(f"train.recompute.granularity={granularity}: this family names no such part; use "
                               f"block or one of {sorted(parts)}")
-        for path in parts[granularity]:
-            owner, name = _resolve(layer, path)
+        # A stage of several experts' layers (`expert_layers`, models/wan/experts.py): each expert's parts.
+        for unit, path in ((u, p) for u in getattr(layer, "expert_layers", (layer,)) for p in parts[granularity]):
+            owner, name = _resolve(unit, path)
             target = getattr(owner, name)
             if isinstance(target, nn.Module):
                 target.forward = checkpointed(target.forward)

@@ -119,7 +119,7 @@ def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
     """Every problem with the command line, before a model loads."""
     from models.geometry import latent_shape
     from models.registry import family
-    from models.sampling import check_sampler
+    from models.sampling import check_sampler, family_guidance
 
     problems, rows = [], len(args.prompt)
     steps, guidance, sampler, _ = _settings(args, cfg)
@@ -170,6 +170,10 @@ def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
         check_sampler(cfg.model.objective, sampler, family(cfg.model).sampling.samplers)
     except ValueError as e:
         problems.append(f"--sampler / val.sampler: {e}")
+    try:
+        family_guidance(family(cfg.model), cfg.model, guidance, cfg.val.guidance_scale_2)
+    except ValueError as e:
+        problems.append(str(e))
     return problems + _check_weights(args, cfg, layout, ds or {})
 
 
@@ -333,9 +337,11 @@ def sample_videos(args, cfg, ds: dict, layout, env):
     from parallel.train.sampling import sample_batch, sampling_model
 
     from models.registry import family
-    from models.sampling import check_sampler
+    from models.sampling import check_sampler, family_guidance
 
     steps, guidance, sampler, seed = _settings(args, cfg)
+    # Two experts (Wan 2.2 A14B): --guidance / val.guidance_scale for the high-noise one, val.guidance_scale_2 after.
+    guidance = family_guidance(family(cfg.model), cfg.model, guidance, cfg.val.guidance_scale_2)
     sampler = check_sampler(cfg.model.objective, sampler, family(cfg.model).sampling.samplers)
     labels, text, uncond = load_prompts(args, cfg)
     noise = _tensor(args.noise) if args.noise else None

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from models.diffusion import PER_SAMPLE
 from models.spec import FamilySpec
 from models.wan.config import WanConfig
+from models.wan.experts import WanTimesteps
 from models.wan.image import image_condition
 from models.wan.model import EmbedStage, FinalStage, WanBlock
 from models.wan.pipeline import SAMPLING, UMT5, WanLatents
@@ -36,7 +36,7 @@ SPEC = FamilySpec(
     condition=image_condition,               # I2V: mask + image latents on channels, CLIP states (models/wan/image.py)
     vae=WanLatents(),                        # latents (x - latents_mean) / latents_std per channel
     text_encoder=UMT5,                       # padding rows zeroed, as WanPipeline
-    timesteps=PER_SAMPLE,
+    timesteps=WanTimesteps(),               # per sample; in one expert's band (model.experts.train)
     sampling=SAMPLING,
     experts=(),
 )

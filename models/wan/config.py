@@ -5,11 +5,30 @@ from typing import ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from models.config import ModelConfig
+from models.config import ModelConfig, Section
 
 # diffusers' WanAttnProcessor takes the last 512 cross-attention tokens as the caption ("512 is the context
 # length of the text encoder, hardcoded for now"), the ones before them as the image.
 I2V_TEXT_LEN = 512
+
+
+class WanExperts(Section):
+    """Wan 2.2 A14B: a high-noise and a low-noise transformer (models/wan/experts.py)."""
+
+    boundary_ratio: float = Field(gt=0, lt=1, description="the pipeline's boundary_ratio: model timesteps t >= "
+                                  "boundary_ratio x 1000 go to the high-noise expert (transformer/), the rest to the "
+                                  "low-noise one (transformer_2/); T2V-A14B 0.875, I2V-A14B 0.9")
+    train: Literal["both", "high_noise", "low_noise"] = Field("both", description="both experts in one run (each "
+                                                              "sample through the expert its timestep picks), or "
+                                                              "one expert with training timesteps in its band")
+
+    @field_validator("boundary_ratio")
+    @classmethod
+    def _whole_timestep(cls, value: float) -> float:
+        if abs(value * 1000 - round(value * 1000)) > 1e-6:
+            raise ValueError(f"model.experts.boundary_ratio={value}: boundary_ratio x 1000 must be a whole timestep "
+                             f"(the releases: 0.875, 0.9)")
+        return value
 
 
 class WanConfig(ModelConfig):
@@ -36,6 +55,7 @@ class WanConfig(ModelConfig):
     added_kv_proj_dim: Optional[int] = Field(None, ge=1, description="input width of the image cross-attention's "
                                              "k and v projections (diffusers' added_kv_proj_dim): the projected "
                                              "image tokens, so model.hidden_size")
+    experts: Optional[WanExperts] = Field(None, description="Wan 2.2 A14B: two experts chosen by timestep")
     image_len: int = Field(257, ge=1, description="CLIP image tokens (ViT-H/14 at 224 px: 256 patches + the class "
                            "token; the penultimate hidden states)")
 
@@ -46,6 +66,14 @@ class WanConfig(ModelConfig):
             raise ValueError(f"Wan's rotary positions rotate channel pairs of (t, h, w) parts of head_dim: "
                              f"model.head_dim={value} must be even and >= 6 (the releases: 128)")
         return value
+
+    @model_validator(mode="after")
+    def _experts_lora(self) -> "WanConfig":
+        if self.lora is not None and self.experts is not None and self.experts.train == "both":
+            raise ValueError("model.lora with model.experts.train=both: adapters for both experts in one run are not "
+                             "built yet; train one expert's adapters at a time (--set model.experts.train=high_noise "
+                             "or low_noise)")
+        return self
 
     @model_validator(mode="after")
     def _image_parts(self) -> "WanConfig":

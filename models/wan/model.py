@@ -49,6 +49,7 @@ from torch import nn
 from models.embeddings import apply_rope_complex, rope_complex, timestep_embedding
 from models.geometry import PositionCache, patchify, unpatchify
 from models.wan.config import WanConfig
+from models.wan.experts import ExpertEmbed, ExpertFinal, ExpertLayer, both, plain
 from parallel.distributed.comm import copy_to_tp, reduce_from_tp
 from parallel.distributed.layers import ColumnParallelLinear, RowParallelLinear, mark_tensor_parallel
 from parallel.distributed.sequence import SequenceAttention, gather_sequence, sp_size_of, split_sequence
@@ -170,7 +171,11 @@ class CrossAttention(nn.Module):
 
 
 class WanBlock(nn.Module):
-    """One WanTransformerBlock; (x, temb, tproj, y) -> same, x updated."""
+    """One WanTransformerBlock; (x, temb, tproj, y) -> same, x updated. Both experts of a Wan 2.2 A14B model
+    (model.experts.train both): an ExpertLayer of two (models/wan/experts.py)."""
+
+    def __new__(cls, cfg, *args, **kwargs):
+        return ExpertLayer(plain(cls), cfg, *args, **kwargs) if both(cfg) else super().__new__(cls)
 
     def __init__(self, cfg: WanConfig, grid, ctx):
         super().__init__()
@@ -202,7 +207,11 @@ class WanBlock(nn.Module):
 
 class EmbedStage(nn.Module):
     """(latents [B,C,T,H,W], timesteps [B], text [B,L,text_dim]) -> (x [B,S,H], temb [B,H], tproj [B,6H], y [B,L,H]);
-    image-to-video: (latents [B,36,T,H,W], timesteps, text, image [B,I,image_dim]) -> (..., y [B,I+L,H])."""
+    image-to-video: (latents [B,36,T,H,W], timesteps, text, image [B,I,image_dim]) -> (..., y [B,I+L,H]).
+    Both experts of a Wan 2.2 A14B model: an ExpertEmbed of two, the sample's expert appended."""
+
+    def __new__(cls, cfg, *args, **kwargs):
+        return ExpertEmbed(plain(cls), cfg, *args, **kwargs) if both(cfg) else super().__new__(cls)
 
     def __init__(self, cfg: WanConfig, grid: tuple[int, int, int], ctx=None):
         super().__init__()
@@ -244,7 +253,11 @@ class EmbedStage(nn.Module):
 
 class FinalStage(nn.Module):
     """LayerNorm -> shift, scale from scale_shift_table [2, H] + temb -> proj_out -> unpatchify [B, C, T, H, W];
-    with sp, this rank's tokens as patches [B, S_pad/sp, C*pt*p*p] (`assemble` makes the full prediction)."""
+    with sp, this rank's tokens as patches [B, S_pad/sp, C*pt*p*p] (`assemble` makes the full prediction).
+    Both experts of a Wan 2.2 A14B model: an ExpertFinal of two."""
+
+    def __new__(cls, cfg, *args, **kwargs):
+        return ExpertFinal(plain(cls), cfg, *args, **kwargs) if both(cfg) else super().__new__(cls)
 
     def __init__(self, cfg: WanConfig, grid, ctx=None):
         super().__init__()

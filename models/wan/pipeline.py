@@ -18,6 +18,7 @@ import torch
 
 from models.scheduler_config import DiffusersScheduler
 from models.spec import Sampling, TextEncoderFormat
+from models.wan.experts import guidance
 
 
 class WanLatents:
@@ -65,4 +66,4 @@ SCHEDULER = DiffusersScheduler(
 # flow_matching: Euler (the toolkit's default), FlowMatchEulerDiscreteScheduler's, and the release's UniPC;
 # v_prediction (a toolkit option) with the DDPM samplers.
 SAMPLING = Sampling(samplers={"v_prediction": ("ddim", "dpm"), "flow_matching": ("euler", "flow_euler", "unipc")},
-                    scheduler=SCHEDULER)
+                    scheduler=SCHEDULER, guidance=guidance)      # guidance_scale_2: Wan 2.2 A14B's low-noise expert

@@ -20,16 +20,38 @@
     final.scale_shift_table         scale_shift_table ([2, H] = [1, 2, H])
     final.proj_out                  proj_out
 
+Wan 2.2 A14B (model.experts): `model.init_from` is the release folder. Both experts (train both): toolkit
+`<stage>.experts.0.<rest>` is `transformer/<released name>`, `<stage>.experts.1.<rest>` `transformer_2/<...>`
+(`folders`: the released name's prefix -> its subfolder); one expert alone: plain names read from that expert's
+subfolder. A Wan 2.1 folder, a missing transformer_2/ or another boundary_ratio is refused (`check_folder`).
+
 Reading and writing the folders is parallel/weights/'s job, for every family.
 """
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
 from typing import Optional
 
 import torch
 
 from models.spec import DiffusersFormat, config_problems, show
 from models.wan.config import I2V_TEXT_LEN, WanConfig
+from models.wan.experts import NAMES, both
+
+FOLDERS = ("transformer", "transformer_2")          # diffusers' WanPipeline: high noise, low noise
+_EXPERT = re.compile(r"^(embed|final|blocks\.\d+)\.experts\.(\d+)\.(.*)$")
+
+
+def split_expert(name: str) -> tuple[str, str]:
+    """A toolkit name -> (its released folder prefix, the one-expert toolkit name):
+    `blocks.3.experts.1.ffn_in.weight` -> ("transformer_2/", "blocks.3.ffn_in.weight"); plain names -> ("", name)."""
+    match = _EXPERT.match(name)
+    if match is None:
+        return "", name
+    stage, index, rest = match.groups()
+    return FOLDERS[int(index)] + "/", f"{stage}.{rest}"
 
 _EMBED = {"patch_embedding": "patch_embedding", "time_linear_1": "condition_embedder.time_embedder.linear_1",
           "time_linear_2": "condition_embedder.time_embedder.linear_2", "time_proj": "condition_embedder.time_proj",
@@ -121,7 +143,48 @@ class WanDiffusers(DiffusersFormat):
     def config(self, m: WanConfig, data) -> dict:
         return {key: value for key, _, _, value in _config_pairs(m)}
 
+    def folders(self, m: WanConfig) -> dict[str, str]:
+        """Released-name prefix -> the subfolder of model.init_from holding those tensors ("" : the folder)."""
+        if m.experts is None:
+            return {"": ""}
+        if both(m):
+            return {f + "/": f for f in FOLDERS}
+        return {"": FOLDERS[NAMES.index(m.experts.train)]}
+
+    def check_folder(self, m: WanConfig, folder: Path) -> list[str]:
+        """A Wan 2.2 A14B release folder for model.experts: transformer/ (and transformer_2/) with their
+        config.json, and model_index.json's boundary_ratio equal to model.experts.boundary_ratio."""
+        if m.experts is None:
+            return []
+        what = ("model.experts needs a Wan 2.2 A14B release folder (model_index.json, transformer/ and "
+                "transformer_2/, as Wan-AI/Wan2.2-T2V-A14B-Diffusers)")
+        if (folder / "config.json").is_file():
+            return [f"model.init_from={folder}: a single transformer folder (Wan 2.1, or one expert of a release); "
+                    f"{what}; or drop model.experts for a Wan 2.1 transformer"]
+        problems = [f"model.init_from={folder}: no {sub}/config.json; {what}"
+                    for sub in sorted(set(self.folders(m).values())) if not (folder / sub / "config.json").is_file()]
+        if not (folder / "transformer_2").is_dir() and not any("transformer_2" in p for p in problems):
+            problems.append(f"model.init_from={folder}: no transformer_2/ (a Wan 2.1 pipeline has one transformer); "
+                            f"{what}")
+        index = folder / "model_index.json"
+        if index.is_file():
+            try:
+                ratio = json.loads(index.read_text()).get("boundary_ratio")
+            except json.JSONDecodeError as e:
+                return problems + [f"{index}:{e.lineno}:{e.colno}: malformed JSON: {e.msg}"]
+            if ratio is None:
+                problems.append(f"{index}: no boundary_ratio (a Wan 2.1 pipeline); {what}")
+            elif abs(ratio - m.experts.boundary_ratio) > 1e-9:
+                problems.append(f"{index}: boundary_ratio {ratio} != model.experts.boundary_ratio "
+                                f"{m.experts.boundary_ratio}; set --set model.experts.boundary_ratio={ratio} or use "
+                                f"the matching preset")
+        return problems
+
     def names(self, name: str) -> list[str]:
+        prefix, name = split_expert(name)
+        return [prefix + n for n in self._names(name)]
+
+    def _names(self, name: str) -> list[str]:
         section, _, rest = name.partition(".")
         if section == "blocks":
             index, _, rest = rest.partition(".")
@@ -143,12 +206,22 @@ class WanDiffusers(DiffusersFormat):
 
     def shapes(self, name: str, shape: tuple[int, ...], m: WanConfig) -> dict[str, tuple[int, ...]]:
         sources = self.names(name)
-        if name == PATCH_WEIGHT:
+        if split_expert(name)[1] == PATCH_WEIGHT:
             return {sources[0]: (m.hidden_size, m.transformer_in_channels, m.patch_size_t, m.patch_size, m.patch_size)}
         if name.endswith("scale_shift_table"):
             return {sources[0]: (1, *shape)}
         rows = shape[0] // len(sources)
         return {s: (rows, *shape[1:]) for s in sources}
+
+    def reference(self, folder: str, inputs: tuple) -> torch.Tensor:
+        """diffusers' prediction; a Wan 2.2 A14B release folder: each row by the transformer its timestep picks
+        (t >= model_index.json's boundary_ratio x 1000: transformer/, else transformer_2/), as WanPipeline."""
+        root = Path(folder)
+        if not (root / FOLDERS[1]).is_dir():
+            return super().reference(folder, inputs)
+        ratio = json.loads((root / "model_index.json").read_text())["boundary_ratio"]
+        high, low = (super(WanDiffusers, self).reference(str(root / sub), inputs) for sub in FOLDERS)
+        return torch.where((inputs[1] >= ratio * 1000).view(-1, 1, 1, 1, 1), high, low)
 
     def reference_call(self, model: torch.nn.Module, inputs: tuple, kwargs: dict) -> torch.Tensor:
         """diffusers' Wan takes and returns [B, C, T, H, W], as the toolkit; image-to-video: the CLIP states

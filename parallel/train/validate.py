@@ -192,12 +192,14 @@ def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: Ex
     rank. Prompt i starts from noise drawn from (seed, i) alone (the dpm sampler's step noise continues that
     generator); the unconditional input of guidance is the dataset's unconditional embedding (T5 of "");
     replicas split the prompts like samples."""
-    from models.sampling import check_sampler, sample
+    from models.sampling import check_sampler, family_guidance, sample
 
     sampler = check_sampler(cfg.model.objective, cfg.val.sampler, family(cfg.model).sampling.samplers)
     n = min(cfg.val.num_prompts, len(dataset))
     condition = family(cfg.model).training_condition(cfg.model, cfg.data)    # I2V: the prompt's first frame
-    uncond = dataset.unconditional()[None] if cfg.val.guidance_scale != 1 and n else None
+    guidance = family_guidance(family(cfg.model), cfg.model, cfg.val.guidance_scale, cfg.val.guidance_scale_2)
+    guided = cfg.val.guidance_scale != 1 or cfg.val.guidance_scale_2 not in (None, 1)
+    uncond = dataset.unconditional()[None] if guided and n else None
     mine = {}
     for i, counts in replica_items(n, forward, ctx):
         x0, text, *stored = dataset[i]
@@ -207,7 +209,7 @@ def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: Ex
         first, extra = condition.sampling_parts(x0, stored) if condition is not None else (None, ())
         predict = row_predictor(forward, text[None], uncond.to(text.dtype) if uncond is not None else None,
                                 first, condition, extra)
-        latent = sample(predict, noise, objective, cfg.val.sample_steps, sampler, cfg.val.guidance_scale,
+        latent = sample(predict, noise, objective, cfg.val.sample_steps, sampler, guidance,
                         use_dynamic_cfg=cfg.val.use_dynamic_cfg, generator=g)
         if counts:
             mine[i] = [latent[0]]

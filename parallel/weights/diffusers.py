@@ -40,13 +40,31 @@ def released_format(m: ModelConfig) -> ReleasedFormat:
     return fmt.bind(m) if hasattr(fmt, "bind") else fmt     # a name map that depends on the config
 
 
+def folders(m: ModelConfig) -> dict[str, str]:
+    """Released-name prefix -> subfolder of model.init_from ({"": ""}: one transformer, the folder itself; Wan 2.2
+    A14B: {"transformer/": "transformer", "transformer_2/": "transformer_2"}, the format's `folders`)."""
+    fmt = released_format(m)
+    return fmt.folders(m) if hasattr(fmt, "folders") else {"": ""}
+
+
 def check_config(m: ModelConfig, folder: Path) -> list[str]:
-    """config.json against the model section: one problem per differing key, naming both."""
-    path = folder / CONFIG_NAME
+    """config.json (of each subfolder, `folders`) against the model section: one problem per differing key,
+    naming both; first what the format says of the folder itself (`check_folder`: a wrong kind of release)."""
     try:
         fmt = released_format(m)
     except ValueError as e:
         return [str(e)]
+    if hasattr(fmt, "check_folder"):
+        problems = fmt.check_folder(m, folder)
+        if problems:
+            return problems
+    problems = []
+    for sub in folders(m).values():
+        problems += _check_one(m, fmt, folder / sub / CONFIG_NAME if sub else folder / CONFIG_NAME)
+    return problems
+
+
+def _check_one(m: ModelConfig, fmt: ReleasedFormat, path: Path) -> list[str]:
     try:
         config = json.loads(path.read_text())
     except OSError as e:
@@ -59,6 +77,19 @@ def check_config(m: ModelConfig, folder: Path) -> list[str]:
     if kind != fmt.class_name:
         problems.append(f"{path}: _class_name {kind} is not {fmt.class_name}")
     return problems + fmt.check_config(m, config, str(path))
+
+
+def released_files(m: ModelConfig, folder: Path) -> dict[str, Path]:
+    """Released tensor name, with its subfolder prefix (`folders`), -> the safetensors file holding it."""
+    files = {}
+    for prefix, sub in folders(m).items():
+        files.update({prefix + n: p for n, p in tensor_files(folder / sub if sub else folder).items()})
+    return files
+
+
+def stored_name(source: str) -> str:
+    """A released name without its subfolder prefix: the name inside its safetensors file."""
+    return source.rpartition("/")[2]
 
 
 def tensor_files(folder: Path) -> dict[str, Path]:
@@ -96,6 +127,18 @@ def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _prefixed_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """_shapes of released_files' (prefixed) names."""
+    by_prefix: dict[str, dict[str, Path]] = {}
+    for name, path in files.items():
+        prefix = name[:len(name) - len(stored_name(name))]
+        by_prefix.setdefault(prefix, {})[stored_name(name)] = path
+    shapes = {}
+    for prefix, group in by_prefix.items():
+        shapes.update({prefix + n: shape for n, shape in _shapes(group).items()})
+    return shapes
+
+
 def model_tensors(module: nn.Module, num_blocks: int) -> Iterator[tuple[str, torch.Tensor]]:
     """(canonical name, tensor) of every parameter and persistent buffer this rank holds."""
     yield from ((canonical_name(n, num_blocks), p) for n, p in module.named_parameters())
@@ -130,10 +173,10 @@ def check_released(m: ModelConfig, folder: str | Path) -> list[str]:
     if problems:
         return problems
     try:
-        files = tensor_files(folder)
+        files = released_files(m, folder)
     except ValueError as e:
         return [str(e)]
-    have, want = _shapes(files), expected_tensors(m)
+    have, want = _prefixed_shapes(files), expected_tensors(m)
     missing = sorted(set(want) - set(have))
     unexpected = sorted(set(have) - set(want))
     if missing:
@@ -173,7 +216,7 @@ def load_released(module: nn.Module, ctx, m: ModelConfig, folder: str | Path) ->
     problems = check_released(m, folder)
     if problems:
         raise ValueError("\n".join(problems))
-    fmt, files = released_format(m), tensor_files(folder)
+    fmt, files = released_format(m), released_files(m, folder)
     handles, read = {}, 0
     for name, target in model_tensors(module, m.num_layers):
         if is_adapter(name):                              # LoRA's adapters: model.lora.init_from
@@ -183,7 +226,7 @@ def load_released(module: nn.Module, ctx, m: ModelConfig, folder: str | Path) ->
             path = files[source]
             if path not in handles:
                 handles[path] = safe_open(str(path), framework="pt", device="cpu")
-            pieces.append(handles[path].get_slice(source)[index])
+            pieces.append(handles[path].get_slice(stored_name(source))[index])
         value = torch.cat(pieces, dim=getattr(target, "partition_dim", 0)) if len(pieces) > 1 else pieces[0]
         target.copy_(value.reshape(target.shape).to(target.dtype))
         read += value.numel()

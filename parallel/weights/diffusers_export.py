@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from models.config import ModelConfig
-from parallel.weights.diffusers import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, diffusers_config, released_format
+from parallel.weights.diffusers import (CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, diffusers_config, folders,
+                                        released_format, stored_name)
 from parallel.weights.gather import exporting, full_tensors
 
 
@@ -28,6 +29,25 @@ def to_diffusers(name: str, full: torch.Tensor, m: ModelConfig) -> dict[str, tor
         return {source: full.reshape(shape).contiguous()}
     rows = [shape[0] for shape in shapes.values()]          # fused parts, not always equal ([q; k; v; MLP])
     return {s: piece.contiguous() for s, piece in zip(shapes, full.split(rows, dim=0))}
+
+
+def _name_shards(out: Path, shards: list, m: ModelConfig, data) -> list[Path]:
+    """Rename one folder's stage shards (in stage order) to diffusers' names, with the index when several, and
+    write its config.json; the files written."""
+    weight_map, total, result = {}, 0, []
+    for k, (tmp, names, nbytes) in enumerate(shards):
+        final = WEIGHTS_NAME if len(shards) == 1 else \
+            f"diffusion_pytorch_model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(out / tmp, out / final)
+        weight_map.update({n: final for n in names})
+        total += nbytes
+        result.append(out / final)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        result.append(out / INDEX_NAME)
+    (out / CONFIG_NAME).write_text(json.dumps(diffusers_config(m, data), indent=2) + "\n")
+    return result + [out / CONFIG_NAME]
 
 
 def export_diffusers(module: nn.Module, ctx, cfg, out: str | Path, value: Optional[Callable] = None,
@@ -48,22 +68,26 @@ def export_diffusers(module: nn.Module, ctx, cfg, out: str | Path, value: Option
 
 
     m, out = cfg.model, Path(out)
+    # Released-name prefix -> the subfolder it is written to (Wan 2.2 A14B: transformer/, transformer_2/).
+    subs = {prefix: out / sub if (sub and prefix) else out for prefix, sub in folders(m).items()}
     writer = ctx.stage_writer
     if dist.get_rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        for old in out.glob("diffusion_pytorch_model*.safetensors*"):     # an earlier export's shards
-            old.unlink()
+        for folder in subs.values():
+            folder.mkdir(parents=True, exist_ok=True)
+            for old in folder.glob("diffusion_pytorch_model*.safetensors*"):     # an earlier export's shards
+                old.unlink()
     dist.barrier()
     meta = {"format": "pt", **(metadata or {})}
-    written, shard, size = [], {}, 0
+    written = {prefix: [] for prefix in subs}
+    shard = {prefix: {} for prefix in subs}
+    size = dict.fromkeys(subs, 0)
 
-    def flush():
-        nonlocal shard, size
-        if shard:
-            path = out / f".stage{ctx.pp_rank}-{len(written)}.safetensors"
-            save_file(shard, str(path), metadata=meta)
-            written.append((path.name, sorted(shard), size))
-        shard, size = {}, 0
+    def flush(prefix):
+        if shard[prefix]:
+            path = subs[prefix] / f".stage{ctx.pp_rank}-{len(written[prefix])}.safetensors"
+            save_file(shard[prefix], str(path), metadata=meta)
+            written[prefix].append((path.name, sorted(shard[prefix]), size[prefix]))
+        shard[prefix], size[prefix] = {}, 0
 
     tensors = exporting(full_tensors(module, ctx, m.num_layers, value, zero3), module, dist.get_rank() == 0)
     if m.lora is not None:
@@ -73,31 +97,21 @@ def export_diffusers(module: nn.Module, ctx, cfg, out: str | Path, value: Option
         if not writer:
             continue
         for source, t in to_diffusers(name, full, m).items():
-            t = t.to(dtype)
-            if shard and size + t.numel() * t.element_size() > max_shard_bytes:
-                flush()
-            shard[source] = t
-            size += t.numel() * t.element_size()
+            t, stored = t.to(dtype), stored_name(source)
+            prefix = source[:len(source) - len(stored)]
+            if shard[prefix] and size[prefix] + t.numel() * t.element_size() > max_shard_bytes:
+                flush(prefix)
+            shard[prefix][stored] = t
+            size[prefix] += t.numel() * t.element_size()
     if writer:
-        flush()
+        for prefix in subs:
+            flush(prefix)
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, (ctx.pp_rank, written) if writer else None)
     result = []
     if dist.get_rank() == 0:
-        shards = [s for _, stage in sorted(p for p in parts if p is not None) for s in stage]
-        weight_map, total = {}, 0
-        for k, (tmp, names, nbytes) in enumerate(shards):
-            final = WEIGHTS_NAME if len(shards) == 1 else \
-                f"diffusion_pytorch_model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-            os.replace(out / tmp, out / final)
-            weight_map.update({n: final for n in names})
-            total += nbytes
-            result.append(out / final)
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-            result.append(out / INDEX_NAME)
-        (out / CONFIG_NAME).write_text(json.dumps(diffusers_config(m, cfg.data), indent=2) + "\n")
-        result.append(out / CONFIG_NAME)
+        for prefix, folder in subs.items():
+            result += _name_shards(folder, [s for _, stage in sorted(p for p in parts if p is not None)
+                                            for s in stage[prefix]], m, cfg.data)
     dist.barrier()
     return result

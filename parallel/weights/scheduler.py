@@ -17,8 +17,10 @@ SCHEDULER_CONFIG = Path("scheduler") / "scheduler_config.json"
 
 
 def scheduler_config_path(init_from: str | Path) -> Path:
-    """Where a pipeline keeps the schedule of the transformer folder `init_from`."""
-    return Path(init_from).resolve().parent / SCHEDULER_CONFIG
+    """Where a pipeline keeps the schedule of the transformer folder `init_from` (beside it); `init_from` a whole
+    pipeline folder (Wan 2.2 A14B: transformer/ and transformer_2/ in it): inside it."""
+    inside = Path(init_from).resolve() / SCHEDULER_CONFIG
+    return inside if inside.is_file() else Path(init_from).resolve().parent / SCHEDULER_CONFIG
 
 
 def check_scheduler(m: ModelConfig, init_from: str | Path) -> list[str]:

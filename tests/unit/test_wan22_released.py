@@ -1,0 +1,193 @@
+"""Wan 2.2 A14B release folders (models/wan/released.py, parallel/weights/diffusers.py): a tiny random release of
+two diffusers WanTransformer3DModel (transformer/ sharded, transformer_2/ one file, model_index.json's
+boundary_ratio) read by model.init_from; each expert predicts what its diffusers transformer predicts, a mixed
+batch through each sample's own; one expert alone reads its subfolder; wrong folders are refused by name.
+Export at tp 2 x pp 2 -> from_pretrained: tests/distributed/test_wan22_layouts.py."""
+import json
+import shutil
+
+import pytest
+import torch
+from diffusers import WanTransformer3DModel
+
+from parallel.build import layer_specs
+from parallel.config import load_config
+from parallel.distributed.pipeline import SequentialDiT
+from parallel.distributed.topology import ParallelContext
+from parallel.weights.diffusers import check_released, load_released
+from tests.unit.test_wan import DIFFUSERS_TINY, HEIGHT, WIDTH, diffusers_forward
+
+BOUNDARY = 0.875
+MIXED = [950.0, 3.0]            # row 0 high noise, row 1 low noise
+
+
+def overrides(folder, *extra) -> list[str]:
+    return ["model.num_layers=2", f"data.width={WIDTH * 8}", f"model.init_from={folder}", *extra]
+
+
+def tiny(seed: int) -> WanTransformer3DModel:
+    torch.manual_seed(seed)
+    model = WanTransformer3DModel(**DIFFUSERS_TINY).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def write_release(folder, boundary=BOUNDARY):
+    """(folder, (high-noise model, low-noise model)): a WanPipeline-like folder of two transformers."""
+    high, low = tiny(0), tiny(1)
+    high.save_pretrained(folder / "transformer", max_shard_size="100KB")
+    low.save_pretrained(folder / "transformer_2")
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", "boundary_ratio": boundary}))
+    return folder, (high, low)
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    return write_release(tmp_path_factory.mktemp("wan22"))
+
+
+def inputs(timesteps):
+    g = torch.Generator().manual_seed(7)
+    return (torch.randn(2, 4, 3, HEIGHT, WIDTH, generator=g), torch.tensor(timesteps), torch.randn(2, 8, 32, generator=g))
+
+
+def _loaded(folder, *extra):
+    cfg = load_config("debug-wan22", overrides(folder, *extra))
+    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
+    read = load_released(ours, ParallelContext.single(), cfg.model, folder)
+    return ours, read
+
+
+def test_each_expert_predicts_what_its_diffusers_transformer_predicts(release):
+    folder, (high, low) = release
+    ours, read = _loaded(folder)
+    assert read == sum(p.numel() for m in (high, low) for p in m.parameters())
+    with torch.no_grad():
+        for ts, want in [([999.0, 875.0], high), ([874.0, 3.0], low)]:
+            torch.testing.assert_close(ours.predict(inputs(ts)), diffusers_forward(want, *inputs(ts)))
+        mixed = ours.predict(inputs([950.0, 3.0]))          # row 0 high noise, row 1 low noise
+    torch.testing.assert_close(mixed[:1], diffusers_forward(high, *inputs([950.0, 3.0]))[:1])
+    torch.testing.assert_close(mixed[1:], diffusers_forward(low, *inputs([950.0, 3.0]))[1:])
+
+
+@pytest.mark.parametrize("train, index", [("low_noise", 1), ("high_noise", 0)])
+def test_one_expert_reads_its_own_subfolder(release, train, index):
+    folder, models = release
+    ours, _ = _loaded(folder, f"model.experts.train={train}")
+    with torch.no_grad():
+        ts = [3.0, 811.0]
+        torch.testing.assert_close(ours.predict(inputs(ts)), diffusers_forward(models[index], *inputs(ts)))
+
+
+def test_wrong_folders_are_refused_by_name(release, tmp_path):
+    folder, _ = release
+    cfg = load_config("debug-wan22", overrides(folder))
+    what = "model.experts needs a Wan 2.2 A14B release folder"
+    # A single transformer folder (Wan 2.1's, or one expert's).
+    problems = check_released(cfg.model, folder / "transformer")
+    assert len(problems) == 1 and problems[0].startswith(f"model.init_from={folder / 'transformer'}: a single "
+                                                         "transformer folder") and what in problems[0]
+    # A Wan 2.1 pipeline: transformer/ only, no boundary_ratio.
+    wan21 = tmp_path / "wan21"
+    shutil.copytree(folder / "transformer", wan21 / "transformer")
+    (wan21 / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    problems = check_released(cfg.model, wan21)
+    assert problems == [f"model.init_from={wan21}: no transformer_2/config.json; {what} (model_index.json, "
+                        "transformer/ and transformer_2/, as Wan-AI/Wan2.2-T2V-A14B-Diffusers)",
+                        f"{wan21 / 'model_index.json'}: no boundary_ratio (a Wan 2.1 pipeline); {what} "
+                        "(model_index.json, transformer/ and transformer_2/, as Wan-AI/Wan2.2-T2V-A14B-Diffusers)"]
+    with pytest.raises(ValueError, match="no transformer_2/config.json"):
+        _loaded(wan21)
+    # Another boundary: the --set it names makes the folder acceptable.
+    i2v = write_release(tmp_path / "i2v", boundary=0.9)[0]
+    problems = check_released(cfg.model, i2v)
+    assert problems == [f"{i2v / 'model_index.json'}: boundary_ratio 0.9 != model.experts.boundary_ratio 0.875; set "
+                        "--set model.experts.boundary_ratio=0.9 or use the matching preset"]
+    fixed = load_config("debug-wan22", overrides(i2v, "model.experts.boundary_ratio=0.9"))
+    assert check_released(fixed.model, i2v) == []
+
+
+def test_sampling_switches_experts_and_guidance_as_the_pipeline(release):
+    """WanPipeline(transformer, transformer_2, boundary_ratio) with guidance_scale and guidance_scale_2, 6 UniPC
+    steps (flow shift 3): its latents, from the same noise, equal the toolkit's model read from the release and
+    models/sampling.py's sampler with the experts' guidance (models/wan/experts.py `guidance`)."""
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    from models.diffusion import Objective
+    from models.sampling import sample
+    from models.wan.experts import expert_of, guidance
+    folder, (high, low) = release
+    cfg = load_config("debug-wan22", overrides(folder))
+    ours, _ = _loaded(folder)
+    g = torch.Generator().manual_seed(11)
+    noise, text, negative = (torch.randn(1, 4, 3, HEIGHT, WIDTH, generator=g), torch.randn(1, 8, 32, generator=g),
+                             torch.randn(1, 8, 32, generator=g))
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        flow_shift=cfg.model.schedule.shift)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=high, transformer_2=low,
+                       scheduler=scheduler, boundary_ratio=BOUNDARY)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        want = pipe(prompt_embeds=text, negative_prompt_embeds=negative, latents=noise.clone(), height=HEIGHT * 8,
+                    width=WIDTH * 8, num_frames=9, num_inference_steps=6, guidance_scale=2.0, guidance_scale_2=3.5,
+                    output_type="latent").frames
+    seen = []
+
+    def predict(x, t, conditional):
+        seen.append(t)
+        with torch.no_grad():
+            return ours.predict((x, t, text if conditional else negative))
+    # val.guidance_scale and val.guidance_scale_2, as validation and python -m parallel.sample read them
+    from models.registry import family
+    from models.sampling import family_guidance
+    cfg = load_config("debug-wan22", overrides(folder, "val.guidance_scale=2.0", "val.guidance_scale_2=3.5"))
+    scales = family_guidance(family(cfg.model), cfg.model, cfg.val.guidance_scale, cfg.val.guidance_scale_2)
+    assert [scales(t) for t in (999, 875, 874.9, 0)] == [2.0, 2.0, 3.5, 3.5]
+    got = sample(predict, noise, Objective.of(cfg.model), 6, "unipc", guidance(cfg.model, 2.0, 3.5))
+    torch.testing.assert_close(got, want)
+    assert [float(t[0]) for t in seen[::2]] == pipe.scheduler.timesteps.tolist()
+    assert expert_of(cfg.model, torch.stack(seen[::2])[:, 0]).unique().tolist() == [0, 1]      # the switch is in it
+    # With one guidance throughout, another result: guidance_scale_2 is used.
+    assert not torch.allclose(sample(predict, noise, Objective.of(cfg.model), 6, "unipc", 2.0), want)
+
+
+def test_guidance_scale_2_is_refused_for_one_transformer():
+    from models.registry import family
+    from models.sampling import family_guidance
+    fix = r"set val.guidance_scale only \(--set val.guidance_scale_2=null\)"
+    for preset, words in [("debug", "model.family=cogvideox has one transformer"),
+                          ("debug-wan", r"model debug-wan has one transformer \(two: model.experts.train both\)")]:
+        cfg = load_config(preset, ["val.guidance_scale_2=3.5"])
+        with pytest.raises(ValueError, match=rf"val.guidance_scale_2=3.5: {words}; {fix}"):
+            family_guidance(family(cfg.model), cfg.model, 2.0, 3.5)
+        assert family_guidance(family(cfg.model), cfg.model, 2.0, None) == 2.0
+
+
+def test_the_release_folders_scheduler_is_checked(release, tmp_path):
+    """model.init_from a whole release folder: its own scheduler/scheduler_config.json is checked (flow sigmas
+    need model.objective flow_matching), as a transformer folder's sibling one is for Wan 2.1."""
+    from diffusers import UniPCMultistepScheduler
+
+    from parallel.weights.scheduler import check_scheduler
+    folder = tmp_path / "release"
+    shutil.copytree(release[0], folder)
+    UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0).save_pretrained(
+        folder / "scheduler")
+    assert check_scheduler(load_config("debug-wan22", overrides(folder)).model, folder) == []
+    problems = check_scheduler(load_config("debug-wan22", overrides(folder, "model.objective=v_prediction")).model,
+                               folder)
+    assert len(problems) == 1 and problems[0].startswith(str(folder / "scheduler" / "scheduler_config.json"))
+
+
+def test_verify_routes_each_row_to_its_transformer(release, capsys):
+    """The ReleasedFormat's reference on a release folder: each row by its expert; python -m parallel.verify on
+    debug-wan22 (both experts) passes on the release in one process."""
+    from models.wan.released import DIFFUSERS
+    from parallel import verify
+    folder, (high, low) = release
+    want = torch.cat([diffusers_forward(high, *inputs(MIXED))[:1], diffusers_forward(low, *inputs(MIXED))[1:]])
+    torch.testing.assert_close(DIFFUSERS.reference(str(folder), inputs(MIXED)), want)
+    assert verify.main(["--config", "debug-wan22", *(f"--set={o}" for o in overrides(folder)), "--batch", "4"]) == 0
+    assert "equal at --tolerance" in capsys.readouterr().out
