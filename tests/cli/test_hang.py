@@ -12,7 +12,7 @@ from parallel.train.watchdog import HUNG_RANK_EXIT
 from tests.dist_utils import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-K, TIMEOUT = 2, 5
+K, TIMEOUT = 2, 8        # a timeout of a few seconds, with room for start-up on a loaded machine
 
 SCRIPT = '''
 import os
