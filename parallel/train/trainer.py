@@ -47,7 +47,7 @@ from parallel.train.engine import StepResult
 from parallel.train.run import (build_dataset, build_val_dataset, checkpoint_layout, plan_line, report_memory,
                                 run_plan, start_engine, step_tokens, training_batches)
 from parallel.train.validate import Validator
-from parallel.train.watchdog import peer_failure, start_heartbeat
+from parallel.train.watchdog import peer_failure, start_heartbeat, timed_out
 
 
 class StopSignal:
@@ -172,9 +172,15 @@ class Trainer:
             if bad:
                 raise RuntimeError(f"step {done}: replicated parameters differ across tp ranks: {bad}")
 
+    def at(self, step: int, phase: str) -> None:
+        """Where the main thread is, for the hang watchdog (heartbeat.PHASES)."""
+        if self.heartbeat:
+            self.heartbeat.at(step, phase)
+
     def validate(self, done: int) -> dict:
         if not (self.validator and self.validator.due(done)):
             return {}
+        self.at(done, "validation")
         tic = time.perf_counter()
         return {**self.validator.run(done), "val_time_s": round(time.perf_counter() - tic, 4)}
 
@@ -225,6 +231,7 @@ class Trainer:
 
     def save(self, done: int) -> bool:
         """Checkpoint step `done`; False (on every rank, the reason printed once) when it could not be written."""
+        self.at(done, "checkpoint save")
         try:
             checkpoint.save(self.engine, self.ckpt_dir, done, self.cfg.ckpt.keep, self.ckpt_layout, self.model_keys,
                             self.records)
@@ -253,6 +260,7 @@ class Trainer:
                 done = step + 1
                 if self.guard:      # a batch a rollback went back past is skipped, on every rank alike
                     self.guard.force(self.rolled_past.get(step))
+                self.at(done, "forward/backward")
                 result, elapsed, tokens = self.timed_step(step)
                 back = self.skip(step, result) if result.skipped else None
                 self.check_replicas(done)
@@ -281,9 +289,9 @@ class Trainer:
         except AnomalyStop:           # every rank, the same step; said by the logging rank; no checkpoint
             status = 1
             self.finish(status)
-        except RuntimeError as e:     # a peer's connection broke: wait for the lost-rank verdict, which ends
-            if self.heartbeat and peer_failure(e):     # the process naming the ranks, not a bare traceback
-                self.heartbeat.await_verdict()
+        except RuntimeError as e:     # a peer's connection broke or a collective timed out: wait for the
+            if self.heartbeat and (peer_failure(e) or timed_out(e)):     # verdict, which ends the process naming
+                self.heartbeat.await_verdict(collective_timed_out=timed_out(e))    # the ranks, not a traceback
             raise
         finally:
             bar.close()
@@ -304,6 +312,7 @@ class Trainer:
         if self.metrics:
             self.metrics.close()
         if dist.is_initialized():
+            self.at(self.cfg.train.max_steps, "shutdown")
             dist.barrier()
             if self.heartbeat:
                 self.heartbeat.stop()

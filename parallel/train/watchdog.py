@@ -1,5 +1,6 @@
-"""The lost-rank watchdog of a training run: parallel/distributed/heartbeat.py's verdict turned into the line a
-user acts on (which ranks, on which hosts, the checkpoint a rerun resumes from) and exit code 75."""
+"""The lost-rank and hang watchdog of a training run: parallel/distributed/heartbeat.py's verdicts turned into the
+line a user acts on (which ranks, on which hosts, the checkpoint a rerun resumes from) and exit code 75 (a
+rank lost) or 76 (a live rank stuck while the others wait in a collective)."""
 from __future__ import annotations
 
 import os
@@ -20,15 +21,36 @@ def peer_failure(e: BaseException) -> bool:
 
 
 LOST_RANK_EXIT = 75      # EX_TEMPFAIL: a peer was lost, rerunning the same command resumes
+HUNG_RANK_EXIT = 76      # EX_PROTOCOL: a live rank stuck past train.collective_timeout_s (a rerun may hang again)
+
+
+def timed_out(e: BaseException) -> bool:
+    """A collective that waited out its timeout (gloo: "Timed out waiting ...", torch: DistTimeoutError)."""
+    return isinstance(e, getattr(dist, "DistTimeoutError", ())) or "timed out" in str(e).lower() \
+        or "timeout" in type(e).__name__.lower()
 
 
 def start_heartbeat(cfg: ExperimentConfig, ctx, ckpt_dir: Path):
     """The lost-rank watchdog (parallel/distributed/heartbeat.py) when the ranks met through MASTER_ADDR:PORT:
     a rank silent for half the collective timeout (at most 30 s) is lost; every survivor then prints
-    which ranks, on which hosts, and the checkpoint a rerun resumes from, and exits LOST_RANK_EXIT."""
+    which ranks, on which hosts, and the checkpoint a rerun resumes from, and exits LOST_RANK_EXIT. A live rank
+    at the same step and phase (Heartbeat.at) for longer than the collective timeout while another moved on
+    or waited out a collective is stuck: every rank prints the stuck ranks, hosts, step and phase, where the
+    others wait and the last checkpoint, and exits HUNG_RANK_EXIT."""
     if dist.get_world_size() == 1 or "MASTER_PORT" not in os.environ:
         return None
     lost_after = min(30.0, cfg.train.collective_timeout_s / 2)
+
+    def last_checkpoint() -> str:
+        steps = checkpoint.complete_steps(ckpt_dir)
+        return f"{ckpt_dir}/step{steps[-1]}" if steps else "none"
+
+    def on_hang(ranks: list[int], text: str) -> None:
+        hosts = ", ".join(sorted(set(heartbeat.hosts(ranks))))
+        print(f"\nrank {ctx.rank}: hung rank(s) {', '.join(map(str, ranks))} (host {hosts}) {text}, for more than "
+              f"train.collective_timeout_s={cfg.train.collective_timeout_s} s; stopping this run; the last complete "
+              f"checkpoint: {last_checkpoint()}", file=sys.stderr, flush=True)
+        os._exit(HUNG_RANK_EXIT)
 
     def on_lost(ranks: list[int]) -> None:
         steps = checkpoint.complete_steps(ckpt_dir)
@@ -41,5 +63,6 @@ def start_heartbeat(cfg: ExperimentConfig, ctx, ckpt_dir: Path):
         os._exit(LOST_RANK_EXIT)        # the main thread may be blocked in a collective that never returns
 
     heartbeat = Heartbeat(ctx.rank, dist.get_world_size(), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          on_lost, interval_s=1.0, lost_after_s=lost_after)
+                          on_lost, interval_s=1.0, lost_after_s=lost_after, on_hang=on_hang,
+                          stuck_after_s=cfg.train.collective_timeout_s)
     return heartbeat.start()

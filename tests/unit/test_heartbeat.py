@@ -1,5 +1,5 @@
 """The lost-rank rule of parallel/distributed/heartbeat.py, without a store: who is declared lost, and when."""
-from parallel.distributed.heartbeat import lost_ranks, threshold
+from parallel.distributed.heartbeat import describe_hang, lost_ranks, stuck_ranks, threshold
 
 
 def test_nobody_lost_before_the_threshold():
@@ -21,3 +21,17 @@ def test_a_broken_connection_shortens_the_wait():
     seen = {0: 100.0, 1: 99.5, 2: 94.0, 3: 93.5}
     assert lost_ranks(seen, set(), 100.0, threshold(30, 1.0, suspected=False)) == []
     assert lost_ranks(seen, set(), 100.0, threshold(30, 1.0, suspected=True)) == [2, 3]
+
+
+def test_a_live_rank_is_stuck_only_past_the_timeout_and_behind_the_others():
+    """Rank 1 sat in step 3's forward/backward (phase 0) for 6 s while rank 0 waits on a timed-out collective
+    there, or rank 0 moved on to step 3's checkpoint save (phase 2): rank 1 is stuck past 5 s, not before,
+    and never while every rank sits at the same place without a timed-out collective."""
+    since = {0: 94.0, 1: 94.0}
+    assert stuck_ranks({0: (3, 0), 1: (3, 0)}, since, {0}, now=100.0, stuck_after_s=5) == [1]
+    assert stuck_ranks({0: (3, 0), 1: (3, 0)}, since, {0}, now=98.0, stuck_after_s=5) == []
+    assert stuck_ranks({0: (3, 2), 1: (3, 0)}, since, set(), now=100.0, stuck_after_s=5) == [1]
+    assert stuck_ranks({0: (3, 0), 1: (3, 0)}, since, set(), now=100.0, stuck_after_s=5) == []
+    assert stuck_ranks({0: (3, 0), 1: (3, 0)}, since, {0, 1}, now=100.0, stuck_after_s=5) == []
+    assert describe_hang({0: (3, 0), 1: (3, 0)}, [1], {0}) == \
+        "stuck at step 3 forward/backward, while the others wait in step 3 forward/backward (collective timed out)"
