@@ -273,5 +273,13 @@ def render_package_graph() -> str:
     return "\n".join(out)
 
 
+def test_the_documented_package_graph_is_the_code_s():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    shown = doc[doc.index("```text\n") + len("```text\n"):]
+    shown = shown[:shown.index("```")].strip()
+    assert shown == render_package_graph(), ("docs/architecture.md's package graph is not the code's: paste what "
+                                             "`python -m tests.unit.test_architecture` prints")
+
+
 if __name__ == "__main__":
     print(render_package_graph())
