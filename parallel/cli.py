@@ -6,8 +6,10 @@ only: train.py parses before any heavy import."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+from typing import Callable, NoReturn
 
 CONFIG_HELP = "experiment YAML file or preset name"
 DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"     # shipped beside configs/
@@ -80,3 +82,17 @@ def size_arg(text: str) -> int:
         return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def run(main: Callable[[], int]) -> NoReturn:
+    """A command's entry (`python -m`, its console script): exit with main()'s status. A launched rank (WORLD_SIZE
+    > 1) leaves without the interpreter's teardown, where the C++ threads of the process groups DeepSpeed made
+    can abort a finished rank (SIGABRT, "terminate called without an active exception", pytorch#179291; seen
+    once in the family matrix after `parallel.sample` had sampled), and the launcher then kills the ranks still
+    writing. Everything the command writes is closed by the time main() returns."""
+    code = main() or 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

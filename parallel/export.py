@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from parallel.check import load_and_check
-from parallel.cli import add_experiment_args, size_arg
+from parallel.cli import add_experiment_args, run, size_arg
 from parallel.config import ConfigError
 from parallel.distributed.topology import read_launch_env
 from parallel.units import DTYPES
@@ -140,5 +140,10 @@ def main(argv=None) -> int:
     return 0
 
 
+def cli() -> None:
+    """The console script (and `python -m`): parallel.cli.run."""
+    run(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -52,7 +52,7 @@ from typing import Optional
 
 from models.sampling import SAMPLERS
 from parallel.check import load_and_check
-from parallel.cli import add_experiment_args
+from parallel.cli import add_experiment_args, run
 from parallel.config import UNCOND_FILE, ConfigError
 from parallel.distributed.topology import read_launch_env
 
@@ -373,5 +373,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
+def cli() -> None:
+    """The console script (and `python -m`): parallel.cli.run."""
+    run(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -16,7 +16,7 @@ import argparse
 import sys
 from typing import Optional
 
-from parallel.cli import add_experiment_args
+from parallel.cli import add_experiment_args, run
 from parallel.config import ConfigError
 from parallel.distributed.topology import read_launch_env
 
@@ -86,5 +86,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0 if passed else 1
 
 
+def cli() -> None:
+    """The console script (and `python -m`): parallel.cli.run."""
+    run(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()
