@@ -140,9 +140,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def cli() -> None:
+def cli(argv=None) -> None:
     """The console script (and `python -m`): parallel.cli.run."""
-    run(main)
+    run(lambda: main(argv))
 
 
 if __name__ == "__main__":

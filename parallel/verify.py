@@ -86,9 +86,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0 if passed else 1
 
 
-def cli() -> None:
+def cli(argv=None) -> None:
     """The console script (and `python -m`): parallel.cli.run."""
-    run(main)
+    run(lambda: main(argv))
 
 
 if __name__ == "__main__":
