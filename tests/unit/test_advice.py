@@ -77,8 +77,14 @@ def test_layout_refusals_suggest_the_nearest_size_that_works(capsys):
     sets, refusals = follow(capsys, "cogvideox-2b", ["parallel.tp_size=4", "parallel.pp_size=4"])
     assert "--set parallel.tp_size=3" in refusals[0] and "--set parallel.pp_size=3" in refusals[0]
     assert sets == ["parallel.tp_size=3", "parallel.pp_size=3"]
+    # 30 heads: sp 4 runs as Ulysses 2 x ring 2 unasked; all-Ulysses asked for, the advice is the ring pair
     sets, refusals = follow(capsys, "cogvideox-2b", ["parallel.sp_size=4"])
-    assert sets == ["parallel.sp_size=3"]
+    assert sets == ["parallel.sp_size=4"] and not refusals
+    sets, refusals = follow(capsys, "cogvideox-2b", ["parallel.sp_size=4", "parallel.ring_size=1"])
+    assert sets == ["parallel.sp_size=4", "parallel.ring_size=2"] and "ulysses 2 x ring 2" in refusals[0]
+    # STDiT's attentions take no ring: the nearest sp its 16 heads divide
+    sets, refusals = follow(capsys, "opensora-stdit3", ["parallel.sp_size=6"], "--world-size", "12")
+    assert sets == ["parallel.sp_size=4"] and "sp sizes that work with parallel.tp_size=1: 1, 2, 4" in refusals[0]
     sets, refusals = follow(capsys, "debug", ["parallel.dp_size=2"], "--world-size", "4")
     assert sets == ["parallel.dp_size=4"]
 
