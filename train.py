@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from parallel.check import check_resume, load_and_check
-from parallel.cli import add_experiment_args
+from parallel.cli import add_experiment_args, run
 from parallel.config import ConfigError
 from parallel.distributed.topology import read_launch_env
 
@@ -78,4 +78,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)       # a launched rank leaves without the interpreter's teardown (parallel/cli.py says why)

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from parallel.distributed.topology import Layout
 from parallel.config import AnomalyConfig, ExperimentConfig
 from parallel.distributed import accelerator
-from parallel.distributed.deepspeed.monitor import write_monitor_events
+from parallel.distributed.deepspeed.monitor import close_monitors, write_monitor_events
 from parallel.distributed.replicas import replica_mismatches
 from parallel.distributed.topology import LaunchEnv
 from parallel.train.probe import StepProbe
@@ -309,8 +309,13 @@ class Trainer:
             deepspeed.comm.log_summary()      # every rank (it starts with a barrier); rank 0 prints the table
 
     def close(self) -> None:
+        """Close every file and sink (train.py's ranks leave without the interpreter's teardown:
+        parallel.cli.run), then the process group."""
         if self.metrics:
             self.metrics.close()
+        engine = getattr(self, "engine", None)
+        if engine is not None and dist.is_initialized():
+            close_monitors(getattr(engine.engine, "monitor", None))
         if dist.is_initialized():
             self.at(self.cfg.train.max_steps, "shutdown")
             dist.barrier()

@@ -5,12 +5,15 @@ import json
 import math
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from tests.unit.test_ds_precision import fp16_json  # noqa: F401  (a fixture)
 from tests.cli.test_train_cli import ROOT, train_py
+from tests.dist_utils import free_port
 
 
 def test_train_logs_warmup_lr_per_step(tmp_path):
@@ -107,16 +110,24 @@ def test_train_refuses_table_keys_before_any_process_group(tmp_path):
     assert "Traceback" not in p.stderr
 
 
-def _train_with(tmp_path, section: str, value: dict | None = None, steps: int = 3, sets=(), env=None):
-    """train.py, one process, with DeepSpeed's `section` (a monitor, by default writing under tmp_path/section)
-    on: the completed process, the metrics.jsonl records and the figures they carry."""
+def _train_with(tmp_path, section: str, value: dict | None = None, steps: int = 3, sets=(), env=None,
+                launched=False):
+    """train.py with DeepSpeed's `section` (a monitor, by default writing under tmp_path/section) on, one process
+    or (`launched`) two ranks under torchrun, which leave without the interpreter's teardown (parallel.cli.run):
+    the completed process, the metrics.jsonl records and the figures they carry."""
     ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
     ds[section] = value or {"enabled": True, "output_path": str(tmp_path / section), "job_name": "job"}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     out = tmp_path / "run"
-    p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"), "--set",
-                 f"train.max_steps={steps}", "--set", f"train.output_dir={out}", "--set", "train.memory_check=false",
-                 *(a for s in sets for a in ("--set", s)), env_extra=env)
+    args = ("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"), "--set",
+            f"train.max_steps={steps}", "--set", f"train.output_dir={out}", "--set", "train.memory_check=false",
+            *(a for s in sets for a in ("--set", s)))
+    if launched:
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        p = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), "train.py", *args],
+                           cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=300)
+    else:
+        p = train_py(*args, env_extra=env)
     assert p.returncode == 0, p.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     figures = sorted(k for k in records[0] if k != "step" and records[0][k] is not None)
@@ -140,7 +151,7 @@ def test_tensorboard_gets_every_figure_of_metrics_jsonl(tmp_path):
     pytest.importorskip("tensorboard", reason="the test extra installs tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    _, records, figures = _train_with(tmp_path, "tensorboard")
+    _, records, figures = _train_with(tmp_path, "tensorboard", launched=True)
     events = EventAccumulator(str(tmp_path / "tensorboard" / "job")).Reload()
     assert sorted(events.Tags()["scalars"]) == sorted([f"train/{name}" for name in figures] + ["Train/Samples/lr"])
     samples = events.Scalars("Train/Samples/lr")
@@ -187,9 +198,11 @@ def test_wandb_gets_every_figure_of_metrics_jsonl(tmp_path):
     """wandb offline (WANDB_MODE=offline), its run file read back: every figure of every step, with the step as
     its x-axis ("step"), equal to metrics.jsonl's (JSON both ways: exact). wandb drops a log whose step is below
     the last it saw, and DeepSpeed logs Train/Samples/lr at the samples seen (4, 8, 12): figures logged at
-    steps 1, 2, 3 would all be lost (parallel/distributed/deepspeed/monitor.py write_monitor_events)."""
+    steps 1, 2, 3 would all be lost (parallel/distributed/deepspeed/monitor.py write_monitor_events). Two
+    launched ranks, which leave without the interpreter's teardown: the run file is whole only where the trainer
+    ended the wandb run (close_monitors; without it no row reached the file)."""
     p, records, figures = _train_with(tmp_path, "wandb", {"enabled": True, "project": "vdp"},
-                                      env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
+                                      env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}, launched=True)
     assert "Steps must be monotonically increasing" not in p.stdout + p.stderr
     [run] = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     rows = [row for row in _wandb_history(run) if "train/loss" in row]
