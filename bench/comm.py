@@ -22,6 +22,8 @@ all-gather's output, a reduce-scatter's input, an all-reduce's tensor, a send's 
 from __future__ import annotations
 
 import json
+import statistics
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -55,7 +57,10 @@ def _install_counter(totals: dict) -> None:
         setattr(dist, op, counted)
 
 
-def _comm_rank(rank, world_size, tp, pp, dp, stage, overrides, sp=1, ds_extra=None):
+def counted_rank(rank, world_size, dims: dict, overrides, stage=0, ds_extra=None, timed_steps=0):
+    """One rank of a `debug`-family run at layout `dims` (ParallelDims' keywords), fp32 ZeRO `stage`, no activation
+    checkpointing: two warm-up steps, then the bytes of one step by collective ({op: bytes}), and, with
+    `timed_steps`, the median time of that many more steps."""
     import os
     import sys
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
@@ -68,13 +73,13 @@ def _comm_rank(rank, world_size, tp, pp, dp, stage, overrides, sp=1, ds_extra=No
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext, ParallelDims
 
-    cfg = load_config("debug", [*overrides, f"parallel.tp_size={tp}", f"parallel.pp_size={pp}",
-                                f"parallel.sp_size={sp}"])
+    sizes = [f"parallel.{k}={v}" for k, v in dims.items() if k != "dp_size"]
+    cfg = load_config("debug", [*overrides, *sizes])
     ds = json.loads((ROOT / "ds_configs/zero0_fp32.json").read_text())
     ds.pop("activation_checkpointing")
     ds["zero_optimization"] = {"stage": stage}
     ds.update(ds_extra or {})
-    ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp))
+    ctx = ParallelContext.build(ParallelDims(**dims))
     seed_all(cfg.train.seed)
     trainer = build_trainer(cfg, ds, ctx)
     batches = training_batches(cfg, ctx)
@@ -83,7 +88,14 @@ def _comm_rank(rank, world_size, tp, pp, dp, stage, overrides, sp=1, ds_extra=No
     totals["on"] = True
     trainer.train_step(batches)
     totals.pop("on")
-    return totals
+    if not timed_steps:
+        return totals
+    times = []
+    for _ in range(timed_steps):
+        tic = time.perf_counter()
+        trainer.train_step(batches)
+        times.append(time.perf_counter() - tic)
+    return {"bytes": totals, "median_step_s": statistics.median(times)}
 
 
 def measure(overrides: list[str]) -> list[dict]:
@@ -124,7 +136,8 @@ def measure(overrides: list[str]) -> list[dict]:
     extra = {"ZeRO-1, bf16 gradients": bf16_grads}
     for name, (tp, pp, dp, stage, *sp), theory, formula in cases:
         sp = sp[0] if sp else 1
-        per_rank = run_ranks(_comm_rank, tp * pp * dp * sp, tp, pp, dp, stage, overrides, sp, extra.get(name),
+        dims = {"tp_size": tp, "pp_size": pp, "dp_size": dp, "sp_size": sp}
+        per_rank = run_ranks(counted_rank, tp * pp * dp * sp, dims, overrides, stage, extra.get(name),
                              timeout=600)
         if name == "PP":       # point to point: what the two stages sent, together
             measured = sum(r.get("send", 0) + r.get("isend", 0) + r.get("broadcast", 0) for r in per_rank)

@@ -15,48 +15,9 @@ needs a device whose kernels run beside the transfers to show.
 """
 from __future__ import annotations
 
-import json
-import statistics
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 SP = 4
 SPLITS = {"Ulysses 4": 1, "Ulysses 2 x ring 2": 2, "ring 4": 4}      # name -> ring size
-
-
-def _ring_rank(rank, world_size, ring, overrides, steps):
-    import os
-    import sys
-    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    from bench.comm import _install_counter
-    totals: dict = {}
-    _install_counter(totals)
-
-    from parallel.config import load_config
-    from parallel.distributed.seed import seed_all
-    from parallel.distributed.topology import ParallelContext, ParallelDims
-    from parallel.train.engine import build_trainer
-    from parallel.train.run import training_batches
-
-    cfg = load_config("debug", [*overrides, f"parallel.sp_size={SP}", f"parallel.ring_size={ring}"])
-    ds = json.loads((ROOT / "ds_configs/zero0_fp32.json").read_text())
-    ds.pop("activation_checkpointing")
-    ctx = ParallelContext.build(ParallelDims(tp_size=1, sp_size=SP, pp_size=1, dp_size=1, ring_size=ring))
-    seed_all(cfg.train.seed)
-    trainer = build_trainer(cfg, ds, ctx)
-    batches = training_batches(cfg, ctx)
-    for _ in range(2):
-        trainer.train_step(batches)
-    totals["on"] = True
-    trainer.train_step(batches)
-    totals.pop("on")
-    times = []
-    for _ in range(steps):
-        tic = time.perf_counter()
-        trainer.train_step(batches)
-        times.append(time.perf_counter() - tic)
-    return {"bytes": totals, "median_step_s": statistics.median(times)}
 
 
 def predicted(overrides: list[str], ring: int) -> dict:
@@ -86,11 +47,13 @@ def predicted(overrides: list[str], ring: int) -> dict:
 
 
 def measure(overrides: list[str], steps: int) -> list[dict]:
+    from bench.comm import counted_rank
     from tests.dist_utils import run_ranks
 
     rows = []
     for name, ring in SPLITS.items():
-        per_rank = run_ranks(_ring_rank, SP, ring, overrides, steps, timeout=900)
+        dims = {"tp_size": 1, "pp_size": 1, "dp_size": 1, "sp_size": SP, "ring_size": ring}
+        per_rank = run_ranks(counted_rank, SP, dims, overrides, 0, None, steps, timeout=900)
         moved = per_rank[0]["bytes"]
         want = predicted(overrides, ring)
         got = {"all_to_all": moved.get("all_to_all_single", 0),
