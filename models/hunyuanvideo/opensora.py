@@ -95,7 +95,7 @@ def _rows(name: str, m: HunyuanVideoConfig, n: int) -> list[int]:
 
 def _pairing(d: int) -> torch.Tensor:
     """Index into Open-Sora's head channels giving the toolkit's: [0, d/2, 1, d/2 + 1, ...]."""
-    return torch.arange(d)
+    return torch.stack([torch.arange(d // 2), torch.arange(d // 2) + d // 2], dim=1).flatten()
 
 
 def _rewrite(t: torch.Tensor, rewrite: Optional[str], d: int, to_toolkit: bool) -> torch.Tensor:
@@ -103,7 +103,7 @@ def _rewrite(t: torch.Tensor, rewrite: Optional[str], d: int, to_toolkit: bool) 
         index = _pairing(d) if to_toolkit else torch.argsort(_pairing(d))
         return t.unflatten(0, (-1, d))[:, index].flatten(0, 1)
     if rewrite == SWAP:                                             # (shift, scale) <-> (scale, shift)
-        b, a = t.chunk(2, dim=0)
+        a, b = t.chunk(2, dim=0)
         return torch.cat([b, a], dim=0)
     return t
 

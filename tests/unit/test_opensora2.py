@@ -24,7 +24,7 @@ from parallel.build import layer_specs
 from parallel.config import load_config
 from parallel.distributed.pipeline import SequentialDiT
 from parallel.distributed.topology import ParallelContext
-from parallel.weights.diffusers import CONFIG_NAME, WEIGHTS_NAME, load_released
+from parallel.weights.diffusers import CONFIG_NAME, WEIGHTS_NAME, check_released, load_released
 from parallel.weights.gather import full_state
 from parallel.weights.opensora import check_opensora, load_opensora, write_opensora
 
@@ -143,10 +143,9 @@ def opensora_forward(sd: dict, latents, timesteps, text, heads: int, axes=(4, 6,
 
 # ---- the tests ----
 
-def test_where_the_networks_coincide_equals_diffusers(tmp_path):
-    """No refiner, no guidance embedder, no text mask, theta 10000: diffusers' HunyuanVideo built so (its
-    num_refiner_layers 0 leaves proj_in, the toolkit's txt_in) and given an all-ones mask, weights read through
-    model.init_from's diffusers path."""
+def coinciding_release(folder) -> HunyuanVideoTransformer3DModel:
+    """diffusers' HunyuanVideo without a refiner (its num_refiner_layers 0 leaves proj_in, the toolkit's txt_in) and
+    guidance embedder, theta 10000, written to `folder` as model.init_from reads it; the model."""
     torch.manual_seed(0)
     theirs = HunyuanVideoTransformer3DModel(
         in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16, num_layers=2,
@@ -158,18 +157,31 @@ def test_where_the_networks_coincide_equals_diffusers(tmp_path):
     # the refiner's embedders that num_refiner_layers 0 leaves unused have no toolkit counterpart
     state = {k: v.contiguous() for k, v in theirs.state_dict().items()
              if not k.startswith("context_embedder.time_text_embed.")}
-    save_file(state, str(tmp_path / WEIGHTS_NAME))
-    (tmp_path / CONFIG_NAME).write_text(json.dumps({"_class_name": "HunyuanVideoTransformer3DModel",
-                                                    **dict(theirs.config)}))
-    cfg = config(f"model.init_from={tmp_path}")
-    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
-    assert load_released(ours, ParallelContext.single(), cfg.model, tmp_path) == sum(v.numel() for v in state.values())
+    save_file(state, str(folder / WEIGHTS_NAME))
+    (folder / CONFIG_NAME).write_text(json.dumps({"_class_name": "HunyuanVideoTransformer3DModel",
+                                                  **dict(theirs.config)}))
+    return theirs
+
+
+def diffusers_prediction(theirs) -> torch.Tensor:
+    """diffusers' forward on inputs() with every text row a key (an all-ones encoder_attention_mask)."""
     latents, timesteps, text = inputs()
     with torch.no_grad():
-        want = theirs(hidden_states=latents, timestep=timesteps, encoder_hidden_states=text[..., :T5],
+        return theirs(hidden_states=latents, timestep=timesteps, encoder_hidden_states=text[..., :T5],
                       encoder_attention_mask=torch.ones(B, TEXT, dtype=torch.long),
                       pooled_projections=text[:, 0, T5:]).sample
-        torch.testing.assert_close(ours.predict(inputs()), want)
+
+
+def test_where_the_networks_coincide_equals_diffusers(tmp_path):
+    """Open-Sora's switches but cond_in: diffusers' HunyuanVideo so built, weights read through model.init_from."""
+    theirs = coinciding_release(tmp_path)
+    cfg = config(f"model.init_from={tmp_path}")
+    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
+    read = load_released(ours, ParallelContext.single(), cfg.model, tmp_path)
+    assert read == sum(p.numel() for n, p in theirs.named_parameters() if ".time_text_embed." not in n or
+                       not n.startswith("context_embedder."))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.predict(inputs()), diffusers_prediction(theirs))
 
 
 def test_checkpoint_round_trips_bit_for_bit(checkpoint, tmp_path):
@@ -179,7 +191,8 @@ def test_checkpoint_round_trips_bit_for_bit(checkpoint, tmp_path):
     assert "double_blocks.0.img_attn.q_proj.weight" in names and "single_blocks.1.v_mlp.weight" in names
     assert "cond_in.weight" in names and not any(n.startswith("guidance_in") for n in names)
     reread = random_model(cfg, 1)
-    read = load_opensora(reread, ParallelContext.single(), cfg.model, path)
+    assert check_released(cfg.model, path) == []                # model.init_from's path: a .safetensors file
+    read = load_released(reread, ParallelContext.single(), cfg.model, path)
     assert read == sum(p.numel() for p in model.parameters())
     with torch.no_grad():
         assert torch.equal(reread.predict(inputs()), model.predict(inputs()))
