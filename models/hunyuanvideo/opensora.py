@@ -103,7 +103,7 @@ def _rewrite(t: torch.Tensor, rewrite: Optional[str], d: int, to_toolkit: bool) 
         index = _pairing(d) if to_toolkit else torch.argsort(_pairing(d))
         return t.unflatten(0, (-1, d))[:, index].flatten(0, 1)
     if rewrite == SWAP:                                             # (shift, scale) <-> (scale, shift)
-        a, b = t.chunk(2, dim=0)
+        b, a = t.chunk(2, dim=0)
         return torch.cat([b, a], dim=0)
     return t
 
