@@ -53,8 +53,11 @@ _SINGLE_NORMS = {"attn.norm_q": "norm.query_norm.scale", "attn.norm_k": "norm.ke
 _FINAL = {"norm_out_linear": (("final_layer.adaLN_modulation.1", SWAP),), "proj_out": "final_layer.linear"}
 
 
-def problems(m: HunyuanVideoConfig) -> list[str]:
+def problems(m) -> list[str]:
     """What keeps this model section from Open-Sora 2.0's tensors, each with the key to change."""
+    if not isinstance(m, HunyuanVideoConfig):
+        return [f"an Open-Sora 2.0 checkpoint loads into model.family: hunyuanvideo with its switches "
+                f"(configs/opensora2.0.yaml), not model.family={m.family}"]
     out = []
     if m.num_refiner_layers:
         out.append(f"model.num_refiner_layers={m.num_refiner_layers}: Open-Sora 2.0 has no token refiner (its text "
@@ -103,7 +106,7 @@ def _rewrite(t: torch.Tensor, rewrite: Optional[str], d: int, to_toolkit: bool) 
         index = _pairing(d) if to_toolkit else torch.argsort(_pairing(d))
         return t.unflatten(0, (-1, d))[:, index].flatten(0, 1)
     if rewrite == SWAP:                                             # (shift, scale) <-> (scale, shift)
-        b, a = t.chunk(2, dim=0)
+        a, b = t.chunk(2, dim=0)
         return torch.cat([b, a], dim=0)
     return t
 

@@ -218,3 +218,6 @@ def test_wrong_model_refused_by_key(checkpoint):
     problems = check_opensora(load_config("debug-hunyuan").model, path)
     assert problems == [f"{path}: model.num_refiner_layers=1: Open-Sora 2.0 has no token refiner (its text goes "
                         "through one linear, txt_in); set model.num_refiner_layers=0"]
+    problems = check_released(load_config("debug-wan").model, path)
+    assert problems == [f"{path}: an Open-Sora 2.0 checkpoint loads into model.family: hunyuanvideo with its "
+                        "switches (configs/opensora2.0.yaml), not model.family=wan"]
