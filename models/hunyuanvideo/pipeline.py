@@ -7,8 +7,10 @@ with (FamilySpec.vae, text_encoder, sampling).
   model's pooled vector beside them on every row (models/hunyuanvideo/config.py). The toolkit does not encode
   captions this way yet: `prepared=False`, so `prepare_data` and `data.text_encoder` refuse the family by name
   rather than encode a LLaMA folder as a T5 one.
-- Scheduler: FlowMatchEulerDiscreteScheduler with shift 7.0 (model.schedule.shift); validation samples with the
-  toolkit's `flow_euler` (that scheduler's default spacing; the pipeline passes its own sigmas: docs/models.md).
+- Scheduler: FlowMatchEulerDiscreteScheduler with shift 7.0 (model.schedule.shift), given the pipeline's sigmas
+  linspace(1, 0, steps + 1)[:-1]: the toolkit's `flow_linear` (the default; `flow_euler` takes that scheduler's
+  own spacing). The embedded guidance is the pipeline's default guidance_scale 6.0 (x 1000); its true_cfg_scale
+  with a negative prompt is the toolkit's val.guidance_scale with the unconditional text.
 """
 from __future__ import annotations
 
@@ -40,4 +42,4 @@ class HunyuanLatents:
 
 LLAMA_CLIP = TextEncoderFormat(class_name="LlamaModel", model_type="llama", masked=True, clean=False, prepared=False)
 
-SAMPLING = Sampling(samplers={"flow_matching": ("flow_euler", "euler")}, scheduler=None)
+SAMPLING = Sampling(samplers={"flow_matching": ("flow_linear", "flow_euler", "euler")}, scheduler=None)
