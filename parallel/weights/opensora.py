@@ -112,3 +112,33 @@ def write_opensora(tensors: Iterable[tuple[str, torch.Tensor]], m: HunyuanVideoC
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(out, str(path), metadata=metadata)
     return path
+
+
+def export_problems(m) -> list[str]:
+    """Why `python -m parallel.export --format opensora` cannot write this model section, each with its key."""
+    lora = ["model.lora: --format opensora writes the base weights alone; fold the adapters in with --format "
+            "diffusers --merge-lora, or export without model.lora"] if getattr(m, "lora", None) else []
+    return opensora.problems(m) + lora
+
+
+def export_opensora(module: nn.Module, ctx, cfg, out: str | Path, value=None, zero3: bool = False,
+                    dtype: torch.dtype = torch.float32, metadata: dict | None = None) -> list[Path]:
+    """Write this model (or `value(param)`, its EMA) of any layout as one Open-Sora 2.0 checkpoint file, `out`
+    (a .safetensors path); call on every rank. Each stage's full tensors are gathered over tp (one at a time) and
+    sent to rank 0, which writes the file: it holds the whole model once, as Open-Sora's single file does."""
+    import torch.distributed as dist
+
+    from parallel.weights.gather import full_tensors
+    m = cfg.model
+    problems = opensora.problems(m)
+    if problems:
+        raise ValueError("\n".join(problems))
+    local = dict(full_tensors(module, ctx, m.num_layers, value, zero3))
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local if ctx.stage_writer else {})       # one replica's stages suffice
+    written = []
+    if dist.get_rank() == 0:
+        merged = {k: v for part in parts for k, v in part.items()}
+        written.append(write_opensora(merged.items(), m, out, dtype, metadata))
+    dist.barrier()
+    return written
