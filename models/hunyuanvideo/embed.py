@@ -94,10 +94,11 @@ class EmbedStage(nn.Module):
         dtype, cfg = self.patch_proj.weight.dtype, self.cfg
         llama, pooled = text.to(dtype).split([cfg.llama_dim, cfg.pooled_projection_dim], dim=-1)
         t_freq = timestep_embedding(timesteps, cfg.time_embed_dim).to(dtype)              # [cos, sin], as Timesteps
-        temb = self.timestep_embedder(t_freq) + self.pooled_embedder(pooled[:, 0])
-        if cfg.guidance_embed:
+        temb = self.timestep_embedder(t_freq)                                             # + guidance + pooled,
+        if cfg.guidance_embed:                                                            # diffusers' order
             guidance = torch.full_like(timesteps, EMBEDDED_GUIDANCE * 1000.0, dtype=torch.float32)
             temb = temb + self.guidance_embedder(timestep_embedding(guidance, cfg.time_embed_dim).to(dtype))
+        temb = temb + self.pooled_embedder(pooled[:, 0])
         keep = llama.ne(0).any(dim=-1) if cfg.text_mask else \
             torch.ones(llama.shape[:2], dtype=torch.bool, device=llama.device)            # (B, L) key rows
         y = self.refiner_proj_in(llama)                                                   # (B, L, H)
