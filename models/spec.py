@@ -125,7 +125,7 @@ class TextEncoderFormat:
     clean: bool           # WanPipeline's prompt_clean (ftfy, HTML unescape, whitespace) before tokenising
     prepared: bool = True  # False: models/text_encoder.py's T5 path does not encode this release's captions
     # The family's own encoder class where the T5 path does not fit (HunyuanVideo: LLaMA + CLIP), built by
-    # models/text_encoder.build_text_encoder as (path, max_len, expected_dim, device, cache_size, key); its
+    # models/text_encoder.build_text_encoder as (path, max_len, expected_dim, device, cache_size, key, model); its
     # `check_folder(path, key)` lists what a folder lacks. None with prepared False: refused by name.
     encoder: Optional[Callable] = None
 

@@ -49,11 +49,12 @@ def prompt_clean(text: str) -> str:
 
 
 def build_text_encoder(path: str | Path, max_len: int, expected_dim: int | None = None, device="cpu",
-                       cache_size: int = 4096, expected=None, key: str = "data.text_encoder"):
-    """The caption encoder for a family's TextEncoderFormat `expected`: its own class where it has one (HunyuanVideo's
-    LLaMA + CLIP, models/hunyuanvideo/captions.py), else T5TextEncoder; `.encode(caption) -> [max_len, D]`."""
+                       cache_size: int = 4096, expected=None, key: str = "data.text_encoder", model=None):
+    """The caption encoder for a family's TextEncoderFormat `expected`: its own where it has one (HunyuanVideo's
+    LLaMA + CLIP or Open-Sora 2.0's T5 + CLIP, by the model section `model`: models/hunyuanvideo/captions.py),
+    else T5TextEncoder; `.encode(caption) -> [max_len, D]`."""
     if expected is not None and expected.encoder is not None:
-        return expected.encoder(path, max_len, expected_dim, device, cache_size, key)
+        return expected.encoder(path, max_len, expected_dim, device, cache_size, key, model)
     return T5TextEncoder(path, max_len, expected_dim, device, cache_size, expected, key)
 
 

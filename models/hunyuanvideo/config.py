@@ -34,6 +34,10 @@ class HunyuanVideoConfig(ModelConfig):
                                  "vector (HunyuanVideo); false: timestep + pooled vector alone (Open-Sora 2.0)")
     text_mask: bool = Field(True, description="padding text rows (all-zero text channels) are no attention key "
                             "(HunyuanVideo); false: every text row is a key (Open-Sora 2.0's unmasked attention)")
+    text_encoder: Literal["llama_clip", "t5_clip"] = Field(
+        "llama_clip", description="how data.text_encoder / prepare_data --t5 encode a caption "
+        "(models/hunyuanvideo/captions.py): llama_clip, HunyuanVideoPipeline's LLaMA template + CLIP pooled vector; "
+        "t5_clip, Open-Sora 2.0's T5 states (no mask, max_text_len tokens) + CLIP pooled vector")
     cond_embed: bool = Field(False, description="Open-Sora 2.0's cond_in: a linear of (in_channels + 1) x "
                              "patch volume inputs (a mask channel + condition latents, patched as the video) added "
                              "to the patch embedding; text-to-video feeds it zeros")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from models.hunyuanvideo.captions import LlamaClipTextEncoder
+from models.hunyuanvideo.captions import caption_encoder
 from models.spec import Sampling, TextEncoderFormat
 
 
@@ -41,6 +41,6 @@ class HunyuanLatents:
 
 
 LLAMA_CLIP = TextEncoderFormat(class_name="LlamaModel", model_type="llama", masked=True, clean=False, prepared=False,
-                               encoder=LlamaClipTextEncoder)
+                               encoder=caption_encoder)
 
 SAMPLING = Sampling(samplers={"flow_matching": ("flow_linear", "flow_euler", "euler")}, scheduler=None)

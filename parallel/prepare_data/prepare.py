@@ -243,7 +243,8 @@ class ClipEncoder:
         if args.t5:
             from models.text_encoder import build_text_encoder
             self.t5 = build_text_encoder(args.t5, cfg.model.max_text_len, cfg.model.text_embed_dim, device,
-                                         cache_size=0, expected=family(cfg.model).text_encoder, key="--t5")
+                                         cache_size=0, expected=family(cfg.model).text_encoder, key="--t5",
+                                         model=cfg.model)
         self.args, self.data, self.seed, self.tag = args, cfg.data, cfg.train.seed, tag
         self.store, self.model, self.buckets = DTYPES[args.dtype], cfg.model, args.bucket_list
         self.condition = family(cfg.model).training_condition(cfg.model, cfg.data)

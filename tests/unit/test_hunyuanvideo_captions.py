@@ -1,7 +1,9 @@
 """HunyuanVideo's captions as HunyuanVideoPipeline.encode_prompt makes them, on tiny random LlamaModel and CLIPTextModel
 saved as a pipeline folder (text_encoder/, tokenizer/, text_encoder_2/, tokenizer_2/): the toolkit's rows are the
 pipeline's LLaMA states (template, hidden_states[-3], crop) with its padding rows zero, and its CLIP pooled vector
-on every row; the training data path (data.text_encoder) encodes a manifest's caption so.
+on every row; the training data path (data.text_encoder) encodes a manifest's caption so. With model.text_encoder
+t5_clip (Open-Sora 2.0), a T5EncoderModel in text_encoder/: the rows are Open-Sora's HFEmbedder's
+(opensora/models/text/conditioner.py: padded to max_length, encoded with attention_mask=None; CLIP pooler_output).
 """
 import json
 
@@ -9,7 +11,8 @@ import pytest
 import torch
 from diffusers import HunyuanVideoPipeline
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel, PreTrainedTokenizerFast
+from transformers import (CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel, PreTrainedTokenizerFast, T5Config,
+                          T5EncoderModel)
 
 from models.hunyuanvideo.captions import CROP_START, TEMPLATE, LlamaClipTextEncoder
 from parallel.config import load_config
@@ -37,15 +40,21 @@ def release(tmp_path_factory):
     llama = LlamaModel(LlamaConfig(vocab_size=len(WORDS), hidden_size=LLAMA, intermediate_size=64,
                                    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                                    pad_token_id=0)).eval()
-    clip = CLIPTextModel(CLIPTextConfig(vocab_size=len(WORDS), hidden_size=CLIP, intermediate_size=16,
-                                        num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=77,
-                                        pad_token_id=0, eos_token_id=WORDS.index("<eos>"))).eval()
     llama.save_pretrained(folder / "text_encoder")
-    clip.save_pretrained(folder / "text_encoder_2")
+    clip = _clip(folder)
     tokenizers = [_tokenizer(folder / name) for name in ("tokenizer", "tokenizer_2")]
     pipe = HunyuanVideoPipeline(text_encoder=llama, tokenizer=tokenizers[0], transformer=None, vae=None,
                                 scheduler=None, text_encoder_2=clip, tokenizer_2=tokenizers[1])
     return folder, pipe
+
+
+def _clip(folder):
+    torch.manual_seed(1)
+    clip = CLIPTextModel(CLIPTextConfig(vocab_size=len(WORDS), hidden_size=CLIP, intermediate_size=16,
+                                        num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=77,
+                                        pad_token_id=0, eos_token_id=WORDS.index("<eos>"))).eval()
+    clip.save_pretrained(folder / "text_encoder_2")
+    return clip
 
 
 def _pipeline_rows(pipe, caption, template):
@@ -84,3 +93,30 @@ def test_training_data_encodes_a_manifest_caption(release, tmp_path):
     _, text = build_dataset(cfg)[0]
     embeds, pooled, mask = _pipeline_rows(pipe, "a red square", {"template": TEMPLATE, "crop_start": CROP_START})
     torch.testing.assert_close(text, torch.cat([embeds * mask[:, None], pooled.expand(TEXT, -1)], dim=-1))
+
+
+def test_t5_clip_rows_are_opensoras(tmp_path):
+    """model.text_encoder=t5_clip through the training data path: Open-Sora's T5 rows (no mask, padding kept) and
+    the CLIP pooled vector, restated from its HFEmbedder."""
+    torch.manual_seed(0)
+    t5 = T5EncoderModel(T5Config(vocab_size=len(WORDS), d_model=LLAMA, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                 decoder_start_token_id=0, pad_token_id=0)).eval()
+    folder = tmp_path / "opensora_text"
+    t5.save_pretrained(folder / "text_encoder")
+    clip = _clip(folder)
+    tok, tok_2 = _tokenizer(folder / "tokenizer"), _tokenizer(folder / "tokenizer_2")
+    caption = "a red square moving left"
+    with torch.no_grad():                                  # HFEmbedder.forward, t5 then clip
+        ids = tok(caption, truncation=True, max_length=TEXT, padding="max_length", return_tensors="pt").input_ids
+        want_t5 = t5(input_ids=ids, attention_mask=None).last_hidden_state[0]
+        ids_2 = tok_2(caption, truncation=True, max_length=77, padding="max_length", return_tensors="pt").input_ids
+        want_pooled = clip(input_ids=ids_2, attention_mask=None).pooler_output[0]
+    data = tmp_path / "data"
+    data.mkdir()
+    torch.save(torch.randn(4, 3, 8, 8), data / "clip.pt")
+    (data / "manifest.jsonl").write_text(json.dumps({"latent": "clip.pt", "caption": caption}))
+    cfg = load_config("debug-hunyuan", ["data.kind=directory", f"data.path={data}", f"data.text_encoder={folder}",
+                                        "model.text_encoder=t5_clip"])
+    _, text = build_dataset(cfg)[0]
+    torch.testing.assert_close(text, torch.cat([want_t5, want_pooled.expand(TEXT, -1)], dim=-1))
+    assert text[:, :LLAMA].ne(0).any(-1).all()             # padding rows are T5 states, not zero
