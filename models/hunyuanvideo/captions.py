@@ -41,8 +41,9 @@ def _check_folder(path: str | Path, key: str) -> list[str]:
     path = Path(path)
     missing = [f for f in FOLDERS if not (path / f).is_dir()]
     if missing:
-        return [f"{key}={path}: HunyuanVideo's captions need its pipeline folder with {', '.join(FOLDERS)}/ "
-                f"(LlamaModel, its tokenizer, CLIPTextModel, its tokenizer); missing: {', '.join(missing)}"]
+        return [f"{key}={path}: HunyuanVideo-family captions need a pipeline folder with {', '.join(FOLDERS)}/ "
+                f"(LlamaModel, or T5EncoderModel with model.text_encoder=t5_clip; its tokenizer; CLIPTextModel; its "
+                f"tokenizer); missing: {', '.join(missing)}"]
     return []
 
 

@@ -120,3 +120,18 @@ def test_t5_clip_rows_are_opensoras(tmp_path):
     _, text = build_dataset(cfg)[0]
     torch.testing.assert_close(text, torch.cat([want_t5, want_pooled.expand(TEXT, -1)], dim=-1))
     assert text[:, :LLAMA].ne(0).any(-1).all()             # padding rows are T5 states, not zero
+
+
+def test_prepare_data_names_what_the_folder_lacks(tmp_path, capsys):
+    """python -m parallel.prepare_data --t5 with a T5-style folder for HunyuanVideo: refused before loading, naming the
+    pipeline subfolders its captions need."""
+    from parallel.prepare_data.prepare import main
+    t5 = tmp_path / "text_encoder"
+    t5.mkdir()
+    (t5 / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 32}))
+    assert main(["--config", "configs/debug-hunyuan.yaml", "--videos", str(tmp_path), "--vae", str(tmp_path / "vae"),
+                 "--out", str(tmp_path / "out"), "--t5", str(t5)]) == 1
+    assert (f"--t5={t5}: HunyuanVideo-family captions need a pipeline folder with text_encoder, tokenizer, "
+            "text_encoder_2, tokenizer_2/ (LlamaModel, or T5EncoderModel with model.text_encoder=t5_clip; its "
+            "tokenizer; CLIPTextModel; its tokenizer); missing: text_encoder, tokenizer, text_encoder_2, "
+            "tokenizer_2") in capsys.readouterr().err
