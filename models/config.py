@@ -83,7 +83,8 @@ class ModelConfig(Section):
     vae_scale_spatial: int = Field(8, ge=1)
     vae_scale_temporal: int = Field(4, ge=1)
     init_from: Optional[str] = Field(None, description="folder of released weights in the diffusers layout "
-                                     "(config.json + *.safetensors) to start from; a resumed checkpoint wins")
+                                     "(config.json + *.safetensors) to start from, or Open-Sora 2.0's checkpoint file "
+                                     "(a .safetensors file, HunyuanVideo family); a resumed checkpoint wins")
     lora: Optional[LoraConfig] = Field(None, description="train low-rank adapters on a frozen base; default "
                                        "(none): full fine-tuning")
 

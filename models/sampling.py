@@ -17,6 +17,9 @@
                             (k - 1) r) (diffusers shifts r twice at the low end: its k_min is already shifted), then 0;
                             the model sees the fractional timestep 1000 s; x <- x + (s_next - s) u. Wan 2.1's release
                             samples with `unipc`.
+    flow_linear (flow_matching)  HunyuanVideoPipeline's: it passes sigmas = linspace(1, 0, steps + 1)[:-1] to
+                            FlowMatchEulerDiscreteScheduler(shift=k), which shifts them in float32, s = k r / (1 +
+                            (k - 1) r), then 0; the model sees 1000 s; x <- x + (s_next - s) u.
     unipc  (flow_matching)  UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                             flow_shift=model.schedule.shift), Wan 2.1's release sampler: models/unipc.py.
 
@@ -41,7 +44,7 @@ Predictor = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
 # Every sampler below, by the objective it integrates; a family lists those its pipeline offers, the first the
 # default (FamilySpec.sampling.samplers).
-SAMPLERS = {"v_prediction": ("ddim", "dpm"), "flow_matching": ("euler", "flow_euler", "unipc")}
+SAMPLERS = {"v_prediction": ("ddim", "dpm"), "flow_matching": ("euler", "flow_euler", "flow_linear", "unipc")}
 
 
 def check_sampler(objective_kind: str, sampler: str | None, offered: Optional[dict] = None) -> str:
@@ -77,6 +80,14 @@ def flow_match_sigmas(steps: int, shift: float) -> torch.Tensor:
     return torch.cat([s, torch.zeros(1)])
 
 
+def linear_flow_sigmas(steps: int, shift: float) -> torch.Tensor:
+    """HunyuanVideoPipeline's noise levels: FlowMatchEulerDiscreteScheduler(shift=shift).set_timesteps(sigmas=
+    np.linspace(1, 0, steps + 1)[:-1]).sigmas, [steps + 1] float32 ending at 0 (the shift in numpy float32)."""
+    r = np.linspace(1.0, 0.0, steps + 1)[:-1].astype(np.float32)
+    s = shift * r / (1 + (shift - 1) * r)
+    return torch.cat([torch.from_numpy(s).float(), torch.zeros(1)])
+
+
 def ddpm_timesteps(steps: int, spacing: str = "trailing") -> list[int]:
     """diffusers' set_timesteps of the CogVideoX schedulers (steps_offset 0), in its numpy arithmetic."""
     n = NUM_TRAIN_TIMESTEPS
@@ -97,8 +108,9 @@ def sampling_timesteps(objective_kind: str, steps: int, sampler: str | None = No
         raise ValueError(f"steps must be in [1, {NUM_TRAIN_TIMESTEPS}], got {steps}")
     if sampler in ("ddim", "dpm"):
         return ddpm_timesteps(steps, spacing)
-    if sampler == "flow_euler":
-        return (flow_match_sigmas(steps, shift)[:-1] * NUM_TRAIN_TIMESTEPS).tolist()
+    if sampler in ("flow_euler", "flow_linear"):
+        sigmas = flow_match_sigmas if sampler == "flow_euler" else linear_flow_sigmas
+        return (sigmas(steps, shift)[:-1] * NUM_TRAIN_TIMESTEPS).tolist()
     if sampler == "unipc":
         return unipc_schedule(steps, shift)[1]
     n = NUM_TRAIN_TIMESTEPS
@@ -188,8 +200,8 @@ def sample(predict: Predictor, noise: torch.Tensor, objective: Objective, steps:
     x = noise.float()
     if sampler == "unipc":
         return unipc_sample(lambda x_, t: _guided(predict, x_, t, guidance_scale), x, steps, objective.schedule.shift)
-    if sampler == "flow_euler":
-        sigmas = flow_match_sigmas(steps, objective.schedule.shift)
+    if sampler in ("flow_euler", "flow_linear"):
+        sigmas = (flow_match_sigmas if sampler == "flow_euler" else linear_flow_sigmas)(steps, objective.schedule.shift)
         for i in range(steps):
             x = x + (sigmas[i + 1] - sigmas[i]) * _guided(predict, x, sigmas[i] * NUM_TRAIN_TIMESTEPS, guidance_scale)
         return x

@@ -123,7 +123,11 @@ class TextEncoderFormat:
     model_type: str       # config.json `model_type` ("t5"): a whole checkpoint of that type loads as this encoder
     masked: bool          # encode with the attention mask and zero the padding rows; else keep them (no mask)
     clean: bool           # WanPipeline's prompt_clean (ftfy, HTML unescape, whitespace) before tokenising
-    prepared: bool = True  # False: the toolkit does not encode captions as this release does (yet); refused by name
+    prepared: bool = True  # False: models/text_encoder.py's T5 path does not encode this release's captions
+    # The family's own encoder class where the T5 path does not fit (HunyuanVideo: LLaMA + CLIP), built by
+    # models/text_encoder.build_text_encoder as (path, max_len, expected_dim, device, cache_size, key, model); its
+    # `check_folder(path, key)` lists what a folder lacks. None with prepared False: refused by name.
+    encoder: Optional[Callable] = None
 
 
 class SchedulerFormat(Protocol):

@@ -10,6 +10,8 @@ family's folder: models/cogvideox/pipeline.py, models/wan/pipeline.py):
 - masked (Wan 2.1's UMT5EncoderModel): tokenised to `max_len` with the attention mask, encoded with that mask;
   the rows of the n real tokens kept and rows n..max_len-1 set to ZERO; `clean`: `prompt_clean` first.
 Nothing is downloaded: `path` is a folder written by `save_pretrained` holding the encoder and its tokenizer.
+A family whose captions need another recipe brings its own encoder (TextEncoderFormat.encoder: HunyuanVideo's
+LLaMA + CLIP); `build_text_encoder` picks it.
 """
 from __future__ import annotations
 
@@ -46,6 +48,23 @@ def prompt_clean(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
+def build_text_encoder(path: str | Path, max_len: int, expected_dim: int | None = None, device="cpu",
+                       cache_size: int = 4096, expected=None, key: str = "data.text_encoder", model=None):
+    """The caption encoder for a family's TextEncoderFormat `expected`: its own where it has one (HunyuanVideo's
+    LLaMA + CLIP or Open-Sora 2.0's T5 + CLIP, by the model section `model`: models/hunyuanvideo/captions.py),
+    else T5TextEncoder; `.encode(caption) -> [max_len, D]`."""
+    if expected is not None and expected.encoder is not None:
+        return expected.encoder(path, max_len, expected_dim, device, cache_size, key, model)
+    return T5TextEncoder(path, max_len, expected_dim, device, cache_size, expected, key)
+
+
+def check_encoder_folder(path: str | Path, expected, key: str) -> list[str] | None:
+    """What a family's own encoder finds missing in `path` ([] when nothing), or None for the T5 path's check."""
+    if expected is None or expected.encoder is None:
+        return None
+    return expected.encoder.check_folder(path, key) if hasattr(expected.encoder, "check_folder") else []
+
+
 class T5TextEncoder:
     def __init__(self, path: str | Path, max_len: int, expected_dim: int | None = None, device="cpu",
                  cache_size: int = 4096, expected=None, key: str = "data.text_encoder"):
@@ -56,7 +75,8 @@ class T5TextEncoder:
         path = Path(path)
         if expected is not None and not expected.prepared:
             raise ValueError(f"{key}={path}: this model family's captions are {expected.class_name} states as its "
-                             f"release's pipeline builds them, which the toolkit does not encode yet; give data "
+                             f"release's pipeline builds them, not a T5 encoder's; encode them with "
+                             f"models.text_encoder.build_text_encoder (the family's own encoder), or give data "
                              f"prepared elsewhere (data.kind=directory, each caption's [max_text_len, text_embed_dim] "
                              f"tensor beside its latent: docs/data.md)")
         formats = encoder_formats()

@@ -15,7 +15,8 @@ folder instead: config.json plus diffusion_pytorch_model.safetensors, or shards 
 `--set model.init_from=OUT` (parallel/weights/diffusers.py). A LoRA run (model.lora) writes its base
 there, or with `--merge-lora` the base with the adapters folded in; `--format diffusers-lora` writes the
 adapters as OUT/pytorch_lora_weights.safetensors (`pipe.load_lora_weights(OUT)`, or
-`--set model.lora.init_from=OUT` to continue).
+`--set model.lora.init_from=OUT` to continue). `--format opensora` writes OUT/Open_Sora_v2.safetensors, Open-Sora
+2.0's checkpoint (configs/opensora2.0.yaml; `--ema`, `--dtype` as for diffusers; parallel/weights/opensora.py).
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from parallel.cli import add_experiment_args, run, size_arg
 from parallel.config import ConfigError
 from parallel.distributed.topology import read_launch_env
 from parallel.units import DTYPES
+
+OPENSORA_NAME = "Open_Sora_v2.safetensors"        # --format opensora: the name Open-Sora's configs load
 
 
 def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit", ema: bool = False,
@@ -50,6 +53,17 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
     ctx, trainer = start_engine(cfg, ds, layout, env, init_from=False)
     step = trainer.load(cfg.ckpt_dir, tag)
     module, n = trainer.engine.module, cfg.model.num_layers
+    if fmt == "opensora":
+        from parallel.weights.opensora import export_opensora
+        if ema and not has_ema(trainer.optimizer):
+            raise ValueError(f"--ema: the checkpoint {cfg.ckpt_dir}/{tag} has no EMA (its optimizer is "
+                             f"{type(trainer.optimizer).__name__}; FusedEmaAdam/EmaAdamW keep one)")
+        value = full_ema(trainer.optimizer, trainer.engine.optimizer) if ema else None
+        written = export_opensora(module, ctx, cfg, out / OPENSORA_NAME, value, zero3=layout.zero_stage == 3,
+                                  dtype=DTYPES[dtype], metadata={"step": str(step), "weights": "ema" if ema else
+                                                                 "model"})
+        dist.destroy_process_group()
+        return written
     if fmt in ("diffusers", "diffusers-lora"):
         from parallel.weights.diffusers_export import export_diffusers
         from parallel.weights.lora_export import export_lora
@@ -97,15 +111,18 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tag", default=None, help="checkpoint tag (step{N}); default: the newest complete one")
     ap.add_argument("--out", required=True, help="folder for model.safetensors and ema.safetensors, or the "
                     "diffusers folder")
-    ap.add_argument("--format", choices=["toolkit", "diffusers", "diffusers-lora"], default="toolkit",
+    ap.add_argument("--format", choices=["toolkit", "diffusers", "diffusers-lora", "opensora"], default="toolkit",
                     help="toolkit: canonical names, weights and EMA; diffusers: a CogVideoXTransformer3DModel folder; "
-                    "diffusers-lora: the adapters of a model.lora run as pytorch_lora_weights.safetensors")
+                    "diffusers-lora: the adapters of a model.lora run as pytorch_lora_weights.safetensors; opensora: "
+                    f"OUT/{OPENSORA_NAME}, Open-Sora 2.0's checkpoint (HunyuanVideo family with its switches)")
     ap.add_argument("--merge-lora", "--merge_lora", action="store_true",
                     help="--format diffusers with model.lora: fold the adapters into the weights (W + alpha/r B A)")
-    ap.add_argument("--ema", action="store_true", help="--format diffusers: export the EMA instead of the weights")
+    ap.add_argument("--ema", action="store_true", help="--format diffusers / opensora: export the EMA instead of "
+                    "the weights")
     ap.add_argument("--max-shard-size", "--max_shard_size", type=size_arg, default="5GB",
                     help="--format diffusers: largest shard file (5GB, 500MiB, bytes)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="--format diffusers: tensor dtype")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="--format diffusers / opensora: "
+                    "tensor dtype")
     return ap
 
 
@@ -125,6 +142,12 @@ def main(argv=None) -> int:
         print("refusing to export: --format diffusers-lora needs a LoRA run (model.lora: set model.lora.rank "
               "as the run did)", file=sys.stderr)
         return 1
+    if args.format == "opensora":
+        from parallel.weights.opensora import export_problems
+        found = export_problems(cfg.model)
+        if found:
+            print("refusing to export:\n  - " + "\n  - ".join(found), file=sys.stderr)
+            return 1
     if args.ema and args.format == "toolkit":
         print("refusing to export: --ema selects the weights of --format diffusers; the toolkit format "
               "writes ema.safetensors next to model.safetensors anyway", file=sys.stderr)

@@ -281,8 +281,10 @@ def load_prompts(args, cfg):
 
     encoder = None
     if cfg.data.text_encoder:
-        from models.text_encoder import T5TextEncoder
-        encoder = T5TextEncoder(cfg.data.text_encoder, cfg.model.max_text_len, cfg.model.text_embed_dim)
+        from models.registry import family
+        from models.text_encoder import build_text_encoder
+        encoder = build_text_encoder(cfg.data.text_encoder, cfg.model.max_text_len, cfg.model.text_embed_dim,
+                                     expected=family(cfg.model).text_encoder, model=cfg.model)
     labels, texts = list(args.prompt), [encoder.encode(text).float()[None] for text in args.prompt]
     for path in args.prompt_embeds:
         t = _tensor(path)

@@ -72,6 +72,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         if not cfg.model.init_from:
             problems.append("model.init_from is not set: give --set model.init_from=<released transformer folder>")
+        elif cfg.model.init_from.endswith(".safetensors"):
+            problems.append(f"model.init_from={cfg.model.init_from}: verify compares with the diffusers model of a "
+                            f"released folder; an Open-Sora 2.0 checkpoint file has no such reference (its forward is "
+                            f"held to Open-Sora's in tests/unit/test_opensora2.py)")
     if problems:
         if env.rank == 0:
             print("cannot verify:\n  - " + "\n  - ".join(problems), file=sys.stderr)

@@ -28,7 +28,7 @@ SPEC = FamilySpec(
     released=DIFFUSERS,
     condition=None,                          # text-to-video
     vae=HunyuanLatents(),                    # latents z * scaling_factor
-    text_encoder=LLAMA_CLIP,                 # LLaMA states + the CLIP pooled vector per row (not prepared yet)
+    text_encoder=LLAMA_CLIP,                 # LLaMA (or T5) states + the CLIP pooled vector per row: captions.py
     timesteps=PER_SAMPLE,
     sampling=SAMPLING,
 )

@@ -72,6 +72,7 @@ class JointAttention(nn.Module):
     def __init__(self, cfg: HunyuanVideoConfig, grid, ctx, dual: bool):
         super().__init__()
         self.head_dim, self.ctx, self.grid, self.n_txt = cfg.head_dim, ctx, grid, cfg.max_text_len
+        self.text_mask = cfg.text_mask                   # false (Open-Sora 2.0): every text row is a key
         self.norm_q, self.norm_k = nn.Parameter(torch.ones(self.head_dim)), nn.Parameter(torch.ones(self.head_dim))
         if dual:
             self.norm_added_q = nn.Parameter(torch.ones(self.head_dim))
@@ -107,7 +108,7 @@ class JointAttention(nn.Module):
         q, k = apply_rope_complex(q, freqs), apply_rope_complex(k, freqs)
         # The planner's meta trace leaves the mask out: on a device the mask-taking fused kernel saves what the
         # unmasked one does (meta would fall back to the S x S math kernel).
-        mask = None if q.device.type == "meta" else \
+        mask = None if q.device.type == "meta" or not self.text_mask else \
             F.pad(keep, (0, q.shape[2] - keep.shape[1]), value=True)[:, None, None]    # (B, 1, 1, S)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
 

@@ -28,7 +28,19 @@ class HunyuanVideoConfig(ModelConfig):
     family: Literal["hunyuanvideo"] = "hunyuanvideo"
     num_layers: int = Field(60, ge=1, description="dual-stream + single-stream blocks (the release: 20 + 40)")
     num_dual_layers: int = Field(20, ge=0, description="the first blocks, dual-stream (diffusers' num_layers)")
-    num_refiner_layers: int = Field(2, ge=1, description="token refiner blocks on the LLaMA states")
+    num_refiner_layers: int = Field(2, ge=0, description="token refiner blocks on the LLaMA states; 0: the text "
+                                    "rows through one linear alone (Open-Sora 2.0's txt_in), no refiner embedders")
+    guidance_embed: bool = Field(True, description="the embedded (distilled) guidance term in the modulation "
+                                 "vector (HunyuanVideo); false: timestep + pooled vector alone (Open-Sora 2.0)")
+    text_mask: bool = Field(True, description="padding text rows (all-zero text channels) are no attention key "
+                            "(HunyuanVideo); false: every text row is a key (Open-Sora 2.0's unmasked attention)")
+    text_encoder: Literal["llama_clip", "t5_clip"] = Field(
+        "llama_clip", description="how data.text_encoder / prepare_data --t5 encode a caption "
+        "(models/hunyuanvideo/captions.py): llama_clip, HunyuanVideoPipeline's LLaMA template + CLIP pooled vector; "
+        "t5_clip, Open-Sora 2.0's T5 states (no mask, max_text_len tokens) + CLIP pooled vector")
+    cond_embed: bool = Field(False, description="Open-Sora 2.0's cond_in: a linear of (in_channels + 1) x "
+                             "patch volume inputs (a mask channel + condition latents, patched as the video) added "
+                             "to the patch embedding; text-to-video feeds it zeros")
     hidden_size: int = 3072
     num_heads: int = 24
     head_dim: int = 128

@@ -4,16 +4,18 @@ with (FamilySpec.vae, text_encoder, sampling).
 - VAE `AutoencoderKLHunyuanVideo`: training latents z * scaling_factor (0.476986 in the release's config), decoded
   as the pipeline does, z / scaling_factor; 4 x temporal, 8 x spatial compression, 16 channels.
 - Text: the LLaMA states (a chat template, hidden_states[-3], the template's tokens cropped) with the CLIP text
-  model's pooled vector beside them on every row (models/hunyuanvideo/config.py). The toolkit does not encode
-  captions this way yet: `prepared=False`, so `prepare_data` and `data.text_encoder` refuse the family by name
-  rather than encode a LLaMA folder as a T5 one.
-- Scheduler: FlowMatchEulerDiscreteScheduler with shift 7.0 (model.schedule.shift); validation samples with the
-  toolkit's `flow_euler` (that scheduler's default spacing; the pipeline passes its own sigmas: docs/models.md).
+  model's pooled vector beside them on every row (models/hunyuanvideo/config.py), encoded by
+  models/hunyuanvideo/captions.py from the pipeline folder (`prepared=False`: not the T5 path; `encoder`: its own).
+- Scheduler: FlowMatchEulerDiscreteScheduler with shift 7.0 (model.schedule.shift), given the pipeline's sigmas
+  linspace(1, 0, steps + 1)[:-1]: the toolkit's `flow_linear` (the default; `flow_euler` takes that scheduler's
+  own spacing). The embedded guidance is the pipeline's default guidance_scale 6.0 (x 1000); its true_cfg_scale
+  with a negative prompt is the toolkit's val.guidance_scale with the unconditional text.
 """
 from __future__ import annotations
 
 import torch
 
+from models.hunyuanvideo.captions import caption_encoder
 from models.spec import Sampling, TextEncoderFormat
 
 
@@ -38,6 +40,7 @@ class HunyuanLatents:
         return z / config.scaling_factor
 
 
-LLAMA_CLIP = TextEncoderFormat(class_name="LlamaModel", model_type="llama", masked=True, clean=False, prepared=False)
+LLAMA_CLIP = TextEncoderFormat(class_name="LlamaModel", model_type="llama", masked=True, clean=False, prepared=False,
+                               encoder=caption_encoder)
 
-SAMPLING = Sampling(samplers={"flow_matching": ("flow_euler", "euler")}, scheduler=None)
+SAMPLING = Sampling(samplers={"flow_matching": ("flow_linear", "flow_euler", "euler")}, scheduler=None)

@@ -66,9 +66,9 @@ def _config_pairs(m: HunyuanVideoConfig) -> list[tuple[str, object, Optional[str
         ("pooled_projection_dim", 768, "model.pooled_projection_dim", m.pooled_projection_dim),
         ("rope_theta", 256.0, "model.rope_theta", m.rope_theta),
         ("rope_axes_dim", [16, 56, 56], "model.rope_axes_dim", list(m.rope_axes_dim)),
-        # What the toolkit's HunyuanVideo model always is (text-to-video, guidance-distilled): no model.* key.
+        ("guidance_embeds", True, "model.guidance_embed", m.guidance_embed),
+        # What the toolkit's HunyuanVideo model always is (text-to-video): no model.* key.
         ("qk_norm", "rms_norm", None, "rms_norm"),
-        ("guidance_embeds", True, None, True),
         ("image_condition_type", None, None, None),
     ]
 
@@ -105,6 +105,10 @@ class HunyuanVideoDiffusers(DiffusersFormat):
                                    "HunyuanVideo text-to-video (13B) qualifies",
                                    {"text_embed_dim": text_dim, "mlp_ratio": mlp_ratio,
                                     "num_single_layers": single_layers})
+        if m.cond_embed:
+            problems.append(f"{path}: model.cond_embed=true (Open-Sora 2.0's cond_in) has no counterpart in "
+                            f"diffusers' {self.class_name}; read Open-Sora's own checkpoint (a .safetensors file "
+                            f"as model.init_from) or set model.cond_embed=false")
         return problems
 
     def config(self, m: HunyuanVideoConfig, data) -> dict:

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from models.geometry import latent_shape, pad_frames
 from models.registry import family, text_encoder_formats, vae_formats
-from models.text_encoder import encoder_class
+from models.text_encoder import check_encoder_folder, encoder_class
 from parallel.cli import CONFIG_HELP, add_experiment_args
 from parallel.units import DTYPES
 from parallel.prepare_data.captions import InputError, read_captions, video_files
@@ -130,7 +130,10 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
         count = {p: sum(q == p for q, _ in per_bucket) for p, _ in per_bucket}
         everywhere = {p for p, n in count.items() if n == len(args.bucket_list or [None])}
         problems += list(dict.fromkeys(p if p in everywhere else p + where for p, where in per_bucket))
-    if args.t5:
+    own = check_encoder_folder(args.t5, family(cfg.model).text_encoder, "--t5") if args.t5 else None
+    if own is not None:                                 # the family's own encoder (HunyuanVideo: LLaMA + CLIP)
+        problems += own
+    elif args.t5:
         wanted = family(cfg.model).text_encoder.class_name
         what = (f"expected a folder written by {wanted}.save_pretrained with its tokenizer beside it "
                 "(for a release: text_encoder/ with the files of tokenizer/ copied in)")
@@ -238,9 +241,10 @@ class ClipEncoder:
             self.vae.enable_tiling()
         self.t5 = None
         if args.t5:
-            from models.text_encoder import T5TextEncoder
-            self.t5 = T5TextEncoder(args.t5, cfg.model.max_text_len, cfg.model.text_embed_dim, device, cache_size=0,
-                                    expected=family(cfg.model).text_encoder, key="--t5")
+            from models.text_encoder import build_text_encoder
+            self.t5 = build_text_encoder(args.t5, cfg.model.max_text_len, cfg.model.text_embed_dim, device,
+                                         cache_size=0, expected=family(cfg.model).text_encoder, key="--t5",
+                                         model=cfg.model)
         self.args, self.data, self.seed, self.tag = args, cfg.data, cfg.train.seed, tag
         self.store, self.model, self.buckets = DTYPES[args.dtype], cfg.model, args.bucket_list
         self.condition = family(cfg.model).training_condition(cfg.model, cfg.data)

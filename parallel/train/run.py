@@ -108,9 +108,9 @@ def memory_check_lines(report: dict, step: int) -> list[str]:
 def _text_encoder(cfg: ExperimentConfig):
     if not cfg.data.text_encoder:
         return None
-    from models.text_encoder import T5TextEncoder
-    return T5TextEncoder(cfg.data.text_encoder, cfg.model.max_text_len, cfg.model.text_embed_dim,
-                         expected=family(cfg.model).text_encoder)
+    from models.text_encoder import build_text_encoder
+    return build_text_encoder(cfg.data.text_encoder, cfg.model.max_text_len, cfg.model.text_embed_dim,
+                              expected=family(cfg.model).text_encoder, model=cfg.model)
 
 
 def build_dataset(cfg: ExperimentConfig):

@@ -160,6 +160,11 @@ def expected_tensors(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def is_single_file(path: Path) -> bool:
+    """model.init_from names one .safetensors file (Open-Sora 2.0's checkpoint), not a diffusers folder."""
+    return path.suffix == ".safetensors" and not path.is_dir()
+
+
 def _listing(names: list[str], limit: int = 20) -> str:
     more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
@@ -167,8 +172,12 @@ def _listing(names: list[str], limit: int = 20) -> str:
 
 def check_released(m: ModelConfig, folder: str | Path) -> list[str]:
     """Every problem with a diffusers folder for this model: config keys, missing, unexpected and
-    mis-shaped tensors (reads config.json and the safetensors headers only)."""
+    mis-shaped tensors (reads config.json and the safetensors headers only). A .safetensors file is Open-Sora 2.0's
+    checkpoint (parallel/weights/opensora.py)."""
     folder = Path(folder)
+    if is_single_file(folder):
+        from parallel.weights.opensora import check_opensora
+        return check_opensora(m, folder)
     problems = check_config(m, folder)
     if problems:
         return problems
@@ -213,6 +222,9 @@ def load_released(module: nn.Module, ctx, m: ModelConfig, folder: str | Path) ->
     returns the number of elements read. Raises ValueError listing every problem, before reading any."""
     from safetensors import safe_open
     folder = Path(folder)
+    if is_single_file(folder):
+        from parallel.weights.opensora import load_opensora
+        return load_opensora(module, ctx, m, folder)
     problems = check_released(m, folder)
     if problems:
         raise ValueError("\n".join(problems))

@@ -158,14 +158,15 @@ def test_recompute_gives_the_same_gradients(granularity):
         torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
-def test_the_data_path_takes_the_release_vae_and_refuses_to_encode_captions_it_cannot(tmp_path):
+def test_the_data_path_takes_the_release_vae_and_refuses_a_t5_style_encode(tmp_path):
     """Latents as the pipeline scales them (z * scaling_factor; decoded / scaling_factor), compression and channels
-    read from a tiny AutoencoderKLHunyuanVideo's config; a text encoder folder is refused by name, since the
-    release's LLaMA-template + CLIP rows are not what a T5-style encode gives."""
+    read from a tiny AutoencoderKLHunyuanVideo's config; the T5 path refuses the family by name (the release's
+    LLaMA-template + CLIP rows are not what a T5-style encode gives), and its own encoder names the subfolders a
+    folder lacks (the encoding itself: tests/unit/test_hunyuanvideo_captions.py)."""
     from diffusers import AutoencoderKLHunyuanVideo
 
     from models.registry import family
-    from models.text_encoder import T5TextEncoder
+    from models.text_encoder import T5TextEncoder, build_text_encoder
     from models.vae import compression
     torch.manual_seed(0)
     vae = AutoencoderKLHunyuanVideo(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8, 8, 8),
@@ -180,5 +181,7 @@ def test_the_data_path_takes_the_release_vae_and_refuses_to_encode_captions_it_c
     torch.testing.assert_close(fmt.normalise(z, vae.config), z * vae.config.scaling_factor, rtol=0, atol=0)
     torch.testing.assert_close(fmt.denormalise(fmt.normalise(z, vae.config), vae.config), z)
     cfg = load_config("debug-hunyuan")
-    with pytest.raises(ValueError, match="does not encode yet"):
+    with pytest.raises(ValueError, match="not a T5 encoder's"):
         T5TextEncoder(tmp_path, cfg.model.max_text_len, expected=family(cfg.model).text_encoder)
+    with pytest.raises(FileNotFoundError, match="missing: text_encoder, tokenizer, text_encoder_2, tokenizer_2"):
+        build_text_encoder(tmp_path, cfg.model.max_text_len, expected=family(cfg.model).text_encoder)
