@@ -141,3 +141,29 @@ def test_wrong_config_is_refused_by_key(released, tmp_path):
     assert check_released(load_config("debug-hunyuan15", overrides(sr)).model, sr) == [
         f"{sr / 'config.json'}: use_meanflow true is not supported (the toolkit's HunyuanVideo 1.5 model has false; "
         f"the 480p and 720p T2V and I2V releases qualify)"]
+
+
+def test_the_data_path_takes_the_release_vae_and_refuses_to_encode_captions_it_cannot(tmp_path):
+    """Latents as the pipelines scale them (z * scaling_factor, as HunyuanVideo15ImageToVideoPipeline scales its
+    image latents; decoded / scaling_factor), compression and channels read from a tiny
+    AutoencoderKLHunyuanVideo15's config; a text encoder folder is refused by name (the release's Qwen2.5-VL +
+    byT5 rows are not what a T5-style encode gives)."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    from models.registry import family
+    from models.text_encoder import T5TextEncoder
+    from models.vae import compression
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
+                                      spatial_compression_ratio=16, temporal_compression_ratio=4).eval()
+    config = {"_class_name": "AutoencoderKLHunyuanVideo15", **vae.config}
+    fmt = family(load_config("debug-hunyuan15").model).vae
+    assert (fmt.class_name, fmt.channels(config), compression(config)) == ("AutoencoderKLHunyuanVideo15", 4, (4, 16))
+    with torch.no_grad():
+        z = vae.encode(torch.rand(1, 3, 5, 32, 32) * 2 - 1).latent_dist.mode()
+    assert z.shape == (1, 4, 2, 2, 2)
+    torch.testing.assert_close(fmt.normalise(z, vae.config), z * vae.config.scaling_factor, rtol=0, atol=0)
+    torch.testing.assert_close(fmt.denormalise(fmt.normalise(z, vae.config), vae.config), z)
+    cfg = load_config("debug-hunyuan15")
+    with pytest.raises(ValueError, match="does not encode yet"):
+        T5TextEncoder(tmp_path, cfg.model.max_text_len, expected=family(cfg.model).text_encoder)
