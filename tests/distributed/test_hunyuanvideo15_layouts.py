@@ -8,7 +8,7 @@ one rank holds all the text, the other none); at tp 2 the gradients of a loss eq
 stage's projections and condition embeddings replicated, the replicated q/k RMSNorm weights summed over ranks),
 and one block's forward issues the four all-reduces of a dual-stream block; tp 2 x pp 2 exports a diffusers
 folder that `from_pretrained` reads back bit for bit; and three training steps at tp 2 x pp 2 and at sp 2 x dp 2
-equal one process.
+equal one process, and so do three steps of rank-4 adapters at tp 2 x pp 2.
 """
 import json
 from pathlib import Path
@@ -26,6 +26,8 @@ from tests.unit.test_hunyuanvideo15 import DIFFUSERS, diffusers_forward, inputs,
 PRESET = "debug-hunyuan15"
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2)]     # (tp, pp, sp); dp fills 4 ranks
 TRAIN_LAYOUTS = [(2, 2, 1, 1), (1, 1, 2, 2)]                                     # (tp, pp, sp, dp)
+# Adapters on the video q (one part of the column-parallel [q; k; v]), the text k and the row-parallel text output.
+LORA = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[to_q,add_k_proj,to_add_out]")
 
 
 def _model(folder, tp, pp, sp, world_size):
@@ -75,12 +77,14 @@ def _rank(rank, world_size, folder, export_dir):
     ds = hunyuan_fp32_config()
     for tp, pp, sp, dp in TRAIN_LAYOUTS:
         out[("train", tp, pp, sp, dp)] = _train_rank(rank, world_size, tp, pp, dp, ds, 3, (), sp, PRESET, 0)
+    out["lora"] = _train_rank(rank, world_size, 2, 2, 1, ds, 3, LORA, 1, PRESET, 0)
     return out
 
 
 def test_hunyuanvideo15_in_every_layout(released, tmp_path):
     folder, model = released
     reference = train(1, 1, 1, hunyuan_fp32_config(), preset=PRESET)
+    lora_reference = train(1, 1, 1, hunyuan_fp32_config(), extra=LORA, preset=PRESET)
     results = run_ranks(_rank, 4, str(folder), str(tmp_path / "export"))
 
     # Prediction: every layout, every rank, text- and image-to-video, equals diffusers.
@@ -122,10 +126,14 @@ def test_hunyuanvideo15_in_every_layout(released, tmp_path):
     for name, value in again.state_dict().items():
         assert torch.equal(value, original[name]), name
 
-    # Training: tp 2 x pp 2 and sp 2 x dp 2 equal one process, 3 steps.
-    for tp, pp, sp, dp in TRAIN_LAYOUTS:
-        rows = [r[("train", tp, pp, sp, dp)] for r in results]
+    # Training: tp 2 x pp 2 and sp 2 x dp 2 equal one process, 3 steps; adapters at tp 2 x pp 2 too.
+    for key, want in [(("train", *layout), reference) for layout in TRAIN_LAYOUTS] + [("lora", lora_reference)]:
+        rows = [r[key] for r in results]
         run = {"losses": rows[0]["losses"], "all_losses": [r["losses"] for r in rows],
                "state": {k: v for r in rows for k, v in r["state"].items()},
                "replica_mismatches": sorted({n for r in rows for n in r["replica_mismatches"]})}
-        assert_matches(run, reference)
+        assert_matches(run, want)
+    adapted = sorted(n for n in lora_reference["state"] if n.endswith("lora_B"))
+    assert adapted == [f"blocks.{i}.{m}.lora_B" for i in (0, 1) for m in ("add_qkv", "to_add_out", "to_qkv")], adapted
+    assert lora_reference["state"]["blocks.0.to_add_out.lora_B"].abs().sum() > 0     # the adapters trained (the
+    assert lora_reference["state"]["blocks.1.to_add_out.lora_B"].abs().sum() == 0    # last text output reaches none)
