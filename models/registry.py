@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import importlib
 
-from models import cogvideox, hunyuanvideo, stdit, wan
+from models import cogvideox, hunyuanvideo, hunyuanvideo15, stdit, wan
 from models.config import ModelConfig
 from models.spec import FamilySpec
 
 FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
     cogvideox.SPEC,
     hunyuanvideo.SPEC,
+    hunyuanvideo15.SPEC,
     stdit.SPEC,
     wan.SPEC,
 )}

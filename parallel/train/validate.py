@@ -92,7 +92,9 @@ class StageForward:
             _send(h, self.next)
         if self.ctx.pp_size == 1:
             return h.float()
-        out = h.float() if self.next is None else torch.empty(like.shape, dtype=torch.float32, device=self.device)
+        # contiguous: a patch-1 unpatchify is a permuted view, which a broadcast would send in storage order
+        out = h.float().contiguous() if self.next is None else torch.empty(like.shape, dtype=torch.float32,
+                                                                           device=self.device)
         dist.broadcast(out, self.last, group=self.ctx.pp_group)
         return out
 

@@ -195,6 +195,8 @@ SEARCH = {name: PLAN.format(f"{name}.yaml", 8) for name in
           ("cogvideox-2b", "cogvideox-5b-i2v", "cogvideox1.5-5b", "cogvideox1.5-5b-i2v")}
 LONG_SP1 = "python -m parallel.plan --config configs/cogvideox-5b-long.yaml --deepspeed_config " \
            "ds_configs/zero2_bf16_long.json --world-size 8 --device-memory 80GiB --set parallel.sp_size=1"
+HY15 = "python -m parallel.plan --config configs/hunyuanvideo1.5-t2v-{}.yaml --deepspeed_config " \
+       "ds_configs/zero3_bf16.json --world-size 8 --device-memory 80GiB"
 PRESETS = re.findall(r"^\| `([\w.-]+)` \| \w+ \| [\d,]+ \|", (ROOT / "README.md").read_text(), re.M)
 
 # (doc, a regex on the doc with one group: the figure, the command that prints it, what to read from its output)
@@ -223,6 +225,12 @@ FIGURES = [
      value("activations")),
     ("docs/sequence-parallel.md", r"at tp 2 and sp 1 needs .*?, recompute ([\d.]+)\)", LONG_SP1,
      value("recompute (1 segment)")),
+    ("docs/models.md", r"plans the preset \(tp 1 x sp 8, ZeRO-3, every block recomputed\)\s+at ([\d.]+) GiB",
+     HY15.format("720p"), total),
+    ("docs/models.md", r"every second block recomputed first \(([\d.]+) GiB per rank\)", HY15.format("720p") +
+     " --search", row(1, 8, 1, 1, 3, 2, first=True)),
+    ("docs/models.md", r"ZeRO-3 and no recomputation first \(([\d.]+) GiB per rank\)", HY15.format("480p") +
+     " --search", row(1, 8, 1, 1, 3, 2, first=True)),
     *[("README.md", rf"^\| `{re.escape(name)}` \| \w+ \| ([\d,]+) \|", f"python -m models --config configs/{name}.yaml",
        parameters) for name in PRESETS],
 ]

@@ -1,0 +1,36 @@
+"""HunyuanVideo 1.5 (8.3B) text- and image-to-video: dual-stream blocks only, over image, glyph and text rows +
+video tokens. The blocks and the head are HunyuanVideo's (models/hunyuanvideo/: the same dual-stream block and
+adaLN-continuous head); the first stage and the released names are its own."""
+from __future__ import annotations
+
+import math
+
+from models.diffusion import PER_SAMPLE
+from models.hunyuanvideo.blocks import HunyuanBlock
+from models.hunyuanvideo.embed import FinalStage
+from models.hunyuanvideo15.config import HunyuanVideo15Config
+from models.hunyuanvideo15.embed import EmbedStage
+from models.hunyuanvideo15.pipeline import QWEN_BYT5, SAMPLING, Hunyuan15Latents
+from models.hunyuanvideo15.released import DIFFUSERS
+from models.spec import FamilySpec
+
+SPEC = FamilySpec(
+    name="hunyuanvideo15",
+    config=HunyuanVideo15Config,
+    embed=EmbedStage,
+    layer=HunyuanBlock,                      # every block dual-stream (config.num_dual_layers = num_layers)
+    final=FinalStage,
+    text_in_sequence=True,
+    row_parallel_per_layer=2,                # 4 on partial sequences (text, video x attention, FFN): 2 x b S H
+    attentions_per_layer=1,
+    attention_pairs=lambda m, grid: (m.max_text_len + math.prod(grid)) ** 2,
+    describe_layers=lambda m: f"{m.num_layers} dual-stream blocks",
+    layer_noun="block",
+    recompute_parts={"attention": ("attn.core",), "mlp": ("ffn",)},
+    released=DIFFUSERS,
+    condition=None,                          # text-to-video training (zero condition channels)
+    vae=Hunyuan15Latents(),                  # latents z * scaling_factor
+    text_encoder=QWEN_BYT5,                  # Qwen2.5-VL + byT5 (+ SigLIP) rows (not prepared yet)
+    timesteps=PER_SAMPLE,
+    sampling=SAMPLING,
+)

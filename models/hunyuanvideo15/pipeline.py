@@ -1,0 +1,35 @@
+"""What HunyuanVideo 1.5's released pipelines (HunyuanVideo15Pipeline, HunyuanVideo15ImageToVideoPipeline, diffusers
+0.42) feed the transformer and sample it with (FamilySpec.vae, text_encoder, sampling).
+
+- VAE `AutoencoderKLHunyuanVideo15`: training latents z * scaling_factor (1.03682 by default), decoded as the
+  pipelines do, z / scaling_factor; 4 x temporal, 16 x spatial compression, 32 channels.
+- Text: Qwen2.5-VL states (a chat template, hidden_states[-3], the template's 108 tokens cropped, 1000 rows), byT5
+  states of the caption's quoted text (256 rows) and, for image-to-video, SigLIP states of the first frame (729
+  rows), packed as rows of one text input (models/hunyuanvideo15/config.py). The toolkit does not encode captions
+  this way yet: `prepared=False`, so `prepare_data` and `data.text_encoder` refuse the family by name.
+- Scheduler: FlowMatchEulerDiscreteScheduler with the release's shift (model.schedule.shift); validation samples
+  with the toolkit's `flow_euler`.
+"""
+from __future__ import annotations
+
+from models.hunyuanvideo.pipeline import HunyuanLatents
+from models.spec import Sampling, TextEncoderFormat
+
+
+class Hunyuan15Latents(HunyuanLatents):
+    class_name = "AutoencoderKLHunyuanVideo15"
+    release = "the vae/ folder of a HunyuanVideo 1.5 diffusers release"
+
+    @staticmethod
+    def channels(config: dict) -> int | None:
+        return config.get("latent_channels", 32)
+
+    @staticmethod
+    def compression(config: dict) -> tuple[int, int]:
+        return config.get("temporal_compression_ratio", 4), config.get("spatial_compression_ratio", 16)
+
+
+QWEN_BYT5 = TextEncoderFormat(class_name="Qwen2_5_VLTextModel", model_type="qwen2_5_vl", masked=True, clean=False,
+                              prepared=False)
+
+SAMPLING = Sampling(samplers={"flow_matching": ("flow_euler", "euler")}, scheduler=None)

@@ -1,0 +1,139 @@
+"""The HunyuanVideo 1.5 family in 4 gloo ranks against diffusers' HunyuanVideo15Transformer3DModel and against one
+process.
+
+One spawn serves every case: the tiny random release (tests/unit/test_hunyuanvideo15.py's `released` fixture: 2
+dual-stream blocks) loaded at (tp, pp) = (1, 1), (2, 1), (1, 2), (2, 2) and at sp 2 (tp 1 and tp 2) predicts what
+diffusers predicts on text-to-video and image-to-video inputs (sp 2 splits the 16 text + 72 video tokens so that
+one rank holds all the text, the other none); at tp 2 the gradients of a loss equal diffusers' own (the embed
+stage's projections and condition embeddings replicated, the replicated q/k RMSNorm weights summed over ranks),
+and one block's forward issues the four all-reduces of a dual-stream block; tp 2 x pp 2 exports a diffusers
+folder that `from_pretrained` reads back bit for bit; and three training steps at tp 2 x pp 2 and at sp 2 x dp 2
+equal one process, and so do three steps of rank-4 adapters at tp 2 x pp 2.
+"""
+import json
+from pathlib import Path
+
+import torch
+from diffusers import HunyuanVideo15Transformer3DModel
+
+from parallel.config import load_config
+from parallel.weights.diffusers import INDEX_NAME
+from tests.dist_utils import run_ranks
+from tests.train_utils import assert_matches, train
+from tests.distributed.test_hunyuanvideo_layouts import hunyuan_fp32_config
+from tests.unit.test_hunyuanvideo15 import DIFFUSERS, diffusers_forward, inputs, overrides, released  # noqa: F401
+
+PRESET = "debug-hunyuan15"
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2)]     # (tp, pp, sp); dp fills 4 ranks
+TRAIN_LAYOUTS = [(2, 2, 1, 1), (1, 1, 2, 2)]                                     # (tp, pp, sp, dp)
+# Adapters on the video q (one part of the column-parallel [q; k; v]), the text k and the row-parallel text output.
+LORA = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[to_q,add_k_proj,to_add_out]")
+
+
+def _model(folder, tp, pp, sp, world_size):
+    from parallel.build import build_model
+    from parallel.distributed.topology import ParallelContext, ParallelDims
+    from parallel.weights.diffusers import load_released
+
+    cfg = load_config(PRESET, overrides(folder) + [f"parallel.tp_size={tp}", f"parallel.pp_size={pp}",
+                                                   f"parallel.sp_size={sp}"])
+    ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=world_size // (tp * pp * sp)))
+    model = build_model(cfg, {}, ctx)
+    load_released(model, ctx, cfg.model, folder)
+    return cfg, ctx, model
+
+
+def _rank(rank, world_size, folder, export_dir):
+    import types
+
+    import deepspeed
+
+    from parallel.distributed import accelerator
+    from parallel.distributed.comm import count_comm
+    from parallel.train.validate import StageForward
+    from parallel.weights.diffusers_export import export_diffusers
+    from parallel.weights.gather import full_tensors
+    from tests.train_utils import _train_rank
+
+    deepspeed.init_distributed(dist_backend=accelerator.backend())
+    out = {}
+    for tp, pp, sp in LAYOUTS:
+        cfg, ctx, model = _model(folder, tp, pp, sp, world_size)
+        forward = StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx)
+        for i2v in (False, True):
+            x = inputs(i2v)
+            out[("predict", tp, pp, sp, i2v)] = forward.predict(x, x[0][:, :4].contiguous())  # like: the 4 predicted channels
+        if (tp, pp) == (2, 2):
+            export_diffusers(model, ctx, cfg, Path(export_dir), max_shard_bytes=2_000_000)
+    cfg, ctx, model = _model(folder, 2, 1, 1, world_size)
+    x = inputs(True)
+    target = torch.randn(x[0][:, :4].shape, generator=torch.Generator().manual_seed(3))
+    h = model.embed(x)
+    with count_comm() as dual:
+        h = model.blocks[0](h)
+    out["all_reduces"] = dual.numels("all_reduce")
+    torch.nn.functional.mse_loss(model.final(model.blocks[1](h)), target).backward()
+    out["grads"] = dict(full_tensors(model, ctx, cfg.model.num_layers, value=lambda p: p.grad))
+    ds = hunyuan_fp32_config()
+    for tp, pp, sp, dp in TRAIN_LAYOUTS:
+        out[("train", tp, pp, sp, dp)] = _train_rank(rank, world_size, tp, pp, dp, ds, 3, (), sp, PRESET, 0)
+    out["lora"] = _train_rank(rank, world_size, 2, 2, 1, ds, 3, LORA, 1, PRESET, 0)
+    return out
+
+
+def test_hunyuanvideo15_in_every_layout(released, tmp_path):
+    folder, model = released
+    reference = train(1, 1, 1, hunyuan_fp32_config(), preset=PRESET)
+    lora_reference = train(1, 1, 1, hunyuan_fp32_config(), extra=LORA, preset=PRESET)
+    results = run_ranks(_rank, 4, str(folder), str(tmp_path / "export"))
+
+    # Prediction: every layout, every rank, text- and image-to-video, equals diffusers.
+    for i2v in (False, True):
+        want = diffusers_forward(model, inputs(i2v))
+        for rank, out in enumerate(results):
+            for tp, pp, sp in LAYOUTS:
+                torch.testing.assert_close(out[("predict", tp, pp, sp, i2v)], want,
+                                           msg=lambda m: f"tp={tp} pp={pp} sp={sp} i2v={i2v} rank {rank}: {m}")
+
+    # Gradients at tp 2 equal diffusers' (names through the released format's map).
+    from parallel.weights.diffusers_export import to_diffusers
+    cfg = load_config(PRESET, overrides(folder))
+    model.zero_grad()
+    target = torch.randn(inputs(True)[0][:, :4].shape, generator=torch.Generator().manual_seed(3))
+    fmt = DIFFUSERS.bind(cfg.model)
+    torch.nn.functional.mse_loss(fmt.reference_call(model, inputs(True), {}), target).backward()
+    # the last block's text outputs reach no prediction: diffusers leaves their gradient None, ours is zero
+    theirs = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in model.named_parameters()}
+    ours = {}
+    for name, grad in results[0]["grads"].items():
+        ours.update(to_diffusers(name, grad, cfg.model))
+    assert ours.keys() == theirs.keys()
+    for name, grad in theirs.items():
+        torch.testing.assert_close(ours[name], grad, msg=lambda m: f"{name}: {m}")
+
+    # One dual-stream block's forward at tp 2: the text and video outputs of attention and of the FFNs.
+    b, text, video, hid = 2, 16, 72, 64
+    assert results[0]["all_reduces"] == [b * text * hid, b * video * hid, b * text * hid, b * video * hid]
+
+    # Export from tp 2 x pp 2: shards of each stage with an index; from_pretrained gives the original bits.
+    exported = tmp_path / "export"
+    assert (exported / INDEX_NAME).is_file() and len(list(exported.glob("*.safetensors"))) > 2
+    again = HunyuanVideo15Transformer3DModel.from_pretrained(exported)
+    public = lambda config: json.loads(json.dumps({k: v for k, v in config.items() if not k.startswith("_")}))
+    assert public(again.config) == public(model.config)
+    original = model.state_dict()
+    assert again.state_dict().keys() == original.keys()
+    for name, value in again.state_dict().items():
+        assert torch.equal(value, original[name]), name
+
+    # Training: tp 2 x pp 2 and sp 2 x dp 2 equal one process, 3 steps; adapters at tp 2 x pp 2 too.
+    for key, want in [(("train", *layout), reference) for layout in TRAIN_LAYOUTS] + [("lora", lora_reference)]:
+        rows = [r[key] for r in results]
+        run = {"losses": rows[0]["losses"], "all_losses": [r["losses"] for r in rows],
+               "state": {k: v for r in rows for k, v in r["state"].items()},
+               "replica_mismatches": sorted({n for r in rows for n in r["replica_mismatches"]})}
+        assert_matches(run, want)
+    adapted = sorted(n for n in lora_reference["state"] if n.endswith("lora_B"))
+    assert adapted == [f"blocks.{i}.{m}.lora_B" for i in (0, 1) for m in ("add_qkv", "to_add_out", "to_qkv")], adapted
+    assert lora_reference["state"]["blocks.0.to_add_out.lora_B"].abs().sum() > 0     # the adapters trained (the
+    assert lora_reference["state"]["blocks.1.to_add_out.lora_B"].abs().sum() == 0    # last text output reaches none)

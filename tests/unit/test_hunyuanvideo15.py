@@ -1,0 +1,169 @@
+"""The HunyuanVideo 1.5 family against diffusers' HunyuanVideo15Transformer3DModel, in one process: a tiny random
+release (`released` fixture, written by `save_pretrained` in several shards) loaded into the toolkit predicts what
+diffusers predicts on text-to-video and image-to-video inputs; the preset counts diffusers' parameters; the
+checker lists tp / sp sizes for 16 heads; wrong configs are refused by key. Every (tp, pp) layout, sp, the export
+and training equivalence: tests/distributed/test_hunyuanvideo15_layouts.py.
+"""
+import json
+
+import pytest
+import torch
+from diffusers import HunyuanVideo15Transformer3DModel
+
+from models.__main__ import summary
+from models.hunyuanvideo15.released import DIFFUSERS
+from parallel.build import layer_specs
+from parallel.config import load_config
+from parallel.distributed.pipeline import SequentialDiT
+from parallel.distributed.topology import ParallelContext
+from parallel.weights.diffusers import INDEX_NAME, check_released, load_released
+
+B, C, FRAMES, HEIGHT, WIDTH = 2, 4, 3, 4, 6           # latents [2, 9, 3, 4, 6] -> 72 video tokens (patch 1)
+QWEN, GLYPH, IMAGE = 32, 16, 24                        # state widths; rows: 4 image, 4 byT5, 8 Qwen
+DIFFUSERS_TINY = dict(in_channels=2 * C + 1, out_channels=C, num_attention_heads=4, attention_head_dim=16,
+                      num_layers=2, num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1,
+                      text_embed_dim=QWEN, text_embed_2_dim=GLYPH, image_embed_dim=IMAGE, rope_axes_dim=(4, 6, 6),
+                      target_size=640, task_type="t2v")
+
+
+def overrides(folder) -> list[str]:
+    return [f"model.init_from={folder}"]
+
+
+def released_model() -> HunyuanVideo15Transformer3DModel:
+    torch.manual_seed(0)
+    model = HunyuanVideo15Transformer3DModel(**DIFFUSERS_TINY).eval()
+    with torch.no_grad():              # every tensor non-trivial: norm weights, gates, the condition embeddings
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    """(folder, diffusers model): a sharded save_pretrained folder with its index."""
+    folder = tmp_path_factory.mktemp("hunyuan15")
+    model = released_model()
+    model.save_pretrained(folder, max_shard_size="2MB")
+    assert (folder / INDEX_NAME).is_file()
+    return folder, model
+
+
+def inputs(i2v: bool = False):
+    """(latents [B, 2C+1, ...], timesteps, text rows [image; byT5; Qwen]). Text-to-video: zero condition channels and
+    image rows, as HunyuanVideo15Pipeline; image-to-video: all set. The second caption has 5 real Qwen rows (3
+    padding) and 2 real byT5 rows, the first no byT5 row at all (no quoted text): masked, as the pipelines' masks."""
+    g = torch.Generator().manual_seed(7 + i2v)
+    text = torch.zeros(B, 16, QWEN)
+    text[:, :4, :IMAGE] = torch.randn(B, 4, IMAGE, generator=g) if i2v else 0
+    text[1, 4:6, :GLYPH] = torch.randn(2, GLYPH, generator=g)
+    text[:, 8:] = torch.randn(B, 8, QWEN, generator=g)
+    text[1, 13:] = 0
+    latents = torch.randn(B, 2 * C + 1, FRAMES, HEIGHT, WIDTH, generator=g)
+    if not i2v:
+        latents[:, C:] = 0
+    return latents, torch.tensor([3.0, 811.0]), text
+
+
+def diffusers_forward(model, x) -> torch.Tensor:
+    with torch.no_grad():
+        return DIFFUSERS.bind(load_config("debug-hunyuan15").model).reference_call(model, x, {})
+
+
+def test_forward_equals_diffusers(released):
+    """T2V and I2V inputs; T2V also from latents without the condition channels (training: zeros appended)."""
+    folder, model = released
+    cfg = load_config("debug-hunyuan15", overrides(folder))
+    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
+    read = load_released(ours, ParallelContext.single(), cfg.model, folder)
+    assert read == sum(p.numel() for p in model.parameters())
+    for i2v in (False, True):
+        want = diffusers_forward(model, inputs(i2v))
+        with torch.no_grad():
+            torch.testing.assert_close(ours.predict(inputs(i2v)), want, msg=lambda m: f"i2v={i2v}: {m}")
+    latents, t, text = inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(ours.predict((latents[:, :C], t, text)), diffusers_forward(model, inputs()))
+
+
+def test_reference_and_the_verify_command(released, capsys):
+    """The ReleasedFormat's reference (read from the folder) is diffusers' forward; python -m parallel.verify on
+    debug-hunyuan15 passes on the folder in one process."""
+    from parallel import verify
+    folder, model = released
+    fmt = DIFFUSERS.bind(load_config("debug-hunyuan15").model)
+    torch.testing.assert_close(fmt.reference(str(folder), inputs(True)), diffusers_forward(model, inputs(True)))
+    assert verify.main(["--config", "debug-hunyuan15", *(f"--set={o}" for o in overrides(folder))]) == 0
+    assert "equal at --tolerance" in capsys.readouterr().out
+
+
+def test_presets_count_the_parameters_diffusers_builds():
+    with torch.device("meta"):
+        reference = HunyuanVideo15Transformer3DModel()         # diffusers' defaults are the 8.3B release
+    want = sum(p.numel() for p in reference.parameters())
+    for preset in ("hunyuanvideo1.5-t2v-480p", "hunyuanvideo1.5-t2v-720p", "hunyuanvideo1.5-i2v-720p"):
+        assert f"parameters: {want}" in summary(load_config(preset)).splitlines(), preset
+    from parallel.plan.search import count_params
+    from parallel.plan.trace import ActivationTracer
+    assert count_params(ActivationTracer(load_config("hunyuanvideo1.5-t2v-720p"), torch.bfloat16))[0] == want
+
+
+def test_the_checker_lists_tp_and_sp_sizes_for_16_heads():
+    """16 heads: tp and sp 8 divide them, 32 does not (the heads decide)."""
+    from parallel.check import check
+    preset = "hunyuanvideo1.5-t2v-720p"
+    _, problems = check(load_config(preset, ["parallel.sp_size=1", "parallel.tp_size=32"]), world_size=32)
+    assert problems == ["model.num_heads=16 is not divisible by parallel.tp_size=32; tp sizes that divide every split "
+                        "dimension of this model: 1, 2, 4, 8, 16; set --set parallel.tp_size=16"]
+    _, problems = check(load_config(preset, ["parallel.sp_size=32"]), world_size=32)
+    assert problems == ["model.num_heads=16 / parallel.tp_size=1 = 16 heads per tp rank is not divisible by "
+                        "parallel.sp_size=32 (attention splits them over sp ranks); sp sizes that work with "
+                        "parallel.tp_size=1: 1, 2, 4, 8, 16; set --set parallel.sp_size=16"]
+    for sizes in (["parallel.sp_size=8"], ["parallel.sp_size=1", "parallel.tp_size=8"]):
+        assert check(load_config(preset, sizes), world_size=8)[1] == []
+
+
+def test_wrong_config_is_refused_by_key(released, tmp_path):
+    folder, _ = released
+    cfg = load_config("debug-hunyuan15", overrides(folder) + ["model.in_channels=8", "model.glyph_dim=8",
+                                                              "model.ffn_hidden_size=256"])
+    config = folder / "config.json"
+    assert check_released(cfg.model, folder) == [
+        f"{config}: in_channels 9 != 2 x model.in_channels + 1 = 17 (noisy latents, condition latents, mask); set "
+        f"--set model.in_channels=4",
+        f"{config}: out_channels 4 != model.in_channels 8; set --set model.in_channels=4 or use the matching preset",
+        f"{config}: mlp_ratio 2.0 != model.ffn_hidden_size / model.hidden_size 4.0; set --set model.ffn_hidden_size=128",
+        f"{config}: text_embed_2_dim 16 != model.glyph_dim 8; set --set model.glyph_dim=16 or use the matching preset"]
+    assert check_released(load_config("debug-hunyuan15", overrides(folder)).model, folder) == []
+    sr = tmp_path / "sr"
+    sr.mkdir()
+    (sr / "config.json").write_text(json.dumps({**json.loads(config.read_text()), "use_meanflow": True}))
+    assert check_released(load_config("debug-hunyuan15", overrides(sr)).model, sr) == [
+        f"{sr / 'config.json'}: use_meanflow true is not supported (the toolkit's HunyuanVideo 1.5 model has false; "
+        f"the 480p and 720p T2V and I2V releases qualify)"]
+
+
+def test_the_data_path_takes_the_release_vae_and_refuses_to_encode_captions_it_cannot(tmp_path):
+    """Latents as the pipelines scale them (z * scaling_factor, as HunyuanVideo15ImageToVideoPipeline scales its
+    image latents; decoded / scaling_factor), compression and channels read from a tiny
+    AutoencoderKLHunyuanVideo15's config; a text encoder folder is refused by name (the release's Qwen2.5-VL +
+    byT5 rows are not what a T5-style encode gives)."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    from models.registry import family
+    from models.text_encoder import T5TextEncoder
+    from models.vae import compression
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
+                                      spatial_compression_ratio=16, temporal_compression_ratio=4).eval()
+    config = {"_class_name": "AutoencoderKLHunyuanVideo15", **vae.config}
+    fmt = family(load_config("debug-hunyuan15").model).vae
+    assert (fmt.class_name, fmt.channels(config), compression(config)) == ("AutoencoderKLHunyuanVideo15", 4, (4, 16))
+    with torch.no_grad():
+        z = vae.encode(torch.rand(1, 3, 5, 32, 32) * 2 - 1).latent_dist.mode()
+    assert z.shape == (1, 4, 2, 2, 2)
+    torch.testing.assert_close(fmt.normalise(z, vae.config), z * vae.config.scaling_factor, rtol=0, atol=0)
+    torch.testing.assert_close(fmt.denormalise(fmt.normalise(z, vae.config), vae.config), z)
+    cfg = load_config("debug-hunyuan15")
+    with pytest.raises(ValueError, match="does not encode yet"):
+        T5TextEncoder(tmp_path, cfg.model.max_text_len, expected=family(cfg.model).text_encoder)
