@@ -75,9 +75,8 @@ class T5TextEncoder:
         path = Path(path)
         if expected is not None and not expected.prepared:
             raise ValueError(f"{key}={path}: this model family's captions are {expected.class_name} states as its "
-                             f"release's pipeline builds them, not a T5 encoder's; encode them with "
-                             f"models.text_encoder.build_text_encoder (the family's own encoder), or give data "
-                             f"prepared elsewhere (data.kind=directory, each caption's [max_text_len, text_embed_dim] "
+                             f"release's pipeline builds them, not a T5 encoder's, and the toolkit does not encode them "
+                             f"yet; give data prepared elsewhere (data.kind=directory, each caption's [max_text_len, text_embed_dim] "
                              f"tensor beside its latent: docs/data.md)")
         formats = encoder_formats()
         what = f"a folder saved with {' or '.join(formats)} .save_pretrained and its tokenizer"

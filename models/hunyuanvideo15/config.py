@@ -57,6 +57,12 @@ class HunyuanVideo15Config(ModelConfig):
         return self.num_layers
 
     @property
+    def text_mask(self) -> bool:
+        """Padding text rows are never attention keys (HunyuanBlock reads this; HunyuanVideo's switch for Open-Sora
+        2.0, which 1.5 does not have)."""
+        return True
+
+    @property
     def qwen_len(self) -> int:
         """Qwen2.5-VL rows: the last ones of the text input."""
         return self.max_text_len - self.image_len - self.glyph_len
