@@ -187,6 +187,13 @@ def row_predictor(forward: StageForward, text: torch.Tensor, uncond, first=None,
     return predict
 
 
+def finish_sample(condition, x: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """The sampler's latents as the pipeline returns them: a condition with a `sampled` step (Wan 2.2 TI2V: the
+    picture latent put back in frame 0) applies it; the others return x."""
+    sampled = getattr(condition, "sampled", None)
+    return x if sampled is None else sampled(x, first)
+
+
 def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: ExperimentConfig, ctx) -> dict:
     """Sampled latents of the first `val.num_prompts` validation prompts, {prompt: [C, T, H, W]}, on every
     rank. Prompt i starts from noise drawn from (seed, i) alone (the dpm sampler's step noise continues that
@@ -211,6 +218,7 @@ def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: Ex
                                 first, condition, extra)
         latent = sample(predict, noise, objective, cfg.val.sample_steps, sampler, guidance,
                         use_dynamic_cfg=cfg.val.use_dynamic_cfg, generator=g)
+        latent = latent if first is None else finish_sample(condition, latent, first)
         if counts:
             mine[i] = [latent[0]]
     return {i: v[0] for i, v in _gather_rows(mine, ctx, _replica_head(ctx)).items()}
