@@ -91,9 +91,9 @@ class TI2VCondition:
 
     def __call__(self, x_t: torch.Tensor, x0: torch.Tensor, keep: torch.Tensor,
                  first: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x_t [B, C, T, H, W] (frame 0 already x0's: t = 0 there) with the stored picture latent
-        first [B, C, 1, H, W] in frame 0 when prepare_data wrote one."""
-        return x_t if first is None else first_frame(x_t, first)
+        """x_t [B, C, T, H, W] with the stored picture latent first [B, C, 1, H, W] (prepare_data's) in frame 0, else
+        x0's frame 0 (training: already there, t = 0; validation: its per-sample timesteps noised it)."""
+        return first_frame(x_t, x0[:, :, :1] if first is None else first)
 
     def stored_tensors(self, encode, vae, frames: np.ndarray, generator, noise, image_encoder=None) -> dict:
         """Data preparation: {"image": the clip's first frame alone through the VAE, [C, 1, H, W]} (the

@@ -144,6 +144,7 @@ def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: E
     ts = cfg.val.timesteps
     chunk = cfg.val.micro_batch_size or len(ts)
     condition = family(cfg.model).training_condition(cfg.model, cfg.data)    # I2V: the sample's first frame
+    skip = getattr(condition, "loss_skip_frames", 0)       # latent frames that are inputs (parallel.build.SequenceLoss)
     mine: dict[int, list[float]] = {}
     for i, counts in replica_items(len(dataset), forward, ctx):
         x0, text, *stored = dataset[i]                        # stored: I2V first-frame latents (, CLIP states)
@@ -160,7 +161,7 @@ def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: E
                 x_t, *more = x_t if isinstance(x_t, tuple) else (x_t,)
             prediction = forward.predict((x_t, objective.model_timesteps(t), text.expand(len(t), *text.shape), *more),
                                          target)
-            err = (prediction.cpu() - target.float()) ** 2
+            err = (prediction.cpu() - target.float())[:, :, skip:] ** 2      # skip: clean frames (TI2V's first)
             losses += err.flatten(1).mean(1).tolist()
         if counts:
             mine[i] = losses

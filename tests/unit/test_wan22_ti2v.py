@@ -230,3 +230,37 @@ def test_sampling_equals_the_pipelines(released_ti2v, vae_and_picture, tmp_path)
             "--image-latents", str(tmp_path / "first.safetensors"), "--out", str(tmp_path / "i2v.safetensors")]
     assert main(args) == 0
     torch.testing.assert_close(load_file(str(tmp_path / "i2v.safetensors"))["latents"], want["i2v"])
+
+
+def test_validation_conditions_on_the_clean_first_frame():
+    """validation_loss of debug-wan22-ti2v on synthetic data: x_t with x0's first frame, its tokens at t = 0, the
+    loss over the later frames (inputs built here with explicit per-position timesteps); sample_latents returns
+    x0's first frame in frame 0."""
+    import types
+
+    from models.diffusion import Objective
+    from parallel.train.run import build_val_dataset
+    from parallel.train.validate import StageForward, sample_latents, validation_loss, validation_noise
+
+    cfg = load_config(PRESET, ["val.num_samples=2", "val.timesteps=[100,700]", "val.num_prompts=1",
+                               "val.sample_steps=2", "val.guidance_scale=1"])
+    ctx = ParallelContext.single()
+    torch.manual_seed(0)
+    model = SequentialDiT(layer_specs(cfg, ctx)).eval()
+    forward = StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx)
+    dataset, objective = build_val_dataset(cfg), Objective.of(cfg.model)
+    got = validation_loss(forward, dataset, objective, cfg, ctx)["val_loss"]
+    losses, t = [], torch.tensor(cfg.val.timesteps)
+    for i in range(2):
+        x0, text = dataset[i]
+        x_t, target = objective.noised(x0.expand(2, *x0.shape), validation_noise(cfg.train.seed, i, [100, 700],
+                                                                                  x0.shape), t)
+        x_t[:, :, 0] = x0[:, 0]
+        grid = objective.model_timesteps(t)[:, None, None, None].repeat(1, *x0.shape[1:])
+        grid[:, 0] = 0
+        with torch.no_grad():
+            pred = model.predict((x_t, grid, text.expand(2, *text.shape)))
+        losses.append(((pred - target)[:, :, 1:] ** 2).flatten(1).mean(1))
+    torch.testing.assert_close(torch.tensor(got), torch.cat(losses).mean())
+    latent = sample_latents(forward, dataset, objective, cfg, ctx)[0]
+    assert torch.equal(latent[:, 0], dataset[0][0][:, 0])
