@@ -29,9 +29,6 @@ from torch import nn
 
 from models.diffusion import NUM_TRAIN_TIMESTEPS, PER_SAMPLE, Objective
 from models.spec import Expert, FamilySpec
-from models.wan.ti2v import TI2VTimesteps
-
-TI2V_TIMESTEPS = TI2VTimesteps()
 
 NAMES = ("high_noise", "low_noise")          # experts.0 = transformer/, experts.1 = transformer_2/
 
@@ -75,16 +72,13 @@ def expert_of(cfg, t: torch.Tensor) -> torch.Tensor:
 
 
 class WanTimesteps:
-    """Wan's training timesteps: one per sample, uniform over [0, 1000) (PER_SAMPLE; Wan 2.2 TI2V: that one on
-    every latent position, TI2VTimesteps); with one expert of an A14B
+    """Wan's training timesteps: one per sample, uniform over [0, 1000) (PER_SAMPLE); with one expert of an A14B
     model trained alone (model.experts.train high_noise / low_noise), uniform over the integer timesteps whose
     model timestep (shifted under a flow shift, as the model sees it) is in that expert's band."""
 
     per_token = False
 
     def draw(self, generator: torch.Generator, latent_shape, model) -> torch.Tensor:
-        if model.expand_timesteps:              # Wan 2.2 TI2V: per token, [1, T, H, W] (models/wan/ti2v.py)
-            return TI2V_TIMESTEPS.draw(generator, latent_shape, model)
         if model.experts is None or model.experts.train == "both":
             return PER_SAMPLE.draw(generator, latent_shape, model)
         allowed = band(model)

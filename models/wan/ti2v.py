@@ -25,6 +25,8 @@ import numpy as np
 import torch
 
 from models.diffusion import PER_SAMPLE
+from models.wan.experts import WanTimesteps
+from models.wan.pipeline import WanLatents
 
 
 def token_timesteps(timesteps: torch.Tensor, cfg, grid: tuple[int, int, int]) -> torch.Tensor:
@@ -43,14 +45,16 @@ def token_timesteps(timesteps: torch.Tensor, cfg, grid: tuple[int, int, int]) ->
     return mask.flatten()[None] * timesteps[:, None]                                # (B, S) fp32
 
 
-class TI2VTimesteps:
-    """The training timesteps of a TI2V model: the sample's one timestep (PER_SAMPLE's draw) on every latent
-    position [1, T, H, W], 0 on the first latent frame with model.image_condition."""
+class TI2VTimesteps(WanTimesteps):
+    """The Wan family's training timesteps (FamilySpec.timesteps): a TI2V model's (model.expand_timesteps) are the
+    sample's one timestep (PER_SAMPLE's draw) on every latent position [1, T, H, W], 0 on the first latent frame
+    with model.image_condition; every other Wan model's are WanTimesteps' (models/wan/experts.py)."""
 
-    per_token = True
+    per_token = False            # per sample for the family's other models; python -m models names a TI2V model's
 
-    @staticmethod
-    def draw(generator: torch.Generator, latent_shape, model) -> torch.Tensor:
+    def draw(self, generator: torch.Generator, latent_shape, model) -> torch.Tensor:
+        if not model.expand_timesteps:
+            return super().draw(generator, latent_shape, model)
         t = PER_SAMPLE.draw(generator, latent_shape, model)                          # [1]
         tokens = t.view(1, 1, 1, 1).repeat(1, *latent_shape[1:])                     # [1, T, H, W]
         if model.image_condition:
@@ -71,7 +75,6 @@ def encode_pictures(vae, pictures: list, height: int, width: int) -> torch.Tenso
     (the posterior's mode), normalised as the training latents."""
     from diffusers.video_processor import VideoProcessor
 
-    from models.wan.pipeline import WanLatents
     param = next(vae.parameters())
     x = VideoProcessor(vae_scale_factor=vae.config.scale_factor_spatial).preprocess(pictures, height=height,
                                                                                    width=width).unsqueeze(2)
