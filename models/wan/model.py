@@ -5,8 +5,8 @@ Between stages flow (all receive gradients, as DeepSpeed's pipeline requires)
     x      [B, S, H]    video tokens, S = t*h*w in (t, h, w) order (patch (1, 2, 2); no text in the sequence)
     temb   [B, H]       time embedding (the output head's modulation)
     tproj  [B, 6H]      time_proj(silu(temb)): every block's modulation
-                        Wan 2.2 TI2V (model.expand_timesteps): one per token, temb [B, S, H] and tproj [B, S, 6H],
-                        split over sp ranks with x (each rank holds its own tokens' modulation)
+                        Wan 2.2 TI2V (model.expand_timesteps): one per token, temb [B, S, H] and tproj [B, S, 6H];
+                        under sp each rank embeds its own tokens' timesteps only (S/sp rows, as x)
     y      [B, L, H]    projected UMT5 caption tokens, keys and values of every cross-attention; image-to-video
                         (model.image_dim): [B, I + L, H], the I projected CLIP image tokens first (as diffusers)
 
@@ -243,14 +243,12 @@ class EmbedStage(nn.Module):
                              f"{', CLIP states' if self.cfg.image_dim is not None else ''}) expected")
         dtype = self.patch_embedding.weight.dtype
         x = split_sequence(self.patch_embedding(patchify(latents.to(dtype), self.cfg)), self.ctx)   # (B, S/sp, H)
-        if self.cfg.expand_timesteps:        # TI2V: a timestep per token, split with the tokens under sp
-            timesteps = token_timesteps(timesteps, self.cfg, tuple(self.grid))         # (B, S)
+        if self.cfg.expand_timesteps:        # TI2V: a timestep per token; under sp this rank's tokens' only
+            timesteps = split_sequence(token_timesteps(timesteps, self.cfg, tuple(self.grid)), self.ctx)   # (B, S/sp)
         t_freq = timestep_embedding(timesteps.flatten(), self.cfg.time_embed_dim).to(dtype)   # [cos, sin], as Timesteps
         t_freq = t_freq.unflatten(0, timesteps.shape)                               # (B, F) or (B, S, F)
         temb = self.time_linear_2(F.silu(self.time_linear_1(t_freq)))               # (B, H) or (B, S, H)
         tproj = self.time_proj(F.silu(temb))                                        # (B, 6H) or (B, S, 6H)
-        if self.cfg.expand_timesteps:
-            temb, tproj = split_sequence(temb, self.ctx), split_sequence(tproj, self.ctx)
         y = self.text_linear_2(F.gelu(self.text_linear_1(text.to(dtype)), approximate="tanh"))   # (B, L, H)
         if image:
             y = torch.cat([self.image_tokens(image[0].to(dtype)), y], dim=1)                       # (B, I + L, H)
