@@ -160,8 +160,9 @@ def vae_and_picture():
 
 def test_picture_latents_are_the_pipelines(released_ti2v, vae_and_picture):
     """The VAE's compression read from its config; data preparation's stored first frame and sampling's picture
-    latents equal WanImageToVideoPipeline(expand_timesteps=True).prepare_latents' condition."""
-    from models.vae import check_vae, encode
+    latents equal WanImageToVideoPipeline(expand_timesteps=True).prepare_latents' condition; a clip's training
+    latent and its decoding are the pipelines' normalisation and its inverse."""
+    from models.vae import check_vae, decode, encode
     from models.wan.ti2v import TI2VCondition, encode_pictures
     vae, picture = vae_and_picture
     cfg = load_config(PRESET, [f"data.num_frames={PIXELS[0]}", f"data.height={PIXELS[1]}", f"data.width={PIXELS[2]}"])
@@ -177,6 +178,17 @@ def test_picture_latents_are_the_pipelines(released_ti2v, vae_and_picture):
     stored = TI2VCondition(cfg.model, cfg.data).stored_tensors(encode, vae, clip, None, None)
     assert list(stored["image"].shape) == TI2VCondition(cfg.model, cfg.data).stored_shapes([C, 3, 4, 6])["image"]
     torch.testing.assert_close(stored["image"][None], condition, atol=1e-5, rtol=1e-4)   # /127.5 - 1 vs /255 * 2 - 1
+    # the clip's training latent (data preparation, the posterior's mode) and its decoding, in the pipelines'
+    # arithmetic: (z - latents_mean) * (1 / latents_std); WanPipeline decodes z / (1 / latents_std) + latents_mean
+    mean, inv_std = (torch.tensor(v).view(1, C, 1, 1, 1) for v in (vae.config.latents_mean,
+                                                                   [1 / s for s in vae.config.latents_std]))
+    pixels = torch.from_numpy(clip).permute(3, 0, 1, 2)[None].float() / 127.5 - 1
+    with torch.no_grad():
+        want = (vae.encode(pixels).latent_dist.mode() - mean) * inv_std
+        latent = encode(vae, clip)
+        torch.testing.assert_close(latent[None], want)
+        video = vae.decode(latent[None] / inv_std + mean).sample[0]
+    torch.testing.assert_close(decode(vae, latent), ((video.permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1))
 
 
 def test_sampling_equals_the_pipelines(released_ti2v, vae_and_picture, tmp_path):
