@@ -111,6 +111,11 @@ class WanDiffusers(DiffusersFormat):
 
         def in_channels(theirs, value) -> Optional[str]:
             out = config.get("out_channels", 16)
+            if m.expand_timesteps:      # TI2V: the image is in the latent; the out_channels line names the fix
+                return None if theirs == out else (
+                    f"in_channels {show(theirs)} != out_channels {show(out)}: model.expand_timesteps (Wan 2.2 TI2V) "
+                    f"takes the latent alone; a Wan 2.1 / 2.2 A14B image-to-video transformer needs --set "
+                    f"model.expand_timesteps=false or its preset")
             i2v = 2 * out + m.vae_scale_temporal
             if theirs == value or ((theirs == i2v) == m.image_condition and out != m.in_channels):
                 return None       # equal, or the out_channels line says what to set

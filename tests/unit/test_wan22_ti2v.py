@@ -276,3 +276,23 @@ def test_validation_conditions_on_the_clean_first_frame():
     torch.testing.assert_close(torch.tensor(got), torch.cat(losses).mean())
     latent = sample_latents(forward, dataset, objective, cfg, ctx)[0]
     assert torch.equal(latent[:, 0], dataset[0][0][:, 0])
+
+
+def test_wrong_settings_and_folders_are_refused_by_key(released_ti2v, tmp_path):
+    """expand_timesteps with an image cross-attention, experts or temporal patches is refused by key; a Wan 2.1
+    image-to-video transformer folder (36 channels in, 16 out) read as TI2V names the keys."""
+    from parallel.config import ConfigError
+    from parallel.weights.diffusers import check_released
+    for extra, message in ((["model.image_dim=24", "model.added_kv_proj_dim=64", "model.max_text_len=512"],
+                            "model.expand_timesteps=true with model.image_dim: "),
+                           (["model.experts={boundary_ratio: 0.9}"], "model.expand_timesteps=true with model.experts: "),
+                           (["model.patch_size_t=2"], "model.patch_size_t=2 with model.expand_timesteps=true: ")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(PRESET, extra)
+    folder, _ = released_ti2v
+    WanTransformer3DModel(**{**DIFFUSERS_TINY, "in_channels": 36, "out_channels": 16}).save_pretrained(tmp_path / "i2v")
+    cfg = load_config(PRESET, overrides(tmp_path / "i2v"))
+    problems = check_released(cfg.model, tmp_path / "i2v")
+    assert any("in_channels 36 != out_channels 16: model.expand_timesteps" in p for p in problems), problems
+    assert any("out_channels 16 != model.in_channels 8; set --set model.in_channels=16" in p for p in problems)
+    assert check_released(load_config(PRESET, overrides(folder)).model, folder) == []
