@@ -39,7 +39,9 @@ class SequenceLoss:
     Each sp rank holds S_pad / sp tokens of the prediction (text rows first on the ranks that have them,
     padding rows last when sp does not divide S; neither is predicted, so both are skipped and get no
     gradient). The sum of its squared errors over the global element count, times sp, averages over
-    the sp ranks (DeepSpeed's data axis) to the serial loss, and so do the gradients.
+    the sp ranks (DeepSpeed's data axis) to the serial loss, and so do the gradients. Latent frames the family's
+    condition marks as inputs (`loss_skip_frames`: Wan 2.2 TI2V's clean first frame) are left out, as rows of
+    every sp layout and from the element count.
     """
 
     def __init__(self, cfg: ExperimentConfig, ctx, grid: Optional[StepGrid] = None):
