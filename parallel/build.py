@@ -39,24 +39,31 @@ class SequenceLoss:
     Each sp rank holds S_pad / sp tokens of the prediction (text rows first on the ranks that have them,
     padding rows last when sp does not divide S; neither is predicted, so both are skipped and get no
     gradient). The sum of its squared errors over the global element count, times sp, averages over
-    the sp ranks (DeepSpeed's data axis) to the serial loss, and so do the gradients.
+    the sp ranks (DeepSpeed's data axis) to the serial loss, and so do the gradients. Latent frames the family's
+    condition marks as inputs (`loss_skip_frames`: Wan 2.2 TI2V's clean first frame) are left out, as rows of
+    every sp layout and from the element count.
     """
 
     def __init__(self, cfg: ExperimentConfig, ctx, grid: Optional[StepGrid] = None):
         self.model, self.ctx, self.sp = cfg.model, ctx, sp_size_of(ctx)
         self.grid = grid or StepGrid(token_grid(cfg.model, cfg.data), cfg.model)       # the step's grid (buckets)
         self.prefix = sequence_tokens(cfg.model, cfg.data) - math.prod(token_grid(cfg.model, cfg.data))   # text
+        # Latent frames that are inputs, not predictions (Wan 2.2 TI2V's clean first frame): left out of the loss.
+        condition = family(cfg.model).training_condition(cfg.model, cfg.data)
+        self.clean = getattr(condition, "loss_skip_frames", 0)
 
     def __call__(self, prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.sp == 1:
-            return mse_loss(prediction, target)
+            return mse_loss(prediction[:, :, self.clean:], target[:, :, self.clean:])
         total = self.prefix + math.prod(self.grid)
         start, stop = local_range(total, self.ctx)
         stop = max(min(stop, total), start)                                 # padding rows from total on
         skip = min(max(self.prefix - start, 0), stop - start)               # local text rows
         first, last = start + skip - self.prefix, stop - self.prefix        # video tokens held here
+        clean = self.clean // self.model.patch_size_t * math.prod(self.grid.value[1:])    # clean frames' tokens
+        skip, first = skip + min(max(clean - first, 0), last - first), max(first, min(clean, last))
         err = prediction[:, skip:skip + last - first].float() - patchify(target, self.model)[:, first:last].float()
-        return err.square().sum() * (self.sp / target.numel())
+        return err.square().sum() * (self.sp / target[:, :, self.clean:].numel())
 
 
 def blocks_per_stage(cfg: ExperimentConfig) -> list[int]:

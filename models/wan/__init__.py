@@ -1,16 +1,16 @@
-"""Wan 2.1 text-to-video (1.3B, 14B) and image-to-video (14B): self-attention with 3D rotary positions,
-cross-attention to UMT5 (and to the CLIP image tokens)."""
+"""Wan 2.1 text-to-video (1.3B, 14B) and image-to-video (14B), Wan 2.2 A14B (two experts) and TI2V-5B (a timestep
+per token): self-attention with 3D rotary positions, cross-attention to UMT5 (and to the CLIP image tokens)."""
 from __future__ import annotations
 
 import math
 
 from models.spec import FamilySpec
 from models.wan.config import WanConfig
-from models.wan.experts import WanTimesteps
 from models.wan.image import image_condition
 from models.wan.model import EmbedStage, FinalStage, WanBlock
 from models.wan.pipeline import SAMPLING, UMT5, WanLatents
 from models.wan.released import DIFFUSERS
+from models.wan.ti2v import TI2VTimesteps
 
 
 def attention_pairs(m: WanConfig, grid: tuple[int, int, int]) -> int:
@@ -36,7 +36,8 @@ SPEC = FamilySpec(
     condition=image_condition,               # I2V: mask + image latents on channels, CLIP states (models/wan/image.py)
     vae=WanLatents(),                        # latents (x - latents_mean) / latents_std per channel
     text_encoder=UMT5,                       # padding rows zeroed, as WanPipeline
-    timesteps=WanTimesteps(),               # per sample; in one expert's band (model.experts.train)
+    timesteps=TI2VTimesteps(),              # per sample; in one expert's band (model.experts.train); per token
+                                             # for Wan 2.2 TI2V (model.expand_timesteps, models/wan/ti2v.py)
     sampling=SAMPLING,
     experts=(),
 )

@@ -58,6 +58,9 @@ class WanConfig(ModelConfig):
     experts: Optional[WanExperts] = Field(None, description="Wan 2.2 A14B: two experts chosen by timestep")
     image_len: int = Field(257, ge=1, description="CLIP image tokens (ViT-H/14 at 224 px: 256 patches + the class "
                            "token; the penultimate hidden states)")
+    expand_timesteps: bool = Field(False, description="Wan 2.2 TI2V-5B (the pipelines' expand_timesteps): a timestep "
+                                   "per token; with model.image_condition the first latent frame is the clean "
+                                   "conditioning frame (t = 0, no mask or image channels; models/wan/ti2v.py)")
 
     @field_validator("head_dim")
     @classmethod
@@ -94,10 +97,26 @@ class WanConfig(ModelConfig):
                              f"--set model.max_text_len={I2V_TEXT_LEN}")
         return self
 
+    @model_validator(mode="after")
+    def _expand_timesteps(self) -> "WanConfig":
+        if not self.expand_timesteps:
+            return self
+        if self.image_dim is not None or self.experts is not None:
+            raise ValueError(f"model.expand_timesteps=true with model.{'image_dim' if self.image_dim else 'experts'}:"
+                             f" Wan 2.2 TI2V-5B has one transformer and no image cross-attention; set "
+                             f"--set model.expand_timesteps=false or use the wan2.2-ti2v-5b preset")
+        if self.patch_size_t != 1:
+            raise ValueError(f"model.patch_size_t={self.patch_size_t} with model.expand_timesteps=true: the clean first "
+                             f"latent frame must be whole tokens; set --set model.patch_size_t=1 (the release's)")
+        return self
+
     @property
     def transformer_in_channels(self) -> int:
-        """Image-to-video: noisy latent, mask (one channel per frame of a temporal VAE step), image latents."""
-        return 2 * self.in_channels + self.vae_scale_temporal if self.image_condition else self.in_channels
+        """Image-to-video (Wan 2.1 I2V, Wan 2.2 I2V-A14B): noisy latent, mask (one channel per frame of a temporal
+        VAE step), image latents. TI2V (expand_timesteps) puts its image in the latent itself."""
+        if self.image_condition and not self.expand_timesteps:
+            return 2 * self.in_channels + self.vae_scale_temporal
+        return self.in_channels
 
     def extra_input_shapes(self) -> tuple[tuple[int, ...], ...]:
         return ((self.image_len, self.image_dim),) if self.image_dim is not None else ()

@@ -21,6 +21,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from models.wan.ti2v import TI2VCondition
+
 
 def first_frame_mask(x_t: torch.Tensor, channels: int) -> torch.Tensor:
     """[B, channels, T, H, W]: ones at latent frame 0, zeros after (the pipeline's mask_lat_size)."""
@@ -194,5 +196,8 @@ class WanImageCondition:
 
 
 def image_condition(model, data):
-    """WanImageCondition for an image-to-video section, None for text-to-video."""
-    return WanImageCondition(model, data) if model.image_condition else None
+    """WanImageCondition for an image-to-video section (TI2VCondition for Wan 2.2 TI2V: model.expand_timesteps),
+    None for text-to-video."""
+    if not model.image_condition:
+        return None
+    return TI2VCondition(model, data) if model.expand_timesteps else WanImageCondition(model, data)

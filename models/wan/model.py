@@ -5,6 +5,8 @@ Between stages flow (all receive gradients, as DeepSpeed's pipeline requires)
     x      [B, S, H]    video tokens, S = t*h*w in (t, h, w) order (patch (1, 2, 2); no text in the sequence)
     temb   [B, H]       time embedding (the output head's modulation)
     tproj  [B, 6H]      time_proj(silu(temb)): every block's modulation
+                        Wan 2.2 TI2V (model.expand_timesteps): one per token, temb [B, S, H] and tproj [B, S, 6H];
+                        under sp each rank embeds its own tokens' timesteps only (S/sp rows, as x)
     y      [B, L, H]    projected UMT5 caption tokens, keys and values of every cross-attention; image-to-video
                         (model.image_dim): [B, I + L, H], the I projected CLIP image tokens first (as diffusers)
 
@@ -50,6 +52,7 @@ from models.embeddings import apply_rope_complex, rope_complex, timestep_embeddi
 from models.geometry import PositionCache, patchify, unpatchify
 from models.wan.config import WanConfig
 from models.wan.experts import ExpertEmbed, ExpertFinal, ExpertLayer, both, plain
+from models.wan.ti2v import token_timesteps
 from parallel.distributed.comm import copy_to_tp, reduce_from_tp
 from parallel.distributed.layers import ColumnParallelLinear, RowParallelLinear, mark_tensor_parallel
 from parallel.distributed.sequence import SequenceAttention, gather_sequence, sp_size_of, split_sequence
@@ -190,8 +193,10 @@ class WanBlock(nn.Module):
     def forward(self, inputs):
         x, temb, tproj, y = inputs
         hid, dtype = x.shape[-1], x.dtype
-        mod = self.scale_shift_table.float()[None] + tproj.float().unflatten(1, (6, hid))     # (B, 6, H)
-        shift, scale, gate, c_shift, c_scale, c_gate = mod.chunk(6, dim=1)                     # (B, 1, H) each
+        # per sample: tproj (B, 6H) -> (B, 1, 6, H); per token (TI2V): (B, S, 6H) -> (B, S, 6, H)
+        mod = self.scale_shift_table.float() + tproj.float().unflatten(-1, (6, hid))
+        mod = mod[:, None] if mod.dim() == 3 else mod
+        shift, scale, gate, c_shift, c_scale, c_gate = mod.unbind(2)                # (B, 1 or S, H) each
         # addcmul: LN(x) (1 + scale) + shift and x + gate * update each in one pass over (B, S, H)
         h = torch.addcmul(shift, F.layer_norm(x.float(), (hid,), eps=EPS), 1 + scale).to(dtype)
         x = torch.addcmul(x.float(), self.attn1(h).float(), gate).to(dtype)
@@ -207,6 +212,8 @@ class WanBlock(nn.Module):
 
 class EmbedStage(nn.Module):
     """(latents [B,C,T,H,W], timesteps [B], text [B,L,text_dim]) -> (x [B,S,H], temb [B,H], tproj [B,6H], y [B,L,H]);
+    Wan 2.2 TI2V (model.expand_timesteps): timesteps [B], [B, S] or [B, T, H, W] -> temb [B,S,H], tproj [B,S,6H]
+    (this rank's tokens under sp; models/wan/ti2v.py);
     image-to-video: (latents [B,36,T,H,W], timesteps, text, image [B,I,image_dim]) -> (..., y [B,I+L,H]).
     Both experts of a Wan 2.2 A14B model: an ExpertEmbed of two, the sample's expert appended."""
 
@@ -236,9 +243,12 @@ class EmbedStage(nn.Module):
                              f"{', CLIP states' if self.cfg.image_dim is not None else ''}) expected")
         dtype = self.patch_embedding.weight.dtype
         x = split_sequence(self.patch_embedding(patchify(latents.to(dtype), self.cfg)), self.ctx)   # (B, S/sp, H)
-        t_freq = timestep_embedding(timesteps, self.cfg.time_embed_dim).to(dtype)  # [cos, sin], as Timesteps
-        temb = self.time_linear_2(F.silu(self.time_linear_1(t_freq)))               # (B, H)
-        tproj = self.time_proj(F.silu(temb))                                        # (B, 6H)
+        if self.cfg.expand_timesteps:        # TI2V: a timestep per token; under sp this rank's tokens' only
+            timesteps = split_sequence(token_timesteps(timesteps, self.cfg, tuple(self.grid)), self.ctx)   # (B, S/sp)
+        t_freq = timestep_embedding(timesteps.flatten(), self.cfg.time_embed_dim).to(dtype)   # [cos, sin], as Timesteps
+        t_freq = t_freq.unflatten(0, timesteps.shape)                               # (B, F) or (B, S, F)
+        temb = self.time_linear_2(F.silu(self.time_linear_1(t_freq)))               # (B, H) or (B, S, H)
+        tproj = self.time_proj(F.silu(temb))                                        # (B, 6H) or (B, S, 6H)
         y = self.text_linear_2(F.gelu(self.text_linear_1(text.to(dtype)), approximate="tanh"))   # (B, L, H)
         if image:
             y = torch.cat([self.image_tokens(image[0].to(dtype)), y], dim=1)                       # (B, I + L, H)
@@ -268,7 +278,9 @@ class FinalStage(nn.Module):
 
     def forward(self, inputs):
         x, temb, _, _ = inputs
-        shift, scale = (self.scale_shift_table.float()[None] + temb.float()[:, None]).chunk(2, dim=1)   # (B, 1, H)
+        # temb (B, H) per sample -> shift, scale (B, 1, H); (B, S, H) per token (TI2V) -> (B, S, H)
+        temb = temb.float()[:, None] if temb.dim() == 2 else temb.float()
+        shift, scale = (self.scale_shift_table.float() + temb[:, :, None]).unbind(2)
         h = (F.layer_norm(x.float(), (x.shape[-1],), eps=EPS) * (1 + scale) + shift).to(x.dtype)
         # proj_out's rows are diffusers' (pt, p, q, c) order; patchify's (and the loss's) is (c, pt, p, q).
         p, pt = self.cfg.patch_size, self.cfg.patch_size_t

@@ -36,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from models.geometry import latent_shape
 from models.spec import DiffusersFormat, config_problems, show
 from models.wan.config import I2V_TEXT_LEN, WanConfig
 from models.wan.experts import NAMES, both
@@ -110,6 +111,11 @@ class WanDiffusers(DiffusersFormat):
 
         def in_channels(theirs, value) -> Optional[str]:
             out = config.get("out_channels", 16)
+            if m.expand_timesteps:      # TI2V: the image is in the latent; the out_channels line names the fix
+                return None if theirs == out else (
+                    f"in_channels {show(theirs)} != out_channels {show(out)}: model.expand_timesteps (Wan 2.2 TI2V) "
+                    f"takes the latent alone; a Wan 2.1 / 2.2 A14B image-to-video transformer needs --set "
+                    f"model.expand_timesteps=false or its preset")
             i2v = 2 * out + m.vae_scale_temporal
             if theirs == value or ((theirs == i2v) == m.image_condition and out != m.in_channels):
                 return None       # equal, or the out_channels line says what to set
@@ -223,10 +229,24 @@ class WanDiffusers(DiffusersFormat):
         high, low = (super(WanDiffusers, self).reference(str(root / sub), inputs) for sub in FOLDERS)
         return torch.where((inputs[1] >= ratio * 1000).view(-1, 1, 1, 1, 1), high, low)
 
+    def example_inputs(self, m: WanConfig, data, batch: int, generator) -> tuple:
+        """DiffusersFormat's batch; Wan 2.2 TI2V (model.expand_timesteps): a timestep per token, [B, T, H, W] on
+        the latent grid (constant within a patch), as training draws them."""
+        inputs = super().example_inputs(m, data, batch, generator)
+        if not m.expand_timesteps:
+            return inputs
+        t, h, w = latent_shape(m, data)
+        tokens = torch.randint(0, 1000, (batch, t, h // m.patch_size, w // m.patch_size), generator=generator)
+        return (inputs[0], tokens.repeat_interleave(m.patch_size, 2).repeat_interleave(m.patch_size, 3), *inputs[2:])
+
     def reference_call(self, model: torch.nn.Module, inputs: tuple, kwargs: dict) -> torch.Tensor:
         """diffusers' Wan takes and returns [B, C, T, H, W], as the toolkit; image-to-video: the CLIP states
-        [B, I, image_dim] as encoder_hidden_states_image."""
+        [B, I, image_dim] as encoder_hidden_states_image; timesteps per latent position [B, T, H, W] (TI2V) as
+        the [B, S] per token it takes."""
         latents, timesteps, text, *image = inputs
+        if timesteps.dim() == 4:
+            pt, ph, pw = model.config.patch_size
+            timesteps = timesteps[:, ::pt, ::ph, ::pw].flatten(1)
         return model(hidden_states=latents, timestep=timesteps, encoder_hidden_states=text,
                      encoder_hidden_states_image=image[0] if image else None, **kwargs).sample
 

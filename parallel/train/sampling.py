@@ -30,7 +30,8 @@ from parallel.distributed.topology import ParallelContext
 from parallel.train import checkpoint
 from parallel.train.engine import build_trainer
 from parallel.train.run import checkpoint_layout, export_launch_env, init_process_groups
-from parallel.train.validate import StageForward, ema_weights, replica_items, replica_slice, row_predictor
+from parallel.train.validate import StageForward, ema_weights, finish_sample, replica_items, replica_slice, \
+    row_predictor
 from parallel.weights.diffusers import load_released
 
 
@@ -101,7 +102,8 @@ def sample_batch(forward: StageForward, ctx, objective: Objective, text: torch.T
         def counted(x_, t, cond):
             bar.update(int(cond))            # a step's conditional prediction comes once, its unconditional after
             return predict(x_, t, cond)
-        return sample(counted, x, objective, steps, sampler, guidance, use_dynamic_cfg=dynamic, generator=g, rows=rows)
+        out = sample(counted, x, objective, steps, sampler, guidance, use_dynamic_cfg=dynamic, generator=g, rows=rows)
+        return out if first is None else finish_sample(condition, out, first[r.start:r.stop])
 
     if noise is not None:
         if len(share) or forward.lockstep:        # ZeRO-3: an idle replica joins every forward with row 0

@@ -146,6 +146,7 @@ def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: E
     ts = cfg.val.timesteps
     chunk = cfg.val.micro_batch_size or len(ts)
     condition = family(cfg.model).training_condition(cfg.model, cfg.data)    # I2V: the sample's first frame
+    skip = getattr(condition, "loss_skip_frames", 0)       # latent frames that are inputs (parallel.build.SequenceLoss)
     mine: dict[int, list[float]] = {}
     for i, counts in replica_items(len(dataset), forward, ctx):
         x0, text, *stored = dataset[i]                        # stored: I2V first-frame latents (, CLIP states)
@@ -162,7 +163,7 @@ def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: E
                 x_t, *more = x_t if isinstance(x_t, tuple) else (x_t,)
             prediction = forward.predict((x_t, objective.model_timesteps(t), text.expand(len(t), *text.shape), *more),
                                          target)
-            err = (prediction.cpu() - target.float()) ** 2
+            err = (prediction.cpu() - target.float())[:, :, skip:] ** 2      # skip: clean frames (TI2V's first)
             losses += err.flatten(1).mean(1).tolist()
         if counts:
             mine[i] = losses
@@ -189,6 +190,13 @@ def row_predictor(forward: StageForward, text: torch.Tensor, uncond, first=None,
     return predict
 
 
+def finish_sample(condition, x: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """The sampler's latents as the pipeline returns them: a condition with a `sampled` step (Wan 2.2 TI2V: the
+    picture latent put back in frame 0) applies it; the others return x."""
+    sampled = getattr(condition, "sampled", None)
+    return x if sampled is None else sampled(x, first)
+
+
 def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: ExperimentConfig, ctx) -> dict:
     """Sampled latents of the first `val.num_prompts` validation prompts, {prompt: [C, T, H, W]}, on every
     rank. Prompt i starts from noise drawn from (seed, i) alone (the dpm sampler's step noise continues that
@@ -213,6 +221,7 @@ def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: Ex
                                 first, condition, extra)
         latent = sample(predict, noise, objective, cfg.val.sample_steps, sampler, guidance,
                         use_dynamic_cfg=cfg.val.use_dynamic_cfg, generator=g)
+        latent = latent if first is None else finish_sample(condition, latent, first)
         if counts:
             mine[i] = [latent[0]]
     return {i: v[0] for i, v in _gather_rows(mine, ctx, _replica_head(ctx)).items()}

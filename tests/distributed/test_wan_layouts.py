@@ -1,7 +1,8 @@
 """The Wan 2.1 family in 4 gloo ranks against diffusers' WanTransformer3DModel and against one process.
 
-One spawn serves every case, for text-to-video and image-to-video (debug-wan-i2v: the CLIP tokens and the image
-cross-attention, tests/unit/test_wan_i2v.py's `released_i2v`) alike: the tiny random release
+One spawn serves every case, for text-to-video, image-to-video (debug-wan-i2v: the CLIP tokens and the image
+cross-attention, tests/unit/test_wan_i2v.py's `released_i2v`) and Wan 2.2 TI2V (debug-wan22-ti2v: a timestep per
+token, tests/unit/test_wan22_ti2v.py's `released_ti2v`) alike: the tiny random release
 (tests/unit/test_wan.py's `released` fixture) loaded at
 (tp, pp) = (1, 1), (2, 1), (1, 2), (2, 2) and at sp 2 (tp 1 and tp 2) predicts what diffusers predicts; at
 tp 2 the gradients of a loss (the q/k RMSNorm across heads all-reduces its statistic, forward and backward)
@@ -18,13 +19,15 @@ from parallel.config import load_config
 from parallel.weights.diffusers import INDEX_NAME
 from tests.dist_utils import run_ranks
 from tests.train_utils import assert_matches, fp32_config, train
-from tests.unit import test_wan, test_wan_i2v
+from tests.unit import test_wan, test_wan22_ti2v, test_wan_i2v
 from tests.unit.test_wan import released  # noqa: F401  (fixture)
+from tests.unit.test_wan22_ti2v import released_ti2v  # noqa: F401  (fixture)
 from tests.unit.test_wan_i2v import released_i2v  # noqa: F401  (fixture)
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2)]     # (tp, pp, sp); dp fills 4 ranks
 TRAIN_LAYOUTS = [(2, 2, 1, 1), (1, 1, 2, 2)]                                     # (tp, pp, sp, dp)
-VARIANTS = {"debug-wan": test_wan, "debug-wan-i2v": test_wan_i2v}               # preset -> its unit-test module
+VARIANTS = {"debug-wan": test_wan, "debug-wan-i2v": test_wan_i2v,               # preset -> its unit-test module
+            "debug-wan22-ti2v": test_wan22_ti2v}
 
 
 def wan_fp32_config() -> dict:
@@ -89,10 +92,13 @@ def _variant(rank, world_size, preset, folder, export_dir):
     return out
 
 
-def test_wan_in_every_layout(released, released_i2v, tmp_path):
-    """Text-to-video, then image-to-video (y = [image tokens; caption]: one more all-reduce per block, the image
-    keys' RMSNorm statistic over B x I tokens), from one spawn."""
-    variants = [("debug-wan", released, tmp_path / "export"), ("debug-wan-i2v", released_i2v, tmp_path / "export_i2v")]
+def test_wan_in_every_layout(released, released_i2v, released_ti2v, tmp_path):
+    """Text-to-video, image-to-video (y = [image tokens; caption]: one more all-reduce per block, the image
+    keys' RMSNorm statistic over B x I tokens) and Wan 2.2 TI2V (a timestep per token: temb and tproj split with
+    the tokens under sp and sent between stages; training with the first latent frame clean and out of the
+    loss), from one spawn."""
+    variants = [("debug-wan", released, tmp_path / "export"), ("debug-wan-i2v", released_i2v, tmp_path / "export_i2v"),
+                ("debug-wan22-ti2v", released_ti2v, tmp_path / "export_ti2v")]
     results = run_ranks(_rank, 4, [(preset, str(folder), str(export)) for preset, (folder, _), export in variants])
     for preset, (folder, model), export in variants:
         check_variant(preset, folder, model, export, [r[preset] for r in results])
