@@ -83,7 +83,9 @@ def threshold(lost_after_s: float, interval_s: float, suspected: bool) -> float:
 class Heartbeat:
     def __init__(self, rank: int, world_size: int, host: str, port: int, on_lost: Callable[[list[int]], None],
                  interval_s: float = 1.0, lost_after_s: float = 30.0,
-                 on_hang: Callable[[list[int], str], None] | None = None, stuck_after_s: float | None = None):
+                 on_hang: Callable[[list[int], str], None] | None = None, stuck_after_s: float | None = None,
+                 attempt: int = 0):
+        self.prefix = f"{PREFIX}{attempt}/"     # torchrun's elastic restarts reuse the store: keys per attempt
         self.rank, self.world_size, self.on_lost, self.on_hang = rank, world_size, on_lost, on_hang
         self.interval_s, self.lost_after_s = interval_s, lost_after_s
         self.stuck_after_s = stuck_after_s if stuck_after_s is not None else 2 * lost_after_s
@@ -92,12 +94,12 @@ class Heartbeat:
                                    timeout=datetime.timedelta(seconds=max(1.0, lost_after_s / 2)))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
-        self.store.set(f"{PREFIX}host/{rank}", socket.gethostname())
+        self.store.set(f"{self.prefix}host/{rank}", socket.gethostname())
 
     def hosts(self, ranks: list[int]) -> list[str]:
         """The host names the given ranks reported at start ("?" where the store cannot say)."""
         try:
-            return [self.store.get(f"{PREFIX}host/{r}").decode() for r in ranks]
+            return [self.store.get(f"{self.prefix}host/{r}").decode() for r in ranks]
         except STORE_ERRORS:
             return ["?"] * len(ranks)
 
@@ -114,7 +116,7 @@ class Heartbeat:
         self._stop.set()
         self._thread.join(timeout=5 * self.interval_s)
         with contextlib.suppress(*STORE_ERRORS):    # the store's host finished first; nobody watches any more
-            self.store.set(f"{PREFIX}beat/{self.rank}", "done")
+            self.store.set(f"{self.prefix}beat/{self.rank}", "done")
 
     def await_verdict(self, timeout_s: float | None = None, collective_timed_out: bool = False) -> None:
         """Sleep while the watchdog reaches its verdict (on_lost then ends the process from the watchdog
@@ -125,13 +127,13 @@ class Heartbeat:
         says so, and rank 0 names the live rank that never joined (stuck_ranks)."""
         self.timed_out = self.timed_out or collective_timed_out
         with contextlib.suppress(*STORE_ERRORS):
-            self.store.set(f"{PREFIX}suspect", str(self.rank))     # rank 0 then waits 5 intervals, not lost_after_s
+            self.store.set(f"{self.prefix}suspect", str(self.rank))     # rank 0 then waits 5 intervals, not lost_after_s
         deadline = time.monotonic() + (2 * self.lost_after_s + 5 * self.interval_s if timeout_s is None else timeout_s)
         while time.monotonic() < deadline:       # in slices: a signal (the launcher's SIGTERM) ends a sleep
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
     def _run(self) -> None:
-        keys = [f"{PREFIX}beat/{r}" for r in range(self.world_size)]
+        keys = [f"{self.prefix}beat/{r}" for r in range(self.world_size)]
         start = time.monotonic()
         last_value: dict[int, bytes] = {}
         last_seen = {r: start for r in range(self.world_size)}
@@ -152,15 +154,15 @@ class Heartbeat:
                         if v != last_value.get(r):
                             last_value[r], last_seen[r] = v, now
                     done = {r for r, v in last_value.items() if v == b"done"}
-                    suspected = self.store.check([f"{PREFIX}suspect"])
+                    suspected = self.store.check([f"{self.prefix}suspect"])
                     lost = lost_ranks(last_seen, done, now, threshold(self.lost_after_s, self.interval_s, suspected))
                     verdict = ",".join(map(str, lost)) if lost else \
                         self._hang_verdict(values, last_seen, place, since, now)
                     if verdict:       # then give the others time to read it: rank 0 may host the store
-                        self.store.set(f"{PREFIX}lost", verdict)
+                        self.store.set(f"{self.prefix}lost", verdict)
                         time.sleep(3 * self.interval_s)
-                if not lost and self.store.check([f"{PREFIX}lost"]):
-                    verdict = self.store.get(f"{PREFIX}lost").decode()
+                if not lost and self.store.check([f"{self.prefix}lost"]):
+                    verdict = self.store.get(f"{self.prefix}lost").decode()
                     if verdict.startswith("hang "):
                         ranks, text = verdict[5:].split(" ", 1)
                         if self.on_hang is not None:

@@ -30,6 +30,13 @@ def timed_out(e: BaseException) -> bool:
         or "timeout" in type(e).__name__.lower()
 
 
+def restarts_left() -> int:
+    """Restarts torchrun's elastic agent still makes after this attempt fails (launch.sh --nnodes MIN:MAX
+    --max-restarts N); 0 under any other launcher."""
+    env = os.environ
+    return max(0, int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+
 def start_heartbeat(cfg: ExperimentConfig, ctx, ckpt_dir: Path):
     """The lost-rank watchdog (parallel/distributed/heartbeat.py) when the ranks met through MASTER_ADDR:PORT:
     a rank silent for half the collective timeout (at most 30 s) is lost; every survivor then prints
@@ -54,9 +61,12 @@ def start_heartbeat(cfg: ExperimentConfig, ctx, ckpt_dir: Path):
 
     def on_lost(ranks: list[int]) -> None:
         steps = checkpoint.complete_steps(ckpt_dir)
-        resume = (f"the last complete checkpoint is {ckpt_dir}/step{steps[-1]}; rerun the same command to "
+        left = restarts_left()
+        rerun = (f"torchrun's elastic agent restarts the run on the nodes that remain ({left} restart(s) left)"
+                 if left else "rerun the same command")
+        resume = (f"the last complete checkpoint is {ckpt_dir}/step{steps[-1]}; {rerun} to "
                   f"resume there (on fewer nodes: with sizes that fit them, the checkpoint loads into any layout)"
-                  if steps else "there is no complete checkpoint yet (a rerun starts over)")
+                  if steps else f"there is no complete checkpoint yet ({rerun} to start over)")
         hosts = ", ".join(sorted(set(heartbeat.hosts(ranks))))
         print(f"\nrank {ctx.rank}: lost rank(s) {', '.join(map(str, ranks))} (host {hosts}): their heartbeats "
               f"stopped; stopping this run; {resume}", file=sys.stderr, flush=True)
@@ -64,5 +74,6 @@ def start_heartbeat(cfg: ExperimentConfig, ctx, ckpt_dir: Path):
 
     heartbeat = Heartbeat(ctx.rank, dist.get_world_size(), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           on_lost, interval_s=1.0, lost_after_s=lost_after, on_hang=on_hang,
-                          stuck_after_s=cfg.train.collective_timeout_s)
+                          stuck_after_s=cfg.train.collective_timeout_s,
+                          attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     return heartbeat.start()
