@@ -25,6 +25,7 @@ import json
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -47,7 +48,7 @@ from parallel.train.engine import StepResult
 from parallel.train.run import (build_dataset, build_val_dataset, checkpoint_layout, plan_line, report_memory,
                                 run_plan, start_engine, step_tokens, training_batches)
 from parallel.train.validate import Validator
-from parallel.train.watchdog import peer_failure, start_heartbeat, timed_out
+from parallel.train.watchdog import collective_in, peer_failure, start_heartbeat, timed_out
 
 
 class StopSignal:
@@ -291,7 +292,8 @@ class Trainer:
             self.finish(status)
         except RuntimeError as e:     # a peer's connection broke or a collective timed out: wait for the
             if self.heartbeat and (peer_failure(e) or timed_out(e)):     # verdict, which ends the process naming
-                self.heartbeat.await_verdict(collective_timed_out=timed_out(e))    # the ranks, not a traceback
+                where = collective_in(traceback.extract_tb(e.__traceback__)) or "collective"    # the ranks,
+                self.heartbeat.await_verdict(collective=where if timed_out(e) else "")            # not a traceback
             raise
         finally:
             bar.close()

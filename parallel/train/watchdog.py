@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import torch.distributed as dist
@@ -35,6 +36,24 @@ def restarts_left() -> int:
     --max-restarts N); 0 under any other launcher."""
     env = os.environ
     return max(0, int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+
+_COMM_LAYERS = ("torch/distributed/", "deepspeed/comm/")      # wrappers between a caller and the collective
+
+
+def collective_in(frames: list[traceback.FrameSummary]) -> str:
+    """The collective a failed call was in, from its traceback (outermost first): the first torch.distributed
+    function entered (all_reduce; all_gather_object rather than the all_gather inside it) and the first frame
+    above it outside the communication wrappers, e.g. "all_reduce from deepspeed/runtime/engine.py
+    allreduce_bucket"; "" when no torch.distributed function is on the stack."""
+    at = next((i for i, f in enumerate(frames) if Path(f.filename).name == "distributed_c10d.py"), None)
+    if at is None:
+        return ""
+    callers = [f for f in frames[:at] if not any(w in Path(f.filename).as_posix() for w in _COMM_LAYERS)]
+    if not callers:
+        return frames[at].name
+    path = "/".join(Path(callers[-1].filename).parts[-3:])
+    return f"{frames[at].name} from {path} {callers[-1].name}".replace(":", ".")
 
 
 def start_heartbeat(cfg: ExperimentConfig, ctx, ckpt_dir: Path):
