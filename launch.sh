@@ -104,6 +104,8 @@ case "$launcher" in
       # A store of its own for each attempt's ranks (rank 0's): the agent's shared one keeps the last attempt's
       # keys, and a restarted rank can read a lost rank's gloo address from it (connectFullMesh times out)
       envs+=(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+      # every world a restart may land on, checked by each start of train.py (parallel/elastic.py)
+      envs+=("VDP_ELASTIC_WORLDS=$(seq -s, "$((${nnodes%:*} * nproc))" "$nproc" "$((${nnodes#*:} * nproc))")")
       cmd=(torchrun --nproc_per_node "$nproc" --nnodes "$nnodes" --max-restarts "$max_restarts"
            --rdzv-backend c10d --rdzv-endpoint "$master_addr:$master_port" --rdzv-id "vdp-$master_port"
            --rdzv-conf last_call_timeout=5 "$@")
@@ -132,7 +134,7 @@ esac
 if [ "$dry_run" = 1 ]; then     # train.py's checker at this world size (not the device: that is the ranks')
   if [ "$(basename "$1")" != train.py ]; then echo "launch.sh: not train.py, nothing to check" >&2
   elif [ -z "$world" ]; then echo "launch.sh: the world size is unknown here (SLURM_NTASKS): not checked" >&2
-  else env RANK=0 LOCAL_RANK=0 WORLD_SIZE="$world" "$PY" "$@" --check-only >&2 || exit $?; fi
+  else env "${envs[@]}" RANK=0 LOCAL_RANK=0 WORLD_SIZE="$world" "$PY" "$@" --check-only >&2 || exit $?; fi
 fi
 echo "+ ${envs[*]:+${envs[*]} }${cmd[*]}" >&2
 [ "$dry_run" = 1 ] && exit 0
