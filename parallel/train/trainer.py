@@ -37,6 +37,7 @@ from tqdm import tqdm
 from parallel.distributed.topology import Layout
 from parallel.config import AnomalyConfig, ExperimentConfig
 from parallel.distributed import accelerator
+from parallel.ds_config import EMA_OPTIMIZERS
 from parallel.distributed.deepspeed.monitor import write_monitor_events
 from parallel.distributed.replicas import replica_mismatches
 from parallel.distributed.topology import LaunchEnv
@@ -103,6 +104,7 @@ class Trainer:
         # a checkpoint wins over model.init_from
         self.ctx, self.engine = start_engine(cfg, self.ds, layout, env, init_from=self.tag is None)
         self.heartbeat = start_heartbeat(cfg, self.ctx, self.ckpt_dir)
+        self.ckpt_predicted = self.predict_checkpoint()
         if self.tag:         # every file's checksum, read by all ranks together, before any weight is loaded
             try:
                 self.tag = checkpoint.verified_resume(self.ckpt_dir, self.ckpt_layout, self.model_keys, step)
@@ -120,6 +122,19 @@ class Trainer:
         self.probe_step = self.start_step + 1 if cfg.train.memory_check else -1
         # on the first row after a resume: readers drop the earlier run's rows after that step
         self.resumed = {"resumed_from": self.start_step} if self.tag else {}
+
+    def predict_checkpoint(self) -> int:
+        """checkpoint.predicted_bytes for this run: the parameters of one replica (dp and sp rank 0: each
+        tensor-parallel slice and pipeline stage once; ZeRO-3's partitioned ones at their full size)."""
+        params = list(self.engine.engine.module.parameters())
+        count = lambda ps: sum(getattr(p, "ds_numel", p.numel()) for p in ps)
+        mine = (count(params), count(p for p in params if p.requires_grad)) \
+            if self.ctx.dp_rank == 0 and self.ctx.sp_rank == 0 else (0, 0)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        ema = str(self.ds.get("optimizer", {}).get("type", "")).lower() in EMA_OPTIMIZERS
+        return checkpoint.predicted_bytes(sum(a for a, _ in every), sum(t for _, t in every), self.layout.precision,
+                                          ema, self.cfg.ckpt.layout_free)
 
     def announce(self) -> None:
         """The logging rank's opening lines: the memory plan, the layout, the optimizer, where weights come from."""
@@ -235,7 +250,7 @@ class Trainer:
         self.at(done, "checkpoint save")
         try:
             checkpoint.save(self.engine, self.ckpt_dir, done, self.cfg.ckpt.keep, self.ckpt_layout, self.model_keys,
-                            self.records)
+                            self.records, self.ckpt_predicted)
         except checkpoint.CheckpointError as e:      # raised on every rank: all stop
             if self.is_logger:
                 tqdm.write(str(e), file=sys.stderr)      # on a line of its own, under the bar
