@@ -100,7 +100,9 @@ case "$launcher" in
     fi
     cmd+=("$@") ;;
   torchrun)
-    if [ "$elastic" = 1 ]; then    # one rendezvous id per endpoint; a lost node restarts the rest within ~10 s
+    if [ "$elastic" = 1 ]; then    # one rendezvous id per endpoint. The next round starts once the lost
+      # node's agent is declared dead (5 missed 1 s keep-alives; torchrun's default waits 15 s), then waits 5 s
+      # (last call) for more nodes
       # A store of its own for each attempt's ranks (rank 0's): the agent's shared one keeps the last attempt's
       # keys, and a restarted rank can read a lost rank's gloo address from it (connectFullMesh times out)
       envs+=(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
@@ -108,7 +110,7 @@ case "$launcher" in
       envs+=("VDP_ELASTIC_WORLDS=$(seq -s, "$((${nnodes%:*} * nproc))" "$nproc" "$((${nnodes#*:} * nproc))")")
       cmd=(torchrun --nproc_per_node "$nproc" --nnodes "$nnodes" --max-restarts "$max_restarts"
            --rdzv-backend c10d --rdzv-endpoint "$master_addr:$master_port" --rdzv-id "vdp-$master_port"
-           --rdzv-conf last_call_timeout=5 "$@")
+           --rdzv-conf last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5 "$@")
     else
       cmd=(torchrun --nproc_per_node "$nproc" --nnodes "$nnodes" --node_rank "${node_rank:-0}"
            --master_addr "$master_addr" --master_port "$master_port" "$@")

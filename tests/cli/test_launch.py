@@ -29,7 +29,7 @@ def dry_run(*options, env_extra=None, args=ARGS, lines=False):
     (["--nproc", "2", "--nnodes", "1:2", "--max-restarts", "2", "--master-addr", "10.1.2.3"],
      "+ TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 VDP_ELASTIC_WORLDS=2,4 torchrun --nproc_per_node 2 --nnodes 1:2 "
      "--max-restarts 2 --rdzv-backend c10d --rdzv-endpoint 10.1.2.3:29500 --rdzv-id vdp-29500 "
-     "--rdzv-conf last_call_timeout=5 " + " ".join(ARGS)),
+     "--rdzv-conf last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5 " + " ".join(ARGS)),
     (["--launcher", "openmpi", "--nproc", "8", "--master-port", "6000"],
      "+ MASTER_ADDR=127.0.0.1 MASTER_PORT=6000 mpirun -np 8 --bind-to none "
      + ("--allow-run-as-root " if os.getuid() == 0 else "")
