@@ -22,6 +22,7 @@ validation stay as they are. Every refusal of the configuration happens before t
 from __future__ import annotations
 
 import json
+import math
 import signal
 import sys
 import time
@@ -39,6 +40,7 @@ from parallel.config import AnomalyConfig, ExperimentConfig
 from parallel.distributed import accelerator
 from parallel.ds_config import EMA_OPTIMIZERS
 from parallel.distributed.deepspeed.monitor import write_monitor_events
+from parallel.distributed.deepspeed.zero3 import full_shape
 from parallel.distributed.replicas import replica_mismatches
 from parallel.distributed.topology import LaunchEnv
 from parallel.train.probe import StepProbe
@@ -127,7 +129,7 @@ class Trainer:
         """checkpoint.predicted_bytes for this run: the parameters of one replica (dp and sp rank 0: each
         tensor-parallel slice and pipeline stage once; ZeRO-3's partitioned ones at their full size)."""
         params = list(self.engine.engine.module.parameters())
-        count = lambda ps: sum(getattr(p, "ds_numel", p.numel()) for p in ps)
+        count = lambda ps: sum(math.prod(full_shape(p)) for p in ps)
         mine = (count(params), count(p for p in params if p.requires_grad)) \
             if self.ctx.dp_rank == 0 and self.ctx.sp_rank == 0 else (0, 0)
         every = [None] * dist.get_world_size()
