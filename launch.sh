@@ -22,7 +22,7 @@
 set -euo pipefail
 
 launcher=auto nproc="" hostfile="" nnodes=1 node_rank="" master_addr="" master_port=29500
-device="" dry_run=0 max_restarts=3
+device="" dry_run=0 max_restarts=""
 die() { echo "launch.sh: $*" >&2; exit 2; }
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 while [ $# -gt 0 ]; do
@@ -52,6 +52,7 @@ case "$nnodes" in *:*)
   [ "$launcher" = torchrun ] || die "--nnodes $nnodes (elastic) runs under torchrun's agent: drop --launcher $launcher"
   [ -z "$node_rank" ] || die "--nnodes $nnodes (elastic): the rendezvous numbers the nodes; drop --node-rank" ;;
 esac
+[ "$elastic" = 1 ] || [ -z "$max_restarts" ] || die "--max-restarts: only an elastic run (--nnodes MIN:MAX) restarts"
 if [ "$launcher" = auto ]; then
   if [ -n "${SLURM_JOB_ID:-}" ]; then launcher=slurm
   elif [ -n "$hostfile" ]; then launcher=deepspeed
@@ -108,7 +109,7 @@ case "$launcher" in
       envs+=(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
       # every world a restart may land on, checked by each start of train.py (parallel/elastic.py)
       envs+=("VDP_ELASTIC_WORLDS=$(seq -s, "$((${nnodes%:*} * nproc))" "$nproc" "$((${nnodes#*:} * nproc))")")
-      cmd=(torchrun --nproc_per_node "$nproc" --nnodes "$nnodes" --max-restarts "$max_restarts"
+      cmd=(torchrun --nproc_per_node "$nproc" --nnodes "$nnodes" --max-restarts "${max_restarts:-3}"
            --rdzv-backend c10d --rdzv-endpoint "$master_addr:$master_port" --rdzv-id "vdp-$master_port"
            --rdzv-conf last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5 "$@")
     else

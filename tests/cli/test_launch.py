@@ -124,3 +124,15 @@ def test_dry_run_counts_the_devices_without_nproc():
 
     code, line = dry_run()
     assert (code, line) == (0, f"+ deepspeed --num_gpus {device_count()} --master_port 29500 " + " ".join(ARGS))
+
+
+@pytest.mark.parametrize("options, error", [
+    (["--nnodes", "1:2", "--launcher", "deepspeed", "--hostfile", "hosts"],
+     "launch.sh: --nnodes 1:2 (elastic) runs under torchrun's agent: drop --launcher deepspeed"),
+    (["--nnodes", "1:2", "--node-rank", "1"], "launch.sh: --nnodes 1:2 (elastic): the rendezvous numbers the nodes; "
+     "drop --node-rank"),
+    (["--nproc", "2", "--max-restarts", "2"], "launch.sh: --max-restarts: only an elastic run (--nnodes MIN:MAX) "
+     "restarts"),
+])
+def test_elastic_options_that_cannot_work_are_refused(options, error):
+    assert dry_run(*options) == (2, error)
