@@ -3,7 +3,12 @@
 #
 #   launch.sh [--launcher auto|local|deepspeed|torchrun|slurm|openmpi] [--nproc N] [--hostfile FILE]
 #             [--nnodes N --node-rank R --master-addr HOST] [--master-port P] [--device cpu|cuda|npu]
-#             [--dry-run] -- train.py ARGS...
+#             [--nnodes MIN:MAX --max-restarts N --master-addr HOST] [--dry-run] -- train.py ARGS...
+#
+# --nnodes MIN:MAX: elastic (torchrun's agent, c10d rendezvous at --master-addr:--master-port, the same
+# command on every node, no --node-rank): when a node is lost the run restarts by itself on the nodes that
+# remain (at least MIN, at most --max-restarts times, default 3) and resumes from the newest verified
+# checkpoint, train.grad_accum_steps re-derived to keep the global batch (docs/multi-node.md).
 #
 # --dry-run prints what each host will use (its ranks, the master address and port), runs train.py's checker
 # for that world size, prints the command and exits. The master: --master-addr; else the first host of the
@@ -17,7 +22,7 @@
 set -euo pipefail
 
 launcher=auto nproc="" hostfile="" nnodes=1 node_rank="" master_addr="" master_port=29500
-device="" dry_run=0
+device="" dry_run=0 max_restarts=""
 die() { echo "launch.sh: $*" >&2; exit 2; }
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 while [ $# -gt 0 ]; do
@@ -29,6 +34,7 @@ while [ $# -gt 0 ]; do
     --node-rank) node_rank="$2"; shift 2 ;;
     --master-addr) master_addr="$2"; shift 2 ;;
     --master-port) master_port="$2"; shift 2 ;;
+    --max-restarts) max_restarts="$2"; shift 2 ;;
     --device) device="$2"; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -39,6 +45,14 @@ done
 [ $# -gt 0 ] || die "nothing to launch: launch.sh [options] -- train.py --config ... --deepspeed_config ..."
 PY="${PYTHON:-python}"
 
+elastic=0
+case "$nnodes" in *:*)
+  elastic=1
+  [ "$launcher" = auto ] && launcher=torchrun
+  [ "$launcher" = torchrun ] || die "--nnodes $nnodes (elastic) runs under torchrun's agent: drop --launcher $launcher"
+  [ -z "$node_rank" ] || die "--nnodes $nnodes (elastic): the rendezvous numbers the nodes; drop --node-rank" ;;
+esac
+[ "$elastic" = 1 ] || [ -z "$max_restarts" ] || die "--max-restarts: only an elastic run (--nnodes MIN:MAX) restarts"
 if [ "$launcher" = auto ]; then
   if [ -n "${SLURM_JOB_ID:-}" ]; then launcher=slurm
   elif [ -n "$hostfile" ]; then launcher=deepspeed
@@ -87,8 +101,21 @@ case "$launcher" in
     fi
     cmd+=("$@") ;;
   torchrun)
-    cmd=(torchrun --nproc_per_node "$nproc" --nnodes "$nnodes" --node_rank "${node_rank:-0}"
-         --master_addr "$master_addr" --master_port "$master_port" "$@") ;;
+    if [ "$elastic" = 1 ]; then    # one rendezvous id per endpoint. The next round starts once the lost
+      # node's agent is declared dead (5 missed 1 s keep-alives; torchrun's default waits 15 s), then waits 5 s
+      # (last call) for more nodes
+      # A store of its own for each attempt's ranks (rank 0's): the agent's shared one keeps the last attempt's
+      # keys, and a restarted rank can read a lost rank's gloo address from it (connectFullMesh times out)
+      envs+=(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+      # every world a restart may land on, checked by each start of train.py (parallel/elastic.py)
+      envs+=("VDP_ELASTIC_WORLDS=$(seq -s, "$((${nnodes%:*} * nproc))" "$nproc" "$((${nnodes#*:} * nproc))")")
+      cmd=(torchrun --nproc_per_node "$nproc" --nnodes "$nnodes" --max-restarts "${max_restarts:-3}"
+           --rdzv-backend c10d --rdzv-endpoint "$master_addr:$master_port" --rdzv-id "vdp-$master_port"
+           --rdzv-conf last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5 "$@")
+    else
+      cmd=(torchrun --nproc_per_node "$nproc" --nnodes "$nnodes" --node_rank "${node_rank:-0}"
+           --master_addr "$master_addr" --master_port "$master_port" "$@")
+    fi ;;
   slurm)
     envs+=("MASTER_ADDR=$master_addr" "MASTER_PORT=$master_port")
     cmd=(srun --kill-on-bad-exit=1 "$PY" "$@") ;;
@@ -110,7 +137,7 @@ esac
 if [ "$dry_run" = 1 ]; then     # train.py's checker at this world size (not the device: that is the ranks')
   if [ "$(basename "$1")" != train.py ]; then echo "launch.sh: not train.py, nothing to check" >&2
   elif [ -z "$world" ]; then echo "launch.sh: the world size is unknown here (SLURM_NTASKS): not checked" >&2
-  else env RANK=0 LOCAL_RANK=0 WORLD_SIZE="$world" "$PY" "$@" --check-only >&2 || exit $?; fi
+  else env "${envs[@]}" RANK=0 LOCAL_RANK=0 WORLD_SIZE="$world" "$PY" "$@" --check-only >&2 || exit $?; fi
 fi
 echo "+ ${envs[*]:+${envs[*]} }${cmd[*]}" >&2
 [ "$dry_run" = 1 ] && exit 0

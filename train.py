@@ -14,6 +14,7 @@ import sys
 from parallel.check import check_resume, load_and_check
 from parallel.cli import add_experiment_args, run
 from parallel.config import ConfigError
+from parallel.elastic import check_elastic, elastic_worlds
 from parallel.distributed.topology import read_launch_env
 
 
@@ -51,6 +52,13 @@ def main(argv=None) -> int:
         device_check = not args.check_only
         cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size,
                                          device_check)
+        elastic = elastic_worlds()
+        if elastic:     # launch.sh --nnodes MIN:MAX: every world a restart may land on keeps the global batch
+            lines, problems = check_elastic(args.config, args.overrides, args.deepspeed_config, cfg, layout, elastic)
+            if problems:
+                raise ConfigError("\n".join(problems))
+            if env.rank == 0 and env.world_size == max(elastic):
+                print("\n".join(lines), file=sys.stderr)
         if args.resume != "never":    # on fewer or more nodes: the checkpoint's global batch, by accumulation
             from parallel.train.checkpoint import resume_accumulation
             kept = resume_accumulation(cfg.ckpt_dir, layout.global_batch, cfg.train.micro_batch_size * layout.dp_size)

@@ -163,8 +163,10 @@ KEYS: dict[str, Key] = {
                            "8); these models have no vocabulary"),
     # removed from DeepSpeed itself
     "amp": Key(REFUSED, "NVIDIA Apex AMP, " + _REMOVED + "; use \"bf16\" or \"fp16\""),
-    "elasticity": Key(REFUSED, "elastic training, " + _REMOVED + "; the toolkit derives the batch from the "
-                      "experiment"),
+    "elasticity": Key(REFUSED, "elastic training, " + _REMOVED + "; use launch.sh --nnodes MIN:MAX "
+                      "(torchrun's elastic agent): a run that loses a node restarts on the rest, keeping the "
+                      "global batch by train.grad_accum_steps at a fixed micro-batch, every world size checked at "
+                      "start (parallel/elastic.py)", "test_elastic: test_deepspeed_elasticity_is_refused_by_name"),
     "sparse_attention": Key(REFUSED, "DeepSpeed sparse attention, " + _REMOVED),
     "sparse_gradients": Key(REFUSED, "sparse embedding-gradient compression, " + _REMOVED),
     "compression_training": Key(REFUSED, "the compression library, " + _REMOVED),

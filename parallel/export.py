@@ -44,6 +44,8 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
     from parallel.weights.gather import exporting, full_tensors
     from parallel.train.run import checkpoint_layout, start_engine
 
+    named = int(tag[4:]) if tag and tag.startswith("step") and tag[4:].isdigit() else None    # --tag stepN
+    verify = tag is None or named is not None
     tag = tag or checkpoint.find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout),
                                         model=checkpoint.model_signature(cfg.model))
     if tag is None:       # before any process group: the refusal is all the command prints
@@ -51,6 +53,14 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
                           f"checkpoints): export reads what train.py wrote with the same --config, --deepspeed_config "
                           f"and --set; train first, or point it at the run's checkpoints: --set ckpt.dir=DIR")
     ctx, trainer = start_engine(cfg, ds, layout, env, init_from=False)
+    # every file's CRC-32, read by the ranks together, before any weight is loaded: a damaged newest checkpoint
+    # is named and the previous one read; a damaged --tag is refused
+    try:
+        tag = checkpoint.verified_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout),
+                                         checkpoint.model_signature(cfg.model), step=named) if verify else tag
+    except ValueError as e:
+        dist.destroy_process_group()
+        raise ConfigError(str(e)) from None
     step = trainer.load(cfg.ckpt_dir, tag)
     module, n = trainer.engine.module, cfg.model.num_layers
     if fmt == "opensora":

@@ -118,10 +118,31 @@ def _slurm_master(given: str) -> tuple[str, list[str]]:
     return addr, nodes
 
 
+def node_range(nnodes: int | str) -> tuple[int, int]:
+    """--nnodes N -> (N, N); MIN:MAX (torchrun's elastic range) -> (MIN, MAX)."""
+    parts = str(nnodes).split(":")
+    if len(parts) > 2 or not all(p.isdigit() for p in parts) or not 1 <= int(parts[0]) <= int(parts[-1]):
+        raise LaunchError(f"--nnodes {nnodes}: give a node count (2) or an elastic range MIN:MAX (1:2), "
+                          "1 <= MIN <= MAX")
+    return int(parts[0]), int(parts[-1])
+
+
 def plan(launcher: str, hostfile: str = "", master_addr: str = "", master_port: int = 29500,
-         nproc: Optional[int] = None, nnodes: int = 1, node_rank: Optional[int] = None) -> Plan:
-    """The master, world size and per-host lines of one launch.sh invocation (launcher already picked)."""
+         nproc: Optional[int] = None, nnodes: int | str = 1, node_rank: Optional[int] = None) -> Plan:
+    """The master, world size and per-host lines of one launch.sh invocation (launcher already picked). An
+    elastic range (nnodes MIN:MAX, torchrun) plans its largest world; the rendezvous numbers the nodes."""
     port = f":{master_port}"
+    low, nnodes = node_range(nnodes)
+    if low != nnodes:
+        if launcher != "torchrun":
+            raise LaunchError(f"--nnodes {low}:{nnodes} (elastic) runs under torchrun's agent: --launcher torchrun")
+        if not master_addr:
+            raise LaunchError(f"--nnodes {low}:{nnodes}: pass --master-addr with the rendezvous host's address "
+                              "(the same on every node; it must stay up: its agent hosts the rendezvous)")
+        worlds = ", ".join(str(n * nproc) for n in range(low, nnodes + 1)) if nproc else "?"
+        return Plan(master_addr, nproc * nnodes if nproc else None, nproc,
+                    [f"elastic: {low} to {nnodes} nodes of {nproc or '?'} ranks (world {worlds}), c10d "
+                     f"rendezvous at {master_addr}{port}, which numbers the nodes", "master: --master-addr"])
     if launcher in ("deepspeed", "openmpi") and hostfile:
         hosts = parse_hostfile(hostfile)
         if launcher == "openmpi":
@@ -160,7 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--master-addr", default="")
     ap.add_argument("--master-port", type=int, default=29500)
     ap.add_argument("--nproc", type=int, default=None)
-    ap.add_argument("--nnodes", type=int, default=1)
+    ap.add_argument("--nnodes", default="1")
     ap.add_argument("--node-rank", type=int, default=None)
     ap.add_argument("--describe", action="store_true", help="print what each host uses to stderr")
     a = ap.parse_args(argv)

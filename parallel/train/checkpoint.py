@@ -21,8 +21,9 @@ newest written for another model: the marker records the model keys that fix the
 refused rather than started from step 0, whose first save would overwrite them.
 
 Disk space: before each save rank 0 compares the filesystem's free bytes with the newest complete
-checkpoint's size (warning when a second one would not fit, stopping when this one cannot); a save that
-fails anyway (the first one, which has no size to compare with, or a disk filled by someone else) is
+checkpoint's size, or before the first one with its predicted size (predicted_bytes, recorded in the marker
+beside what was written), warning when a second one would not fit, stopping when this one cannot; a save that
+fails anyway (a disk filled by someone else meanwhile) is
 caught on every rank and its partial folder removed. Either way every rank raises `CheckpointError`
 naming the folder, the bytes needed and free, and the checkpoint a rerun resumes from.
 """
@@ -62,18 +63,34 @@ def folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
 
 
-def space_problem(directory: Path, step: int, free: int, failure: str = "") -> tuple[str | None, str | None]:
+def predicted_bytes(params: int, trainable: int, precision: str, ema: bool, layout_free: bool = True) -> int:
+    """A checkpoint's bytes before any exists, for a model of `params` parameters (`trainable` of them
+    trained; tensor-parallel copies of replicated ones counted as DeepSpeed writes them, once per slice):
+
+        DeepSpeed's module weights     params x (4 fp32, 2 bf16/fp16)
+        its optimizer states           trainable x (8 Adam moments + 4 EMA + 4 fp32 master when mixed)
+        the layout-free copy           trainable x (4 fp32 master + 8 moments + 4 EMA)
+
+    the small files (LR schedule, markers, pickling) left out: a few KiB."""
+    mixed, e = precision != "fp32", 4 * ema
+    return params * (2 if mixed else 4) + trainable * (8 + e + 4 * mixed) + trainable * (12 + e) * layout_free
+
+
+def space_problem(directory: Path, step: int, free: int, failure: str = "",
+                  predicted: int = 0) -> tuple[str | None, str | None]:
     """(error, warning) for saving step{step} into `directory` with `free` bytes free (plus what an
     existing step{step} folder, overwritten, gives back). The size needed is the newest complete
-    checkpoint's; without one only a `failure` (the save's own exception) makes an error."""
+    checkpoint's, else `predicted` (predicted_bytes); without either only a `failure` (the save's own
+    exception) makes an error."""
     steps = [s for s in complete_steps(directory) if s != step]
     last = f"{directory}/step{steps[-1]}" if steps else None
-    needed = folder_bytes(directory / f"step{steps[-1]}") if steps else 0
+    needed = folder_bytes(directory / f"step{steps[-1]}") if steps else predicted
     if not (directory / f"step{step}" / MARKER).is_file():    # an interrupted save's folder is written over
         free += folder_bytes(directory / f"step{step}")
     if not failure and free >= 2 * needed:
         return None, None
-    figures = f"needs ~{format_size(needed)}, {format_size(free)} free on that filesystem" if needed else \
+    how = "" if steps else " (predicted: the first checkpoint)"
+    figures = f"needs ~{format_size(needed)}{how}, {format_size(free)} free on that filesystem" if needed else \
         f"{format_size(free)} free on that filesystem"
     if not failure and free >= needed:
         return None, (f"warning: {format_size(free)} free under {directory}, room for one more checkpoint of "
@@ -84,12 +101,12 @@ def space_problem(directory: Path, step: int, free: int, failure: str = "") -> t
     return f"checkpoint save to {directory}/step{step} {verb}: {figures}; {resume}", None
 
 
-def _check_space(directory: Path, step: int) -> None:
+def _check_space(directory: Path, step: int, predicted: int) -> None:
     """Rank 0 decides whether step{step} fits, every rank learns the verdict (so none waits in a collective)."""
     verdict = [None]
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        error, warning = space_problem(directory, step, shutil.disk_usage(directory).free)
+        error, warning = space_problem(directory, step, shutil.disk_usage(directory).free, predicted=predicted)
         if warning:
             print(warning, file=sys.stderr, flush=True)
         verdict = [error]
@@ -155,7 +172,7 @@ def _checksum_files(folder: Path, written: dict) -> dict:
 
 
 def save(trainer, directory: Path, step: int, keep: int, layout: dict, model: Optional[dict] = None,
-         extra: Optional[dict] = None) -> None:
+         extra: Optional[dict] = None, predicted: int = 0) -> None:
     """Check the space, write step{step} on every rank, checksum its files (every rank a share), then
     publish it (marker + `latest`) and prune, on rank 0. Raises CheckpointError on every rank when it cannot
     be written. `model`: model_signature's keys, recorded in the marker so that a run of another model
@@ -163,10 +180,11 @@ def save(trainer, directory: Path, step: int, keep: int, layout: dict, model: Op
     resume_changes compares them).
 
     Pruning, once this step is published, keeps the newest `keep` undamaged checkpoints up to this step;
-    damaged ones and ones from a later step (a run restarted before them) are left for the user to look at."""
+    damaged ones and ones from a later step (a run restarted before them) are left for the user to look at.
+    `predicted`: the size the first save is checked against (predicted_bytes), recorded in the marker."""
     directory = Path(directory)
     folder = directory / f"step{step}"
-    _check_space(directory, step)
+    _check_space(directory, step, predicted)
     if dist.get_rank() == 0:
         if (folder / MARKER).is_file():      # complete, of an earlier run: kept, never written over
             print(_set_aside(folder), file=sys.stderr, flush=True)
@@ -176,7 +194,7 @@ def save(trainer, directory: Path, step: int, keep: int, layout: dict, model: Op
     files = _checksum_files(folder, written)
     if dist.get_rank() == 0:
         marker = {"step": step, "layout": layout, **({"model": model} if model is not None else {}),
-                  **(extra or {}), "files": files}
+                  **(extra or {}), **({"predicted_bytes": predicted} if predicted else {}), "files": files}
         (folder / MARKER).write_text(json.dumps(marker))
         tmp = directory / "latest.tmp"
         tmp.write_text(f"step{step}")

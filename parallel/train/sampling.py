@@ -60,7 +60,9 @@ def sampling_model(cfg, ds: dict, layout, env, ema: bool = False) -> Iterator[tu
             model.to(device).eval()
             yield StageForward(types.SimpleNamespace(module=model, device=device), ctx), ctx
         else:
-            tag = checkpoint.find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout))
+            # every file's CRC-32, read by the ranks together, before any weight is loaded: a damaged newest
+            # checkpoint is named and the previous one sampled
+            tag = checkpoint.verified_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout))
             seed_all(cfg.train.seed)
             trainer = build_trainer(cfg, ds, ctx, init_from=False)
             step = trainer.load(cfg.ckpt_dir, tag)

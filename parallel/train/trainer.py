@@ -22,9 +22,11 @@ validation stay as they are. Every refusal of the configuration happens before t
 from __future__ import annotations
 
 import json
+import math
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -36,7 +38,9 @@ from tqdm import tqdm
 from parallel.distributed.topology import Layout
 from parallel.config import AnomalyConfig, ExperimentConfig
 from parallel.distributed import accelerator
+from parallel.ds_config import EMA_OPTIMIZERS
 from parallel.distributed.deepspeed.monitor import close_monitors, write_monitor_events
+from parallel.distributed.deepspeed.zero3 import full_shape
 from parallel.distributed.replicas import replica_mismatches
 from parallel.distributed.topology import LaunchEnv
 from parallel.train.probe import StepProbe
@@ -47,7 +51,7 @@ from parallel.train.engine import StepResult
 from parallel.train.run import (build_dataset, build_val_dataset, checkpoint_layout, plan_line, report_memory,
                                 run_plan, start_engine, step_tokens, training_batches)
 from parallel.train.validate import Validator
-from parallel.train.watchdog import peer_failure, start_heartbeat, timed_out
+from parallel.train.watchdog import collective_in, peer_failure, start_heartbeat, timed_out
 
 
 class StopSignal:
@@ -102,6 +106,7 @@ class Trainer:
         # a checkpoint wins over model.init_from
         self.ctx, self.engine = start_engine(cfg, self.ds, layout, env, init_from=self.tag is None)
         self.heartbeat = start_heartbeat(cfg, self.ctx, self.ckpt_dir)
+        self.ckpt_predicted = self.predict_checkpoint()
         if self.tag:         # every file's checksum, read by all ranks together, before any weight is loaded
             try:
                 self.tag = checkpoint.verified_resume(self.ckpt_dir, self.ckpt_layout, self.model_keys, step)
@@ -119,6 +124,19 @@ class Trainer:
         self.probe_step = self.start_step + 1 if cfg.train.memory_check else -1
         # on the first row after a resume: readers drop the earlier run's rows after that step
         self.resumed = {"resumed_from": self.start_step} if self.tag else {}
+
+    def predict_checkpoint(self) -> int:
+        """checkpoint.predicted_bytes for this run: the parameters of one replica (dp and sp rank 0: each
+        tensor-parallel slice and pipeline stage once; ZeRO-3's partitioned ones at their full size)."""
+        params = list(self.engine.engine.module.parameters())
+        count = lambda ps: sum(math.prod(full_shape(p)) for p in ps)
+        mine = (count(params), count(p for p in params if p.requires_grad)) \
+            if self.ctx.dp_rank == 0 and self.ctx.sp_rank == 0 else (0, 0)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        ema = str(self.ds.get("optimizer", {}).get("type", "")).lower() in EMA_OPTIMIZERS
+        return checkpoint.predicted_bytes(sum(a for a, _ in every), sum(t for _, t in every), self.layout.precision,
+                                          ema, self.cfg.ckpt.layout_free)
 
     def announce(self) -> None:
         """The logging rank's opening lines: the memory plan, the layout, the optimizer, where weights come from."""
@@ -234,7 +252,7 @@ class Trainer:
         self.at(done, "checkpoint save")
         try:
             checkpoint.save(self.engine, self.ckpt_dir, done, self.cfg.ckpt.keep, self.ckpt_layout, self.model_keys,
-                            self.records)
+                            self.records, self.ckpt_predicted)
         except checkpoint.CheckpointError as e:      # raised on every rank: all stop
             if self.is_logger:
                 tqdm.write(str(e), file=sys.stderr)      # on a line of its own, under the bar
@@ -291,7 +309,8 @@ class Trainer:
             self.finish(status)
         except RuntimeError as e:     # a peer's connection broke or a collective timed out: wait for the
             if self.heartbeat and (peer_failure(e) or timed_out(e)):     # verdict, which ends the process naming
-                self.heartbeat.await_verdict(collective_timed_out=timed_out(e))    # the ranks, not a traceback
+                where = collective_in(traceback.extract_tb(e.__traceback__)) or "collective"    # the ranks,
+                self.heartbeat.await_verdict(collective=where if timed_out(e) else "")            # not a traceback
             raise
         finally:
             bar.close()

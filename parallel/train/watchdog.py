@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import torch.distributed as dist
@@ -28,6 +29,31 @@ def timed_out(e: BaseException) -> bool:
     """A collective that waited out its timeout (gloo: "Timed out waiting ...", torch: DistTimeoutError)."""
     return isinstance(e, getattr(dist, "DistTimeoutError", ())) or "timed out" in str(e).lower() \
         or "timeout" in type(e).__name__.lower()
+
+
+def restarts_left() -> int:
+    """Restarts torchrun's elastic agent still makes after this attempt fails (launch.sh --nnodes MIN:MAX
+    --max-restarts N); 0 under any other launcher."""
+    env = os.environ
+    return max(0, int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+
+_COMM_LAYERS = ("torch/distributed/", "deepspeed/comm/")      # wrappers between a caller and the collective
+
+
+def collective_in(frames: list[traceback.FrameSummary]) -> str:
+    """The collective a failed call was in, from its traceback (outermost first): the first torch.distributed
+    function entered (all_reduce; all_gather_object rather than the all_gather inside it) and the first frame
+    above it outside the communication wrappers, e.g. "all_reduce from deepspeed/runtime/engine.py
+    allreduce_bucket"; "" when no torch.distributed function is on the stack."""
+    at = next((i for i, f in enumerate(frames) if Path(f.filename).name == "distributed_c10d.py"), None)
+    if at is None:
+        return ""
+    callers = [f for f in frames[:at] if not any(w in Path(f.filename).as_posix() for w in _COMM_LAYERS)]
+    if not callers:
+        return frames[at].name
+    path = "/".join(Path(callers[-1].filename).parts[-3:])
+    return f"{frames[at].name} from {path} {callers[-1].name}".replace(":", ".")
 
 
 def start_heartbeat(cfg: ExperimentConfig, ctx, ckpt_dir: Path):
@@ -54,9 +80,12 @@ def start_heartbeat(cfg: ExperimentConfig, ctx, ckpt_dir: Path):
 
     def on_lost(ranks: list[int]) -> None:
         steps = checkpoint.complete_steps(ckpt_dir)
-        resume = (f"the last complete checkpoint is {ckpt_dir}/step{steps[-1]}; rerun the same command to "
+        left = restarts_left()
+        rerun = (f"torchrun's elastic agent restarts the run on the nodes that remain ({left} restart(s) left)"
+                 if left else "rerun the same command")
+        resume = (f"the last complete checkpoint is {ckpt_dir}/step{steps[-1]}; {rerun} to "
                   f"resume there (on fewer nodes: with sizes that fit them, the checkpoint loads into any layout)"
-                  if steps else "there is no complete checkpoint yet (a rerun starts over)")
+                  if steps else f"there is no complete checkpoint yet ({rerun} to start over)")
         hosts = ", ".join(sorted(set(heartbeat.hosts(ranks))))
         print(f"\nrank {ctx.rank}: lost rank(s) {', '.join(map(str, ranks))} (host {hosts}): their heartbeats "
               f"stopped; stopping this run; {resume}", file=sys.stderr, flush=True)
@@ -64,5 +93,6 @@ def start_heartbeat(cfg: ExperimentConfig, ctx, ckpt_dir: Path):
 
     heartbeat = Heartbeat(ctx.rank, dist.get_world_size(), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           on_lost, interval_s=1.0, lost_after_s=lost_after, on_hang=on_hang,
-                          stuck_after_s=cfg.train.collective_timeout_s)
+                          stuck_after_s=cfg.train.collective_timeout_s,
+                          attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     return heartbeat.start()

@@ -1,11 +1,13 @@
 """train.py under the deepspeed launcher on a checkpoint filesystem too small for a second checkpoint (a
-real tmpfs; CI runs as root): the run stops with the figures and the checkpoint to resume from, the rerun
+real tmpfs; CI runs as root): the first save's predicted size is within 5 % of what it writes (+1.9 % here),
+the run stops with the figures and the checkpoint to resume from, the rerun
 after space is freed resumes there, and the metrics read back show each step once."""
 import json
 import os
 import shutil
 import subprocess
 
+from parallel.train.checkpoint import MARKER, folder_bytes
 from parallel.train.media import latest_rows
 from tests.cli.test_resume_cli import ROOT, clean_env, command, metrics
 
@@ -36,6 +38,11 @@ def test_a_full_disk_stops_with_the_figures_and_the_rerun_resumes(tmp_path):
                                  f"(resume with the same command once there is space)")
         assert (ckpt_dir / "latest").read_text() == "step3" and not (ckpt_dir / "step6").exists()
         assert "Traceback" not in p.stderr
+        # the size the first save was checked against (checkpoint.predicted_bytes) against what it wrote
+        predicted = json.loads((ckpt_dir / "step3" / MARKER).read_text())["predicted_bytes"]
+        written = folder_bytes(ckpt_dir / "step3")
+        print(f"\nstep3: predicted {predicted} B, written {written} B ({written / predicted - 1:+.2%})")
+        assert abs(written / predicted - 1) < 0.05, (predicted, written)
 
         subprocess.run(["mount", "-o", "remount,size=32m", str(ckpt_dir)], check=True)   # space freed
         p = train(out, ckpt_dir)

@@ -1,7 +1,8 @@
 """A live rank stuck past train.collective_timeout_s ends the run (parallel/distributed/heartbeat.py's hang rule,
 parallel/train/watchdog.py): under the deepspeed launcher at dp 2, rank 1 sleeps inside step K's
 forward/backward while its heartbeat thread beats on; rank 0 waits in the step's gradient all-reduce until
-gloo's timeout. Both ranks then print one line naming rank 1, step K and the phase, the launcher exits with
+gloo's timeout. Both ranks then print one line naming rank 1, step K and the phase, and the collective rank 0
+waits in (DeepSpeed's gradient all_reduce, found in its traceback), the launcher exits with
 HUNG_RANK_EXIT within the timeout + 15 s of step K, and no traceback is printed."""
 import os
 import subprocess
@@ -65,6 +66,6 @@ def test_a_stuck_rank_is_named_by_every_rank_and_the_run_ends(tmp_path):
         assert line is not None, log[-4000:]
         assert line.startswith(f"rank {rank}: hung rank(s) 1 (host "), line
         assert f"stuck at step {K} forward/backward, while the others wait in step {K} forward/backward " \
-               "(collective timed out)" in line, line
+               "(all_reduce from deepspeed/runtime/engine.py allreduce_bucket timed out)" in line, line
         assert f"last complete checkpoint: {tmp_path}/out/checkpoints/step{K - 1}" in line, line
     assert "Traceback" not in log, log[-4000:]

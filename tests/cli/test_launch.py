@@ -26,6 +26,10 @@ def dry_run(*options, env_extra=None, args=ARGS, lines=False):
     (["--launcher", "torchrun", "--nproc", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.1.2.3"],
      "+ torchrun --nproc_per_node 2 --nnodes 2 --node_rank 1 --master_addr 10.1.2.3 --master_port 29500 "
      + " ".join(ARGS)),
+    (["--nproc", "2", "--nnodes", "1:2", "--max-restarts", "2", "--master-addr", "10.1.2.3"],
+     "+ TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 VDP_ELASTIC_WORLDS=2,4 torchrun --nproc_per_node 2 --nnodes 1:2 "
+     "--max-restarts 2 --rdzv-backend c10d --rdzv-endpoint 10.1.2.3:29500 --rdzv-id vdp-29500 "
+     "--rdzv-conf last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5 " + " ".join(ARGS)),
     (["--launcher", "openmpi", "--nproc", "8", "--master-port", "6000"],
      "+ MASTER_ADDR=127.0.0.1 MASTER_PORT=6000 mpirun -np 8 --bind-to none "
      + ("--allow-run-as-root " if os.getuid() == 0 else "")
@@ -120,3 +124,15 @@ def test_dry_run_counts_the_devices_without_nproc():
 
     code, line = dry_run()
     assert (code, line) == (0, f"+ deepspeed --num_gpus {device_count()} --master_port 29500 " + " ".join(ARGS))
+
+
+@pytest.mark.parametrize("options, error", [
+    (["--nnodes", "1:2", "--launcher", "deepspeed", "--hostfile", "hosts"],
+     "launch.sh: --nnodes 1:2 (elastic) runs under torchrun's agent: drop --launcher deepspeed"),
+    (["--nnodes", "1:2", "--node-rank", "1"], "launch.sh: --nnodes 1:2 (elastic): the rendezvous numbers the nodes; "
+     "drop --node-rank"),
+    (["--nproc", "2", "--max-restarts", "2"], "launch.sh: --max-restarts: only an elastic run (--nnodes MIN:MAX) "
+     "restarts"),
+])
+def test_elastic_options_that_cannot_work_are_refused(options, error):
+    assert dry_run(*options) == (2, error)

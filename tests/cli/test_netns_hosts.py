@@ -5,13 +5,18 @@ vdp-node0, as a user starts it on the first node; pdsh, mpirun's orted, torchrun
 vdp-node1 over the veth link. And a lost node (tests/cli/test_lost_node.py's scenario) across them. Skipped with the reason where namespaces cannot be made (not root, no `ip netns`).
 """
 import os
+import shutil
+import signal
 import sys
+import time
 
+import psutil
 import pytest
 
 from tests.cli import netns_cluster
-from tests.cli.test_launchers import LAYOUT, ROOT, finish, losses, run_env, train_args
-from tests.cli.test_lost_node import lose_node_then_rerun
+from parallel.train.checkpoint import complete_steps
+from tests.cli.test_launchers import LAYOUT, ROOT, finish, kill_marked, losses, run_env, train_args
+from tests.cli.test_lost_node import lose_node_then_rerun, rows
 from tests.cli.test_slurm import run_sbatch, slurm_cluster
 from tests.dist_utils import free_port
 
@@ -112,3 +117,50 @@ def test_slurm_sbatch(reference, hosts, tmp_path):
     assert f"+ MASTER_ADDR=10.231.0.1 MASTER_PORT={port} srun --kill-on-bad-exit=1 " in text, text[-3000:]
     assert "nodes vdp-node[0-1], 4 tasks" in text, text[-3000:]
     assert losses(tmp_path / "run") == reference
+
+
+def test_elastic_restart_without_a_human(hosts, tmp_path):
+    """launch.sh --nnodes 1:2 (torchrun's elastic agent) on both nodes, TP2 x DP2; vdp-node1's launcher and ranks
+    killed after the step-2 checkpoint. With no new command the agent on vdp-node0 restarts the run at dp 1,
+    train.grad_accum_steps 4 keeping the global batch 8, from the newest checkpoint, and finishes: its losses
+    equal, bit for bit, those of a run resumed by hand from a copy of that checkpoint at dp 1. Prints the time
+    from the kill to the first step on vdp-node0."""
+    out, hand, port, steps = tmp_path / "run", tmp_path / "hand", str(free_port()), 6
+    args = lambda o: train_args(o, "--set", "parallel.tp_size=2", "--set", "ckpt.every=2",
+                                "--set", "train.collective_timeout_s=20", steps=steps)
+    cmd = ["bash", "launch.sh", "--nproc", "2", "--nnodes", "1:2", "--max-restarts", "1", "--master-addr", "vdp-node0",
+           "--master-port", port, "--", *args(out)]
+    env = node_env(hosts)
+    procs = [hosts.run(i, cmd, ROOT, env, tmp_path / f"node{i}.log") for i in (0, 1)]
+    log = lambda i: (tmp_path / f"node{i}.log").read_text()
+    try:
+        deadline = time.monotonic() + 240
+        while not (complete_steps(out / "checkpoints") and len(rows(out)) > complete_steps(out / "checkpoints")[-1]):
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, log(0)[-3000:] + log(1)[-3000:]
+            time.sleep(0.1)
+        lost_at, trained = len(rows(out)), complete_steps(out / "checkpoints")[-1]
+        node1 = psutil.Process(procs[1].pid)
+        for p in [node1, *node1.children(recursive=True)]:
+            p.send_signal(signal.SIGKILL)
+        killed = time.monotonic()      # the checkpoint for the run by hand, before a later save prunes it
+        shutil.copytree(out / "checkpoints" / f"step{trained}", hand / "checkpoints" / f"step{trained}")
+        while len(rows(out)) <= lost_at:
+            assert procs[0].poll() is None and time.monotonic() - killed < 180, log(0)[-4000:]
+            time.sleep(0.1)
+        to_first_step = time.monotonic() - killed
+        assert procs[0].wait(timeout=180) == 0, log(0)[-4000:]
+    finally:
+        kill_marked(str(out))
+    print(f"\nvdp-node1 lost after step {lost_at}: the first step on vdp-node0 {to_first_step:.1f} s later")
+    text = log(0)
+    assert f"the last complete checkpoint is {out}/checkpoints/step{trained}; torchrun's elastic agent restarts the " \
+           f"run on the nodes that remain (1 restart(s) left)" in text, text[-3000:]
+    assert "resuming at dp 1: train.grad_accum_steps=4 keeps the checkpoint's global batch 8" in text
+    after = rows(out)[lost_at:]
+    assert after[0]["resumed_from"] == trained and [r["step"] for r in after] == list(range(trained + 1, steps + 1))
+
+    # by hand: the same command at dp 1 (one node, no agent) from the copy of that checkpoint
+    by_hand = ["bash", "launch.sh", "--launcher", "torchrun", "--nproc", "2", "--master-port", str(free_port()),
+               "--", *args(hand)]
+    assert on_nodes(hosts, hand, {0: by_hand}, hand, env)
+    assert [(r["step"], r["loss"]) for r in rows(hand)] == [(r["step"], r["loss"]) for r in after]

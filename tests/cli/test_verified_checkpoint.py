@@ -1,22 +1,30 @@
 """Checkpoints verified (train.py, one process): each file's CRC-32 is in the marker; a flipped byte in the
 newest checkpoint (same size, so only the checksum can tell) is named at resume and the previous one
-resumes to the uninterrupted run's loss; the damaged folder is moved aside when its step is saved again,
-never written over; `--resume N` picks a checkpoint, and a changed schedule is said in one line;
-ckpt.layout_free=false writes DeepSpeed's files only; ckpt.keep prunes to the newest."""
+resumes to the uninterrupted run's loss (python -m parallel.export and parallel.sample name it too and read
+the previous one); the damaged folder is moved aside when its step is saved again, never written over;
+`--resume N` picks a checkpoint, and a changed schedule is said in one line; ckpt.layout_free=false writes
+DeepSpeed's files only; ckpt.keep prunes to the newest."""
 import json
 import os
 import subprocess
 import sys
 import zlib
 
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def train_env():
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+
+
 def train_py(out, *args):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     return subprocess.run([sys.executable, "train.py", "--config", "debug", "--deepspeed_config",
                            "ds_configs/zero0_fp32.json", "--set", "train.output_dir=" + str(out), "--set",
-                           "train.decay_steps=10", "--set", "ckpt.every=1", *args], cwd=ROOT, env=env,
+                           "train.decay_steps=10", "--set", "ckpt.every=1", *args], cwd=ROOT, env=train_env(),
                           capture_output=True, text=True, timeout=300)
 
 
@@ -48,11 +56,28 @@ def test_a_flipped_byte_is_named_the_previous_checkpoint_resumes_and_nothing_is_
     victim.write_bytes(bytes(data))
     flipped = contents(ckpt / "step3")
     crc = f"{zlib.crc32(bytes(data)):08x}"
+    damaged = (f"checkpoint {ckpt}/step3 is damaged (mp_rank_00_model_states.pt has crc32 {crc}, "
+               f"{marker['files']['mp_rank_00_model_states.pt'][1]} was written: its bytes changed since the save); "
+               f"trying the previous one")
+    # python -m parallel.export and parallel.sample verify too: they name step3 and read step2
+    p = subprocess.run([sys.executable, "-m", "parallel.export", "--config", "debug", "--deepspeed_config",
+                        "ds_configs/zero0_fp32.json", "--set", "train.output_dir=" + str(out), "--out",
+                        str(tmp_path / "export")], cwd=ROOT, env=train_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0 and damaged in p.stderr, p.stderr[-3000:]
+    with safe_open(tmp_path / "export" / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"step": "2", "checkpoint": f"{ckpt}/step2"}
+    save_file({"embeds": torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(7))}, tmp_path / "p.safetensors")
+    p = subprocess.run([sys.executable, "-m", "parallel.sample", "--config", "debug", "--deepspeed_config",
+                        "ds_configs/zero0_fp32.json", "--set", "train.output_dir=" + str(out), "--prompt-embeds",
+                        str(tmp_path / "p.safetensors"), "--steps", "1", "--guidance", "1", "--out",
+                        str(tmp_path / "sample.safetensors")], cwd=ROOT, env=train_env(), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0 and damaged in p.stderr, p.stderr[-3000:]
+    assert f"weights: {ckpt}/step2 (step 2)" in p.stdout, p.stdout[-2000:]
     p = train_py(out, "--set", "train.max_steps=3", "--set", "ckpt.keep=2")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert (f"checkpoint {ckpt}/step3 is damaged (mp_rank_00_model_states.pt has crc32 {crc}, "
-            f"{marker['files']['mp_rank_00_model_states.pt'][1]} was written: its bytes changed since the save); "
-            f"trying the previous one") in p.stderr
+    assert damaged in p.stderr
     assert f"resumed from {ckpt}/step2 at step 2" in p.stdout
     assert rows(out)[-1]["step"] == 3 and rows(out)[-1]["loss"] == whole[2]["loss"]
     assert (f"checkpoint {ckpt}/step3 (damaged: mp_rank_00_model_states.pt has crc32 {crc}") in p.stderr

@@ -60,8 +60,8 @@ LAYERS = (
     ("model build", ("parallel.recompute", "parallel.lora", "parallel.build", "parallel.lora_check")),
     ("weights, planning, data", ("parallel.weights", "parallel.plan", "parallel.prepare_data")),
     ("training", ("parallel.train",)),
-    ("commands", ("parallel.check", "parallel.export", "parallel.sample", "parallel.verify", "parallel.plan.search",
-                  "parallel.plan.buckets", "parallel.plan.cli", "parallel.plan.__main__")),
+    ("commands", ("parallel.check", "parallel.elastic", "parallel.export", "parallel.sample", "parallel.verify",
+                  "parallel.plan.search", "parallel.plan.buckets", "parallel.plan.cli", "parallel.plan.__main__")),
     ("entry points", ("train", "bench", "models.__main__")),
 )
 LAYER_OF = {prefix: i for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes}

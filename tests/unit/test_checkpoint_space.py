@@ -2,7 +2,7 @@
 in one process: the figures a full disk is reported with, and each step once after a resume."""
 import json
 
-from parallel.train.checkpoint import MARKER, space_problem
+from parallel.train.checkpoint import MARKER, predicted_bytes, space_problem
 from parallel.train.media import latest_rows
 from parallel.units import MiB
 
@@ -16,6 +16,22 @@ def complete(directory, step, size):
 
 def test_first_save_is_not_refused_and_without_a_failure_says_nothing(tmp_path):
     assert space_problem(tmp_path, 3, free=0) == (None, None)
+
+
+def test_the_first_save_is_checked_against_its_predicted_size(tmp_path):
+    """Before any checkpoint the predicted size stands in for the last one's (then the last one's wins):
+    fp32 10 parameters all trained: 40 B weights + 80 B moments + 120 B layout-free copy = 240 B; bf16 with an
+    EMA: 20 + 10 x 16 + 10 x 16 = 340 B; a LoRA run (1,000 frozen of 1,010): 2,020 + 160 + 160."""
+    assert predicted_bytes(10, 10, "fp32", ema=False) == 240
+    assert predicted_bytes(10, 10, "bf16", ema=True) == 340
+    assert predicted_bytes(1010, 10, "bf16", ema=True) == 2340
+    assert predicted_bytes(10, 10, "fp32", ema=False, layout_free=False) == 120
+    error, _ = space_problem(tmp_path, 3, free=3 * MiB, predicted=4 * MiB)
+    assert error == (f"checkpoint save to {tmp_path}/step3 stopped: needs ~4.0 MiB (predicted: the first checkpoint), "
+                     f"3.0 MiB free on that filesystem; there is no complete checkpoint yet (a rerun starts over)")
+    assert space_problem(tmp_path, 3, free=5 * MiB, predicted=4 * MiB)[1].startswith("warning: 5.0 MiB free under")
+    complete(tmp_path, 3, 1 * MiB)
+    assert space_problem(tmp_path, 6, free=3 * MiB, predicted=4 * MiB) == (None, None)
 
 
 def test_room_for_two_more_is_quiet_room_for_one_warns_less_stops(tmp_path):

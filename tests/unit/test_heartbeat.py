@@ -1,5 +1,8 @@
 """The lost-rank rule of parallel/distributed/heartbeat.py, without a store: who is declared lost, and when."""
+import traceback
+
 from parallel.distributed.heartbeat import describe_hang, lost_ranks, stuck_ranks, threshold
+from parallel.train.watchdog import collective_in
 
 
 def test_nobody_lost_before_the_threshold():
@@ -33,5 +36,24 @@ def test_a_live_rank_is_stuck_only_past_the_timeout_and_behind_the_others():
     assert stuck_ranks({0: (3, 2), 1: (3, 0)}, since, set(), now=100.0, stuck_after_s=5) == [1]
     assert stuck_ranks({0: (3, 0), 1: (3, 0)}, since, set(), now=100.0, stuck_after_s=5) == []
     assert stuck_ranks({0: (3, 0), 1: (3, 0)}, since, {0, 1}, now=100.0, stuck_after_s=5) == []
-    assert describe_hang({0: (3, 0), 1: (3, 0)}, [1], {0}) == \
+    assert describe_hang({0: (3, 0), 1: (3, 0)}, [1], {0: ""}) == \
         "stuck at step 3 forward/backward, while the others wait in step 3 forward/backward (collective timed out)"
+    assert describe_hang({0: (3, 0), 1: (3, 0), 2: (3, 0)}, [1], {0: "broadcast", 2: "broadcast"}) == \
+        "stuck at step 3 forward/backward, while the others wait in step 3 forward/backward (broadcast timed out)"
+
+
+def test_the_collective_is_named_from_the_traceback():
+    """The first torch.distributed function entered (all_gather_object, not the all_gather it calls) and the
+    first caller outside torch.distributed and deepspeed.comm; nothing without a torch.distributed frame."""
+    site = "/venv/lib/python3.11/site-packages"
+    frame = lambda path, name: traceback.FrameSummary(path, 1, name)
+    stack = [frame("/repo/parallel/train/trainer.py", "fit"), frame("/repo/parallel/train/checkpoint.py", "_write"),
+             frame(f"{site}/torch/distributed/c10d_logger.py", "wrapper"),
+             frame(f"{site}/torch/distributed/distributed_c10d.py", "all_gather_object"),
+             frame(f"{site}/torch/distributed/distributed_c10d.py", "all_gather")]
+    assert collective_in(stack) == "all_gather_object from parallel/train/checkpoint.py _write"
+    stack = [frame(f"{site}/deepspeed/runtime/engine.py", "allreduce_bucket"),
+             frame(f"{site}/deepspeed/comm/comm.py", "all_reduce"), frame(f"{site}/deepspeed/comm/torch.py", "all_reduce"),
+             frame(f"{site}/torch/distributed/distributed_c10d.py", "all_reduce")]
+    assert collective_in(stack) == "all_reduce from deepspeed/runtime/engine.py allreduce_bucket"
+    assert collective_in(stack[:2]) == ""

@@ -3,7 +3,7 @@ job whose hosts are other machines. Names resolve through a table (no DNS)."""
 import pytest
 
 from parallel.distributed import master
-from parallel.distributed.master import LaunchError, plan
+from parallel.distributed.master import LaunchError, node_range, plan
 
 TABLE = {"localhost": "127.0.0.1", "127.0.0.1": "127.0.0.1", "gpu-07": "10.0.0.7", "gpu-08": "10.0.0.8",
          "this-node": "127.0.1.1"}     # Debian's /etc/hosts line for the machine's own name
@@ -81,3 +81,18 @@ def test_slurm_first_node_address(monkeypatch):
     assert p.lines == ["gpu-07: master 10.0.0.7:29500", "gpu-08: master 10.0.0.7:29500",
                        "master: NodeAddr of gpu-07, the allocation's first node"]
     assert plan("slurm", master_addr="10.1.1.1").master == "10.1.1.1"
+
+
+def test_an_elastic_range_plans_its_largest_world_under_torchrun():
+    """--nnodes MIN:MAX: torchrun's agent, a rendezvous host named, the largest world checked; the rest refused."""
+    p = plan("torchrun", master_addr="10.0.0.7", nproc=2, nnodes="1:3")
+    assert (p.master, p.world, p.nproc) == ("10.0.0.7", 6, 2)
+    assert p.lines[0] == ("elastic: 1 to 3 nodes of 2 ranks (world 2, 4, 6), c10d rendezvous at 10.0.0.7:29500, "
+                          "which numbers the nodes")
+    with pytest.raises(LaunchError, match="--nnodes 1:2: pass --master-addr with the rendezvous host's address"):
+        plan("torchrun", nproc=2, nnodes="1:2")
+    with pytest.raises(LaunchError, match=r"--nnodes 1:2 \(elastic\) runs under torchrun's agent"):
+        plan("openmpi", master_addr="10.0.0.7", nproc=2, nnodes="1:2")
+    for bad in ("2:1", "0:2", "1:2:3", "x"):
+        with pytest.raises(LaunchError, match=f"--nnodes {bad}: give a node count"):
+            node_range(bad)
