@@ -176,7 +176,7 @@ class SequenceAttention(nn.Module):
         lengths = [min(max(total - j * c, 0), c) for j in range(self.ring.size)]     # real tokens per chunk
         real = lengths[me]
         q, k, v = (_pad_rows(t, c) for t in self.prepare(q[:, :real], k[:, :real], v[:, :real], me * c))
-        return ring_attention(q, k, v, self.ring, lengths, keep=None)
+        return ring_attention(q, k, v, self.ring, lengths, keep=keep)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *extra) -> torch.Tensor:
         if self.ulysses is not None:

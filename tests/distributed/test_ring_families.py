@@ -1,0 +1,105 @@
+"""Ring attention in the HunyuanVideo family (its joint attention takes the text mask), 4 gloo ranks in one spawn.
+
+- Predictions of the tiny random release (tests/unit/test_hunyuanvideo.py's `released` fixture: 8 text + 72 video
+  tokens, the second caption's last 3 text rows padding, so masked as keys) at ring 2, ring 4 and Ulysses 2 x
+  ring 2 equal diffusers' on every rank.
+- Parameter gradients of the sp loss (`SequenceLoss`, averaged over the sp ranks as DeepSpeed does) on those
+  masked inputs at ring 2 and Ulysses 2 x ring 2 equal one process's.
+- Two training steps at ring 2 x dp 2 and at Ulysses 2 x ring 2 with train.recompute.granularity=attention (the
+  all-to-alls and the ring's transfers run again inside the recomputed attention core) equal one process's losses
+  and weights (synthetic captions have no padding rows: the masked path's gradients are the check above).
+"""
+import torch
+
+from parallel.config import load_config
+from tests.dist_utils import run_ranks
+from tests.distributed.test_hunyuanvideo_layouts import hunyuan_fp32_config
+from tests.train_utils import assert_matches, train
+from tests.unit.test_hunyuanvideo import diffusers_forward, inputs, overrides, released  # noqa: F401
+
+PREDICT = [(2, 2), (4, 4), (4, 2)]                       # (sp, ring); dp fills 4 ranks
+GRADS = [(2, 2), (4, 2)]
+RECOMPUTE = ("train.recompute.granularity=attention",)
+TRAIN = {"ring2-dp2": (2, 2, ()), "ulysses2-ring2-recompute": (4, 2, RECOMPUTE)}
+STEPS = 2
+
+
+def _model(folder, sp, ring, world_size):
+    from parallel.build import build_model
+    from parallel.distributed.topology import ParallelContext, ParallelDims
+    from parallel.weights.diffusers import load_released
+
+    cfg = load_config("debug-hunyuan", overrides(folder) + [f"parallel.sp_size={sp}", f"parallel.ring_size={ring}"])
+    ctx = ParallelContext.build(ParallelDims(sp_size=sp, ring_size=ring, dp_size=world_size // sp))
+    model = build_model(cfg, {}, ctx)
+    load_released(model, ctx, cfg.model, folder)
+    return cfg, ctx, model
+
+
+def _grads(folder, sp, ring, world_size, x, target):
+    """The full parameter gradients of the sp loss, averaged over the sp ranks."""
+    import torch.distributed as dist
+
+    from parallel.build import SequenceLoss
+    from parallel.weights.gather import full_tensors
+
+    cfg, ctx, model = _model(folder, sp, ring, world_size)
+    h = model.embed(x)
+    for block in model.blocks:
+        h = block(h)
+    SequenceLoss(cfg, ctx)(model.final(h), target).backward()
+    for p in model.parameters():
+        if sp > 1:
+            dist.all_reduce(p.grad, group=ctx.sp_group)
+            p.grad /= sp
+    return dict(full_tensors(model, ctx, cfg.model.num_layers, value=lambda p: p.grad))
+
+
+def _rank(rank, world_size, folder):
+    import types
+
+    import deepspeed
+
+    from parallel.distributed import accelerator
+    from parallel.train.validate import StageForward
+    from tests.train_utils import _train_rank
+
+    deepspeed.init_distributed(dist_backend=accelerator.backend())
+    x, out = inputs(), {}
+    for sp, ring in PREDICT:
+        _, ctx, model = _model(folder, sp, ring, world_size)
+        forward = StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx)
+        out[("predict", sp, ring)] = forward.predict(x, x[0])
+    target = torch.randn(x[0].shape, generator=torch.Generator().manual_seed(3))
+    for sp, ring in [(1, 1), *GRADS]:
+        out[("grads", sp, ring)] = _grads(folder, sp, ring, world_size, x, target)
+    for name, (sp, ring, extra) in TRAIN.items():
+        ds = hunyuan_fp32_config()
+        if extra:
+            ds.pop("activation_checkpointing")                  # train.recompute instead
+        out[name] = _train_rank(rank, world_size, 1, 1, world_size // sp, ds, STEPS,
+                                (f"parallel.ring_size={ring}", *extra), sp, "debug-hunyuan", 0)
+    return out
+
+
+def test_hunyuanvideo_under_ring_attention(released):
+    folder, model = released
+    reference = train(1, 1, 1, hunyuan_fp32_config(), STEPS, preset="debug-hunyuan")
+    results = run_ranks(_rank, 4, str(folder))
+    want = diffusers_forward(model, *inputs())
+    for rank, out in enumerate(results):
+        for sp, ring in PREDICT:
+            torch.testing.assert_close(out[("predict", sp, ring)], want,
+                                       msg=lambda m: f"sp {sp} ring {ring} rank {rank}: prediction {m}")
+        one = out[("grads", 1, 1)]
+        for sp, ring in GRADS:
+            grads = out[("grads", sp, ring)]
+            assert grads.keys() == one.keys()
+            for name, grad in one.items():
+                torch.testing.assert_close(grads[name], grad, msg=lambda m: f"sp {sp} ring {ring} {name}: {m}")
+    for name in TRAIN:
+        rows = [r[name] for r in results]
+        assert_matches({"losses": rows[0]["losses"], "all_losses": [r["losses"] for r in rows],
+                        "state": {k: v for r in rows for k, v in r["state"].items()},
+                        "replica_mismatches": sorted({n for r in rows for n in r["replica_mismatches"]})}, reference)
+    assert len(set(reference["losses"])) == STEPS                             # it trains
