@@ -4,7 +4,9 @@
   tokens, the second caption's last 3 text rows padding, so masked as keys) at ring 2, ring 4 and Ulysses 2 x
   ring 2 equal diffusers' on every rank.
 - Parameter gradients of the sp loss (`SequenceLoss`, averaged over the sp ranks as DeepSpeed does) on those
-  masked inputs at ring 2 and Ulysses 2 x ring 2 equal one process's.
+  masked inputs at ring 2 and Ulysses 2 x ring 2 equal one process's, and the bytes each rank sends round the
+  ring in that forward and backward are the planner's count (`ring_traffic` of a b x S/sp x H/tp chunk per
+  attention, every block).
 - Two training steps at ring 2 x dp 2 and at Ulysses 2 x ring 2 with train.recompute.granularity=attention (the
   all-to-alls and the ring's transfers run again inside the recomputed attention core) equal one process's losses
   and weights (synthetic captions have no padding rows: the masked path's gradients are the check above).
@@ -12,11 +14,14 @@
 import torch
 
 from parallel.config import load_config
+from parallel.distributed.sequence import padded_length
+from parallel.plan.search import ring_traffic
 from tests.dist_utils import run_ranks
 from tests.distributed.test_hunyuanvideo_layouts import hunyuan_fp32_config
 from tests.train_utils import assert_matches, train
-from tests.unit.test_hunyuanvideo import diffusers_forward, inputs, overrides, released  # noqa: F401
+from tests.unit.test_hunyuanvideo import B, TEXT, diffusers_forward, inputs, overrides, released  # noqa: F401
 
+VIDEO, HIDDEN, LAYERS = 72, 64, 4                          # the release's tokens, width and blocks
 PREDICT = [(2, 2), (4, 4), (4, 2)]                       # (sp, ring); dp fills 4 ranks
 GRADS = [(2, 2), (4, 2)]
 RECOMPUTE = ("train.recompute.granularity=attention",)
@@ -37,22 +42,31 @@ def _model(folder, sp, ring, world_size):
 
 
 def _grads(folder, sp, ring, world_size, x, target):
-    """The full parameter gradients of the sp loss, averaged over the sp ranks."""
+    """The full parameter gradients of the sp loss, averaged over the sp ranks, and the bytes this rank isent."""
     import torch.distributed as dist
 
     from parallel.build import SequenceLoss
     from parallel.weights.gather import full_tensors
 
     cfg, ctx, model = _model(folder, sp, ring, world_size)
-    h = model.embed(x)
-    for block in model.blocks:
-        h = block(h)
-    SequenceLoss(cfg, ctx)(model.final(h), target).backward()
+    sent, isend = [], dist.isend
+
+    def counted(tensor, *args, **kwargs):
+        sent.append(tensor.numel() * tensor.element_size())
+        return isend(tensor, *args, **kwargs)
+    dist.isend = counted
+    try:
+        h = model.embed(x)
+        for block in model.blocks:
+            h = block(h)
+        SequenceLoss(cfg, ctx)(model.final(h), target).backward()
+    finally:
+        dist.isend = isend
     for p in model.parameters():
         if sp > 1:
             dist.all_reduce(p.grad, group=ctx.sp_group)
             p.grad /= sp
-    return dict(full_tensors(model, ctx, cfg.model.num_layers, value=lambda p: p.grad))
+    return dict(full_tensors(model, ctx, cfg.model.num_layers, value=lambda p: p.grad)), sum(sent)
 
 
 def _rank(rank, world_size, folder):
@@ -91,9 +105,11 @@ def test_hunyuanvideo_under_ring_attention(released):
         for sp, ring in PREDICT:
             torch.testing.assert_close(out[("predict", sp, ring)], want,
                                        msg=lambda m: f"sp {sp} ring {ring} rank {rank}: prediction {m}")
-        one = out[("grads", 1, 1)]
+        one, _ = out[("grads", 1, 1)]
         for sp, ring in GRADS:
-            grads = out[("grads", sp, ring)]
+            grads, sent = out[("grads", sp, ring)]
+            chunk = B * padded_length(TEXT + VIDEO, sp) // sp * HIDDEN * 4           # b S/sp H, fp32
+            assert sent == LAYERS * sum(ring_traffic(chunk, ring, 4)), (sp, ring, sent)
             assert grads.keys() == one.keys()
             for name, grad in one.items():
                 torch.testing.assert_close(grads[name], grad, msg=lambda m: f"sp {sp} ring {ring} {name}: {m}")
