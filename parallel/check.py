@@ -18,9 +18,10 @@ from typing import Any, Optional
 from parallel import ds_config as dsc
 from parallel.ds_keys import ZERO_QUANTIZED, key_problems
 from models.config import ModelConfig
+from models.geometry import token_grid
 from models.registry import family, sequence_tokens
 from parallel.config import ConfigError, ExperimentConfig, load_config
-from parallel.distributed.sequence import default_ring, padded_length
+from parallel.distributed.sequence import padded_length
 from parallel.distributed.sequence import sp_pairs as _sp_pairs
 from parallel.distributed.topology import Layout
 from parallel.train.schedule import scheduler_problems
@@ -108,17 +109,35 @@ def valid_sp_sizes(cfg: ExperimentConfig) -> list[int]:
 
 
 def ring_capable(cfg: ExperimentConfig) -> bool:
-    """Whether the family's self-attention runs under ring attention (full attention over the sequence)."""
+    """Whether the family's self-attention runs under ring attention (full attention over the sequence, or
+    attention within frames and positions: `ring_fits`)."""
     return getattr(type(cfg.model), "RING_ATTENTION", True)
+
+
+def ring_frames(cfg: ExperimentConfig) -> Optional[tuple[int, int]]:
+    """(latent frames, tokens) for a family whose ring splits whole frames (STDiT: spatial attention within a
+    frame, temporal across frames at one position), else None."""
+    if not getattr(type(cfg.model), "RING_FRAMES", False):
+        return None
+    return token_grid(cfg.model, cfg.data)[0], sequence_tokens(cfg.model, cfg.data)
+
+
+def ring_fits(cfg: ExperimentConfig, sp: int, ring: int) -> bool:
+    """Whether ring attention of `ring` ranks (of sp) runs on this model: always for full attention; for a
+    family whose ring splits whole frames, ring divides the latent frames and sp the tokens (no padding), so
+    each ring chunk is whole frames."""
+    frames = ring_frames(cfg)
+    return ring == 1 or frames is None or (frames[0] % ring == 0 and frames[1] % sp == 0)
 
 
 def sp_pairs(cfg: ExperimentConfig, sp: Optional[int] = None, tp: Optional[int] = None) -> list[tuple[int, int]]:
     """Every (ulysses, ring) with ulysses x ring = sp (parallel.sp_size) that this model takes at tp
     (parallel.tp_size): Ulysses must divide the heads of a tp rank; ring takes any head count, and any token
-    count (padded)."""
+    count (padded) where the attention is full attention (whole frames for STDiT: `ring_fits`)."""
     sp = cfg.parallel.sp_size if sp is None else sp
     heads, tp = cfg.model.num_heads, cfg.parallel.tp_size if tp is None else tp
-    return [] if heads % tp else _sp_pairs(heads // tp, sp, ring_capable(cfg))
+    return [] if heads % tp else [(u, r) for u, r in _sp_pairs(heads // tp, sp, ring_capable(cfg))
+                                  if ring_fits(cfg, sp, r)]
 
 
 def ring_size(cfg: ExperimentConfig) -> int:
@@ -126,7 +145,7 @@ def ring_size(cfg: ExperimentConfig) -> int:
     p = cfg.parallel
     if p.ring_size is not None:
         return p.ring_size
-    return default_ring(cfg.model.num_heads // p.tp_size, p.sp_size, ring_capable(cfg)) if p.sp_size > 1 else 1
+    return min((r for _, r in sp_pairs(cfg)), default=1) if p.sp_size > 1 else 1
 
 
 def _pairs_text(pairs: list[tuple[int, int]]) -> str:
@@ -148,6 +167,12 @@ def _check_sequence(cfg: ExperimentConfig) -> list[str]:
         return [f"parallel.ring_size={ring}: model.family={cfg.model.family}'s attention does not run under ring "
                 f"attention (it regroups the sequence); set --set parallel.ring_size=1 with an sp size that divides "
                 f"its heads: {_fmt(valid_sp_sizes(cfg))}"]
+    frames = ring_frames(cfg)
+    if ring is not None and not ring_fits(cfg, sp, ring):
+        return [f"parallel.ring_size={ring}: model.family={cfg.model.family}'s ring attention splits whole frames "
+                f"(spatial attention within a frame, temporal across frames): parallel.ring_size must divide the "
+                f"{frames[0]} latent frames and parallel.sp_size={sp} the {frames[1]:,} tokens; (ulysses, ring) "
+                f"pairs for sp {sp}: {_pairs_text(pairs)}"]
     u = sp // ring_size(cfg)
     if (heads // tp) % u == 0:
         return []

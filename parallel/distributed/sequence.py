@@ -124,6 +124,11 @@ class SequenceAttention(nn.Module):
     sequence's first m keys take part (HunyuanVideo's text padding rows do not), honoured by the full
     attention and by the ring (parallel/distributed/ring.py: masked keys left out of their chunk's block).
 
+    A model whose attention regroups the sequence (STDiT: per frame, per position) gives `chunk(q, k, v, start,
+    ring)` for ring attention instead of `prepare`: its attention of this ring rank's chunk, tokens start.. of the
+    sequence (no padding: every ring rank holds the same number of real tokens), where `ring(q, k, v)` is ring
+    attention of batch-first [B', c', n, d] over every ring rank's same-shaped tensors.
+
     Ulysses x ring (sp = u x r): DeepSpeed's DistributedAttention all-to-alls over the Ulysses group turn
     [B, S_pad/sp, n, d] into this ring rank's chunk [B, S_pad/r, n/u, d]; ring attention
     (parallel/distributed/ring.py) runs it against the other ring ranks' chunks; the all-to-all brings the
@@ -131,17 +136,18 @@ class SequenceAttention(nn.Module):
     """
 
     def __init__(self, attend: Optional[Callable] = None, ctx=None, tokens: "int | Callable[[], int]" = 0, *,
-                 prepare: Optional[Callable] = None):
+                 prepare: Optional[Callable] = None, chunk: Optional[Callable] = None):
         super().__init__()
         if (attend is None) == (prepare is None):
             raise ValueError("SequenceAttention takes one of attend (the whole attention) or prepare (its per-token "
                              "transforms)")
-        self.attend, self.prepare, self.sp, self.tokens = attend, prepare, sp_size_of(ctx), tokens
+        self.attend, self.prepare, self.chunk, self.sp, self.tokens = attend, prepare, chunk, sp_size_of(ctx), tokens
         self.ring_size = getattr(ctx, "ring_size", 1) if ctx is not None else 1
         self.ulysses_size = self.sp // self.ring_size
-        if self.ring_size > 1 and prepare is None:
+        if self.ring_size > 1 and prepare is None and chunk is None:
             raise ValueError(f"ring attention (ring_size={self.ring_size}) needs the model's per-token transforms "
-                             f"(prepare=...): this attention gives only attend")
+                             f"(prepare=...) or its attention of a ring chunk (chunk=...): this attention gives only "
+                             f"attend")
         self.ctx, self.ulysses, self.ring = ctx, None, None
         if self.sp > 1 and ctx.sp_group is not None:
             inner = self._unpadded
@@ -173,6 +179,13 @@ class SequenceAttention(nn.Module):
         """This ring rank's chunk [B, c, n, d] of the padded sequence (c = S_pad / r) against every ring rank's."""
         from parallel.distributed.ring import ring_attention
         c, total, me = q.shape[1], self._real(), self.ring.index
+        if self.chunk is not None:
+            if c * self.ring.size != total:
+                raise ValueError(f"{total} tokens padded to {c * self.ring.size} for ring {self.ring.size}: this "
+                                 f"attention takes ring chunks of real tokens only; choose parallel.sp_size dividing "
+                                 f"the tokens")
+            return self.chunk(q, k, v, me * c,
+                              lambda *qkv: ring_attention(*qkv, self.ring, [qkv[0].shape[1]] * self.ring.size))
         lengths = [min(max(total - j * c, 0), c) for j in range(self.ring.size)]     # real tokens per chunk
         real = lengths[me]
         q, k, v = (_pad_rows(t, c) for t in self.prepare(q[:, :real], k[:, :real], v[:, :real], me * c))
@@ -194,4 +207,6 @@ class SequenceAttention(nn.Module):
         q, k, v = (t.reshape(b, s * u, n // u, d) for t in (q, k, v))
         if self.ring_size == 1:
             return self._unpadded(q, k, v, *extra).reshape(b, s, n, d)
+        if self.prepare is None:
+            return self.chunk(q, k, v, 0, _sdpa).reshape(b, s, n, d)
         return _sdpa(*self.prepare(q, k, v, 0), *extra).reshape(b, s, n, d)

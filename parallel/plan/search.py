@@ -46,7 +46,7 @@ from typing import Optional
 from tqdm import tqdm
 
 from models.registry import family
-from parallel.check import check, divisors
+from parallel.check import check, divisors, ring_fits
 from parallel.cli import DS_CONFIG_DIR      # was parallel/ds_configs here: no shipped file ever matched
 from parallel.config import ExperimentConfig, RecomputeConfig
 from parallel.distributed.topology import ParallelDims
@@ -301,6 +301,8 @@ def search(cfg: ExperimentConfig, ds: dict, devices: int, per_node: int, device_
     for tp, sp in ((t, s) for t in divisors(node) for s in divisors(devices // t)):
         ulysses, ring = sp_split(cfg.model.num_heads, tp, sp, node, ring_ok)
         if ring == 1 and (node // tp) % sp:            # Ulysses alone stays in a node
+            continue
+        if not ring_fits(cfg, sp, ring):                # STDiT's ring: whole frames per chunk
             continue
         grids += [(tp, sp, ring, p) for p in divisors(devices // (tp * sp)) if p <= cfg.model.num_layers]
     for tp, sp, ring, pp in tqdm(grids, desc="search", unit="grid", file=sys.stderr, dynamic_ncols=True,

@@ -1,4 +1,6 @@
-"""Ring attention in the HunyuanVideo family (its joint attention takes the text mask), 4 gloo ranks in one spawn.
+"""Ring attention in the HunyuanVideo family (its joint attention takes the text mask) and the STDiT family (its
+ring splits whole frames: spatial attention stays local, temporal attention rings over frames), 4 gloo ranks in
+one spawn, the one-process references in another.
 
 - Predictions of the tiny random release (tests/unit/test_hunyuanvideo.py's `released` fixture: 8 text + 72 video
   tokens, the second caption's last 3 text rows padding, so masked as keys) at ring 2, ring 4 and Ulysses 2 x
@@ -10,6 +12,9 @@
 - Two training steps at ring 2 x dp 2 and at Ulysses 2 x ring 2 with train.recompute.granularity=attention (the
   all-to-alls and the ring's transfers run again inside the recomputed attention core) equal one process's losses
   and weights (synthetic captions have no padding rows: the masked path's gradients are the check above).
+- STDiT (`debug-stdit` at 13 frames: 4 latent frames of 4 x 4 patches, 64 tokens) predicts as one process at
+  ring 2, ring 4 (one frame a rank) and Ulysses 2 x ring 2, and trains two steps at ring 2 x dp 2 and Ulysses
+  2 x ring 2 to one process's losses and weights.
 """
 import torch
 
@@ -18,14 +23,18 @@ from parallel.distributed.sequence import padded_length
 from parallel.plan.search import ring_traffic
 from tests.dist_utils import run_ranks
 from tests.distributed.test_hunyuanvideo_layouts import hunyuan_fp32_config
-from tests.train_utils import assert_matches, train
+from tests.train_utils import assert_matches
 from tests.unit.test_hunyuanvideo import B, TEXT, diffusers_forward, inputs, overrides, released  # noqa: F401
 
 VIDEO, HIDDEN, LAYERS = 72, 64, 4                          # the release's tokens, width and blocks
 PREDICT = [(2, 2), (4, 4), (4, 2)]                       # (sp, ring); dp fills 4 ranks
 GRADS = [(2, 2), (4, 2)]
 RECOMPUTE = ("train.recompute.granularity=attention",)
-TRAIN = {"ring2-dp2": (2, 2, ()), "ulysses2-ring2-recompute": (4, 2, RECOMPUTE)}
+FRAMES = ("data.num_frames=13",)                       # 4 latent frames: ring 2 and 4 hold whole frames
+TRAIN = {"hunyuan ring2-dp2": ("debug-hunyuan", 2, 2, ()),
+         "hunyuan ulysses2-ring2-recompute": ("debug-hunyuan", 4, 2, RECOMPUTE),
+         "stdit ring2-dp2": ("debug-stdit", 2, 2, FRAMES), "stdit ulysses2-ring2": ("debug-stdit", 4, 2, FRAMES)}
+REFERENCES = {"debug-hunyuan": (), "debug-stdit": FRAMES}
 STEPS = 2
 
 
@@ -87,18 +96,52 @@ def _rank(rank, world_size, folder):
     target = torch.randn(x[0].shape, generator=torch.Generator().manual_seed(3))
     for sp, ring in [(1, 1), *GRADS]:
         out[("grads", sp, ring)] = _grads(folder, sp, ring, world_size, x, target)
-    for name, (sp, ring, extra) in TRAIN.items():
+    for sp, ring in [(1, 1), *PREDICT]:
+        out[("stdit", sp, ring)] = _stdit_prediction(sp, ring, world_size)
+    for name, (preset, sp, ring, extra) in TRAIN.items():
         ds = hunyuan_fp32_config()
-        if extra:
+        if RECOMPUTE[0] in extra:
             ds.pop("activation_checkpointing")                  # train.recompute instead
         out[name] = _train_rank(rank, world_size, 1, 1, world_size // sp, ds, STEPS,
-                                (f"parallel.ring_size={ring}", *extra), sp, "debug-hunyuan", 0)
+                                (f"parallel.ring_size={ring}", *extra), sp, preset, 0)
     return out
 
 
-def test_hunyuanvideo_under_ring_attention(released):
+def _stdit_prediction(sp, ring, world_size):
+    """debug-stdit's prediction at (sp, ring) of fixed random inputs, from the seed's initial weights."""
+    import types
+
+    from parallel.build import build_model
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext, ParallelDims
+    from parallel.train.validate import StageForward
+
+    cfg = load_config("debug-stdit", [*FRAMES, f"parallel.sp_size={sp}", f"parallel.ring_size={ring}"])
+    ctx = ParallelContext.build(ParallelDims(sp_size=sp, ring_size=ring, dp_size=world_size // sp))
+    seed_all(cfg.train.seed)
+    model = build_model(cfg, {}, ctx)
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(2, 4, 4, 8, 8, generator=g), torch.tensor([3.0, 811.0]), torch.randn(2, 8, 32, generator=g))
+    return StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx).predict(x, x[0])
+
+
+def _references(rank, world_size):
+    from tests.train_utils import _train_rank
+    return {preset: _train_rank(rank, world_size, 1, 1, 1, hunyuan_fp32_config(), STEPS, extra, 1, preset, 0)
+            for preset, extra in REFERENCES.items()}
+
+
+def _run(rows: list) -> dict:
+    """tests.train_utils.train's summary of one run's ranks."""
+    return {"losses": rows[0]["losses"], "all_losses": [r["losses"] for r in rows],
+            "state": {k: v for r in rows for k, v in r["state"].items()}, "slack": rows[0]["slack"],
+            "replica_mismatches": sorted({n for r in rows for n in r["replica_mismatches"]})}
+
+
+def test_hunyuanvideo_and_stdit_under_ring_attention(released):
     folder, model = released
-    reference = train(1, 1, 1, hunyuan_fp32_config(), STEPS, preset="debug-hunyuan")
+    (one,) = run_ranks(_references, 1)
+    references = {preset: _run([run]) for preset, run in one.items()}
     results = run_ranks(_rank, 4, str(folder))
     want = diffusers_forward(model, *inputs())
     for rank, out in enumerate(results):
@@ -113,9 +156,10 @@ def test_hunyuanvideo_under_ring_attention(released):
             assert grads.keys() == one.keys()
             for name, grad in one.items():
                 torch.testing.assert_close(grads[name], grad, msg=lambda m: f"sp {sp} ring {ring} {name}: {m}")
-    for name in TRAIN:
-        rows = [r[name] for r in results]
-        assert_matches({"losses": rows[0]["losses"], "all_losses": [r["losses"] for r in rows],
-                        "state": {k: v for r in rows for k, v in r["state"].items()},
-                        "replica_mismatches": sorted({n for r in rows for n in r["replica_mismatches"]})}, reference)
-    assert len(set(reference["losses"])) == STEPS                             # it trains
+        for sp, ring in PREDICT:
+            torch.testing.assert_close(out[("stdit", sp, ring)], out[("stdit", 1, 1)],
+                                       msg=lambda m: f"stdit sp {sp} ring {ring} rank {rank}: prediction {m}")
+    for name, (preset, *_) in TRAIN.items():
+        assert_matches(_run([r[name] for r in results]), references[preset])
+    for reference in references.values():
+        assert len(set(reference["losses"])) == STEPS                         # it trains
