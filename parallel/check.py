@@ -18,8 +18,9 @@ from typing import Any, Optional
 from parallel import ds_config as dsc
 from parallel.ds_keys import ZERO_QUANTIZED, key_problems
 from models.config import ModelConfig
-from models.geometry import token_grid
 from models.registry import family, sequence_tokens
+from models.registry import ring_fits as _ring_fits
+from models.registry import ring_frames as _ring_frames
 from parallel.config import ConfigError, ExperimentConfig, load_config
 from parallel.distributed.sequence import padded_length
 from parallel.distributed.sequence import sp_pairs as _sp_pairs
@@ -103,9 +104,15 @@ def _check_objective(cfg: ExperimentConfig) -> list[str]:
 
 def valid_sp_sizes(cfg: ExperimentConfig) -> list[int]:
     """sp sizes that divide the heads of one tp rank (any token count works: it is padded); with ring attention
-    (a family whose attention takes it) any sp size works: `sp_pairs`."""
+    (a family whose attention takes it) any sp size works: `sp_pairs`. A family whose ring splits whole frames
+    adds the Ulysses x ring sizes its frames and tokens allow (up to heads x frames)."""
     heads, tp = cfg.model.num_heads, cfg.parallel.tp_size
-    return divisors(heads // tp) if heads % tp == 0 else [1]
+    if heads % tp:
+        return [1]
+    frames = ring_frames(cfg)
+    if frames is None:
+        return divisors(heads // tp)
+    return [s for s in range(1, heads // tp * frames[0] + 1) if sp_pairs(cfg, s)]
 
 
 def ring_capable(cfg: ExperimentConfig) -> bool:
@@ -115,19 +122,13 @@ def ring_capable(cfg: ExperimentConfig) -> bool:
 
 
 def ring_frames(cfg: ExperimentConfig) -> Optional[tuple[int, int]]:
-    """(latent frames, tokens) for a family whose ring splits whole frames (STDiT: spatial attention within a
-    frame, temporal across frames at one position), else None."""
-    if not getattr(type(cfg.model), "RING_FRAMES", False):
-        return None
-    return token_grid(cfg.model, cfg.data)[0], sequence_tokens(cfg.model, cfg.data)
+    """(latent frames, tokens) for a family whose ring splits whole frames (STDiT), else None."""
+    return _ring_frames(cfg.model, cfg.data)
 
 
 def ring_fits(cfg: ExperimentConfig, sp: int, ring: int) -> bool:
-    """Whether ring attention of `ring` ranks (of sp) runs on this model: always for full attention; for a
-    family whose ring splits whole frames, ring divides the latent frames and sp the tokens (no padding), so
-    each ring chunk is whole frames."""
-    frames = ring_frames(cfg)
-    return ring == 1 or frames is None or (frames[0] % ring == 0 and frames[1] % sp == 0)
+    """Whether ring attention of `ring` ranks (of sp) runs on this model (models.registry.ring_fits)."""
+    return _ring_fits(cfg.model, cfg.data, sp, ring)
 
 
 def sp_pairs(cfg: ExperimentConfig, sp: Optional[int] = None, tp: Optional[int] = None) -> list[tuple[int, int]]:

@@ -13,8 +13,9 @@ one spawn, the one-process references in another.
   all-to-alls and the ring's transfers run again inside the recomputed attention core) equal one process's losses
   and weights (synthetic captions have no padding rows: the masked path's gradients are the check above).
 - STDiT (`debug-stdit` at 13 frames: 4 latent frames of 4 x 4 patches, 64 tokens) predicts as one process at
-  ring 2, ring 4 (one frame a rank) and Ulysses 2 x ring 2, and trains two steps at ring 2 x dp 2 and Ulysses
-  2 x ring 2 to one process's losses and weights.
+  ring 2, ring 4 (one frame a rank) and Ulysses 2 x ring 2, sends round the ring the planner's count for one
+  ring attention per layer (the temporal one), and trains two steps at ring 2 x dp 2 and Ulysses 2 x ring 2 to
+  one process's losses and weights.
 """
 import torch
 
@@ -108,8 +109,11 @@ def _rank(rank, world_size, folder):
 
 
 def _stdit_prediction(sp, ring, world_size):
-    """debug-stdit's prediction at (sp, ring) of fixed random inputs, from the seed's initial weights."""
+    """debug-stdit's prediction at (sp, ring) of fixed random inputs, from the seed's initial weights, and the
+    bytes this rank isends round the ring in one forward and backward of the loss on them."""
     import types
+
+    import torch.distributed as dist
 
     from parallel.build import build_model
     from parallel.distributed.seed import seed_all
@@ -122,7 +126,18 @@ def _stdit_prediction(sp, ring, world_size):
     model = build_model(cfg, {}, ctx)
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(2, 4, 4, 8, 8, generator=g), torch.tensor([3.0, 811.0]), torch.randn(2, 8, 32, generator=g))
-    return StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx).predict(x, x[0])
+    prediction = StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx).predict(x, x[0])
+    sent, isend = [], dist.isend
+
+    def counted(tensor, *args, **kwargs):
+        sent.append(tensor.numel() * tensor.element_size())
+        return isend(tensor, *args, **kwargs)
+    dist.isend = counted
+    try:
+        model(x, x[0]).backward()
+    finally:
+        dist.isend = isend
+    return prediction, sum(sent)
 
 
 def _references(rank, world_size):
@@ -157,8 +172,12 @@ def test_hunyuanvideo_and_stdit_under_ring_attention(released):
             for name, grad in one.items():
                 torch.testing.assert_close(grads[name], grad, msg=lambda m: f"sp {sp} ring {ring} {name}: {m}")
         for sp, ring in PREDICT:
-            torch.testing.assert_close(out[("stdit", sp, ring)], out[("stdit", 1, 1)],
+            (prediction, sent), (serial, _) = out[("stdit", sp, ring)], out[("stdit", 1, 1)]
+            torch.testing.assert_close(prediction, serial,
                                        msg=lambda m: f"stdit sp {sp} ring {ring} rank {rank}: prediction {m}")
+            # Only temporal attention rings (spatial attention stays in the chunk's frames): one per layer.
+            chunk = B * 64 // sp * HIDDEN * 4                                   # b S/sp H, fp32
+            assert sent == LAYERS * sum(ring_traffic(chunk, ring, 4)), (sp, ring, sent)
     for name, (preset, *_) in TRAIN.items():
         assert_matches(_run([r[name] for r in results]), references[preset])
     for reference in references.values():
