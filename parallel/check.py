@@ -338,8 +338,27 @@ def check_data_files(cfg: ExperimentConfig) -> list[str]:
         return missing
     from parallel.manifest import bucket_problems      # the manifest's buckets and data.buckets
     from parallel.train.data import check_shapes
-    return bucket_problems(cfg) + [p for key, folder in folders for p in
-                                   check_shapes(folder, cfg.model, cfg.data, key, captions=bool(cfg.data.text_encoder))]
+    return bucket_problems(cfg) + _ring_bucket_problems(cfg) + [
+        p for key, folder in folders for p in
+        check_shapes(folder, cfg.model, cfg.data, key, captions=bool(cfg.data.text_encoder))]
+
+
+def _ring_bucket_problems(cfg: ExperimentConfig) -> list[str]:
+    """A ring of whole frames (STDiT) in every bucket of the manifest: ring_size divides each bucket's latent
+    frames and sp its tokens (`ring_fits`; the config's own shape is _check_sequence's)."""
+    sp, ring = cfg.parallel.sp_size, ring_size(cfg)
+    if ring == 1 or ring_frames(cfg) is None or cfg.data.kind != "directory":
+        return []
+    from parallel.manifest import bucket_configs
+    from parallel.shapes import format_shape
+    bad = [f"{format_shape(s)} ({ring_frames(c)[0]} latent frames, {ring_frames(c)[1]:,} tokens)"
+           for s, _, c in bucket_configs(cfg) if s is not None and not ring_fits(c, sp, ring)]
+    if not bad:
+        return []
+    return [f"{cfg.data.path}: parallel.ring_size={ring}: model.family={cfg.model.family}'s ring attention splits "
+            f"whole frames, and these buckets do not split into {ring} (or their tokens into parallel.sp_size={sp}): "
+            f"{', '.join(bad)}; set --set parallel.ring_size=1 (Ulysses only) or keep those shapes out of the "
+            f"manifest"]
 
 
 def check_outputs(cfg: ExperimentConfig) -> list[str]:

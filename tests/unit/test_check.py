@@ -185,3 +185,20 @@ def test_sequence_parallel_sizes_are_checked_against_heads_and_the_padding_state
     assert code == 0 and out.startswith("ok: cogvideox-5b-long tp=2 sp=2 pp=1 dp=2 (world 8), ZeRO-2 bf16")
     layout, problems = check(load_config("debug", ["parallel.sp_size=2", "parallel.tp_size=2"]), world_size=8)
     assert problems == [] and (layout.dp_size, layout.world_size) == (2, 8)
+
+
+def test_a_ring_of_whole_frames_is_checked_in_every_bucket(tmp_path):
+    """STDiT at ring 3 (sp 3): the config's 3 latent frames split, the manifest's 2-frame and 1-frame buckets do not,
+    and the checker names them (at runtime they would stop training at their first step)."""
+    from parallel.check import check_data_files
+    from tests.buckets_utils import write_buckets
+    write_buckets(tmp_path)
+    cfg = load_config("debug-stdit", ["parallel.sp_size=3", "data.kind=directory", f"data.path={tmp_path}"])
+    layout, problems = check(cfg, world_size=3)
+    assert layout.ring_size == 3 and problems == []                        # the config's own shape splits
+    assert check_data_files(cfg) == [f"{tmp_path}: parallel.ring_size=3: model.family=stdit's ring attention splits whole frames, "
+                        f"and these buckets do not split into 3 (or their tokens into parallel.sp_size=3): 5x48x80 "
+                        f"(2 latent frames, 30 tokens), 1x48x48 (1 latent frames, 9 tokens); set --set "
+                        f"parallel.ring_size=1 (Ulysses only) or keep those shapes out of the manifest"]
+    assert check_data_files(load_config("debug-stdit", ["parallel.sp_size=2", "data.kind=directory",
+                                                        f"data.path={tmp_path}"])) == []   # Ulysses: any bucket
