@@ -2,6 +2,8 @@
 ring's buffers counted from the traced block input, and its traffic model against the ring's message sizes."""
 import json
 
+import pytest
+
 from tests.unit.test_plan import cli
 
 WAN_14B_SP16 = ["--config", "configs/wan2.1-t2v-14b.yaml", "--deepspeed_config", "ds_configs/zero3_bf16.json",
@@ -69,3 +71,26 @@ def test_hunyuanvideo_13b_plans_at_sp_16_with_its_ring(capsys):
     assert r["stages"][0]["lines"]["ring_buffers"] == ring_buffers(block_input, 1, 2, 2) > 0
     code, text, _ = cli(capsys, *HUNYUAN_SP16)
     assert "layout: tp=1 sp=16 (ulysses 8 x ring 2) pp=1 dp=1" in text and "ring attention buffers" in text
+
+
+def test_stdit_step_time_counts_one_ring_attention_a_layer():
+    """STDiT's ring holds whole frames: only its temporal attention rings (spatial attention stays in the chunk), so
+    the step time charges one ring attention a layer, not its two self-attentions (the bytes counted in a real run:
+    tests/distributed/test_ring_families.py). With compute too fast to hide any transfer, the sp time is exactly
+    m x L x ((1 + f) forward + backward bytes) / link, f = 0 here."""
+    import torch
+
+    from parallel.config import load_config
+    from parallel.plan.memory import EngineSettings
+    from parallel.plan.search import Device, estimate_step_time, ring_traffic
+    from parallel.plan.trace import ActivationTracer
+    from tests.train_utils import fp32_config
+
+    cfg = load_config("debug-stdit", ["data.num_frames=13", "parallel.sp_size=2", "parallel.ring_size=2"])
+    tracer = ActivationTracer(cfg, torch.float32)
+    eng = EngineSettings.from_ds(fp32_config(0, False), cfg.model.num_layers)
+    link = 1e9
+    time = estimate_step_time(cfg, eng, 1, Device("instant", 1e30, 1e30, link, link), 8, 1.0, tracer, 0)
+    b, m = cfg.train.micro_batch_size, cfg.train.grad_accum_steps
+    fwd, bwd = ring_traffic(tracer.trace("block", 1, b, 2).input_bytes, 2, 4)
+    assert time.sp == pytest.approx(m * cfg.model.num_layers * (fwd + bwd) / link, rel=1e-9)
