@@ -49,11 +49,6 @@ def sp_pairs(heads: int, sp: int, ring: bool = True) -> list[tuple[int, int]]:
     return [(u, sp // u) for u in range(1, sp + 1) if sp % u == 0 and heads % u == 0 and (u == sp or ring)]
 
 
-def default_ring(heads: int, sp: int, ring: bool = True) -> int:
-    """The ring size when parallel.ring_size is unset: all Ulysses where it divides the heads, ring for the rest."""
-    return min((r for _, r in sp_pairs(heads, sp, ring)), default=1)
-
-
 def local_range(total: int, ctx) -> tuple[int, int]:
     """[start, stop) of this sp rank's tokens among `total` padded to a multiple of sp (stop may exceed
     `total`: the rows from `total` on are padding)."""
