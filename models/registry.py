@@ -57,6 +57,23 @@ def sequence_tokens(model: ModelConfig, data) -> int:
     return family(model).sequence_tokens(model, data)
 
 
+def ring_frames(model: ModelConfig, data) -> "tuple[int, int] | None":
+    """(latent frames, tokens) for a family whose ring attention splits whole frames (its config's RING_FRAMES:
+    STDiT, spatial attention within a frame and temporal across frames), else None."""
+    if not getattr(type(model), "RING_FRAMES", False):
+        return None
+    from models.geometry import token_grid
+    return token_grid(model, data)[0], sequence_tokens(model, data)
+
+
+def ring_fits(model: ModelConfig, data, sp: int, ring: int) -> bool:
+    """Whether ring attention over `ring` of the sp ranks runs on this model: always for full attention; for a
+    ring of whole frames, ring divides the latent frames and sp the tokens (no padding), so that each ring
+    chunk is whole frames."""
+    frames = ring_frames(model, data)
+    return ring == 1 or frames is None or (frames[0] % ring == 0 and frames[1] % sp == 0)
+
+
 def vae_formats() -> dict:
     """Every registered family's VAE format, by the VAE folder's `_class_name`."""
     return {spec.vae.class_name: spec.vae for spec in FAMILIES.values()}

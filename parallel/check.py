@@ -19,8 +19,10 @@ from parallel import ds_config as dsc
 from parallel.ds_keys import ZERO_QUANTIZED, key_problems
 from models.config import ModelConfig
 from models.registry import family, sequence_tokens
+from models.registry import ring_fits as _ring_fits
+from models.registry import ring_frames as _ring_frames
 from parallel.config import ConfigError, ExperimentConfig, load_config
-from parallel.distributed.sequence import default_ring, padded_length
+from parallel.distributed.sequence import padded_length
 from parallel.distributed.sequence import sp_pairs as _sp_pairs
 from parallel.distributed.topology import Layout
 from parallel.train.schedule import scheduler_problems
@@ -102,23 +104,41 @@ def _check_objective(cfg: ExperimentConfig) -> list[str]:
 
 def valid_sp_sizes(cfg: ExperimentConfig) -> list[int]:
     """sp sizes that divide the heads of one tp rank (any token count works: it is padded); with ring attention
-    (a family whose attention takes it) any sp size works: `sp_pairs`."""
+    (a family whose attention takes it) any sp size works: `sp_pairs`. A family whose ring splits whole frames
+    adds the Ulysses x ring sizes its frames and tokens allow (up to heads x frames)."""
     heads, tp = cfg.model.num_heads, cfg.parallel.tp_size
-    return divisors(heads // tp) if heads % tp == 0 else [1]
+    if heads % tp:
+        return [1]
+    frames = ring_frames(cfg)
+    if frames is None:
+        return divisors(heads // tp)
+    return [s for s in range(1, heads // tp * frames[0] + 1) if sp_pairs(cfg, s)]
 
 
 def ring_capable(cfg: ExperimentConfig) -> bool:
-    """Whether the family's self-attention runs under ring attention (full attention over the sequence)."""
+    """Whether the family's self-attention runs under ring attention (full attention over the sequence, or
+    attention within frames and positions: `ring_fits`)."""
     return getattr(type(cfg.model), "RING_ATTENTION", True)
+
+
+def ring_frames(cfg: ExperimentConfig) -> Optional[tuple[int, int]]:
+    """(latent frames, tokens) for a family whose ring splits whole frames (STDiT), else None."""
+    return _ring_frames(cfg.model, cfg.data)
+
+
+def ring_fits(cfg: ExperimentConfig, sp: int, ring: int) -> bool:
+    """Whether ring attention of `ring` ranks (of sp) runs on this model (models.registry.ring_fits)."""
+    return _ring_fits(cfg.model, cfg.data, sp, ring)
 
 
 def sp_pairs(cfg: ExperimentConfig, sp: Optional[int] = None, tp: Optional[int] = None) -> list[tuple[int, int]]:
     """Every (ulysses, ring) with ulysses x ring = sp (parallel.sp_size) that this model takes at tp
     (parallel.tp_size): Ulysses must divide the heads of a tp rank; ring takes any head count, and any token
-    count (padded)."""
+    count (padded) where the attention is full attention (whole frames for STDiT: `ring_fits`)."""
     sp = cfg.parallel.sp_size if sp is None else sp
     heads, tp = cfg.model.num_heads, cfg.parallel.tp_size if tp is None else tp
-    return [] if heads % tp else _sp_pairs(heads // tp, sp, ring_capable(cfg))
+    return [] if heads % tp else [(u, r) for u, r in _sp_pairs(heads // tp, sp, ring_capable(cfg))
+                                  if ring_fits(cfg, sp, r)]
 
 
 def ring_size(cfg: ExperimentConfig) -> int:
@@ -126,7 +146,7 @@ def ring_size(cfg: ExperimentConfig) -> int:
     p = cfg.parallel
     if p.ring_size is not None:
         return p.ring_size
-    return default_ring(cfg.model.num_heads // p.tp_size, p.sp_size, ring_capable(cfg)) if p.sp_size > 1 else 1
+    return min((r for _, r in sp_pairs(cfg)), default=1) if p.sp_size > 1 else 1
 
 
 def _pairs_text(pairs: list[tuple[int, int]]) -> str:
@@ -148,6 +168,12 @@ def _check_sequence(cfg: ExperimentConfig) -> list[str]:
         return [f"parallel.ring_size={ring}: model.family={cfg.model.family}'s attention does not run under ring "
                 f"attention (it regroups the sequence); set --set parallel.ring_size=1 with an sp size that divides "
                 f"its heads: {_fmt(valid_sp_sizes(cfg))}"]
+    frames = ring_frames(cfg)
+    if ring is not None and not ring_fits(cfg, sp, ring):
+        return [f"parallel.ring_size={ring}: model.family={cfg.model.family}'s ring attention splits whole frames "
+                f"(spatial attention within a frame, temporal across frames): parallel.ring_size must divide the "
+                f"{frames[0]} latent frames and parallel.sp_size={sp} the {frames[1]:,} tokens; (ulysses, ring) "
+                f"pairs for sp {sp}: {_pairs_text(pairs)}"]
     u = sp // ring_size(cfg)
     if (heads // tp) % u == 0:
         return []
@@ -312,8 +338,27 @@ def check_data_files(cfg: ExperimentConfig) -> list[str]:
         return missing
     from parallel.manifest import bucket_problems      # the manifest's buckets and data.buckets
     from parallel.train.data import check_shapes
-    return bucket_problems(cfg) + [p for key, folder in folders for p in
-                                   check_shapes(folder, cfg.model, cfg.data, key, captions=bool(cfg.data.text_encoder))]
+    return bucket_problems(cfg) + _ring_bucket_problems(cfg) + [
+        p for key, folder in folders for p in
+        check_shapes(folder, cfg.model, cfg.data, key, captions=bool(cfg.data.text_encoder))]
+
+
+def _ring_bucket_problems(cfg: ExperimentConfig) -> list[str]:
+    """A ring of whole frames (STDiT) in every bucket of the manifest: ring_size divides each bucket's latent
+    frames and sp its tokens (`ring_fits`; the config's own shape is _check_sequence's)."""
+    sp, ring = cfg.parallel.sp_size, ring_size(cfg)
+    if ring == 1 or ring_frames(cfg) is None or cfg.data.kind != "directory":
+        return []
+    from parallel.manifest import bucket_configs
+    from parallel.shapes import format_shape
+    bad = [f"{format_shape(s)} ({ring_frames(c)[0]} latent frames, {ring_frames(c)[1]:,} tokens)"
+           for s, _, c in bucket_configs(cfg) if s is not None and not ring_fits(c, sp, ring)]
+    if not bad:
+        return []
+    return [f"{cfg.data.path}: parallel.ring_size={ring}: model.family={cfg.model.family}'s ring attention splits "
+            f"whole frames, and these buckets do not split into {ring} (or their tokens into parallel.sp_size={sp}): "
+            f"{', '.join(bad)}; set --set parallel.ring_size=1 (Ulysses only) or keep those shapes out of the "
+            f"manifest"]
 
 
 def check_outputs(cfg: ExperimentConfig) -> list[str]:

@@ -27,7 +27,8 @@ copy_to_tp sums its gradient over the ranks' heads); the modulation linears are 
 
 Sequence parallelism: a rank holds S_pad / sp consecutive tokens; the dual block sends its text rows (the first
 `n_txt` of the chunk) and video rows through their own weights; attention gathers the heads' full sequence
-(Ulysses) and rotates the video rows there (the rotary table has L rows of 1 + 0i in front).
+(Ulysses) or passes key/value chunks round the ring, rotating each token by its place in the sequence (the rotary
+table has L rows of 1 + 0i in front); the text mask leaves the padding text rows out as keys on every path.
 """
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ class JointAttention(nn.Module):
             self.norm_added_k = nn.Parameter(torch.ones(self.head_dim))
         self._rope = PositionCache(functools.partial(hunyuan_rope, tuple(cfg.rope_axes_dim), cfg.rope_theta,
                                                      cfg.max_text_len))
-        self.core = SequenceAttention(self._attend, ctx, tokens=self.tokens)
+        self.core = SequenceAttention(ctx=ctx, tokens=self.tokens, prepare=self._prepare)
 
     def tokens(self) -> int:
         return self.n_txt + math.prod(self.grid.value)
@@ -98,19 +99,16 @@ class JointAttention(nn.Module):
         """q, k, v [B, S/sp, H/tp], keep [B, L] bool (real text rows) -> [B, S/sp, H/tp]."""
         q, k, v = (z.unflatten(-1, (-1, self.head_dim)) for z in (q, k, v))
         q, k = self.qk_norm(q, k, n_txt)
-        return self.core(q, k, v, keep).flatten(2)
+        return self.core(q, k, v, keep if self.text_mask else None).flatten(2)
 
-    def _attend(self, q, k, v, keep):
-        """[B, S, n, d] over the whole sequence (text + video, no sp padding) -> [B, S, n, d]; padding text rows
-        are no key (their own queries still attend, as diffusers')."""
-        q, k, v = (z.transpose(1, 2) for z in (q, k, v))                                 # (B, n, S, d)
-        freqs = self._rope.get(self.grid, q.device)                                      # (S, d/2) complex
+    def _prepare(self, q, k, v, start: int):
+        """Rotary positions of tokens start.. of text + video (the table's text rows are 1 + 0i): [B, s, n, d]
+        each -> same. SequenceAttention then attends over the whole sequence or ring chunks, the padding text
+        rows no key (`keep`; their own queries still attend, as diffusers')."""
+        q, k = (z.transpose(1, 2) for z in (q, k))                                       # (B, n, s, d)
+        freqs = self._rope.get(self.grid, q.device)[start:start + q.shape[2]]            # (s, d/2) complex
         q, k = apply_rope_complex(q, freqs), apply_rope_complex(k, freqs)
-        # The planner's meta trace leaves the mask out: on a device the mask-taking fused kernel saves what the
-        # unmasked one does (meta would fall back to the S x S math kernel).
-        mask = None if q.device.type == "meta" or not self.text_mask else \
-            F.pad(keep, (0, q.shape[2] - keep.shape[1]), value=True)[:, None, None]    # (B, 1, 1, S)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+        return q.transpose(1, 2), k.transpose(1, 2), v
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,6 @@ class HunyuanVideoConfig(ModelConfig):
     one text tensor per sample holds both; diffusers' text_embed_dim is `llama_dim`."""
 
     POS_EMBEDS: ClassVar[tuple[str, ...]] = ("rope3d",)      # rotary over (t, h, w) with rope_axes_dim channels
-    # The attention takes the text mask (SequenceAttention's attend with extra arguments): Ulysses only, no ring yet.
-    RING_ATTENTION: ClassVar[bool] = False
 
     family: Literal["hunyuanvideo"] = "hunyuanvideo"
     num_layers: int = Field(60, ge=1, description="dual-stream + single-stream blocks (the release: 20 + 40)")

@@ -11,7 +11,8 @@ class STDiTConfig(ModelConfig):
 
     # 2D sin-cos added per frame, 1D rotary in temporal attention.
     POS_EMBEDS: ClassVar[tuple[str, ...]] = ("sincos2d_rope1d",)
-    # Spatial and temporal attention regroup the sequence (per frame, per position): no ring attention.
-    RING_ATTENTION: ClassVar[bool] = False
+    # Spatial and temporal attention regroup the sequence (per frame, per position): ring attention splits whole
+    # frames (ring_size divides the latent frames, sp the tokens; parallel/check.py).
+    RING_FRAMES: ClassVar[bool] = True
 
     family: Literal["stdit"] = "stdit"

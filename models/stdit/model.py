@@ -27,7 +27,10 @@ are column-parallel (heads and MLP width split p ways); the three output project
 Sequence parallelism: everything but self-attention works token by token, so it runs on any contiguous
 chunk of x. Self-attention projects q, k, v to [B, S, n, d] and calls `SequenceAttention`, whose
 `_attend` sees the full sequence (the whole token grid, any sp padding sliced off) for its heads and
-regroups it into frames or into per-position time series itself.
+regroups it into frames or into per-position time series itself (Ulysses). Under ring attention each ring
+rank holds whole frames (the checker asks ring_size to divide the latent frames and sp the tokens):
+spatial attention is local to the chunk, and temporal attention is ring attention over the frames with the
+b x h x w positions as its batch (`_ring`).
 """
 from __future__ import annotations
 
@@ -105,7 +108,7 @@ class SelfAttention(nn.Module):
         self.q_norm_weight = nn.Parameter(torch.ones(self.head_dim))
         self.k_norm_weight = nn.Parameter(torch.ones(self.head_dim))
         self._rope = PositionCache(functools.partial(rope_1d, self.head_dim)) if temporal else None
-        self.core = SequenceAttention(self._attend, ctx, tokens=self.tokens)
+        self.core = SequenceAttention(self._attend, ctx, tokens=self.tokens, chunk=self._ring)
 
     def tokens(self) -> int:
         """Tokens of the step's grid, before any sp padding."""
@@ -118,19 +121,38 @@ class SelfAttention(nn.Module):
 
     def _attend(self, q, k, v):
         """[B, S, n, d] over the whole (t, h, w) grid (exactly t*h*w tokens: no sp padding) -> [B, S, n, d]."""
-        t, h, w = self.grid
+        return self._regrouped(q, k, v, 0, F.scaled_dot_product_attention)
+
+    def _ring(self, q, k, v, start: int, ring):
+        """This ring rank's whole frames, tokens start.. of the grid, [B, f*h*w, n, d] -> same: spatial attention
+        stays inside the chunk (a frame is never split), temporal attention runs `ring` (ring attention over
+        every ring rank's frames, batch first) with each (h, w) position as a batch row."""
+        hw = math.prod(self.grid.value[1:])
+        if start % hw or q.shape[1] % hw:
+            raise ValueError(f"STDiT under ring attention needs whole frames per ring chunk: tokens {start}.."
+                             f"{start + q.shape[1]} of {hw}-token frames; set parallel.ring_size to a divisor of "
+                             f"the latent frames with parallel.sp_size dividing the tokens (parallel/check.py)")
+        if not self.temporal:
+            return self._regrouped(q, k, v, 0, F.scaled_dot_product_attention)
+        return self._regrouped(q, k, v, 0 * start // hw,
+                               lambda *qkv: ring(*(z.transpose(1, 2) for z in qkv)).transpose(1, 2))
+
+    def _regrouped(self, q, k, v, first: int, attention):
+        """Frames first.. of the grid, [B, f*h*w, n, d] -> same: q/k RMSNorm, grouped per frame (spatial) or per
+        (h, w) position (temporal: rotary by frame index), `attention` on (groups, n, len, d) heads first."""
+        frames = q.shape[1] // math.prod(self.grid.value[1:])
         group = "b (t s) n d -> (b s) n t d" if self.temporal else "b (t s) n d -> (b t) n s d"
         back = "(b s) n t d -> b (t s) n d" if self.temporal else "(b t) n s d -> b (t s) n d"
         batch = q.shape[0]
-        q, k, v = (rearrange(z, group, t=t) for z in (q, k, v))                   # (groups, n, len, d)
+        q, k, v = (rearrange(z, group, t=frames) for z in (q, k, v))              # (groups, n, len, d)
         norm = copy_to_tp(torch.stack([self.q_norm_weight, self.k_norm_weight]), self.ctx)
         q = F.rms_norm(q, (self.head_dim,), norm[0], eps=1e-6)
         k = F.rms_norm(k, (self.head_dim,), norm[1], eps=1e-6)
         if self._rope is not None:
-            cos, sin = self._rope.get((t,), q.device)                             # (T, d)
+            cos, sin = self._rope.get((self.grid.value[0],), q.device)            # (T, d)
+            cos, sin = cos[first:first + frames], sin[first:first + frames]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = F.scaled_dot_product_attention(q, k, v)
-        return rearrange(o, back, b=batch)
+        return rearrange(attention(q, k, v), back, b=batch)
 
 
 class CrossAttention(nn.Module):

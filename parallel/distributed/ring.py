@@ -18,6 +18,12 @@ Padding: `lengths[j]` is the number of real tokens in chunk j (the sequence is p
 multiple of the sp size). Padded keys are left out of every block and padded query rows give zero output,
 as Ulysses' `SequenceAttention` does. The kernel that returns the log-sum-exp is chosen per device in
 `block_kernels` only; the ring logic does not know it.
+
+Key mask: `keep` [B, m] says which of the sequence's first m keys take part (HunyuanVideo's text padding rows
+do not; queries are not masked). A chunk that holds masked keys is attended row by row of the batch over its
+kept keys only (`_chunk_keys`: their indices), so every kernel stays unmasked and exact. A batch row whose
+chunk keeps no key skips that block: its log-sum-exp stays -inf there and the merge, which only ever adds a
+block with at least one key, never forms exp(-inf - -inf) (no NaN).
 """
 from __future__ import annotations
 
@@ -96,6 +102,45 @@ class Ring:
                 dist.irecv(buf, self.prev, group=self.group, tag=tag))
 
 
+def _chunk_keys(keep: Optional[torch.Tensor], lengths: Sequence[int], c: int) -> tuple:
+    """Per ring chunk j of c tokens: None where its first lengths[j] keys all take part in every batch row
+    (one block over them), else per batch row the indices of its kept keys among them (1-D int64 tensors on
+    keep's device; masked and padded keys left out). keep [B, m]: the first m keys of the sequence."""
+    if keep is None:
+        return (None,) * len(lengths)
+    host, plan = keep.bool().cpu(), []
+    for j, n in enumerate(lengths):
+        part = host[:, j * c:j * c + n]                                           # (B, <= n): mask in chunk j
+        if part.all():
+            plan.append(None)
+            continue
+        rows = torch.ones(host.shape[0], n, dtype=torch.bool)
+        rows[:, :part.shape[1]] = part
+        plan.append(tuple(r.nonzero().squeeze(1).to(keep.device) for r in rows))
+    return tuple(plan)
+
+
+def _blocks(keys, n: int):
+    """(batch rows, key selection) pairs one chunk attends as: all rows over its first n keys, or per row its
+    kept keys (rows with none left out)."""
+    if keys is None:
+        return [(slice(None), n)] if n else []
+    return [(slice(b, b + 1), idx) for b, idx in enumerate(keys) if idx.numel()]
+
+
+def _take(t: torch.Tensor, rows: slice, sel) -> torch.Tensor:
+    """[B, n, c, d] -> the keys `sel` (a count from the start, or indices) of batch `rows`."""
+    return t[rows, :, :sel] if isinstance(sel, int) else t[rows].index_select(2, sel)
+
+
+def _put(dst: torch.Tensor, rows: slice, sel, src: torch.Tensor) -> None:
+    """dst[rows, :, sel] = src for `sel` as in `_take`."""
+    if isinstance(sel, int):
+        dst[rows, :, :sel] = src
+    else:
+        dst[rows].index_copy_(2, sel, src)
+
+
 _KV, _DKV = 1, 2           # message tags: key/value chunks and dK/dV accumulators travel on separate tags
 
 
@@ -103,7 +148,7 @@ class _RingAttention(torch.autograd.Function):
     """[B, n, c, d] heads-first chunks in, [B, n, c, d] out (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, lengths: tuple, scale: float):
+    def forward(ctx, q, k, v, ring: Ring, lengths: tuple, scale: float, keys: tuple):
         fwd, bwd = block_kernels(q.device, q.dtype)
         rq = lengths[ring.index]
         qr = q[:, :, :rq]
@@ -115,24 +160,24 @@ class _RingAttention(torch.autograd.Function):
             j = (ring.index - step) % ring.size
             if step + 1 < ring.size:
                 nxt, sent, received = ring.shift(kv, _KV)     # the next chunk travels during this one's attention
-            rk = lengths[j]
-            if rq and rk:
-                oj, lj = fwd(qr, kv[0][:, :, :rk], kv[1][:, :, :rk], scale)
-                new = torch.logaddexp(lo, lj)
-                o.mul_(torch.exp(lo - new).unsqueeze(-1)).add_(oj.float() * torch.exp(lj - new).unsqueeze(-1))
-                lo.copy_(new)
+            for rows, sel in _blocks(keys[j], lengths[j]) if rq else ():
+                oj, lj = fwd(qr[rows], _take(kv[0], rows, sel), _take(kv[1], rows, sel), scale)
+                ob, lb = o[rows], lo[rows]                                                     # views
+                new = torch.logaddexp(lb, lj)
+                ob.mul_(torch.exp(lb - new).unsqueeze(-1)).add_(oj.float() * torch.exp(lj - new).unsqueeze(-1))
+                lb.copy_(new)
             if step + 1 < ring.size:
                 sent.wait(), received.wait()
                 kv = nxt
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.lengths, ctx.scale, ctx.bwd = ring, lengths, scale, bwd
+        ctx.ring, ctx.lengths, ctx.scale, ctx.bwd, ctx.keys = ring, lengths, scale, bwd, keys
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, lengths, scale, bwd = ctx.ring, ctx.lengths, ctx.scale, ctx.bwd
+        ring, lengths, scale, bwd, keys = ctx.ring, ctx.lengths, ctx.scale, ctx.bwd, ctx.keys
         rq = lengths[ring.index]
         qr, outr, lser, dor = (t[:, :, :rq].contiguous() for t in (q, out, lse, dout))
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -143,11 +188,12 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < ring.size:
                 nxt, sent, received = ring.shift(kv, _KV)
             mine = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)  # (2, B, n, c, d)
-            rk = lengths[j]
-            if rq and rk:
-                dqj, dkj, dvj = bwd(dor, qr, kv[0][:, :, :rk], kv[1][:, :, :rk], outr, lser, scale)
-                dq[:, :, :rq] += dqj.float()
-                mine[0, :, :, :rk], mine[1, :, :, :rk] = dkj.float(), dvj.float()
+            for rows, sel in _blocks(keys[j], lengths[j]) if rq else ():
+                dqj, dkj, dvj = bwd(dor[rows], qr[rows], _take(kv[0], rows, sel), _take(kv[1], rows, sel),
+                                    outr[rows], lser[rows], scale)
+                dq[rows, :, :rq] += dqj.float()
+                _put(mine[0], rows, sel, dkj.float())
+                _put(mine[1], rows, sel, dvj.float())
             if acc is not None:   # chunk j's dK/dV from every rank before us on its way round, and our last send
                 _, buf, acc_sent, acc_received = acc
                 acc_received.wait(), acc_sent.wait()
@@ -158,17 +204,20 @@ class _RingAttention(torch.autograd.Function):
                 kv = nxt
         _, dkv, acc_sent, acc_received = acc
         acc_received.wait(), acc_sent.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, lengths: Sequence[int],
-                   scale: Optional[float] = None) -> torch.Tensor:
+                   scale: Optional[float] = None, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Full attention of this rank's queries over every ring rank's keys: q, k, v [B, c, n, d] (this rank's
     chunk, batch first) -> [B, c, n, d]. `lengths[j]`: real tokens in ring rank j's chunk (the rest is padding,
-    its output zero). Same as `F.scaled_dot_product_attention` on the concatenated real tokens."""
+    its output zero); `keep` [B, m] bool, the same on every ring rank: which of the sequence's first m keys
+    take part (None: all). Same as `F.scaled_dot_product_attention` on the concatenated real tokens with
+    attn_mask = keep padded with True."""
     if len(lengths) != ring.size or any(not 0 <= n <= q.shape[1] for n in lengths):
         raise ValueError(f"lengths {list(lengths)} must give 0..{q.shape[1]} real tokens for each of {ring.size} "
                          f"ring ranks")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v)]             # (B, n, c, d)
-    return _RingAttention.apply(*heads_first, ring, tuple(lengths), scale).transpose(1, 2)
+    keys = _chunk_keys(keep, lengths, q.shape[1])
+    return _RingAttention.apply(*heads_first, ring, tuple(lengths), scale, keys).transpose(1, 2)

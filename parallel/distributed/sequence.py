@@ -49,11 +49,6 @@ def sp_pairs(heads: int, sp: int, ring: bool = True) -> list[tuple[int, int]]:
     return [(u, sp // u) for u in range(1, sp + 1) if sp % u == 0 and heads % u == 0 and (u == sp or ring)]
 
 
-def default_ring(heads: int, sp: int, ring: bool = True) -> int:
-    """The ring size when parallel.ring_size is unset: all Ulysses where it divides the heads, ring for the rest."""
-    return min((r for _, r in sp_pairs(heads, sp, ring)), default=1)
-
-
 def local_range(total: int, ctx) -> tuple[int, int]:
     """[start, stop) of this sp rank's tokens among `total` padded to a multiple of sp (stop may exceed
     `total`: the rows from `total` on are padding)."""
@@ -92,9 +87,16 @@ def gather_sequence(x: torch.Tensor, ctx, dim: int = 1, total: Optional[int] = N
     return full if total is None else full.narrow(dim, 0, total)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Full attention, batch first: [B, S, n, d] -> [B, S, n, d]."""
-    return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Full attention, batch first: [B, S, n, d] -> [B, S, n, d]; `keep` [B, m] bool: which of the first m keys
+    take part (the rest all do; queries are not masked). The planner's meta trace leaves the mask out: on a
+    device the mask-taking fused kernel saves what the unmasked one does (meta would fall back to the S x S
+    math kernel)."""
+    mask = None
+    if keep is not None and q.device.type != "meta":
+        s = k.shape[1]
+        mask = F.pad(keep[:, :s], (0, s - min(keep.shape[1], s)), value=True)[:, None, None]    # (B, 1, 1, S)
+    return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask).transpose(1, 2)
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -112,9 +114,15 @@ class SequenceAttention(nn.Module):
     per-token transforms (q/k norms, rotary positions) for tokens start.. of the sequence, after which this
     module attends (`F.scaled_dot_product_attention`, or ring attention across the ring group). `tokens` is an
     int, or a function giving the current step's count when the token grid changes from step to step
-    (buckets: parallel/train/buckets.py). Further positional arguments of forward (`extra`: a key mask [B, L]
-    of the leading text rows, the same on every sp rank: HunyuanVideo) reach `attend` as they are (attend
-    only: ring attention takes none).
+    (buckets: parallel/train/buckets.py). Further positional arguments of forward (`extra`) reach `attend` as
+    they are; with `prepare` there is at most one, `keep` [B, m] bool, the same on every sp rank: which of the
+    sequence's first m keys take part (HunyuanVideo's text padding rows do not), honoured by the full
+    attention and by the ring (parallel/distributed/ring.py: masked keys left out of their chunk's block).
+
+    A model whose attention regroups the sequence (STDiT: per frame, per position) gives `chunk(q, k, v, start,
+    ring)` for ring attention instead of `prepare`: its attention of this ring rank's chunk, tokens start.. of the
+    sequence (no padding: every ring rank holds the same number of real tokens), where `ring(q, k, v)` is ring
+    attention of batch-first [B', c', n, d] over every ring rank's same-shaped tensors.
 
     Ulysses x ring (sp = u x r): DeepSpeed's DistributedAttention all-to-alls over the Ulysses group turn
     [B, S_pad/sp, n, d] into this ring rank's chunk [B, S_pad/r, n/u, d]; ring attention
@@ -123,17 +131,18 @@ class SequenceAttention(nn.Module):
     """
 
     def __init__(self, attend: Optional[Callable] = None, ctx=None, tokens: "int | Callable[[], int]" = 0, *,
-                 prepare: Optional[Callable] = None):
+                 prepare: Optional[Callable] = None, chunk: Optional[Callable] = None):
         super().__init__()
         if (attend is None) == (prepare is None):
             raise ValueError("SequenceAttention takes one of attend (the whole attention) or prepare (its per-token "
                              "transforms)")
-        self.attend, self.prepare, self.sp, self.tokens = attend, prepare, sp_size_of(ctx), tokens
+        self.attend, self.prepare, self.chunk, self.sp, self.tokens = attend, prepare, chunk, sp_size_of(ctx), tokens
         self.ring_size = getattr(ctx, "ring_size", 1) if ctx is not None else 1
         self.ulysses_size = self.sp // self.ring_size
-        if self.ring_size > 1 and prepare is None:
+        if self.ring_size > 1 and prepare is None and chunk is None:
             raise ValueError(f"ring attention (ring_size={self.ring_size}) needs the model's per-token transforms "
-                             f"(prepare=...): this attention gives only attend")
+                             f"(prepare=...) or its attention of a ring chunk (chunk=...): this attention gives only "
+                             f"attend")
         self.ctx, self.ulysses, self.ring = ctx, None, None
         if self.sp > 1 and ctx.sp_group is not None:
             inner = self._unpadded
@@ -151,7 +160,7 @@ class SequenceAttention(nn.Module):
         """The whole sequence's real tokens [B, S, n, d] -> [B, S, n, d]."""
         if self.attend is not None:
             return self.attend(q, k, v, *extra)
-        return _sdpa(*self.prepare(q, k, v, 0))
+        return _sdpa(*self.prepare(q, k, v, 0), *extra)
 
     def _unpadded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *extra) -> torch.Tensor:
         """attend on the real tokens of [B, S_pad, n, d]; the padded rows' output is zero."""
@@ -160,20 +169,28 @@ class SequenceAttention(nn.Module):
             return self._full(q, k, v, *extra)
         return _pad_rows(self._full(q[:, :real], k[:, :real], v[:, :real], *extra), s)      # (B, S_pad, n, d)
 
-    def _ring_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _ring_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    keep: Optional[torch.Tensor] = None) -> torch.Tensor:
         """This ring rank's chunk [B, c, n, d] of the padded sequence (c = S_pad / r) against every ring rank's."""
         from parallel.distributed.ring import ring_attention
         c, total, me = q.shape[1], self._real(), self.ring.index
+        if self.chunk is not None:
+            if c * self.ring.size != total:
+                raise ValueError(f"{total} tokens padded to {c * self.ring.size} for ring {self.ring.size}: this "
+                                 f"attention takes ring chunks of real tokens only; choose parallel.sp_size dividing "
+                                 f"the tokens")
+            return self.chunk(q, k, v, me * c,
+                              lambda *qkv: ring_attention(*qkv, self.ring, [qkv[0].shape[1]] * self.ring.size))
         lengths = [min(max(total - j * c, 0), c) for j in range(self.ring.size)]     # real tokens per chunk
         real = lengths[me]
         q, k, v = (_pad_rows(t, c) for t in self.prepare(q[:, :real], k[:, :real], v[:, :real], me * c))
-        return ring_attention(q, k, v, self.ring, lengths)
+        return ring_attention(q, k, v, self.ring, lengths, keep=keep)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *extra) -> torch.Tensor:
         if self.ulysses is not None:
             return self.ulysses(q, k, v, 0, None, *extra)               # DeepSpeed passes *extra to the inner
         if self.ring is not None:
-            return self._ring_chunk(q, k, v)
+            return self._ring_chunk(q, k, v, *extra)
         if self.sp == 1:
             return self._full(q, k, v, *extra)
         # A planning context (no process group): one sp rank's shapes, [B, S_pad/sp, n, d] <-> [B, S_pad/r, n/u, d]
@@ -185,4 +202,6 @@ class SequenceAttention(nn.Module):
         q, k, v = (t.reshape(b, s * u, n // u, d) for t in (q, k, v))
         if self.ring_size == 1:
             return self._unpadded(q, k, v, *extra).reshape(b, s, n, d)
-        return _sdpa(*self.prepare(q, k, v, 0)).reshape(b, s, n, d)
+        if self.prepare is None:
+            return self.chunk(q, k, v, 0, _sdpa).reshape(b, s, n, d)
+        return _sdpa(*self.prepare(q, k, v, 0), *extra).reshape(b, s, n, d)

@@ -17,7 +17,9 @@ L blocks of hidden size H, N parameters):
              it, intra-node while tp x u fits a node. Ring: per attention, forward r - 1 key/value chunks
              (2 b S/sp H/tp each) and backward r - 1 more plus r fp32 dK/dV accumulators (`ring_traffic`),
              over the inter-node link when tp x sp spans nodes; each transfer overlaps one chunk's attention
-             (4 b (S/sp)(S/r) H/(u tp) FLOPs forward, twice that backward), so only the excess counts
+             (4 b (S/sp)(S/r) H/(u tp) FLOPs forward, twice that backward), so only the excess counts.
+             STDiT's ring holds whole frames: only its temporal attention rings (one per layer), a query
+             meeting T/r keys a chunk (4 b (S/sp)(T/r) H/(u tp) FLOPs to hide behind)
     PP       m x 2 (activation forward, gradient backward) of the stage boundary, p2p
     bubble   (compute + TP + PP) x (m + pp - 1) / m                   (1F1B: bubble (pp-1)/(m+pp-1))
     DP       gradient reduce 2 (d-1)/d x grad bytes once a step over d = dp x sp ranks (ZeRO-3 adds two
@@ -46,7 +48,7 @@ from typing import Optional
 from tqdm import tqdm
 
 from models.registry import family
-from parallel.check import check, divisors
+from parallel.check import check, divisors, ring_fits, ring_frames
 from parallel.cli import DS_CONFIG_DIR      # was parallel/ds_configs here: no shipped file ever matched
 from parallel.config import ExperimentConfig, RecomputeConfig
 from parallel.distributed.topology import ParallelDims
@@ -149,17 +151,21 @@ def estimate_step_time(cfg: ExperimentConfig, eng: EngineSettings, dp: int, devi
     if sp > 1:
         r = ring_of(cfg, tp, sp)
         u = sp // r
-        per_attention = 0.0
+        attentions = family(m_cfg).attentions_per_layer
+        # A ring of whole frames (STDiT): only temporal attention rings, a query meeting T / r keys a chunk.
+        frames = ring_frames(cfg)
+        rings, keys = (attentions, seq / r) if frames is None else (1, frames[0] / r)
+        per_layer = 0.0
         if u > 1:                    # Ulysses peers are neighbouring ranks: inside a node while tp x u fits one
             link = device.inter_bw if tp * u > per_node else device.intra_bw
-            per_attention += (8 + 4 * f) * (u - 1) / u * trace.input_bytes / tp / link
+            per_layer += attentions * (8 + 4 * f) * (u - 1) / u * trace.input_bytes / tp / link
         if r > 1:                    # what ring traffic the chunk's attention does not hide
-            chunk_attention = 4 * b * (seq / sp) * (seq / r) * m_cfg.hidden_size / (u * tp) / (peak * utilisation)
+            chunk_attention = 4 * b * (seq / sp) * keys * m_cfg.hidden_size / (u * tp) / (peak * utilisation)
             fwd, bwd = ring_traffic(trace.input_bytes // tp, r, eng.lp)
             link = device.inter_bw if tp * sp > per_node else device.intra_bw
-            per_attention += (1 + f) * max(fwd / link - (r - 1) * chunk_attention, 0.0) \
-                + max(bwd / link - 2 * (r - 1) * chunk_attention, 0.0)
-        sp_time = m * (m_cfg.num_layers / pp) * family(m_cfg).attentions_per_layer * per_attention
+            per_layer += rings * ((1 + f) * max(fwd / link - (r - 1) * chunk_attention, 0.0)
+                                  + max(bwd / link - 2 * (r - 1) * chunk_attention, 0.0))
+        sp_time = m * (m_cfg.num_layers / pp) * per_layer
     pp_time = 0.0
     if pp > 1:
         link = device.inter_bw if tp * sp * dp >= per_node else device.intra_bw    # stages are the outer axis
@@ -301,6 +307,8 @@ def search(cfg: ExperimentConfig, ds: dict, devices: int, per_node: int, device_
     for tp, sp in ((t, s) for t in divisors(node) for s in divisors(devices // t)):
         ulysses, ring = sp_split(cfg.model.num_heads, tp, sp, node, ring_ok)
         if ring == 1 and (node // tp) % sp:            # Ulysses alone stays in a node
+            continue
+        if not ring_fits(cfg, sp, ring):                # STDiT's ring: whole frames per chunk
             continue
         grids += [(tp, sp, ring, p) for p in divisors(devices // (tp * sp)) if p <= cfg.model.num_layers]
     for tp, sp, ring, pp in tqdm(grids, desc="search", unit="grid", file=sys.stderr, dynamic_ncols=True,

@@ -41,10 +41,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from models.diffusion import mse_loss
 from models.geometry import PositionCache, latent_shape, token_grid
-from models.registry import family, sequence_tokens
+from models.registry import family, ring_fits, sequence_tokens
 from parallel.config import ExperimentConfig
 from parallel.build import layer_specs
-from parallel.distributed.sequence import default_ring
+from parallel.distributed.sequence import sp_pairs
 from parallel.distributed.topology import ParallelContext
 from parallel.lora import apply_lora
 from parallel.recompute import packed_nbytes, wrap_layer
@@ -193,7 +193,8 @@ def ring_of(cfg: ExperimentConfig, tp: int, sp: int, explicit: bool = True) -> i
         return 1
     if explicit and p.ring_size is not None and (tp, sp) == (p.tp_size, p.sp_size):
         return p.ring_size
-    return default_ring(cfg.model.num_heads // tp, sp, getattr(type(cfg.model), "RING_ATTENTION", True))
+    heads, ring_ok = cfg.model.num_heads // tp, getattr(type(cfg.model), "RING_ATTENTION", True)
+    return min((r for _, r in sp_pairs(heads, sp, ring_ok) if ring_fits(cfg.model, cfg.data, sp, r)), default=1)
 
 
 class ActivationTracer:

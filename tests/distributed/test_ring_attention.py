@@ -4,8 +4,10 @@ call it (this rank's tokens in, a position-dependent `prepare`, padding at the s
 
 Lengths: 7 tokens at ring 2 (chunks of 4 and 3 real tokens), 13 at ring 4 (4, 4, 4, 1), 5 at ring 4 (2, 2, 1
 and an all-padding chunk), 13 at Ulysses 2 x ring 2 (ring chunks of 8 and 5); 3 heads at ring 4, which no
-Ulysses degree above 1 divides. One spawn per world size runs all of its cases. Each rank's isend bytes are
-checked against the planner's ring traffic.
+Ulysses degree above 1 divides. Key masks (`keep`, HunyuanVideo's text mask) over the leading tokens, against
+the full attention's attn_mask: random, with one batch row's first chunk all masked and the other row's second
+(that chunk contributes nothing to the row: no NaN). One spawn per world size runs all of its cases. Each
+rank's isend bytes are checked against the planner's ring traffic.
 """
 import torch
 
@@ -20,13 +22,22 @@ def _prepare(q, k, v, start):
     return torch.tanh(q) * (1 + 0.1 * pos), k * torch.cos(0.3 * pos), v
 
 
-def _full(q, k, v):
+def _full(q, k, v, keep=None):
     q, k, v = _prepare(q, k, v, 0)
+    mask = None if keep is None else torch.nn.functional.pad(keep, (0, q.shape[1] - keep.shape[1]), value=True)
     return torch.nn.functional.scaled_dot_product_attention(
-        *(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+        *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=None if mask is None else mask[:, None, None]
+    ).transpose(1, 2)
 
 
-def _case(ctx, tokens: int, heads: int, seed: int, sent: list) -> None:
+def _keep(tokens: int, chunk: int, g) -> torch.Tensor:
+    """A key mask [B, tokens - 1] of the leading keys: random, row 1's first `chunk` keys and row 0's next masked."""
+    keep = torch.rand(B, tokens - 1, generator=g) > 0.4
+    keep[1, :chunk], keep[0, chunk:2 * chunk] = False, False
+    return keep
+
+
+def _case(ctx, tokens: int, heads: int, masked: bool, seed: int, sent: list) -> None:
     """This rank's chunk through SequenceAttention equals full attention's rows; padded rows give zeros; the bytes
     this rank sends around the ring are the planner's count (parallel.plan.search.ring_traffic)."""
     from parallel.distributed.sequence import SequenceAttention, local_range, padded_length, split_sequence
@@ -34,19 +45,21 @@ def _case(ctx, tokens: int, heads: int, seed: int, sent: list) -> None:
 
     g = torch.Generator().manual_seed(seed)
     q, k, v, dout = (torch.randn(B, tokens, heads, D, generator=g) for _ in range(4))
+    keep = (_keep(tokens, padded_length(tokens, ctx.sp_size) // ctx.ring_size, g),) if masked else ()
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = _full(*full)
+    ref = _full(*full, *keep)
     ref.backward(dout)
 
     mine = [split_sequence(t, ctx).detach().clone().requires_grad_() for t in (q, k, v)]
     sent.clear()
-    out = SequenceAttention(ctx=ctx, tokens=tokens, prepare=_prepare)(*mine)
+    out = SequenceAttention(ctx=ctx, tokens=tokens, prepare=_prepare)(*mine, *keep)
     out.backward(split_sequence(dout, ctx))
     chunk = B * padded_length(tokens, ctx.sp_size) // ctx.sp_size * heads * D * 4     # b S/sp H/tp, fp32
     assert sum(sent) == sum(ring_traffic(chunk, ctx.ring_size, 4)), (sent, ring_traffic(chunk, ctx.ring_size, 4))
     start, stop = local_range(tokens, ctx)
     real = max(min(stop, tokens) - start, 0)
-    label = f"{tokens} tokens, {heads} heads, ulysses {ctx.ulysses_size} x ring {ctx.ring_size}, rank {ctx.rank}"
+    label = (f"{tokens} tokens, {heads} heads, ulysses {ctx.ulysses_size} x ring {ctx.ring_size}, rank {ctx.rank}"
+             f"{', key mask' if masked else ''}")
     torch.testing.assert_close(out[:, :real], ref[:, start:start + real], msg=lambda m: f"{label}: output {m}")
     assert not out[:, real:].any(), label
     for name, got, want in zip("qkv", mine, full):
@@ -69,15 +82,16 @@ def _rank(rank, world_size, cases):
         sent.append(tensor.numel() * tensor.element_size())
         return isend(tensor, *args, **kwargs)
     dist.isend = counted
-    for ring, tokens, heads in cases:
+    for ring, tokens, heads, masked in cases:
         ctx = ParallelContext.build(ParallelDims(sp_size=world_size, ring_size=ring))
-        _case(ctx, tokens, heads, seed=tokens * 10 + heads, sent=sent)
+        _case(ctx, tokens, heads, masked, seed=tokens * 10 + heads, sent=sent)
     return True
 
 
 def test_ring_2_matches_full_attention():
-    assert all(run_ranks(_rank, 2, [(2, 7, 2), (2, 8, 1)]))
+    assert all(run_ranks(_rank, 2, [(2, 7, 2, False), (2, 8, 1, False), (2, 7, 2, True)]))
 
 
 def test_ring_4_and_ulysses_2_by_ring_2_match_full_attention():
-    assert all(run_ranks(_rank, 4, [(4, 13, 3), (4, 5, 2), (2, 13, 4)]))
+    assert all(run_ranks(_rank, 4, [(4, 13, 3, False), (4, 5, 2, False), (2, 13, 4, False), (4, 13, 3, True),
+                                    (2, 13, 4, True)]))

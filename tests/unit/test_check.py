@@ -155,14 +155,25 @@ def test_sequence_parallel_sizes_are_checked_against_heads_and_the_padding_state
            "ulysses 1 x ring 4, ulysses 2 x ring 2, ulysses 4 x ring 1" in out
     code, out, err = run(capsys, "--config", "configs/cogvideox-5b-long.yaml", "--set", "parallel.sp_size=16")
     assert code == 0 and "sp=16 (ulysses 8 x ring 2)" in out
-    # STDiT's spatial and temporal attentions regroup the sequence: no ring, so sp must divide its heads.
-    code, _, err = run(capsys, "--config", "configs/debug-stdit.yaml", "--set", "parallel.sp_size=3")
+    # STDiT's spatial and temporal attentions regroup the sequence: its ring splits whole frames. At 3 latent
+    # frames (48 tokens) sp 3 runs as ring 3 (a frame a rank), sp 5 neither divides the heads nor the frames, and
+    # ring 2 is refused; at 4 frames ring 2 runs.
+    code, out, _ = run(capsys, "--config", "configs/debug-stdit.yaml", "--set", "parallel.sp_size=3")
+    assert code == 0 and "sp=3 (ulysses 1 x ring 3)" in out
+    code, _, err = run(capsys, "--config", "configs/debug-stdit.yaml", "--set", "parallel.sp_size=5")
     assert code == 1 and ("model.num_heads=4 / parallel.tp_size=1 = 4 heads per tp rank is not divisible by "
-                          "parallel.sp_size=3 (attention splits them over sp ranks); sp sizes that work with "
-                          "parallel.tp_size=1: 1, 2, 4") in err
+                          "parallel.sp_size=5 (attention splits them over sp ranks); sp sizes that work with "
+                          "parallel.tp_size=1: 1, 2, 3, 4, 6, 12; set --set parallel.sp_size=4") in err
     code, _, err = run(capsys, "--config", "configs/debug-stdit.yaml", "--set", "parallel.sp_size=2", "--set",
                        "parallel.ring_size=2")
-    assert code == 1 and "model.family=stdit's attention does not run under ring attention" in err
+    assert code == 1 and ("parallel.ring_size=2: model.family=stdit's ring attention splits whole frames (spatial "
+                          "attention within a frame, temporal across frames): parallel.ring_size must divide the 3 "
+                          "latent frames and parallel.sp_size=2 the 48 tokens; (ulysses, ring) pairs for sp 2: "
+                          "ulysses 2 x ring 1") in err
+    code, out, _ = run(capsys, "--config", "configs/debug-stdit.yaml", "--set", "parallel.sp_size=4", "--set",
+                       "data.num_frames=13")
+    assert code == 0 and ("(ulysses, ring) pairs for sp 4: ulysses 1 x ring 4, ulysses 2 x ring 2, ulysses 4 x "
+                          "ring 1") in out
     code, out, _ = run(capsys, "--config", "configs/cogvideox-5b-long.yaml", "--set", "parallel.sp_size=1")
     assert code == 0 and "pads" not in out                  # nothing to pad without sp
     # The world size counts sp: tp 2 x sp 2 needs a multiple of 4 processes, and dp is what is left.
@@ -174,3 +185,20 @@ def test_sequence_parallel_sizes_are_checked_against_heads_and_the_padding_state
     assert code == 0 and out.startswith("ok: cogvideox-5b-long tp=2 sp=2 pp=1 dp=2 (world 8), ZeRO-2 bf16")
     layout, problems = check(load_config("debug", ["parallel.sp_size=2", "parallel.tp_size=2"]), world_size=8)
     assert problems == [] and (layout.dp_size, layout.world_size) == (2, 8)
+
+
+def test_a_ring_of_whole_frames_is_checked_in_every_bucket(tmp_path):
+    """STDiT at ring 3 (sp 3): the config's 3 latent frames split, the manifest's 2-frame and 1-frame buckets do not,
+    and the checker names them (at runtime they would stop training at their first step)."""
+    from parallel.check import check_data_files
+    from tests.buckets_utils import write_buckets
+    write_buckets(tmp_path)
+    cfg = load_config("debug-stdit", ["parallel.sp_size=3", "data.kind=directory", f"data.path={tmp_path}"])
+    layout, problems = check(cfg, world_size=3)
+    assert layout.ring_size == 3 and problems == []                        # the config's own shape splits
+    assert check_data_files(cfg) == [f"{tmp_path}: parallel.ring_size=3: model.family=stdit's ring attention splits whole frames, "
+                        f"and these buckets do not split into 3 (or their tokens into parallel.sp_size=3): 5x48x80 "
+                        f"(2 latent frames, 30 tokens), 1x48x48 (1 latent frames, 9 tokens); set --set "
+                        f"parallel.ring_size=1 (Ulysses only) or keep those shapes out of the manifest"]
+    assert check_data_files(load_config("debug-stdit", ["parallel.sp_size=2", "data.kind=directory",
+                                                        f"data.path={tmp_path}"])) == []   # Ulysses: any bucket

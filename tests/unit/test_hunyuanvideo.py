@@ -97,15 +97,19 @@ def test_preset_counts_the_parameters_diffusers_builds():
 
 
 def test_the_checker_lists_tp_and_sp_sizes_for_24_heads():
-    """24 heads: tp and sp 8 divide them, 16 does not (the heads, not the 3072 hidden, decide)."""
+    """24 heads: tp and Ulysses 8 divide them, 16 does not (the heads, not the 3072 hidden, decide); sp 16 runs as
+    Ulysses 8 x ring 2 (the ring takes the text mask), and all-Ulysses asked for is refused with the pairs."""
     from parallel.check import check
     _, problems = check(load_config("hunyuanvideo-t2v", ["parallel.sp_size=1", "parallel.tp_size=16"]), world_size=16)
     assert problems == ["model.num_heads=24 is not divisible by parallel.tp_size=16; tp sizes that divide every split "
                         "dimension of this model: 1, 2, 3, 4, 6, 8, 12, 24; set --set parallel.tp_size=12"]
-    _, problems = check(load_config("hunyuanvideo-t2v", ["parallel.sp_size=16"]), world_size=16)
-    assert problems == ["model.num_heads=24 / parallel.tp_size=1 = 24 heads per tp rank is not divisible by "
-                        "parallel.sp_size=16 (attention splits them over sp ranks); sp sizes that work with "
-                        "parallel.tp_size=1: 1, 2, 3, 4, 6, 8, 12, 24; set --set parallel.sp_size=12"]
+    layout, problems = check(load_config("hunyuanvideo-t2v", ["parallel.sp_size=16"]), world_size=16)
+    assert problems == [] and (layout.sp_size, layout.ring_size) == (16, 2)
+    _, problems = check(load_config("hunyuanvideo-t2v", ["parallel.sp_size=16", "parallel.ring_size=1"]), world_size=16)
+    assert problems == ["model.num_heads=24 / parallel.tp_size=1 = 24 heads per tp rank is not divisible by the "
+                        "Ulysses degree parallel.sp_size / parallel.ring_size = 16 / 1 = 16; (ulysses, ring) pairs "
+                        "that work for sp 16: ulysses 1 x ring 16, ulysses 2 x ring 8, ulysses 4 x ring 4, ulysses 8 "
+                        "x ring 2; set --set parallel.ring_size=2"]
     for sizes in (["parallel.sp_size=8"], ["parallel.sp_size=1", "parallel.tp_size=8"]):
         assert check(load_config("hunyuanvideo-t2v", sizes), world_size=8)[1] == []
 
