@@ -59,6 +59,10 @@ class WanConfig(ModelConfig):
     image_len: int = Field(257, ge=1, description="CLIP image tokens (ViT-H/14 at 224 px: 256 patches + the class "
                            "token; the penultimate hidden states)")
 
+    @property
+    def trained_experts(self) -> int:
+        return 2 if self.experts is not None and self.experts.train == "both" else 1
+
     @field_validator("head_dim")
     @classmethod
     def _even_head_dim(cls, value: int) -> int:

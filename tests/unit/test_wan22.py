@@ -105,3 +105,19 @@ def test_one_experts_lora_builds():
     cfg = _cfg("model.lora.rank=4", "model.experts.train=low_noise")
     model = build_model(cfg, {}, ParallelContext.single())
     assert any("lora_A" in n for n, p in model.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("train, refused", [("both", True), ("high_noise", False)])
+def test_zero3_with_both_experts_is_refused_by_name(train, refused):
+    """ZeRO-3 gathers an expert's weights only while it runs (tests/distributed/test_wan22_idle_expert.py runs
+    ZeRO 0, 1 and 2): refused with what works; one expert per run passes."""
+    from parallel.check import check
+    _, problems = check(_cfg(f"model.experts.train={train}"), {"zero_optimization": {"stage": 3}}, "z3.json",
+                        world_size=2)
+    words = [p for p in problems if "zero_optimization.stage=3" in p]
+    assert bool(words) == refused, problems
+    if refused:
+        assert words[0].startswith("z3.json: zero_optimization.stage=3 with 2 experts trained together") and \
+               "use stage 1 or 2" in words[0] and "model.experts.train=high_noise" in words[0]
+    _, problems = check(_cfg(), {"zero_optimization": {"stage": 2}}, "z2.json", world_size=2)
+    assert problems == []
