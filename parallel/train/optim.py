@@ -83,7 +83,7 @@ class SkipsIdleExperts:
 
     def step(self, closure=None):
         groups = self.param_groups
-        self.param_groups = [g for g in groups if g.get("expert") not in frozenset()]
+        self.param_groups = [g for g in groups if g.get("expert") not in self.idle]
         try:
             return super().step(closure)
         finally:

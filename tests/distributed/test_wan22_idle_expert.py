@@ -7,11 +7,15 @@ H, a batch of both experts (M), H.
   one-expert run (`model.experts.train=high_noise`) given the same two batches: exactly at one process,
   at fp32 tolerance at a split layout;
 - the last H leaves the low-noise expert's weights, Adam moments, EMA and step count (where the client
-  optimizer holds them) bit for bit as M left them, while the high-noise expert moves.
+  optimizer holds them) bit for bit as M left them, while the high-noise expert moves;
+- the layout-free checkpoint copy (parallel/train/relayout.py) records each expert's step count, and at one
+  process the copy of step 2 (the low-noise expert never stepped) resumed gives steps 3 and 4 bit for bit.
 
 One process (ZeRO-0), then tp 2 x pp 2 (the pipeline engine, ZeRO-1) and sp 2 x dp 2 (ZeRO-2) in one spawn
 of 4 gloo ranks. ZeRO-3 with both experts is refused by the checker (tests/unit/test_wan22.py).
 """
+from pathlib import Path
+
 import torch
 
 from tests.dist_utils import run_ranks
@@ -69,6 +73,7 @@ def _run(tp, pp, sp, dp, stage, folder, world_size):
     """Snapshots before training, after H H, after M and after the last H; and a one-expert run's after H H."""
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext, ParallelDims
+    from parallel.train import relayout
     from parallel.train.engine import build_trainer
     from parallel.train.run import training_batches
 
@@ -79,11 +84,21 @@ def _run(tp, pp, sp, dp, stage, folder, world_size):
     trainer = build_trainer(cfg["both"], _ds(stage), ctx)
     high, mixed = training_batches(cfg["high_noise"], ctx), training_batches(cfg["both"], ctx)
     out = {"init": _snapshot(trainer, ctx, cfg["both"])}
+    saved = Path(folder).parent / f"layout_free_{tp}{pp}{sp}{dp}{stage}" / "step2"
     for step, batches in enumerate((high, high, mixed, high), 1):
         trainer.train_step(batches)
         if step >= 2:
             out[step] = _snapshot(trainer, ctx, cfg["both"])
-    if world_size == 1:
+            part = relayout.collect(trainer)
+            out[step]["expert_steps"] = part["expert_steps"]
+        if step == 2:
+            relayout.write(part, saved, step, trainer.layout())
+    if world_size == 1:           # the layout-free copy of step 2 resumed: M and H as above, bit for bit
+        again = build_trainer(cfg["both"], _ds(stage), ctx, init_from=False)
+        assert relayout.load(again, saved) == 2
+        again.train_step(training_batches(cfg["both"], ctx))
+        again.train_step(training_batches(cfg["high_noise"], ctx, start_step=2))
+        out["resumed"] = _snapshot(again, ctx, cfg["both"])
         one = build_trainer(cfg["high_noise"], _ds(stage), ctx)
         high = training_batches(cfg["high_noise"], ctx)
         for _ in range(2):
@@ -104,7 +119,7 @@ def _merged(results, layout) -> dict:
     out = {}
     for r in results:
         for when, snap in r[layout].items():
-            merged = out.setdefault(when, {"steps": snap["steps"]})
+            merged = out.setdefault(when, {"steps": snap["steps"], "expert_steps": snap.get("expert_steps")})
             for key in ("weights", "exp_avg", "exp_avg_sq", "ema"):
                 merged.setdefault(key, {}).update(snap[key])
     return out
@@ -138,6 +153,8 @@ def _assert_idle_expert_kept(run: dict, reference: dict, label: str, exact: bool
             torch.testing.assert_close(_part(run[4][key], IDLE)[name], want, **bitwise,
                                        msg=lambda m: f"{label} {key} {name}: {m}")
     assert run[3]["steps"] == run[4]["steps"], (label, run[3]["steps"], run[4]["steps"])
+    # The layout-free copy records each expert's step count.
+    assert [run[s]["expert_steps"] for s in (2, 3, 4)] == [{"0": 2, "1": 0}, {"0": 3, "1": 1}, {"0": 4, "1": 1}], label
 
 
 def test_an_expert_without_samples_is_left_out_of_the_update(tmp_path):
@@ -145,6 +162,11 @@ def test_an_expert_without_samples_is_left_out_of_the_update(tmp_path):
     reference = run_ranks(_rank, 1, str(folder), [(1, 1, 1, 1, 0)])[0][(1, 1, 1, 1, 0)]
     assert set(reference[3]["steps"]) == {1.0} == set(reference[4]["steps"])     # each parameter stepped once
     _assert_idle_expert_kept(reference, reference, "one process", exact=True)
+    for key in ("weights", "exp_avg", "exp_avg_sq", "ema"):
+        for name, want in reference[4][key].items():
+            torch.testing.assert_close(reference["resumed"][key][name], want, rtol=0, atol=0, equal_nan=True,
+                                       msg=lambda m: f"resumed {key} {name}: {m}")
+    assert reference["resumed"]["steps"] == reference[4]["steps"]
     results = run_ranks(_rank, 4, str(folder), LAYOUTS)
     for layout in LAYOUTS:
         run = _merged(results, layout)
