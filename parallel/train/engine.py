@@ -22,9 +22,9 @@ from parallel.distributed.deepspeed.skip import before_pipeline_update, guard_pi
 from parallel.distributed.deepspeed.version import check_deepspeed_version
 from parallel import ds_config as dsc
 from parallel.config import ExperimentConfig
-from parallel.build import build_model, checkpoint_interval
 from parallel.train.experts import clear_routed, idle_experts
-from parallel.train.optim import build_optimizer, expert_count
+from parallel.build import build_model, checkpoint_interval, expert_count
+from parallel.train.optim import build_optimizer
 from parallel.train.schedule import lr_factor, schedule_factor  # noqa: F401  (lr_factor: bench/)
 
 

@@ -23,11 +23,10 @@ trainer sets `idle` before each update (parallel/train/engine.py).
 from __future__ import annotations
 
 import logging
-import re
-from typing import Optional
 
 import torch
 
+from parallel.build import expert_of_parameter
 from parallel.config import TrainConfig
 from parallel.ds_config import ADAM_OPTIMIZERS, EMA_OPTIMIZERS
 
@@ -96,23 +95,6 @@ class ExpertAdamW(SkipsIdleExperts, torch.optim.AdamW):
 
 class ExpertEmaAdamW(SkipsIdleExperts, EmaAdamW):
     """EmaAdamW, idle experts' groups (and their EMA) left out of the step."""
-
-
-EXPERT_NAME = re.compile(r"(?:^|\.)experts\.(\d+)\.")
-
-
-def expert_of_parameter(name: str) -> Optional[int]:
-    """The expert a parameter belongs to (`blocks.3.experts.1.ffn_out.weight` -> 1; pipeline `5.experts.0.x`), None
-    for a parameter of no expert."""
-    found = EXPERT_NAME.search(name)
-    return None if found is None else int(found.group(1))
-
-
-def expert_count(model: torch.nn.Module) -> int:
-    """How many experts the model's parameters (frozen ones included) belong to; 0 for a model of none. Every
-    pipeline stage of a several-expert model holds each expert's part, so every rank finds the same count."""
-    found = [expert_of_parameter(n) for n, _ in model.named_parameters()]
-    return 1 + max((e for e in found if e is not None), default=-1)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

@@ -58,7 +58,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
 from parallel.distributed.deepspeed.optimizer import relink_optimizer_fragments, zero_holds_master
 from parallel.distributed.deepspeed.zero3 import full_shape, is_partitioned
 from parallel.distributed.pipeline import canonical_name
-from parallel.train.optim import expert_of_parameter
+from parallel.build import expert_of_parameter
 
 FOLDER = "layout_free"
 STATE = "state.json"

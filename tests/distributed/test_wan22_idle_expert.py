@@ -41,7 +41,7 @@ def _snapshot(trainer, ctx, cfg) -> dict:
 
     from parallel.distributed.deepspeed.optimizer import relink_optimizer_fragments, zero_holds_master
     from parallel.distributed.deepspeed.zero3 import full_shape
-    from parallel.train.optim import expert_of_parameter
+    from parallel.build import expert_of_parameter
     from parallel.weights.gather import full_state
 
     engine, opt, n = trainer.engine, trainer.optimizer, cfg.model.num_layers
