@@ -34,6 +34,11 @@ def summary(cfg) -> str:
         f"final:  {count_parameters(model.final):>14,d}",
         f"parameters: {count_parameters(model)}",
     ]
+    experts = [m.experts for m in model.modules() if isinstance(getattr(m, "experts", None), torch.nn.ModuleList)]
+    if experts:       # several transformers trained side by side (Wan 2.2 A14B, model.experts.train both)
+        each = [sum(count_parameters(stage[e]) for stage in experts) for e in range(len(experts[0]))]
+        lines.append(f"experts: {len(each)}, chosen by timestep; parameters per expert: "
+                     + ", ".join(f"experts.{e} {n:,d}" for e, n in enumerate(each)))
     if spec.timesteps.per_token or spec.experts:      # the traits a family may add (models/spec.py)
         experts = ", ".join(f"{e.name} (t >= {e.boundary})" for e in spec.experts)
         lines.append(f"timesteps: {'one per token' if spec.timesteps.per_token else 'one per sample'}"

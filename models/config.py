@@ -139,6 +139,12 @@ class ModelConfig(Section):
         """Channels of the first stage's latents (image-to-video models take conditioning channels too)."""
         return self.in_channels
 
+    @property
+    def trained_experts(self) -> int:
+        """Transformers one run trains side by side, each sample through the one its timestep picks (Wan 2.2
+        A14B with both experts: 2); 1 for a model of one."""
+        return 1
+
     def extra_input_shapes(self) -> tuple[tuple[int, ...], ...]:
         """Shapes (without the batch) of the first stage's inputs after (latents, timesteps, text): a
         conditioning input the family's embed stage takes (Wan 2.1 I2V: the CLIP image states [257, 1280])."""

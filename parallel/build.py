@@ -6,6 +6,7 @@ pipeline stages (parallel/distributed/pipeline.py) with the loss `SequenceLoss`.
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable, Optional
 
 import torch
@@ -110,3 +111,20 @@ def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Ca
         from parallel.lora import apply_lora
         apply_lora(model, cfg.model, cfg.train.seed)
     return model
+
+
+EXPERT_NAME = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+
+
+def expert_of_parameter(name: str) -> Optional[int]:
+    """The expert a parameter belongs to (`blocks.3.experts.1.ffn_out.weight` -> 1; pipeline `5.experts.0.x`), None
+    for a parameter of no expert."""
+    found = EXPERT_NAME.search(name)
+    return None if found is None else int(found.group(1))
+
+
+def expert_count(model: torch.nn.Module) -> int:
+    """How many experts the model's parameters (frozen ones included) belong to; 0 for a model of none. Every
+    pipeline stage of a several-expert model holds each expert's part, so every rank finds the same count."""
+    found = [expert_of_parameter(n) for n, _ in model.named_parameters()]
+    return 1 + max((e for e in found if e is not None), default=-1)

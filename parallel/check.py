@@ -254,6 +254,15 @@ def _check_engine(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
         problems.append(f"{src}: zero_optimization.stage={stage} with parallel.pp_size={pp}: DeepSpeed's pipeline "
                         f"engine supports ZeRO stage 0 or 1 only; use stage 1 (ds_configs/zero1_bf16.json) "
                         f"or --set parallel.pp_size=1")
+    if stage >= 2 and cfg.model.trained_experts > 1:
+        # measured (tests/distributed/test_wan22_idle_expert.py): ZeRO-2 at sp 2 x dp 2 trains other weights than
+        # one process; ZeRO-3 fails in the forward of a rank whose micro-batch chose one expert
+        problems.append(f"{src}: zero_optimization.stage={stage} with {cfg.model.trained_experts} experts trained "
+                        f"together (model.experts.train=both) is refused: each rank runs only the experts its "
+                        f"samples chose, so ZeRO-2 receives the gradients in another order on each data-parallel "
+                        f"rank and its bucketed reduction mixes them, and ZeRO-3 gathers an expert's weights only "
+                        f"while it runs; use stage 1 (or 0), or train one expert per run at any stage (--set "
+                        f"model.experts.train=high_noise, then low_noise)")
     if pp == 1 and prec == "bf16" and stage == 0 and dsc.grad_accum_dtype(ds) == "fp32":
         problems.append(f"{src}: bf16 with zero_optimization.stage=0 and data_types.grad_accum_dtype=\"fp32\" is "
                         f"not implemented in DeepSpeed 0.19; use stage 1 (ds_configs/zero1_bf16.json) or drop "

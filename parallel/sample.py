@@ -16,7 +16,9 @@ Prompts, a batch of B rows in this order: captions (`--prompt`, encoded with dat
 `--prompt-embeds` file's rows (one tensor, [L, D] or [B_i, L, D]). The unconditional input (guidance != 1) is
 `--negative-embeds` ([L, D] or [1, L, D] for every row, or [B, L, D]), else T5 of "" (data.text_encoder), else
 data.path's uncond.safetensors. `--steps`, `--guidance`, `--sampler` default to the `val:` keys (sample_steps,
-guidance_scale, sampler); dynamic CFG is val.use_dynamic_cfg; the schedule is model.schedule.
+guidance_scale, sampler); dynamic CFG is val.use_dynamic_cfg; the schedule is model.schedule. A model of two
+experts (Wan 2.2 A14B): `--guidance` is the high-noise expert's, `--guidance-2` (val.guidance_scale_2) the
+low-noise one's, as WanPipeline's guidance_scale and guidance_scale_2.
 
 Noise: `--noise FILE` (one tensor [B, C, T, H, W], the toolkit's latent layout; T, H, W from data.num_frames,
 data.height, data.width) samples the batch as CogVideoXPipeline(..., latents=noise.transpose(1, 2),
@@ -78,6 +80,9 @@ def parser() -> argparse.ArgumentParser:
                     "the CLIP states beside --image-latents, one tensor [I, image_dim] or [B, I, image_dim]")
     ap.add_argument("--steps", type=int, default=None, help="sampling steps; default val.sample_steps")
     ap.add_argument("--guidance", type=float, default=None, help="guidance scale; default val.guidance_scale")
+    ap.add_argument("--guidance-2", "--guidance_2", dest="guidance_2", type=float, default=None,
+                    help="a model of two experts (Wan 2.2 A14B): the low-noise expert's guidance scale (WanPipeline's "
+                    "guidance_scale_2), --guidance the high-noise one's; default val.guidance_scale_2, else --guidance")
     ap.add_argument("--sampler", choices=sorted(s for group in SAMPLERS.values() for s in group), default=None,
                     help="default val.sampler, else the first the model's family offers for its objective")
     ap.add_argument("--seed", type=int, default=None, help="noise seed; default train.seed")
@@ -115,11 +120,29 @@ def _settings(args, cfg) -> tuple[int, float, Optional[str], int]:
             args.sampler or cfg.val.sampler, cfg.train.seed if args.seed is None else args.seed)
 
 
+def guidance_of(args, cfg, guidance: float):
+    """The sampler's guidance (models/sampling.py): `guidance` throughout, or with two experts (Wan 2.2 A14B)
+    `guidance` for the high-noise one and --guidance-2 / val.guidance_scale_2 for the low-noise one. A
+    ValueError naming the flag or key when the model has one transformer."""
+    from models.registry import family
+    from models.sampling import family_guidance
+
+    second = cfg.val.guidance_scale_2 if args.guidance_2 is None else args.guidance_2
+    try:
+        return family_guidance(family(cfg.model), cfg.model, guidance, second)
+    except ValueError as e:
+        if args.guidance_2 is None:
+            raise
+        raise ValueError(f"--guidance-2 {args.guidance_2}: model {cfg.model.name} has one transformer (the "
+                         f"low-noise expert's guidance needs two: model.experts.train both); leave out "
+                         f"--guidance-2") from e
+
+
 def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
     """Every problem with the command line, before a model loads."""
     from models.geometry import latent_shape
     from models.registry import family
-    from models.sampling import check_sampler, family_guidance
+    from models.sampling import check_sampler
 
     problems, rows = [], len(args.prompt)
     steps, guidance, sampler, _ = _settings(args, cfg)
@@ -160,8 +183,12 @@ def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
                             f"data.height, data.width)")
     problems += _check_image(args, cfg, rows, shapes)
     uncond = Path(cfg.data.path) / UNCOND_FILE if cfg.data.path else None
-    if guidance != 1 and not args.negative_embeds and not cfg.data.text_encoder and not (uncond and uncond.is_file()):
+    second = cfg.val.guidance_scale_2 if args.guidance_2 is None else args.guidance_2
+    if (guidance != 1 or second not in (None, 1)) and not args.negative_embeds and not cfg.data.text_encoder and \
+            not (uncond and uncond.is_file()):
         key = f"val.guidance_scale={guidance}" if args.guidance is None else f"--guidance {guidance}"
+        if guidance == 1:
+            key = f"val.guidance_scale_2={second}" if args.guidance_2 is None else f"--guidance-2 {second}"
         problems.append(f"{key} needs the unconditional embedding: give --negative-embeds, or set "
                         f"data.text_encoder (T5 of \"\"), or data.path with {UNCOND_FILE}")
     if not 1 <= steps <= 1000:
@@ -171,7 +198,7 @@ def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
     except ValueError as e:
         problems.append(f"--sampler / val.sampler: {e}")
     try:
-        family_guidance(family(cfg.model), cfg.model, guidance, cfg.val.guidance_scale_2)
+        guidance_of(args, cfg, guidance)
     except ValueError as e:
         problems.append(str(e))
     return problems + _check_weights(args, cfg, layout, ds or {})
@@ -339,11 +366,12 @@ def sample_videos(args, cfg, ds: dict, layout, env):
     from parallel.train.sampling import sample_batch, sampling_model
 
     from models.registry import family
-    from models.sampling import check_sampler, family_guidance
+    from models.sampling import check_sampler
 
     steps, guidance, sampler, seed = _settings(args, cfg)
-    # Two experts (Wan 2.2 A14B): --guidance / val.guidance_scale for the high-noise one, val.guidance_scale_2 after.
-    guidance = family_guidance(family(cfg.model), cfg.model, guidance, cfg.val.guidance_scale_2)
+    # Two experts (Wan 2.2 A14B): --guidance / val.guidance_scale for the high-noise one, --guidance-2 /
+    # val.guidance_scale_2 after.
+    guidance = guidance_of(args, cfg, guidance)
     sampler = check_sampler(cfg.model.objective, sampler, family(cfg.model).sampling.samplers)
     labels, text, uncond = load_prompts(args, cfg)
     noise = _tensor(args.noise) if args.noise else None

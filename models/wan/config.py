@@ -62,6 +62,10 @@ class WanConfig(ModelConfig):
                                    "per token; with model.image_condition the first latent frame is the clean "
                                    "conditioning frame (t = 0, no mask or image channels; models/wan/ti2v.py)")
 
+    @property
+    def trained_experts(self) -> int:
+        return 2 if self.experts is not None and self.experts.train == "both" else 1
+
     @field_validator("head_dim")
     @classmethod
     def _even_head_dim(cls, value: int) -> int:

@@ -10,9 +10,12 @@ carries each sample's expert after the Wan tuple:
 
 Each sample runs through its expert's stage only (a micro-batch mixing both is split by sample and put back in
 order), so a step computes only the experts its samples chose. The idle expert's parameters get a zero gradient
-(an exact `+ 0 * w[0]` term on the output), so every layout and ZeRO stage reduces the same tensors; AdamW
-still applies its momentum and weight decay to them, the same in every layout. The expert is a function of
-the sample's timestep, drawn from the step's seed (parallel/train/data.py), so every rank of every layout picks
+(an exact `+ 0 * w[0]` term on the output), so every layout and ZeRO stage reduces the same tensors. AdamW
+would still move them (momentum, weight decay), so the trainer leaves an expert that no sample of the global
+batch chose out of the update (parallel/train/optim.py's SkipsIdleExperts): its weights and optimizer states
+stay as they were, as in a run of the other expert alone. It learns which from `routed_samples`, the embed
+stage's count of the samples it sent to each expert since the trainer last cleared it.
+The expert is a function of the sample's timestep, drawn from the step's seed (parallel/train/data.py), so every rank of every layout picks
 the same expert for the same sample.
 
 With `train: high_noise` or `low_noise` the model is one plain Wan transformer (its released names unchanged)
@@ -124,9 +127,13 @@ class ExpertEmbed(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.experts = nn.ModuleList([stage(cfg, grid, ctx) for _ in NAMES])
+        self.routed_samples = [0] * len(NAMES)      # samples sent to each expert; the trainer reads and clears it
 
     def forward(self, inputs):
         expert = expert_of(self.cfg, inputs[1])                                       # (B,)
+        if not expert.is_meta:
+            for e in expert.tolist():
+                self.routed_samples[e] += 1
         return (*_route(self.experts, expert, tuple(inputs), lambda out: out[0]), expert)
 
 

@@ -156,33 +156,40 @@ def _worst_partition(numels: list[int], dp: int, align: int) -> int:
     return worst
 
 
+def optimizer_groups(params: list) -> list[list[int]]:
+    """The numels of each optimizer group, as parallel/train/optim.py's param_groups makes them from (numel,
+    ndim, expert) in module order: per expert (none last), matrices then the rest."""
+    experts = sorted({e for _, _, e in params}, key=lambda e: (e is None, e))
+    return [[n for n, nd, e in params if e == expert and (nd >= 2) == matrix]
+            for expert in experts for matrix in (True, False)]
+
+
 def frozen_bytes(params: list, trainable: list, eng: EngineSettings, dp: int, pp: int) -> int:
     """Bytes of the parameters no optimizer steps (LoRA's frozen base): the weights alone, in the engine's
     dtype (fp32 for torch AdamW), ZeRO-3 partitioned over dp like the rest (small ones whole)."""
     frozen = list(params)
-    for item in trainable:                # params minus trainable, as a multiset of (numel, ndim)
+    for item in trainable:                # params minus trainable, as a multiset of (numel, ndim, expert)
         frozen.remove(item)
     size = 4 if eng.optimizer_path(pp) == "torch AdamW" else eng.lp
     if eng.zero == 3:
-        return size * sum(n if n < eng.persistence_threshold else math.ceil(n / dp) for n, _ in frozen)
-    return size * sum(n for n, _ in frozen)
+        return size * sum(n if n < eng.persistence_threshold else math.ceil(n / dp) for n, *_ in frozen)
+    return size * sum(n for n, *_ in frozen)
 
 
 def model_states(params: list, eng: EngineSettings, dp: int, pp: int,
                  micro_batches: int = 1) -> tuple[dict[str, int], dict[str, int]]:
     """(device bytes, host bytes) of parameters, gradients, optimizer (Adam moments) and master weights.
 
-    `params` lists this rank's parameters as (numel, ndim) in module order; build_optimizer puts
-    matrices (ndim >= 2) and the rest in two groups, which DeepSpeed flattens and pads separately and
-    steps one at a time (so one group's fp32 gradient exists at a time).
+    `params` lists this rank's parameters as (numel, ndim, expert) in module order; build_optimizer puts
+    matrices (ndim >= 2) and the rest in two groups (per expert for a model of several), which DeepSpeed
+    flattens and pads separately and steps one at a time (so one group's fp32 gradient exists at a time).
     """
     lp, path = eng.lp, eng.optimizer_path(pp)
     if not params:                        # LoRA: a stage without adapters steps nothing
         zero = dict.fromkeys(("parameters", "gradients", "adam_moments", "master_weights", "ema_shadow"), 0)
         return zero, dict(zero)
-    total = sum(n for n, _ in params)
-    groups = [[n for n, nd in params if (nd >= 2) == matrix] for matrix in (True, False)]
-    groups = [g for g in groups if g]
+    total = sum(n for n, *_ in params)
+    groups = [g for g in optimizer_groups(params) if g]
     align = 2 * dp
     parts = [math.ceil(sum(g) / align) * align // dp for g in groups]
     padded, part = sum(p * dp for p in parts), sum(parts)
@@ -204,7 +211,7 @@ def model_states(params: list, eng: EngineSettings, dp: int, pp: int,
     else:
         shards = [sum(math.ceil(n / dp) for n in g) for g in groups]
         shard = sum(shards)
-        small = sum(n for n, _ in params if n < eng.persistence_threshold)
+        small = sum(n for n, *_ in params if n < eng.persistence_threshold)
         fp32_grad = 4 * min(max(shards), eng.sub_group)                 # one sub-group stepped at a time
         # The step first releases every gathered parameter, persistent ones too (release_and_reset_all):
         # the fp32 gradient of the stepped sub-group and the whole small parameters never coexist.
@@ -222,7 +229,7 @@ def model_states(params: list, eng: EngineSettings, dp: int, pp: int,
             # (its step's staging), a largest-parameter gradient buffer and, over several micro-batches,
             # their accumulated gradients as whole parameters (W, like the device partition).
             whole = lp * sum(_worst_partition(g, dp, align) for g in groups) if micro_batches > 1 else 0
-            host["gradients"] = 4 * part + lp * max(n for n, _ in params) + whole
+            host["gradients"] = 4 * part + lp * max(n for n, *_ in params) + whole
             host["parameters"] = lp * part
             dev["gradients"] -= fp32_grad
         elif path == "DeepSpeedZeroOptimizer_Stage3":
@@ -259,10 +266,10 @@ def zero_buckets(eng: EngineSettings, pp: int, params: list, dp: int) -> int:
     path = eng.optimizer_path(pp)
     comm = eng.comm_bytes
     if path in ("torch AdamW", "FP16_UnfusedOptimizer"):
-        return _bucket_copies([n for n, _ in params], ENGINE_ALLREDUCE_BUCKET, eng.lp, comm)
+        return _bucket_copies([n for n, *_ in params], ENGINE_ALLREDUCE_BUCKET, eng.lp, comm)
     if path == "BF16_Optimizer":
         align = 2 * dp
-        groups = [sum(n for n, nd in params if (nd >= 2) == matrix) for matrix in (True, False)]
+        groups = [sum(g) for g in optimizer_groups(params)]
         flat = [math.ceil(g / align) * align for g in groups if g]
         return _bucket_copies(flat, ENGINE_ALLREDUCE_BUCKET, 4 if eng.grad_accum_fp32 else eng.lp, comm)
     if eng.zero == 3:
@@ -369,10 +376,10 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
             acts, recompute = flight * (n * block.activations + shared + own), 0
         boundary = block.input_bytes + block.side_total
         pipe = (boundary if not first else 0) + ((1 + flight) * boundary if not last else 0) if pp > 1 else 0
-        numel = sum(n_ for n_, _ in params)
+        numel = sum(n_ for n_, *_ in params)
         gathered = 0
         if eng.zero == 3:
-            big = sum(n_ for n_, _ in block.params if n_ >= eng.persistence_threshold)
+            big = sum(n_ for n_, *_ in block.params if n_ >= eng.persistence_threshold)
             gathered = eng.lp * min(eng.max_live, big + eng.prefetch_bucket)
         own_buffers = block.buffers - block.tables               # registered buffers; tables once a stage
         lines = {**dev, "buffers": own_buffers * n + (block.tables if n else 0) + (embed.buffers if first else 0)
@@ -386,5 +393,5 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
     per_block = {"block_activations": block.activations, "block_input": block.input_bytes,
                  "selected_block_activations": selected.activations, "plain_block_activations": plain.activations,
                  "checkpoint_input": seg_input, "side_inputs": block.side_total, "embed_activations": embed.activations,
-                 "final_activations": final.activations, "block_params": sum(n_ for n_, _ in block.params)}
+                 "final_activations": final.activations, "block_params": sum(n_ for n_, *_ in block.params)}
     return MemoryPlan(stages, device_memory, eng.optimizer_path(pp), per_block)

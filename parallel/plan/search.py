@@ -96,8 +96,8 @@ class StepTime:
 
 def count_params(tracer: ActivationTracer) -> tuple[int, int]:
     """(all parameters of one model replica, block parameters) counted on the tp = 1 build."""
-    blocks = sum(n for n, _ in tracer.layer_parameters(0, tracer.cfg.model.num_layers, 1)[0])
-    ends = sum(n for kind in ("embed", "final") for n, _ in tracer.trace(kind, 1, 1).params)
+    blocks = sum(n for n, *_ in tracer.layer_parameters(0, tracer.cfg.model.num_layers, 1)[0])
+    ends = sum(n for kind in ("embed", "final") for n, *_ in tracer.trace(kind, 1, 1).params)
     return blocks + ends, blocks
 
 

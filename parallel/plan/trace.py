@@ -43,7 +43,7 @@ from models.diffusion import mse_loss
 from models.geometry import PositionCache, latent_shape, token_grid
 from models.registry import family, ring_fits, sequence_tokens
 from parallel.config import ExperimentConfig
-from parallel.build import layer_specs
+from parallel.build import expert_of_parameter, layer_specs
 from parallel.distributed.sequence import sp_pairs
 from parallel.distributed.topology import ParallelContext
 from parallel.lora import apply_lora
@@ -155,9 +155,9 @@ class StageTrace:
     side_bytes: tuple         # bytes of each side tensor (shared by the stage's blocks, passed on)
     side_saved: tuple         # whether it saves each side tensor for backward
     buffers: int              # registered buffers and tables cached in attributes (position tables)
-    params: tuple             # ((numel, ndim), ...) of this tp rank's parameters
+    params: tuple             # ((numel, ndim, expert or None), ...) of this tp rank's parameters
     tables: int = 0           # the position tables among `buffers`: shared by a stage's blocks, held once
-    trainable: Optional[tuple] = None   # LoRA: ((numel, ndim), ...) of the adapters (None: every parameter)
+    trainable: Optional[tuple] = None   # LoRA: ((numel, ndim, expert), ...) of the adapters (None: every parameter)
 
     @property
     def side_total(self) -> int:
@@ -253,8 +253,9 @@ class ActivationTracer:
         side_keys = [storage_key(t) for t in side]
         size = (lambda t: packed_nbytes(t, compression)) if compression else storage_bytes
         acts = sum(size(t) for k, t in saved.items() if k not in skip and k not in held and k not in side_keys)
-        params = tuple((p.numel(), p.dim()) for p in module.parameters())
-        trainable = tuple((p.numel(), p.dim()) for p in module.parameters() if p.requires_grad) \
+        params = tuple((p.numel(), p.dim(), expert_of_parameter(n)) for n, p in module.named_parameters())
+        trainable = tuple((p.numel(), p.dim(), expert_of_parameter(n)) for n, p in module.named_parameters()
+                          if p.requires_grad) \
             if self.cfg.model.lora is not None else None
         return StageTrace(acts, storage_bytes(x), tuple(storage_bytes(t) for t in side),
                           tuple(kind != "embed" and k in saved for k in side_keys), sum(held.values()), params,
@@ -292,8 +293,9 @@ class ActivationTracer:
                     module = specs[1 + i].build()
                     if self.cfg.model.lora is not None:
                         apply_lora(module, self.cfg.model, self.cfg.train.seed, prefix=f"{specs[1 + i].name}.")
-                self._traces[key] = (tuple((p.numel(), p.dim()) for p in module.parameters()),
-                                     tuple((p.numel(), p.dim()) for p in module.parameters() if p.requires_grad))
+                named = [(p.numel(), p.dim(), expert_of_parameter(n), p.requires_grad)
+                         for n, p in module.named_parameters()]
+                self._traces[key] = (tuple(t[:3] for t in named), tuple(t[:3] for t in named if t[3]))
             params += self._traces[key][0]
             if trainable is not None:
                 trainable += self._traces[key][1]

@@ -18,11 +18,12 @@ import torch.distributed as dist
 from parallel.distributed import accelerator
 from parallel.distributed.deepspeed.checkpoint import use_weights_only_checkpoints, written_checksums
 from parallel.distributed.deepspeed.clipping import clip_with_replica_norm
-from parallel.distributed.deepspeed.skip import guard_pipeline_updates, skipped_update
+from parallel.distributed.deepspeed.skip import before_pipeline_update, guard_pipeline_updates, skipped_update
 from parallel.distributed.deepspeed.version import check_deepspeed_version
 from parallel import ds_config as dsc
 from parallel.config import ExperimentConfig
-from parallel.build import build_model, checkpoint_interval
+from parallel.train.experts import clear_routed, idle_experts
+from parallel.build import build_model, checkpoint_interval, expert_count
 from parallel.train.optim import build_optimizer
 from parallel.train.schedule import lr_factor, schedule_factor  # noqa: F401  (lr_factor: bench/)
 
@@ -66,6 +67,13 @@ class TrainingEngine:
         self.optimizer = optimizer          # the toolkit-built (base) optimizer that DeepSpeed wraps
         self.pipeline = cfg.parallel.pp_size > 1
         self.pipeline_guard = None        # guard_pipeline_updates' state, once a guarded step installed it
+        self.experts = expert_count(engine.module)    # several: an expert no sample chose sits out the update
+        if self.experts and self.pipeline:
+            before_pipeline_update(engine, self._skip_idle_experts)
+
+    def _skip_idle_experts(self) -> None:
+        """Leave the experts no sample of this global batch chose out of the coming update (a collective)."""
+        self.optimizer.idle = idle_experts(self.engine.module, self.experts, self.engine.device)
 
     def train_step(self, batches: Iterator, guard=None) -> StepResult:
         """One global batch. With `guard` (parallel/train/anomaly.py's AnomalyGuard) the step's loss (and,
@@ -76,6 +84,8 @@ class TrainingEngine:
         shape = shape() if shape is not None else None
         if grid is not None and shape is not None:      # every rank: this step's bucket (parallel/train/buckets.py)
             grid.set_latent(shape)
+        if self.experts:
+            clear_routed(self.engine.module)
         if self.pipeline:
             if guard is not None and self.pipeline_guard is None:
                 self.pipeline_guard = guard_pipeline_updates(self.engine, guard.decide)
@@ -98,6 +108,8 @@ class TrainingEngine:
                 dist.all_reduce(total, group=self.ctx.data_group)
                 total /= self.ctx.data_size
             loss = float(total)
+            if self.experts:
+                self._skip_idle_experts()
             skipped = self._guarded_update(loss, guard)
             if skipped is not None:
                 return StepResult(loss=loss, grad_norm=self.engine.get_global_grad_norm(), lr=lr, skipped=skipped)

@@ -11,6 +11,14 @@ partition a rank owns, and DeepSpeed saves and restores it with every checkpoint
 
 The AdamW arithmetic is torch's: `fused=True` where torch has a fused kernel for the device (CUDA,
 CPU), `foreach=True` elsewhere (Ascend NPU, others); the EMA uses `torch._foreach_*` in either case.
+
+A model of several experts (Wan 2.2 A14B with both experts, models/wan/experts.py: parameters named
+`...experts.{e}...`) gets each expert's own groups, tagged `"expert": e`, and an optimizer that leaves the
+groups of the experts in `optimizer.idle` out of its step (`SkipsIdleExperts`): parameters, moments, step
+count and EMA untouched, as in a run that trains the other expert alone. DeepSpeed flattens and partitions
+each group on its own (ZeRO-1/2, BF16_Optimizer; ZeRO-3 by sub-groups of one group) and hands the client
+optimizer one group at a time or all, keeping the group dicts, so the tag works at every ZeRO stage; the
+trainer sets `idle` before each update (parallel/train/engine.py).
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import logging
 
 import torch
 
+from parallel.build import expert_of_parameter
 from parallel.config import TrainConfig
 from parallel.ds_config import ADAM_OPTIMIZERS, EMA_OPTIMIZERS
 
@@ -66,8 +75,45 @@ class EmaAdamW(torch.optim.AdamW):
         return loss
 
 
+class SkipsIdleExperts:
+    """An optimizer whose param groups tagged `"expert": e` sit out step() while e is in `idle`."""
+
+    idle: frozenset = frozenset()
+
+    def step(self, closure=None):
+        groups = self.param_groups
+        self.param_groups = [g for g in groups if g.get("expert") not in self.idle]
+        try:
+            return super().step(closure)
+        finally:
+            self.param_groups = groups
+
+
+class ExpertAdamW(SkipsIdleExperts, torch.optim.AdamW):
+    """torch's AdamW, idle experts' groups left out of the step."""
+
+
+class ExpertEmaAdamW(SkipsIdleExperts, EmaAdamW):
+    """EmaAdamW, idle experts' groups (and their EMA) left out of the step."""
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """The trainable parameters in groups: decay on matrices only; per expert (tagged "expert") when the model
+    has several, then the parameters of no expert. Empty groups left out."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    experts = sorted({expert_of_parameter(n) for n, _ in named}, key=lambda e: (e is None, e))
+    groups = []
+    for e in experts:
+        mine = [p for n, p in named if expert_of_parameter(n) == e]
+        tag = {} if e is None else {"expert": e}
+        groups += [{"params": [p for p in mine if p.dim() >= 2], "weight_decay": weight_decay, **tag},
+                   {"params": [p for p in mine if p.dim() < 2], "weight_decay": 0.0, **tag}]
+    return [g for g in groups if g["params"]]
+
+
 def build_optimizer(model: torch.nn.Module, ds: dict, train: TrainConfig, device_type: str | None = None):
-    """The JSON's optimizer (AdamW, Adam, FusedEmaAdam/EmaAdamW) at train.lr; decay on matrices only."""
+    """The JSON's optimizer (AdamW, Adam, FusedEmaAdam/EmaAdamW) at train.lr; decay on matrices only; a model of
+    several experts: groups per expert, and an optimizer that skips the idle ones (module docstring)."""
     from parallel.distributed import accelerator
 
     section = ds.get("optimizer") or {"type": "AdamW", "params": {}}
@@ -80,13 +126,13 @@ def build_optimizer(model: torch.nn.Module, ds: dict, train: TrainConfig, device
     device_type = device_type or accelerator.name()
     impl, why = adamw_implementation(device_type)
     kwargs[impl] = True
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [g for g in ({"params": decay, "weight_decay": wd}, {"params": other, "weight_decay": 0.0}) if g["params"]]
+    groups = param_groups(model, wd)
+    experts = any("expert" in g for g in groups)
     if kind.lower() in EMA_OPTIMIZERS:
-        opt = EmaAdamW(groups, lr=train.lr, ema_decay=float(params.get("ema_decay", 0.9999)), **kwargs)
+        opt = (ExpertEmaAdamW if experts else EmaAdamW)(groups, lr=train.lr,
+                                                         ema_decay=float(params.get("ema_decay", 0.9999)), **kwargs)
     else:
-        opt = torch.optim.AdamW(groups, lr=train.lr, **kwargs)
+        opt = (ExpertAdamW if experts else torch.optim.AdamW)(groups, lr=train.lr, **kwargs)
     opt.implementation = f"{kind} -> {type(opt).__name__} with {impl} AdamW ({why})"
     log.info("optimizer: %s", opt.implementation)
     return opt

@@ -25,7 +25,7 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def held_by(roots: dict, max_depth: int = 12) -> dict[int, tuple[int, str]]:
+def held_by(roots: dict, max_depth: int = 14) -> dict[int, tuple[int, str]]:
     """Every tensor storage reachable from `roots` through attributes, containers and tensor attributes
     (.grad, ds_tensor, _hp_mapping, ...), meta tensors skipped: {storage: (bytes, shortest path)}."""
     found, seen = {}, set()

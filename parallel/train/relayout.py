@@ -19,7 +19,10 @@ copy is published atomically and damage-checked with the rest):
                              the full tensor: partition dim, the full sizes of its fused parts along it
                              ([q, k, v] or one), tp size and rank.
     state.json               (rank 0) step, optimizer step count, the LR schedule's position, the global
-                             sample index (step x global batch), the layout and the state keys.
+                             sample index (step x global batch), the layout and the state keys; a model
+                             of several experts: each expert's step count (an expert sits out a step
+                             none of whose samples chose it), an expert never stepped written with zero
+                             moments and its EMA at its weights.
 
 Reading at another layout (`load`): each rank builds its model and DeepSpeed engine for the new layout,
 reads every file's header, and for each of its parameters reads only the slices of the old shards that
@@ -55,6 +58,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
 from parallel.distributed.deepspeed.optimizer import relink_optimizer_fragments, zero_holds_master
 from parallel.distributed.deepspeed.zero3 import full_shape, is_partitioned
 from parallel.distributed.pipeline import canonical_name
+from parallel.build import expert_of_parameter
 
 FOLDER = "layout_free"
 STATE = "state.json"
@@ -154,6 +158,28 @@ def _optimizer_step(optimizer) -> int:
     return int(n)
 
 
+def _expert_steps(optimizer, experts: int) -> dict[str, int]:
+    """A model of several experts (parallel/train/optim.py): each expert's step count, which differ once an
+    expert sat out an update ({"0": n0, "1": n1}; {} for a model of none)."""
+    if not experts:
+        return {}
+    n = torch.zeros(experts, dtype=torch.int64)
+    for g in optimizer.param_groups:
+        for q in g["params"]:
+            if g.get("expert") is not None and "step" in optimizer.state[q]:
+                n[g["expert"]] = max(int(n[g["expert"]]), int(optimizer.state[q]["step"]))
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return {str(e): int(v) for e, v in enumerate(n)}
+
+
+def _unstepped_value(param, optimizer, key: str) -> torch.Tensor:
+    """The state of an expert never stepped yet (no state anywhere): zero moments, the EMA at the weights (its
+    first update's start), as its first step would create them."""
+    if key == "ema":
+        return _full_value(param, optimizer, None).clone()
+    return torch.zeros(local_shape(param), dtype=torch.float32)
+
+
 def _full_value(param, optimizer, key: Optional[str]) -> torch.Tensor:
     """The fp32 tp shard of the master weight (key None) or of an optimizer state, gathered over ZeRO's
     data-parallel partitions (a collective under ZeRO 1/2/3; each data rank gets the same tensor)."""
@@ -194,19 +220,23 @@ def collect(trainer) -> Optional[dict]:
         return None
     relink_optimizer_fragments(engine.optimizer)
     keys = _state_keys(optimizer)
+    experts = _expert_steps(optimizer, trainer.experts)
     tensors, index = {}, {}
     for i, (name, p) in enumerate(engine.module.named_parameters()):
         slicing = slicing_of(p, ctx.tp_size, ctx.tp_rank)
         mine = i % ctx.data_size == ctx.data_rank and (slicing.dim is not None or ctx.tp_rank == 0)
         canonical = canonical_name(name, trainer.cfg.model.num_layers)
+        unstepped = experts.get(str(expert_of_parameter(name))) == 0
         for key in [None, *keys] if p.requires_grad else [None]:
-            value = _full_value(p, optimizer, key) if p.requires_grad else _frozen_value(p)
+            value = _frozen_value(p) if not p.requires_grad else _unstepped_value(p, optimizer, key) \
+                if unstepped and key is not None else _full_value(p, optimizer, key)
             if mine:
                 tensors[f"{canonical}::{key or PARAM}"] = value.contiguous()
         if mine:
             index[canonical] = slicing.to_json()
     scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else {}
     return {"tensors": tensors, "index": index, "keys": keys, "optimizer_step": _optimizer_step(optimizer),
+            "expert_steps": experts,
             "schedule": {k: scheduler[k] for k in ("last_epoch", "_step_count") if k in scheduler},
             "global_batch": engine.train_batch_size() // max(1, ctx.sp_size)}
 
@@ -226,7 +256,8 @@ def write(part: dict, folder: Path, step: int, layout: dict) -> None:
     if dist.get_rank() == 0:
         state = {"step": step, "optimizer_step": part["optimizer_step"], "schedule": part["schedule"],
                  "global_samples": step * part["global_batch"], "global_batch": part["global_batch"],
-                 "state_keys": part["keys"], "layout": layout}
+                 "state_keys": part["keys"], "layout": layout,
+                 **({"expert_steps": part["expert_steps"]} if part["expert_steps"] else {})}
         (out / STATE).write_text(json.dumps(state, indent=1) + "\n")
 
 
@@ -268,15 +299,17 @@ def _step_tensor(n: int, param, group: dict) -> torch.Tensor:
     return torch.tensor(float(n), dtype=torch.float32, device=device)
 
 
-def _ensure_state(optimizer, keys: list[str], step: int) -> None:
+def _ensure_state(optimizer, keys: list[str], step: int, expert_steps: Optional[dict] = None) -> None:
     """Give every parameter the optimizer steps (ZeRO's flat fp32 partitions included) its state tensors,
-    so DeepSpeed's per-parameter views can point into them; the values are set per parameter after."""
+    so DeepSpeed's per-parameter views can point into them; the values are set per parameter after. An
+    expert's groups take that expert's step count (`expert_steps`)."""
     for group in optimizer.param_groups:
+        n = (expert_steps or {}).get(str(group.get("expert")), step)
         for p in group["params"]:
             st = optimizer.state[p]
             for key in keys:
                 st.setdefault(key, torch.zeros_like(p, dtype=torch.float32))
-            st["step"] = _step_tensor(step, p, group)
+            st["step"] = _step_tensor(n, p, group)
 
 
 @torch.no_grad()
@@ -288,7 +321,7 @@ def load(trainer, folder: Path) -> int:
     stored = Stored(folder)
     state = stored.state
     keys = state["state_keys"]
-    _ensure_state(optimizer, keys, state["optimizer_step"])
+    _ensure_state(optimizer, keys, state["optimizer_step"], state.get("expert_steps"))
     relink_optimizer_fragments(engine.optimizer)
     for name, p in engine.module.named_parameters():
         canonical = canonical_name(name, trainer.cfg.model.num_layers)

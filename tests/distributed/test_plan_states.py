@@ -19,7 +19,7 @@ from tests.unit.test_plan import B, GiB, STATES, saved_bytes
 # dp = 2, EmaAdamW, tensor parallelism (ZeRO-0 fp32), a two-stage pipeline (BF16_Optimizer), and a
 # mid-size model (9.7M parameters: matrices above ZeRO-3's persistence threshold, vectors below), and
 # sequence parallelism (sp = 2: half the tokens per rank, ZeRO shards over the sp ranks), and 3D RoPE (the
-# 4 blocks share one table: the buffers line counts it once), all with 2 ranks. tp = 2 x pp = 2 runs under train.py in tests/cli/test_resume_cli.py.
+# 4 blocks share one table: the buffers line counts it once), and Wan 2.2 A14B's two experts, all with 2 ranks. tp = 2 x pp = 2 runs under train.py in tests/cli/test_resume_cli.py.
 MID = ["model.hidden_size=384", "model.num_heads=6", "model.head_dim=64", "model.time_embed_dim=128",
        "model.text_embed_dim=128"]
 CASES = [("zero0", "zero0_fp32", (1, 1, 2), "AdamW", []), ("zero1", "zero1_bf16", (1, 1, 2), "BF16_Optimizer", []),
@@ -33,7 +33,10 @@ CASES = [("zero0", "zero0_fp32", (1, 1, 2), "AdamW", []), ("zero1", "zero1_bf16"
          ("mid zero3", "zero3_bf16", (1, 1, 2), "DeepSpeedZeroOptimizer_Stage3", MID),
          ("sp2 zero1", "zero1_bf16", (1, 1, 1), "BF16_Optimizer", ["parallel.sp_size=2"]),
          ("sp2 zero2", "zero2_bf16", (1, 1, 1), "DeepSpeedZeroOptimizer", ["parallel.sp_size=2"]),
-         ("rope zero1", "zero1_bf16", (1, 1, 2), "BF16_Optimizer", ["model.pos_embed=rope3d"])]
+         ("rope zero1", "zero1_bf16", (1, 1, 2), "BF16_Optimizer", ["model.pos_embed=rope3d"]),
+         ("wan22 zero2", "zero2_bf16", (1, 1, 2), "DeepSpeedZeroOptimizer", [])]
+# Wan 2.2 A14B with both experts (each rank holds both; the optimizer's groups are per expert)
+PRESETS = {"wan22 zero2": "debug-wan22"}
 
 
 def ds_case(name: str, file: str) -> dict:
@@ -80,7 +83,7 @@ def _states_rank(rank, world_size):
 
     deepspeed.comm.all_reduce = recording_all_reduce
     for name, file, (tp, pp, dp), _, extra in CASES:
-        cfg = experiment(tp, pp, dp, extra)
+        cfg = experiment(tp, pp, dp, extra, 1, PRESETS.get(name, "debug"))
         sp = cfg.parallel.sp_size
         if (tp, pp, dp, sp) not in contexts:
             contexts[(tp, pp, dp, sp)] = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp))
@@ -116,7 +119,7 @@ def test_model_states_match_deepspeed_on_each_rank():
     from tests.train_utils import experiment
     results = run_ranks(_states_rank, 2)
     for name, file, (tp, pp, dp), optimizer, extra in CASES:
-        cfg, ds = experiment(tp, pp, dp, extra), ds_case(name, file)
+        cfg, ds = experiment(tp, pp, dp, extra, 1, PRESETS.get(name, "debug")), ds_case(name, file)
         plan = plan_memory(cfg, ds, dp, 80 * GiB, ActivationTracer(cfg, EngineSettings.from_ds(ds, 1).dtype))
         assert plan.optimizer_path.endswith(optimizer) and [r[name]["optimizer"] for r in results] == [optimizer] * 2
         for stage in plan.stages:

@@ -423,3 +423,17 @@ def test_guard_pipeline_updates_relies_on_the_optimizer_step_instruction():
            "the last stage no longer sums the micro-batches' losses into total_loss")
     for name in ("is_last_stage", "gradient_accumulation_steps"):
         member("guard_pipeline_updates", PipelineEngine, name)
+
+
+def test_before_pipeline_update_runs_first_on_every_rank():
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from parallel.distributed.deepspeed.skip import before_pipeline_update
+    step = source(member("before_pipeline_update", PipelineEngine, "_exec_optimizer_step"))
+    relies("before_pipeline_update", "PipelineEngine._exec_optimizer_step", "self._take_model_step(lr_kwargs)" in step,
+           "it no longer applies the update through self._take_model_step(lr_kwargs)")
+    calls = []
+    engine = types.SimpleNamespace(_take_model_step=lambda lr_kwargs=None: calls.append(("step", lr_kwargs)))
+    before_pipeline_update(engine, lambda: calls.append("first"))
+    engine._take_model_step({"lr": 1})
+    assert calls == ["first", ("step", {"lr": 1})]

@@ -105,3 +105,19 @@ def test_one_experts_lora_builds():
     cfg = _cfg("model.lora.rank=4", "model.experts.train=low_noise")
     model = build_model(cfg, {}, ParallelContext.single())
     assert any("lora_A" in n for n, p in model.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("stage, train, refused", [(3, "both", True), (2, "both", True), (3, "high_noise", False),
+                                                   (1, "both", False)])
+def test_zero2_and_3_with_both_experts_are_refused_by_name(stage, train, refused):
+    """Both experts at ZeRO-2 train other weights than one process, ZeRO-3 fails (tests/distributed/
+    test_wan22_idle_expert.py runs ZeRO 0 and 1, and ZeRO-2's mismatch): refused with what works; one expert per
+    run passes at any stage, both at ZeRO-1."""
+    from parallel.check import check
+    _, problems = check(_cfg(f"model.experts.train={train}"), {"zero_optimization": {"stage": stage}}, "z.json",
+                        world_size=2)
+    words = [p for p in problems if "experts trained together" in p]
+    assert bool(words) == refused and (refused or problems == []), problems
+    if refused:
+        assert words[0].startswith(f"z.json: zero_optimization.stage={stage} with 2 experts trained together") and \
+               "use stage 1 (or 0)" in words[0] and "model.experts.train=high_noise" in words[0]

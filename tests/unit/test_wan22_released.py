@@ -149,6 +149,11 @@ def test_sampling_switches_experts_and_guidance_as_the_pipeline(release):
     torch.testing.assert_close(got, want)
     assert [float(t[0]) for t in seen[::2]] == pipe.scheduler.timesteps.tolist()
     assert expert_of(cfg.model, torch.stack(seen[::2])[:, 0]).unique().tolist() == [0, 1]      # the switch is in it
+    # python -m parallel.sample's --guidance-2, over val.guidance_scale_2: the same latents.
+    from parallel.sample import guidance_of, parse_args
+    args = parse_args(["--config", "debug-wan22", "--out", "x.safetensors", "--guidance", "2", "--guidance-2", "3.5"])
+    flagged = guidance_of(args, load_config("debug-wan22", overrides(folder, "val.guidance_scale_2=1.0")), 2.0)
+    torch.testing.assert_close(sample(predict, noise, Objective.of(cfg.model), 6, "unipc", flagged), want)
     # With one guidance throughout, another result: guidance_scale_2 is used.
     assert not torch.allclose(sample(predict, noise, Objective.of(cfg.model), 6, "unipc", 2.0), want)
 
@@ -163,6 +168,14 @@ def test_guidance_scale_2_is_refused_for_one_transformer():
         with pytest.raises(ValueError, match=rf"val.guidance_scale_2=3.5: {words}; {fix}"):
             family_guidance(family(cfg.model), cfg.model, 2.0, 3.5)
         assert family_guidance(family(cfg.model), cfg.model, 2.0, None) == 2.0
+    # python -m parallel.sample --guidance-2 on one transformer: refused naming the flag, before a model loads.
+    from parallel.sample import check_args, parse_args
+    from parallel.check import check
+    args = parse_args(["--config", "debug-wan", "--out", "x.safetensors", "--prompt-embeds", "p.safetensors",
+                       "--guidance-2", "3.5"])
+    cfg = load_config("debug-wan", ["data.text_encoder=t5"])
+    problems = check_args(args, cfg, check(cfg)[0])
+    assert any(p.startswith("--guidance-2 3.5: model debug-wan has one transformer") for p in problems), problems
 
 
 def test_the_release_folders_scheduler_is_checked(release, tmp_path):

@@ -22,6 +22,13 @@ guard_pipeline_updates(engine, decide)  (0.19.8)
     relies   PipelineEngine._exec_optimizer_step calling self._take_model_step(lr_kwargs); total_loss on
              the last stage holding the sum of the micro-batches' detached losses at that point;
              gradient_accumulation_steps(); mpu.get_data_parallel_group(); is_last_stage()
+
+before_pipeline_update(engine, fn)  (0.19.8)
+    does     the pipeline engine's optimizer step first calls fn() (on every rank)
+    why      train_batch runs forward, backward and the update in one call: what the update needs from the
+             whole batch (the experts no sample chose, parallel/train/experts.py) is known only inside it
+    relies   PipelineEngine._exec_optimizer_step calling self._take_model_step(lr_kwargs) on every rank, after
+             the last micro-batch's backward
 """
 from __future__ import annotations
 
@@ -81,3 +88,14 @@ def guard_pipeline_updates(engine, decide) -> dict:
 
     engine._take_model_step = guarded
     return state
+
+
+def before_pipeline_update(engine, fn) -> None:
+    """Call fn() at the start of every optimizer step of a PipelineEngine's train_batch."""
+    take = engine._take_model_step
+
+    def first_fn(lr_kwargs=None):
+        fn()
+        return take(lr_kwargs)
+
+    engine._take_model_step = first_fn
