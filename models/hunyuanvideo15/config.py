@@ -22,9 +22,6 @@ class HunyuanVideo15Config(ModelConfig):
     rows, text_embed_dim channels). A row whose channels are all zero is padding (the pipelines' masks)."""
 
     POS_EMBEDS: ClassVar[tuple[str, ...]] = ("rope3d",)      # rotary over (t, h, w) with rope_axes_dim channels
-    # The attention takes the text mask (SequenceAttention's attend with extra arguments): Ulysses only, no ring yet.
-    RING_ATTENTION: ClassVar[bool] = False
-
     family: Literal["hunyuanvideo15"] = "hunyuanvideo15"
     num_layers: int = Field(54, ge=1, description="dual-stream blocks")
     num_refiner_layers: int = Field(2, ge=1, description="token refiner blocks on the Qwen2.5-VL states")

@@ -6,7 +6,6 @@ mask and image states, ClassifierFreeGuidance with a negative prompt, Qwen and b
 """
 import types
 
-import pytest
 import torch
 from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
 
