@@ -43,6 +43,9 @@ class HunyuanVideo15Config(ModelConfig):
                                                 "row and column position")
     rope_theta: float = Field(256.0, gt=0)
     objective: Literal["v_prediction", "flow_matching"] = "flow_matching"
+    image_condition: bool = Field(False, description="image-to-video training and sampling: the first frame's latents "
+                                  "and a mask on the condition channels (HunyuanVideo15ImageToVideoPipeline's); "
+                                  "false: zeros (text-to-video)")
     task_type: Literal["t2v", "i2v"] = Field("t2v", description="the release's task_type (config.json; the "
                                              "transformer is the same, the pipeline differs)")
     target_size: int = Field(640, ge=1, description="the release's target_size (config.json: the pipeline's "
