@@ -14,7 +14,8 @@ class HunyuanVideo15Config(ModelConfig):
     8.3B release's (480p and 720p, T2V and I2V share the transformer's shape).
 
     The transformer takes 2 in_channels + 1 channels (the noisy latents, the condition latents, a mask: zeros for
-    text-to-video, the first frame's latents and a 1 on its frame for image-to-video) and predicts in_channels.
+    text-to-video, the first frame's latents and a 1 on its frame for image-to-video, `image_condition`:
+    models/hunyuanvideo15/image.py) and predicts in_channels.
 
     The text input [max_text_len, text_embed_dim] carries three encoders' states as rows, in diffusers' order:
     `image_len` SigLIP image states (the first image_dim channels; all zero for text-to-video), `glyph_len` byT5
