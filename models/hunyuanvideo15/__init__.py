@@ -10,6 +10,7 @@ from models.hunyuanvideo.blocks import HunyuanBlock
 from models.hunyuanvideo.embed import FinalStage
 from models.hunyuanvideo15.config import HunyuanVideo15Config
 from models.hunyuanvideo15.embed import EmbedStage
+from models.hunyuanvideo15.image import image_condition
 from models.hunyuanvideo15.pipeline import QWEN_BYT5, SAMPLING, Hunyuan15Latents
 from models.hunyuanvideo15.released import DIFFUSERS
 from models.spec import FamilySpec
@@ -28,7 +29,7 @@ SPEC = FamilySpec(
     layer_noun="block",
     recompute_parts={"attention": ("attn.core",), "mlp": ("ffn",)},
     released=DIFFUSERS,
-    condition=None,                          # text-to-video training (zero condition channels)
+    condition=image_condition,               # model.image_condition: the first frame's latents and mask
     vae=Hunyuan15Latents(),                  # latents z * scaling_factor
     text_encoder=QWEN_BYT5,                  # Qwen2.5-VL + byT5 (+ SigLIP) rows (not prepared yet)
     timesteps=PER_SAMPLE,

@@ -14,7 +14,8 @@ class HunyuanVideo15Config(ModelConfig):
     8.3B release's (480p and 720p, T2V and I2V share the transformer's shape).
 
     The transformer takes 2 in_channels + 1 channels (the noisy latents, the condition latents, a mask: zeros for
-    text-to-video, the first frame's latents and a 1 on its frame for image-to-video) and predicts in_channels.
+    text-to-video, the first frame's latents and a 1 on its frame for image-to-video, `image_condition`:
+    models/hunyuanvideo15/image.py) and predicts in_channels.
 
     The text input [max_text_len, text_embed_dim] carries three encoders' states as rows, in diffusers' order:
     `image_len` SigLIP image states (the first image_dim channels; all zero for text-to-video), `glyph_len` byT5
@@ -22,9 +23,6 @@ class HunyuanVideo15Config(ModelConfig):
     rows, text_embed_dim channels). A row whose channels are all zero is padding (the pipelines' masks)."""
 
     POS_EMBEDS: ClassVar[tuple[str, ...]] = ("rope3d",)      # rotary over (t, h, w) with rope_axes_dim channels
-    # The attention takes the text mask (SequenceAttention's attend with extra arguments): Ulysses only, no ring yet.
-    RING_ATTENTION: ClassVar[bool] = False
-
     family: Literal["hunyuanvideo15"] = "hunyuanvideo15"
     num_layers: int = Field(54, ge=1, description="dual-stream blocks")
     num_refiner_layers: int = Field(2, ge=1, description="token refiner blocks on the Qwen2.5-VL states")
@@ -46,6 +44,9 @@ class HunyuanVideo15Config(ModelConfig):
                                                 "row and column position")
     rope_theta: float = Field(256.0, gt=0)
     objective: Literal["v_prediction", "flow_matching"] = "flow_matching"
+    image_condition: bool = Field(False, description="image-to-video training and sampling: the first frame's latents "
+                                  "and a mask on the condition channels (HunyuanVideo15ImageToVideoPipeline's); "
+                                  "false: zeros (text-to-video)")
     task_type: Literal["t2v", "i2v"] = Field("t2v", description="the release's task_type (config.json; the "
                                              "transformer is the same, the pipeline differs)")
     target_size: int = Field(640, ge=1, description="the release's target_size (config.json: the pipeline's "

@@ -7,8 +7,9 @@
   states of the caption's quoted text (256 rows) and, for image-to-video, SigLIP states of the first frame (729
   rows), packed as rows of one text input (models/hunyuanvideo15/config.py). The toolkit does not encode captions
   this way yet: `prepared=False`, so `prepare_data` and `data.text_encoder` refuse the family by name.
-- Scheduler: FlowMatchEulerDiscreteScheduler with the release's shift (model.schedule.shift); validation samples
-  with the toolkit's `flow_euler`.
+- Scheduler: FlowMatchEulerDiscreteScheduler with the release's shift (model.schedule.shift), given the sigmas
+  linspace(1, 0, steps + 1)[:-1] as HunyuanVideoPipeline's: the toolkit's `flow_linear` (the default); guidance
+  ClassifierFreeGuidance's u + g (c - u); text-to-video feeds zero condition latents, mask and image states.
 """
 from __future__ import annotations
 
@@ -32,4 +33,4 @@ class Hunyuan15Latents(HunyuanLatents):
 QWEN_BYT5 = TextEncoderFormat(class_name="Qwen2_5_VLTextModel", model_type="qwen2_5_vl", masked=True, clean=False,
                               prepared=False)
 
-SAMPLING = Sampling(samplers={"flow_matching": ("flow_euler", "euler")}, scheduler=None)
+SAMPLING = Sampling(samplers={"flow_matching": ("flow_linear", "flow_euler", "euler")}, scheduler=None)

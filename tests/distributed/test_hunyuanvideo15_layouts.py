@@ -4,11 +4,12 @@ process.
 One spawn serves every case: the tiny random release (tests/unit/test_hunyuanvideo15.py's `released` fixture: 2
 dual-stream blocks) loaded at (tp, pp) = (1, 1), (2, 1), (1, 2), (2, 2) and at sp 2 (tp 1 and tp 2) predicts what
 diffusers predicts on text-to-video and image-to-video inputs (sp 2 splits the 16 text + 72 video tokens so that
-one rank holds all the text, the other none); at tp 2 the gradients of a loss equal diffusers' own (the embed
+one rank holds all the text, the other none), and so do ring 2 and Ulysses 2 x ring 2 (the joint attention's
+padding text rows masked as keys round the ring); at tp 2 the gradients of a loss equal diffusers' own (the embed
 stage's projections and condition embeddings replicated, the replicated q/k RMSNorm weights summed over ranks),
 and one block's forward issues the four all-reduces of a dual-stream block; tp 2 x pp 2 exports a diffusers
-folder that `from_pretrained` reads back bit for bit; and three training steps at tp 2 x pp 2 and at sp 2 x dp 2
-equal one process, and so do three steps of rank-4 adapters at tp 2 x pp 2.
+folder that `from_pretrained` reads back bit for bit; and three training steps at tp 2 x pp 2, at sp 2 x dp 2 and
+at Ulysses 2 x ring 2 equal one process, and so do three steps of rank-4 adapters at tp 2 x pp 2.
 """
 import json
 from pathlib import Path
@@ -24,20 +25,23 @@ from tests.distributed.test_hunyuanvideo_layouts import hunyuan_fp32_config
 from tests.unit.test_hunyuanvideo15 import DIFFUSERS, diffusers_forward, inputs, overrides, released  # noqa: F401
 
 PRESET = "debug-hunyuan15"
-LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2)]     # (tp, pp, sp); dp fills 4 ranks
-TRAIN_LAYOUTS = [(2, 2, 1, 1), (1, 1, 2, 2)]                                     # (tp, pp, sp, dp)
+# (tp, pp, sp, ring); dp fills 4 ranks; sp 4 with ring 2 is Ulysses 2 x ring 2
+LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1), (1, 1, 2, 1), (2, 1, 2, 1), (1, 1, 2, 2),
+           (1, 1, 4, 2)]
+TRAIN_LAYOUTS = [(2, 2, 1, 1, 1), (1, 1, 2, 2, 1), (1, 1, 4, 1, 2)]             # (tp, pp, sp, dp, ring)
 # Adapters on the video q (one part of the column-parallel [q; k; v]), the text k and the row-parallel text output.
 LORA = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[to_q,add_k_proj,to_add_out]")
 
 
-def _model(folder, tp, pp, sp, world_size):
+def _model(folder, tp, pp, sp, world_size, ring=1):
     from parallel.build import build_model
     from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.weights.diffusers import load_released
 
     cfg = load_config(PRESET, overrides(folder) + [f"parallel.tp_size={tp}", f"parallel.pp_size={pp}",
-                                                   f"parallel.sp_size={sp}"])
-    ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=world_size // (tp * pp * sp)))
+                                                   f"parallel.sp_size={sp}", f"parallel.ring_size={ring}"])
+    ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, ring_size=ring, pp_size=pp,
+                                             dp_size=world_size // (tp * pp * sp)))
     model = build_model(cfg, {}, ctx)
     load_released(model, ctx, cfg.model, folder)
     return cfg, ctx, model
@@ -57,12 +61,12 @@ def _rank(rank, world_size, folder, export_dir):
 
     deepspeed.init_distributed(dist_backend=accelerator.backend())
     out = {}
-    for tp, pp, sp in LAYOUTS:
-        cfg, ctx, model = _model(folder, tp, pp, sp, world_size)
+    for tp, pp, sp, ring in LAYOUTS:
+        cfg, ctx, model = _model(folder, tp, pp, sp, world_size, ring)
         forward = StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx)
         for i2v in (False, True):
             x = inputs(i2v)
-            out[("predict", tp, pp, sp, i2v)] = forward.predict(x, x[0][:, :4].contiguous())  # like: the 4 predicted channels
+            out[("predict", tp, pp, sp, ring, i2v)] = forward.predict(x, x[0][:, :4].contiguous())  # like: the 4 predicted channels
         if (tp, pp) == (2, 2):
             export_diffusers(model, ctx, cfg, Path(export_dir), max_shard_bytes=2_000_000)
     cfg, ctx, model = _model(folder, 2, 1, 1, world_size)
@@ -75,8 +79,9 @@ def _rank(rank, world_size, folder, export_dir):
     torch.nn.functional.mse_loss(model.final(model.blocks[1](h)), target).backward()
     out["grads"] = dict(full_tensors(model, ctx, cfg.model.num_layers, value=lambda p: p.grad))
     ds = hunyuan_fp32_config()
-    for tp, pp, sp, dp in TRAIN_LAYOUTS:
-        out[("train", tp, pp, sp, dp)] = _train_rank(rank, world_size, tp, pp, dp, ds, 3, (), sp, PRESET, 0)
+    for tp, pp, sp, dp, ring in TRAIN_LAYOUTS:
+        out[("train", tp, pp, sp, dp, ring)] = _train_rank(rank, world_size, tp, pp, dp, ds, 3,
+                                                           (f"parallel.ring_size={ring}",), sp, PRESET, 0)
     out["lora"] = _train_rank(rank, world_size, 2, 2, 1, ds, 3, LORA, 1, PRESET, 0)
     return out
 
@@ -91,9 +96,9 @@ def test_hunyuanvideo15_in_every_layout(released, tmp_path):
     for i2v in (False, True):
         want = diffusers_forward(model, inputs(i2v))
         for rank, out in enumerate(results):
-            for tp, pp, sp in LAYOUTS:
-                torch.testing.assert_close(out[("predict", tp, pp, sp, i2v)], want,
-                                           msg=lambda m: f"tp={tp} pp={pp} sp={sp} i2v={i2v} rank {rank}: {m}")
+            for tp, pp, sp, ring in LAYOUTS:
+                torch.testing.assert_close(out[("predict", tp, pp, sp, ring, i2v)], want, msg=lambda m: f"tp={tp} "
+                                           f"pp={pp} sp={sp} ring={ring} i2v={i2v} rank {rank}: {m}")
 
     # Gradients at tp 2 equal diffusers' (names through the released format's map).
     from parallel.weights.diffusers_export import to_diffusers
@@ -126,7 +131,7 @@ def test_hunyuanvideo15_in_every_layout(released, tmp_path):
     for name, value in again.state_dict().items():
         assert torch.equal(value, original[name]), name
 
-    # Training: tp 2 x pp 2 and sp 2 x dp 2 equal one process, 3 steps; adapters at tp 2 x pp 2 too.
+    # Training: tp 2 x pp 2, sp 2 x dp 2 and Ulysses 2 x ring 2 equal one process, 3 steps; adapters at tp 2 x pp 2.
     for key, want in [(("train", *layout), reference) for layout in TRAIN_LAYOUTS] + [("lora", lora_reference)]:
         rows = [r[key] for r in results]
         run = {"losses": rows[0]["losses"], "all_losses": [r["losses"] for r in rows],

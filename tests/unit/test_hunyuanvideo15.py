@@ -108,19 +108,24 @@ def test_presets_count_the_parameters_diffusers_builds():
     assert count_params(ActivationTracer(load_config("hunyuanvideo1.5-t2v-720p"), torch.bfloat16))[0] == want
 
 
-def test_the_checker_lists_tp_and_sp_sizes_for_16_heads():
-    """16 heads: tp and sp 8 divide them, 32 does not (the heads decide)."""
+def test_the_checker_lists_tp_sizes_and_ulysses_ring_pairs_for_16_heads():
+    """16 heads: tp 8 divides them, 32 does not (the heads decide); sp 32 is Ulysses 16 x ring 2 (the joint attention
+    rings with its text mask), and Ulysses alone at 32 is refused with the pairs that work."""
     from parallel.check import check
     preset = "hunyuanvideo1.5-t2v-720p"
     _, problems = check(load_config(preset, ["parallel.sp_size=1", "parallel.tp_size=32"]), world_size=32)
     assert problems == ["model.num_heads=16 is not divisible by parallel.tp_size=32; tp sizes that divide every split "
                         "dimension of this model: 1, 2, 4, 8, 16; set --set parallel.tp_size=16"]
-    _, problems = check(load_config(preset, ["parallel.sp_size=32"]), world_size=32)
-    assert problems == ["model.num_heads=16 / parallel.tp_size=1 = 16 heads per tp rank is not divisible by "
-                        "parallel.sp_size=32 (attention splits them over sp ranks); sp sizes that work with "
-                        "parallel.tp_size=1: 1, 2, 4, 8, 16; set --set parallel.sp_size=16"]
-    for sizes in (["parallel.sp_size=8"], ["parallel.sp_size=1", "parallel.tp_size=8"]):
-        assert check(load_config(preset, sizes), world_size=8)[1] == []
+    layout, problems = check(load_config(preset, ["parallel.sp_size=32"]), world_size=32)
+    assert (layout.ring_size, problems) == (2, [])
+    _, problems = check(load_config(preset, ["parallel.sp_size=32", "parallel.ring_size=1"]), world_size=32)
+    assert problems == ["model.num_heads=16 / parallel.tp_size=1 = 16 heads per tp rank is not divisible by the "
+                        "Ulysses degree parallel.sp_size / parallel.ring_size = 32 / 1 = 32; (ulysses, ring) pairs "
+                        "that work for sp 32: ulysses 1 x ring 32, ulysses 2 x ring 16, ulysses 4 x ring 8, ulysses "
+                        "8 x ring 4, ulysses 16 x ring 2; set --set parallel.ring_size=2"]
+    for sizes, world in ((["parallel.sp_size=8"], 8), (["parallel.sp_size=1", "parallel.tp_size=8"], 8),
+                         (["parallel.sp_size=16", "parallel.ring_size=4"], 16)):
+        assert check(load_config(preset, sizes), world_size=world)[1] == [], sizes
 
 
 def test_wrong_config_is_refused_by_key(released, tmp_path):
