@@ -8,9 +8,10 @@ model.schedule.sigma_min 1e-5, val.sampler opensora), each against a re-statemen
   (sampling.py:159-223: three predictions per step, oscillating text and image guidance, text-to-video's zero
   condition) on the tiny checkpoint of tests/unit/test_opensora2.py equal to the toolkit's sampler on the toolkit's
   model read from that checkpoint, over 12 steps (the oscillation starts at step 10).
+- the training batches (parallel/train/data.py) carry that draw, x_t and target per sample.
 Training through the draw in split layouts needs no test of its own: the draw happens per sample in the data path
-before the model (parallel/train/data.py, from the sample's generator), so every layout sees the tensors the
-one-process path makes here.
+before the model, from the sample's generator keyed on its global position, so every layout feeds the model the
+tensors the one-process batches hold here (and the layouts' equality to one process is the family's own tests').
 """
 import math
 
@@ -133,3 +134,22 @@ def test_mixes_refused_by_name():
     from models.wan import SPEC as WAN
     with pytest.raises(ValueError, match=r"unknown sampler 'opensora'|does not fit"):
         check_sampler("flow_matching", "opensora", WAN.sampling.samplers)
+
+
+def test_training_batches_draw_opensoras_noise_levels():
+    """The data path (parallel/train/data.py DiffusionBatches, the family's draw from each sample's generator after
+    its noise) gives the model 1000 s and Open-Sora's x_t and target at each sample's own s."""
+    from parallel.train.data import DiffusionBatches, SyntheticLatents, _generator
+    model = load_config("opensora2.0").model
+    dataset = SyntheticLatents(4, 4, (3, 8, 12), 6, 10, seed=5)
+    batches = DiffusionBatches(dataset, Objective.of(model), seed=9, micro_batch=2, grad_accum=1, dp_rank=0,
+                               dp_size=1, timesteps=SPEC.timesteps, model=model)
+    (x_t, t, _), target = batches.micro_batch(0, 0)
+    for j in range(2):
+        x_0 = dataset[batches.sample_index(j)][0]
+        g = _generator(9, "noise", j)
+        x_1 = torch.randn(x_0.shape, generator=g)
+        s = opensora_draw(g, x_0.shape)
+        assert torch.equal(t[j:j + 1], s * 1000)
+        assert torch.equal(x_t[j], (1 - s) * x_0 + (1 - (1 - 1e-5) * (1 - s)) * x_1)
+        assert torch.equal(target[j], (1 - 1e-5) * x_1 - x_0)
