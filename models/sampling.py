@@ -24,9 +24,9 @@
                             linspace(1, 0, steps + 1) in float32, shifted by the sample's resolution
                             (get_schedule:307-332 with flow_shift unset: models/diffusion.py `open_sora_shift` of the
                             noise's [T, H, W]; model.schedule.shift is not read); the model sees 1000 s;
-                            x <- x + (s_next - s) u (I2VDenoiser.denoise:159-223). Its guidance, text-to-video:
+                            x <- x + (s_next - s) u (I2VDenoiser.denoise:159-226). Its guidance, text-to-video:
                             u + g_i (c - u), with g_i = g for the first 10 steps and the even ones, 1 on the odd
-                            ones after (get_oscillation_gs:120-138; text_osci=True in configs/diffusion/inference/
+                            ones after (get_oscillation_gs:120-133; text_osci=True in configs/diffusion/inference/
                             256px.py, 768px.py), both predictions made at every step. Its image guidance multiplies
                             the difference of two predictions whose condition is the same zeros in text-to-video
                             (uncond - uncond_2 = 0): nothing to set.
@@ -100,7 +100,7 @@ def linear_flow_sigmas(steps: int, shift: float) -> torch.Tensor:
 
 
 def open_sora_sigmas(steps: int, shift: float) -> torch.Tensor:
-    """Open-Sora 2.0's noise levels (opensora/utils/sampling.py:315, 330): time_shift(shift, linspace(1, 0,
+    """Open-Sora 2.0's noise levels (opensora/utils/sampling.py:317, 330): time_shift(shift, linspace(1, 0,
     steps + 1)), [steps + 1] float32 ending at 0."""
     return time_shift(shift, torch.linspace(1, 0, steps + 1))
 

@@ -2,8 +2,8 @@
 
 - uniform (HunyuanVideo): an integer timestep uniform over [0, 1000), shifted by model.schedule.shift
   (models/diffusion.py `PerSample`).
-- opensora (Open-Sora 2.0, hpcaitech/Open-Sora scripts/diffusion/train.py:384-390): t = sigmoid(n), n ~ N(0, 1)
-  (a logit-normal draw), then shifted by the sample's own resolution, s = a t / (1 + (a - 1) t) with
+- opensora (Open-Sora 2.0, hpcaitech/Open-Sora @ 7ad6a96, scripts/diffusion/train.py:384-390): t = sigmoid(n),
+  n ~ N(0, 1) (a logit-normal draw), then shifted by the sample's own resolution, s = a t / (1 + (a - 1) t) with
   a = (1 + (patches per latent frame - 256) / 1920) x sqrt(latent frames) (models/diffusion.py `open_sora_shift`),
   so each bucket gets its own shift; model.schedule.shift is not read. The draw is the noise level s itself
   (a float32 [1]): models/diffusion.py noises with it (and model.schedule.sigma_min) and the model sees 1000 s, as

@@ -1,11 +1,12 @@
 """Open-Sora 2.0's training timesteps and sampler (configs/opensora2.0.yaml: model.train_timesteps opensora,
-model.schedule.sigma_min 1e-5, val.sampler opensora), each against a re-statement of hpcaitech/Open-Sora's code:
+model.schedule.sigma_min 1e-5, val.sampler opensora), each against a re-statement of hpcaitech/Open-Sora's code
+(line numbers at its commit 7ad6a96):
 
 - the draw: scripts/diffusion/train.py:384-390 (sigmoid of a normal draw, then get_res_lin_function x sqrt(T) and
   time_shift) on the same generator gives the same noise levels bit for bit, at several buckets;
 - the noising: train.py:433-434 (x_t with sigma_min) and the target of train.py:443/462;
 - the sampler: get_schedule (opensora/utils/sampling.py:307-332) sigmas bit for bit, and I2VDenoiser.denoise
-  (sampling.py:159-223: three predictions per step, oscillating text and image guidance, text-to-video's zero
+  (sampling.py:159-226: three predictions per step, oscillating text and image guidance, text-to-video's zero
   condition) on the tiny checkpoint of tests/unit/test_opensora2.py equal to the toolkit's sampler on the toolkit's
   model read from that checkpoint, over 12 steps (the oscillation starts at step 10).
 - the training batches (parallel/train/data.py) carry that draw, x_t and target per sample.
@@ -83,7 +84,7 @@ def test_sampler_sigmas_are_opensoras(steps, shape):
 
 
 def opensora_denoise(model, img, text, neg, timesteps, guidance, guidance_img):
-    """I2VDenoiser.denoise (sampling.py:159-223), text-to-video (masks and masked_ref zeros: the three rows' cond
+    """I2VDenoiser.denoise (sampling.py:159-226), text-to-video (masks and masked_ref zeros: the three rows' cond
     the same zeros, which opensora_forward feeds), text_osci = image_osci = True, no temporal oscillation."""
     osci = lambda gs, i: gs if i < 10 or (i >= 10 and i % 2 == 0) else 1.0   # noqa: E731  get_oscillation_gs
     txt = torch.cat([text, neg, neg])                                       # prepare_guidance: text + neg + neg
