@@ -33,6 +33,9 @@ class NoiseSchedule(Section):
     shift: float = Field(1.0, gt=0, description="flow_matching's timestep shift: noise level sigma = shift s / "
                          "(1 + (shift - 1) s) at s = t / 1000 (diffusers' shift / flow_shift; Wan 2.1: 3.0 at 480p, "
                          "5.0 at 720p)")
+    sigma_min: float = Field(0.0, ge=0, lt=1, description="flow_matching's noise floor: x_t = (1 - s) x0 + (1 - (1 "
+                             "- sigma_min)(1 - s)) e, target (1 - sigma_min) e - x0 (Open-Sora 2.0: 1e-5); 0: "
+                             "x_t = (1 - s) x0 + s e")
 
 
 class LoraConfig(Section):
@@ -107,6 +110,14 @@ class ModelConfig(Section):
         if isinstance(data, dict) and data.get("pos_embed") is None and cls.POS_EMBEDS:
             data = {**data, "pos_embed": cls.POS_EMBEDS[0]}
         return data
+
+    @model_validator(mode="after")
+    def _flow_noise_floor(self) -> "ModelConfig":
+        if self.objective != "flow_matching" and self.schedule.sigma_min:
+            raise ValueError(f"model.schedule.sigma_min={self.schedule.sigma_min} is flow matching's noise floor "
+                             f"(Open-Sora 2.0: 1e-5); model.objective={self.objective} takes 0: set --set "
+                             f"model.schedule.sigma_min=0 or model.objective=flow_matching")
+        return self
 
     @model_validator(mode="after")
     def _heads_times_dim(self) -> "ModelConfig":

@@ -20,6 +20,16 @@
     flow_linear (flow_matching)  HunyuanVideoPipeline's: it passes sigmas = linspace(1, 0, steps + 1)[:-1] to
                             FlowMatchEulerDiscreteScheduler(shift=k), which shifts them in float32, s = k r / (1 +
                             (k - 1) r), then 0; the model sees 1000 s; x <- x + (s_next - s) u.
+    opensora (flow_matching)  Open-Sora 2.0's (hpcaitech/Open-Sora opensora/utils/sampling.py): sigmas
+                            linspace(1, 0, steps + 1) in float32, shifted by the sample's resolution
+                            (get_schedule:307-332 with flow_shift unset: models/diffusion.py `open_sora_shift` of the
+                            noise's [T, H, W]; model.schedule.shift is not read); the model sees 1000 s;
+                            x <- x + (s_next - s) u (I2VDenoiser.denoise:159-226). Its guidance, text-to-video:
+                            u + g_i (c - u), with g_i = g for the first 10 steps and the even ones, 1 on the odd
+                            ones after (get_oscillation_gs:120-133; text_osci=True in configs/diffusion/inference/
+                            256px.py, 768px.py), both predictions made at every step. Its image guidance multiplies
+                            the difference of two predictions whose condition is the same zeros in text-to-video
+                            (uncond - uncond_2 = 0): nothing to set.
     unipc  (flow_matching)  UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                             flow_shift=model.schedule.shift), Wan 2.1's release sampler: models/unipc.py.
 
@@ -36,7 +46,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from models.diffusion import NUM_TRAIN_TIMESTEPS, Objective
+from models.diffusion import NUM_TRAIN_TIMESTEPS, Objective, open_sora_shift, time_shift
 from models.unipc import unipc_sample, unipc_schedule
 
 # predict(x_t [B, C, T, H, W], t [B] int64 (float32: flow_euler), conditional) -> v (v_prediction) or u (flow_matching)
@@ -44,7 +54,8 @@ Predictor = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
 # Every sampler below, by the objective it integrates; a family lists those its pipeline offers, the first the
 # default (FamilySpec.sampling.samplers).
-SAMPLERS = {"v_prediction": ("ddim", "dpm"), "flow_matching": ("euler", "flow_euler", "flow_linear", "unipc")}
+SAMPLERS = {"v_prediction": ("ddim", "dpm"),
+            "flow_matching": ("euler", "flow_euler", "flow_linear", "opensora", "unipc")}
 
 
 def check_sampler(objective_kind: str, sampler: str | None, offered: Optional[dict] = None) -> str:
@@ -88,6 +99,18 @@ def linear_flow_sigmas(steps: int, shift: float) -> torch.Tensor:
     return torch.cat([torch.from_numpy(s).float(), torch.zeros(1)])
 
 
+def open_sora_sigmas(steps: int, shift: float) -> torch.Tensor:
+    """Open-Sora 2.0's noise levels (opensora/utils/sampling.py:317, 330): time_shift(shift, linspace(1, 0,
+    steps + 1)), [steps + 1] float32 ending at 0."""
+    return time_shift(shift, torch.linspace(1, 0, steps + 1))
+
+
+def oscillating_guidance(guidance_scale: float, i: int) -> float:
+    """Open-Sora 2.0's text guidance at step i (get_oscillation_gs, force_num 10): g before step 10 and on even
+    steps, 1 on odd steps from 10 on."""
+    return guidance_scale if i < 10 or i % 2 == 0 else 1.0
+
+
 def ddpm_timesteps(steps: int, spacing: str = "trailing") -> list[int]:
     """diffusers' set_timesteps of the CogVideoX schedulers (steps_offset 0), in its numpy arithmetic."""
     n = NUM_TRAIN_TIMESTEPS
@@ -108,8 +131,8 @@ def sampling_timesteps(objective_kind: str, steps: int, sampler: str | None = No
         raise ValueError(f"steps must be in [1, {NUM_TRAIN_TIMESTEPS}], got {steps}")
     if sampler in ("ddim", "dpm"):
         return ddpm_timesteps(steps, spacing)
-    if sampler in ("flow_euler", "flow_linear"):
-        sigmas = flow_match_sigmas if sampler == "flow_euler" else linear_flow_sigmas
+    if sampler in ("flow_euler", "flow_linear", "opensora"):
+        sigmas = {"flow_euler": flow_match_sigmas, "flow_linear": linear_flow_sigmas}.get(sampler, open_sora_sigmas)
         return (sigmas(steps, shift)[:-1] * NUM_TRAIN_TIMESTEPS).tolist()
     if sampler == "unipc":
         return unipc_schedule(steps, shift)[1]
@@ -138,14 +161,14 @@ def family_guidance(spec, model, guidance_scale: float, guidance_scale_2: Option
     return spec.sampling.guidance(model, guidance_scale, guidance_scale_2)
 
 
-def _guided(predict: Predictor, x: torch.Tensor, t, guidance_scale) -> torch.Tensor:
+def _guided(predict: Predictor, x: torch.Tensor, t, guidance_scale, both: bool = False) -> torch.Tensor:
     """t: an int timestep, or a 0-dim float32 tensor (flow_euler's fractional ones); guidance_scale a float or a
-    function of t (guidance_at)."""
+    function of t (guidance_at). both: u + 1 (c - u) at scale 1, as a sampler that always makes both calls."""
     guidance_scale = guidance_at(guidance_scale, t, 0, False)
     tt = torch.full((x.shape[0],), t, dtype=torch.long, device=x.device) if isinstance(t, int) \
         else t.to(x.device).expand(x.shape[0])
     c = predict(x, tt, True).float()
-    if guidance_scale == 1.0:
+    if guidance_scale == 1.0 and not both:
         return c
     u = predict(x, tt, False).float()
     return u + guidance_scale * (c - u)
@@ -198,6 +221,16 @@ def sample(predict: Predictor, noise: torch.Tensor, objective: Objective, steps:
     spacing = objective.schedule.timestep_spacing
     timesteps = sampling_timesteps(objective.kind, steps, sampler, spacing)
     x = noise.float()
+    if sampler == "opensora":
+        if use_dynamic_cfg:
+            raise ValueError("val.use_dynamic_cfg is CogVideoX's guidance; the opensora sampler oscillates its own "
+                             "(set --set val.use_dynamic_cfg=false, or another sampler)")
+        sigmas = open_sora_sigmas(steps, open_sora_shift(tuple(noise.shape)))
+        for i in range(steps):
+            g = oscillating_guidance(guidance_scale, i)
+            u = _guided(predict, x, sigmas[i] * NUM_TRAIN_TIMESTEPS, g, both=guidance_scale != 1.0)
+            x = x + (sigmas[i + 1] - sigmas[i]) * u
+        return x
     if sampler == "unipc":
         return unipc_sample(lambda x_, t: _guided(predict, x_, t, guidance_scale), x, steps, objective.schedule.shift)
     if sampler in ("flow_euler", "flow_linear"):

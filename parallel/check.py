@@ -380,7 +380,10 @@ def check_outputs(cfg: ExperimentConfig) -> list[str]:
     from parallel.train.media import load_decoder
     problems = []
     try:
-        check_sampler(cfg.model.objective, v.sampler, family(cfg.model).sampling.samplers)
+        if check_sampler(cfg.model.objective, v.sampler, family(cfg.model).sampling.samplers) == "opensora" and \
+                v.use_dynamic_cfg:
+            problems.append("val.use_dynamic_cfg is CogVideoX's guidance; val.sampler=opensora oscillates its own: "
+                            "set --set val.use_dynamic_cfg=false, or another sampler")
     except ValueError as e:
         problems.append(f"val.sampler={v.sampler}: {e}")
     try:

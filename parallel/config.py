@@ -170,12 +170,13 @@ class ValConfig(Section):
     use_ema: bool = Field(False, description="validate and sample with the EMA weights (FusedEmaAdam/EmaAdamW)")
     num_prompts: int = Field(0, ge=0, description="prompts to sample videos for; 0 = no videos")
     sample_steps: int = Field(20, ge=1)
-    sampler: Optional[Literal["ddim", "dpm", "euler", "flow_euler", "flow_linear", "unipc"]] = Field(
+    sampler: Optional[Literal["ddim", "dpm", "euler", "flow_euler", "flow_linear", "opensora", "unipc"]] = Field(
         None, description="default: the first the model's family offers for its objective (FamilySpec.sampling; "
         "the built-in families: ddim for v_prediction, euler for flow_matching); dpm: v_prediction, "
         "CogVideoXDPMScheduler's DPM-Solver++(2M) SDE step; flow_euler: flow_matching, FlowMatchEulerDiscreteScheduler "
         "with shift model.schedule.shift; flow_linear: the same step on HunyuanVideoPipeline's sigmas (linspace(1, 0, "
-        "steps + 1), shifted); unipc: flow_matching, UniPCMultistepScheduler with flow sigmas and that shift "
+        "steps + 1), shifted); opensora: Open-Sora 2.0's, linspace(1, 0, steps + 1) shifted by the sample's "
+        "resolution, oscillating text guidance (HunyuanVideo family); unipc: flow_matching, UniPCMultistepScheduler with flow sigmas and that shift "
         "(Wan 2.1's)")
     guidance_scale: float = Field(1.0, ge=0, description="classifier-free guidance; 1 = off. The unconditional "
                                   "input is the data's unconditional embedding (T5 of the empty prompt)")

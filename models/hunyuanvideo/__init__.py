@@ -6,9 +6,9 @@ import math
 from models.hunyuanvideo.blocks import HunyuanBlock
 from models.hunyuanvideo.config import HunyuanVideoConfig
 from models.hunyuanvideo.embed import EmbedStage, FinalStage
-from models.diffusion import PER_SAMPLE
 from models.hunyuanvideo.pipeline import LLAMA_CLIP, SAMPLING, HunyuanLatents
 from models.hunyuanvideo.released import DIFFUSERS
+from models.hunyuanvideo.timesteps import HUNYUAN_TIMESTEPS
 from models.spec import FamilySpec
 
 SPEC = FamilySpec(
@@ -29,6 +29,6 @@ SPEC = FamilySpec(
     condition=None,                          # text-to-video
     vae=HunyuanLatents(),                    # latents z * scaling_factor
     text_encoder=LLAMA_CLIP,                 # LLaMA (or T5) states + the CLIP pooled vector per row: captions.py
-    timesteps=PER_SAMPLE,
+    timesteps=HUNYUAN_TIMESTEPS,             # uniform, or Open-Sora 2.0's (model.train_timesteps): timesteps.py
     sampling=SAMPLING,
 )

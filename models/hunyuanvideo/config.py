@@ -39,6 +39,10 @@ class HunyuanVideoConfig(ModelConfig):
     cond_embed: bool = Field(False, description="Open-Sora 2.0's cond_in: a linear of (in_channels + 1) x "
                              "patch volume inputs (a mask channel + condition latents, patched as the video) added "
                              "to the patch embedding; text-to-video feeds it zeros")
+    train_timesteps: Literal["uniform", "opensora"] = Field(
+        "uniform", description="the training draw (models/hunyuanvideo/timesteps.py): uniform, integer timesteps "
+        "shifted by model.schedule.shift; opensora, Open-Sora 2.0's sigmoid of a normal draw shifted by the "
+        "sample's own resolution (flow_matching, 2 x 2 patches)")
     hidden_size: int = 3072
     num_heads: int = 24
     head_dim: int = 128
@@ -70,6 +74,10 @@ class HunyuanVideoConfig(ModelConfig):
         if sum(self.rope_axes_dim) != self.head_dim or any(d % 2 for d in self.rope_axes_dim):
             raise ValueError(f"model.rope_axes_dim={list(self.rope_axes_dim)} must be even and sum to model.head_dim="
                              f"{self.head_dim} (the release: [16, 56, 56] for 128)")
+        if self.train_timesteps == "opensora" and (self.objective != "flow_matching" or self.patch_size != 2):
+            raise ValueError(f"model.train_timesteps=opensora is Open-Sora 2.0's flow-matching draw on 2 x 2 patches; "
+                             f"model.objective={self.objective}, model.patch_size={self.patch_size}: set "
+                             f"model.objective=flow_matching and model.patch_size=2, or model.train_timesteps=uniform")
         if self.pooled_projection_dim >= self.text_embed_dim:
             raise ValueError(f"model.text_embed_dim={self.text_embed_dim} is the LLaMA width plus model."
                              f"pooled_projection_dim={self.pooled_projection_dim}; it must be larger")

@@ -9,7 +9,9 @@ with (FamilySpec.vae, text_encoder, sampling).
 - Scheduler: FlowMatchEulerDiscreteScheduler with shift 7.0 (model.schedule.shift), given the pipeline's sigmas
   linspace(1, 0, steps + 1)[:-1]: the toolkit's `flow_linear` (the default; `flow_euler` takes that scheduler's
   own spacing). The embedded guidance is the pipeline's default guidance_scale 6.0 (x 1000); its true_cfg_scale
-  with a negative prompt is the toolkit's val.guidance_scale with the unconditional text.
+  with a negative prompt is the toolkit's val.guidance_scale with the unconditional text. Open-Sora 2.0
+  (configs/opensora2.0.yaml) samples with `opensora`: its own shifted linspace(1, 0) and oscillating text guidance
+  (models/sampling.py).
 """
 from __future__ import annotations
 
@@ -43,4 +45,4 @@ class HunyuanLatents:
 LLAMA_CLIP = TextEncoderFormat(class_name="LlamaModel", model_type="llama", masked=True, clean=False, prepared=False,
                                encoder=caption_encoder)
 
-SAMPLING = Sampling(samplers={"flow_matching": ("flow_linear", "flow_euler", "euler")}, scheduler=None)
+SAMPLING = Sampling(samplers={"flow_matching": ("flow_linear", "flow_euler", "opensora", "euler")}, scheduler=None)
