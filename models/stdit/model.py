@@ -134,7 +134,7 @@ class SelfAttention(nn.Module):
                              f"the latent frames with parallel.sp_size dividing the tokens (parallel/check.py)")
         if not self.temporal:
             return self._regrouped(q, k, v, 0, F.scaled_dot_product_attention)
-        return self._regrouped(q, k, v, 0 * start // hw,
+        return self._regrouped(q, k, v, start // hw,
                                lambda *qkv: ring(*(z.transpose(1, 2) for z in qkv)).transpose(1, 2))
 
     def _regrouped(self, q, k, v, first: int, attention):
