@@ -5,8 +5,9 @@
   pipelines do, z / scaling_factor; 4 x temporal, 16 x spatial compression, 32 channels.
 - Text: Qwen2.5-VL states (a chat template, hidden_states[-3], the template's 108 tokens cropped, 1000 rows), byT5
   states of the caption's quoted text (256 rows) and, for image-to-video, SigLIP states of the first frame (729
-  rows), packed as rows of one text input (models/hunyuanvideo15/config.py). The toolkit does not encode captions
-  this way yet: `prepared=False`, so `prepare_data` and `data.text_encoder` refuse the family by name.
+  rows), packed as rows of one text input (models/hunyuanvideo15/config.py). The family's own encoder
+  (models/hunyuanvideo15/captions.py) encodes captions so from a pipeline folder, the SigLIP rows zero
+  (text-to-video): `prepare_data --t5` and `data.text_encoder` take that folder.
 - Scheduler: FlowMatchEulerDiscreteScheduler with the release's shift (model.schedule.shift), given the sigmas
   linspace(1, 0, steps + 1)[:-1] as HunyuanVideoPipeline's: the toolkit's `flow_linear` (the default); guidance
   ClassifierFreeGuidance's u + g (c - u); text-to-video feeds zero condition latents, mask and image states.
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 from models.hunyuanvideo.pipeline import HunyuanLatents
+from models.hunyuanvideo15.captions import caption_encoder
 from models.spec import Sampling, TextEncoderFormat
 
 
@@ -31,6 +33,6 @@ class Hunyuan15Latents(HunyuanLatents):
 
 
 QWEN_BYT5 = TextEncoderFormat(class_name="Qwen2_5_VLTextModel", model_type="qwen2_5_vl", masked=True, clean=False,
-                              prepared=False)
+                              prepared=False, encoder=caption_encoder)
 
 SAMPLING = Sampling(samplers={"flow_matching": ("flow_linear", "flow_euler", "euler")}, scheduler=None)

@@ -1,0 +1,128 @@
+"""HunyuanVideo 1.5's captions as HunyuanVideo15Pipeline.encode_prompt makes them, on a tiny random
+Qwen2_5_VLTextModel (a word-level tokenizer with a chat template) and a tiny byT5 T5EncoderModel (ByT5Tokenizer)
+saved as a pipeline folder: the toolkit's packed rows are [zero SigLIP rows; the pipeline's byT5 glyph states on
+their first glyph_dim channels; its Qwen states (template, hidden_states[-3], crop)], each with its masked rows zero;
+the training data path (data.text_encoder) encodes a manifest's caption so; prepare_data names what a folder lacks.
+"""
+import json
+import types
+
+import pytest
+import torch
+from diffusers import HunyuanVideo15Pipeline
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (ByT5Tokenizer, PreTrainedTokenizerFast, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config,
+                          T5EncoderModel)
+
+from models.hunyuanvideo15.captions import CROP_START, SYSTEM_MESSAGE, QwenByT5TextEncoder, glyph_text
+from parallel.config import load_config
+from parallel.train.run import build_dataset
+
+WORDS = ["<pad>", "<unk>", "<eos>", "system", "user", "assistant", ":", ".", "a", "red", "sign", "saying", "open",
+         "moving", "left", "fast"]
+CHAT = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+        "{% if add_generation_prompt %}assistant :{% endif %}")
+QWEN, GLYPH = 32, 16                                  # debug-hunyuan15's text_embed_dim and glyph_dim
+IMAGE_LEN, GLYPH_LEN, QWEN_LEN = 4, 16, 8             # its rows, with 16 byT5 ones: room for padding rows
+ROWS = [f"model.glyph_len={GLYPH_LEN}", f"model.max_text_len={IMAGE_LEN + GLYPH_LEN + QWEN_LEN}"]
+CAPTIONS = ("a red sign saying \"open\" moving left",  # glyph 'Text "open". ': 13 bytes + EOS
+            "a sign saying “ok” and \"ok\" fast",        # two quotes, one text, deduplicated: 11 bytes + EOS
+            "a red sign")                               # no quote: zero glyph rows; 6 Qwen tokens with the template's
+
+
+
+class _NoVae(torch.nn.Module):
+    """What the pipeline's __init__ reads of a VAE (encode_prompt reads none)."""
+    config = types.SimpleNamespace(latent_channels=4)
+    temporal_compression_ratio, spatial_compression_ratio = 4, 16
+
+
+def _tokenizer(path):
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                            chat_template=CHAT).save_pretrained(path)
+    return PreTrainedTokenizerFast.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    """(folder, pipeline, crop_start): the four text folders of a HunyuanVideo 1.5 pipeline, tiny and random."""
+    folder = tmp_path_factory.mktemp("hunyuan15_text")
+    torch.manual_seed(0)
+    qwen = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(vocab_size=len(WORDS), hidden_size=QWEN, intermediate_size=64,
+                                                    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                                    pad_token_id=0, bos_token_id=None, eos_token_id=2,
+                                                    rope_scaling={"type": "mrope",
+                                                                                  "mrope_section": [1, 1, 2]})).eval()
+    qwen.save_pretrained(folder / "text_encoder")
+    byt5 = T5EncoderModel(T5Config(vocab_size=384, d_model=GLYPH, d_kv=4, d_ff=32, num_layers=2, num_heads=4,
+                                   decoder_start_token_id=0, pad_token_id=0)).eval()
+    byt5.save_pretrained(folder / "text_encoder_2")
+    tok = _tokenizer(folder / "tokenizer")
+    ByT5Tokenizer().save_pretrained(folder / "tokenizer_2")
+    tok_2 = ByT5Tokenizer.from_pretrained(folder / "tokenizer_2")
+    pipe = HunyuanVideo15Pipeline(text_encoder=qwen, tokenizer=tok, transformer=None, vae=_NoVae(),
+                                  scheduler=None, text_encoder_2=byt5, tokenizer_2=tok_2, guider=None)
+    # the template's tokens before the caption, with this tokenizer
+    crop = len(tok.apply_chat_template([[{"role": "system", "content": SYSTEM_MESSAGE},
+                                         {"role": "user", "content": "a"}]], add_generation_prompt=True,
+                                        tokenize=True)[0]) - 4                   # "a . assistant :"
+    pipe.release_crop = pipe.prompt_template_encode_start_idx                      # the release's (108)
+    pipe.prompt_template_encode_start_idx, pipe.tokenizer_max_length, pipe.tokenizer_2_max_length = \
+        crop, QWEN_LEN, GLYPH_LEN
+    return folder, pipe, crop
+
+
+def _pipeline_rows(pipe, caption):
+    """The pipeline's states, masked rows zero, packed in the family's order (models/hunyuanvideo15/config.py)."""
+    with torch.no_grad():
+        qwen, mask, glyph, mask_2 = pipe.encode_prompt(caption, device="cpu")
+    rows = torch.zeros(IMAGE_LEN + GLYPH_LEN + QWEN_LEN, QWEN)
+    rows[IMAGE_LEN:IMAGE_LEN + GLYPH_LEN, :GLYPH] = glyph[0] * mask_2[0, :, None]
+    rows[IMAGE_LEN + GLYPH_LEN:] = qwen[0] * mask[0, :, None]
+    return rows, mask[0], mask_2[0]
+
+
+def test_rows_equal_encode_prompt(release):
+    """Every caption's rows are the pipeline's; the masks are what the rows' zeros say (the family's reading)."""
+    folder, pipe, crop = release
+    assert pipe.system_message == SYSTEM_MESSAGE and pipe.release_crop == CROP_START
+    assert [glyph_text(c) for c in CAPTIONS] == ['Text "open". ', 'Text "ok". ', None]
+    model = load_config("debug-hunyuan15", ROWS).model
+    ours = QwenByT5TextEncoder(folder, model.max_text_len, QWEN, model=model, crop_start=crop)
+    masks = []
+    for caption in CAPTIONS:
+        want, mask, mask_2 = _pipeline_rows(pipe, caption)
+        rows = ours.encode(caption)
+        torch.testing.assert_close(rows, want)
+        assert rows.ne(0).any(-1).tolist() == [False] * IMAGE_LEN + mask_2.bool().tolist() + mask.bool().tolist()
+        masks.append((int(mask.sum()), int(mask_2.sum())))
+    assert masks == [(8, 14), (8, 12), (6, 0)]         # Qwen rows truncated at 8, then padded; byT5 padded
+
+
+def test_training_data_and_prepare_data(release, tmp_path, capsys):
+    """data.text_encoder = the pipeline folder: a {"latent", "caption"} line gives the pipeline's rows (the release's
+    crop, 108); python -m parallel.prepare_data --t5 with a folder that lacks the subfolders: refused by name."""
+    folder, pipe, _ = release
+    pipe.prompt_template_encode_start_idx = pipe.release_crop
+    caption = CAPTIONS[0] + " fast" * 12           # long enough to reach past the release's 108 template tokens
+    torch.save(torch.randn(4, 3, 4, 6), tmp_path / "clip.pt")
+    (tmp_path / "manifest.jsonl").write_text(json.dumps({"latent": "clip.pt", "caption": caption}))
+    cfg = load_config("debug-hunyuan15", ["data.kind=directory", f"data.path={tmp_path}",
+                                          f"data.text_encoder={folder}", *ROWS])
+    _, text = build_dataset(cfg)[0]
+    want, mask, mask_2 = _pipeline_rows(pipe, caption)
+    torch.testing.assert_close(text, want)
+    assert (int(mask.sum()), int(mask_2.sum())) == (QWEN_LEN, 14)
+
+    from parallel.prepare_data.prepare import main
+    qwen = tmp_path / "text_encoder"
+    qwen.mkdir()
+    (qwen / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "hidden_size": 32}))
+    assert main(["--config", "configs/debug-hunyuan15.yaml", "--videos", str(tmp_path), "--vae",
+                 str(tmp_path / "vae"), "--out", str(tmp_path / "out"), "--t5", str(qwen)]) == 1
+    assert (f"--t5={qwen}: HunyuanVideo 1.5 captions need a pipeline folder with text_encoder, tokenizer, "
+            "text_encoder_2, tokenizer_2/ (Qwen2_5_VLTextModel; its tokenizer with the chat template; T5EncoderModel "
+            "(byT5); ByT5Tokenizer); missing: text_encoder, tokenizer, text_encoder_2, tokenizer_2"
+            ) in capsys.readouterr().err
