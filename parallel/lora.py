@@ -14,7 +14,10 @@ fine-tune does, without model.init_from; only the adapters reach the optimizer (
 diffusers' keys: `transformer.<module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r] per adapted
 module (`transformer.transformer_blocks.0.attn1.to_q.lora_A.weight`), with the peft config (r, lora_alpha,
 target_modules) as `lora_adapter_metadata` in the safetensors header, which `load_lora_weights` and
-`load_lora_adapter` read.
+`load_lora_adapter` read. Wan 2.2 A14B with both experts (model.experts.train both): each expert's adapters,
+drawn and trained on their own (an expert no sample chose keeps them, parallel/train/optim.py), go to a file
+per transformer under its release subfolder, `transformer/` and `transformer_2/`, both with `transformer.`
+keys, as WanPipeline loads them (`load_lora_weights(OUT/transformer_2, load_into_transformer_2=True)`).
 """
 from __future__ import annotations
 
@@ -56,8 +59,26 @@ def released_modules(fmt, module: str) -> list[str]:
 
 
 def matches(released: str, target: str) -> bool:
-    """peft's rule for a string target: the whole name, or its dotted tail."""
+    """peft's rule for a string target: the whole name, or its dotted tail; the name within its transformer
+    (Wan 2.2 A14B's `transformer_2/blocks.0.attn1.to_q` is `blocks.0.attn1.to_q` of transformer_2)."""
+    released = released.rpartition("/")[2]
     return released == target or released.endswith("." + target)
+
+
+def lora_key(released: str, leaf: str) -> str:
+    """diffusers' key of one adapter matrix; a released name in a subfolder (`transformer_2/blocks.0...`) keeps
+    the folder in front (`transformer_2/transformer.blocks.0...lora_A.weight`): that transformer's own file."""
+    folder, _, name = released.rpartition("/")
+    return f"{folder + '/' if folder else ''}{PREFIX}{name}.{leaf}.weight"
+
+
+def split_files(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """diffusers keys (lora_key) -> {subfolder ("" for none): that file's tensors, keys under `transformer.`}."""
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        folder, _, name = key.rpartition("/")
+        files.setdefault(folder, {})[name] = t
+    return files
 
 
 def tp_linears(model: nn.Module, num_blocks: int, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
@@ -131,8 +152,8 @@ def to_diffusers_lora(module: str, a: torch.Tensor, b: torch.Tensor, m: ModelCon
     b_parts = b.split([rows[j] for j in parts])
     out = {}
     for k, j in enumerate(parts):
-        out[f"{PREFIX}{released[j]}.lora_A.weight"] = a[k * r:(k + 1) * r].contiguous()
-        out[f"{PREFIX}{released[j]}.lora_B.weight"] = b_parts[k].contiguous()
+        out[lora_key(released[j], "lora_A")] = a[k * r:(k + 1) * r].contiguous()
+        out[lora_key(released[j], "lora_B")] = b_parts[k].contiguous()
     return out
 
 
@@ -194,7 +215,7 @@ def load_lora(model: nn.Module, ctx, m: ModelConfig, path: str | Path) -> int:
         if layer.lora_A is None:
             continue
         released, parts = _module_parts(m, module)
-        keys = [(f"{PREFIX}{released[j]}.lora_A.weight", f"{PREFIX}{released[j]}.lora_B.weight") for j in parts]
+        keys = [(lora_key(released[j], "lora_A"), lora_key(released[j], "lora_B")) for j in parts]
         absent = [k for pair in keys for k in pair if k not in tensors]
         if absent:
             problems.append(f"{path}: missing {', '.join(absent)}")

@@ -27,6 +27,7 @@ def check_lora(m: ModelConfig) -> list[str]:
     missing = [t for t in m.lora.targets if t not in hit]
     if not missing:
         return []
+    names = [n.rpartition("/")[2] for n in names]          # each Wan 2.2 A14B expert's names within its transformer
     tails = sorted({n.split(".", 2)[-1] if n.startswith("transformer_blocks.") else n for n in names})
     return [(f"model.lora.targets: {', '.join(missing)} match no tensor-parallel linear layer of "
              f"model.family={m.family}; targets that exist (released module names): {', '.join(tails)}")]

@@ -76,10 +76,13 @@ class WanConfig(ModelConfig):
 
     @model_validator(mode="after")
     def _experts_lora(self) -> "WanConfig":
-        if self.lora is not None and self.experts is not None and self.experts.train == "both":
-            raise ValueError("model.lora with model.experts.train=both: adapters for both experts in one run are not "
-                             "built yet; train one expert's adapters at a time (--set model.experts.train=high_noise "
-                             "or low_noise)")
+        if (self.lora is not None and self.lora.init_from is not None and self.experts is not None
+                and self.experts.train == "both"):
+            raise ValueError(f"model.lora.init_from={self.lora.init_from} with model.experts.train=both: reading "
+                             f"both experts' adapters back is not built yet (export writes transformer/ and "
+                             f"transformer_2/ files); start both experts' adapters fresh (--set "
+                             f"model.lora.init_from=null) or continue one expert (--set model.experts.train="
+                             f"high_noise with that expert's file)")
         return self
 
     @model_validator(mode="after")

@@ -11,6 +11,10 @@ H, a batch of both experts (M), H.
 - the layout-free checkpoint copy (parallel/train/relayout.py) records each expert's step count, and at one
   process the copy of step 2 (the low-noise expert never stepped) resumed gives steps 3 and 4 bit for bit.
 
+The same spawns train LoRA adapters on both experts (model.lora rank 4) for H, M, H at one process and at tp 2 x
+pp 2 (ZeRO-1): the base never moves, the low-noise expert's adapters stay bit for bit through each H (its groups'
+step counts too) and move in M, and every step's weights equal one process's (fp32 tolerance).
+
 One process (ZeRO-0), then tp 2 x pp 2 (the pipeline engine, ZeRO-1) and sp 2 x dp 2 (ZeRO-1) in one spawn
 of 4 gloo ranks, whose four steps (the replicas' micro-batches choosing different experts in M) equal one
 process's. ZeRO-2 and 3 with both experts are refused by the checker (tests/unit/test_wan22.py): at sp 2 x dp 2
@@ -28,6 +32,7 @@ from tests.unit.test_wan22_released import overrides, write_release
 PRESET = "debug-wan22"
 LAYOUTS = [(2, 2, 1, 1, 1), (1, 1, 2, 2, 1)]              # (tp, pp, sp, dp, ZeRO stage)
 IDLE = ".experts.1."
+LORA_LAYOUT = (2, 2, 1, 1, 1)           # model.lora on both experts: tp 2 x pp 2, ZeRO-1
 
 
 def _ds(stage: int) -> dict:
@@ -107,12 +112,59 @@ def _run(tp, pp, sp, dp, stage, folder, world_size):
     return out
 
 
-def _rank(rank, world_size, folder, layouts):
+def _lora_run(tp, pp, sp, dp, stage, folder):
+    """model.lora on both experts, three steps H, M, H: the full weights (base and adapters) before and after each,
+    and the low-noise expert's groups' step counts."""
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext, ParallelDims
+    from parallel.train.engine import build_trainer
+    from parallel.train.run import training_batches
+    from parallel.weights.gather import full_state
+
+    ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp))
+    cfg = {train: experiment(tp, pp, dp, overrides(folder, f"model.experts.train={train}", "model.lora.rank=4"), sp,
+                             PRESET) for train in ("both", "high_noise")}
+    seed_all(0)
+    trainer = build_trainer(cfg["both"], _ds(stage), ctx)
+    high, mixed = training_batches(cfg["high_noise"], ctx), training_batches(cfg["both"], ctx)
+    module, n = trainer.engine.module, cfg["both"].model.num_layers
+    out = [{"weights": full_state(module, ctx, n)}]
+    for batches in (high, mixed, high):
+        trainer.train_step(batches)
+        out.append({"weights": full_state(module, ctx, n),
+                    "steps": [float(trainer.optimizer.state[p]["step"]) for g in trainer.optimizer.param_groups
+                              if g.get("expert") == 1 for p in g["params"] if "step" in trainer.optimizer.state[p]]})
+    return out
+
+
+def _rank(rank, world_size, folder, layouts, lora_layout=None):
     import deepspeed
 
     from parallel.distributed import accelerator
     deepspeed.init_distributed(dist_backend=accelerator.backend())
-    return {layout: _run(*layout, folder, world_size) for layout in layouts}
+    out = {layout: _run(*layout, folder, world_size) for layout in layouts}
+    if lora_layout is not None:
+        out["lora"] = _lora_run(*lora_layout, folder)
+    return out
+
+
+def _assert_idle_adapters_kept(run: list, label: str):
+    """LoRA on both experts: the base never moves; H moves the high-noise expert's adapters only; M both; the last
+    H leaves the low-noise expert's adapters (and its groups' step counts) as M left them."""
+    adapter = lambda name: name.rsplit(".", 1)[1] in ("lora_A", "lora_B")
+    init = run[0]["weights"]
+    assert any(adapter(k) and IDLE in k for k in init) and any(adapter(k) and ".experts.0." in k for k in init), label
+    for name, want in init.items():
+        if not adapter(name):
+            assert torch.equal(run[3]["weights"][name], want), (label, name)
+    for before, after, idle in ((0, 1, IDLE), (2, 3, IDLE)):
+        for name in init:
+            if adapter(name) and idle in name:
+                assert torch.equal(run[after]["weights"][name], run[before]["weights"][name]), (label, after, name)
+    moved = lambda a, b, marker: all(not torch.equal(run[a]["weights"][k], run[b]["weights"][k]) for k in init
+                                     if adapter(k) and k.endswith("lora_B") and marker in k)
+    assert moved(0, 1, ".experts.0.") and moved(1, 2, IDLE) and moved(2, 3, ".experts.0."), label
+    assert run[2]["steps"] == run[3]["steps"] and run[2]["steps"], (label, run[2]["steps"], run[3]["steps"])
 
 
 def _merged(results, layout) -> dict:
@@ -159,7 +211,9 @@ def _assert_idle_expert_kept(run: dict, reference: dict, label: str, exact: bool
 
 def test_an_expert_without_samples_is_left_out_of_the_update(tmp_path):
     folder, _ = write_release(tmp_path / "release")
-    reference = run_ranks(_rank, 1, str(folder), [(1, 1, 1, 1, 0)])[0][(1, 1, 1, 1, 0)]
+    one = run_ranks(_rank, 1, str(folder), [(1, 1, 1, 1, 0)], (1, 1, 1, 1, 0))[0]
+    reference = one[(1, 1, 1, 1, 0)]
+    _assert_idle_adapters_kept(one["lora"], "LoRA one process")
     assert set(reference[3]["steps"]) == {1.0} == set(reference[4]["steps"])     # each parameter stepped once
     _assert_idle_expert_kept(reference, reference, "one process", exact=True)
     for key in ("weights", "exp_avg", "exp_avg_sq", "ema"):
@@ -167,7 +221,13 @@ def test_an_expert_without_samples_is_left_out_of_the_update(tmp_path):
             torch.testing.assert_close(reference["resumed"][key][name], want, rtol=0, atol=0, equal_nan=True,
                                        msg=lambda m: f"resumed {key} {name}: {m}")
     assert reference["resumed"]["steps"] == reference[4]["steps"]
-    results = run_ranks(_rank, 4, str(folder), LAYOUTS)
+    results = run_ranks(_rank, 4, str(folder), LAYOUTS, LORA_LAYOUT)
+    lora = [{"weights": {k: v for r in results for k, v in r["lora"][i]["weights"].items()},
+             "steps": results[0]["lora"][i].get("steps")} for i in range(4)]
+    _assert_idle_adapters_kept(lora, f"LoRA {LORA_LAYOUT}")
+    for i in range(1, 4):              # each step of the split layout: one process's weights, adapters and base
+        for name, want in one["lora"][i]["weights"].items():
+            torch.testing.assert_close(lora[i]["weights"][name], want, msg=lambda m: f"LoRA step {i} {name}: {m}")
     for layout in LAYOUTS:
         run = _merged(results, layout)
         # ZeRO-1: the flat partitions of its two groups; ZeRO-3 holds them outside its step

@@ -65,10 +65,11 @@ def test_each_sample_runs_through_its_own_expert_only():
 @pytest.mark.parametrize("setting, words", [("model.experts.boundary_ratio=0.8755", "whole timestep"),
                                             ("model.experts.boundary_ratio=1.0", "model.experts.boundary_ratio"),
                                             ("model.experts.train=middle", "model.experts.train"),
-                                            ("model.lora.rank=4", "model.lora with model.experts.train=both")])
+                                            ("model.lora.init_from=a.safetensors", r"model.lora.init_from=a.safetensors with "
+                                             r"model.experts.train=both: .* \(--set model.lora.init_from=null\)")])
 def test_bad_expert_settings_are_refused_by_key(setting, words):
     with pytest.raises(ConfigError, match=words):
-        _cfg(setting)
+        _cfg(setting, *(["model.lora.rank=4"] if "lora" in setting else []))
 
 
 @pytest.mark.parametrize("granularity", ["attention", "mlp", "block"])
@@ -98,13 +99,26 @@ def test_selective_recompute_wraps_both_experts(granularity):
         torch.testing.assert_close(grads[1][name], grad, msg=lambda m: f"{name}: {m}")
 
 
-def test_one_experts_lora_builds():
-    """LoRA on one expert (the band mode): the plain Wan model's adapters, the advice of the both-experts refusal."""
+def test_lora_builds_on_one_expert_and_on_both():
+    """LoRA on one expert (the band mode): the plain Wan model's adapters; on both: each expert's own adapters
+    (drawn from their canonical names, so they differ), in that expert's optimizer groups."""
     from parallel.build import build_model
     from parallel.distributed.topology import ParallelContext
+    from parallel.train.optim import param_groups
     cfg = _cfg("model.lora.rank=4", "model.experts.train=low_noise")
     model = build_model(cfg, {}, ParallelContext.single())
     assert any("lora_A" in n for n, p in model.named_parameters() if p.requires_grad)
+    model = build_model(_cfg("model.lora.rank=4"), {}, ParallelContext.single())
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(n.rsplit(".", 1)[1] in ("lora_A", "lora_B") for n in trained)
+    mine = [{n for n in trained if f".experts.{e}." in n} for e in (0, 1)]
+    assert len(mine[0]) == len(mine[1]) == len(trained) / 2
+    a = [n for n in mine[0] if n.endswith("lora_A")]
+    assert not any(torch.equal(trained[n], trained[n.replace(".experts.0.", ".experts.1.")]) for n in a)
+    groups = param_groups(model, 0.1)
+    assert [g.get("expert") for g in groups] == [0, 1]
+    for g in groups:
+        assert {id(p) for p in g["params"]} == {id(trained[n]) for n in mine[g["expert"]]}
 
 
 @pytest.mark.parametrize("stage, train, refused", [(3, "both", True), (2, "both", True), (3, "high_noise", False),

@@ -204,3 +204,42 @@ def test_verify_routes_each_row_to_its_transformer(release, capsys):
     torch.testing.assert_close(DIFFUSERS.reference(str(folder), inputs(MIXED)), want)
     assert verify.main(["--config", "debug-wan22", *(f"--set={o}" for o in overrides(folder)), "--batch", "4"]) == 0
     assert "equal at --tolerance" in capsys.readouterr().out
+
+
+def test_both_experts_adapters_load_into_wanpipelines_two_transformers(release, tmp_path):
+    """model.lora with both experts: each expert's adapters (B made non-zero) written as --format diffusers-lora
+    writes them (parallel/weights/lora_export.py: transformer/ and transformer_2/ files) load into WanPipeline's
+    transformer and, with load_into_transformer_2=True, transformer_2 (peft); each then predicts what the
+    toolkit's expert with its adapters predicts (fp32)."""
+    import copy
+
+    from diffusers import WanPipeline
+    from safetensors.torch import load_file
+
+    from parallel.lora import LORA_WEIGHTS_NAME, apply_lora
+    from parallel.weights.lora_export import lora_tensors, write_lora
+    folder, models = release
+    cfg = load_config("debug-wan22", overrides(folder, "model.lora.rank=4", "model.lora.alpha=8"))
+    ours, _ = _loaded(folder)
+    apply_lora(ours, cfg.model, cfg.train.seed)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.endswith("lora_B"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    written = write_lora(lora_tensors(ours, ParallelContext.single(), cfg.model), tmp_path, cfg.model)
+    assert written == [tmp_path / sub / LORA_WEIGHTS_NAME for sub in ("transformer", "transformer_2")]
+    files = [load_file(str(path)) for path in written]
+    assert files[0].keys() == files[1].keys() and len(files[0]) == 2 * 2 * 2 * 4     # A, B; 2 blocks; attn1, 2; q k v out
+    assert all(k.startswith("transformer.blocks.") for k in files[0])
+    assert not any(torch.equal(files[0][k], files[1][k]) for k in files[0])           # each expert's own
+    high, low = (copy.deepcopy(m) for m in models)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=high, transformer_2=low,
+                       scheduler=None, boundary_ratio=BOUNDARY)
+    pipe.load_lora_weights(str(tmp_path / "transformer"))
+    pipe.load_lora_weights(str(tmp_path / "transformer_2"), load_into_transformer_2=True)
+    with torch.no_grad():
+        for ts, plain, adapted in [([999.0, 875.0], models[0], high), ([874.0, 3.0], models[1], low)]:
+            want = diffusers_forward(adapted, *inputs(ts))
+            assert not torch.allclose(want, diffusers_forward(plain, *inputs(ts)), atol=1e-3)   # the adapters act
+            torch.testing.assert_close(ours.predict(inputs(ts)), want)
