@@ -9,13 +9,14 @@ one spawn, the one-process references in another.
   masked inputs at ring 2 and Ulysses 2 x ring 2 equal one process's, and the bytes each rank sends round the
   ring in that forward and backward are the planner's count (`ring_traffic` of a b x S/sp x H/tp chunk per
   attention, every block).
-- Two training steps at ring 2 x dp 2 and at Ulysses 2 x ring 2 with train.recompute.granularity=attention (the
-  all-to-alls and the ring's transfers run again inside the recomputed attention core) equal one process's losses
+- Two training steps at ring 2 x dp 2, at Ulysses 2 x ring 2 with train.recompute.granularity=attention (the
+  all-to-alls and the ring's transfers run again inside the recomputed attention core), at tp 2 x ring 2 (the ring
+  passes each tp rank's heads) and at pp 2 x ring 2 (each stage rings its own blocks) equal one process's losses
   and weights (synthetic captions have no padding rows: the masked path's gradients are the check above).
 - STDiT (`debug-stdit` at 13 frames: 4 latent frames of 4 x 4 patches, 64 tokens) predicts as one process at
   ring 2, ring 4 (one frame a rank) and Ulysses 2 x ring 2, sends round the ring the planner's count for one
-  ring attention per layer (the temporal one), and trains two steps at ring 2 x dp 2 and Ulysses 2 x ring 2 to
-  one process's losses and weights.
+  ring attention per layer (the temporal one), and trains two steps at ring 2 x dp 2, Ulysses 2 x ring 2, tp 2 x
+  ring 2 and pp 2 x ring 2 to one process's losses and weights.
 """
 import torch
 
@@ -32,9 +33,14 @@ PREDICT = [(2, 2), (4, 4), (4, 2)]                       # (sp, ring); dp fills 
 GRADS = [(2, 2), (4, 2)]
 RECOMPUTE = ("train.recompute.granularity=attention",)
 FRAMES = ("data.num_frames=13",)                       # 4 latent frames: ring 2 and 4 hold whole frames
-TRAIN = {"hunyuan ring2-dp2": ("debug-hunyuan", 2, 2, ()),
-         "hunyuan ulysses2-ring2-recompute": ("debug-hunyuan", 4, 2, RECOMPUTE),
-         "stdit ring2-dp2": ("debug-stdit", 2, 2, FRAMES), "stdit ulysses2-ring2": ("debug-stdit", 4, 2, FRAMES)}
+TRAIN = {"hunyuan ring2-dp2": ("debug-hunyuan", 1, 1, 2, 2, ()),             # (preset, tp, pp, sp, ring, extra)
+         "hunyuan ulysses2-ring2-recompute": ("debug-hunyuan", 1, 1, 4, 2, RECOMPUTE),
+         "hunyuan tp2-ring2": ("debug-hunyuan", 2, 1, 2, 2, ()),
+         "hunyuan pp2-ring2": ("debug-hunyuan", 1, 2, 2, 2, ()),
+         "stdit ring2-dp2": ("debug-stdit", 1, 1, 2, 2, FRAMES),
+         "stdit ulysses2-ring2": ("debug-stdit", 1, 1, 4, 2, FRAMES),
+         "stdit tp2-ring2": ("debug-stdit", 2, 1, 2, 2, FRAMES),
+         "stdit pp2-ring2": ("debug-stdit", 1, 2, 2, 2, FRAMES)}
 REFERENCES = {"debug-hunyuan": (), "debug-stdit": FRAMES}
 STEPS = 2
 
@@ -99,11 +105,11 @@ def _rank(rank, world_size, folder):
         out[("grads", sp, ring)] = _grads(folder, sp, ring, world_size, x, target)
     for sp, ring in [(1, 1), *PREDICT]:
         out[("stdit", sp, ring)] = _stdit_prediction(sp, ring, world_size)
-    for name, (preset, sp, ring, extra) in TRAIN.items():
+    for name, (preset, tp, pp, sp, ring, extra) in TRAIN.items():
         ds = hunyuan_fp32_config()
         if RECOMPUTE[0] in extra:
             ds.pop("activation_checkpointing")                  # train.recompute instead
-        out[name] = _train_rank(rank, world_size, 1, 1, world_size // sp, ds, STEPS,
+        out[name] = _train_rank(rank, world_size, tp, pp, world_size // (tp * pp * sp), ds, STEPS,
                                 (f"parallel.ring_size={ring}", *extra), sp, preset, 0)
     return out
 
