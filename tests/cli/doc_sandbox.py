@@ -1,10 +1,13 @@
 """A copy of the repository in which the documentation's commands run on a CPU: the released presets made tiny
-(same keys and families, sizes overridden) and tiny random folders of the released layout beside them.
+(same keys and families, sizes overridden; sequence parallelism above MAX_PROCS ranks capped there, as the
+process counts are) and tiny random folders of the released layout beside them.
 
     configs/<released preset>.yaml   the preset with SIZES (by family) overridden; debug presets unchanged,
                                      so are the stdit presets (no released folder; no command trains them)
     CogVideoX-5b/  CogVideoX-2b/  CogVideoX1.5-5B/       transformer/ (diffusers, from the tiny preset), vae/,
     Wan2.1-T2V-14B-Diffusers/  Wan2.1-T2V-1.3B-Diffusers/  text_encoder/, tokenizer/ (as released: separate)
+    Wan2.2-T2V-A14B-Diffusers/       the same, with a second expert transformer_2/ and model_index.json's
+                                     boundary_ratio (the preset's), as Wan-AI/Wan2.2-T2V-A14B-Diffusers
     t5/                              a tiny T5 with its tokenizer in one folder
     clips/ + clips.csv               three short videos and their captions
 
@@ -14,6 +17,7 @@ class built from the config the toolkit would export for the tiny preset (models
 """
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -21,7 +25,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from tests.cli.doc_blocks import ROOT
+from tests.cli.doc_blocks import MAX_PROCS, ROOT
 
 # Sizes only. Videos 9 x 32 x 32; the tiny CogVideoX VAE downsamples 2 x 2 x 2, the tiny Wan VAE 4 x 8 x 8.
 SIZES = {
@@ -39,7 +43,8 @@ SIZES = {
 }
 STEPS = {"train.max_steps": 2}      # the run's length: a size too
 RELEASES = {"CogVideoX-5b": "cogvideox-5b", "CogVideoX-2b": "cogvideox-2b", "CogVideoX1.5-5B": "cogvideox1.5-5b",
-            "Wan2.1-T2V-14B-Diffusers": "wan2.1-t2v-14b", "Wan2.1-T2V-1.3B-Diffusers": "wan2.1-t2v-1.3b"}
+            "Wan2.1-T2V-14B-Diffusers": "wan2.1-t2v-14b", "Wan2.1-T2V-1.3B-Diffusers": "wan2.1-t2v-1.3b",
+            "Wan2.2-T2V-A14B-Diffusers": "wan2.2-t2v-a14b"}
 CAPTIONS = {"a.mkv": "a red square moving left", "b.mkv": "a square moving", "c.mp4": "red square moving left"}
 
 
@@ -50,6 +55,9 @@ def tiny_preset(path: Path) -> None:
     for key, value in {**SIZES[tree["model"]["family"]], **STEPS}.items():
         section, name = key.split(".")
         tree.setdefault(section, {})[name] = value
+    # `--num_gpus 8` runs on MAX_PROCS ranks here: a preset's sp 8 (Wan 2.2) becomes what they hold
+    if (tree.get("parallel") or {}).get("sp_size", 1) > MAX_PROCS:
+        tree["parallel"]["sp_size"] = MAX_PROCS
     if tree["model"].get("patch_size_t"):
         # CogVideoX 1.5's rotary table is sample_height x sample_width latents at most ("slice" grid, max_size):
         # it must hold the largest bucket (48 px / 2 = 24 latents), as the release's 300 holds 1360 / 8.
@@ -103,14 +111,14 @@ def write_vae(folder: Path, family: str) -> None:
                                sample_height=32, sample_width=32).save_pretrained(folder)
 
 
-def write_transformer(folder: Path, preset: Path) -> None:
+def write_transformer(folder: Path, preset: Path, seed: int = 0) -> None:
     import diffusers
 
     from models.registry import family
     from parallel.config import load_config
     cfg = load_config(str(preset), [])
     released = family(cfg.model).released
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = getattr(diffusers, released.class_name).from_config(released.config(cfg.model, cfg.data))
     with torch.no_grad():              # non-trivial norms and zero-initialised projections
         for p in model.parameters():
@@ -120,8 +128,13 @@ def write_transformer(folder: Path, preset: Path) -> None:
 
 def write_release(root: Path, name: str) -> None:
     preset = root / "configs" / f"{RELEASES[name]}.yaml"
-    fam = yaml.safe_load(preset.read_text())["model"]["family"]
+    model = yaml.safe_load(preset.read_text())["model"]
+    fam = model["family"]
     write_transformer(root / name / "transformer", preset)
+    if "experts" in model:          # Wan 2.2 A14B: the low-noise expert and the boundary (tests/unit/test_wan22_released.py)
+        write_transformer(root / name / "transformer_2", preset, seed=1)
+        (root / name / "model_index.json").write_text(json.dumps(
+            {"_class_name": "WanPipeline", "boundary_ratio": model["experts"]["boundary_ratio"]}))
     write_vae(root / name / "vae", fam)
     write_text_encoder(root / name / "text_encoder", root / name / "tokenizer", umt5=fam == "wan")
 

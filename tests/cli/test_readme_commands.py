@@ -198,6 +198,17 @@ LONG_SP1 = "python -m parallel.plan --config configs/cogvideox-5b-long.yaml --de
 HY15 = "python -m parallel.plan --config configs/hunyuanvideo1.5-t2v-{}.yaml --deepspeed_config " \
        "ds_configs/zero3_bf16.json --world-size 8 --device-memory 80GiB"
 PRESETS = re.findall(r"^\| `([\w.-]+)` \| \w+ \| [\d,]+ \|", (ROOT / "README.md").read_text(), re.M)
+# README.md's preset table: each 2026 preset's plan on 8 x 80 GB at its own layout, GiB a rank (the `total` line) with
+# the DeepSpeed JSON its `parallel:` comment names; the A14B presets one expert per run (both do not fit).
+A14B_ONE = " --set model.experts.train=high_noise"
+PRESET_PLANS = {"wan2.1-t2v-14b": ("zero3", ""), "wan2.1-i2v-14b-480p": ("zero3", ""),
+                "wan2.1-i2v-14b-720p": ("zero3", ""), "wan2.2-t2v-a14b": ("zero3", A14B_ONE),
+                "wan2.2-i2v-a14b": ("zero3", A14B_ONE), "wan2.2-ti2v-5b": ("zero2", ""),
+                "hunyuanvideo-t2v": ("zero3", ""), "opensora2.0": ("zero3", ""),
+                "hunyuanvideo1.5-t2v-480p": ("zero3", ""), "hunyuanvideo1.5-t2v-720p": ("zero3", ""),
+                "hunyuanvideo1.5-i2v-720p": ("zero3", "")}
+PRESET_PLAN = "python -m parallel.plan --config configs/{}.yaml --deepspeed_config ds_configs/{}_bf16.json " \
+              "--world-size 8 --device-memory 80GiB{}"
 
 # (doc, a regex on the doc with one group: the figure, the command that prints it, what to read from its output)
 FIGURES = [
@@ -233,6 +244,11 @@ FIGURES = [
      " --search", row(1, 8, 1, 1, 3, 2, first=True)),
     *[("README.md", rf"^\| `{re.escape(name)}` \| \w+ \| ([\d,]+) \|", f"python -m models --config configs/{name}.yaml",
        parameters) for name in PRESETS],
+    *[("README.md", rf"^\| `{re.escape(name)}` \|.*ZeRO-{zero[-1]}[^|]*: ([\d.]+) GiB[^|]*\|$",
+       PRESET_PLAN.format(name, zero, extra), total) for name, (zero, extra) in PRESET_PLANS.items()],
+    ("README.md", r"one expert per run at the preset's sp 8, ZeRO-3\s+does \(([\d.]+) GiB a rank\)", "README.md|parallel.plan $A $H",
+     total),
+    ("README.md", r"every block recomputed\) is\s+([\d.]+) GiB a rank, where HunyuanVideo-1.5's", HY15.format("720p"), total),
 ]
 
 # Untagged ``` blocks: a command's output. Those that do not begin with `$ command` name their command here.
