@@ -1,6 +1,6 @@
 """HunyuanVideo and HunyuanVideo 1.5 LoRA exports load into diffusers, in one process: random non-zero adapters on
-the attention of every kind of block (dual-stream image and text streams, single-stream fused q/k/v + MLP rows,
-the token refiner) and the text-stream projections, written as --format diffusers-lora writes them
+the attention of both kinds of block (dual-stream image and text streams, single-stream fused q/k/v + MLP rows and
+output; the token refiner is replicated and takes none, docs/lora.md), written as --format diffusers-lora writes them
 (parallel/weights/lora_export.py), are read by diffusers + peft (HunyuanVideoPipeline.load_lora_weights;
 HunyuanVideo15Transformer3DModel.load_lora_adapter, its pipeline has no LoRA loader in diffusers 0.42.1), and the
 adapted diffusers model predicts what the toolkit's model with the same adapters predicts (fp32).
@@ -9,7 +9,6 @@ import copy
 import re
 
 import pytest
-
 import torch
 from safetensors.torch import load_file
 
