@@ -236,6 +236,8 @@ FIGURES = [
      value("activations")),
     ("docs/sequence-parallel.md", r"at tp 2 and sp 1 needs .*?, recompute ([\d.]+)\)", LONG_SP1,
      value("recompute (1 segment)")),
+    ("docs/models.md", r"ZeRO-2, no checkpointing first on 8 x 80 GB \(([\d.]+)\s+GiB", PLAN.format("wan2.2-ti2v-5b.yaml", 8),
+     row(1, 8, 1, 1, 2, 2, first=True)),
     ("docs/models.md", r"plans the preset \(tp 1 x sp 8, ZeRO-3, every block recomputed\)\s+at ([\d.]+) GiB",
      HY15.format("720p"), total),
     ("docs/models.md", r"every second block recomputed first \(([\d.]+) GiB per rank\)", HY15.format("720p") +
@@ -248,7 +250,8 @@ FIGURES = [
        PRESET_PLAN.format(name, zero, extra), total) for name, (zero, extra) in PRESET_PLANS.items()],
     ("README.md", r"one expert per run at the preset's sp 8, ZeRO-3\s+does \(([\d.]+) GiB a rank\)", "README.md|parallel.plan $A $H",
      total),
-    ("README.md", r"every block recomputed\) is\s+([\d.]+) GiB a rank, where HunyuanVideo-1.5's", HY15.format("720p"), total),
+    ("README.md", r"every block recomputed\) is\s+([\d.]+) GiB a rank, where HunyuanVideo-1.5's", HY15.format("720p"), total),    ("docs/models.md", r"as written recomputes every block: ([\d.]+) GiB", PRESET_PLAN.format("wan2.2-ti2v-5b", "zero2", ""),
+     total),
 ]
 
 # Untagged ``` blocks: a command's output. Those that do not begin with `$ command` name their command here.
