@@ -48,12 +48,20 @@ def _check_folder(path: str | Path, key: str) -> list[str]:
 
 
 class _Clip:
-    """The CLIP pooled vector of a caption, as both pipelines take it (77 tokens, padded)."""
+    """What both recipes share: the folder checked before anything loads, the caption's tokenizer (tokenizer/), and
+    the CLIP pooled vector of a caption, as both pipelines take it (77 tokens, padded)."""
 
-    def __init__(self, path: Path, device):
+    def __init__(self, path: str | Path, max_len: int, device, cache_size: int, key: str):
         import transformers
+        problems = _check_folder(path, key)
+        if problems:
+            raise FileNotFoundError(problems[0])
+        path = Path(path)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(path / "tokenizer"))
         self.tokenizer_2 = transformers.AutoTokenizer.from_pretrained(str(path / "tokenizer_2"))
         self.clip = transformers.CLIPTextModel.from_pretrained(str(path / "text_encoder_2")).to(device).eval()
+        self.max_len, self.device = max_len, device
+        self.encode = lru_cache(maxsize=cache_size)(self._encode)
 
     def pooled(self, caption: str) -> torch.Tensor:
         ids = self.tokenizer_2(caption, padding="max_length", max_length=CLIP_LEN, truncation=True,
@@ -68,19 +76,13 @@ class T5ClipTextEncoder(_Clip):
                  cache_size: int = 4096, key: str = "data.text_encoder"):
         import transformers
 
-        problems = _check_folder(path, key)
-        if problems:
-            raise FileNotFoundError(problems[0])
+        super().__init__(path, max_len, device, cache_size, key)
         path = Path(path)
-        super().__init__(path, device)
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(path / "tokenizer"))
         self.t5 = transformers.T5EncoderModel.from_pretrained(str(path / "text_encoder")).to(device).eval()
         dim = self.t5.config.d_model + self.clip.config.hidden_size
         if expected_dim is not None and dim != expected_dim:
             raise ValueError(f"{key}={path}: T5 d_model {self.t5.config.d_model} + CLIP hidden_size "
                              f"{self.clip.config.hidden_size} = {dim} != model.text_embed_dim {expected_dim}")
-        self.max_len, self.device = max_len, device
-        self.encode = lru_cache(maxsize=cache_size)(self._encode)
 
     @torch.no_grad()
     def _encode(self, caption: str) -> torch.Tensor:
@@ -108,19 +110,14 @@ class LlamaClipTextEncoder(_Clip):
                  crop_start: int = CROP_START):
         import transformers
 
-        problems = _check_folder(path, key)
-        if problems:
-            raise FileNotFoundError(problems[0])
+        super().__init__(path, max_len, device, cache_size, key)
         path = Path(path)
-        super().__init__(path, device)
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(path / "tokenizer"))
         self.llama = transformers.LlamaModel.from_pretrained(str(path / "text_encoder")).to(device).eval()
         dim = self.llama.config.hidden_size + self.clip.config.hidden_size
         if expected_dim is not None and dim != expected_dim:
             raise ValueError(f"{key}={path}: LLaMA hidden_size {self.llama.config.hidden_size} + CLIP hidden_size "
                              f"{self.clip.config.hidden_size} = {dim} != model.text_embed_dim {expected_dim}")
-        self.max_len, self.device, self.template, self.crop_start = max_len, device, template, crop_start
-        self.encode = lru_cache(maxsize=cache_size)(self._encode)
+        self.template, self.crop_start = template, crop_start
 
     @torch.no_grad()
     def _encode(self, caption: str) -> torch.Tensor:
