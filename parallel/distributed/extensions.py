@@ -9,14 +9,20 @@ the file is gone: silently, and forever if it never goes. A builder ended by SIG
 killer, a preempted job, a launcher stopping its ranks; Ctrl-C runs torch's `finally`, which removes it)
 leaves the lock behind.
 
-    the lock open in a process on this host         -> a build runs: one note, and the start waits for it
-    held by none here, the folder on a local disk   -> stale: only this host's processes can hold it
-    held by none here, the folder on a network file -> another host may be building: the note, until the
-    system (NFS, Lustre, ...)                          lock is STALE_AFTER_S old; stale after that
+    the lock open in a process on this host        -> a build runs: one note, and the start waits for it
+    open in none, the folder on a local disk       -> stale: only this host's processes can hold it
+    open in none, but a holder may be out of sight -> the note (with the fix, in case none is building)
+    (a network file system, NFS, Lustre, ...:         until the lock is STALE_AFTER_S old; stale after that
+    another host; a lock of another user, whose
+    processes this one cannot look into)
 
 A stale lock is refused naming the lock, its age and the fix, `rm -r <root>/<op>`: the whole folder, so the
-next start builds the op from nothing. Removing only the lock lets the next start run ninja over what the
-killed build left (a build.ninja, maybe objects, and a ninja the kill orphaned may still be writing them).
+next start builds the op from nothing, whatever the killed build left. What it leaves (seen with torch 2.13,
+a builder SIGKILLed while it compiled): build.ninja, and a ninja the kill orphaned that goes on compiling in
+the folder, writes the object and dies before the link, recording nothing in .ninja_log; with only the lock
+removed, the next start runs ninja again, which compiles that object again (no log entry) and links: no
+quicker than a fresh build, and it leans on ninja's bookkeeping of a killed run. Processes still working in
+the folder (ninja, the compilers: their working directory is it) are named in the refusal.
 Every rank may look (it only reads); the notes come from local rank 0, once per host.
 """
 from __future__ import annotations
@@ -30,6 +36,8 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 STALE_AFTER_S = 600.0        # a lock on a shared file system held by no process here: longer than a build takes
+NOTE_AFTER_S = 3.0           # a live lock still there this long after the look is a wait: noted
+YOUNG_S, LOOK_AGAIN_S = 5.0, 0.5
 # File systems other hosts may mount too: a build there holds a lock no process of this host has open.
 NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "afs", "9p",
               "panfs", "wekafs", "virtiofs")
@@ -68,7 +76,7 @@ class BuildLock:
     age_s: float                  # since it was created (its mtime: FileBaton never writes to it)
     holders: tuple[int, ...]      # pids on this host with the lock open: the build's own process
     workers: tuple[str, ...]      # "pid <pid> <name>" of processes working in the folder (ninja, c++, cc1plus)
-    shared_fs: Optional[str]      # the folder's file system when other hosts may hold the lock, else None
+    unseen: Optional[str]         # why a holder may be out of this process's sight, None if it cannot be
 
     @property
     def op(self) -> str:
@@ -76,15 +84,14 @@ class BuildLock:
 
     @property
     def stale(self) -> bool:
-        return not self.holders and (self.shared_fs is None or self.age_s >= STALE_AFTER_S)
+        return not self.holders and (self.unseen is None or self.age_s >= STALE_AFTER_S)
 
     def fix(self) -> str:
         return f"rm -r {shlex.quote(str(self.path.parent))}"
 
     def problem(self) -> str:
-        held = "no process on this host holds it" + (
-            "" if self.shared_fs is None else
-            f", and a build on another host sharing this {self.shared_fs} folder takes less than {_age(STALE_AFTER_S)}")
+        held = "no process on this host holds it" if self.unseen is None else (
+            f"held by no process in sight for longer than a build takes, {_age(STALE_AFTER_S)}; {self.unseen}")
         first = (f" (still running in it: {', '.join(self.workers)}; let them end or stop them first)"
                  if self.workers else "")
         return (f"{self.path}: a build lock left by a killed JIT build of {self.op} ({_age(self.age_s)} old, {held}); "
@@ -96,9 +103,8 @@ class BuildLock:
             pids = ", ".join(map(str, self.holders))
             return (f"note: this start waits for the JIT build of {self.op} that holds {self.path} "
                     f"(pid {pids}, {_age(self.age_s)} so far)")
-        return (f"note: this start waits for {self.path} ({_age(self.age_s)} old), which no process on this host "
-                f"holds: {self.path.parent} is on {self.shared_fs}, another host may be building {self.op}; "
-                f"if none is, stop and run: {self.fix()}")
+        return (f"note: this start waits for {self.path} ({_age(self.age_s)} old), held by no process in sight; "
+                f"{self.unseen}. If none is building {self.op}, stop and run: {self.fix()}")
 
 
 def _readlink(path: str) -> Optional[str]:
@@ -145,6 +151,16 @@ def shared_fs(folder: Path) -> Optional[str]:
     return fstype if fstype in NETWORK_FS or fstype.startswith("fuse") else None
 
 
+def _unseen(lock: Path, stat: os.stat_result) -> Optional[str]:
+    """Why a process holding `lock` may be out of sight here (BuildLock.unseen)."""
+    if not os.path.isdir("/proc"):
+        return "this system has no /proc to look into processes with"
+    if os.getuid() not in (0, stat.st_uid):
+        return f"the lock is user {stat.st_uid}'s, whose processes this user cannot look into"
+    fstype = shared_fs(lock.parent)
+    return None if fstype is None else f"{lock.parent} is on {fstype}: another host may be building in it"
+
+
 def _look(lock: Path) -> Optional[BuildLock]:
     """The lock as it stands, None once it is gone; a lock replaced during the look (a build ended and
     another began) is looked at again, and one replaced at every look is taken for builds that run (None)."""
@@ -156,22 +172,42 @@ def _look(lock: Path) -> Optional[BuildLock]:
         except FileNotFoundError:
             return None
         if (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns):
-            fs = shared_fs(lock.parent) if os.path.isdir("/proc") else "a system without /proc"
-            return BuildLock(lock, max(0.0, time.time() - after.st_mtime), holders, workers, fs)
+            return BuildLock(lock, max(0.0, time.time() - after.st_mtime), holders, workers, _unseen(lock, after))
     return None
 
 
+def _gone(lock: Path, within_s: float) -> bool:
+    """Whether `lock` is removed within `within_s` (polled as FileBaton.wait polls it)."""
+    deadline = time.monotonic() + within_s
+    while lock.exists():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def find_build_locks(root: Optional[Path] = None) -> list[BuildLock]:
-    """Every <root>/<op>/lock (root: extensions_root())."""
+    """Every <root>/<op>/lock (root: extensions_root()). A young lock that looks stale is looked at again
+    LOOK_AGAIN_S later: its holder may have been between closing it and removing it (FileBaton.release)."""
     root = extensions_root() if root is None else root
-    return [found for lock in sorted(root.glob("*/lock")) if (found := _look(lock)) is not None]
+    found = []
+    for path in sorted(root.glob("*/lock")):
+        lock = _look(path)
+        if lock is not None and lock.stale and lock.age_s < YOUNG_S:
+            time.sleep(LOOK_AGAIN_S)
+            lock = _look(path)
+        if lock is not None:
+            found.append(lock)
+    return found
 
 
 def check_build_locks(local_rank: int = 0, root: Optional[Path] = None, out: Optional[TextIO] = None) -> list[str]:
-    """The stale locks' problems (on every rank); one note per live lock on `out` (stderr) from local rank 0."""
+    """The stale locks' problems (on every rank); on local rank 0, one note on `out` (stderr) per live lock
+    still there NOTE_AFTER_S later: on CPU every start takes the lock for a moment (torch runs ninja, which finds
+    the op built), and a rank of this host that is there first is no wait worth a line."""
     locks = find_build_locks(root)
     if local_rank == 0:
         for lock in locks:
-            if not lock.stale:
+            if not lock.stale and not _gone(lock.path, NOTE_AFTER_S):
                 print(lock.note(), file=out or sys.stderr, flush=True)
     return [lock.problem() for lock in locks if lock.stale]

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -16,6 +17,12 @@ from parallel.distributed import extensions
 from parallel.distributed.extensions import STALE_AFTER_S, check_build_locks, extensions_root, find_build_locks
 
 HOUR = 3600.0
+
+
+@pytest.fixture(autouse=True)
+def quick_notes(monkeypatch):
+    """A live lock is noted when still there NOTE_AFTER_S (3 s) after the look: 0.2 s here."""
+    monkeypatch.setattr(extensions, "NOTE_AFTER_S", 0.2)
 
 
 def half_built(root, op="deepspeed_shm_comm", age_s=None):
@@ -53,7 +60,7 @@ def test_a_lock_no_process_holds_on_a_local_disk_is_stale_at_any_age(tmp_path):
     """The build killed a second ago: only this host's processes could hold it, and none does."""
     lock = half_built(tmp_path, age_s=0)
     [found] = find_build_locks(tmp_path)
-    assert (found.path, found.holders, found.shared_fs, found.stale) == (lock, (), None, True)
+    assert (found.path, found.holders, found.unseen, found.stale) == (lock, (), None, True)
     assert found.age_s < 60
 
 
@@ -90,6 +97,27 @@ def test_a_lock_held_by_a_running_build_is_noted_once_per_host(tmp_path):
     assert check(tmp_path) == ([], "")
 
 
+def test_a_lock_held_for_a_moment_is_no_wait_worth_a_line(tmp_path, monkeypatch):
+    """Every CPU start takes the lock while torch's ninja finds the op built; a rank there first: released soon."""
+    monkeypatch.setattr(extensions, "NOTE_AFTER_S", 30.0)
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    baton = FileBaton(str(tmp_path / "deepspeed_shm_comm" / "lock"))
+    assert baton.try_acquire()
+    threading.Timer(0.3, baton.release).start()
+    start = time.monotonic()
+    assert check(tmp_path) == ([], "") and time.monotonic() - start < 10
+
+
+def test_a_holder_between_closing_and_removing_the_lock_is_no_stale_lock(tmp_path):
+    """FileBaton.release closes the descriptor, then removes the file: a look in between sees a lock nobody
+    holds, young; the second look (LOOK_AGAIN_S later) sees it gone."""
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    os.close(os.open(lock, os.O_CREAT | os.O_EXCL))
+    threading.Timer(extensions.LOOK_AGAIN_S / 4, lock.unlink).start()
+    assert check(tmp_path) == ([], "")
+
+
 def test_no_lock_is_silent(tmp_path):
     (tmp_path / "deepspeed_shm_comm").mkdir()
     (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"\x7fELF")
@@ -106,14 +134,29 @@ def test_on_a_shared_file_system_a_lock_held_by_no_process_here_waits_until_stal
     fix = f"rm -r {lock.parent}"
     if stale:
         assert note == "" and problems == [
-            f"{lock}: a build lock left by a killed JIT build of deepspeed_shm_comm (11 min old, no process on this "
-            f"host holds it, and a build on another host sharing this nfs4 folder takes less than 10 min); DeepSpeed "
-            f"would wait on it forever. Remove the half-built folder, and the next start builds deepspeed_shm_comm "
-            f"again: {fix}"]
+            f"{lock}: a build lock left by a killed JIT build of deepspeed_shm_comm (11 min old, held by no process "
+            f"in sight for longer than a build takes, 10 min; {lock.parent} is on nfs4: another host may be building "
+            f"in it); DeepSpeed would wait on it forever. Remove the half-built folder, and the next start builds "
+            f"deepspeed_shm_comm again: {fix}"]
     else:
         assert problems == [] and note == (
-            f"note: this start waits for {lock} (9 min old), which no process on this host holds: {lock.parent} is "
-            f"on nfs4, another host may be building deepspeed_shm_comm; if none is, stop and run: {fix}\n")
+            f"note: this start waits for {lock} (9 min old), held by no process in sight; {lock.parent} is on nfs4: "
+            f"another host may be building in it. If none is building deepspeed_shm_comm, stop and run: {fix}\n")
+
+
+def test_another_users_lock_waits_until_stale(tmp_path, monkeypatch):
+    """A shared TORCH_EXTENSIONS_DIR: another user's build process is out of this (unprivileged) user's sight."""
+    lock = half_built(tmp_path, age_s=60)
+    monkeypatch.setattr(extensions.os, "getuid", lambda: lock.stat().st_uid + 1)
+    problems, note = check(tmp_path)
+    assert problems == [] and f"held by no process in sight; the lock is user {lock.stat().st_uid}'s, whose " \
+        f"processes this user cannot look into. If none is building deepspeed_shm_comm, stop and run: rm -r " \
+        f"{lock.parent}\n" in note
+    then = time.time() - STALE_AFTER_S
+    os.utime(lock, (then, then))
+    [problem], note = check(tmp_path)
+    assert note == "" and problem.startswith(f"{lock}: a build lock left by a killed JIT build of deepspeed_shm_comm "
+                                             f"(10 min old, held by no process in sight for longer than a build takes")
 
 
 def test_the_root_is_torchs(tmp_path, monkeypatch):
