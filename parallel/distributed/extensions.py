@@ -9,7 +9,8 @@ the file is gone: silently, and forever if it never goes. A builder ended by SIG
 killer, a preempted job, a launcher stopping its ranks; Ctrl-C runs torch's `finally`, which removes it)
 leaves the lock behind.
 
-    the lock open in a process on this host        -> a build runs: one note, and the start waits for it
+    the lock open in a process on this host        -> a build runs: the start waits for it, with one note if it
+                                                      is still there NOTE_AFTER_S later
     open in none, the folder on a local disk       -> stale: only this host's processes can hold it
     open in none, but a holder may be out of sight -> the note (with the fix, in case none is building)
     (a network file system, NFS, Lustre, ...:         until the lock is STALE_AFTER_S old; stale after that
@@ -101,10 +102,10 @@ class BuildLock:
     def note(self) -> str:
         if self.holders:
             pids = ", ".join(map(str, self.holders))
-            return (f"note: this start waits for the JIT build of {self.op} that holds {self.path} "
+            return (f"note: DeepSpeed's start waits for the JIT build of {self.op} that holds {self.path} "
                     f"(pid {pids}, {_age(self.age_s)} so far)")
-        return (f"note: this start waits for {self.path} ({_age(self.age_s)} old), held by no process in sight; "
-                f"{self.unseen}. If none is building {self.op}, stop and run: {self.fix()}")
+        return (f"note: DeepSpeed's start waits for {self.path} ({_age(self.age_s)} old), held by no process in "
+                f"sight; {self.unseen}. If none is building {self.op}, stop and run: {self.fix()}")
 
 
 def _readlink(path: str) -> Optional[str]:

@@ -88,7 +88,7 @@ def test_a_lock_held_by_a_running_build_is_noted_once_per_host(tmp_path):
     try:
         problems, note = check(tmp_path)
         assert problems == []
-        assert re.fullmatch(rf"note: this start waits for the JIT build of cpu_adam that holds "
+        assert re.fullmatch(rf"note: DeepSpeed's start waits for the JIT build of cpu_adam that holds "
                             rf"{re.escape(str(tmp_path / 'cpu_adam' / 'lock'))} \(pid {os.getpid()}, \d s so far\)\n",
                             note)
         assert check(tmp_path, local_rank=1) == ([], "")          # the other ranks of the host: silent
@@ -140,8 +140,8 @@ def test_on_a_shared_file_system_a_lock_held_by_no_process_here_waits_until_stal
             f"deepspeed_shm_comm again: {fix}"]
     else:
         assert problems == [] and note == (
-            f"note: this start waits for {lock} (9 min old), held by no process in sight; {lock.parent} is on nfs4: "
-            f"another host may be building in it. If none is building deepspeed_shm_comm, stop and run: {fix}\n")
+            f"note: DeepSpeed's start waits for {lock} (9 min old), held by no process in sight; {lock.parent} is on "
+            f"nfs4: another host may be building in it. If none is building deepspeed_shm_comm, stop and run: {fix}\n")
 
 
 def test_another_users_lock_waits_until_stale(tmp_path, monkeypatch):
