@@ -24,7 +24,8 @@ from models.registry import ring_frames as _ring_frames
 from parallel.config import ConfigError, ExperimentConfig, load_config
 from parallel.distributed.sequence import padded_length
 from parallel.distributed.sequence import sp_pairs as _sp_pairs
-from parallel.distributed.topology import Layout
+from parallel.distributed.extensions import check_build_locks
+from parallel.distributed.topology import Layout, read_launch_env
 from parallel.train.schedule import scheduler_problems
 
 
@@ -491,8 +492,12 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
                    world_size: Optional[int], device_check: bool = True) -> tuple[ExperimentConfig, dict, Layout]:
     """Load both files and check them; raise ConfigError listing every problem (used by train.py).
 
-    device_check: bf16/fp16 against this machine's accelerator (asked only when the JSON enables one)."""
+    device_check: bf16/fp16 against this machine's accelerator (asked only when the JSON enables one), and the
+    JIT build locks DeepSpeed's start would wait on (a stale one refused, a live one noted: parallel/distributed/
+    extensions.py)."""
     problems: list[str] = []
+    if device_check:
+        problems += check_build_locks(read_launch_env().local_rank)
     try:
         cfg = load_config(config, overrides)
     except ConfigError as e:

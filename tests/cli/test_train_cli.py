@@ -11,11 +11,11 @@ from parallel.config import load_config
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def train_py(*args, env_extra=None):
+def train_py(*args, env_extra=None, timeout=300):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=timeout)
 
 
 def test_refused_layout_never_starts_deepspeed(tmp_path):
@@ -92,3 +92,22 @@ def test_one_process_trains_from_a_latent_directory_and_appends_metrics(tmp_path
         assert r["grad_norm"] > 0 and r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 56, rel=1e-2)
     csv_rows = (tmp_path / "csv" / "job" / "train_loss.csv").read_text().splitlines()[1:]
     assert [float(row.split(",")[1]) for row in csv_rows] == pytest.approx([r["loss"] for r in records[1:]])
+
+
+def test_a_stale_jit_build_lock_is_refused_before_deepspeed_waits_on_it(tmp_path):
+    """A build of DeepSpeed's CPU all-reduce op killed two hours ago left its lock: without the check, init_distributed
+    polls it forever (the timeout fails the test instead of hanging the suite). The refusal is the checker's,
+    word for word (tests/unit/test_build_locks.py), and the lock is left for the user to remove."""
+    from parallel.distributed.extensions import check_build_locks
+
+    lock = tmp_path / "ext" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    os.utime(lock, (lock.stat().st_mtime - 7200,) * 2)
+    p = train_py("--config", "debug", "--deepspeed_config", "ds_configs/zero0_fp32.json",
+                 "--set", f"train.output_dir={tmp_path / 'run'}",
+                 env_extra={"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}, timeout=120)
+    assert p.returncode == 1
+    [problem] = check_build_locks(root=tmp_path / "ext")
+    assert f"  - {problem}\n" in p.stderr and f"rm -r {lock.parent}" in problem
+    assert lock.exists() and not (tmp_path / "run").exists()
