@@ -2,7 +2,9 @@
 vdp-node0 = 10.231.0.1, vdp-node1 = 10.231.0.2), 2 ranks each, PP2 x TP2 trained to the per-step losses of
 `deepspeed --num_gpus 4 train.py` on one host (the `reference` fixture), bit for bit. Every launcher starts on
 vdp-node0, as a user starts it on the first node; pdsh, mpirun's orted, torchrun's agents and Slurm's slurmd reach
-vdp-node1 over the veth link. And a lost node (tests/cli/test_lost_node.py's scenario) across them. Skipped with the reason where namespaces cannot be made (not root, no `ip netns`).
+vdp-node1 over the veth link. And a lost node (tests/cli/test_lost_node.py's scenario) across them, an elastic run
+that loses vdp-node1 and takes it back, and a second cluster beside the first. Skipped with the reason where
+namespaces cannot be made (not root, no `ip netns`).
 """
 import os
 import shutil
