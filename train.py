@@ -61,11 +61,13 @@ def main(argv=None) -> int:
                 print("\n".join(lines), file=sys.stderr)
         if args.resume != "never":    # on fewer or more nodes: the checkpoint's global batch, by accumulation
             from parallel.train.checkpoint import resume_accumulation
-            kept = resume_accumulation(cfg.ckpt_dir, layout.global_batch, cfg.train.micro_batch_size * layout.dp_size)
+            kept = resume_accumulation(cfg.ckpt_dir, layout.global_batch, cfg.train.micro_batch_size * layout.dp_size,
+                                       layout.dp_size)
             if kept is not None:
-                overrides = [*args.overrides, f"train.grad_accum_steps={kept[0]}"]
-                cfg, ds, layout = load_and_check(args.config, overrides, args.deepspeed_config, env.world_size,
-                                                 device_check)
+                if kept[0] != cfg.train.grad_accum_steps:
+                    overrides = [*args.overrides, f"train.grad_accum_steps={kept[0]}"]
+                    cfg, ds, layout = load_and_check(args.config, overrides, args.deepspeed_config, env.world_size,
+                                                     device_check)
                 if env.local_rank == 0:
                     print(f"resuming at dp {layout.dp_size}: train.grad_accum_steps={kept[0]} keeps the "
                           f"checkpoint's global batch {kept[1]}", file=sys.stderr)

@@ -263,16 +263,22 @@ def describe(layout: dict) -> str:
         f" ZeRO-{layout.get('zero_stage', '?')}"
 
 
-def resume_accumulation(directory: Path, global_batch: int, per_accumulation: int) -> Optional[tuple[int, int]]:
+def resume_accumulation(directory: Path, global_batch: int, per_accumulation: int,
+                        dp_size: Optional[int] = None) -> Optional[tuple[int, int]]:
     """(train.grad_accum_steps, the saved global batch) that keep the newest complete checkpoint's global batch
     at a layout whose micro_batch_size x dp_size is `per_accumulation`, when it differs from this run's
-    `global_batch` and accumulation can make it up (a rerun on fewer or more nodes); else None, and
-    find_resume decides (it refuses a global batch accumulation cannot reach)."""
+    `global_batch` and accumulation can make it up (a rerun on fewer or more nodes), or when the checkpoint
+    was written at another dp than `dp_size` (an elastic run back at its full size: this run's accumulation
+    already keeps it, and the log says so, after the restart that raised it); else None, and find_resume
+    decides (it refuses a global batch accumulation cannot reach)."""
     directory = Path(directory)
     for step in reversed(complete_steps(directory)):
         if damage(directory / f"step{step}") is None:
-            saved = (saved_layout(directory / f"step{step}") or {}).get("global_batch")
-            if saved is None or saved == global_batch or saved % per_accumulation:
+            layout = saved_layout(directory / f"step{step}") or {}
+            saved = layout.get("global_batch")
+            if saved is None or saved % per_accumulation:
+                return None
+            if saved == global_batch and (dp_size is None or layout.get("dp_size", dp_size) == dp_size):
                 return None
             return saved // per_accumulation, saved
     return None

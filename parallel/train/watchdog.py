@@ -38,6 +38,17 @@ def restarts_left() -> int:
     return max(0, int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
 
+def store_attempt(environ=None) -> int:
+    """The heartbeat's key prefix (Heartbeat's `attempt`): torchrun's restart count where the ranks meet at the
+    agent's store, which outlives a restart with the last attempt's keys; 0 where they meet at rank 0's own
+    store, new each rendezvous round (launch.sh sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and torch then sets
+    TORCHELASTIC_USE_AGENT_STORE=False). Not the count there: a node that joins a running job starts its
+    agent at count 0 while the others' count their restarts, and the ranks would beat under different keys
+    (rank 0 would call the newcomers lost)."""
+    env = os.environ if environ is None else environ
+    return int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
+
+
 _COMM_LAYERS = ("torch/distributed/", "deepspeed/comm/")      # wrappers between a caller and the collective
 
 
@@ -94,5 +105,5 @@ def start_heartbeat(cfg: ExperimentConfig, ctx, ckpt_dir: Path):
     heartbeat = Heartbeat(ctx.rank, dist.get_world_size(), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           on_lost, interval_s=1.0, lost_after_s=lost_after, on_hang=on_hang,
                           stuck_after_s=cfg.train.collective_timeout_s,
-                          attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+                          attempt=store_attempt())
     return heartbeat.start()

@@ -16,10 +16,18 @@ namespace) and execs sshd. Why each piece (DESIGN.md, "Test hosts as network nam
 `Cluster.run(i, cmd)` starts a command on node i (nsenter into its namespaces). `cluster()` tears everything
 down by PID and name (sshd, namespaces, the veth with them), also when the test failed. `unavailable()` says
 why no cluster can be made here (not root, tools missing, no `ip netns`), for a skip.
+
+Several clusters may be up at once on one machine (two CI jobs, or a test beside a developer's): the
+namespaces are named per cluster, vdp-<pid>-<k>-n<i> (this process's k-th cluster), and so is the veth pair,
+although its ends only ever exist inside the cluster's namespaces (created there, never in the machine's
+own namespace). The rest is private to a cluster: the addresses, hosts file, sshd on port 22 and /dev/shm live in
+its namespaces (the same subnet in two clusters does not meet), keys and configs in its own directory.
+A namespace whose process is gone (a killed session) is removed by the next cluster; a live one never.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import shutil
@@ -34,6 +42,7 @@ import psutil
 
 TOOLS = ("ip", "unshare", "nsenter", "ssh", "ssh-keygen", "/usr/sbin/sshd", "pdsh", "hostname")
 SUBNET = "10.231.0"
+_CLUSTERS = itertools.count()        # this process's clusters, for their names
 
 
 @dataclass
@@ -90,11 +99,11 @@ def _remove(netns: str) -> None:
 
 
 def _remove_stale() -> None:
-    """Namespaces left by a test session that was killed (SIGKILL skips finalizers): vdp-<pid>-n<i> whose
-    pid is gone."""
+    """Namespaces left by a test session that was killed (SIGKILL skips finalizers): vdp-<pid>-<k>-n<i> (or
+    vdp-<pid>-n<i>, the older names) whose pid is gone."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
-        m = re.fullmatch(r"vdp-(\d+)-n\d+", name)
+        m = re.fullmatch(r"vdp-(\d+)(?:-\d+)?-n\d+", name)
         if m and not psutil.pid_exists(int(m.group(1))):
             _remove(name)
 
@@ -162,9 +171,10 @@ def _wait_up(c: Cluster, timeout: float = 30) -> None:
 def cluster(d: Path, nodes: int = 2):
     """Two nodes (vdp-node0, vdp-node1) up and reachable over ssh; everything removed on exit."""
     _remove_stale()
-    tag = str(os.getpid())
-    c = Cluster(d, [Node(f"vdp-node{i}", f"{SUBNET}.{i + 1}", f"vdp-{tag}-n{i}") for i in range(nodes)], str(d / "bin"))
-    veth = (f"vdp{tag}a", f"vdp{tag}b")          # at most 15 characters; moved into the namespaces at once
+    pid, k = os.getpid(), next(_CLUSTERS)
+    c = Cluster(d, [Node(f"vdp-node{i}", f"{SUBNET}.{i + 1}", f"vdp-{pid}-{k}-n{i}") for i in range(nodes)],
+                str(d / "bin"))
+    veth = (f"vdp{pid}.{k}a", f"vdp{pid}.{k}b")    # at most 15 characters (pid <= 7 digits, k < 100)
     _keys_and_configs(d)
     hosts = d / "etc_hosts"
     hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{n.addr} {n.name}\n" for n in c.nodes))

@@ -2,11 +2,14 @@
 vdp-node0 = 10.231.0.1, vdp-node1 = 10.231.0.2), 2 ranks each, PP2 x TP2 trained to the per-step losses of
 `deepspeed --num_gpus 4 train.py` on one host (the `reference` fixture), bit for bit. Every launcher starts on
 vdp-node0, as a user starts it on the first node; pdsh, mpirun's orted, torchrun's agents and Slurm's slurmd reach
-vdp-node1 over the veth link. And a lost node (tests/cli/test_lost_node.py's scenario) across them. Skipped with the reason where namespaces cannot be made (not root, no `ip netns`).
+vdp-node1 over the veth link. And a lost node (tests/cli/test_lost_node.py's scenario) across them, an elastic run
+that loses vdp-node1 and takes it back, and a second cluster beside the first. Skipped with the reason where
+namespaces cannot be made (not root, no `ip netns`).
 """
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 
@@ -45,6 +48,30 @@ def on_nodes(c, tmp_path, commands: dict[int, list[str]], out, env) -> str:
     logs = "".join(f"--- node{i}\n" + (tmp_path / f"node{i}.log").read_text() for i in procs)
     assert codes == [0] * len(procs), logs[-6000:]
     return logs
+
+
+def lands_home(c) -> tuple[str, str]:
+    """(the network namespace, as /proc names it, that `ssh vdp-node1` from cluster c's vdp-node0 lands in, the
+    one c made for vdp-node1): equal when ssh reaches the cluster's own node."""
+    env = {**os.environ, "PATH": f"{c.path}:{os.environ['PATH']}"}
+    seen = subprocess.run(c.command(0, ["ssh", c.nodes[1].name, "readlink /proc/self/ns/net"], "/"), env=env,
+                          text=True, capture_output=True, timeout=60).stdout.strip()
+    return seen, os.readlink(f"/proc/{c.nodes[1].init}/ns/net")
+
+
+def test_two_clusters_at_once(hosts, tmp_path):
+    """A second cluster beside the module's, as another CI job on this machine makes one: its namespaces and veth
+    pair named apart, the same hostnames, subnet and sshd port; from each cluster's vdp-node0, ssh vdp-node1
+    reaches that cluster's node (its network namespace), the first cluster's also after the second is removed."""
+    with netns_cluster.cluster(tmp_path) as other:
+        assert {n.netns for n in other.nodes}.isdisjoint(n.netns for n in hosts.nodes)
+        for c in (other, hosts):
+            seen, made = lands_home(c)
+            assert seen == made
+    seen, made = lands_home(hosts)
+    assert seen == made
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout.split()
+    assert not {n.netns for n in other.nodes} & set(listed)
 
 
 def test_deepspeed_pdsh(reference, hosts, tmp_path):
@@ -119,48 +146,92 @@ def test_slurm_sbatch(reference, hosts, tmp_path):
     assert losses(tmp_path / "run") == reference
 
 
+def ranks_of(proc) -> list[psutil.Process]:
+    """The train.py ranks under a launcher process (not torchrun's agent, whose command line names train.py too)."""
+    return [p for p in psutil.Process(proc.pid).children(recursive=True)
+            if "train.py" in p.cmdline() and not any("torchrun" in a for a in p.cmdline())]
+
+
 def test_elastic_restart_without_a_human(hosts, tmp_path):
-    """launch.sh --nnodes 1:2 (torchrun's elastic agent) on both nodes, TP2 x DP2; vdp-node1's launcher and ranks
-    killed after the step-2 checkpoint. With no new command the agent on vdp-node0 restarts the run at dp 1,
-    train.grad_accum_steps 4 keeping the global batch 8, from the newest checkpoint, and finishes: its losses
-    equal, bit for bit, those of a run resumed by hand from a copy of that checkpoint at dp 1. Prints the time
-    from the kill to the first step on vdp-node0."""
-    out, hand, port, steps = tmp_path / "run", tmp_path / "hand", str(free_port()), 6
-    args = lambda o: train_args(o, "--set", "parallel.tp_size=2", "--set", "ckpt.every=2",
-                                "--set", "train.collective_timeout_s=20", steps=steps)
+    """launch.sh --nnodes 1:2 (torchrun's elastic agent) on both nodes, TP2 x DP2, then, with no command but the
+    node's own: vdp-node1's launcher and ranks killed after the step-2 checkpoint; the agent on vdp-node0 restarts
+    the run at dp 1, train.grad_accum_steps 4 keeping the global batch 8. Once it has trained a step, the same
+    command started again on vdp-node1: the agent on vdp-node0 sees it wait at the rendezvous and stops its ranks
+    (SIGTERM: a checkpoint at the step they are in, step k), and the run goes on at dp 2 on both nodes from step k,
+    accumulation back to 2, for longer than the heartbeat takes to call a silent rank lost (the rejoined node's
+    agent counts restarts from 0, vdp-node0's from 1: the ranks must beat under the same keys). The ranks are
+    then stopped (SIGTERM, a checkpoint at step m) and both launchers exit 0. No step after the loss is missing
+    or repeated; the first steps of each part equal, bit for bit, those of a run resumed by hand: at dp 1 from a
+    copy of step 2, at dp 2 (one node, 4 ranks) from a copy of step k (train.decay_steps fixed, so that a shorter
+    run by hand has the same schedule). Prints the time from the kill to the first step on vdp-node0 and from
+    vdp-node1's start to the first step on both."""
+    # the horizon only bounds the run (stopped by signal): steps at dp 1 while vdp-node1 starts, at dp 2 for 11 s
+    out, hand, port, horizon, compared = tmp_path / "run", tmp_path / "hand", str(free_port()), 500, 4
+    args = lambda o, steps: train_args(o, "--set", "parallel.tp_size=2", "--set", "ckpt.every=2",
+                                       "--set", "train.collective_timeout_s=20", "--set", f"train.decay_steps={horizon}",
+                                       steps=steps)
     cmd = ["bash", "launch.sh", "--nproc", "2", "--nnodes", "1:2", "--max-restarts", "1", "--master-addr", "vdp-node0",
-           "--master-port", port, "--", *args(out)]
+           "--master-port", port, "--", *args(out, horizon)]
     env = node_env(hosts)
     procs = [hosts.run(i, cmd, ROOT, env, tmp_path / f"node{i}.log") for i in (0, 1)]
-    log = lambda i: (tmp_path / f"node{i}.log").read_text()
-    try:
-        deadline = time.monotonic() + 240
-        while not (complete_steps(out / "checkpoints") and len(rows(out)) > complete_steps(out / "checkpoints")[-1]):
-            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, log(0)[-3000:] + log(1)[-3000:]
+    log = lambda name: (tmp_path / f"{name}.log").read_text()
+    logs = lambda: "".join(f"--- {n}\n" + log(n)[-3000:] for n in ("node0", "node1", "rejoin") if
+                           (tmp_path / f"{n}.log").exists())
+    ckpts = lambda: complete_steps(out / "checkpoints")
+
+    def wait(until, timeout=180):
+        deadline = time.monotonic() + timeout
+        while not until():
+            assert procs[0].poll() is None and time.monotonic() < deadline, logs()
             time.sleep(0.1)
-        lost_at, trained = len(rows(out)), complete_steps(out / "checkpoints")[-1]
+        return time.monotonic()
+
+    try:
+        wait(lambda: ckpts() and len(rows(out)) > ckpts()[-1], 240)
+        lost_at, trained = len(rows(out)), ckpts()[-1]
         node1 = psutil.Process(procs[1].pid)
         for p in [node1, *node1.children(recursive=True)]:
             p.send_signal(signal.SIGKILL)
         killed = time.monotonic()      # the checkpoint for the run by hand, before a later save prunes it
-        shutil.copytree(out / "checkpoints" / f"step{trained}", hand / "checkpoints" / f"step{trained}")
-        while len(rows(out)) <= lost_at:
-            assert procs[0].poll() is None and time.monotonic() - killed < 180, log(0)[-4000:]
-            time.sleep(0.1)
-        to_first_step = time.monotonic() - killed
-        assert procs[0].wait(timeout=180) == 0, log(0)[-4000:]
+        shutil.copytree(out / "checkpoints" / f"step{trained}", hand / "dp1" / "checkpoints" / f"step{trained}")
+        to_first_step = wait(lambda: len(rows(out)) > lost_at) - killed
+        wait(lambda: len(rows(out)) > lost_at + 1)          # a step at dp 1, then vdp-node1 is back
+        procs[1] = hosts.run(1, cmd, ROOT, env, tmp_path / "rejoin.log")
+        joined = time.monotonic()
+        wait(lambda: "stopped by signal after step" in log("node0"))
+        k = int(log("node0").split("stopped by signal after step ")[1].split(";")[0])
+        shutil.copytree(out / "checkpoints" / f"step{k}", hand / "dp2" / "checkpoints" / f"step{k}")
+        rejoined = wait(lambda: any(r.get("resumed_from") == k for r in rows(out)))
+        lost_after = 10      # train.collective_timeout_s / 2: the heartbeat started before the first step
+        wait(lambda: time.monotonic() - rejoined > lost_after + 1 and rows(out)[-1]["step"] >= k + compared)
+        for p in ranks_of(procs[0]) + ranks_of(procs[1]):
+            p.send_signal(signal.SIGTERM)
+        assert [p.wait(timeout=120) for p in procs] == [0, 0], logs()
     finally:
         kill_marked(str(out))
-    print(f"\nvdp-node1 lost after step {lost_at}: the first step on vdp-node0 {to_first_step:.1f} s later")
-    text = log(0)
+    print(f"\nvdp-node1 lost after step {lost_at}: the first step on vdp-node0 {to_first_step:.1f} s later; "
+          f"vdp-node1 started again after step {k}: the first step on both {rejoined - joined:.1f} s later")
+    text, rejoin = log("node0"), log("rejoin")
     assert f"the last complete checkpoint is {out}/checkpoints/step{trained}; torchrun's elastic agent restarts the " \
-           f"run on the nodes that remain (1 restart(s) left)" in text, text[-3000:]
+           f"run on the nodes that remain (1 restart(s) left)" in text, logs()
     assert "resuming at dp 1: train.grad_accum_steps=4 keeps the checkpoint's global batch 8" in text
-    after = rows(out)[lost_at:]
-    assert after[0]["resumed_from"] == trained and [r["step"] for r in after] == list(range(trained + 1, steps + 1))
+    assert f"stopped by signal after step {k}; checkpoint {out}/checkpoints/step{k}" in text
+    assert f"resumed from {out}/checkpoints/step{k} at step {k} (written at tp 2 sp 1 pp 1 dp 1 ZeRO-0, read from " \
+           f"its layout-free copy)" in text + rejoin, logs()
+    assert "resuming at dp 2: train.grad_accum_steps=2 keeps the checkpoint's global batch 8" in text + rejoin, logs()
+    m = rows(out)[-1]["step"]
+    assert f"stopped by signal after step {m}; checkpoint {out}/checkpoints/step{m}" in text + rejoin
+    after = rows(out)[lost_at:]        # the steps after the loss: 3..k at dp 1, k+1..m at dp 2, none twice
+    assert [r["step"] for r in after] == list(range(trained + 1, m + 1)), after
+    assert [(r["step"], r.get("resumed_from")) for r in after if "resumed_from" in r] == [(trained + 1, trained),
+                                                                                           (k + 1, k)]
 
-    # by hand: the same command at dp 1 (one node, no agent) from the copy of that checkpoint
-    by_hand = ["bash", "launch.sh", "--launcher", "torchrun", "--nproc", "2", "--master-port", str(free_port()),
-               "--", *args(hand)]
-    assert on_nodes(hosts, hand, {0: by_hand}, hand, env)
-    assert [(r["step"], r["loss"]) for r in rows(hand)] == [(r["step"], r["loss"]) for r in after]
+    # by hand, at once: dp 1 (vdp-node0, 2 ranks) from the copy of step 2, dp 2 (vdp-node1, 4 ranks) from the copy
+    # of step k, each for the first `compared` steps of its part
+    ends = (min(k, trained + compared), k + compared)
+    by_hand = lambda o, nproc, steps: ["bash", "launch.sh", "--launcher", "torchrun", "--nproc", str(nproc),
+                                       "--master-port", str(free_port()), "--", *args(o, steps)]
+    assert on_nodes(hosts, hand, {0: by_hand(hand / "dp1", 2, ends[0]), 1: by_hand(hand / "dp2", 4, ends[1])}, hand,
+                    env)
+    assert [(r["step"], r["loss"]) for r in rows(hand / "dp1") + rows(hand / "dp2")] == \
+        [(r["step"], r["loss"]) for r in after if trained < r["step"] <= ends[0] or k < r["step"] <= ends[1]]

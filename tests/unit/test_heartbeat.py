@@ -2,7 +2,7 @@
 import traceback
 
 from parallel.distributed.heartbeat import describe_hang, lost_ranks, stuck_ranks, threshold
-from parallel.train.watchdog import collective_in
+from parallel.train.watchdog import collective_in, store_attempt
 
 
 def test_nobody_lost_before_the_threshold():
@@ -57,3 +57,14 @@ def test_the_collective_is_named_from_the_traceback():
              frame(f"{site}/torch/distributed/distributed_c10d.py", "all_reduce")]
     assert collective_in(stack) == "all_reduce from deepspeed/runtime/engine.py allreduce_bucket"
     assert collective_in(stack[:2]) == ""
+
+
+def test_the_ranks_of_a_round_beat_under_one_prefix():
+    """A node that joins an elastic run starts its agent at restart count 0 while vdp-node0's counts 1: at
+    launch.sh's rank-0 store (new each round, TORCHELASTIC_USE_AGENT_STORE=False) the keys take no count, so
+    every rank of the round beats where rank 0 reads; torchrun's shared agent store keeps the last attempt's
+    keys, and there the count (the same on every node until a node joins) keeps them apart."""
+    own = {"TORCHELASTIC_USE_AGENT_STORE": "False"}
+    assert [store_attempt({**own, "TORCHELASTIC_RESTART_COUNT": n}) for n in ("1", "0")] == [0, 0]
+    assert store_attempt({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "2"}) == 2
+    assert store_attempt({}) == 0

@@ -101,9 +101,12 @@ def test_find_resume_refuses_another_global_batch_and_a_checkpoint_without_a_cop
 
 def test_resume_accumulation_keeps_the_saved_global_batch(tmp_path):
     """A rerun at half the dp size accumulates twice as many micro-batches (train.py sets it); a global batch
-    accumulation cannot reach (or the same one) is left to find_resume."""
+    accumulation cannot reach (or the same one at the same dp) is left to find_resume. The same global batch
+    at another dp (an elastic run back on every node) is named, so that the log says accumulation went back."""
     marked(tmp_path, 3, {**SAVED, "global_batch": 8})
     assert checkpoint.resume_accumulation(tmp_path, 4, per_accumulation=2) == (4, 8)
     assert checkpoint.resume_accumulation(tmp_path, 8, per_accumulation=4) is None
+    assert checkpoint.resume_accumulation(tmp_path, 8, per_accumulation=4, dp_size=1) is None
+    assert checkpoint.resume_accumulation(tmp_path, 8, per_accumulation=4, dp_size=2) == (2, 8)
     assert checkpoint.resume_accumulation(tmp_path, 3, per_accumulation=3) is None
     assert checkpoint.resume_accumulation(tmp_path / "none", 4, per_accumulation=2) is None
