@@ -8,7 +8,7 @@ fp32, one process:
   - python -m parallel.prepare_data --image-encoder on an I2V config stores them beside the picture latent, a
     training batch from the folder carries them in the image rows of every sample's text (a caption-dropped one's
     too, as the pipeline's unconditional call), a T2V folder keeps zero image rows; I2V without --image-encoder and
-    T2V with it are refused by name; train.py trains one process two steps on the prepared folder.
+    T2V with it are refused by name; train.py's first loss on the prepared folder is that batch's.
 """
 import json
 import os
@@ -29,6 +29,7 @@ from models.hunyuanvideo15.released import DIFFUSERS
 from models.hunyuanvideo15.siglip import encode_image_states, load_image_encoder, text_rows
 from parallel.config import load_config
 from tests.unit.test_hunyuanvideo15_captions import ROWS, _NoVae, release  # noqa: F401  (fixture: text folders)
+from tests.unit.test_hunyuanvideo15 import released  # noqa: F401  (fixture: the tiny transformer)
 from tests.unit.test_prepare_data import videos  # noqa: F401  (fixture: clips)
 
 IMAGE, IMAGE_DIM, HEIGHT, WIDTH = 4, 24, 32, 48        # debug-hunyuan15's image rows: SigLIP 32 px, patch 16
@@ -129,8 +130,9 @@ def test_prepared_folder_trains_on_the_pipelines_rows(videos, release, siglip, t
     assert check_data_files(cfg) == []
     dataset = build_dataset(cfg)
     batches = training_batches(cfg, ParallelContext.single(), dataset)
-    batches.caption_dropout, batches.uncond = 0.5, dataset.unconditional()
+    batches.caption_dropout, batches.uncond = 0.3, dataset.unconditional()
     dropped = [batches.dropped(0, p) for p in (0, 1)]
+    assert dropped == [False, True]                      # train.seed 1234's draws
     (x_t, _, text), _ = next(batches)
     for j, sample in enumerate(dataset[batches.sample_index(p)] for p in (0, 1)):
         caption = batches.uncond if dropped[j] else sample[1]
@@ -142,10 +144,10 @@ def test_prepared_folder_trains_on_the_pipelines_rows(videos, release, siglip, t
     (_, _, text), _ = next(training_batches(t2v_cfg, ParallelContext.single(), build_dataset(t2v_cfg)))
     assert not text[:, :IMAGE].any()
 
-    # train.py, one process, 2 steps: its first loss is the loss of that batch (SigLIP rows in) on the model as
+    # train.py, one process, one step: its loss is the loss of that batch (SigLIP rows in) on the model as
     # built from train.seed.
-    sets = SETS + i2v + ["data.kind=directory", f"data.path={out['i2v']}", "train.max_steps=2", "train.grad_accum_steps=1", "val.every=0",
-                         "ckpt.every=0", f"train.output_dir={tmp_path / 'run'}"]
+    sets = SETS + i2v + ["data.kind=directory", f"data.path={out['i2v']}", "train.max_steps=1",
+                         "train.grad_accum_steps=1", "val.every=0", "ckpt.every=0", f"train.output_dir={tmp_path / 'run'}"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     run = subprocess.run([sys.executable, "train.py", "--config", "debug-hunyuan15", "--deepspeed_config",
                           "ds_configs/zero0_fp32.json", *[a for s in sets for a in ("--set", s)]],
@@ -157,5 +159,60 @@ def test_prepared_folder_trains_on_the_pipelines_rows(videos, release, siglip, t
     assert batch[2][:, :IMAGE].any(-1).all()
     with torch.no_grad():
         want = build_model(cfg, {}, ParallelContext.single())(batch, target)
-    assert len(losses) == 2
+    assert len(losses) == 1
     assert losses[0] == pytest.approx(float(want), rel=1e-5)
+
+
+def test_sample_command_equals_the_pipeline(released, siglip, tmp_path, capsys):  # noqa: F811
+    """python -m parallel.sample --image PICTURE --vae --image-encoder (the pipeline folder) gives
+    HunyuanVideo15ImageToVideoPipeline's latents with its own SigLIP encoder (the picture's states in the image rows
+    of the prompt's and the negative prompt's text alike); a picture without the encoder, or picture latents
+    without the states, are refused by name before any model loads."""
+    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
+    from safetensors.torch import save_file
+
+    from parallel.sample import main
+    from tests.unit.test_hunyuanvideo15 import C, FRAMES, overrides
+    from tests.unit.test_hunyuanvideo15_sampling import _caption, _rows
+
+    folder, transformer = released
+    _, encoder, processor = siglip
+    g = torch.Generator().manual_seed(6)
+    (text, mask, text_2, mask_2), (neg, neg_mask, neg_2, neg_mask_2) = _caption(g, 5, 3), _caption(g, 8, 0)
+    noise = torch.randn(1, C, FRAMES, 4, 6, generator=g)
+    picture = Image.fromarray(np.random.default_rng(7).integers(0, 256, (64, 96, 3), dtype=np.uint8))
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=C, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
+                                      spatial_compression_ratio=16, temporal_compression_ratio=4).eval()
+    pipe = HunyuanVideo15ImageToVideoPipeline(
+        text_encoder=None, tokenizer=None, transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=None, tokenizer_2=None,
+        guider=ClassifierFreeGuidance(guidance_scale=3.0), image_encoder=encoder, feature_extractor=processor)
+    pipe.target_size = 80                  # its resolution class for a 64 x 96 picture: 64 x 96 (4 x 6 latents)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        want = pipe(image=picture, prompt_embeds=text, prompt_embeds_mask=mask, prompt_embeds_2=text_2,
+                    prompt_embeds_mask_2=mask_2, negative_prompt_embeds=neg, negative_prompt_embeds_mask=neg_mask,
+                    negative_prompt_embeds_2=neg_2, negative_prompt_embeds_mask_2=neg_mask_2, latents=noise.clone(),
+                    num_frames=(FRAMES - 1) * 4 + 1, num_inference_steps=3, output_type="latent").frames
+        first = pipe._get_image_latents(vae, pipe.video_processor, picture, 64, 96, torch.device("cpu"))
+    tensors = {"prompt": _rows(text, text_2), "negative": _rows(neg, neg_2), "noise": noise, "first": first[0]}
+    for name, value in tensors.items():
+        save_file({name: value.contiguous()}, str(tmp_path / f"{name}.safetensors"))
+    vae.save_pretrained(tmp_path / "vae")
+    picture.save(tmp_path / "picture.png")
+    base = ["--config", "debug-hunyuan15", *[a for s in overrides(folder) + ["model.image_condition=true"]
+                                             for a in ("--set", s)],
+            "--prompt-embeds", str(tmp_path / "prompt.safetensors"), "--negative-embeds",
+            str(tmp_path / "negative.safetensors"), "--noise", str(tmp_path / "noise.safetensors"), "--steps", "3",
+            "--guidance", "3"]
+    picture_args = ["--image", str(tmp_path / "picture.png"), "--vae", str(tmp_path / "vae")]
+    assert main(base + picture_args + ["--out", str(tmp_path / "x")]) == 1
+    assert ("--image needs the SigLIP vision encoder of the model's text input's image rows: --image-encoder DIR"
+            in capsys.readouterr().err)
+    assert main(base + ["--image-latents", str(tmp_path / "first.safetensors"), "--out", str(tmp_path / "x")]) == 1
+    assert ("--image-latents needs the SigLIP states of the model's text input's image rows: --image-embeds FILE"
+            in capsys.readouterr().err)
+    assert main(base + picture_args + ["--image-encoder", str(siglip[0]), "--out", str(tmp_path / "out.safetensors")]
+                ) == 0
+    torch.testing.assert_close(load_file(str(tmp_path / "out.safetensors"))["latents"], want)
