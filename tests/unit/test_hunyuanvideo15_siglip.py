@@ -8,7 +8,9 @@ fp32, one process:
   - python -m parallel.prepare_data --image-encoder on an I2V config stores them beside the picture latent, a
     training batch from the folder carries them in the image rows of every sample's text (a caption-dropped one's
     too, as the pipeline's unconditional call), a T2V folder keeps zero image rows; I2V without --image-encoder and
-    T2V with it are refused by name; train.py's first loss on the prepared folder is that batch's.
+    T2V with it are refused by name; validation (loss, and samples with guidance) feeds the same rows; train.py's
+    first loss on the prepared folder is that batch's;
+  - python -m parallel.sample --image --image-encoder gives the pipeline's latents.
 """
 import json
 import os
@@ -85,6 +87,32 @@ def test_states_and_rows_are_the_pipelines(siglip):
         f"rows of the text input)"]
 
 
+def validation_rows(cfg, dataset):
+    """Validation's loss and samples give the model each sample's stored states as its image rows, in the
+    unconditional call of guidance too (a recording forward: the text input of every call)."""
+    from models.diffusion import Objective
+    from parallel.distributed.topology import ParallelContext
+    from parallel.train.validate import sample_latents, validation_loss
+
+    class Recorder:
+        lockstep, texts = False, []
+
+        def predict(self, inputs, like):
+            self.texts.append(inputs[2])
+            return torch.zeros_like(like)
+    cfg = cfg.model_copy(update={"val": cfg.val.model_copy(update={"timesteps": [300, 700], "num_prompts": 2,
+                                                                   "sample_steps": 1, "guidance_scale": 2.0})})
+    forward, states = Recorder(), [dataset[i][3] for i in range(len(dataset))]
+    validation_loss(forward, dataset, Objective.of(cfg.model), cfg, ParallelContext.single())
+    sample_latents(forward, dataset, Objective.of(cfg.model), cfg, ParallelContext.single())
+    calls = [0, 1, 0, 0, 1, 1]          # loss: one call a sample (2 timesteps); samples: conditional, unconditional
+    assert len(forward.texts) == len(calls)
+    for text, i in zip(forward.texts, calls):
+        torch.testing.assert_close(text[:, :IMAGE, :IMAGE_DIM], states[i].expand(len(text), IMAGE, IMAGE_DIM),
+                                   rtol=0, atol=0)
+    torch.testing.assert_close(forward.texts[-1][0, IMAGE:], dataset.unconditional()[IMAGE:], rtol=0, atol=0)
+
+
 def _prepare(videos, vae, text, out, config_sets, *extra) -> int:
     from parallel.prepare_data.prepare import main
     return main(["--config", "debug-hunyuan15", *[a for s in SETS + config_sets for a in ("--set", s)],
@@ -139,6 +167,7 @@ def test_prepared_folder_trains_on_the_pipelines_rows(videos, release, siglip, t
         torch.testing.assert_close(text[j], text_rows(caption[None], sample[3][None])[0], rtol=0, atol=0)
         torch.testing.assert_close(text[j, :IMAGE, :IMAGE_DIM], sample[3], rtol=0, atol=0)
     assert text[:, :IMAGE].any(-1).all()
+    validation_rows(cfg, dataset)
     t2v_cfg = load_config("debug-hunyuan15", SETS + ["data.kind=directory", f"data.path={out['t2v']}"])
     assert check_data_files(t2v_cfg) == []
     (_, _, text), _ = next(training_batches(t2v_cfg, ParallelContext.single(), build_dataset(t2v_cfg)))
