@@ -39,6 +39,9 @@ Wan 2.1 I2V (models/wan/image.py): the image latents are [C, T, H, W] (the pictu
 VAE, as WanImageToVideoPipeline.prepare_latents), and the model also takes the picture's CLIP states: with
 `--image`, encoded by `--image-encoder DIR` (CLIPVisionModel + preprocessor_config.json) as the pipeline's
 encode_image; with `--image-latents`, given as `--image-embeds FILE` ([I, image_dim] or [B, I, image_dim]).
+HunyuanVideo 1.5 I2V (models/hunyuanvideo15/siglip.py): the picture's SigLIP states, encoded the same way
+(`--image-encoder`: the pipeline folder's image_encoder/ and feature_extractor/, as its _get_image_embeds) or given
+(`--image-embeds`), become the image rows of the prompt's and the negative prompt's text rows alike.
 
 Output (rank 0): `--out FILE.safetensors` writes {"latents": [B, C, T, H, W]}, and with a decoder (--vae DIR or
 val.decoder) the videos FILE/prompt<i>.{gif,mp4,txt} (FILE without the suffix). `--out DIR` (any other name)
@@ -74,10 +77,11 @@ def parser() -> argparse.ArgumentParser:
                     help="image-to-video: the first frame, a picture encoded with --vae; repeatable (1 or one per row)")
     ap.add_argument("--image-latents", "--image_latents", type=Path, default=None,
                     help="image-to-video: the first frames' latents, one tensor [C, 1, H, W] or [B, C, 1, H, W]")
-    ap.add_argument("--image-encoder", type=Path, default=None, help="image-to-video with an image cross-attention "
-                    "(Wan 2.1 I2V): the CLIP vision encoder folder that encodes --image")
-    ap.add_argument("--image-embeds", type=Path, default=None, help="image-to-video with an image cross-attention: "
-                    "the CLIP states beside --image-latents, one tensor [I, image_dim] or [B, I, image_dim]")
+    ap.add_argument("--image-encoder", type=Path, default=None, help="image-to-video with image states: the "
+                    "encoder folder that encodes --image (Wan 2.1 I2V: CLIP vision; HunyuanVideo 1.5 I2V: SigLIP, "
+                    "the pipeline folder)")
+    ap.add_argument("--image-embeds", type=Path, default=None, help="image-to-video with image states: the CLIP "
+                    "(SigLIP) states beside --image-latents, one tensor [I, image_dim] or [B, I, image_dim]")
     ap.add_argument("--steps", type=int, default=None, help="sampling steps; default val.sample_steps")
     ap.add_argument("--guidance", type=float, default=None, help="guidance scale; default val.guidance_scale")
     ap.add_argument("--guidance-2", "--guidance_2", dest="guidance_2", type=float, default=None,
@@ -237,17 +241,21 @@ def _check_image(args, cfg, rows: int, shapes: dict) -> list[str]:
 
 
 def _check_image_embeds(args, condition, rows: int, shapes: dict, stored: dict) -> list[str]:
-    """An image cross-attention's CLIP states: --image-encoder with --image, --image-embeds with --image-latents."""
+    """The picture's image states (an image cross-attention's CLIP states, Wan 2.1 I2V; HunyuanVideo 1.5's SigLIP
+    rows): --image-encoder with --image, --image-embeds with --image-latents."""
     if not getattr(condition, "image_encoder", False):
         given = [flag for flag, v in (("--image-encoder", args.image_encoder), ("--image-embeds", args.image_embeds))
                  if v]
         return [f"{' and '.join(given)}: the model has no image cross-attention; leave it out"] if given else []
+    states = getattr(condition, "states_name", "CLIP states")
+    encoder = getattr(condition, "encoder_name", "CLIP vision encoder")
+    takes = "text input's image rows" if hasattr(condition, "text_rows") else "image cross-attention"
     if args.image and not args.image_encoder:
-        return ["--image needs the CLIP vision encoder of the model's image cross-attention: --image-encoder DIR"]
+        return [f"--image needs the {encoder} of the model's {takes}: --image-encoder DIR"]
     if args.image:
         return condition.image_encoder_problems(args.image_encoder)
     if args.image_latents and not args.image_embeds:
-        return ["--image-latents needs the CLIP states of the model's image cross-attention: --image-embeds FILE"]
+        return [f"--image-latents needs the {states} of the model's {takes}: --image-embeds FILE"]
     shape, want = shapes.get(args.image_embeds), stored["image_embeds"]
     if shape and not (list(shape) == want or (len(shape) == 3 and shape[0] in (1, rows) and list(shape[1:]) == want)):
         return [f"--image-embeds {args.image_embeds}: shape {list(shape)}, expected [I, D] = {want} or [B, I, D] "

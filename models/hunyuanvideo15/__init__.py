@@ -31,7 +31,7 @@ SPEC = FamilySpec(
     released=DIFFUSERS,
     condition=image_condition,               # model.image_condition: the first frame's latents and mask
     vae=Hunyuan15Latents(),                  # latents z * scaling_factor
-    text_encoder=QWEN_BYT5,                  # Qwen2.5-VL + byT5 (+ zero SigLIP) rows: captions.py
+    text_encoder=QWEN_BYT5,                  # Qwen2.5-VL + byT5 (+ zero SigLIP) rows: captions.py; I2V: siglip.py
     timesteps=PER_SAMPLE,
     sampling=SAMPLING,
 )

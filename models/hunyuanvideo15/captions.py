@@ -11,7 +11,7 @@
 `path` is a HunyuanVideo 1.5 pipeline folder (or one with the same four subfolders): text_encoder/
 (Qwen2_5_VLTextModel), tokenizer/ (Qwen2Tokenizer with its chat template), text_encoder_2/ (T5EncoderModel, byT5),
 tokenizer_2/ (ByT5Tokenizer). Nothing is downloaded. Image-to-video's SigLIP rows come from the first frame, not the
-caption: the toolkit does not encode them (its data are text-to-video rows, or prepared elsewhere).
+caption: models/hunyuanvideo15/siglip.py encodes them, and training and sampling put them in these zero rows.
 """
 from __future__ import annotations
 

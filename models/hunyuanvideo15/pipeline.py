@@ -6,8 +6,9 @@
 - Text: Qwen2.5-VL states (a chat template, hidden_states[-3], the template's 108 tokens cropped, 1000 rows), byT5
   states of the caption's quoted text (256 rows) and, for image-to-video, SigLIP states of the first frame (729
   rows), packed as rows of one text input (models/hunyuanvideo15/config.py). The family's own encoder
-  (models/hunyuanvideo15/captions.py) encodes captions so from a pipeline folder, the SigLIP rows zero
-  (text-to-video): `prepare_data --t5` and `data.text_encoder` take that folder.
+  (models/hunyuanvideo15/captions.py) encodes captions so from a pipeline folder, the SigLIP rows zero:
+  `prepare_data --t5` and `data.text_encoder` take that folder; image-to-video's SigLIP states of the first frame
+  (models/hunyuanvideo15/siglip.py, `--image-encoder`) fill them in training and sampling.
 - Scheduler: FlowMatchEulerDiscreteScheduler with the release's shift (model.schedule.shift), given the sigmas
   linspace(1, 0, steps + 1)[:-1] as HunyuanVideoPipeline's: the toolkit's `flow_linear` (the default); guidance
   ClassifierFreeGuidance's u + g (c - u); text-to-video feeds zero condition latents, mask and image states.

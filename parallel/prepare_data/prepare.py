@@ -59,9 +59,10 @@ def parser() -> argparse.ArgumentParser:
                     + " or ".join(f"{name} ({f.release})" for name, f in vae_formats().items()))
     ap.add_argument("--t5", type=Path, help="text encoder + tokenizer folder of the model's family ("
                     + " or ".join(text_encoder_formats()) + "); without it the manifest keeps captions")
-    ap.add_argument("--image-encoder", type=Path, help="image-to-video with an image cross-attention (model.image_dim, "
-                    "Wan 2.1 I2V): the CLIP vision encoder folder (CLIPVisionModel with preprocessor_config.json; "
-                    "for a release: image_encoder/ with the files of image_processor/ copied in)")
+    ap.add_argument("--image-encoder", type=Path, help="image-to-video with image states (model.image_dim): Wan 2.1 "
+                    "I2V's CLIP vision encoder folder (CLIPVisionModel with preprocessor_config.json; for a release: "
+                    "image_encoder/ with the files of image_processor/ copied in); HunyuanVideo 1.5 I2V's SigLIP: "
+                    "the pipeline folder (image_encoder/, feature_extractor/)")
     ap.add_argument("--out", required=True, type=Path, help="output folder (data.path for training)")
     ap.add_argument("--fps", type=float, help="take a clip at this frame rate from the start of each video; "
                     "default: data.num_frames frames spread over the whole video")
@@ -151,10 +152,12 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
         except (OSError, json.JSONDecodeError) as e:
             problems.append(f"--t5={args.t5}: cannot read config.json ({e}); {what}")
     condition = family(cfg.model).training_condition(cfg.model, cfg.data)
-    needs_encoder = getattr(condition, "image_encoder", False)     # an image cross-attention (Wan 2.1 I2V)
+    # the first frame's image states: Wan 2.1 I2V's CLIP (an image cross-attention), HunyuanVideo 1.5's SigLIP rows
+    needs_encoder = getattr(condition, "image_encoder", False)
     if needs_encoder and getattr(args, "image_encoder", None) is None:
         problems.append(f"--image-encoder is missing: model {cfg.model.name} (--config={args.config}) trains on the "
-                        f"first frame's CLIP states; give the release's image encoder folder")
+                        f"first frame's {getattr(condition, 'states_name', 'CLIP states')}; give the release's image "
+                        f"encoder folder")
     elif getattr(args, "image_encoder", None) is not None:
         problems += (condition.image_encoder_problems(args.image_encoder) if needs_encoder else
                      [f"--image-encoder={args.image_encoder}: model {cfg.model.name} has no image cross-attention; "

@@ -136,6 +136,13 @@ STORED_CONDITION = ("image", "image_embeds")
 _STORED_WORDS = {"image": ("VAE latent", "latent of the sample's"), "image_embeds": ("CLIP states", "CLIP states")}
 
 
+def image_rows(condition, text: torch.Tensor, stored) -> torch.Tensor:
+    """text [B, L, D] with the stored image states (STORED_CONDITION's second) as rows, for a condition whose image
+    states travel in the text (`condition.text_rows`: HunyuanVideo 1.5's SigLIP rows); else text unchanged."""
+    rows = getattr(condition, "text_rows", None)
+    return text if rows is None or len(stored) < 2 else rows(text, stored[1])
+
+
 def _holds(path: Path, key: str) -> bool:
     """Whether the safetensors file has a tensor named `key` (header only)."""
     from safetensors import safe_open
@@ -180,13 +187,14 @@ def check_shapes(root: str | Path, model, data, key: str = "data.path", captions
     for f, what, where, shape in files:
         want, why = expect_latent(shape) if what != "text" else text
         if what in stored:       # the first frame's latent(s) or CLIP states, for the sample's latent
-            want, why = condition.stored_shapes(want)[what], f"the first frame's {_STORED_WORDS[what][1]}; {why}"
+            words = _STORED_WORDS[what] if what == "image" else (getattr(condition, "states_name", "CLIP states"),) * 2
+            want, why = condition.stored_shapes(want)[what], f"the first frame's {words[1]}; {why}"
         try:
             if what in stored and (f.suffix != ".safetensors" or not _holds(f, what)):
                 # the latent's first frame is no stand-in: its scale is the training latents' (scaling_factor
                 # x z), the image latents' is the pipeline's (z / scaling_factor for CogVideoX 1.5's VAE)
                 problems.append(f"{f}: no \"{what}\" tensor ({where}): an image-to-video model trains on the "
-                                f"first frame's {_STORED_WORDS[what][0]} stored beside the video's; prepare the "
+                                f"first frame's {words[0]} stored beside the video's; prepare the "
                                 f"videos with this image-to-video config (python -m parallel.prepare_data "
                                 f"--config ...), which writes it")
                 continue
@@ -305,12 +313,13 @@ class DiffusionBatches:
             x0s.append(x0)
             texts.append(text)
         x_t, target = self.objective.noised(torch.stack(x0s), torch.stack(noises), torch.cat(ts))
-        more = ()            # the condition's inputs after the text (Wan 2.1 I2V: the CLIP states)
+        more, texts = (), torch.stack(texts)     # more: the condition's inputs after the text (Wan 2.1 I2V: CLIP)
         if self.condition is not None:
-            x_t = self.condition(x_t, torch.stack(x0s), torch.tensor(keep),
-                                 *(torch.stack(z) for z in zip(*stored)) if all(stored) else ())
+            stored = [torch.stack(z) for z in zip(*stored)] if all(stored) else []
+            x_t = self.condition(x_t, torch.stack(x0s), torch.tensor(keep), *stored)
             x_t, *more = x_t if isinstance(x_t, tuple) else (x_t,)
-        return (x_t, self.objective.model_timesteps(torch.cat(ts)), torch.stack(texts), *more), target
+            texts = image_rows(self.condition, texts, stored)
+        return (x_t, self.objective.model_timesteps(torch.cat(ts)), texts, *more), target
 
     def __iter__(self):
         return self

@@ -28,6 +28,7 @@ from parallel.config import ExperimentConfig
 from parallel.distributed.deepspeed.pipeline import stage_layers
 from parallel.distributed.deepspeed.zero3 import is_partitioned
 from parallel.distributed.seed import derive_seed
+from parallel.train.data import image_rows
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
 _HEADER = 64                     # int64 slots: count, then (dtype, ndim, *shape) per tensor
@@ -161,8 +162,10 @@ def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: E
                 x_t = condition(x_t, x0s, torch.ones(len(t), dtype=torch.bool),
                                 *(z.expand(len(t), *z.shape) for z in stored))
                 x_t, *more = x_t if isinstance(x_t, tuple) else (x_t,)
-            prediction = forward.predict((x_t, objective.model_timesteps(t), text.expand(len(t), *text.shape), *more),
-                                         target)
+            texts = text.expand(len(t), *text.shape)
+            if condition is not None:      # image states as text rows (HunyuanVideo 1.5's SigLIP)
+                texts = image_rows(condition, texts, [z.expand(len(t), *z.shape) for z in stored])
+            prediction = forward.predict((x_t, objective.model_timesteps(t), texts, *more), target)
             err = (prediction.cpu() - target.float())[:, :, skip:] ** 2      # skip: clean frames (TI2V's first)
             losses += err.flatten(1).mean(1).tolist()
         if counts:
@@ -183,7 +186,12 @@ def row_predictor(forward: StageForward, text: torch.Tensor, uncond, first=None,
     parallel.sample): text and uncond [B, L, D] (uncond None without guidance); image-to-video: first
     [B, C, 1, H, W] the first frame's latents (Wan: [B, C, T, H, W]), put on channels by
     `condition.sampling_input` for both calls, and `extra` the inputs after the text (Wan 2.1 I2V: the CLIP
-    states [B, I, image_dim]), the same in both calls (as WanImageToVideoPipeline)."""
+    states [B, I, image_dim]), the same in both calls (as WanImageToVideoPipeline); a condition whose image states
+    travel as text rows (`condition.text_rows`: HunyuanVideo 1.5's SigLIP states) puts `extra` in text and uncond."""
+    rows = getattr(condition, "text_rows", None)
+    if rows is not None and extra:         # both calls see the picture's states, as the pipeline's image_embeds
+        text, uncond, extra = rows(text, *extra), None if uncond is None else rows(uncond, *extra), ()
+
     def predict(x, t, conditional):
         inp = x if first is None else condition.sampling_input(x, first)
         return forward.predict((inp, t, text if conditional else uncond, *extra), x).cpu()
