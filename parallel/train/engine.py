@@ -25,7 +25,7 @@ from parallel.config import ExperimentConfig
 from parallel.train.experts import clear_routed, idle_experts
 from parallel.build import build_model, checkpoint_interval, expert_count
 from parallel.train.optim import build_optimizer
-from parallel.train.schedule import lr_factor, schedule_factor  # noqa: F401  (lr_factor: bench/)
+from parallel.train.schedule import build_schedule, lr_factor, schedule_factor  # noqa: F401  (lr_factor: bench/)
 
 
 def prepare_ds_config(ds: dict, cfg: ExperimentConfig, dp_size: int) -> dict:
@@ -207,7 +207,7 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
         load_lora(model, ctx, cfg.model, cfg.model.lora.init_from)
     optimizer = build_optimizer(model, ds, cfg.train)
     factor = schedule_factor(ds, cfg.train)
-    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    schedule = lambda opt: build_schedule(opt, factor)
     mpu = None if cfg.parallel.pp_size > 1 else ctx      # the pipeline engine takes its grid from the module
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            config=ds_final, mpu=mpu)
