@@ -2,7 +2,7 @@
 
 Either way the toolkit builds it as a `torch.optim.lr_scheduler.LambdaLR` over the optimizer it built,
 `lr(n) = train.lr * f(n)` at optimizer step n = 0, 1, ..., so a checkpoint holds one kind of schedule
-state (LambdaLR's step count) and resumes to the same lr whichever schedule is in use.
+state (LambdaLR's step count; and each expert's, below) and resumes to the same lr whichever schedule is in use.
 
 The toolkit's own (no "scheduler" section), W = train.warmup_steps, D = train.decay_steps or train.max_steps,
 m = train.min_lr / train.lr:

@@ -106,11 +106,11 @@ def _run(tp, pp, sp, dp, stage, folder, world_size):
     seed_all(0)
     trainer = build_trainer(cfg["both"], _ds(stage), ctx)
     high, low, mixed = (training_batches(cfg[t], ctx) for t in ("high_noise", "low_noise", "both"))
-    out = {"init": _snapshot(trainer, ctx, cfg["both"], held=()), "lrs": []}
+    out = {"init": _snapshot(trainer, ctx, cfg["both"], held=()), "lrs": [], "step_lrs": []}
     saved = Path(folder).parent / f"layout_free_{tp}{pp}{sp}{dp}{stage}" / "step1"
     for step, batches in enumerate((high, low, high, mixed), 1):
         out["lrs"].append(_lrs(trainer))
-        trainer.train_step(batches)
+        out["step_lrs"].append(trainer.train_step(batches).expert_lrs)      # what metrics.jsonl logs
         out[step] = _snapshot(trainer, ctx, cfg["both"], held=(0,) if step == 1 else (0, 1))
         part = relayout.collect(trainer)
         out[step]["expert_steps"] = part["expert_steps"]
@@ -131,7 +131,7 @@ def _run(tp, pp, sp, dp, stage, folder, world_size):
             batches, lrs = training_batches(cfg[train], ctx), []
             for _ in range(steps):
                 lrs.append(_lrs(one)[None])
-                one.train_step(batches)
+                assert one.train_step(batches).expert_lrs is None
             out[train] = {**_snapshot(one, ctx, cfg[train], held=(None,)), "lrs": lrs}
     return out
 
@@ -195,7 +195,7 @@ def _merged(results, layout) -> dict:
     out = {}
     for r in results:
         for when, snap in r[layout].items():
-            if when == "lrs":
+            if when in ("lrs", "step_lrs"):
                 out[when] = snap
                 continue
             merged = out.setdefault(when, {k: snap.get(k) for k in ("steps", "expert_steps", "schedule_steps")})
@@ -250,6 +250,7 @@ def _assert_idle_expert_kept(run: dict, reference: dict, train, label: str, exac
     counts = [{"0": 0, "1": 0}] + [run[s]["expert_steps"] for s in (1, 2, 3)]
     assert run["lrs"] == [{e: train.lr * lr_factor(n[str(e)], train) for e in (0, 1)} for n in counts], label
     assert [run["lrs"][s][0] for s in (0, 2)] == reference["high_noise"]["lrs"], label
+    assert run["step_lrs"] == [[lrs[0], lrs[1]] for lrs in run["lrs"]], label
     assert [run["lrs"][1][1]] == reference["low_noise"]["lrs"], label
     # The layout-free copy records each expert's step count, and the schedule's the same.
     steps = [{"0": 1, "1": 0}, {"0": 1, "1": 1}, {"0": 2, "1": 1}, {"0": 3, "1": 2}]
