@@ -39,9 +39,11 @@ def summary(cfg) -> str:
         each = [sum(count_parameters(stage[e]) for stage in experts) for e in range(len(experts[0]))]
         lines.append(f"experts: {len(each)}, chosen by timestep; parameters per expert: "
                      + ", ".join(f"experts.{e} {n:,d}" for e, n in enumerate(each)))
-    if spec.timesteps.per_token or spec.experts:      # the traits a family may add (models/spec.py)
+    per_token = spec.timesteps.per_token
+    per_token = per_token(m) if callable(per_token) else per_token
+    if per_token or spec.experts:      # the traits a family may add (models/spec.py)
         experts = ", ".join(f"{e.name} (t >= {e.boundary})" for e in spec.experts)
-        lines.append(f"timesteps: {'one per token' if spec.timesteps.per_token else 'one per sample'}"
+        lines.append(f"timesteps: {'one per token' if per_token else 'one per sample'}"
                      + (f"; experts by timestep: {experts}" if experts else ""))
     return "\n".join(lines)
 

@@ -156,7 +156,7 @@ class TimestepSampling(Protocol):
     (constant within a patch). models/diffusion.py broadcasts either over the latent; the family's embed stage
     takes what `model_timesteps` makes of it ([B] or [B, T, H, W])."""
 
-    per_token: bool
+    per_token: bool | Callable[[ModelConfig], bool]     # or a function of the model, where its config decides
 
     def draw(self, generator: torch.Generator, latent_shape: tuple[int, ...], model: ModelConfig) -> torch.Tensor:
         """latent_shape: the sample's [C, T, H, W]."""

@@ -50,7 +50,10 @@ class TI2VTimesteps(WanTimesteps):
     sample's one timestep (PER_SAMPLE's draw) on every latent position [1, T, H, W], 0 on the first latent frame
     with model.image_condition; every other Wan model's are WanTimesteps' (models/wan/experts.py)."""
 
-    per_token = False            # per sample for the family's other models; python -m models names a TI2V model's
+    @staticmethod
+    def per_token(model) -> bool:
+        """One per token for a TI2V model (model.expand_timesteps), one per sample for the family's others."""
+        return bool(model.expand_timesteps)
 
     def draw(self, generator: torch.Generator, latent_shape, model) -> torch.Tensor:
         if not model.expand_timesteps:

@@ -25,7 +25,7 @@ from parallel.config import ExperimentConfig
 from parallel.train.experts import clear_routed, idle_experts
 from parallel.build import build_model, checkpoint_interval, expert_count
 from parallel.train.optim import build_optimizer
-from parallel.train.schedule import lr_factor, schedule_factor  # noqa: F401  (lr_factor: bench/)
+from parallel.train.schedule import build_schedule, lr_factor, schedule_factor  # noqa: F401  (lr_factor: bench/)
 
 
 def prepare_ds_config(ds: dict, cfg: ExperimentConfig, dp_size: int) -> dict:
@@ -56,6 +56,7 @@ class StepResult:
     grad_norm: Optional[float]
     lr: float
     skipped: Optional[str] = None       # why the update was not applied (train.anomaly), else None
+    expert_lrs: Optional[list[float]] = None    # several experts: each one's lr (its own schedule count), else None
 
 
 class TrainingEngine:
@@ -80,6 +81,8 @@ class TrainingEngine:
         plain engine at ZeRO-0, gradient norm) is judged after the last backward, before the update, and
         the update skipped on every rank when the guard says so (the pipeline engine: inside train_batch)."""
         lr = self.engine.get_lr()[0]
+        by_expert = {g["expert"]: g["lr"] for g in self.optimizer.param_groups if g.get("expert") is not None}
+        expert_lrs = [by_expert[e] for e in sorted(by_expert)] or None
         grid, shape = getattr(self.engine.module, "step_grid", None), getattr(batches, "step_latent_shape", None)
         shape = shape() if shape is not None else None
         if grid is not None and shape is not None:      # every rank: this step's bucket (parallel/train/buckets.py)
@@ -92,7 +95,7 @@ class TrainingEngine:
             loss = float(self.engine.train_batch(data_iter=batches))
             reason = self.pipeline_guard["reason"] if self.pipeline_guard else None
             if reason is not None:
-                return StepResult(loss=loss, grad_norm=None, lr=lr, skipped=reason)
+                return StepResult(loss=loss, grad_norm=None, lr=lr, skipped=reason, expert_lrs=expert_lrs)
         else:
             total, accum = torch.zeros((), dtype=torch.float64), self.cfg.train.grad_accum_steps
             for micro in range(accum):
@@ -112,9 +115,11 @@ class TrainingEngine:
                 self._skip_idle_experts()
             skipped = self._guarded_update(loss, guard)
             if skipped is not None:
-                return StepResult(loss=loss, grad_norm=self.engine.get_global_grad_norm(), lr=lr, skipped=skipped)
+                return StepResult(loss=loss, grad_norm=self.engine.get_global_grad_norm(), lr=lr, skipped=skipped,
+                                  expert_lrs=expert_lrs)
         norm = self.engine.get_global_grad_norm()
-        return StepResult(loss=loss, grad_norm=None if norm is None else float(norm), lr=lr)
+        return StepResult(loss=loss, grad_norm=None if norm is None else float(norm), lr=lr,
+                          expert_lrs=expert_lrs)
 
     def _guarded_update(self, loss: float, guard) -> Optional[str]:
         """The boundary step(): applied, or (the guard's verdict, the same on every rank) skipped; the reason."""
@@ -207,7 +212,7 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
         load_lora(model, ctx, cfg.model, cfg.model.lora.init_from)
     optimizer = build_optimizer(model, ds, cfg.train)
     factor = schedule_factor(ds, cfg.train)
-    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    schedule = lambda opt: build_schedule(opt, factor)
     mpu = None if cfg.parallel.pp_size > 1 else ctx      # the pipeline engine takes its grid from the module
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            config=ds_final, mpu=mpu)

@@ -237,7 +237,7 @@ def collect(trainer) -> Optional[dict]:
     scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else {}
     return {"tensors": tensors, "index": index, "keys": keys, "optimizer_step": _optimizer_step(optimizer),
             "expert_steps": experts,
-            "schedule": {k: scheduler[k] for k in ("last_epoch", "_step_count") if k in scheduler},
+            "schedule": {k: scheduler[k] for k in ("last_epoch", "_step_count", "expert_steps") if k in scheduler},
             "global_batch": engine.train_batch_size() // max(1, ctx.sp_size)}
 
 
@@ -346,7 +346,8 @@ def load(trainer, folder: Path) -> int:
     scheduler = engine.lr_scheduler
     if scheduler is not None and state["schedule"]:
         scheduler.load_state_dict({**scheduler.state_dict(), **state["schedule"]})
-        lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        lrs = scheduler.lrs() if hasattr(scheduler, "lrs") else \
+            [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
         for group, lr in zip(scheduler.optimizer.param_groups, lrs):
             group["lr"] = lr
         scheduler.load_state_dict({**scheduler.state_dict(), "_last_lr": lrs})

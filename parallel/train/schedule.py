@@ -2,7 +2,7 @@
 
 Either way the toolkit builds it as a `torch.optim.lr_scheduler.LambdaLR` over the optimizer it built,
 `lr(n) = train.lr * f(n)` at optimizer step n = 0, 1, ..., so a checkpoint holds one kind of schedule
-state (LambdaLR's step count) and resumes to the same lr whichever schedule is in use.
+state (LambdaLR's step count; and each expert's, below) and resumes to the same lr whichever schedule is in use.
 
 The toolkit's own (no "scheduler" section), W = train.warmup_steps, D = train.decay_steps or train.max_steps,
 m = train.min_lr / train.lr:
@@ -27,6 +27,12 @@ train.warmup_steps, total_num_steps = train.decay_steps or train.max_steps, cos_
 train.lr) are filled in from the experiment when absent (or "auto") and refused when they disagree, so
 the numbers live in one place and the logged lr is the one the JSON describes.
 
+A model of several experts (Wan 2.2 A14B with both, parallel/train/optim.py: groups tagged "expert": e) runs
+each expert's groups at that expert's own update count, n_e = the updates e took part in, lr = train.lr * f(n_e)
+(`ExpertLambdaLR`): an expert that sat out k steps (no sample chose it) resumes its warmup and decay where it
+left them, as in a run that trains it alone. n_e is the step count of e's Adam states; an update skipped
+altogether (the anomaly guard, an fp16 overflow) advances neither.
+
 Where the two overlap they agree: after warmup (step n > W) WarmupCosineLR so filled in is the toolkit's
 cosine step for step (DeepSpeed's i - W + 1 = n - W); during warmup DeepSpeed's ramp runs two steps
 behind the toolkit's ((n - 1) / W from 0 at step 0, against (n + 1) / W).
@@ -36,6 +42,8 @@ from __future__ import annotations
 import difflib
 import math
 from typing import Any, Callable
+
+import torch
 
 from parallel.config import TrainConfig
 
@@ -201,3 +209,40 @@ def schedule_factor(ds: dict[str, Any], train: TrainConfig) -> Callable[[int], f
         return lambda n: lr_factor(n, train)
     kind, params = found
     return lambda n: deepspeed_lr(n - 1, kind, params, train.lr) / train.lr
+
+
+class ExpertLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR whose groups tagged "expert": e run at lr = base * f(n_e), n_e the updates of expert e so far
+    (`expert_steps`); untagged groups at the global count (last_epoch). The experts in `optimizer.idle`
+    (SkipsIdleExperts, set before the update) do not advance. Saved and loaded with the scheduler's state."""
+
+    def __init__(self, optimizer, factor: Callable[[int], float]):
+        experts = {g["expert"] for g in optimizer.param_groups if g.get("expert") is not None}
+        self.expert_steps = [0] * (max(experts) + 1 if experts else 0)
+        super().__init__(optimizer, factor)
+
+    def step(self, epoch=None) -> None:
+        if self._step_count > 0:                    # not the step LRScheduler.__init__ takes to set lr(0)
+            idle = getattr(self.optimizer, "idle", frozenset())
+            self.expert_steps = [n + (e not in idle) for e, n in enumerate(self.expert_steps)]
+        super().step(epoch)
+
+    def lrs(self) -> list[float]:
+        """Each group's lr at the current counts."""
+        return [base * fn(self.last_epoch if g.get("expert") is None else self.expert_steps[g["expert"]])
+                for base, fn, g in zip(self.base_lrs, self.lr_lambdas, self.optimizer.param_groups)]
+
+    def get_lr(self) -> list[float]:
+        return self.lrs()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A state saved before per-expert counts (every group at the global count) continues that way."""
+        super().load_state_dict({"expert_steps": [state_dict.get("last_epoch", 0)] * len(self.expert_steps),
+                                 **state_dict})
+
+
+def build_schedule(optimizer, factor: Callable[[int], float]) -> torch.optim.lr_scheduler.LambdaLR:
+    """The LambdaLR of `factor` over `optimizer`; per-expert counts when it has expert groups."""
+    if any(g.get("expert") is not None for g in optimizer.param_groups):
+        return ExpertLambdaLR(optimizer, factor)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

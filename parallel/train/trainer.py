@@ -210,6 +210,8 @@ class Trainer:
         record = {"step": done, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                   "step_time_s": round(elapsed, 4), "samples_per_s": round(batch / elapsed, 3),
                   "tokens_per_s": round(tokens / elapsed, 1), **accelerator.memory_stats(), **val}
+        for e, lr in enumerate(result.expert_lrs or ()):       # several experts, each at its own schedule count
+            record[f"lr_expert{e}"] = lr
         if self.guard and (self.cfg.train.anomaly or self.guard.skipped):
             record["anomalies"] = self.guard.skipped
             if result.skipped:

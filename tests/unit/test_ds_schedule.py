@@ -138,3 +138,43 @@ def test_schedule_shape_must_match_train_keys():
         "s.json: scheduler.type='WarmupLR' holds the lr at train.lr after warmup, but train.min_lr=1e-05")
     assert problems({"scheduler": {"type": "WarmupDecayLR"}}, "train.min_lr=1e-5")[0].startswith(
         "s.json: scheduler.type='WarmupDecayLR' decays to 0, but train.min_lr=1e-05")
+
+
+def test_each_experts_groups_follow_the_schedule_at_their_own_update_count():
+    """Wan 2.2 A14B with both experts (parallel/train/optim.py ExpertAdamW, groups tagged "expert"): each expert's
+    group runs at lr(n_e), n_e the updates it took part in (Adam's own step count), an untagged group at the
+    global step; a scheduler loaded from its state_dict continues the same lrs, one saved before per-expert counts
+    at the global step."""
+    from parallel.train.optim import ExpertAdamW
+    from parallel.train.schedule import build_schedule
+
+    cfg = load_config("debug", [f"train.warmup_steps={WARMUP}", f"train.max_steps={STEPS}", f"train.lr={LR}",
+                                f"train.min_lr={LR / 10}"])
+    factor = schedule_factor({}, cfg.train)
+
+    def build():
+        params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(3)]
+        opt = ExpertAdamW([{"params": params[:1], "expert": 0}, {"params": params[1:2], "expert": 1},
+                           {"params": params[2:]}], lr=LR)
+        return opt, build_schedule(opt, factor)
+
+    opt, sched = build()
+    counts = [0, 0]
+    for step, idle in enumerate([{1}, {1}, set(), {0}, {1}, set(), {1}]):
+        assert [g["lr"] for g in opt.param_groups] == [LR * factor(counts[0]), LR * factor(counts[1]),
+                                                        LR * factor(step)], step
+        opt.idle = frozenset(idle)
+        for group in opt.param_groups:
+            group["params"][0].grad = torch.ones(1)
+        opt.step()
+        sched.step()
+        counts = [n + (e not in idle) for e, n in enumerate(counts)]
+    assert sched.expert_steps == counts == [6, 3] and sched.last_epoch == 7
+    assert [int(opt.state[g["params"][0]]["step"]) for g in opt.param_groups[:2]] == counts
+    assert len({g["lr"] for g in opt.param_groups}) == 3           # warmup, decay and the global step: three lrs
+    resumed_opt, resumed = build()
+    resumed.load_state_dict(sched.state_dict())
+    assert resumed.lrs() == [g["lr"] for g in opt.param_groups]
+    _, older = build()
+    older.load_state_dict({k: v for k, v in sched.state_dict().items() if k != "expert_steps"})
+    assert older.expert_steps == [7, 7]

@@ -26,3 +26,19 @@ def test_wan22_summary_gives_each_experts_parameters():
         assert f"parameters: {2 * one}" in text
         assert preset != "wan2.2-t2v-a14b" or "experts.0 14,288,491,584, experts.1 14,288,491,584" in text
     assert "experts:" not in summary(load_config("debug-wan22", ["model.experts.train=high_noise"]))
+
+
+def test_the_timesteps_line_says_what_training_draws():
+    """`timesteps: one per token` where training draws a timestep per latent position ([B, T, H, W]: Wan 2.2 TI2V,
+    model.expand_timesteps), no line where it draws one per sample ([B]: Wan 2.1, Wan 2.2 A14B)."""
+    from parallel.distributed.topology import ParallelContext
+    from parallel.train.run import training_batches
+    for preset in ("debug-wan22-ti2v", "debug-wan", "debug-wan22"):
+        cfg = load_config(preset)
+        (x_t, t, *_), _ = next(training_batches(cfg, ParallelContext.single()))
+        per_token = t.shape == (x_t.shape[0], *x_t.shape[2:])
+        assert per_token == (preset == "debug-wan22-ti2v") and (t.dim() == 1) != per_token, (preset, t.shape)
+        lines = summary(cfg).splitlines()
+        assert (lines[-1] == "timesteps: one per token") == per_token, (preset, lines[-1])
+        assert per_token or not any(line.startswith("timesteps:") for line in lines), preset
+    assert summary(load_config("wan2.2-ti2v-5b")).splitlines()[-1] == "timesteps: one per token"
