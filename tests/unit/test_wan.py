@@ -14,7 +14,8 @@ from parallel.build import layer_specs
 from parallel.config import load_config
 from parallel.distributed.pipeline import SequentialDiT
 from parallel.distributed.topology import ParallelContext
-from parallel.weights.diffusers import INDEX_NAME, check_released, load_released
+from parallel.weights.diffusers import check_released, load_released
+from tests.released_utils import random_release, save_release
 
 B, FRAMES, HEIGHT, WIDTH = 2, 3, 8, 12            # latents [2, 4, 3, 8, 12] -> 3 x 4 x 6 = 72 video tokens
 DIFFUSERS_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4,
@@ -27,22 +28,13 @@ def overrides(folder) -> list[str]:
 
 
 def released_model() -> WanTransformer3DModel:
-    torch.manual_seed(0)
-    model = WanTransformer3DModel(**DIFFUSERS_TINY).eval()
-    with torch.no_grad():              # every tensor non-trivial: norm weights and biases too
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
+    return random_release(WanTransformer3DModel, **DIFFUSERS_TINY)
 
 
 @pytest.fixture(scope="module")
 def released(tmp_path_factory):
     """(folder, diffusers model): a sharded save_pretrained folder with its index."""
-    folder = tmp_path_factory.mktemp("wan")
-    model = released_model()
-    model.save_pretrained(folder, max_shard_size="100KB")
-    assert (folder / INDEX_NAME).is_file()
-    return folder, model
+    return save_release(tmp_path_factory.mktemp("wan"), released_model(), "100KB")
 
 
 def inputs():

@@ -15,6 +15,7 @@ from parallel.config import load_config
 from parallel.distributed.pipeline import SequentialDiT
 from parallel.distributed.topology import ParallelContext
 from parallel.weights.diffusers import check_released, load_released
+from tests.released_utils import random_release
 from tests.unit.test_wan import DIFFUSERS_TINY, HEIGHT, WIDTH, diffusers_forward
 
 BOUNDARY = 0.875
@@ -26,12 +27,7 @@ def overrides(folder, *extra) -> list[str]:
 
 
 def tiny(seed: int) -> WanTransformer3DModel:
-    torch.manual_seed(seed)
-    model = WanTransformer3DModel(**DIFFUSERS_TINY).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
+    return random_release(WanTransformer3DModel, seed, **DIFFUSERS_TINY)
 
 
 def write_release(folder, boundary=BOUNDARY):
