@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 import torch
@@ -128,6 +129,14 @@ class TextEncoderFormat:
     # models/text_encoder.build_text_encoder as (path, max_len, expected_dim, device, cache_size, key, model); its
     # `check_folder(path, key)` lists what a folder lacks. None with prepared False: refused by name.
     encoder: Optional[Callable] = None
+
+
+def missing_subfolders(path, key: str, folders: tuple[str, ...], needs: str) -> list[str]:
+    """A family encoder's `check_folder` (TextEncoderFormat.encoder), before anything loads: `key=path: <needs>;
+    missing: <each of `folders` not in path>`, or [] ("{}" in `needs` stands for the folders' list)."""
+    path = Path(path)
+    missing = [f for f in folders if not (path / f).is_dir()]
+    return [f"{key}={path}: {needs.format(', '.join(folders))}; missing: {', '.join(missing)}"] if missing else []
 
 
 class SchedulerFormat(Protocol):
