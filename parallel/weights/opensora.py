@@ -18,15 +18,8 @@ from torch import nn
 from models.config import ModelConfig
 from models.registry import FAMILIES, family
 from models.spec import CheckpointFormat
-from parallel.distributed.pipeline import canonical_name
 from parallel.lora import is_adapter
-
-
-def model_tensors(module: nn.Module, num_blocks: int):
-    """(canonical name, tensor) of every parameter and buffer this rank holds (parallel/weights/diffusers.py's, which
-    hands .safetensors files here)."""
-    yield from ((canonical_name(n, num_blocks), p) for n, p in module.named_parameters())
-    yield from ((canonical_name(n, num_blocks), b) for n, b in module.named_buffers())
+from parallel.weights.gather import format_shapes, model_tensors
 
 
 def format_problems(m: ModelConfig) -> list[str]:
@@ -42,16 +35,7 @@ def format_problems(m: ModelConfig) -> list[str]:
 
 def expected_tensors(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every checkpoint tensor name of this model with its shape (the model built on the meta device)."""
-    from parallel.build import layer_specs
-    from parallel.config import ExperimentConfig
-    from parallel.distributed.pipeline import SequentialDiT
-    from parallel.distributed.topology import ParallelContext
-    with torch.device("meta"):
-        model = SequentialDiT(layer_specs(ExperimentConfig(model=m), ParallelContext.single()))
-    shapes, out = family(m).checkpoint.shapes, {}
-    for name, t in model_tensors(model, m.num_layers):
-        out.update(shapes(name, tuple(t.shape), m))
-    return out
+    return format_shapes(m, family(m).checkpoint.shapes)
 
 
 def check_opensora(m: ModelConfig, path: str | Path) -> list[str]:
