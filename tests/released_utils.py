@@ -1,8 +1,9 @@
 """What the family tests of released weights share (tests/unit/test_<family>.py, tests/distributed/
 test_<family>_layouts.py): a tiny random diffusers release written as model.init_from reads it, the toolkit model
-read from it at one layout, and the comparisons of a layout's results with diffusers' (gradients through the
-released name map, an exported folder read back bit for bit). Each family's test keeps its own sizes, inputs and
-expected numbers; only the plumbing lives here.
+read from it in one process or at one layout (its adapters made non-zero where a test compares them), and the
+comparisons of a layout's results with diffusers' (gradients through the released name map, an exported folder
+read back bit for bit). Each family's test keeps its own sizes, inputs and expected numbers; only the plumbing
+lives here.
 """
 from __future__ import annotations
 
@@ -32,6 +33,29 @@ def save_release(folder: Path, model: torch.nn.Module, max_shard_size: str) -> t
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     assert (folder / INDEX_NAME).is_file()
     return folder, model
+
+
+def read_release(preset: str, overrides: list[str], folder):
+    """(cfg, the toolkit model in one process with the release in `folder` read in, the elements read)."""
+    from parallel.build import layer_specs
+    from parallel.config import load_config
+    from parallel.distributed.pipeline import SequentialDiT
+    from parallel.distributed.topology import ParallelContext
+    from parallel.weights.diffusers import load_released
+
+    cfg = load_config(preset, overrides)
+    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
+    return cfg, ours, load_released(ours, ParallelContext.single(), cfg.model, folder)
+
+
+def nonzero_adapters(model: torch.nn.Module, seed: int = 5) -> None:
+    """Every adapter's B (zero at the start, as peft starts it) set to 0.2 x N(0, 1) from `seed`, in parameter
+    order, so that the adapters change the prediction."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
 
 
 def layout_model(preset: str, overrides: list[str], folder, world_size: int, tp: int = 1, pp: int = 1, sp: int = 1,

@@ -12,12 +12,10 @@ from diffusers import HunyuanVideoTransformer3DModel
 
 from models.__main__ import summary
 from models.hunyuanvideo.released import DIFFUSERS
-from parallel.build import layer_specs
 from parallel.config import load_config
-from parallel.distributed.pipeline import SequentialDiT
 from parallel.distributed.topology import ParallelContext
-from parallel.weights.diffusers import check_released, load_released
-from tests.released_utils import random_release, save_release
+from parallel.weights.diffusers import check_released
+from tests.released_utils import random_release, read_release, save_release
 
 B, FRAMES, HEIGHT, WIDTH = 2, 3, 8, 12            # latents [2, 4, 3, 8, 12] -> 3 x 4 x 6 = 72 video tokens
 LLAMA, POOLED, TEXT = 32, 8, 8
@@ -58,9 +56,7 @@ def diffusers_forward(model, latents, timesteps, text) -> torch.Tensor:
 
 def test_forward_equals_diffusers(released):
     folder, model = released
-    cfg = load_config("debug-hunyuan", overrides(folder))
-    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
-    read = load_released(ours, ParallelContext.single(), cfg.model, folder)
+    _, ours, read = read_release("debug-hunyuan", overrides(folder), folder)
     assert read == sum(p.numel() for p in model.parameters())
     with torch.no_grad():
         out = ours.predict(inputs())

@@ -22,8 +22,7 @@ from parallel.build import layer_specs
 from parallel.config import load_config
 from parallel.distributed.pipeline import SequentialDiT
 from parallel.distributed.topology import ParallelContext
-from parallel.weights.diffusers import load_released
-from tests.released_utils import random_release, save_release
+from tests.released_utils import random_release, read_release, save_release
 
 PRESET = "debug-wan22-ti2v"
 B, C, FRAMES, HEIGHT, WIDTH = 2, 8, 3, 8, 12      # latents [2, 8, 3, 8, 12] -> 3 x 4 x 6 = 72 video tokens
@@ -58,9 +57,7 @@ def diffusers_forward(model, latents, timesteps, text) -> torch.Tensor:
 
 
 def toolkit(folder, *extra):
-    cfg = load_config(PRESET, overrides(folder) + list(extra))
-    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
-    read = load_released(ours, ParallelContext.single(), cfg.model, folder)
+    cfg, ours, read = read_release(PRESET, overrides(folder) + list(extra), folder)
     return cfg, ours.eval(), read
 
 

@@ -12,8 +12,8 @@ from parallel.build import layer_specs
 from parallel.config import load_config
 from parallel.distributed.pipeline import SequentialDiT
 from parallel.distributed.topology import ParallelContext
-from parallel.weights.diffusers import check_released, load_released
-from tests.released_utils import random_release, save_release
+from parallel.weights.diffusers import check_released
+from tests.released_utils import random_release, read_release, save_release
 
 B, FRAMES, HEIGHT, WIDTH = 2, 3, 8, 12            # latents [2, 12, 3, 8, 12] -> 3 x 4 x 6 = 72 video tokens
 TEXT, IMAGE, IMAGE_DIM = 512, 5, 24               # diffusers reads the last 512 cross-attention tokens as text
@@ -51,10 +51,8 @@ def diffusers_forward(model, latents, timesteps, text, image) -> torch.Tensor:
 
 def test_forward_equals_diffusers(released_i2v):
     folder, model = released_i2v
-    cfg = load_config("debug-wan-i2v", overrides(folder))
+    cfg, ours, read = read_release("debug-wan-i2v", overrides(folder), folder)
     assert check_released(cfg.model, folder) == []
-    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
-    read = load_released(ours, ParallelContext.single(), cfg.model, folder)
     assert read == sum(p.numel() for p in model.parameters())
     with torch.no_grad():
         out = ours.predict(inputs())
