@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 import torch
@@ -130,6 +131,30 @@ class TextEncoderFormat:
     encoder: Optional[Callable] = None
 
 
+def missing_subfolders(path, key: str, folders: tuple[str, ...], needs: str) -> list[str]:
+    """A family encoder's `check_folder` (TextEncoderFormat.encoder), before anything loads: `key=path: <needs>;
+    missing: <each of `folders` not in path>`, or [] ("{}" in `needs` stands for the folders' list)."""
+    path = Path(path)
+    missing = [f for f in folders if not (path / f).is_dir()]
+    return [f"{key}={path}: {needs.format(', '.join(folders))}; missing: {', '.join(missing)}"] if missing else []
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """A checkpoint of the family's besides its diffusers release: one .safetensors file under its own code's tensor
+    names (Open-Sora 2.0's for HunyuanVideo). model.init_from=<the file> reads it and `python -m parallel.export
+    --format opensora` writes it (parallel/weights/opensora.py, for any layout); the family gives the name map and
+    its exact rewrites, between full (tp = 1) tensors."""
+
+    title: str                # how messages name it ("Open-Sora 2.0")
+    file_name: str            # the file its own code loads ("Open_Sora_v2.safetensors")
+    problems: Callable[[ModelConfig], list[str]]           # what keeps a model section from it, each with its key
+    names: Callable[[str, ModelConfig], list[str]]         # toolkit name -> its tensors', in from_checkpoint's order
+    shapes: Callable[[str, tuple, ModelConfig], dict]      # (toolkit name, full shape) -> {its name: shape}
+    from_checkpoint: Callable[[str, list, ModelConfig], torch.Tensor]   # (toolkit name, its tensors) -> full tensor
+    to_checkpoint: Callable[[str, torch.Tensor, ModelConfig], dict]     # (toolkit name, full tensor) -> {its name: t}
+
+
 class SchedulerFormat(Protocol):
     """The release's `scheduler/scheduler_config.json` against the model section (parallel/weights/scheduler.py
     reads the file; the family says what its keys mean)."""
@@ -190,6 +215,7 @@ class FamilySpec:
     describe_layers: Callable[[ModelConfig], str]                         # "30 blocks", "28 layers (...)"
     layer_noun: str
     released: Optional[ReleasedFormat]        # None: no published format (no init_from, toolkit-format export)
+    checkpoint: Optional[CheckpointFormat]    # a single-file checkpoint of its own code's, or None
     # (model, data) -> None, or a training-input hook: (x_t, x0, keep [B] bool) -> the first stage's latents
     # (image-to-video: x_t with the image latents on channels), its `.dropout` the probability of keep False.
     condition: Optional[Callable]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from typing import Optional
 
 import torch
 
@@ -15,10 +16,15 @@ ZERO0_FP32 = json.load(open("ds_configs/zero0_fp32.json"))
 GLOBAL_BATCH = 4
 
 
-def fp32_config(stage: int = 0, checkpointing: bool = True, optimizer: str = "AdamW") -> dict:
+def fp32_config(stage: int = 0, checkpointing: bool = True, optimizer: str = "AdamW",
+                eps: Optional[float] = None) -> dict:
+    """ds_configs/zero0_fp32.json at ZeRO `stage`; `eps`: Adam's, where the layouts' gradient round-off would move
+    weights near eps past fp32 tolerance (1e-6: tests/distributed/test_sequence_parallel.py's sp_config says why)."""
     ds = copy.deepcopy(ZERO0_FP32)
     ds["zero_optimization"] = {"stage": stage}
     ds["optimizer"]["type"] = optimizer
+    if eps is not None:
+        ds["optimizer"]["params"]["eps"] = eps
     if not checkpointing:
         ds.pop("activation_checkpointing")
     return ds
@@ -80,14 +86,20 @@ def train(tp: int, pp: int, dp: int, ds: dict, steps: int = 3, extra=(), sp: int
     each rank's StepMeasurement of step `probe_step` (1-based; none when 0)."""
     results = run_ranks(_train_rank, tp * pp * dp * sp, tp, pp, dp, ds, steps, tuple(extra), sp, preset,
                         probe_step)
-    state: dict[str, torch.Tensor] = {}
     ema: dict[str, torch.Tensor] = {}
     for r in results:
-        state.update(r["state"])
         ema.update(r["ema"])
-    return {"losses": results[0]["losses"], "all_losses": [r["losses"] for r in results], "state": state,
-            "ema": ema, "slack": results[0]["slack"], "replica_mismatches": sorted({n for r in results for n in r["replica_mismatches"]}),
-            "probes": [r["probe"] for r in results]}
+    return {**merge_ranks(results), "ema": ema, "slack": results[0]["slack"], "probes": [r["probe"] for r in results]}
+
+
+def merge_ranks(rows: list[dict]) -> dict:
+    """One run from the ranks' `_train_rank` results, as `assert_matches` takes it: rank 0's losses, every rank's,
+    the full weights all ranks hold together and the replica drift any rank saw."""
+    state: dict[str, torch.Tensor] = {}
+    for r in rows:
+        state.update(r["state"])
+    return {"losses": rows[0]["losses"], "all_losses": [r["losses"] for r in rows], "state": state,
+            "replica_mismatches": sorted({n for r in rows for n in r["replica_mismatches"]})}
 
 
 def assert_weights_match(state: dict, reference: dict, label: str = "") -> None:

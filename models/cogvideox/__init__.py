@@ -25,6 +25,7 @@ SPEC = FamilySpec(
     layer_noun="block",
     recompute_parts={"attention": ("attn.core",), "mlp": ("mlp",)},
     released=DIFFUSERS,
+    checkpoint=None,
     condition=first_frame_condition,         # image-to-video presets: the first frame's latents on channels
     vae=CogVideoXLatents(),
     text_encoder=T5,

@@ -6,6 +6,7 @@ import math
 from models.hunyuanvideo.blocks import HunyuanBlock
 from models.hunyuanvideo.config import HunyuanVideoConfig
 from models.hunyuanvideo.embed import EmbedStage, FinalStage
+from models.hunyuanvideo.opensora import OPENSORA
 from models.hunyuanvideo.pipeline import LLAMA_CLIP, SAMPLING, HunyuanLatents
 from models.hunyuanvideo.released import DIFFUSERS
 from models.hunyuanvideo.timesteps import HUNYUAN_TIMESTEPS
@@ -26,6 +27,7 @@ SPEC = FamilySpec(
     layer_noun="block",
     recompute_parts={"attention": ("attn.core",), "mlp": ("ffn", "mlp")},
     released=DIFFUSERS,
+    checkpoint=OPENSORA,                     # Open-Sora 2.0's Open_Sora_v2.safetensors (configs/opensora2.0.yaml)
     condition=None,                          # text-to-video
     vae=HunyuanLatents(),                    # latents z * scaling_factor
     text_encoder=LLAMA_CLIP,                 # LLaMA (or T5) states + the CLIP pooled vector per row: captions.py

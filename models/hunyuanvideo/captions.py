@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from models.spec import missing_subfolders
+
 # HunyuanVideoPipeline's DEFAULT_PROMPT_TEMPLATE and its constants
 TEMPLATE = ("<|start_header_id|>system<|end_header_id|>\n\nDescribe the video by detailing the following aspects: "
             "1. The main content and theme of the video."
@@ -38,13 +40,9 @@ FOLDERS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
 
 def _check_folder(path: str | Path, key: str) -> list[str]:
     """What the folder lacks (before anything is loaded)."""
-    path = Path(path)
-    missing = [f for f in FOLDERS if not (path / f).is_dir()]
-    if missing:
-        return [f"{key}={path}: HunyuanVideo-family captions need a pipeline folder with {', '.join(FOLDERS)}/ "
-                f"(LlamaModel, or T5EncoderModel with model.text_encoder=t5_clip; its tokenizer; CLIPTextModel; its "
-                f"tokenizer); missing: {', '.join(missing)}"]
-    return []
+    return missing_subfolders(path, key, FOLDERS, "HunyuanVideo-family captions need a pipeline folder with {}/ "
+                              "(LlamaModel, or T5EncoderModel with model.text_encoder=t5_clip; its tokenizer; "
+                              "CLIPTextModel; its tokenizer)")
 
 
 class _Clip:

@@ -1,6 +1,6 @@
 """Open-Sora 2.0's released checkpoint (hpcaitech/Open-Sora `MMDiTModel`, fused_qkv=False, use_liger_rope=True) as
-this family's tensors: the name map and the two exact rewrites between them. parallel/weights/opensora.py reads and
-writes the file.
+this family's tensors: the name map and the two exact rewrites between them (`OPENSORA`, the family's
+FamilySpec.checkpoint). parallel/weights/opensora.py reads and writes the file.
 
     toolkit                              Open-Sora 2.0 (opensora/models/mmdit/model.py, layers.py)
     embed.patch_proj / cond_proj         img_in / cond_in                 (both (c, ph, pw)-ordered patches)
@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from models.hunyuanvideo.config import HunyuanVideoConfig
+from models.spec import CheckpointFormat
 
 QK, SWAP = "qk", "swap"                   # the rewrites above
 
@@ -128,3 +129,8 @@ def from_opensora(name: str, tensors: list[torch.Tensor], m: HunyuanVideoConfig)
 def shapes(name: str, shape: tuple[int, ...], m: HunyuanVideoConfig) -> dict[str, tuple[int, ...]]:
     """Shapes of the Open-Sora tensors behind one full toolkit tensor of `shape`."""
     return {n: (rows, *shape[1:]) for (n, _), rows in zip(sources(name, m), _rows(name, m, shape[0]))}
+
+
+OPENSORA = CheckpointFormat(title="Open-Sora 2.0", file_name="Open_Sora_v2.safetensors", problems=problems,
+                            names=lambda name, m: [n for n, _ in sources(name, m)], shapes=shapes,
+                            from_checkpoint=from_opensora, to_checkpoint=to_opensora)

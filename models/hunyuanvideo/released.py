@@ -73,6 +73,15 @@ def _config_pairs(m: HunyuanVideoConfig) -> list[tuple[str, object, Optional[str
     ]
 
 
+def mlp_ratio_check(m):
+    """config_problems' message for mlp_ratio (HunyuanVideo and 1.5): diffusers' mlp_ratio is the toolkit's
+    ffn_hidden_size / hidden_size (its MLP width: int(hidden x ratio))."""
+    def mlp_ratio(theirs, value) -> Optional[str]:
+        return None if theirs == value else (f"mlp_ratio {theirs} != model.ffn_hidden_size / model.hidden_size "
+                                             f"{value}; set --set model.ffn_hidden_size={int(m.hidden_size * theirs)}")
+    return mlp_ratio
+
+
 class HunyuanVideoDiffusers(DiffusersFormat):
     """The `ReleasedFormat` (models/spec.py) of diffusers' HunyuanVideoTransformer3DModel, bound to a config
     (`bind`: which blocks are dual-stream)."""
@@ -91,11 +100,6 @@ class HunyuanVideoDiffusers(DiffusersFormat):
             return None if theirs == value else (f"text_embed_dim {theirs} != model.text_embed_dim - model."
                                                  f"pooled_projection_dim {value}; set --set model.text_embed_dim="
                                                  f"{theirs + m.pooled_projection_dim}")
-        # diffusers' mlp_ratio is the toolkit's ffn_hidden_size / hidden_size (its MLP width: int(hidden x ratio))
-        def mlp_ratio(theirs, value) -> Optional[str]:
-            return None if theirs == value else (f"mlp_ratio {theirs} != model.ffn_hidden_size / model.hidden_size "
-                                                 f"{value}; set --set model.ffn_hidden_size="
-                                                 f"{int(m.hidden_size * theirs)}")
         # the toolkit's num_layers counts both kinds: the release's dual + single blocks
         def single_layers(theirs, value) -> Optional[str]:
             return None if theirs == value else (f"num_single_layers {theirs} != model.num_layers - model."
@@ -103,7 +107,7 @@ class HunyuanVideoDiffusers(DiffusersFormat):
                                                  f"{config.get('num_layers', 20) + theirs}")
         problems = config_problems(_config_pairs(m), config, path, "the toolkit's HunyuanVideo model has {}; "
                                    "HunyuanVideo text-to-video (13B) qualifies",
-                                   {"text_embed_dim": text_dim, "mlp_ratio": mlp_ratio,
+                                   {"text_embed_dim": text_dim, "mlp_ratio": mlp_ratio_check(m),
                                     "num_single_layers": single_layers})
         if m.cond_embed:
             problems.append(f"{path}: model.cond_embed=true (Open-Sora 2.0's cond_in) has no counterpart in "

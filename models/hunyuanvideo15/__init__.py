@@ -29,6 +29,7 @@ SPEC = FamilySpec(
     layer_noun="block",
     recompute_parts={"attention": ("attn.core",), "mlp": ("ffn",)},
     released=DIFFUSERS,
+    checkpoint=None,
     condition=image_condition,               # model.image_condition: the first frame's latents and mask
     vae=Hunyuan15Latents(),                  # latents z * scaling_factor
     text_encoder=QWEN_BYT5,                  # Qwen2.5-VL + byT5 (+ zero SigLIP) rows: captions.py; I2V: siglip.py

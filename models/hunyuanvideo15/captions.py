@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from models.spec import missing_subfolders
+
 # HunyuanVideo15Pipeline's system_message (its backslash-continued literal: the 8 spaces stay) and constants
 SYSTEM_MESSAGE = ("You are a helpful assistant. Describe the video by detailing the following aspects: "
                   "        1. The main content and theme of the video. "
@@ -42,13 +44,9 @@ def glyph_text(caption: str) -> str | None:
 
 def check_folder(path: str | Path, key: str) -> list[str]:
     """What the folder lacks (before anything is loaded)."""
-    path = Path(path)
-    missing = [f for f in FOLDERS if not (path / f).is_dir()]
-    if missing:
-        return [f"{key}={path}: HunyuanVideo 1.5 captions need a pipeline folder with {', '.join(FOLDERS)}/ "
-                f"(Qwen2_5_VLTextModel; its tokenizer with the chat template; T5EncoderModel (byT5); ByT5Tokenizer); "
-                f"missing: {', '.join(missing)}"]
-    return []
+    return missing_subfolders(path, key, FOLDERS, "HunyuanVideo 1.5 captions need a pipeline folder with {}/ "
+                              "(Qwen2_5_VLTextModel; its tokenizer with the chat template; T5EncoderModel (byT5); "
+                              "ByT5Tokenizer)")
 
 
 class QwenByT5TextEncoder:

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from models.hunyuanvideo.released import HunyuanVideoDiffusers
+from models.hunyuanvideo.released import HunyuanVideoDiffusers, mlp_ratio_check
 from models.hunyuanvideo15.config import HunyuanVideo15Config
 from models.spec import DiffusersFormat, config_problems
 
@@ -83,13 +83,9 @@ class HunyuanVideo15Diffusers(DiffusersFormat):
                                                  f"latents, condition latents, mask); set --set model.in_channels="
                                                  f"{(theirs - 1) // 2}")
 
-        def mlp_ratio(theirs, value) -> Optional[str]:
-            return None if theirs == value else (f"mlp_ratio {theirs} != model.ffn_hidden_size / model.hidden_size "
-                                                 f"{value}; set --set model.ffn_hidden_size="
-                                                 f"{int(m.hidden_size * theirs)}")
         return config_problems(_config_pairs(m), config, path, "the toolkit's HunyuanVideo 1.5 model has {}; the "
                                "480p and 720p T2V and I2V releases qualify",
-                               {"in_channels": in_channels, "mlp_ratio": mlp_ratio})
+                               {"in_channels": in_channels, "mlp_ratio": mlp_ratio_check(m)})
 
     def config(self, m: HunyuanVideo15Config, data) -> dict:
         return {key: value for key, _, _, value in _config_pairs(m)}

@@ -28,6 +28,7 @@ SPEC = FamilySpec(
     recompute_parts={"attention": ("spatial.attn.core", "temporal.attn.core"), "mlp": ("spatial.mlp", "temporal.mlp")},
     layer_noun="layer",
     released=None,                           # no diffusers release: exports in the toolkit's format
+    checkpoint=None,
     condition=None,
     # Trained here on CogVideoX's VAE latents and T5 embeddings (Open-Sora's own VAE is not in diffusers).
     vae=CogVideoXLatents(),

@@ -33,6 +33,7 @@ SPEC = FamilySpec(
     layer_noun="block",
     recompute_parts={"attention": ("attn1.core",), "mlp": ("ffn",)},     # self-attention; cross-attention is S x L
     released=DIFFUSERS,
+    checkpoint=None,
     condition=image_condition,               # I2V: mask + image latents on channels, CLIP states (models/wan/image.py)
     vae=WanLatents(),                        # latents (x - latents_mean) / latents_std per channel
     text_encoder=UMT5,                       # padding rows zeroed, as WanPipeline

@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
-
 import torch
 from torch import nn
 
 from models.config import ModelConfig
 from models.registry import family
 from models.spec import ReleasedFormat
-from parallel.distributed.pipeline import canonical_name
 from parallel.lora import is_adapter
+from parallel.weights.gather import format_shapes, model_tensors
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -139,25 +137,9 @@ def _prefixed_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def model_tensors(module: nn.Module, num_blocks: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(canonical name, tensor) of every parameter and persistent buffer this rank holds."""
-    yield from ((canonical_name(n, num_blocks), p) for n, p in module.named_parameters())
-    yield from ((canonical_name(n, num_blocks), b) for n, b in module.named_buffers())
-
-
 def expected_tensors(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every released tensor name of this model with its shape (the model built on the meta device)."""
-    from parallel.build import layer_specs
-    from parallel.config import ExperimentConfig
-    from parallel.distributed.pipeline import SequentialDiT
-    from parallel.distributed.topology import ParallelContext
-    fmt = released_format(m)
-    with torch.device("meta"):
-        model = SequentialDiT(layer_specs(ExperimentConfig(model=m), ParallelContext.single()))
-    out = {}
-    for name, t in model_tensors(model, m.num_layers):
-        out.update(fmt.shapes(name, tuple(t.shape), m))
-    return out
+    return format_shapes(m, released_format(m).shapes)
 
 
 def is_single_file(path: Path) -> bool:

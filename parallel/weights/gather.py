@@ -16,6 +16,28 @@ from parallel.distributed.comm import gather_shards
 from parallel.distributed.pipeline import canonical_name
 
 
+def model_tensors(module: nn.Module, num_blocks: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(canonical name, tensor) of every parameter and persistent buffer this rank holds, as they are: what the
+    readers of released weights fill in place (parallel/weights/diffusers.py, opensora.py)."""
+    yield from ((canonical_name(n, num_blocks), p) for n, p in module.named_parameters())
+    yield from ((canonical_name(n, num_blocks), b) for n, b in module.named_buffers())
+
+
+def format_shapes(m, shapes: Callable) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of a weights format with its shape for model section `m`: `shapes(canonical name, full
+    shape, m)` -> {its name: shape} over the model's tensors (the model built on the meta device)."""
+    from parallel.build import layer_specs
+    from parallel.config import ExperimentConfig
+    from parallel.distributed.pipeline import SequentialDiT
+    from parallel.distributed.topology import ParallelContext
+    with torch.device("meta"):
+        model = SequentialDiT(layer_specs(ExperimentConfig(model=m), ParallelContext.single()))
+    out = {}
+    for name, t in model_tensors(model, m.num_layers):
+        out.update(shapes(name, tuple(t.shape), m))
+    return out
+
+
 @torch.no_grad()
 def full_tensors(module: nn.Module, ctx, num_blocks: int, value: Optional[Callable] = None, zero3: bool = False
                  ) -> Iterator[tuple[str, torch.Tensor]]:

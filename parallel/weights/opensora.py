@@ -1,11 +1,11 @@
-"""Open-Sora 2.0's released checkpoint (one safetensors file, `Open_Sora_v2.safetensors`, with its MMDiTModel's
-names) in and out of a HunyuanVideo-family model of any layout; the name map and its rewrites are
-models/hunyuanvideo/opensora.py.
+"""A family's single-file checkpoint (FamilySpec.checkpoint, a models.spec.CheckpointFormat: Open-Sora 2.0's
+`Open_Sora_v2.safetensors` with its MMDiTModel's names, for the HunyuanVideo family) in and out of a model of any
+layout; the name map and its rewrites are the family's (models/hunyuanvideo/opensora.py).
 
 `check_opensora` reads the header only (every missing, unexpected or mis-shaped tensor at once, before any
 process group); `load_opensora` fills a built model: each rank reads the tensors of its pipeline stage, rewrites
 them to the toolkit's full tensor and keeps its tensor-parallel slice; `write_opensora` writes full tensors
-(`parallel.weights.gather.full_tensors` of any layout) back under Open-Sora's names, bit for bit what was read.
+(`parallel.weights.gather.full_tensors` of any layout) back under the checkpoint's names, bit for bit what was read.
 """
 from __future__ import annotations
 
@@ -15,50 +15,48 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from models.hunyuanvideo import opensora
-from models.hunyuanvideo.config import HunyuanVideoConfig
-from parallel.distributed.pipeline import canonical_name
+from models.config import ModelConfig
+from models.registry import FAMILIES, family
+from models.spec import CheckpointFormat
 from parallel.lora import is_adapter
+from parallel.weights.gather import format_shapes, model_tensors
 
 
-def model_tensors(module: nn.Module, num_blocks: int):
-    """(canonical name, tensor) of every parameter and buffer this rank holds (parallel/weights/diffusers.py's, which
-    hands .safetensors files here)."""
-    yield from ((canonical_name(n, num_blocks), p) for n, p in module.named_parameters())
-    yield from ((canonical_name(n, num_blocks), b) for n, b in module.named_buffers())
+def format_problems(m: ModelConfig) -> list[str]:
+    """What keeps this model section from its family's single-file checkpoint, each with its key. A family without
+    one: the refusal of a family that has one (it names the family the file loads into)."""
+    own = family(m).checkpoint
+    if own is not None:
+        return own.problems(m)
+    other: CheckpointFormat | None = next((s.checkpoint for s in FAMILIES.values() if s.checkpoint), None)
+    return (other.problems(m) if other else []) or [f"model.family={m.family} reads no single-file checkpoint; "
+                                                    f"model.init_from must be a diffusers folder"]
 
 
-def expected_tensors(m: HunyuanVideoConfig) -> dict[str, tuple[int, ...]]:
-    """Every Open-Sora tensor name of this model with its shape (the model built on the meta device)."""
-    from parallel.build import layer_specs
-    from parallel.config import ExperimentConfig
-    from parallel.distributed.pipeline import SequentialDiT
-    from parallel.distributed.topology import ParallelContext
-    with torch.device("meta"):
-        model = SequentialDiT(layer_specs(ExperimentConfig(model=m), ParallelContext.single()))
-    out = {}
-    for name, t in model_tensors(model, m.num_layers):
-        out.update(opensora.shapes(name, tuple(t.shape), m))
-    return out
+def expected_tensors(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor name of this model with its shape (the model built on the meta device)."""
+    return format_shapes(m, family(m).checkpoint.shapes)
 
 
-def check_opensora(m: HunyuanVideoConfig, path: str | Path) -> list[str]:
-    """Every problem with an Open-Sora 2.0 checkpoint for this model section (reads the safetensors header)."""
+def check_opensora(m: ModelConfig, path: str | Path) -> list[str]:
+    """Every problem with the family's single-file checkpoint for this model section (reads the safetensors
+    header)."""
     from safetensors import safe_open
     path = Path(path)
-    problems = [f"{path}: {p}" for p in opensora.problems(m)]
+    problems = [f"{path}: {p}" for p in format_problems(m)]
     if problems:
         return problems
+    fmt = family(m).checkpoint
     try:
         with safe_open(str(path), framework="pt") as f:
             have = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
     except Exception as e:                                   # not a file, not safetensors
-        return [f"{path}: cannot read as safetensors ({e}); model.init_from must be Open-Sora 2.0's "
-                f"Open_Sora_v2.safetensors or a diffusers folder"]
+        return [f"{path}: cannot read as safetensors ({e}); model.init_from must be {fmt.title}'s "
+                f"{fmt.file_name} or a diffusers folder"]
     want = expected_tensors(m)
     missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
     if missing:
-        problems.append(f"{path}: {len(missing)} tensors of Open-Sora 2.0 are missing: {', '.join(missing[:20])}")
+        problems.append(f"{path}: {len(missing)} tensors of {fmt.title} are missing: {', '.join(missing[:20])}")
     if unexpected:
         problems.append(f"{path}: {len(unexpected)} tensors have no place in the model (model.cond_embed, "
                         f"model.guidance_embed, model.num_layers?): {', '.join(unexpected[:20])}")
@@ -81,33 +79,35 @@ def _local(full: torch.Tensor, p: torch.Tensor, ctx) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_opensora(module: nn.Module, ctx, m: HunyuanVideoConfig, path: str | Path) -> int:
-    """Copy an Open-Sora 2.0 checkpoint into this rank's part of a built model (before deepspeed.initialize);
-    returns the number of elements read. Raises ValueError listing every problem, before reading any."""
+def load_opensora(module: nn.Module, ctx, m: ModelConfig, path: str | Path) -> int:
+    """Copy the family's single-file checkpoint into this rank's part of a built model (before
+    deepspeed.initialize); returns the number of elements read. Raises ValueError listing every problem, before
+    reading any."""
     from safetensors import safe_open
     problems = check_opensora(m, path)
     if problems:
         raise ValueError("\n".join(problems))
-    read = 0
+    fmt, read = family(m).checkpoint, 0
     with safe_open(str(path), framework="pt", device="cpu") as f:
         for name, target in model_tensors(module, m.num_layers):
             if is_adapter(name):                             # LoRA's adapters: model.lora.init_from
                 continue
-            tensors = [f.get_tensor(n) for n, _ in opensora.sources(name, m)]
-            full = opensora.from_opensora(name, tensors, m)
+            tensors = [f.get_tensor(n) for n in fmt.names(name, m)]
+            full = fmt.from_checkpoint(name, tensors, m)
             target.copy_(_local(full, target, ctx).reshape(target.shape).to(target.dtype))
             read += full.numel()
     return read
 
 
-def write_opensora(tensors: Iterable[tuple[str, torch.Tensor]], m: HunyuanVideoConfig, path: str | Path,
+def write_opensora(tensors: Iterable[tuple[str, torch.Tensor]], m: ModelConfig, path: str | Path,
                    dtype: torch.dtype = torch.float32, metadata: dict | None = None) -> Path:
-    """Write full toolkit tensors ((canonical name, tensor), every one of the model) under Open-Sora's names."""
+    """Write full toolkit tensors ((canonical name, tensor), every one of the model) under the checkpoint's
+    names."""
     from safetensors.torch import save_file
-    out = {}
+    to_checkpoint, out = family(m).checkpoint.to_checkpoint, {}
     for name, full in tensors:
         if not is_adapter(name):
-            out.update({n: t.to(dtype) for n, t in opensora.to_opensora(name, full, m).items()})
+            out.update({n: t.to(dtype) for n, t in to_checkpoint(name, full, m).items()})
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(out, str(path), metadata=metadata)
@@ -118,19 +118,19 @@ def export_problems(m) -> list[str]:
     """Why `python -m parallel.export --format opensora` cannot write this model section, each with its key."""
     lora = ["model.lora: --format opensora writes the base weights alone; fold the adapters in with --format "
             "diffusers --merge-lora, or export without model.lora"] if getattr(m, "lora", None) else []
-    return opensora.problems(m) + lora
+    return format_problems(m) + lora
 
 
 def export_opensora(module: nn.Module, ctx, cfg, out: str | Path, value=None, zero3: bool = False,
                     dtype: torch.dtype = torch.float32, metadata: dict | None = None) -> list[Path]:
-    """Write this model (or `value(param)`, its EMA) of any layout as one Open-Sora 2.0 checkpoint file, `out`
+    """Write this model (or `value(param)`, its EMA) of any layout as its family's single-file checkpoint, `out`
     (a .safetensors path); call on every rank. Each stage's full tensors are gathered over tp (one at a time) and
     sent to rank 0, which writes the file: it holds the whole model once, as Open-Sora's single file does."""
     import torch.distributed as dist
 
     from parallel.weights.gather import full_tensors
     m = cfg.model
-    problems = opensora.problems(m)
+    problems = format_problems(m)
     if problems:
         raise ValueError("\n".join(problems))
     local = dict(full_tensors(module, ctx, m.num_layers, value, zero3))

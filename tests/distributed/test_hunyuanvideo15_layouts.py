@@ -11,16 +11,14 @@ and one block's forward issues the four all-reduces of a dual-stream block; tp 2
 folder that `from_pretrained` reads back bit for bit; and three training steps at tp 2 x pp 2, at sp 2 x dp 2 and
 at Ulysses 2 x ring 2 equal one process, and so do three steps of rank-4 adapters at tp 2 x pp 2.
 """
-import json
 from pathlib import Path
 
 import torch
-from diffusers import HunyuanVideo15Transformer3DModel
 
 from parallel.config import load_config
-from parallel.weights.diffusers import INDEX_NAME
 from tests.dist_utils import run_ranks
-from tests.train_utils import assert_matches, train
+from tests.released_utils import assert_export_reads_back, assert_grads_match, layout_model
+from tests.train_utils import assert_matches, merge_ranks, train
 from tests.distributed.test_hunyuanvideo_layouts import hunyuan_fp32_config
 from tests.unit.test_hunyuanvideo15 import DIFFUSERS, diffusers_forward, inputs, overrides, released  # noqa: F401
 
@@ -34,17 +32,7 @@ LORA = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[to_q,add
 
 
 def _model(folder, tp, pp, sp, world_size, ring=1):
-    from parallel.build import build_model
-    from parallel.distributed.topology import ParallelContext, ParallelDims
-    from parallel.weights.diffusers import load_released
-
-    cfg = load_config(PRESET, overrides(folder) + [f"parallel.tp_size={tp}", f"parallel.pp_size={pp}",
-                                                   f"parallel.sp_size={sp}", f"parallel.ring_size={ring}"])
-    ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, ring_size=ring, pp_size=pp,
-                                             dp_size=world_size // (tp * pp * sp)))
-    model = build_model(cfg, {}, ctx)
-    load_released(model, ctx, cfg.model, folder)
-    return cfg, ctx, model
+    return layout_model(PRESET, overrides(folder), folder, world_size, tp, pp, sp, ring)
 
 
 def _rank(rank, world_size, folder, export_dir):
@@ -101,7 +89,6 @@ def test_hunyuanvideo15_in_every_layout(released, tmp_path):
                                            f"pp={pp} sp={sp} ring={ring} i2v={i2v} rank {rank}: {m}")
 
     # Gradients at tp 2 equal diffusers' (names through the released format's map).
-    from parallel.weights.diffusers_export import to_diffusers
     cfg = load_config(PRESET, overrides(folder))
     model.zero_grad()
     target = torch.randn(inputs(True)[0][:, :4].shape, generator=torch.Generator().manual_seed(3))
@@ -109,35 +96,18 @@ def test_hunyuanvideo15_in_every_layout(released, tmp_path):
     torch.nn.functional.mse_loss(fmt.reference_call(model, inputs(True), {}), target).backward()
     # the last block's text outputs reach no prediction: diffusers leaves their gradient None, ours is zero
     theirs = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in model.named_parameters()}
-    ours = {}
-    for name, grad in results[0]["grads"].items():
-        ours.update(to_diffusers(name, grad, cfg.model))
-    assert ours.keys() == theirs.keys()
-    for name, grad in theirs.items():
-        torch.testing.assert_close(ours[name], grad, msg=lambda m: f"{name}: {m}")
+    assert_grads_match(results[0]["grads"], cfg.model, theirs)
 
     # One dual-stream block's forward at tp 2: the text and video outputs of attention and of the FFNs.
     b, text, video, hid = 2, 16, 72, 64
     assert results[0]["all_reduces"] == [b * text * hid, b * video * hid, b * text * hid, b * video * hid]
 
     # Export from tp 2 x pp 2: shards of each stage with an index; from_pretrained gives the original bits.
-    exported = tmp_path / "export"
-    assert (exported / INDEX_NAME).is_file() and len(list(exported.glob("*.safetensors"))) > 2
-    again = HunyuanVideo15Transformer3DModel.from_pretrained(exported)
-    public = lambda config: json.loads(json.dumps({k: v for k, v in config.items() if not k.startswith("_")}))
-    assert public(again.config) == public(model.config)
-    original = model.state_dict()
-    assert again.state_dict().keys() == original.keys()
-    for name, value in again.state_dict().items():
-        assert torch.equal(value, original[name]), name
+    assert_export_reads_back(tmp_path / "export", model)
 
     # Training: tp 2 x pp 2, sp 2 x dp 2 and Ulysses 2 x ring 2 equal one process, 3 steps; adapters at tp 2 x pp 2.
     for key, want in [(("train", *layout), reference) for layout in TRAIN_LAYOUTS] + [("lora", lora_reference)]:
-        rows = [r[key] for r in results]
-        run = {"losses": rows[0]["losses"], "all_losses": [r["losses"] for r in rows],
-               "state": {k: v for r in rows for k, v in r["state"].items()},
-               "replica_mismatches": sorted({n for r in rows for n in r["replica_mismatches"]})}
-        assert_matches(run, want)
+        assert_matches(merge_ranks([r[key] for r in results]), want)
     adapted = sorted(n for n in lora_reference["state"] if n.endswith("lora_B"))
     assert adapted == [f"blocks.{i}.{m}.lora_B" for i in (0, 1) for m in ("add_qkv", "to_add_out", "to_qkv")], adapted
     assert lora_reference["state"]["blocks.0.to_add_out.lora_B"].abs().sum() > 0     # the adapters trained (the

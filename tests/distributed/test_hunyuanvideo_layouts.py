@@ -8,16 +8,14 @@ text, the other none); at tp 2 the gradients of a loss equal diffusers' own (the
 ranks), and one block's forward issues the all-reduces docs/tensor-parallel.md lists; tp 2 x pp 2 exports a diffusers folder that `from_pretrained` reads back bit for bit; and three training
 steps at tp 2 x pp 2 and at sp 2 x dp 2 equal one process, and so do three steps of rank-4 adapters at tp 2 x pp 2.
 """
-import json
 from pathlib import Path
 
 import torch
-from diffusers import HunyuanVideoTransformer3DModel
 
 from parallel.config import load_config
-from parallel.weights.diffusers import INDEX_NAME
 from tests.dist_utils import run_ranks
-from tests.train_utils import assert_matches, fp32_config, train
+from tests.released_utils import assert_export_reads_back, assert_grads_match, layout_model
+from tests.train_utils import assert_matches, fp32_config, merge_ranks, train
 from tests.unit.test_hunyuanvideo import DIFFUSERS, diffusers_forward, inputs, overrides, released  # noqa: F401
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2)]     # (tp, pp, sp); dp fills 4 ranks
@@ -29,22 +27,11 @@ LORA = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[proj_out
 
 def hunyuan_fp32_config() -> dict:
     """fp32_config with Adam's eps at 1e-6, as tests/distributed/test_sequence_parallel.py's sp_config says why."""
-    ds = fp32_config()
-    ds["optimizer"]["params"]["eps"] = 1e-6
-    return ds
+    return fp32_config(eps=1e-6)
 
 
 def _model(folder, tp, pp, sp, world_size):
-    from parallel.build import build_model
-    from parallel.distributed.topology import ParallelContext, ParallelDims
-    from parallel.weights.diffusers import load_released
-
-    cfg = load_config("debug-hunyuan", overrides(folder) + [f"parallel.tp_size={tp}", f"parallel.pp_size={pp}",
-                                                              f"parallel.sp_size={sp}"])
-    ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=world_size // (tp * pp * sp)))
-    model = build_model(cfg, {}, ctx)
-    load_released(model, ctx, cfg.model, folder)
-    return cfg, ctx, model
+    return layout_model("debug-hunyuan", overrides(folder), folder, world_size, tp, pp, sp)
 
 
 def _rank(rank, world_size, folder, export_dir):
@@ -99,18 +86,11 @@ def test_hunyuanvideo_in_every_layout(released, tmp_path):
                                        msg=lambda m: f"tp={tp} pp={pp} sp={sp} rank {rank}: {m}")
 
     # Gradients at tp 2 equal diffusers' (names through the released format's map).
-    from parallel.weights.diffusers_export import to_diffusers
     cfg = load_config("debug-hunyuan", overrides(folder))
     model.zero_grad()
     target = torch.randn(inputs()[0].shape, generator=torch.Generator().manual_seed(3))
     torch.nn.functional.mse_loss(DIFFUSERS.reference_call(model, inputs(), {}), target).backward()
-    theirs = {n: p.grad for n, p in model.named_parameters()}
-    ours = {}
-    for name, grad in results[0]["grads"].items():
-        ours.update(to_diffusers(name, grad, cfg.model))
-    assert ours.keys() == theirs.keys()
-    for name, grad in theirs.items():
-        torch.testing.assert_close(ours[name], grad, msg=lambda m: f"{name}: {m}")
+    assert_grads_match(results[0]["grads"], cfg.model, {n: p.grad for n, p in model.named_parameters()})
 
     # One block's forward at tp 2: dual, the text and video outputs of attention and of the FFNs (B x L x H and
     # B x S x H each); single, its one [attention; MLP] output over all B x (L + S) tokens.
@@ -119,27 +99,12 @@ def test_hunyuanvideo_in_every_layout(released, tmp_path):
                                          [b * (text + video) * hid])
 
     # Export from tp 2 x pp 2: shards of each stage with an index; from_pretrained gives the original bits.
-    exported = tmp_path / "export"
-    assert (exported / INDEX_NAME).is_file() and len(list(exported.glob("*.safetensors"))) > 2
-    again = HunyuanVideoTransformer3DModel.from_pretrained(exported)
-    public = lambda config: json.loads(json.dumps({k: v for k, v in config.items() if not k.startswith("_")}))
-    assert public(again.config) == public(model.config)
-    original = model.state_dict()
-    assert again.state_dict().keys() == original.keys()
-    for name, value in again.state_dict().items():
-        assert torch.equal(value, original[name]), name
+    assert_export_reads_back(tmp_path / "export", model)
 
     # Training: tp 2 x pp 2 and sp 2 x dp 2 equal one process, 3 steps.
     for tp, pp, sp, dp in TRAIN_LAYOUTS:
-        rows = [r[("train", tp, pp, sp, dp)] for r in results]
-        run = {"losses": rows[0]["losses"], "all_losses": [r["losses"] for r in rows],
-               "state": {k: v for r in rows for k, v in r["state"].items()},
-               "replica_mismatches": sorted({n for r in rows for n in r["replica_mismatches"]})}
-        assert_matches(run, reference)
-    rows = [r["lora"] for r in results]
-    assert_matches({"losses": rows[0]["losses"], "all_losses": [r["losses"] for r in rows],
-                    "state": {k: v for r in rows for k, v in r["state"].items()},
-                    "replica_mismatches": sorted({n for r in rows for n in r["replica_mismatches"]})}, lora_reference)
+        assert_matches(merge_ranks([r[("train", tp, pp, sp, dp)] for r in results]), reference)
+    assert_matches(merge_ranks([r["lora"] for r in results]), lora_reference)
     adapted = [n for n in lora_reference["state"] if n.endswith("lora_B")]
     assert "blocks.3.proj_out.lora_B" in adapted and "blocks.0.to_add_out.lora_B" in adapted
     assert lora_reference["state"]["blocks.3.proj_out.lora_B"].abs().sum() > 0       # the adapters trained

@@ -9,16 +9,14 @@ tp 2 the gradients of a loss (the q/k RMSNorm across heads all-reduces its stati
 equal diffusers' own; tp 2 x pp 2 exports a diffusers folder that `from_pretrained` reads back bit for bit;
 and three training steps at tp 2 x pp 2 and at sp 2 x dp 2 equal one process.
 """
-import json
 from pathlib import Path
 
 import torch
-from diffusers import WanTransformer3DModel
 
 from parallel.config import load_config
-from parallel.weights.diffusers import INDEX_NAME
 from tests.dist_utils import run_ranks
-from tests.train_utils import assert_matches, fp32_config, train
+from tests.released_utils import assert_export_reads_back, assert_grads_match, layout_model
+from tests.train_utils import assert_matches, fp32_config, merge_ranks, train
 from tests.unit import test_wan, test_wan22_ti2v, test_wan_i2v
 from tests.unit.test_wan import released  # noqa: F401  (fixture)
 from tests.unit.test_wan22_ti2v import released_ti2v  # noqa: F401  (fixture)
@@ -32,22 +30,11 @@ VARIANTS = {"debug-wan": test_wan, "debug-wan-i2v": test_wan_i2v,               
 
 def wan_fp32_config() -> dict:
     """fp32_config with Adam's eps at 1e-6, as tests/distributed/test_sequence_parallel.py's sp_config says why."""
-    ds = fp32_config()
-    ds["optimizer"]["params"]["eps"] = 1e-6
-    return ds
+    return fp32_config(eps=1e-6)
 
 
 def _model(preset, folder, tp, pp, sp, world_size):
-    from parallel.build import build_model
-    from parallel.distributed.topology import ParallelContext, ParallelDims
-    from parallel.weights.diffusers import load_released
-
-    cfg = load_config(preset, VARIANTS[preset].overrides(folder) + [f"parallel.tp_size={tp}",
-                                                                    f"parallel.pp_size={pp}", f"parallel.sp_size={sp}"])
-    ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=world_size // (tp * pp * sp)))
-    model = build_model(cfg, {}, ctx)
-    load_released(model, ctx, cfg.model, folder)
-    return cfg, ctx, model
+    return layout_model(preset, VARIANTS[preset].overrides(folder), folder, world_size, tp, pp, sp)
 
 
 def _rank(rank, world_size, variants):
@@ -116,7 +103,6 @@ def check_variant(preset, folder, model, exported, results):
                                        msg=lambda m: f"tp={tp} pp={pp} sp={sp} rank {rank}: {m}")
 
     # Gradients at tp 2 equal diffusers' (names through the released format's map).
-    from parallel.weights.diffusers_export import to_diffusers
     cfg = load_config(preset, unit.overrides(folder))
     model.zero_grad()
     x = unit.inputs()
@@ -124,13 +110,7 @@ def check_variant(preset, folder, model, exported, results):
     prediction = model(hidden_states=x[0], timestep=x[1], encoder_hidden_states=x[2],
                        encoder_hidden_states_image=x[3] if len(x) > 3 else None).sample
     torch.nn.functional.mse_loss(prediction, target).backward()
-    theirs = {n: p.grad for n, p in model.named_parameters()}
-    ours = {}
-    for name, grad in results[0]["grads"].items():
-        ours.update(to_diffusers(name, grad, cfg.model))
-    assert ours.keys() == theirs.keys()
-    for name, grad in theirs.items():
-        torch.testing.assert_close(ours[name], grad, msg=lambda m: f"{name}: {m}")
+    assert_grads_match(results[0]["grads"], cfg.model, {n: p.grad for n, p in model.named_parameters()})
     # One block's forward at tp 2: the q and k statistics of both attentions (B x S and B x L of them), then
     # the self-attention, cross-attention and FFN outputs (B x S x H each).
     # Image-to-video: then the image keys' statistic (B x I).
@@ -140,19 +120,8 @@ def check_variant(preset, folder, model, exported, results):
                                                b * s * hid]
 
     # Export from tp 2 x pp 2: shards of each stage with an index; from_pretrained gives the original bits.
-    assert (exported / INDEX_NAME).is_file() and len(list(exported.glob("*.safetensors"))) > 2
-    again = WanTransformer3DModel.from_pretrained(exported)
-    public = lambda config: json.loads(json.dumps({k: v for k, v in config.items() if not k.startswith("_")}))
-    assert public(again.config) == public(model.config)
-    original = model.state_dict()
-    assert again.state_dict().keys() == original.keys()
-    for name, value in again.state_dict().items():
-        assert torch.equal(value, original[name]), name
+    assert_export_reads_back(exported, model)
 
     # Training: tp 2 x pp 2 and sp 2 x dp 2 equal one process, 3 steps.
     for tp, pp, sp, dp in TRAIN_LAYOUTS:
-        rows = [r[("train", tp, pp, sp, dp)] for r in results]
-        run = {"losses": rows[0]["losses"], "all_losses": [r["losses"] for r in rows],
-               "state": {k: v for r in rows for k, v in r["state"].items()},
-               "replica_mismatches": sorted({n for r in rows for n in r["replica_mismatches"]})}
-        assert_matches(run, reference)
+        assert_matches(merge_ranks([r[("train", tp, pp, sp, dp)] for r in results]), reference)

@@ -46,6 +46,7 @@ SPEC = register(FamilySpec(
     describe_layers=lambda m: f"{m.num_layers} blocks (2 timestep experts in each MLP)",
     layer_noun="block",
     released=None,
+    checkpoint=None,
     condition=None,
     vae=CogVideoXLatents(),
     text_encoder=T5,

@@ -19,6 +19,7 @@ from parallel.distributed.topology import ParallelContext
 from parallel.lora import LORA_WEIGHTS_NAME, apply_lora
 from parallel.weights.diffusers import load_released
 from parallel.weights.lora_export import lora_tensors, write_lora
+from tests.released_utils import nonzero_adapters
 from tests.unit import test_hunyuanvideo as hy
 from tests.unit import test_hunyuanvideo15 as hy15
 
@@ -41,11 +42,7 @@ def adapted(preset: str, folder, extra: list[str], targets: list[str]):
     ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
     load_released(ours, ParallelContext.single(), cfg.model, folder)
     apply_lora(ours, cfg.model, cfg.train.seed)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in ours.named_parameters():
-            if name.endswith("lora_B"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    nonzero_adapters(ours)
     return ours, cfg
 
 

@@ -12,11 +12,10 @@ from diffusers import HunyuanVideoTransformer3DModel
 
 from models.__main__ import summary
 from models.hunyuanvideo.released import DIFFUSERS
-from parallel.build import layer_specs
 from parallel.config import load_config
-from parallel.distributed.pipeline import SequentialDiT
 from parallel.distributed.topology import ParallelContext
-from parallel.weights.diffusers import INDEX_NAME, check_released, load_released
+from parallel.weights.diffusers import check_released
+from tests.released_utils import random_release, read_release, save_release
 
 B, FRAMES, HEIGHT, WIDTH = 2, 3, 8, 12            # latents [2, 4, 3, 8, 12] -> 3 x 4 x 6 = 72 video tokens
 LLAMA, POOLED, TEXT = 32, 8, 8
@@ -31,22 +30,13 @@ def overrides(folder) -> list[str]:
 
 
 def released_model() -> HunyuanVideoTransformer3DModel:
-    torch.manual_seed(0)
-    model = HunyuanVideoTransformer3DModel(**DIFFUSERS_TINY).eval()
-    with torch.no_grad():              # every tensor non-trivial: norm weights and gates too
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
+    return random_release(HunyuanVideoTransformer3DModel, **DIFFUSERS_TINY)
 
 
 @pytest.fixture(scope="module")
 def released(tmp_path_factory):
     """(folder, diffusers model): a sharded save_pretrained folder with its index."""
-    folder = tmp_path_factory.mktemp("hunyuan")
-    model = released_model()
-    model.save_pretrained(folder, max_shard_size="200KB")
-    assert (folder / INDEX_NAME).is_file()
-    return folder, model
+    return save_release(tmp_path_factory.mktemp("hunyuan"), released_model(), "200KB")
 
 
 def inputs():
@@ -66,9 +56,7 @@ def diffusers_forward(model, latents, timesteps, text) -> torch.Tensor:
 
 def test_forward_equals_diffusers(released):
     folder, model = released
-    cfg = load_config("debug-hunyuan", overrides(folder))
-    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
-    read = load_released(ours, ParallelContext.single(), cfg.model, folder)
+    _, ours, read = read_release("debug-hunyuan", overrides(folder), folder)
     assert read == sum(p.numel() for p in model.parameters())
     with torch.no_grad():
         out = ours.predict(inputs())

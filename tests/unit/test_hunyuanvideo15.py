@@ -12,11 +12,9 @@ from diffusers import HunyuanVideo15Transformer3DModel
 
 from models.__main__ import summary
 from models.hunyuanvideo15.released import DIFFUSERS
-from parallel.build import layer_specs
 from parallel.config import load_config
-from parallel.distributed.pipeline import SequentialDiT
-from parallel.distributed.topology import ParallelContext
-from parallel.weights.diffusers import INDEX_NAME, check_released, load_released
+from parallel.weights.diffusers import check_released
+from tests.released_utils import random_release, read_release, save_release
 
 B, C, FRAMES, HEIGHT, WIDTH = 2, 4, 3, 4, 6           # latents [2, 9, 3, 4, 6] -> 72 video tokens (patch 1)
 QWEN, GLYPH, IMAGE = 32, 16, 24                        # state widths; rows: 4 image, 4 byT5, 8 Qwen
@@ -31,22 +29,13 @@ def overrides(folder) -> list[str]:
 
 
 def released_model() -> HunyuanVideo15Transformer3DModel:
-    torch.manual_seed(0)
-    model = HunyuanVideo15Transformer3DModel(**DIFFUSERS_TINY).eval()
-    with torch.no_grad():              # every tensor non-trivial: norm weights, gates, the condition embeddings
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
+    return random_release(HunyuanVideo15Transformer3DModel, **DIFFUSERS_TINY)
 
 
 @pytest.fixture(scope="module")
 def released(tmp_path_factory):
     """(folder, diffusers model): a sharded save_pretrained folder with its index."""
-    folder = tmp_path_factory.mktemp("hunyuan15")
-    model = released_model()
-    model.save_pretrained(folder, max_shard_size="2MB")
-    assert (folder / INDEX_NAME).is_file()
-    return folder, model
+    return save_release(tmp_path_factory.mktemp("hunyuan15"), released_model(), "2MB")
 
 
 def inputs(i2v: bool = False):
@@ -73,9 +62,7 @@ def diffusers_forward(model, x) -> torch.Tensor:
 def test_forward_equals_diffusers(released):
     """T2V and I2V inputs; T2V also from latents without the condition channels (training: zeros appended)."""
     folder, model = released
-    cfg = load_config("debug-hunyuan15", overrides(folder))
-    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
-    read = load_released(ours, ParallelContext.single(), cfg.model, folder)
+    _, ours, read = read_release("debug-hunyuan15", overrides(folder), folder)
     assert read == sum(p.numel() for p in model.parameters())
     for i2v in (False, True):
         want = diffusers_forward(model, inputs(i2v))

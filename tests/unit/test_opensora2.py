@@ -27,6 +27,7 @@ from parallel.distributed.topology import ParallelContext
 from parallel.weights.diffusers import CONFIG_NAME, WEIGHTS_NAME, check_released, load_released
 from parallel.weights.gather import full_state
 from parallel.weights.opensora import check_opensora, load_opensora, write_opensora
+from tests.released_utils import random_release
 
 B, FRAMES, HEIGHT, WIDTH = 2, 3, 8, 12            # latents [2, 4, 3, 8, 12] -> 3 x 4 x 6 = 72 video tokens
 T5, POOLED, TEXT = 32, 8, 8
@@ -146,14 +147,11 @@ def opensora_forward(sd: dict, latents, timesteps, text, heads: int, axes=(4, 6,
 def coinciding_release(folder) -> HunyuanVideoTransformer3DModel:
     """diffusers' HunyuanVideo without a refiner (its num_refiner_layers 0 leaves proj_in, the toolkit's txt_in) and
     guidance embedder, theta 10000, written to `folder` as model.init_from reads it; the model."""
-    torch.manual_seed(0)
-    theirs = HunyuanVideoTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16, num_layers=2,
-        num_single_layers=2, num_refiner_layers=0, mlp_ratio=2.0, patch_size=2, patch_size_t=1, text_embed_dim=T5,
-        pooled_projection_dim=POOLED, rope_axes_dim=(4, 6, 6), rope_theta=10000.0, guidance_embeds=False).eval()
-    with torch.no_grad():
-        for p in theirs.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    theirs = random_release(
+        HunyuanVideoTransformer3DModel, in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16,
+        num_layers=2, num_single_layers=2, num_refiner_layers=0, mlp_ratio=2.0, patch_size=2, patch_size_t=1,
+        text_embed_dim=T5, pooled_projection_dim=POOLED, rope_axes_dim=(4, 6, 6), rope_theta=10000.0,
+        guidance_embeds=False)
     # the refiner's embedders that num_refiner_layers 0 leaves unused have no toolkit counterpart
     state = {k: v.contiguous() for k, v in theirs.state_dict().items()
              if not k.startswith("context_embedder.time_text_embed.")}

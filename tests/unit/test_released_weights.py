@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from parallel.check import load_and_check
 from parallel.config import ConfigError, load_config
 from parallel.weights.diffusers import INDEX_NAME, check_released, load_released
+from tests.released_utils import random_release
 
 B, FRAMES, SIZE, HEADS, HEAD_DIM = 2, 3, 8, 2, 16        # latents [B, 4, 3, 8, 8] -> 48 video + 8 text tokens
 VARIANTS = {"sincos": {"sample_width": SIZE}, "rope3d": {"sample_width": 12}}   # rope3d: 4x4 grid in a 4x6 base
@@ -27,16 +28,11 @@ def overrides(pos: str, folder) -> list[str]:
 
 
 def released_model(pos: str) -> CogVideoXTransformer3DModel:
-    torch.manual_seed(0 if pos == "sincos" else 1)
-    model = CogVideoXTransformer3DModel(
-        num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4, out_channels=4, time_embed_dim=24,
-        text_embed_dim=32, num_layers=2, sample_height=SIZE, sample_width=VARIANTS[pos]["sample_width"],
-        sample_frames=(FRAMES - 1) * 4 + 1, max_text_seq_length=8,
-        use_rotary_positional_embeddings=pos == "rope3d").eval()
-    with torch.no_grad():              # every tensor non-trivial, norm biases (norm_k's too) included
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
+    return random_release(
+        CogVideoXTransformer3DModel, 0 if pos == "sincos" else 1, num_attention_heads=HEADS,
+        attention_head_dim=HEAD_DIM, in_channels=4, out_channels=4, time_embed_dim=24, text_embed_dim=32,
+        num_layers=2, sample_height=SIZE, sample_width=VARIANTS[pos]["sample_width"],
+        sample_frames=(FRAMES - 1) * 4 + 1, max_text_seq_length=8, use_rotary_positional_embeddings=pos == "rope3d")
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,9 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from models.__main__ import summary
-from parallel.build import layer_specs
 from parallel.config import load_config
-from parallel.distributed.pipeline import SequentialDiT
-from parallel.distributed.topology import ParallelContext
-from parallel.weights.diffusers import INDEX_NAME, check_released, load_released
+from parallel.weights.diffusers import check_released
+from tests.released_utils import random_release, read_release, save_release
 
 B, FRAMES, HEIGHT, WIDTH = 2, 3, 8, 12            # latents [2, 4, 3, 8, 12] -> 3 x 4 x 6 = 72 video tokens
 DIFFUSERS_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4,
@@ -27,22 +25,13 @@ def overrides(folder) -> list[str]:
 
 
 def released_model() -> WanTransformer3DModel:
-    torch.manual_seed(0)
-    model = WanTransformer3DModel(**DIFFUSERS_TINY).eval()
-    with torch.no_grad():              # every tensor non-trivial: norm weights and biases too
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
+    return random_release(WanTransformer3DModel, **DIFFUSERS_TINY)
 
 
 @pytest.fixture(scope="module")
 def released(tmp_path_factory):
     """(folder, diffusers model): a sharded save_pretrained folder with its index."""
-    folder = tmp_path_factory.mktemp("wan")
-    model = released_model()
-    model.save_pretrained(folder, max_shard_size="100KB")
-    assert (folder / INDEX_NAME).is_file()
-    return folder, model
+    return save_release(tmp_path_factory.mktemp("wan"), released_model(), "100KB")
 
 
 def inputs():
@@ -58,9 +47,7 @@ def diffusers_forward(model, latents, timesteps, text) -> torch.Tensor:
 
 def test_forward_equals_diffusers(released):
     folder, model = released
-    cfg = load_config("debug-wan", overrides(folder))
-    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
-    read = load_released(ours, ParallelContext.single(), cfg.model, folder)
+    _, ours, read = read_release("debug-wan", overrides(folder), folder)
     assert read == sum(p.numel() for p in model.parameters())
     with torch.no_grad():
         out = ours.predict(inputs())
@@ -140,9 +127,7 @@ def test_sampling_equals_the_pipeline(released, sampler):
     from models.diffusion import Objective
     from models.sampling import sample
     folder, model = released
-    cfg = load_config("debug-wan", overrides(folder))
-    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
-    load_released(ours, ParallelContext.single(), cfg.model, folder)
+    cfg, ours, _ = read_release("debug-wan", overrides(folder), folder)
     g = torch.Generator().manual_seed(11)
     noise, text, negative = (torch.randn(1, 4, FRAMES, HEIGHT, WIDTH, generator=g), torch.randn(1, 8, 32, generator=g),
                              torch.randn(1, 8, 32, generator=g))

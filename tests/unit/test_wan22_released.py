@@ -10,11 +10,10 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
-from parallel.build import layer_specs
 from parallel.config import load_config
-from parallel.distributed.pipeline import SequentialDiT
 from parallel.distributed.topology import ParallelContext
-from parallel.weights.diffusers import check_released, load_released
+from parallel.weights.diffusers import check_released
+from tests.released_utils import nonzero_adapters, random_release, read_release
 from tests.unit.test_wan import DIFFUSERS_TINY, HEIGHT, WIDTH, diffusers_forward
 
 BOUNDARY = 0.875
@@ -26,12 +25,7 @@ def overrides(folder, *extra) -> list[str]:
 
 
 def tiny(seed: int) -> WanTransformer3DModel:
-    torch.manual_seed(seed)
-    model = WanTransformer3DModel(**DIFFUSERS_TINY).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
+    return random_release(WanTransformer3DModel, seed, **DIFFUSERS_TINY)
 
 
 def write_release(folder, boundary=BOUNDARY):
@@ -54,9 +48,7 @@ def inputs(timesteps):
 
 
 def _loaded(folder, *extra):
-    cfg = load_config("debug-wan22", overrides(folder, *extra))
-    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
-    read = load_released(ours, ParallelContext.single(), cfg.model, folder)
+    _, ours, read = read_release("debug-wan22", overrides(folder, *extra), folder)
     return ours, read
 
 
@@ -222,11 +214,7 @@ def test_both_experts_adapters_load_into_wanpipelines_two_transformers(release, 
     cfg = load_config("debug-wan22", overrides(folder, "model.lora.rank=4", "model.lora.alpha=8"))
     ours, _ = _loaded(folder)
     apply_lora(ours, cfg.model, cfg.train.seed)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in ours.named_parameters():
-            if name.endswith("lora_B"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    nonzero_adapters(ours)
     written = write_lora(lora_tensors(ours, ParallelContext.single(), cfg.model), tmp_path, cfg.model)
     assert written == [tmp_path / sub / LORA_WEIGHTS_NAME for sub in ("transformer", "transformer_2")]
     files = [load_file(str(path)) for path in written]

@@ -22,7 +22,7 @@ from parallel.build import layer_specs
 from parallel.config import load_config
 from parallel.distributed.pipeline import SequentialDiT
 from parallel.distributed.topology import ParallelContext
-from parallel.weights.diffusers import load_released
+from tests.released_utils import random_release, read_release, save_release
 
 PRESET = "debug-wan22-ti2v"
 B, C, FRAMES, HEIGHT, WIDTH = 2, 8, 3, 8, 12      # latents [2, 8, 3, 8, 12] -> 3 x 4 x 6 = 72 video tokens
@@ -38,21 +38,10 @@ def overrides(folder) -> list[str]:
     return [f"data.height={HEIGHT * 16}", f"data.width={WIDTH * 16}", f"model.init_from={folder}"]
 
 
-def released_model() -> WanTransformer3DModel:
-    torch.manual_seed(0)
-    model = WanTransformer3DModel(**DIFFUSERS_TINY).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
 @pytest.fixture(scope="module")
 def released_ti2v(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("wan22_ti2v")
-    model = released_model()
-    model.save_pretrained(folder, max_shard_size="100KB")
-    return folder, model
+    return save_release(tmp_path_factory.mktemp("wan22_ti2v"), random_release(WanTransformer3DModel, **DIFFUSERS_TINY),
+                        "100KB")
 
 
 def inputs():
@@ -68,9 +57,7 @@ def diffusers_forward(model, latents, timesteps, text) -> torch.Tensor:
 
 
 def toolkit(folder, *extra):
-    cfg = load_config(PRESET, overrides(folder) + list(extra))
-    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
-    read = load_released(ours, ParallelContext.single(), cfg.model, folder)
+    cfg, ours, read = read_release(PRESET, overrides(folder) + list(extra), folder)
     return cfg, ours.eval(), read
 
 

@@ -12,7 +12,8 @@ from parallel.build import layer_specs
 from parallel.config import load_config
 from parallel.distributed.pipeline import SequentialDiT
 from parallel.distributed.topology import ParallelContext
-from parallel.weights.diffusers import INDEX_NAME, check_released, load_released
+from parallel.weights.diffusers import check_released
+from tests.released_utils import random_release, read_release, save_release
 
 B, FRAMES, HEIGHT, WIDTH = 2, 3, 8, 12            # latents [2, 12, 3, 8, 12] -> 3 x 4 x 6 = 72 video tokens
 TEXT, IMAGE, IMAGE_DIM = 512, 5, 24               # diffusers reads the last 512 cross-attention tokens as text
@@ -27,22 +28,13 @@ def overrides(folder) -> list[str]:
 
 
 def released_model() -> WanTransformer3DModel:
-    torch.manual_seed(0)
-    model = WanTransformer3DModel(**DIFFUSERS_TINY).eval()
-    with torch.no_grad():              # every tensor non-trivial: norm weights and biases too
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
+    return random_release(WanTransformer3DModel, **DIFFUSERS_TINY)
 
 
 @pytest.fixture(scope="module")
 def released_i2v(tmp_path_factory):
     """(folder, diffusers model): a sharded save_pretrained folder with its index."""
-    folder = tmp_path_factory.mktemp("wan_i2v")
-    model = released_model()
-    model.save_pretrained(folder, max_shard_size="200KB")
-    assert (folder / INDEX_NAME).is_file()
-    return folder, model
+    return save_release(tmp_path_factory.mktemp("wan_i2v"), released_model(), "200KB")
 
 
 def inputs():
@@ -59,10 +51,8 @@ def diffusers_forward(model, latents, timesteps, text, image) -> torch.Tensor:
 
 def test_forward_equals_diffusers(released_i2v):
     folder, model = released_i2v
-    cfg = load_config("debug-wan-i2v", overrides(folder))
+    cfg, ours, read = read_release("debug-wan-i2v", overrides(folder), folder)
     assert check_released(cfg.model, folder) == []
-    ours = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
-    read = load_released(ours, ParallelContext.single(), cfg.model, folder)
     assert read == sum(p.numel() for p in model.parameters())
     with torch.no_grad():
         out = ours.predict(inputs())
