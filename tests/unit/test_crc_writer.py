@@ -1,9 +1,11 @@
 """The CRC-32 writers checkpoints are saved through: the CRC they keep equals zlib.crc32 of the file's bytes,
-and the bytes are those of the plain write (torch.save to the file itself; safetensors' save_file)."""
+and the bytes are those of the plain write (torch.save to the file itself; safetensors' save_file); the
+layout-free copy returns the CRC of each file it wrote.
 import math
 import zlib
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from parallel.distributed.deepspeed.checkpoint import INLINE, CrcWriter
@@ -56,3 +58,24 @@ def test_safetensors_through_the_writer_are_save_files_bytes_and_crc(tmp_path):
     assert crc == _crc(tmp_path / "plain.safetensors")
     back = load_file(tmp_path / "crc.safetensors")
     assert back.keys() == tensors.keys() and all(torch.equal(back[k], v) for k, v in tensors.items())
+
+
+def test_the_layout_free_copy_returns_the_crc_of_every_file_it_wrote(tmp_path):
+    """relayout.write hashes what it writes (rank 0: its safetensors file and state.json), so
+    checkpoint._checksum_files reads none of them back."""
+    from parallel.train import relayout
+    from parallel.train.checksums import file_crc32
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        g = torch.Generator().manual_seed(2)
+        part = {"tensors": {"blocks.0.w::param": torch.randn(INLINE // 4 + 1, generator=g),
+                            "blocks.0.w::exp_avg": torch.randn(3, generator=g)},
+                "index": {"blocks.0.w": {"dim": None}}, "keys": ["exp_avg"], "optimizer_step": 2,
+                "expert_steps": {}, "schedule": {"last_epoch": 2}, "global_batch": 4}
+        crcs = relayout.write(part, tmp_path / "step2", 2, {"tp_size": 1})
+    finally:
+        dist.destroy_process_group()
+    folder = tmp_path / "step2"
+    assert crcs == {str(f.relative_to(folder)): file_crc32(f) for f in folder.rglob("*") if f.is_file()}
+    assert sorted(crcs) == ["layout_free/rank00000.safetensors", "layout_free/state.json"]
