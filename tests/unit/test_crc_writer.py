@@ -1,6 +1,6 @@
 """The CRC-32 writers checkpoints are saved through: the CRC they keep equals zlib.crc32 of the file's bytes,
 and the bytes are those of the plain write (torch.save to the file itself; safetensors' save_file); the
-layout-free copy returns the CRC of each file it wrote.
+layout-free copy returns the CRC of each file it wrote."""
 import math
 import zlib
 
