@@ -9,10 +9,11 @@ then replaces `<ckpt.dir>/latest` atomically (write a temporary file, `os.replac
 marker is an interrupted save: it is never loaded and never counts towards the `ckpt.keep` newest that are
 kept. The marker records each file's size and CRC-32 (parallel/train/checksums.py): DeepSpeed's files and
 the layout-free copy hashed as they are written (CrcWriter, parallel/distributed/deepspeed/checkpoint.py),
-any other file (one DeepSpeed writes itself) read back once all have written, every rank a share. A
-checkpoint whose files no longer match the marker (truncated by a full disk, half-copied: the sizes, checked
-by every reader; a flipped byte: the checksums, checked by the training run's ranks together once process
-groups exist, before any weight is loaded) is reported by name and the previous complete one is used. Old
+any other file (zero_to_fp32.py, which DeepSpeed copies in itself) read back once all have written, every
+rank a share. A checkpoint whose files no longer match the marker (truncated by a full disk, half-copied: the
+sizes, checked by every reader; a flipped byte: the checksums, checked by the training run's ranks together
+once process groups exist, before any weight is loaded) is reported by name and the previous complete one is
+used. Old
 checkpoints are pruned only once the newest is published, and only undamaged ones count, so the last good
 one is never deleted; a save that fails half-way deletes none.
 A complete checkpoint is never written over: a save to an existing complete step{N} (a run started again
