@@ -8,10 +8,10 @@ use_weights_only_checkpoints(engine)  (0.19.8)
              digits), so the checkpoint's marker records them without reading the files back
     why      TorchCheckpointEngine.load unpickles with weights_only=False: a checkpoint can run any code;
              re-reading a checkpoint to checksum it reads every byte again after the save, hashing inline
-             adds the CRC's time to the write's; CrcWriter overlaps the two (2 ranks on the loaded 2-core
+             adds the CRC's time to the write's; CrcWriter overlaps the two (2 ranks on the shared 2-core
              test machine, save time over the plain save's: 1.3B, read back 1.56x, inline 0.99x,
-             overlapped 0.89x; 1e8, 1.61x, 1.78x, 1.35x in one run, overlapped 2.34x and 6.45x in two
-             more: docs/training.md, "Checksum cost")
+             overlapped 0.89x; 1e8 at load 4-6, 1.45x, 1.64x, 1.08x, more when no core is idle:
+             docs/training.md, "Checksum cost")
     relies   engine.checkpoint_engine, engine._config, TorchCheckpointEngine(config_params),
              .load(path, map_location=None) and .save(state_dict, path) (torch.save with
              self.zipfile_serialization), the three classes at their import paths
