@@ -1,17 +1,20 @@
 """What checksumming a checkpoint costs at save: `ranks` processes each write their share of a training
-state with torch.save (as DeepSpeed's save_checkpoint does: no fsync); then, after all have written, each
-CRC-32s its share of the files read back (parallel/train/checksums.py: how the layout-free copy is
-hashed); then the same state written through the CRC-32 writer, the checksums taken while writing (how
-DeepSpeed's files are hashed: parallel/distributed/deepspeed/checkpoint.py).
+state with torch.save, four ways: plain (as DeepSpeed's save_checkpoint does without checksums: no fsync);
+plain, then, after all have written, each CRC-32s its share of the files read back (parallel/train/
+checksums.py: how files nobody hashed while writing are checked); through the CRC-32 writer hashing every
+write inline (CrcWriter(inline_below=inf): the CRC's time added to the write's); through the CRC-32 writer
+as checkpoints are saved (parallel/distributed/deepspeed/checkpoint.py: a helper thread hashes each large
+write while it is written; DeepSpeed's files and the layout-free copy).
 
     python -m bench.ckpt_checksums                          # the debug preset's checkpoint and a 1.3B state
     python -m bench.ckpt_checksums --sizes 1.3e9 --ranks 8 --dir /scratch/x
 
 A state of P parameters is P x 16 bytes (fp32 weights, two Adam moments, the EMA), plus the same again
 for the layout-free copy unless --no-layout-free. The debug preset (configs/debug.yaml, 4 blocks x 64) has
-its measured parameter count. Reported per size, the slowest rank's seconds (median of --repeat): the
-save, the read-back checksum, the save through the writer, and the ratios (save + read-back) / save and
-(save through the writer) / save. Nothing is asserted: a shared machine's figures.
+its measured parameter count. Reported per size, the slowest rank's seconds (median of --repeat; the three
+writes' order turns by one each repeat, so none always follows the read-back): the plain save, the read-back
+checksum, the saves through the inline and the overlapped writer, and each one's ratio to the plain save
+(the read-back's: (save + read-back) / save). Nothing is asserted: a shared machine's figures.
 """
 from __future__ import annotations
 
@@ -46,55 +49,68 @@ def debug_params() -> int:
         return count_parameters(SequentialDiT(layer_specs(load_config("debug"), ParallelContext.single())))
 
 
-def _rank(rank: int, world: int, nbytes: int, folder: str, barrier, out) -> None:
-    """One rank: its share written as files of at most CHUNK bytes (one buffer, saved again under each
-    name: memory stays at CHUNK) with plain torch.save, then its share of everyone's files read back and
-    checksummed; the files removed; then written again through the CRC-32 writer (checksums taken while
-    writing, as WeightsOnlyCheckpointEngine.save does)."""
+WAYS = ("plain", "inline", "overlapped")
+
+
+def _save(way: str, buffer, path: str, size: int) -> None:
     import torch
     from parallel.distributed.deepspeed.checkpoint import CrcWriter
+    if way == "plain":
+        torch.save({"flat": buffer[:size // 4]}, path)
+        return
+    with open(path, "wb") as raw:
+        torch.save({"flat": buffer[:size // 4]}, CrcWriter(raw, **({"inline_below": float("inf")}
+                                                                    if way == "inline" else {})))
+
+
+def _rank(rank: int, world: int, nbytes: int, folder: str, turn: int, barrier, out) -> None:
+    """One rank: its share written as files of at most CHUNK bytes (one buffer, saved again under each
+    name: memory stays at CHUNK) each of the WAYS (starting at WAYS[turn]), the files removed in between;
+    after the plain save, its share of everyone's files read back and checksummed."""
+    import torch
     chunks = [min(CHUNK, nbytes - i) for i in range(0, nbytes, CHUNK)]
     buffer = torch.empty(max(chunks) // 4, dtype=torch.float32).fill_(rank + 0.5)
     names = [f"rank{r:03d}_{c:03d}.pt" for r in range(world) for c in range(len(chunks))]
     mine = [os.path.join(folder, f"rank{rank:03d}_{c:03d}.pt") for c in range(len(chunks))]
-    barrier.wait()
-    tic = time.perf_counter()
-    for path, size in zip(mine, chunks):
-        torch.save({"flat": buffer[:size // 4]}, path)
-    saved = time.perf_counter() - tic
-    barrier.wait()          # checkpoint.save reads back once every rank has written
-    tic = time.perf_counter()
-    hash_share(Path(folder), names, rank, world)
-    reread = time.perf_counter() - tic
-    barrier.wait()
-    for path in mine:
-        os.remove(path)
-    barrier.wait()
-    tic = time.perf_counter()
-    for path, size in zip(mine, chunks):
-        with open(path, "wb") as raw:
-            torch.save({"flat": buffer[:size // 4]}, CrcWriter(raw))
-    out.put((rank, saved, reread, time.perf_counter() - tic))
+    seconds = {}
+    for way in WAYS[turn:] + WAYS[:turn]:
+        barrier.wait()
+        tic = time.perf_counter()
+        for path, size in zip(mine, chunks):
+            _save(way, buffer, path, size)
+        seconds[way] = time.perf_counter() - tic
+        barrier.wait()          # checkpoint.save reads back once every rank has written
+        if way == "plain":
+            tic = time.perf_counter()
+            hash_share(Path(folder), names, rank, world)
+            seconds["reread"] = time.perf_counter() - tic
+            barrier.wait()
+        for path in mine:
+            os.remove(path)
+    out.put((rank, seconds))
 
 
 def measure(nbytes: int, ranks: int, root: str, repeat: int) -> dict:
     runs = []
     ctx = mp.get_context("spawn")
-    for _ in range(repeat):
+    for turn in range(repeat):
         with tempfile.TemporaryDirectory(dir=root) as folder:
             barrier, out = ctx.Barrier(ranks), ctx.Queue()
-            procs = [ctx.Process(target=_rank, args=(r, ranks, nbytes // ranks, folder, barrier, out))
-                     for r in range(ranks)]
+            procs = [ctx.Process(target=_rank, args=(r, ranks, nbytes // ranks, folder, turn % len(WAYS),
+                                                     barrier, out)) for r in range(ranks)]
             for p in procs:
                 p.start()
-            got = [out.get() for _ in procs]
+            got = [out.get()[1] for _ in procs]
             for p in procs:
                 p.join()
-            runs.append([max(g[i] for g in got) for i in (1, 2, 3)])     # the slowest rank of each phase
-    save, reread, inline = (statistics.median(r[i] for r in runs) for i in range(3))
-    return {"bytes": nbytes, "ranks": ranks, "save_s": round(save, 4), "reread_checksum_s": round(reread, 4),
-            "ratio_reread": round((save + reread) / save, 3), "save_with_inline_checksum_s": round(inline, 4),
-            "ratio_inline": round(inline / save, 3), "save_GiB_per_s": round(nbytes / save / 2**30, 2)}
+            runs.append({k: max(g[k] for g in got) for k in got[0]})     # the slowest rank of each phase
+    s = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return {"bytes": nbytes, "ranks": ranks, "save_s": round(s["plain"], 4),
+            "reread_checksum_s": round(s["reread"], 4), "ratio_reread": round((s["plain"] + s["reread"]) / s["plain"], 3),
+            "inline_writer_s": round(s["inline"], 4), "ratio_inline": round(s["inline"] / s["plain"], 3),
+            "overlapped_writer_s": round(s["overlapped"], 4),
+            "ratio_overlapped": round(s["overlapped"] / s["plain"], 3),
+            "save_GiB_per_s": round(nbytes / s["plain"] / 2**30, 2)}
 
 
 def main(argv=None) -> int:

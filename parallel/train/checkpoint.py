@@ -1,22 +1,22 @@
 """Training checkpoints: DeepSpeed's format, published atomically, found again after any interruption.
 
-A checkpoint is the folder `<ckpt.dir>/step{N}` written by `engine.save_checkpoint` (model, optimizer
-with the EMA, LR schedule, step), plus `step{N}/layout_free/`, the layout-free copy every rank writes of
-its own slices (parallel/train/relayout.py) that a run at another (tp, sp, pp, dp, ZeRO) layout resumes
-from; a run at the saved layout loads DeepSpeed's files. After every rank has written its files, rank 0
-writes the marker `step{N}/complete.json` (the layout, the global batch and every file with its size) and
-then replaces `<ckpt.dir>/latest` atomically (write a temporary file, `os.replace`). A folder without the
-marker is an interrupted save: it is never loaded and never counts towards the `ckpt.keep` newest that are
-kept. The marker records each file's size and CRC-32 (parallel/train/checksums.py): DeepSpeed's files
-hashed as they are written (parallel/distributed/deepspeed/checkpoint.py), the others (the layout-free
-copy) read back once all have written, every rank a share. A checkpoint whose files no longer match the marker (truncated by a
-full disk, half-copied: the sizes, checked by every reader; a flipped byte: the checksums, checked by the
-training run's ranks together once process groups exist, before any weight is loaded) is reported by name
-and the previous complete one is used. Old checkpoints are pruned only once the newest is published, and
-only undamaged ones count, so the last good one is never deleted; a save that fails half-way deletes none.
-A complete checkpoint is never written over: a save to an existing complete step{N} (a run started again
-with --resume never, or past a damaged step{N}) first moves it aside to step{N}.damaged or step{N}.replaced,
-and says so. When none can be continued (all damaged, or the
+A checkpoint is the folder `<ckpt.dir>/step{N}` written by `engine.save_checkpoint` (model, optimizer with the
+EMA, LR schedule, step), plus `step{N}/layout_free/`, the layout-free copy every rank writes of its own slices
+(parallel/train/relayout.py) that a run at another (tp, sp, pp, dp, ZeRO) layout resumes from; a run at the
+saved layout loads DeepSpeed's files. After every rank has written its files, rank 0 writes the marker
+`step{N}/complete.json` (the layout, the global batch and every file with its size) and then replaces
+`<ckpt.dir>/latest` atomically (write a temporary file, `os.replace`). A folder without the marker is an
+interrupted save: it is never loaded and never counts towards the `ckpt.keep` newest that are kept. The marker
+records each file's size and CRC-32 (parallel/train/checksums.py): DeepSpeed's files and the layout-free copy
+hashed as they are written (CrcWriter, parallel/distributed/deepspeed/checkpoint.py), any other file
+(zero_to_fp32.py, which DeepSpeed copies in itself) read back once all have written, every rank a share. A
+checkpoint whose files no longer match the marker (truncated by a full disk, half-copied: the sizes, checked by
+every reader; a flipped byte: the checksums, checked by the training run's ranks together once process groups
+exist, before any weight is loaded) is reported by name and the previous complete one is used. Old checkpoints
+are pruned only once the newest is published, and only undamaged ones count, so the last good one is never
+deleted; a save that fails half-way deletes none. A complete checkpoint is never written over: a save to an
+existing complete step{N} (a run started again with --resume never, or past a damaged step{N}) first moves it
+aside to step{N}.damaged or step{N}.replaced, and says so. When none can be continued (all damaged, or the
 newest written for another model: the marker records the model keys that fix the parameters), resuming is
 refused rather than started from step 0, whose first save would overwrite them.
 

@@ -143,8 +143,8 @@ class TrainingEngine:
 
     def save(self, directory, step: int) -> dict[str, str]:
         """Model, optimizer (with the EMA), LR schedule and step, in DeepSpeed's format, tag `step{N}`; returns
-        the CRC-32s of the files this rank wrote through DeepSpeed ({name under step{N}: crc32}), taken as
-        they were written (parallel/distributed/deepspeed/checkpoint.py).
+        the CRC-32s of the files this rank wrote ({name under step{N}: crc32}), taken as they were written:
+        DeepSpeed's (parallel/distributed/deepspeed/checkpoint.py) and its part of the layout-free copy.
 
         Beside it every rank writes its part of the layout-free copy (parallel/train/relayout.py) that a
         resume on another layout reads. Publishing it (marker, `latest`) is parallel.train.checkpoint.save's
@@ -160,10 +160,11 @@ class TrainingEngine:
         self.engine.save_checkpoint(str(directory), tag=f"step{step}", client_state={"step": step},
                                     save_latest=False)
         folder = (Path(directory) / f"step{step}").resolve()
+        written = {str(p.relative_to(folder)): crc for p, crc in ((Path(k).resolve(), v) for k, v in (sums or {}).items())
+                   if p.is_relative_to(folder)}
         if part is not None:
-            relayout.write(part, folder, step, self.layout())
-        return {str(p.relative_to(folder)): crc for p, crc in ((Path(k).resolve(), v) for k, v in (sums or {}).items())
-                if p.is_relative_to(folder)}
+            written.update(relayout.write(part, folder, step, self.layout()))
+        return written
 
     def layout(self) -> dict:
         """This run's sizes and ZeRO stage, as a checkpoint records them."""

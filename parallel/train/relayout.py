@@ -241,24 +241,30 @@ def collect(trainer) -> Optional[dict]:
             "global_batch": engine.train_batch_size() // max(1, ctx.sp_size)}
 
 
-def write(part: dict, folder: Path, step: int, layout: dict) -> None:
-    """Write what `collect` gathered into `folder`/layout_free (rank 0 also writes state.json)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
+def write(part: dict, folder: Path, step: int, layout: dict) -> dict[str, str]:
+    """Write what `collect` gathered into `folder`/layout_free (rank 0 also writes state.json); returns the
+    CRC-32s of the files this rank wrote ({name under `folder`: crc32}), taken as they were written."""
+    import zlib
+
+    from parallel.train import safetensors_crc
 
     out = Path(folder) / FOLDER
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"rank{dist.get_rank():05d}.safetensors"
     try:
-        save_file(part["tensors"], str(path), metadata={"index": json.dumps(part["index"])})
-    except SafetensorError as e:        # a full disk: as OSError, which checkpoint.save reports with the figures
-        raise OSError(f"{path}: {e}") from e
+        crcs = {f"{FOLDER}/{path.name}": safetensors_crc.save(part["tensors"], path,
+                                                              metadata={"index": json.dumps(part["index"])})}
+    except OSError as e:        # a full disk: said with the file, as checkpoint.save reports it with the figures
+        raise (OSError(e.errno, f"{path}: {e.strerror}") if e.errno else OSError(f"{path}: {e}")) from e
     if dist.get_rank() == 0:
         state = {"step": step, "optimizer_step": part["optimizer_step"], "schedule": part["schedule"],
                  "global_samples": step * part["global_batch"], "global_batch": part["global_batch"],
                  "state_keys": part["keys"], "layout": layout,
                  **({"expert_steps": part["expert_steps"]} if part["expert_steps"] else {})}
-        (out / STATE).write_text(json.dumps(state, indent=1) + "\n")
+        text = (json.dumps(state, indent=1) + "\n").encode()
+        (out / STATE).write_bytes(text)
+        crcs[f"{FOLDER}/{STATE}"] = f"{zlib.crc32(text):08x}"
+    return crcs
 
 
 # ---------------------------------------------------------------------------------------------- reading
