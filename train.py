@@ -74,7 +74,7 @@ def main(argv=None) -> int:
             check_resume(cfg, layout, None if args.resume == "auto" else args.resume)   # one it cannot continue
     except ConfigError as e:
         if env.local_rank == 0:      # once per node, so every node's log says why its ranks stopped
-            print("refusing to start, the configuration has problems:\n  - " +
+            print("refusing to start, the checks found problems:\n  - " +
                   str(e).replace("\n", "\n  - "), file=sys.stderr)
         return 1
     if args.check_only:

@@ -98,7 +98,7 @@ def test_dry_run_prints_each_hosts_master_and_checks(tmp_path, launcher, master)
 def test_dry_run_refuses_what_the_checker_refuses():
     code, out = dry_run("--nproc", "2", args=[*ARGS, "--set", "parallel.tp_size=4"], lines=True)
     assert code == 1
-    assert out[-2:] == ["refusing to start, the configuration has problems:",
+    assert out[-2:] == ["refusing to start, the checks found problems:",
                         "  - world size 2 is not divisible by parallel.tp_size x parallel.pp_size = 4 x 1 = 4; "
                         "world sizes that work are multiples of 4"]
 
