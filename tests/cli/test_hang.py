@@ -35,7 +35,9 @@ class Stuck(Trainer):
     def step(self, batches):
         Stuck.n += 1
         if Stuck.n == K:
-            print(f"rank {dist.get_rank()} entering step {K} at {time.time()}", flush=True)
+            # one write (the launcher runs `python -u`: print would write the text and the newline apart,
+            # and two ranks entering in the same microsecond would share a line)
+            os.write(1, f"rank {dist.get_rank()} entering step {K} at {time.time()}\\n".encode())
             if dist.get_rank() == 1:
                 time.sleep(20 * timeout)
         return super().step(batches)
