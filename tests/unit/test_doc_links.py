@@ -1,7 +1,9 @@
 """Every relative link of README.md and docs/*.md resolves: the file exists and, for `file.md#anchor`, one of
 that file's headings makes the anchor, as GitHub makes them (lower case; punctuation but `-` and `_` dropped;
 each space a `-`; a repeated heading gets `-1`, `-2`, ...). Links inside code (fenced blocks, `inline`) are
-text, not links. Moving a section or renaming a heading breaks the links to it: this names each one.
+text, not links. Moving a section or renaming a heading breaks the links to it: this names each one. And every
+test file the documents name (`tests/.../test_x.py`: the README's "What holds" table, the docs' lists of tests)
+exists: a renamed or merged test leaves no promise pointing at nothing.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^\s*```.*?^\s*```", re.M | re.S)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+TEST_FILE = re.compile(r"\btests/[\w/*]+\.py\b")
 
 
 def anchor(heading: str) -> str:
@@ -65,3 +68,20 @@ def test_every_link_of_the_readme_and_the_docs_resolves():
     assert len(DOCS) > 10 and sum(len(links(doc)) for doc in DOCS) > 100
     bad = [line for doc in DOCS for line in broken(doc)]
     assert not bad, "links that lead nowhere:\n" + "\n".join(bad)
+
+
+def missing_tests(path: Path, root: Path = ROOT) -> list[str]:
+    """The test files `path` names that match no file (a glob such as tests/distributed/test_ring_*.py: none)."""
+    return [f"{path.relative_to(root)}: {name}" for name in sorted(set(TEST_FILE.findall(path.read_text())))
+            if not any(root.glob(name))]
+
+
+def test_every_test_file_the_documents_name_exists(tmp_path):
+    named = sum(len(set(TEST_FILE.findall(doc.read_text()))) for doc in DOCS)
+    assert named > 50
+    bad = [line for doc in DOCS for line in missing_tests(doc)]
+    assert not bad, "test files named that do not exist:\n" + "\n".join(bad)
+    (tmp_path / "tests" / "unit").mkdir(parents=True)
+    (tmp_path / "tests" / "unit" / "test_a.py").write_text("")
+    (tmp_path / "d.md").write_text("`tests/unit/test_a.py`, `tests/unit/test_b.py`, tests/unit/test_*.py, tests/cli/test_*.py")
+    assert missing_tests(tmp_path / "d.md", tmp_path) == ["d.md: tests/cli/test_*.py", "d.md: tests/unit/test_b.py"]
