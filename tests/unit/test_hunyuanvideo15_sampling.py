@@ -56,6 +56,32 @@ class _NoVae(torch.nn.Module):
     temporal_compression_ratio, spatial_compression_ratio = 4, 16
 
 
+def i2v_pipeline(transformer, guidance: float, image_encoder=None, feature_extractor=None):
+    """HunyuanVideo15ImageToVideoPipeline around `transformer` with a tiny random VAE (from seed 0) and no text
+    encoders (the captions are given as states), at the resolution class of a 64 x 96 picture."""
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=C, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
+                                      spatial_compression_ratio=16, temporal_compression_ratio=4).eval()
+    pipe = HunyuanVideo15ImageToVideoPipeline(
+        text_encoder=None, tokenizer=None, transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=None, tokenizer_2=None,
+        guider=ClassifierFreeGuidance(guidance_scale=guidance), image_encoder=image_encoder,
+        feature_extractor=feature_extractor)
+    pipe.target_size = 80                  # its resolution class for a 64 x 96 picture: 64 x 96 (4 x 6 latents)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def i2v_latents(pipe, picture, caption, negative, noise, steps: int) -> torch.Tensor:
+    """The pipeline's latents for `picture` from `noise`; caption and negative: (qwen, mask, glyph, mask)."""
+    (text, mask, text_2, mask_2), (neg, neg_mask, neg_2, neg_mask_2) = caption, negative
+    with torch.no_grad():
+        return pipe(image=picture, prompt_embeds=text, prompt_embeds_mask=mask, prompt_embeds_2=text_2,
+                    prompt_embeds_mask_2=mask_2, negative_prompt_embeds=neg, negative_prompt_embeds_mask=neg_mask,
+                    negative_prompt_embeds_2=neg_2, negative_prompt_embeds_mask_2=neg_mask_2, latents=noise.clone(),
+                    num_frames=(FRAMES - 1) * 4 + 1, num_inference_steps=steps, output_type="latent").frames
+
+
 def _toolkit_forward(folder, extra=()):
     from parallel.build import build_model
     from parallel.distributed.topology import ParallelContext
@@ -103,21 +129,11 @@ def test_image_to_video_pipeline_latents_equal_the_toolkit_sampler(released):  #
     siglip = torch.randn(1, 4, IMAGE, generator=g)
     noise = torch.randn(1, C, FRAMES, HEIGHT, WIDTH, generator=g)
     picture = Image.fromarray((torch.rand(HEIGHT * 16, WIDTH * 16, 3, generator=g) * 255).to(torch.uint8).numpy())
-    torch.manual_seed(0)
-    vae = AutoencoderKLHunyuanVideo15(latent_channels=C, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
-                                      spatial_compression_ratio=16, temporal_compression_ratio=4).eval()
-    pipe = HunyuanVideo15ImageToVideoPipeline(
-        text_encoder=None, tokenizer=None, transformer=transformer, vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=None, tokenizer_2=None,
-        guider=ClassifierFreeGuidance(guidance_scale=cfg_scale), image_encoder=None, feature_extractor=None)
-    pipe.target_size = 80                  # its resolution class for a 64 x 96 picture: 64 x 96 (4 x 6 latents)
+    pipe = i2v_pipeline(transformer, cfg_scale)
     pipe._get_image_embeds = lambda **_: siglip                                     # the SigLIP states, given
-    pipe.set_progress_bar_config(disable=True)
+    want = i2v_latents(pipe, picture, (text, mask, text_2, mask_2), (neg, neg_mask, neg_2, neg_mask_2), noise, steps)
+    vae = pipe.vae
     with torch.no_grad():
-        want = pipe(image=picture, prompt_embeds=text, prompt_embeds_mask=mask, prompt_embeds_2=text_2,
-                    prompt_embeds_mask_2=mask_2, negative_prompt_embeds=neg, negative_prompt_embeds_mask=neg_mask,
-                    negative_prompt_embeds_2=neg_2, negative_prompt_embeds_mask_2=neg_mask_2, latents=noise.clone(),
-                    num_frames=(FRAMES - 1) * 4 + 1, num_inference_steps=steps, output_type="latent").frames
         cond_latents, cond_mask = pipe.prepare_cond_latents_and_mask(noise, picture, 1, HEIGHT * 16, WIDTH * 16,
                                                                      torch.float32, torch.device("cpu"))
 

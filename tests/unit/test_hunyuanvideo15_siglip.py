@@ -197,12 +197,11 @@ def test_sample_command_equals_the_pipeline(released, siglip, tmp_path, capsys):
     HunyuanVideo15ImageToVideoPipeline's latents with its own SigLIP encoder (the picture's states in the image rows
     of the prompt's and the negative prompt's text alike); a picture without the encoder, or picture latents
     without the states, are refused by name before any model loads."""
-    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
     from safetensors.torch import save_file
 
     from parallel.sample import main
     from tests.unit.test_hunyuanvideo15 import C, FRAMES, overrides
-    from tests.unit.test_hunyuanvideo15_sampling import _caption, _rows
+    from tests.unit.test_hunyuanvideo15_sampling import _caption, _rows, i2v_latents, i2v_pipeline
 
     folder, transformer = released
     _, encoder, processor = siglip
@@ -210,20 +209,10 @@ def test_sample_command_equals_the_pipeline(released, siglip, tmp_path, capsys):
     (text, mask, text_2, mask_2), (neg, neg_mask, neg_2, neg_mask_2) = _caption(g, 5, 3), _caption(g, 8, 0)
     noise = torch.randn(1, C, FRAMES, 4, 6, generator=g)
     picture = Image.fromarray(np.random.default_rng(7).integers(0, 256, (64, 96, 3), dtype=np.uint8))
-    torch.manual_seed(0)
-    vae = AutoencoderKLHunyuanVideo15(latent_channels=C, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
-                                      spatial_compression_ratio=16, temporal_compression_ratio=4).eval()
-    pipe = HunyuanVideo15ImageToVideoPipeline(
-        text_encoder=None, tokenizer=None, transformer=transformer, vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=None, tokenizer_2=None,
-        guider=ClassifierFreeGuidance(guidance_scale=3.0), image_encoder=encoder, feature_extractor=processor)
-    pipe.target_size = 80                  # its resolution class for a 64 x 96 picture: 64 x 96 (4 x 6 latents)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = i2v_pipeline(transformer, 3.0, encoder, processor)
+    want = i2v_latents(pipe, picture, (text, mask, text_2, mask_2), (neg, neg_mask, neg_2, neg_mask_2), noise, 3)
+    vae = pipe.vae
     with torch.no_grad():
-        want = pipe(image=picture, prompt_embeds=text, prompt_embeds_mask=mask, prompt_embeds_2=text_2,
-                    prompt_embeds_mask_2=mask_2, negative_prompt_embeds=neg, negative_prompt_embeds_mask=neg_mask,
-                    negative_prompt_embeds_2=neg_2, negative_prompt_embeds_mask_2=neg_mask_2, latents=noise.clone(),
-                    num_frames=(FRAMES - 1) * 4 + 1, num_inference_steps=3, output_type="latent").frames
         first = pipe._get_image_latents(vae, pipe.video_processor, picture, 64, 96, torch.device("cpu"))
     tensors = {"prompt": _rows(text, text_2), "negative": _rows(neg, neg_2), "noise": noise, "first": first[0]}
     for name, value in tensors.items():
