@@ -247,8 +247,7 @@ def _check_image_embeds(args, condition, rows: int, shapes: dict, stored: dict) 
         given = [flag for flag, v in (("--image-encoder", args.image_encoder), ("--image-embeds", args.image_embeds))
                  if v]
         return [f"{' and '.join(given)}: the model has no image cross-attention; leave it out"] if given else []
-    states = getattr(condition, "states_name", "CLIP states")
-    encoder = getattr(condition, "encoder_name", "CLIP vision encoder")
+    states, encoder = condition.states_name, condition.encoder_name
     takes = "text input's image rows" if hasattr(condition, "text_rows") else "image cross-attention"
     if args.image and not args.image_encoder:
         return [f"--image needs the {encoder} of the model's {takes}: --image-encoder DIR"]

@@ -131,6 +131,7 @@ class WanImageCondition:
     has an image cross-attention (model.image_dim), else the latents alone (Wan 2.2 I2V)."""
 
     dropout = 0.0        # Wan's releases and trainers (DiffSynth, musubi-tuner) never drop the image
+    states_name, encoder_name = "CLIP states", "CLIP vision encoder"       # in the checks' messages
 
     def __init__(self, model, data):
         self.model, self.data = model, data

@@ -156,7 +156,7 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
     needs_encoder = getattr(condition, "image_encoder", False)
     if needs_encoder and getattr(args, "image_encoder", None) is None:
         problems.append(f"--image-encoder is missing: model {cfg.model.name} (--config={args.config}) trains on the "
-                        f"first frame's {getattr(condition, 'states_name', 'CLIP states')}; give the release's image "
+                        f"first frame's {condition.states_name}; give the release's image "
                         f"encoder folder")
     elif getattr(args, "image_encoder", None) is not None:
         problems += (condition.image_encoder_problems(args.image_encoder) if needs_encoder else

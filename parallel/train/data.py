@@ -133,7 +133,7 @@ MAX_SHAPE_PROBLEMS = 10
 # Image-to-video tensors prepare_data stores beside a latent, in the order the condition hook takes them: the
 # first frame's latents, the first frame's CLIP states (an image cross-attention: Wan 2.1 I2V).
 STORED_CONDITION = ("image", "image_embeds")
-_STORED_WORDS = {"image": ("VAE latent", "latent of the sample's"), "image_embeds": ("CLIP states", "CLIP states")}
+_LATENT_WORDS = ("VAE latent", "latent of the sample's")       # the stored image latent, in the checks' messages
 
 
 def image_rows(condition, text: torch.Tensor, stored) -> torch.Tensor:
@@ -187,7 +187,7 @@ def check_shapes(root: str | Path, model, data, key: str = "data.path", captions
     for f, what, where, shape in files:
         want, why = expect_latent(shape) if what != "text" else text
         if what in stored:       # the first frame's latent(s) or CLIP states, for the sample's latent
-            words = _STORED_WORDS[what] if what == "image" else (getattr(condition, "states_name", "CLIP states"),) * 2
+            words = _LATENT_WORDS if what == "image" else (condition.states_name,) * 2      # image_embeds: its states
             want, why = condition.stored_shapes(want)[what], f"the first frame's {words[1]}; {why}"
         try:
             if what in stored and (f.suffix != ".safetensors" or not _holds(f, what)):
