@@ -9,16 +9,35 @@ from __future__ import annotations
 import torch
 from deepspeed.accelerator import get_accelerator
 
-# DeepSpeed accelerator name -> torch.distributed backend.
+# DeepSpeed accelerator name -> the torch.distributed backend that carries its device tensors.
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo", "xpu": "ccl", "hpu": "hccl", "mps": "gloo"}
+# Backends that carry no CPU tensor: a collective on a CPU tensor in a group of only these fails with
+# "No backend type associated with device type cpu".
+DEVICE_ONLY = {"nccl", "hccl"}
+HOST_BACKEND = "gloo"
 
 
 def name() -> str:
     return get_accelerator().device_name()
 
 
+def backend_for(device: str) -> str:
+    """The process-group backend for an accelerator name: the device's own backend, with gloo beside it for
+    CPU tensors where the device's carries none ("cpu:gloo,cuda:nccl", "cpu:gloo,npu:hccl"; plain "gloo"
+    on CPU).
+
+    Decided here once for every collective. Host-side agreement passes CPU tensors (a checkpoint's step and
+    verdict, CRC lists, the anomaly flag, pickled objects), the model's traffic device tensors; torch routes
+    each tensor to the backend of its device type, and every group created later without a backend
+    (ParallelContext's, DeepSpeed's) inherits the pair. Only small messages take the gloo side: activations,
+    gradients and parameters stay on the device and go through NCCL/HCCL."""
+    device_backend = BACKENDS.get(device) or get_accelerator().communication_backend_name()
+    return f"cpu:{HOST_BACKEND},{device}:{device_backend}" if device_backend in DEVICE_ONLY else device_backend
+
+
 def backend() -> str:
-    return BACKENDS.get(name(), get_accelerator().communication_backend_name())
+    """This process's backend string, for `deepspeed.init_distributed(dist_backend=...)` (see backend_for)."""
+    return backend_for(name())
 
 
 def device_name(local_rank: int = 0) -> str:

@@ -28,9 +28,22 @@ class _Fake:
         return {"cuda": "nccl", "npu": "hccl"}.get(self.name, "gloo")
 
 
-@pytest.mark.parametrize("name, backend, device", [("cuda", "nccl", "cuda:3"), ("npu", "hccl", "npu:3"),
-                                                   ("cpu", "gloo", "cpu")])
+@pytest.mark.parametrize("name, backend, device", [("cuda", "cpu:gloo,cuda:nccl", "cuda:3"),
+                                                   ("npu", "cpu:gloo,npu:hccl", "npu:3"), ("cpu", "gloo", "cpu")])
 def test_backend_and_device_per_accelerator(monkeypatch, name, backend, device):
     monkeypatch.setattr(accelerator, "get_accelerator", lambda: _Fake(name))
     assert accelerator.backend() == backend
     assert accelerator.device_name(3) == device
+
+
+@pytest.mark.parametrize("name", sorted(accelerator.BACKENDS))
+def test_every_backend_carries_cpu_and_device_tensors(name):
+    """torch's own reading of the backend string: CPU tensors (host-side agreement) have a backend on every
+    accelerator, and the device's tensors go to the device's backend (NCCL/HCCL carry no CPU tensor: on the
+    H200 every checkpoint save failed with 'No backend type associated with device type cpu')."""
+    from torch.distributed.distributed_c10d import Backend, BackendConfig
+    carried = BackendConfig(Backend(accelerator.backend_for(name))).get_device_backend_map()
+    assert carried["cpu"] == ("gloo" if accelerator.BACKENDS[name] in accelerator.DEVICE_ONLY
+                              else accelerator.BACKENDS[name])
+    if name != "cpu":
+        assert carried.get(name, carried["cpu"]) == accelerator.BACKENDS[name]
