@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # op -> (keyword, position) of the tensor whose size is the collective's volume
-_OPS = {"all_reduce": ("tensor", 0), "broadcast": ("tensor", 0), "send": ("tensor", 0), "isend": ("tensor", 0),
+_OPS = {"all_reduce": ("tensor", 0), "broadcast": ("tensor", 0), "send": ("tensor", 0),
         "reduce": ("tensor", 0), "all_gather_into_tensor": ("output_tensor", 0), "reduce_scatter_tensor": ("input", 1),
         "all_to_all_single": ("input", 1),
         "all_gather": ("tensor_list", 0), "reduce_scatter": ("input_list", 1)}
@@ -55,6 +55,14 @@ def _install_counter(totals: dict) -> None:
                 totals[_op] = totals.get(_op, 0) + size(arg)
             return _original(*args, **kwargs)
         setattr(dist, op, counted)
+
+    batch = dist.batch_isend_irecv      # ring attention posts its sends in batches (counted as "isend")
+
+    def counted_batch(ops):
+        if totals.get("on"):
+            totals["isend"] = totals.get("isend", 0) + sum(size(op.tensor) for op in ops if op.op is dist.isend)
+        return batch(ops)
+    dist.batch_isend_irecv = counted_batch
 
 
 def counted_rank(rank, world_size, dims: dict, overrides, stage=0, ds_extra=None, timed_steps=0):

@@ -2,8 +2,8 @@
 
 Ring rank i holds the queries, keys and values of chunk i, [B, c, n, d] (batch first, c = S_pad / r tokens).
 It keeps its queries and passes key/value chunks around the ring: at step t it attends to chunk
-j = (i - t) mod r while the next chunk travels from rank i - 1 (isend/irecv posted before the step's
-attention, waited after it). Each block gives a partial output O_j and its log-sum-exp
+j = (i - t) mod r while the next chunk travels from rank i - 1 (send and receive posted together before
+the step's attention, waited after it). Each block gives a partial output O_j and its log-sum-exp
 L_j = log sum_k exp(q.k_k / sqrt(d)); the blocks merge exactly (per query row):
 
     L = log(exp(L_a) + exp(L_b)),    O = exp(L_a - L) O_a + exp(L_b - L) O_b
@@ -69,9 +69,12 @@ def _flash_forward(q, k, v, scale):
 
 
 def _flash_backward(do, q, k, v, o, lse, scale):
-    empty = q.new_empty(0, dtype=torch.int64)     # no varlen offsets, no dropout seed
+    """The forward's own values for what it does not use: no varlen offsets (None, as the dense forward returns:
+    defined offsets select the varlen kernel, which wants int32 ones), and the uint64 dropout seed and offset
+    (not read at dropout 0). Empty int64 offsets failed on CUDA: 'cu_seqlens_q must have dtype int32'."""
+    seed, offset = (torch.zeros(shape, dtype=torch.uint64, device=q.device) for shape in ((2,), ()))
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        do.contiguous(), q, k, v, o, lse, empty, empty, q.shape[2], k.shape[2], 0.0, False, empty, empty,
+        do.contiguous(), q, k, v, o, lse, None, None, q.shape[2], k.shape[2], 0.0, False, seed, offset,
         scale=scale)
 
 
@@ -94,12 +97,28 @@ class Ring:
         self.size, self.index = len(self.ranks), self.ranks.index(dist.get_rank())
         self.next, self.prev = self.ranks[(self.index + 1) % self.size], self.ranks[(self.index - 1) % self.size]
 
-    def shift(self, t: torch.Tensor, tag: int) -> tuple[torch.Tensor, object, object]:
+    def shift(self, t: torch.Tensor, tag: int) -> tuple[torch.Tensor, "Transfer"]:
         """Start sending `t` to the next rank and receiving the previous rank's into a new buffer: (buffer,
-        send handle, receive handle). Wait the receive before reading the buffer, the send before `t` goes."""
+        transfer). Wait the transfer before reading the buffer or letting `t` go.
+
+        The send and the receive are posted together (`batch_isend_irecv`: one NCCL group call). Posted one
+        by one, every rank's isend to its next neighbour waits for a receive that rank has not posted yet, a
+        cycle that hangs on NCCL while the pair's communicator is created (ring-flash-attn batches them too)."""
         buf = torch.empty_like(t)
-        return (buf, dist.isend(t, self.next, group=self.group, tag=tag),
-                dist.irecv(buf, self.prev, group=self.group, tag=tag))
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag),
+               dist.P2POp(dist.irecv, buf, self.prev, self.group, tag)]
+        return buf, Transfer(dist.batch_isend_irecv(ops))
+
+
+class Transfer:
+    """The works of one batched send and receive (one coalesced work on NCCL, one per op on gloo)."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
 
 
 def _chunk_keys(keep: Optional[torch.Tensor], lengths: Sequence[int], c: int) -> tuple:
@@ -159,7 +178,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             j = (ring.index - step) % ring.size
             if step + 1 < ring.size:
-                nxt, sent, received = ring.shift(kv, _KV)     # the next chunk travels during this one's attention
+                nxt, moving = ring.shift(kv, _KV)     # the next chunk travels during this one's attention
             for rows, sel in _blocks(keys[j], lengths[j]) if rq else ():
                 oj, lj = fwd(qr[rows], _take(kv[0], rows, sel), _take(kv[1], rows, sel), scale)
                 ob, lb = o[rows], lo[rows]                                                     # views
@@ -167,7 +186,7 @@ class _RingAttention(torch.autograd.Function):
                 ob.mul_(torch.exp(lb - new).unsqueeze(-1)).add_(oj.float() * torch.exp(lj - new).unsqueeze(-1))
                 lb.copy_(new)
             if step + 1 < ring.size:
-                sent.wait(), received.wait()
+                moving.wait()
                 kv = nxt
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -182,11 +201,11 @@ class _RingAttention(torch.autograd.Function):
         qr, outr, lser, dor = (t[:, :, :rq].contiguous() for t in (q, out, lse, dout))
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
-        acc = None                # (accumulator sent on, the next one's buffer, the send, the receive)
+        acc = None                # (accumulator sent on, the next one's buffer, its transfer)
         for step in range(ring.size):
             j = (ring.index - step) % ring.size
             if step + 1 < ring.size:
-                nxt, sent, received = ring.shift(kv, _KV)
+                nxt, moving = ring.shift(kv, _KV)
             mine = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)  # (2, B, n, c, d)
             for rows, sel in _blocks(keys[j], lengths[j]) if rq else ():
                 dqj, dkj, dvj = bwd(dor[rows], qr[rows], _take(kv[0], rows, sel), _take(kv[1], rows, sel),
@@ -195,15 +214,15 @@ class _RingAttention(torch.autograd.Function):
                 _put(mine[0], rows, sel, dkj.float())
                 _put(mine[1], rows, sel, dvj.float())
             if acc is not None:   # chunk j's dK/dV from every rank before us on its way round, and our last send
-                _, buf, acc_sent, acc_received = acc
-                acc_received.wait(), acc_sent.wait()
+                _, buf, acc_moving = acc
+                acc_moving.wait()
                 mine += buf
             acc = (mine, *ring.shift(mine, _DKV))          # on to the next rank: chunk j's owner after step r-1
             if step + 1 < ring.size:
-                sent.wait(), received.wait()
+                moving.wait()
                 kv = nxt
-        _, dkv, acc_sent, acc_received = acc
-        acc_received.wait(), acc_sent.wait()
+        _, dkv, acc_moving = acc
+        acc_moving.wait()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 

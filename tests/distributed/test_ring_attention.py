@@ -76,12 +76,12 @@ def _rank(rank, world_size, cases):
     from parallel.distributed.topology import ParallelContext, ParallelDims
     deepspeed.init_distributed(dist_backend=accelerator.backend())        # Ulysses' all-to-alls
 
-    sent, isend = [], dist.isend
+    sent, batch = [], dist.batch_isend_irecv
 
-    def counted(tensor, *args, **kwargs):
-        sent.append(tensor.numel() * tensor.element_size())
-        return isend(tensor, *args, **kwargs)
-    dist.isend = counted
+    def counted(ops):                                           # the ring posts its sends in batches
+        sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return batch(ops)
+    dist.batch_isend_irecv = counted
     for ring, tokens, heads, masked in cases:
         ctx = ParallelContext.build(ParallelDims(sp_size=world_size, ring_size=ring))
         _case(ctx, tokens, heads, masked, seed=tokens * 10 + heads, sent=sent)

@@ -65,19 +65,19 @@ def _grads(folder, sp, ring, world_size, x, target):
     from parallel.weights.gather import full_tensors
 
     cfg, ctx, model = _model(folder, sp, ring, world_size)
-    sent, isend = [], dist.isend
+    sent, batch = [], dist.batch_isend_irecv
 
-    def counted(tensor, *args, **kwargs):
-        sent.append(tensor.numel() * tensor.element_size())
-        return isend(tensor, *args, **kwargs)
-    dist.isend = counted
+    def counted(ops):                                           # the ring posts its sends in batches
+        sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return batch(ops)
+    dist.batch_isend_irecv = counted
     try:
         h = model.embed(x)
         for block in model.blocks:
             h = block(h)
         SequenceLoss(cfg, ctx)(model.final(h), target).backward()
     finally:
-        dist.isend = isend
+        dist.batch_isend_irecv = batch
     for p in model.parameters():
         if sp > 1:
             dist.all_reduce(p.grad, group=ctx.sp_group)
@@ -133,16 +133,16 @@ def _stdit_prediction(sp, ring, world_size):
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(2, 4, 4, 8, 8, generator=g), torch.tensor([3.0, 811.0]), torch.randn(2, 8, 32, generator=g))
     prediction = StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx).predict(x, x[0])
-    sent, isend = [], dist.isend
+    sent, batch = [], dist.batch_isend_irecv
 
-    def counted(tensor, *args, **kwargs):
-        sent.append(tensor.numel() * tensor.element_size())
-        return isend(tensor, *args, **kwargs)
-    dist.isend = counted
+    def counted(ops):                                           # the ring posts its sends in batches
+        sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return batch(ops)
+    dist.batch_isend_irecv = counted
     try:
         model(x, x[0]).backward()
     finally:
-        dist.isend = isend
+        dist.batch_isend_irecv = batch
     return prediction, sum(sent)
 
 
