@@ -1,0 +1,234 @@
+"""`python -m bench.gpu_check` (scripts/gpu-check.sh): the user's path on one GPU, at release token counts.
+
+For each preset (default cogvideox-2b and wan2.1-t2v-1.3b, synthetic data of the preset's shape, ZeRO-1 bf16,
+one process), through the commands a user types:
+
+  train    `python train.py` 4 steps with checkpoints at steps 2 and 4: each step's time and MFU (model FLOPs of
+           bench's step_flops over the device's datasheet bf16 peak), the plan's device peak against the
+           allocator's (memory_check.json, written by train.py's own memory check)
+  resume   a copy of step 2 resumed to step 4: its losses against the uninterrupted run's (bf16 at release
+           size: equal within bf16 noise, the largest difference printed; bitwise is asked of fp32 below)
+  sample   `python -m parallel.sample` 2 steps from the checkpoint
+  export   `python -m parallel.export --format diffusers`, then `python -m parallel.verify` of that folder:
+           diffusers' own model loaded from it against the toolkit's forward (fp32, max relative difference)
+Then `debug` in fp32 (a small video): 4 steps against 2 + resumed 2, bitwise; and ring attention's flash
+kernels against SDPA in bf16 and fp16 (tests/unit/test_ring_kernels.py).
+
+It prints one table and writes it, with the card and the date, into bench/report.md's "GPU check" section
+(--no-report: print only). --tiny runs the same commands on the debug presets (CPU works: the test suite
+runs it so the script itself is known to work where no GPU is lent). Exit 1 if any command failed.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RELEASE = ["cogvideox-2b", "wan2.1-t2v-1.3b"]
+TINY = ["debug", "debug-wan"]
+BEGIN, END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
+
+
+def run(cmd: list[str], log: Path) -> tuple[int, str, float]:
+    """(exit code, output, seconds) of one command, its output kept in `log`."""
+    tic = time.perf_counter()
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    output = p.stdout + p.stderr
+    log.write_text(output)
+    return p.returncode, output, time.perf_counter() - tic
+
+
+def metrics(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if '"loss"' in line] if path.exists() else []
+
+
+def step_flops(preset: str) -> float:
+    from bench.__main__ import step_flops as flops
+    from parallel.config import load_config
+    return flops(load_config(preset))
+
+
+def peak() -> tuple[str, float | None]:
+    from bench.device import device_and_dtype, peak_flops
+    found = peak_flops(*device_and_dtype())
+    return found["name"], found["flops"]
+
+
+class Check:
+    """One preset's commands and what they measured: `rows` of (what, measured, compared with, verdict)."""
+
+    def __init__(self, preset: str, work: Path, ds: str, embeds: Path):
+        self.preset, self.work, self.ds, self.embeds = preset, work / preset, ds, embeds
+        self.rows: list[tuple[str, str, str, str]] = []
+        self.failed = False
+
+    def experiment(self, out: Path, *extra: str) -> list[str]:
+        return ["--config", self.preset, "--deepspeed_config", self.ds, "--set", f"train.output_dir={out}",
+                "--set", "val.every=0", "--set", "train.warmup_steps=0", *extra]
+
+    def command(self, name: str, cmd: list[str]) -> str | None:
+        code, output, seconds = run(cmd, self.work / f"{name}.log")
+        if code != 0:
+            self.failed = True
+            tail = " | ".join(output.strip().splitlines()[-3:])[-300:]
+            self.rows.append((f"{self.preset} {name}", f"exit {code} after {seconds:.0f} s", tail, "FAILED"))
+            return None
+        return output
+
+    def train(self, flops: float, peak_flops: float | None) -> bool:
+        whole = self.work / "whole"
+        train = [sys.executable, "train.py", *self.experiment(whole, "--set", "train.max_steps=4",
+                                                              "--set", "ckpt.every=2")]
+        if self.command("train", train) is None:
+            return False
+        steps = metrics(whole)
+        times = [m["step_time_s"] for m in steps[1:]] or [steps[0]["step_time_s"]]     # step 1 warms up
+        step = sorted(times)[len(times) // 2]
+        mfu = f"{flops / step / peak_flops:.1%} MFU" if peak_flops else "no peak known"
+        self.rows.append((f"{self.preset} train step", f"{step:.3f} s", mfu, "ok"))
+        check = json.loads((whole / "memory_check.json").read_text())
+        for stage in check["stages"]:
+            peak_row = stage.get("device_peak")
+            if peak_row:
+                p, m = peak_row["predicted"], peak_row["measured"]
+                self.rows.append((f"{self.preset} device peak", f"{m / 2**30:.2f} GiB measured",
+                                  f"plan {p / 2**30:.2f} GiB", f"plan / measured {p / m:.3f}"))
+            for key in ("model_states", "activations_per_micro_batch"):
+                p, m = stage[key]["predicted"], stage[key]["measured"]
+                self.rows.append((f"{self.preset} {key.replace('_', ' ')}", f"{m:,} B", f"plan {p:,} B",
+                                  f"{m / p:.4f}"))
+        return True
+
+    def resume(self, bitwise: bool) -> None:
+        whole, parts = self.work / "whole", self.work / "resumed"
+        (parts / "checkpoints").mkdir(parents=True)
+        shutil.copytree(whole / "checkpoints" / "step2", parts / "checkpoints" / "step2")
+        output = self.command("resume", [sys.executable, "train.py",
+                                         *self.experiment(parts, "--set", "train.max_steps=4")])
+        if output is None:
+            return
+        want = [m["loss"] for m in metrics(whole)][2:]
+        got = [m["loss"] for m in metrics(parts)]
+        diff = max(abs(a - b) for a, b in zip(got, want)) if len(got) == len(want) == 2 else float("nan")
+        resumed = "resumed from" in output and "at step 2" in output
+        verdict = ("bitwise" if got == want else "NOT bitwise") if bitwise else f"max abs diff {diff:.2e}"
+        if not resumed or diff != diff or (bitwise and got != want):
+            self.failed = True
+            verdict += " FAILED"
+        self.rows.append((f"{self.preset} resume 2 -> 4", " ".join(f"{x:.6f}" for x in got),
+                          "uninterrupted " + " ".join(f"{x:.6f}" for x in want), verdict))
+
+    def sample_export_verify(self) -> None:
+        whole = self.work / "whole"
+        sample = [sys.executable, "-m", "parallel.sample", *self.experiment(whole), "--prompt-embeds", str(self.embeds),
+                  "--steps", "2", "--seed", "5", "--out", str(self.work / "sample.safetensors")]
+        if self.command("sample", sample) is not None:
+            from safetensors.torch import load_file
+            latents = load_file(str(self.work / "sample.safetensors"))["latents"]
+            finite = bool(latents.isfinite().all())
+            self.failed |= not finite
+            self.rows.append((f"{self.preset} sample 2 steps", f"latents {list(latents.shape)}",
+                              "finite" if finite else "NOT finite", "ok" if finite else "FAILED"))
+        export = self.work / "diffusers"
+        if self.command("export", [sys.executable, "-m", "parallel.export", *self.experiment(whole),
+                                   "--format", "diffusers", "--out", str(export)]) is None:
+            return
+        output = self.command("verify", [sys.executable, "-m", "parallel.verify", "--config", self.preset,
+                                         "--set", f"model.init_from={export}", "--tolerance", "1e-2"])
+        if output is not None:
+            found = re.search(r"max relative difference ([0-9.eE+-]+)", output)
+            self.rows.append((f"{self.preset} export -> diffusers", found.group(0) if found else "?",
+                              "diffusers' model from the export, fp32", "ok"))
+
+
+def embeds_for(presets: list[str], work: Path) -> dict[str, Path]:
+    import torch
+    from safetensors.torch import save_file
+
+    from parallel.config import load_config
+    files = {}
+    for preset in presets:
+        m = load_config(preset).model
+        files[preset] = work / f"{preset}-prompt.safetensors"
+        g = torch.Generator().manual_seed(7)
+        save_file({"embeds": torch.randn(1, m.max_text_len, m.text_embed_dim, generator=g)}, str(files[preset]))
+    return files
+
+
+def ring_rows() -> list[tuple[str, str, str, str]]:
+    code, output, _ = run([sys.executable, "-m", "pytest", "-q", "-rs", "tests/unit/test_ring_kernels.py", "-k",
+                           "16_bit"], ROOT / "bench" / "out" / "gpu-check-ring.log")
+    summary = output.strip().splitlines()[-1] if output.strip() else "?"
+    return [("ring attention flash fwd/bwd vs SDPA (bf16, fp16)", summary, "tests/unit/test_ring_kernels.py",
+             "ok" if code == 0 and "skipped" not in summary else ("NOT RUN (no CUDA)" if code == 0 else "FAILED"))]
+
+
+def table(rows, card: str, date: str, command: str) -> str:
+    lines = [f"{card}, {date}: `{command}`", "", "| what | measured | compared with | verdict |", "|---|---|---|---|"]
+    lines += [f"| {' | '.join(r)} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(text: str, report: Path) -> None:
+    section = f"{BEGIN}\n{text}{END}"
+    old = report.read_text() if report.exists() else ""
+    if BEGIN in old and END in old:
+        new = old[:old.index(BEGIN)] + section + old[old.index(END) + len(END):]
+    else:
+        new = old.rstrip("\n") + "\n\n## GPU check\n\n`bash scripts/gpu-check.sh` on a lent GPU (bench/gpu_check.py says what each row " \
+              "is).\n\n" + section + "\n"
+    report.write_text(new)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="bash scripts/gpu-check.sh", description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="the debug presets (runs on CPU): the script's own check")
+    ap.add_argument("--presets", default=None, help=f"comma-separated; default {','.join(RELEASE)} "
+                                                    f"({','.join(TINY)} with --tiny)")
+    ap.add_argument("--work", type=Path, default=ROOT / "bench" / "out" / "gpu-check", help="scratch folder (emptied)")
+    ap.add_argument("--no-report", action="store_true", help="print the table only")
+    args = ap.parse_args(argv)
+    presets = args.presets.split(",") if args.presets else (TINY if args.tiny else RELEASE)
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    (ROOT / "bench" / "out").mkdir(exist_ok=True)
+    card, peak_flops = peak()
+    embeds = embeds_for([*presets, "debug"], args.work)
+    rows, failed = [], False
+    for preset in presets:
+        (args.work / preset).mkdir()
+        check = Check(preset, args.work, "zero1_bf16", embeds[preset])
+        if check.train(step_flops(preset), peak_flops):
+            check.resume(bitwise=False)
+            check.sample_export_verify()
+        rows += check.rows
+        failed |= check.failed
+        print("\n".join(" | ".join(r) for r in check.rows), flush=True)
+    small = Check("debug", args.work / "fp32", "zero0_fp32", embeds["debug"])
+    small.work.mkdir(parents=True)
+    if small.train(step_flops("debug"), peak_flops):
+        small.resume(bitwise=True)
+    rows += [(f"fp32 {r[0]}", *r[1:]) for r in small.rows if "resume" in r[0] or r[3] == "FAILED"]
+    failed |= small.failed
+    rows += ring_rows()
+    date = datetime.date.today().isoformat()
+    text = table(rows, card, date, "bash scripts/gpu-check.sh" + (" --tiny" if args.tiny else ""))
+    print("\n" + text)
+    if not args.no_report:
+        write_report(text, ROOT / "bench" / "report.md")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONPATH", str(ROOT))
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The user's path on one GPU at release token counts: train with checkpoints, resume, sample, export to
+# diffusers and verify it, ring attention's flash kernels, the plan's device peak and each step's MFU; one table,
+# also written into bench/report.md's "GPU check" section (bench/gpu_check.py says what each row is).
+#
+#   bash scripts/gpu-check.sh                 # on the GPU machine (about 8 minutes on one H100/H200)
+#   bash scripts/gpu-check.sh --tiny          # the same commands on the debug presets (CPU works)
+#   bash scripts/gpu-check.sh --pack          # here: bench/out/carry/, the packages a bare device image lacks
+#
+# Python: the project's .venv where it exists (scripts/env.sh), else the machine's python3 with
+# bench/out/carry/ (from --pack: DeepSpeed, diffusers, peft and their pure-Python dependencies, and a
+# pydantic_core wheel for the device's Python) on its path.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CARRY="$ROOT/bench/out/carry"
+if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
+  sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0
+fi
+if [ "${1:-}" = "--pack" ]; then
+  source "$ROOT/scripts/env.sh"
+  SITE="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  rm -rf "$CARRY"; mkdir -p "$CARRY"
+  for pkg in deepspeed diffusers peft hjson pydantic annotated_types typing_inspection msgpack ninja py_cpuinfo; do
+    [ -e "$SITE/$pkg" ] && cp -r "$SITE/$pkg" "$CARRY/"
+  done
+  cp "$SITE"/typing_extensions.py "$CARRY/" 2>/dev/null || true
+  find "$CARRY" -name __pycache__ -prune -exec rm -rf {} +
+  # pydantic_core is compiled: the wheel of the same version for the device's Python (DEVICE_PY, default 3.12)
+  version="$(python -c 'import pydantic_core; print(pydantic_core.__version__)')"
+  python -m pip download -q --no-deps --only-binary=:all: --python-version "${DEVICE_PY:-3.12}" \
+    --platform manylinux2014_x86_64 "pydantic_core==$version" -d "$CARRY/wheels"
+  (cd "$CARRY/wheels" && for w in *.whl; do python -m zipfile -e "$w" "$CARRY"; done)
+  rm -rf "$CARRY/wheels"
+  echo "bench/out/carry: $(du -sh "$CARRY" | cut -f1) (carry it with the tree: run(carry=[\"bench/out/carry\"]))"
+  exit 0
+fi
+if [ -d "$ROOT/.venv" ] || ! python3 -c "import torch" 2>/dev/null; then
+  source "$ROOT/scripts/env.sh"
+else
+  export PYTHONPATH="$ROOT:$CARRY${PYTHONPATH:+:$PYTHONPATH}"
+fi
+cd "$ROOT"
+exec "$(command -v python || command -v python3)" -m bench.gpu_check "$@"
