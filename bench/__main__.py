@@ -77,7 +77,8 @@ def in_process(steps: int) -> dict:
     from parallel.units import TiB
 
     export_launch_env(read_launch_env())
-    deepspeed.init_distributed(dist_backend="gloo")
+    from parallel.distributed import accelerator
+    deepspeed.init_distributed(dist_backend=accelerator.backend())
     cfg = load_config("debug", MID)
     with_ckpt = json.loads((ROOT / "ds_configs/zero0_fp32.json").read_text())
     without = {k: v for k, v in with_ckpt.items() if k != "activation_checkpointing"}

@@ -77,7 +77,8 @@ def measure_overhead(steps: int) -> dict:
     from parallel.distributed.topology import read_launch_env
 
     export_launch_env(read_launch_env())
-    deepspeed.init_distributed(dist_backend="gloo")
+    from parallel.distributed import accelerator
+    deepspeed.init_distributed(dist_backend=accelerator.backend())
     cfg = load_config("debug", MID)
     ds = json.loads((ROOT / "ds_configs/zero0_fp32.json").read_text())
     ds.pop("activation_checkpointing")

@@ -134,7 +134,8 @@ def measure(steps: int = 20, curve_steps: int = 200) -> dict:
     from parallel.train.run import export_launch_env
 
     export_launch_env(read_launch_env())
-    deepspeed.init_distributed(dist_backend="gloo")
+    from parallel.distributed import accelerator
+    deepspeed.init_distributed(dist_backend=accelerator.backend())
     return {"options": options(steps), "compression_curve": curves(curve_steps)}
 
 
