@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         return 1
     if args.check_only:
         from parallel.check import summary
-        print(summary(cfg, layout))
+        print(summary(cfg, layout, args.deepspeed_config))
         return 0
 
     from parallel.train.trainer import Trainer     # heavy imports (deepspeed, torch) only after the checks

@@ -299,7 +299,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         found = plan_buckets(cfg, args.buckets, f"--config={args.config}")
         cfg = found[0][2]                       # the longest bucket (the config's shape without buckets)
         found = found if len(found) > 1 or found[0][0] is not None else None     # a table: several shapes
-        ds = dsc.read_ds_config(args.deepspeed_config)
+        auto = dsc.fill_auto(dsc.read_ds_config(args.deepspeed_config), cfg, args.deepspeed_config)
+        if auto.problems:                  # an "auto" the toolkit cannot fill; the batch keys stay, per layout
+            raise ConfigError("\n".join(auto.problems))
+        ds = auto.ds
         tracer = ActivationTracer(cfg, EngineSettings.from_ds(ds, 1).dtype)
         if args.search:
             report = search_report(cfg, ds, args, tracer, found)

@@ -256,3 +256,107 @@ def test_comms_logger_prints_its_summary_at_pp1(tmp_path):
     grads = count_params(ActivationTracer(load_config("debug"), torch.float32))[0] * 4
     assert rows["all_reduce"][convert_size(grads)] == len(records) == 3
     assert "broadcast" in rows       # the engine's initial parameter broadcast
+
+
+# CogVideo's finetune/configs (zai-org/CogVideo), as shipped: JSON in .yaml files, HF-style "auto" filled by
+# accelerate; ZeRO-3's sections repeat two keys ("auto", then a number: JSON's last one wins, as in HF's reader).
+COGVIDEO_BASE = """{
+    "bf16": {"enabled": true},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": true,
+                                              "adam_w_mode": true}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {%s},
+    "gradient_accumulation_steps": 1,
+    "train_micro_batch_size_per_gpu": 1,
+    "train_batch_size": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "wall_clock_breakdown": false
+}"""
+ZERO2 = """"stage": 2, "allgather_partitions": true, "allgather_bucket_size": 2e8, "overlap_comm": true,
+        "reduce_scatter": true, "reduce_bucket_size": 5e8, "contiguous_gradients": true"""
+OFFLOAD_OPTIMIZER = """"offload_optimizer": {"device": "cpu", "pin_memory": true}"""
+ZERO3 = """"stage": 3,%s "overlap_comm": true, "contiguous_gradients": true, "reduce_bucket_size": 5e8,
+        "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto", "sub_group_size": 1e9,
+        "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": "auto", "stage3_prefetch_bucket_size": 5e8,
+        "stage3_param_persistence_threshold": %s"""
+COGVIDEO = {
+    "zero2.yaml": COGVIDEO_BASE % ZERO2,
+    "zero2_offload.yaml": COGVIDEO_BASE % f"{ZERO2}, {OFFLOAD_OPTIMIZER}",
+    "zero3.yaml": COGVIDEO_BASE % (ZERO3 % ("", "1e5")),
+    "zero3_offload.yaml": COGVIDEO_BASE % (ZERO3 % (f' {OFFLOAD_OPTIMIZER}, "offload_param": {{"device": "cpu", '
+                                                    f'"pin_memory": true}},', "1e6")),
+}
+
+
+def _write(folder, name, text):
+    (folder / name).write_text(text)
+    return str(folder / name)
+
+
+def test_cogvideo_finetune_configs_pass_the_checker(tmp_path, capsys):
+    """CogVideo's four DeepSpeed files with the CogVideoX-2B preset on 8 ranks: accepted, each "auto" filled from
+    the experiment and the summary naming the key it came from; an "auto" the toolkit cannot fill is refused by
+    name (not `could not convert string to float`)."""
+    from parallel.check import main
+    cfg = ["--config", "cogvideox-2b", "--world-size", "8"]
+    common = ('optimizer.params.lr=0.0001 (train.lr), optimizer.params.weight_decay=0.0 (HF TrainingArguments\' '
+              'default, and the toolkit\'s when the key is absent), scheduler.params.warmup_min_lr=0.0 (DeepSpeed\'s '
+              'default, as HF fills it), scheduler.params.warmup_max_lr=0.0001 (train.lr), '
+              'scheduler.params.warmup_num_steps=100 (train.warmup_steps), scheduler.params.total_num_steps=100 '
+              '(train.max_steps), ')
+    tail = ("train_batch_size=8 (train.micro_batch_size x train.grad_accum_steps x dp = 1 x 1 x 8), "
+            "gradient_clipping=1.0 (HF TrainingArguments' max_grad_norm default, as ds_configs/ set it)\n")
+    gather = ("zero_optimization.stage3_gather_16bit_weights_on_model_save=false (accelerate's default; python -m "
+              "parallel.export writes the weights), ")
+    for name, text in COGVIDEO.items():
+        path = _write(tmp_path, name, text)
+        assert main([*cfg, "--deepspeed_config", path]) == 0, capsys.readouterr().err
+        stage = 3 if name.startswith("zero3") else 2
+        assert capsys.readouterr().out == (
+            f"ok: cogvideox-2b tp=1 pp=1 dp=8 (world 8), ZeRO-{stage} bf16, global batch 8 = micro 1 x accum 1 x dp 8; "
+            f"tp splits num_heads 30/1, hidden_size 1920/1, ffn_hidden_size 7680/1; \"auto\" filled in {path}: "
+            + common + (gather if stage == 3 else "") + tail)
+    ds = json.loads(COGVIDEO["zero3.yaml"])
+    ds["steps_per_print"], ds["zero_optimization"]["stage"] = "auto", "auto"
+    ds["optimizer"]["params"]["adam_w_mode"] = False
+    path = _write(tmp_path, "unfillable.json", json.dumps(ds))
+    assert main([*cfg, "--deepspeed_config", path]) == 1
+    err = capsys.readouterr().err
+    fillable = ("train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps, gradient_clipping, "
+                "optimizer.params.lr, optimizer.params.betas, optimizer.params.eps, optimizer.params.weight_decay, "
+                "scheduler.params.warmup_min_lr, scheduler.params.warmup_max_lr, scheduler.params.warmup_num_steps, "
+                "scheduler.params.total_num_steps, scheduler.params.warmup_min_ratio, scheduler.params.cos_min_ratio, "
+                "bf16.enabled, bfloat16.enabled, fp16.enabled, zero_optimization.reduce_bucket_size, "
+                "zero_optimization.stage3_prefetch_bucket_size, zero_optimization.stage3_param_persistence_threshold, "
+                "zero_optimization.stage3_gather_16bit_weights_on_model_save")
+    for key in ("zero_optimization.stage", "steps_per_print"):
+        assert f"  - {path}: {key}=\"auto\": the toolkit fills \"auto\" from the experiment only for {fillable}; " \
+               f"give {key} a value\n" in err
+    assert f"  - {path}: optimizer.params.adam_w_mode=false (Adam with L2 weight decay) is refused: the toolkit " \
+           f"builds AdamW (decoupled weight decay); remove it or set it true\n" in err
+    assert "Traceback" not in err
+
+
+def test_cogvideo_zero2_trains_the_debug_model_under_the_deepspeed_launcher(tmp_path):
+    """CogVideo's zero2.yaml as shipped (its batch keys are 1 and 1: the experiment says so too) trains the debug
+    model on 2 ranks under the deepspeed launcher: WarmupDecayLR filled from train.lr / train.warmup_steps /
+    train.max_steps runs DeepSpeed's log warmup (step k at log(k - 1) / log(2) of train.lr, from warmup_min_lr 0;
+    three steps, since the first two both run at 0)."""
+    path = _write(tmp_path, "zero2.yaml", COGVIDEO["zero2.yaml"])
+    out = tmp_path / "run"
+    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    p = subprocess.run([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), "train.py", "--config",
+                        "debug", "--deepspeed_config", path, "--set", "train.micro_batch_size=1", "--set",
+                        "train.grad_accum_steps=1", "--set", "train.max_steps=3", "--set", "train.warmup_steps=2",
+                        "--set", f"train.output_dir={out}", "--set", "train.memory_check=false"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert "ZeRO-2 bf16, global batch 2, 3 steps" in p.stdout       # train_batch_size "auto": 1 x 1 x dp 2
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["lr"] for r in records] == pytest.approx([0.0, 0.0, 3e-3], abs=1e-15)
+    assert all(math.isfinite(r["loss"]) for r in records)
