@@ -11,7 +11,9 @@ import argparse
 import contextlib
 import io
 import math
+import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -402,6 +404,52 @@ def check_outputs(cfg: ExperimentConfig) -> list[str]:
     return problems
 
 
+def _folder_unusable(path: Path) -> Optional[str]:
+    """Why a run cannot write into the folder `path`, or None. Probed with a temporary folder made in it (or in
+    its nearest existing parent, when it is still to be created) and removed again: nothing is left behind, and
+    a read-only or virtual file system (/proc) answers as it would to the run."""
+    path = Path(os.path.abspath(path))
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if existing == path and not path.is_dir():
+        return "is a file, not a folder"
+    if not existing.is_dir():
+        return f"cannot be created: {existing} is a file"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".vdp-write-check-", dir=existing))
+    except OSError as e:
+        return f"cannot be written ({e.strerror})" if existing == path else \
+            f"cannot be created in {existing} ({e.strerror})"
+    return None
+
+
+def check_run_dirs(cfg: ExperimentConfig) -> list[str]:
+    """train.output_dir and the checkpoint folder (ckpt.dir, default <train.output_dir>/checkpoints): each a folder
+    this process can create and write, found now rather than by the first write (the announce after DeepSpeed
+    started, the first checkpoint after every step trained)."""
+    out, problems = cfg.train.output_dir, []
+    default_out = type(cfg.train).model_fields["output_dir"].default
+    why = _folder_unusable(Path(out))
+    if why:
+        fix = f"set --set train.output_dir={default_out} (the default)" if out != default_out and \
+            not _folder_unusable(Path(default_out)) else \
+            "give train.output_dir a folder this user can create and write"
+        problems.append(f"train.output_dir={out} {why}: metrics, samples and (by default) checkpoints are written "
+                        f"there; {fix}")
+    if cfg.ckpt.dir is None and why:              # its default lies under the output folder, said above
+        return problems
+    why = _folder_unusable(Path(cfg.ckpt_dir))
+    if why:
+        key = "ckpt.dir" if cfg.ckpt.dir is not None else f"ckpt.dir (default {out}/checkpoints)"
+        fallback = f"{out}/checkpoints"
+        fix = f"set --set ckpt.dir=null (the default, {fallback})" if cfg.ckpt.dir is not None and \
+            cfg.ckpt.dir != fallback and not _folder_unusable(Path(fallback)) else \
+            "give ckpt.dir a folder this user can create and write"
+        problems.append(f"{key}={cfg.ckpt_dir} {why}: every checkpoint is written there; {fix}")
+    return problems
+
+
 def check_resume(cfg: ExperimentConfig, layout: Layout, step: Optional[int] = None) -> None:
     """The checkpoint train.py --resume auto (or --resume `step`) continues, found now, before any process
     group: raise ConfigError when ckpt.dir holds one this run cannot continue (parallel.train.checkpoint.
@@ -493,9 +541,12 @@ def summary(cfg: ExperimentConfig, layout: Layout, deepspeed_config: Optional[st
 
 
 def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional[str],
-                   world_size: Optional[int], device_check: bool = True) -> tuple[ExperimentConfig, dict, Layout]:
+                   world_size: Optional[int], device_check: bool = True,
+                   run_dirs: bool = False) -> tuple[ExperimentConfig, dict, Layout]:
     """Load both files and check them; raise ConfigError listing every problem (used by train.py).
     The dict returned is the JSON with its "auto" values filled in (dsc.fill_auto).
+
+    run_dirs: the folders a training run writes (check_run_dirs).
 
     device_check: bf16/fp16 against this machine's accelerator (asked only when the JSON enables one), and the
     JIT build locks DeepSpeed's start would wait on (a stale one refused, a live one noted: parallel/distributed/
@@ -523,6 +574,8 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
     ds = dsc.fill_auto(ds, cfg, src, layout.dp_size).ds        # what the run reads: "auto" filled (check says how)
     problems += found
     problems += check_unconditional(cfg) + check_data_files(cfg) + check_outputs(cfg)
+    if run_dirs:
+        problems += check_run_dirs(cfg)
     if cfg.model.init_from:                   # config.json and safetensors headers only, no tensor data
         from parallel.weights.diffusers import check_released
         from parallel.weights.scheduler import check_scheduler
