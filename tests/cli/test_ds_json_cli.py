@@ -360,3 +360,61 @@ def test_cogvideo_zero2_trains_the_debug_model_under_the_deepspeed_launcher(tmp_
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [r["lr"] for r in records] == pytest.approx([0.0, 0.0, 3e-3], abs=1e-15)
     assert all(math.isfinite(r["loss"]) for r in records)
+
+
+HF_AUTO = {    # the HF Trainer's DeepSpeed ZeRO-2 example: standard keys and "auto"
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 2e8,
+                          "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": "auto",
+                          "contiguous_gradients": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+
+
+def test_hf_auto_json_is_filled_and_a_plan_that_does_not_fit_is_refused_unless_allowed(tmp_path, capsys):
+    """An HF Trainer DeepSpeed file of "auto" values: --check-only names what filled each; a run whose memory plan
+    does not fit train.device_memory is refused before DeepSpeed starts, naming the flag that starts it anyway;
+    with that flag it trains, at the filled lr (three steps: DeepSpeed's log warmup runs the first two at 0)."""
+    import train
+    path = _write(tmp_path, "hf.json", json.dumps(HF_AUTO))
+    out = tmp_path / "run"
+    args = ["--config", "debug", "--deepspeed_config", path, "--set", "train.max_steps=3", "--set",
+            "train.warmup_steps=2", "--set", f"train.output_dir={out}", "--set", "train.memory_check=false",
+            "--set", "train.device_memory=1MiB"]
+    assert train.main([*args, "--check-only"]) == 0
+    assert capsys.readouterr().out == (
+        f"ok: debug tp=1 pp=1 dp=1 (world 1), ZeRO-2 bf16, global batch 4 = micro 2 x accum 2 x dp 1; tp splits "
+        f"num_heads 4/1, hidden_size 64/1, ffn_hidden_size 256/1; \"auto\" filled in {path}: "
+        f"fp16.enabled=false (fp16 only when set true; bf16 is the toolkit's reduced precision), "
+        f"bf16.enabled=true (the toolkit trains in bf16 unless told otherwise: set false for fp32), "
+        f"optimizer.params.lr=0.003 (train.lr), optimizer.params.betas=[0.9, 0.999] (HF TrainingArguments' default, "
+        f"and the toolkit's when the key is absent), optimizer.params.eps=1e-08 (HF TrainingArguments' default, and "
+        f"the toolkit's when the key is absent), optimizer.params.weight_decay=0.0 (HF TrainingArguments' default, "
+        f"and the toolkit's when the key is absent), scheduler.params.warmup_min_lr=0.0 (DeepSpeed's default, as HF "
+        f"fills it), scheduler.params.warmup_max_lr=0.003 (train.lr), scheduler.params.warmup_num_steps=2 "
+        f"(train.warmup_steps), scheduler.params.total_num_steps=3 (train.max_steps), "
+        f"zero_optimization.reduce_bucket_size=4096 (model.hidden_size^2, as HF fills it), "
+        f"gradient_accumulation_steps=2 (train.grad_accum_steps), gradient_clipping=1.0 (HF TrainingArguments' "
+        f"max_grad_norm default, as ds_configs/ set it), train_batch_size=4 (train.micro_batch_size x "
+        f"train.grad_accum_steps x dp = 2 x 2 x 1), train_micro_batch_size_per_gpu=2 (train.micro_batch_size)\n")
+    p = train_py(*args)
+    assert p.returncode == 1 and not out.exists(), p.stderr[-3000:]
+    refusal = p.stderr[p.stderr.index("refusing to start"):]
+    assert re.fullmatch(
+        r"refusing to start, the checks found problems:\n  - memory plan: the worst rank \(stage 0\) needs [\d.]+ \w+ "
+        r"of train.device_memory=1MiB, short by [\d.]+ \w+: tp=1 pp=1 dp=1 ZeRO-2 bf16 does not fit; python -m "
+        r"parallel.plan --world-size 1 --device-memory 1.0MiB --search \(with this run's --config, "
+        r"--deepspeed_config and --set\) lists the layouts that do; or set --set train.allow_oversubscribe=true to "
+        r"start anyway\n", refusal), refusal
+    assert "Traceback" not in p.stderr and "init_distributed" not in p.stdout + p.stderr
+    p = train_py(*args, "--set", "train.allow_oversubscribe=true")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert re.search(r"memory plan: worst rank \(stage 0\) [\d.]+ \w+ of 1.0 MiB \(DOES NOT FIT;", p.stdout)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in records] == pytest.approx([0.0, 0.0, 3e-3], abs=1e-15)
