@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     try:      # every rank checks before any process group, parameter or file exists
         device_check = not args.check_only
         cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size,
-                                         device_check)
+                                         device_check, run_dirs=True)
         elastic = elastic_worlds()
         if elastic:     # launch.sh --nnodes MIN:MAX: every world a restart may land on keeps the global batch
             lines, problems = check_elastic(args.config, args.overrides, args.deepspeed_config, cfg, layout, elastic)
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
                 if kept[0] != cfg.train.grad_accum_steps:
                     overrides = [*args.overrides, f"train.grad_accum_steps={kept[0]}"]
                     cfg, ds, layout = load_and_check(args.config, overrides, args.deepspeed_config, env.world_size,
-                                                     device_check)
+                                                     device_check, run_dirs=True)
                 if env.local_rank == 0:
                     print(f"resuming at dp {layout.dp_size}: train.grad_accum_steps={kept[0]} keeps the "
                           f"checkpoint's global batch {kept[1]}", file=sys.stderr)
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         return 1
     if args.check_only:
         from parallel.check import summary
-        print(summary(cfg, layout))
+        print(summary(cfg, layout, args.deepspeed_config))
         return 0
 
     from parallel.train.trainer import Trainer     # heavy imports (deepspeed, torch) only after the checks

@@ -11,8 +11,11 @@ import argparse
 import contextlib
 import io
 import math
+import os
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 from parallel import ds_config as dsc
@@ -282,7 +285,10 @@ def _check_engine(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
         problems.append(f"{src}: optimizer.type={kind!r} is not built by the toolkit; use AdamW, Adam, "
                         f"FusedEmaAdam or EmaAdamW (the last two keep an EMA of the weights)")
     lr = (optimizer.get("params") or {}).get("lr")
-    if lr is not None and float(lr) != cfg.train.lr:
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float))):
+        problems.append(f"{src}: optimizer.params.lr={lr!r}: give a number (train.lr={cfg.train.lr}), \"auto\" "
+                        f"(filled from train.lr) or remove it")
+    elif lr is not None and float(lr) != cfg.train.lr:
         problems.append(f"{src}: optimizer.params.lr={lr} != train.lr={cfg.train.lr}; the schedule starts from "
                         f"train.lr: set --set train.lr={lr} or remove optimizer.params.lr")
     return problems + scheduler_problems(ds, cfg.train, src) + key_problems(
@@ -316,8 +322,6 @@ def _check_device(ds: dict, src: str, device: DeviceDtypes) -> list[str]:
 def check_unconditional(cfg: ExperimentConfig) -> list[str]:
     """The unconditional text embedding (T5 of "") of a prepared folder, where caption dropout or guidance
     needs it and no data.text_encoder can encode it; synthetic data has its own."""
-    from pathlib import Path
-
     from parallel.config import UNCOND_FILE
     needs = []
     if cfg.data.caption_dropout > 0 and cfg.data.kind == "directory":
@@ -400,13 +404,57 @@ def check_outputs(cfg: ExperimentConfig) -> list[str]:
     return problems
 
 
+def _folder_unusable(path: Path) -> Optional[str]:
+    """Why a run cannot write into the folder `path`, or None. Probed with a temporary folder made in it (or in
+    its nearest existing parent, when it is still to be created) and removed again: nothing is left behind, and
+    a read-only or virtual file system (/proc) answers as it would to the run."""
+    path = Path(os.path.abspath(path))
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if existing == path and not path.is_dir():
+        return "is a file, not a folder"
+    if not existing.is_dir():
+        return f"cannot be created: {existing} is a file"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".vdp-write-check-", dir=existing))
+    except OSError as e:
+        return f"cannot be written ({e.strerror})" if existing == path else \
+            f"cannot be created in {existing} ({e.strerror})"
+    return None
+
+
+def check_run_dirs(cfg: ExperimentConfig) -> list[str]:
+    """train.output_dir and the checkpoint folder (ckpt.dir, default <train.output_dir>/checkpoints): each a folder
+    this process can create and write, found now rather than by the first write (the announce after DeepSpeed
+    started, the first checkpoint after every step trained)."""
+    out, problems = cfg.train.output_dir, []
+    default_out = type(cfg.train).model_fields["output_dir"].default
+    why = _folder_unusable(Path(out))
+    if why:
+        fix = f"set --set train.output_dir={default_out} (the default)" if out != default_out and \
+            not _folder_unusable(Path(default_out)) else \
+            "give train.output_dir a folder this user can create and write"
+        problems.append(f"train.output_dir={out} {why}: metrics, samples and (by default) checkpoints are written "
+                        f"there; {fix}")
+    if cfg.ckpt.dir is None and why:              # its default lies under the output folder, said above
+        return problems
+    why = _folder_unusable(Path(cfg.ckpt_dir))
+    if why:
+        key = "ckpt.dir" if cfg.ckpt.dir is not None else f"ckpt.dir (default {out}/checkpoints)"
+        fallback = f"{out}/checkpoints"
+        fix = f"set --set ckpt.dir=null (the default, {fallback})" if cfg.ckpt.dir is not None and \
+            cfg.ckpt.dir != fallback and not _folder_unusable(Path(fallback)) else \
+            "give ckpt.dir a folder this user can create and write"
+        problems.append(f"{key}={cfg.ckpt_dir} {why}: every checkpoint is written there; {fix}")
+    return problems
+
+
 def check_resume(cfg: ExperimentConfig, layout: Layout, step: Optional[int] = None) -> None:
     """The checkpoint train.py --resume auto (or --resume `step`) continues, found now, before any process
     group: raise ConfigError when ckpt.dir holds one this run cannot continue (parallel.train.checkpoint.
     find_resume says what is wrong with it and what would work). Sizes only: the checksums are read by
     the run's ranks together (checkpoint.verified_resume)."""
-    from pathlib import Path
-
     from parallel.train.checkpoint import find_resume, model_signature
     saved = {**layout.as_dict(), "zero_stage": layout.zero_stage, "global_batch": layout.global_batch}
     try:
@@ -421,8 +469,6 @@ PREPARE = "python -m parallel.prepare_data --config CONFIG --videos VIDEOS --vae
 def _folder_problem(key: str, folder: str) -> Optional[str]:
     """A data folder that does not exist, or has no manifest, with the command that makes one (CONFIG: this
     experiment with the same --set; VIDEOS, VAE, T5: the clips and the family's VAE and text encoder)."""
-    from pathlib import Path
-
     path, make = Path(folder), PREPARE.format(folder)
     how = (f"{make} prepares it (CONFIG: this experiment, with the same --set; VIDEOS: a folder of clips with "
            f"captions; VAE, T5: the model family's VAE and text encoder folders; docs/data.md)")
@@ -442,7 +488,10 @@ def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source:
     ds = ds or {}
     problems = _check_model_splits(cfg) + _check_objective(cfg) + _check_sequence(cfg) + _check_pipeline(cfg)
     dp, grid_problems = _resolve_dp(cfg, world_size)
-    problems += grid_problems + _check_batch(cfg, ds, ds_source, dp) + _check_engine(cfg, ds, ds_source)
+    auto = dsc.fill_auto(ds, cfg, ds_source, dp)          # HF's "auto" values, from the experiment
+    ds = auto.ds
+    problems += grid_problems + auto.problems + _check_batch(cfg, ds, ds_source, dp) + _check_engine(cfg, ds,
+                                                                                                    ds_source)
     if device is not None:
         problems += _check_device(ds, ds_source, device)
     if cfg.train.compile:             # torch imported only for a compiled run
@@ -466,8 +515,11 @@ NO_DS_CONFIG = "no --deepspeed_config: DeepSpeed's defaults, its engine keys unc
 
 
 def summary(cfg: ExperimentConfig, layout: Layout, deepspeed_config: Optional[str] = "") -> str:
-    """The one-line verdict; `deepspeed_config` None: the engine is DeepSpeed's default (ZeRO-0 fp32), said so."""
+    """The one-line verdict; `deepspeed_config` None: the engine is DeepSpeed's default (ZeRO-0 fp32), said so;
+    a JSON's "auto" values with what filled each (dsc.fill_auto)."""
     t, tp = cfg.train, layout.tp_size
+    filled = dsc.fill_auto(dsc.read_ds_config(deepspeed_config), cfg, deepspeed_config, layout.dp_size).filled \
+        if deepspeed_config else []
     splits = ", ".join(f"{k.split('.')[-1]} {v}/{tp}" for k, v in tp_split_dims(cfg.model).items())
     padding = sequence_padding(cfg)
     buckets = ""
@@ -485,12 +537,16 @@ def summary(cfg: ExperimentConfig, layout: Layout, deepspeed_config: Optional[st
             f"{t.micro_batch_size} x accum {t.grad_accum_steps} x dp {layout.dp_size}; tp splits {splits}"
             + (f"; sp pads the sequence: {padding}" if padding else "")
             + (f"; (ulysses, ring) pairs for sp {layout.sp_size}: {_pairs_text(sp_pairs(cfg))}" if layout.sp_size > 1
-               else "") + buckets)
+               else "") + buckets + (f"; \"auto\" filled in {deepspeed_config}: {', '.join(filled)}" if filled else ""))
 
 
 def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional[str],
-                   world_size: Optional[int], device_check: bool = True) -> tuple[ExperimentConfig, dict, Layout]:
+                   world_size: Optional[int], device_check: bool = True,
+                   run_dirs: bool = False) -> tuple[ExperimentConfig, dict, Layout]:
     """Load both files and check them; raise ConfigError listing every problem (used by train.py).
+    The dict returned is the JSON with its "auto" values filled in (dsc.fill_auto).
+
+    run_dirs: the folders a training run writes (check_run_dirs).
 
     device_check: bf16/fp16 against this machine's accelerator (asked only when the JSON enables one), and the
     JIT build locks DeepSpeed's start would wait on (a stale one refused, a live one noted: parallel/distributed/
@@ -511,10 +567,15 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
             problems.append(str(e))
     if cfg is None:
         raise ConfigError("\n".join(problems))
-    device = DeviceDtypes.here() if device_check and dsc.precision(ds) != "fp32" else None
-    layout, found = check(cfg, ds, deepspeed_config or "deepspeed config", world_size, device)
+    src = deepspeed_config or "deepspeed config"
+    device = DeviceDtypes.here() if device_check and dsc.precision(dsc.fill_auto(ds, cfg, src).ds) != "fp32" \
+        else None
+    layout, found = check(cfg, ds, src, world_size, device)
+    ds = dsc.fill_auto(ds, cfg, src, layout.dp_size).ds        # what the run reads: "auto" filled (check says how)
     problems += found
     problems += check_unconditional(cfg) + check_data_files(cfg) + check_outputs(cfg)
+    if run_dirs:
+        problems += check_run_dirs(cfg)
     if cfg.model.init_from:                   # config.json and safetensors headers only, no tensor data
         from parallel.weights.diffusers import check_released
         from parallel.weights.scheduler import check_scheduler

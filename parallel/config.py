@@ -125,6 +125,12 @@ class TrainConfig(Section):
     collective_timeout_s: int = Field(600, ge=1, description="a collective waiting longer (a dead or stuck rank) "
                                       "fails the run instead of hanging it")
     memory_check: bool = Field(True, description="measure the second step's memory against the plan")
+    device_memory: Optional[str] = Field(None, description="the memory of one device the run's memory plan must fit "
+                                         "(80GiB: less than the device has, when others share it); null: the "
+                                         "device's own (host memory on CPU)")
+    allow_oversubscribe: bool = Field(False, description="start a run whose memory plan does not fit "
+                                      "train.device_memory (the plan's margin is an estimate); false: refused before "
+                                      "DeepSpeed starts")
     compile: bool = Field(False, description="torch.compile each block (regional: one graph per block class, "
                           "parallel/distributed/compile.py); docs/performance.md gives compile time and speed-up here")
     compile_backend: Literal["inductor", "aot_eager"] = Field("inductor", description="torch.compile's backend "
@@ -135,6 +141,14 @@ class TrainConfig(Section):
                                                                 "at lower precision; null = off")
     anomaly: Optional[AnomalyConfig] = Field(None, description="skip or stop on a non-finite or spiking loss "
                                              "or gradient norm, or an unreadable sample; null = off")
+
+    @field_validator("device_memory")
+    @classmethod
+    def _a_size(cls, text: Optional[str]) -> Optional[str]:
+        if text is not None:
+            from parallel.units import parse_size
+            parse_size(text, unit_required=True)       # its ValueError names the unit to give
+        return text
 
     @model_validator(mode="after")
     def _min_lr_below_lr(self) -> "TrainConfig":

@@ -37,8 +37,9 @@ KEYS: dict[str, Key] = {
                                        "\"auto\")", "test_check: test_dp_and_batch_keys_must_agree"),
     # optimizer and schedule
     "optimizer": Key(HONOURED, "built by the toolkit (parallel/train/optim.py): type AdamW, Adam, FusedEmaAdam or "
-                     "EmaAdamW; params lr (= train.lr), betas, eps, weight_decay, amsgrad, ema_decay; other "
-                     "types and params refused", "test_check: test_optimizer_type_and_lr_are_checked; test_ds_keys: "
+                     "EmaAdamW; params lr (= train.lr), betas, eps, weight_decay, amsgrad, ema_decay, \"auto\" "
+                     "filled (parallel/ds_config.py AUTO_KEYS); DeepSpeed's torch_adam (either: the toolkit picks "
+                     "the kernel) and adam_w_mode true; other types and params refused", "test_check: test_optimizer_type_and_lr_are_checked; test_ds_keys: "
                      "test_optimizer_params_are_checked"),
     "scheduler": Key(HONOURED, "WarmupLR, WarmupDecayLR, WarmupCosineLR built by the toolkit with DeepSpeed's "
                      "formulas, keys shared with train.* filled in or refused; OneCycle, LRRangeTest and torch "
@@ -179,6 +180,10 @@ KEYS: dict[str, Key] = {
 }
 
 _PASSED = "passed to DeepSpeed"
+SAVE_16BIT = "read only by engine.save_16bit_model(), which the toolkit never calls; export weights with python -m " \
+    "parallel.export"
+SAVE_16BIT_KEYS = ("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+                   "stage3_gather_fp16_weights_on_model_save")
 _STAGE3 = "passed to DeepSpeed at stage 3; refused below (only ZeRO-3 reads it)"
 _UNTESTED = "untested with the toolkit's layers and optimizer; remove it"
 
@@ -207,10 +212,8 @@ ZERO_KEYS: dict[str, Key] = {
         "max_live_parameters", "stage3_max_live_parameters", "max_reuse_distance", "stage3_max_reuse_distance",
         "module_granularity_threshold", "stage3_module_granularity_threshold", "use_all_reduce_for_fetch_params",
         "stage3_use_all_reduce_for_fetch_params", "allgather_sequential", "stage3_allgather_sequential")},
-    **{k: Key(REFUSED, "read only by engine.save_16bit_model(), which the toolkit never calls; export weights "
-              "with python -m parallel.export") for k in (
-        "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
-        "stage3_gather_fp16_weights_on_model_save")},
+    **{k: Key(HONOURED, "false (DeepSpeed's default; \"auto\" is filled false) is passed on; true is refused: "
+              + SAVE_16BIT, "test_ds_json_cli: test_cogvideo_finetune_configs_pass_the_checker") for k in SAVE_16BIT_KEYS},
     **{k: Key(REFUSED, "deprecated by DeepSpeed; use offload_optimizer / offload_param")
        for k in ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory")},
     # ZeRO++ (docs/performance.md, communication compression). The quantised ones run DeepSpeed's
@@ -268,7 +271,11 @@ SUBKEYS: dict[str, tuple[tuple[str, ...], bool]] = {
 }
 SUBKEYS["bfloat16"] = SUBKEYS["bf16"]
 
-OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "adam_w_mode")
+# DeepSpeed's Adam switches (CogVideo's finetune configs set both true): torch_adam picks torch's kernel over
+# DeepSpeed's FusedAdam, the same AdamW math, and the toolkit picks its kernel itself (parallel/train/optim.py);
+# adam_w_mode=false would be Adam with L2 decay, which the toolkit does not build.
+ADAM_SWITCHES = ("torch_adam", "adam_w_mode")
 EMA_PARAMS = ("ema_decay",)
 PIPELINE_HONOURED = ("pipe_partitioned", "grad_partitioned")
 MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
@@ -350,8 +357,14 @@ def _conditions(ds: dict[str, Any], src: str, pp_size: int, max_steps: int, tp_s
                                 f"and params only; remove it")
         ema = str(optimizer.get("type", "AdamW")).lower() in EMA_OPTIMIZERS
         allowed = OPTIMIZER_PARAMS + (EMA_PARAMS if ema else ())
-        for key in optimizer.get("params") or {}:
-            if key not in allowed:
+        params = optimizer.get("params") or {}
+        for key in params:
+            if key in ADAM_SWITCHES and not isinstance(params[key], bool):
+                problems.append(f"{src}: optimizer.params.{key}={params[key]!r}: give true or false")
+            elif key == "adam_w_mode" and params[key] is False:
+                problems.append(f"{src}: optimizer.params.adam_w_mode=false (Adam with L2 weight decay) is refused: "
+                                f"the toolkit builds AdamW (decoupled weight decay); remove it or set it true")
+            elif key not in allowed:
                 close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6) if key not in EMA_PARAMS else []
                 hint = f" (did you mean \"{close[0]}\"?)" if close else ""
                 why = " (ema_decay needs FusedEmaAdam or EmaAdamW)" if key in EMA_PARAMS else ""
@@ -386,6 +399,8 @@ def _zero_problems(zero: dict[str, Any], src: str) -> list[str]:
         elif key == "offload_optimizer" and stage == 0 and value:
             problems.append(f"{src}: zero_optimization.offload_optimizer with zero_optimization.stage=0 is refused: "
                             f"DeepSpeed offloads only under ZeRO 1-3; use stage 1 or 2")
+        elif key in SAVE_16BIT_KEYS and value is not False:
+            problems.append(f"{src}: zero_optimization.{key}={value!r} is refused: {SAVE_16BIT}; remove it")
         elif key == "compute_grad_norm" and value is False:
             problems.append(f"{src}: zero_optimization.compute_grad_norm=false is refused: the toolkit logs "
                             f"grad_norm and clips with it; remove it")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -107,16 +108,35 @@ def _candidate_dict(c: Candidate, args, ds_file: Optional[str] = None) -> dict:
             f"deepspeed {launcher} train.py --config {args.config} --deepspeed_config {ds_arg} {cfg_arg}"}
 
 
+def planned_name(ds: dict) -> str:
+    """ds_config.planned.zero<stage>-<precision>-<8 hex digits of the JSON's SHA-256>.json: each JSON its own
+    name, so a later search (another world size, another device) never rewrites the file an earlier search's
+    `run it:` line names."""
+    digest = hashlib.sha256(json.dumps(ds, sort_keys=True).encode()).hexdigest()[:8]
+    return f"ds_config.planned.zero{dsc.zero_stage(ds)}-{dsc.precision(ds)}-{digest}.json"
+
+
 def write_planned(c: Candidate, cfg: ExperimentConfig, args) -> Optional[str]:
-    """The best layout's DeepSpeed JSON, written to --ds-out (default <train.output_dir>/ds_config.planned.json)
-    when ds_configs/ has no equal file, so the printed command runs as printed; its path, or None."""
+    """The best layout's DeepSpeed JSON, written to --ds-out (default <train.output_dir>/`planned_name`) when
+    ds_configs/ has no equal file, so the printed command runs as printed; its path, or None. (An existing
+    --ds-out is refused before the search: `ds_out_problem`.)"""
     if shipped_config(c.ds) is not None:
         return None
-    path = Path(args.ds_out or f"{cfg.train.output_dir}/ds_config.planned.json")
+    path = Path(args.ds_out or f"{cfg.train.output_dir}/{planned_name(c.ds)}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(c.ds, indent=2) + "\n")
     print(f"wrote {path} (the best layout's DeepSpeed JSON)", file=sys.stderr)
     return str(path)
+
+
+def ds_out_problem(args, cfg: ExperimentConfig) -> Optional[str]:
+    """An --ds-out that exists: an earlier search's JSON, which that search's `run it:` line names, is not
+    rewritten (found before the search, which takes minutes at release sizes)."""
+    if not args.ds_out or not Path(args.ds_out).exists():
+        return None
+    return (f"--ds-out {args.ds_out} exists (an earlier search's DeepSpeed JSON, which its `run it:` line names, "
+            f"is not rewritten): give another --ds-out, remove it, or leave --ds-out out (the JSON then gets a name "
+            f"of its own in {cfg.train.output_dir}/, ds_config.planned.zero<stage>-<precision>-<hash>.json)")
 
 
 def search_report(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer, found=None) -> dict:
@@ -275,7 +295,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--format", choices=("text", "json", "markdown"), default="text")
     ap.add_argument("--search", action="store_true", help="try every layout of --world-size processes")
     ap.add_argument("--ds-out", "--ds_out", default=None, help="--search: where to write the best layout's DeepSpeed "
-                    "JSON when ds_configs/ has none equal (default <train.output_dir>/ds_config.planned.json)")
+                    "JSON when ds_configs/ has none equal (default <train.output_dir>/ds_config.planned.zero<stage>-"
+                    "<precision>-<hash>.json, a name of its own); an existing file is refused")
     ap.add_argument("--top", type=int, default=10, help="layouts shown by --search")
     ap.add_argument("--margin", type=float, default=0.10, help="fragmentation margin, fraction of the rest")
     ap.add_argument("--workspace", default="1GiB", help="fixed workspace (context, kernels' scratch)")
@@ -299,9 +320,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         found = plan_buckets(cfg, args.buckets, f"--config={args.config}")
         cfg = found[0][2]                       # the longest bucket (the config's shape without buckets)
         found = found if len(found) > 1 or found[0][0] is not None else None     # a table: several shapes
-        ds = dsc.read_ds_config(args.deepspeed_config)
+        auto = dsc.fill_auto(dsc.read_ds_config(args.deepspeed_config), cfg, args.deepspeed_config)
+        if auto.problems:                  # an "auto" the toolkit cannot fill; the batch keys stay, per layout
+            raise ConfigError("\n".join(auto.problems))
+        ds = auto.ds
         tracer = ActivationTracer(cfg, EngineSettings.from_ds(ds, 1).dtype)
         if args.search:
+            if ds_out_problem(args, cfg):
+                raise ConfigError(ds_out_problem(args, cfg))
             report = search_report(cfg, ds, args, tracer, found)
             status = 0 if report["ranked"] else 2
         else:

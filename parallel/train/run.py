@@ -25,7 +25,7 @@ from parallel.train.probe import StepMeasurement
 from parallel.distributed.deepspeed.shm import unlink_shm_buffer
 from parallel.distributed.seed import seed_all
 from parallel.distributed.topology import LaunchEnv, Layout, ParallelContext
-from parallel.units import format_size
+from parallel.units import format_size, parse_size
 
 
 def export_launch_env(env: LaunchEnv) -> None:
@@ -60,6 +60,27 @@ def run_plan(cfg: ExperimentConfig, ds: dict, layout: Layout, device_memory: int
     cfg = next((c for c in shaped if tokens == sequence_tokens(c.model, c.data)), shaped[0])
     tracer = ActivationTracer(cfg, EngineSettings.from_ds(ds, 1).dtype)
     return plan_memory(cfg, ds, layout.dp_size, device_memory, tracer)
+
+
+def device_budget(cfg: ExperimentConfig, local_rank: int) -> int:
+    """The bytes the run's memory plan must fit: train.device_memory, else this device's own."""
+    if cfg.train.device_memory:
+        return parse_size(cfg.train.device_memory, unit_required=True)
+    return accelerator.total_memory(local_rank)
+
+
+def plan_refusal(plan, cfg: ExperimentConfig, layout: Layout) -> str | None:
+    """Why the run does not start, where its memory plan does not fit and train.allow_oversubscribe is false."""
+    if plan.fits or cfg.train.allow_oversubscribe:
+        return None
+    w, budget = plan.worst, format_size(plan.device_memory)
+    of = f"train.device_memory={cfg.train.device_memory}" if cfg.train.device_memory else \
+        f"this {accelerator.name()} device's {budget}"
+    return (f"memory plan: the worst rank (stage {w.stage}) needs {format_size(w.total)} of {of}, short by "
+            f"{format_size(-plan.headroom)}: {layout.describe()} ZeRO-{layout.zero_stage} {layout.precision} does not "
+            f"fit; python -m parallel.plan --world-size {layout.world_size} --device-memory {budget.replace(' ', '')} "
+            f"--search (with this run's --config, --deepspeed_config and --set) lists the layouts that do; or set "
+            f"--set train.allow_oversubscribe=true to start anyway")
 
 
 def plan_line(plan) -> str:

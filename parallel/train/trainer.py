@@ -36,7 +36,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from parallel.distributed.topology import Layout
-from parallel.config import AnomalyConfig, ExperimentConfig
+from parallel.config import AnomalyConfig, ConfigError, ExperimentConfig
 from parallel.distributed import accelerator
 from parallel.ds_config import EMA_OPTIMIZERS
 from parallel.distributed.deepspeed.monitor import close_monitors, write_monitor_events
@@ -48,8 +48,8 @@ from parallel.train import checkpoint
 from parallel.train.anomaly import AnomalyGuard, AnomalyStop, GuardedSamples
 from parallel.train.continuity import resume_changes, run_records
 from parallel.train.engine import StepResult
-from parallel.train.run import (build_dataset, build_val_dataset, checkpoint_layout, plan_line, report_memory,
-                                run_plan, start_engine, step_tokens, training_batches)
+from parallel.train.run import (build_dataset, build_val_dataset, checkpoint_layout, device_budget, plan_line,
+                                plan_refusal, report_memory, run_plan, start_engine, step_tokens, training_batches)
 from parallel.train.validate import Validator
 from parallel.train.watchdog import collective_in, peer_failure, start_heartbeat, timed_out
 
@@ -102,7 +102,10 @@ class Trainer:
             if self.resume is not False else None
         # The plan traces the model on the meta device: no process group needed, so a layout it cannot plan
         # stops here, before any rank waits on another.
-        self.plan = run_plan(cfg, self.ds, layout, accelerator.total_memory(env.local_rank))
+        self.plan = run_plan(cfg, self.ds, layout, device_budget(cfg, env.local_rank))
+        refused = plan_refusal(self.plan, cfg, layout)
+        if refused:                 # before any process group: every rank plans alike and stops
+            raise ConfigError(refused)
         # a checkpoint wins over model.init_from
         self.ctx, self.engine = start_engine(cfg, self.ds, layout, env, init_from=self.tag is None)
         self.heartbeat = start_heartbeat(cfg, self.ctx, self.ckpt_dir)
@@ -269,6 +272,11 @@ class Trainer:
         except checkpoint.CheckpointError as e:      # the checkpoint to resume turned out damaged
             if self.env.rank == 0:
                 print(str(e), file=sys.stderr, flush=True)
+            self.close()
+            return 1
+        except ConfigError as e:                  # the memory plan does not fit (train.py's heading)
+            if self.env.local_rank == 0:
+                print(f"refusing to start, the checks found problems:\n  - {e}", file=sys.stderr, flush=True)
             self.close()
             return 1
         status = 0

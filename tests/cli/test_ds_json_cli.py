@@ -256,3 +256,165 @@ def test_comms_logger_prints_its_summary_at_pp1(tmp_path):
     grads = count_params(ActivationTracer(load_config("debug"), torch.float32))[0] * 4
     assert rows["all_reduce"][convert_size(grads)] == len(records) == 3
     assert "broadcast" in rows       # the engine's initial parameter broadcast
+
+
+# CogVideo's finetune/configs (zai-org/CogVideo), as shipped: JSON in .yaml files, HF-style "auto" filled by
+# accelerate; ZeRO-3's sections repeat two keys ("auto", then a number: JSON's last one wins, as in HF's reader).
+COGVIDEO_BASE = """{
+    "bf16": {"enabled": true},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": true,
+                                              "adam_w_mode": true}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {%s},
+    "gradient_accumulation_steps": 1,
+    "train_micro_batch_size_per_gpu": 1,
+    "train_batch_size": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "wall_clock_breakdown": false
+}"""
+ZERO2 = """"stage": 2, "allgather_partitions": true, "allgather_bucket_size": 2e8, "overlap_comm": true,
+        "reduce_scatter": true, "reduce_bucket_size": 5e8, "contiguous_gradients": true"""
+OFFLOAD_OPTIMIZER = """"offload_optimizer": {"device": "cpu", "pin_memory": true}"""
+ZERO3 = """"stage": 3,%s "overlap_comm": true, "contiguous_gradients": true, "reduce_bucket_size": 5e8,
+        "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto", "sub_group_size": 1e9,
+        "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": "auto", "stage3_prefetch_bucket_size": 5e8,
+        "stage3_param_persistence_threshold": %s"""
+COGVIDEO = {
+    "zero2.yaml": COGVIDEO_BASE % ZERO2,
+    "zero2_offload.yaml": COGVIDEO_BASE % f"{ZERO2}, {OFFLOAD_OPTIMIZER}",
+    "zero3.yaml": COGVIDEO_BASE % (ZERO3 % ("", "1e5")),
+    "zero3_offload.yaml": COGVIDEO_BASE % (ZERO3 % (f' {OFFLOAD_OPTIMIZER}, "offload_param": {{"device": "cpu", '
+                                                    f'"pin_memory": true}},', "1e6")),
+}
+
+
+def _write(folder, name, text):
+    (folder / name).write_text(text)
+    return str(folder / name)
+
+
+def test_cogvideo_finetune_configs_pass_the_checker(tmp_path, capsys):
+    """CogVideo's four DeepSpeed files with the CogVideoX-2B preset on 8 ranks: accepted, each "auto" filled from
+    the experiment and the summary naming the key it came from; an "auto" the toolkit cannot fill is refused by
+    name (not `could not convert string to float`)."""
+    from parallel.check import main
+    cfg = ["--config", "cogvideox-2b", "--world-size", "8"]
+    common = ('optimizer.params.lr=0.0001 (train.lr), optimizer.params.weight_decay=0.0 (HF TrainingArguments\' '
+              'default, and the toolkit\'s when the key is absent), scheduler.params.warmup_min_lr=0.0 (DeepSpeed\'s '
+              'default, as HF fills it), scheduler.params.warmup_max_lr=0.0001 (train.lr), '
+              'scheduler.params.warmup_num_steps=100 (train.warmup_steps), scheduler.params.total_num_steps=100 '
+              '(train.max_steps), ')
+    tail = ("train_batch_size=8 (train.micro_batch_size x train.grad_accum_steps x dp = 1 x 1 x 8), "
+            "gradient_clipping=1.0 (HF TrainingArguments' max_grad_norm default, as ds_configs/ set it)\n")
+    gather = ("zero_optimization.stage3_gather_16bit_weights_on_model_save=false (accelerate's default; python -m "
+              "parallel.export writes the weights), ")
+    for name, text in COGVIDEO.items():
+        path = _write(tmp_path, name, text)
+        assert main([*cfg, "--deepspeed_config", path]) == 0, capsys.readouterr().err
+        stage = 3 if name.startswith("zero3") else 2
+        assert capsys.readouterr().out == (
+            f"ok: cogvideox-2b tp=1 pp=1 dp=8 (world 8), ZeRO-{stage} bf16, global batch 8 = micro 1 x accum 1 x dp 8; "
+            f"tp splits num_heads 30/1, hidden_size 1920/1, ffn_hidden_size 7680/1; \"auto\" filled in {path}: "
+            + common + (gather if stage == 3 else "") + tail)
+    ds = json.loads(COGVIDEO["zero3.yaml"])
+    ds["steps_per_print"], ds["zero_optimization"]["stage"] = "auto", "auto"
+    ds["optimizer"]["params"]["adam_w_mode"] = False
+    path = _write(tmp_path, "unfillable.json", json.dumps(ds))
+    assert main([*cfg, "--deepspeed_config", path]) == 1
+    err = capsys.readouterr().err
+    fillable = ("train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps, gradient_clipping, "
+                "optimizer.params.lr, optimizer.params.betas, optimizer.params.eps, optimizer.params.weight_decay, "
+                "scheduler.params.warmup_min_lr, scheduler.params.warmup_max_lr, scheduler.params.warmup_num_steps, "
+                "scheduler.params.total_num_steps, scheduler.params.warmup_min_ratio, scheduler.params.cos_min_ratio, "
+                "bf16.enabled, bfloat16.enabled, fp16.enabled, zero_optimization.reduce_bucket_size, "
+                "zero_optimization.stage3_prefetch_bucket_size, zero_optimization.stage3_param_persistence_threshold, "
+                "zero_optimization.stage3_gather_16bit_weights_on_model_save")
+    for key in ("zero_optimization.stage", "steps_per_print"):
+        assert f"  - {path}: {key}=\"auto\": the toolkit fills \"auto\" from the experiment only for {fillable}; " \
+               f"give {key} a value\n" in err
+    assert f"  - {path}: optimizer.params.adam_w_mode=false (Adam with L2 weight decay) is refused: the toolkit " \
+           f"builds AdamW (decoupled weight decay); remove it or set it true\n" in err
+    assert "Traceback" not in err
+
+
+def test_cogvideo_zero2_trains_the_debug_model_under_the_deepspeed_launcher(tmp_path):
+    """CogVideo's zero2.yaml as shipped (its batch keys are 1 and 1: the experiment says so too) trains the debug
+    model on 2 ranks under the deepspeed launcher: WarmupDecayLR filled from train.lr / train.warmup_steps /
+    train.max_steps runs DeepSpeed's log warmup (step k at log(k - 1) / log(2) of train.lr, from warmup_min_lr 0;
+    three steps, since the first two both run at 0)."""
+    path = _write(tmp_path, "zero2.yaml", COGVIDEO["zero2.yaml"])
+    out = tmp_path / "run"
+    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    p = subprocess.run([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), "train.py", "--config",
+                        "debug", "--deepspeed_config", path, "--set", "train.micro_batch_size=1", "--set",
+                        "train.grad_accum_steps=1", "--set", "train.max_steps=3", "--set", "train.warmup_steps=2",
+                        "--set", f"train.output_dir={out}", "--set", "train.memory_check=false"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert "ZeRO-2 bf16, global batch 2, 3 steps" in p.stdout       # train_batch_size "auto": 1 x 1 x dp 2
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["lr"] for r in records] == pytest.approx([0.0, 0.0, 3e-3], abs=1e-15)
+    assert all(math.isfinite(r["loss"]) for r in records)
+
+
+HF_AUTO = {    # the HF Trainer's DeepSpeed ZeRO-2 example: standard keys and "auto"
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 2e8,
+                          "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": "auto",
+                          "contiguous_gradients": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+
+
+def test_hf_auto_json_is_filled_and_a_plan_that_does_not_fit_is_refused_unless_allowed(tmp_path, capsys):
+    """An HF Trainer DeepSpeed file of "auto" values: --check-only names what filled each; a run whose memory plan
+    does not fit train.device_memory is refused before DeepSpeed starts, naming the flag that starts it anyway;
+    with that flag it trains, at the filled lr (three steps: DeepSpeed's log warmup runs the first two at 0)."""
+    import train
+    path = _write(tmp_path, "hf.json", json.dumps(HF_AUTO))
+    out = tmp_path / "run"
+    args = ["--config", "debug", "--deepspeed_config", path, "--set", "train.max_steps=3", "--set",
+            "train.warmup_steps=2", "--set", f"train.output_dir={out}", "--set", "train.memory_check=false",
+            "--set", "train.device_memory=1MiB"]
+    assert train.main([*args, "--check-only"]) == 0
+    assert capsys.readouterr().out == (
+        f"ok: debug tp=1 pp=1 dp=1 (world 1), ZeRO-2 bf16, global batch 4 = micro 2 x accum 2 x dp 1; tp splits "
+        f"num_heads 4/1, hidden_size 64/1, ffn_hidden_size 256/1; \"auto\" filled in {path}: "
+        f"fp16.enabled=false (fp16 only when set true; bf16 is the toolkit's reduced precision), "
+        f"bf16.enabled=true (the toolkit trains in bf16 unless told otherwise: set false for fp32), "
+        f"optimizer.params.lr=0.003 (train.lr), optimizer.params.betas=[0.9, 0.999] (HF TrainingArguments' default, "
+        f"and the toolkit's when the key is absent), optimizer.params.eps=1e-08 (HF TrainingArguments' default, and "
+        f"the toolkit's when the key is absent), optimizer.params.weight_decay=0.0 (HF TrainingArguments' default, "
+        f"and the toolkit's when the key is absent), scheduler.params.warmup_min_lr=0.0 (DeepSpeed's default, as HF "
+        f"fills it), scheduler.params.warmup_max_lr=0.003 (train.lr), scheduler.params.warmup_num_steps=2 "
+        f"(train.warmup_steps), scheduler.params.total_num_steps=3 (train.max_steps), "
+        f"zero_optimization.reduce_bucket_size=4096 (model.hidden_size^2, as HF fills it), "
+        f"gradient_accumulation_steps=2 (train.grad_accum_steps), gradient_clipping=1.0 (HF TrainingArguments' "
+        f"max_grad_norm default, as ds_configs/ set it), train_batch_size=4 (train.micro_batch_size x "
+        f"train.grad_accum_steps x dp = 2 x 2 x 1), train_micro_batch_size_per_gpu=2 (train.micro_batch_size)\n")
+    p = train_py(*args)
+    assert p.returncode == 1 and not out.exists(), p.stderr[-3000:]
+    refusal = p.stderr[p.stderr.index("refusing to start"):]
+    assert re.fullmatch(
+        r"refusing to start, the checks found problems:\n  - memory plan: the worst rank \(stage 0\) needs [\d.]+ \w+ "
+        r"of train.device_memory=1MiB, short by [\d.]+ \w+: tp=1 pp=1 dp=1 ZeRO-2 bf16 does not fit; python -m "
+        r"parallel.plan --world-size 1 --device-memory 1.0MiB --search \(with this run's --config, "
+        r"--deepspeed_config and --set\) lists the layouts that do; or set --set train.allow_oversubscribe=true to "
+        r"start anyway\n", refusal), refusal
+    assert "Traceback" not in p.stderr and "init_distributed" not in p.stdout + p.stderr
+    p = train_py(*args, "--set", "train.allow_oversubscribe=true")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert re.search(r"memory plan: worst rank \(stage 0\) [\d.]+ \w+ of 1.0 MiB \(DOES NOT FIT;", p.stdout)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in records] == pytest.approx([0.0, 0.0, 3e-3], abs=1e-15)

@@ -1,4 +1,5 @@
 """train.py as users run it: refused configs never start DeepSpeed, missing data is named, one process trains."""
+import glob
 import json
 import os
 import subprocess
@@ -111,3 +112,44 @@ def test_a_stale_jit_build_lock_is_refused_before_deepspeed_waits_on_it(tmp_path
     [problem] = check_build_locks(root=tmp_path / "ext")
     assert f"  - {problem}\n" in p.stderr and f"rm -r {lock.parent}" in problem
     assert lock.exists() and not (tmp_path / "run").exists()
+
+
+def _check_only(capsys, *sets):
+    """train.py --check-only in this process: (exit status, stdout, stderr)."""
+    import train
+    code = train.main(["--config", "debug", "--deepspeed_config", "ds_configs/zero0_fp32.json", "--check-only",
+                       *(a for s in sets for a in ("--set", s))])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_unusable_output_folders_are_refused_before_training(tmp_path, capsys):
+    """A ckpt.dir or train.output_dir that is a file, under a file, cannot be created (/proc) or cannot be written:
+    refused by --check-only and by a real run before any process group, naming the key; the advice works and
+    nothing is left behind."""
+    (tmp_path / "file").write_text("not a folder")
+    out, ckpt = tmp_path / "out", tmp_path / "file"
+    heading = "refusing to start, the checks found problems:\n  - "
+    code, _, err = _check_only(capsys, f"train.output_dir={out}", f"ckpt.dir={ckpt}")
+    assert code == 1 and err == heading + f"ckpt.dir={ckpt} is a file, not a folder: every checkpoint is written " \
+        f"there; set --set ckpt.dir=null (the default, {out}/checkpoints)\n"
+    code, stdout, _ = _check_only(capsys, f"train.output_dir={out}", f"ckpt.dir={ckpt}", "ckpt.dir=null")
+    assert code == 0 and stdout.startswith("ok: debug ")
+    code, _, err = _check_only(capsys, f"train.output_dir={ckpt}/run")
+    assert code == 1 and err == heading + f"train.output_dir={ckpt}/run cannot be created: {ckpt} is a file: " \
+        f"metrics, samples and (by default) checkpoints are written there; set --set train.output_dir=runs/default " \
+        f"(the default)\n"
+    code, _, err = _check_only(capsys, "train.output_dir=/proc")
+    assert code == 1 and err.startswith(heading + "train.output_dir=/proc cannot be written (")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    # A real run: refused before DeepSpeed starts (not a traceback once it did); the advice passes the checks.
+    p = train_py("--config", "debug", "--deepspeed_config", "ds_configs/zero0_fp32.json",
+                 "--set", "train.output_dir=/proc/vdp-run")
+    assert p.returncode == 1 and p.stderr.endswith(
+        heading + "train.output_dir=/proc/vdp-run cannot be created in /proc (No such file or directory): metrics, "
+        "samples and (by default) checkpoints are written there; set --set train.output_dir=runs/default (the "
+        "default)\n"), p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and "init_distributed" not in p.stdout + p.stderr
+    code, stdout, _ = _check_only(capsys, "train.output_dir=/proc/vdp-run", "train.output_dir=runs/default")
+    assert code == 0 and stdout.startswith("ok: debug ")
+    assert not glob.glob(os.path.join(ROOT, ".vdp-write-check-*")) + glob.glob(os.path.join(ROOT, "runs", ".vdp-*"))

@@ -145,18 +145,23 @@ def test_honoured_values_of_the_same_keys_pass():
 
 def test_optimizer_params_are_checked():
     cfg = load_config("debug")
-    ds = {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95], "adam_w_mode": True, "ema_decay": 0.99,
-                                                    "weight_decy": 0.1}, "legacy_fusion": False}}
+    takes = "lr, betas, eps, weight_decay, amsgrad, torch_adam, adam_w_mode"
+    ds = {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95], "adam_w_mode": False, "ema_decay": 0.99,
+                                                    "weight_decy": 0.1, "torch_adam": "yes"}, "legacy_fusion": False}}
     assert check(cfg, ds, "o.json")[1] == [
         "o.json: optimizer.legacy_fusion is refused: the toolkit builds the optimizer from type and params only; "
         "remove it",
-        "o.json: optimizer.params.adam_w_mode is refused: the toolkit's AdamW takes lr, betas, eps, weight_decay, "
-        "amsgrad",
+        "o.json: optimizer.params.adam_w_mode=false (Adam with L2 weight decay) is refused: the toolkit builds AdamW "
+        "(decoupled weight decay); remove it or set it true",
         "o.json: optimizer.params.ema_decay is refused (ema_decay needs FusedEmaAdam or EmaAdamW): the toolkit's "
-        "AdamW takes lr, betas, eps, weight_decay, amsgrad",
+        f"AdamW takes {takes}",
         "o.json: optimizer.params.weight_decy is refused (did you mean \"weight_decay\"?): the toolkit's AdamW takes "
-        "lr, betas, eps, weight_decay, amsgrad"]
+        f"{takes}",
+        "o.json: optimizer.params.torch_adam='yes': give true or false"]
     ds = {"optimizer": {"type": "FusedEmaAdam", "params": {"ema_decay": 0.99, "eps": 1e-8}}}
+    assert check(cfg, ds, "o.json")[1] == []
+    # DeepSpeed's Adam switches as CogVideo's finetune configs set them: the toolkit's AdamW either way
+    ds = {"optimizer": {"type": "AdamW", "params": {"torch_adam": True, "adam_w_mode": True}}}
     assert check(cfg, ds, "o.json")[1] == []
 
 

@@ -4,6 +4,7 @@ hold on each rank: tests/distributed/test_plan_states.py; the CLI in a fresh pro
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 
@@ -338,23 +339,42 @@ def test_search_ranks_fitting_layouts_and_explains_refusals(capsys, tmp_path):
 
 def test_the_printed_command_runs_as_printed(capsys, tmp_path):
     """--search's `run it:` names a DeepSpeed JSON that exists (here one the search wrote, ds_configs/ having none
-    with the best layout's settings), and its flags pass the checker with the best layout's numbers."""
+    with the best layout's settings), and its flags pass the checker with the best layout's numbers. A second
+    search (another world size and device, whose best layout is another JSON) writes a file of its own: the first
+    search's file stays as its `run it:` line names it. An --ds-out that exists is refused before searching."""
     from parallel.check import main as check_main
-    planned = tmp_path / "planned.json"
-    code, text, err = cli(capsys, "--config", "debug", "--deepspeed_config", "ds_configs/zero1_bf16.json",
-                          "--world-size", "2", "--device-memory", "4GiB", "--device-profile", "cpu", "--search",
-                          "--ds-out", str(planned))
-    assert code == 0 and f"wrote {planned}" in err
+
+    def search(world, memory, *extra):
+        code, text, err = cli(capsys, "--config", "debug", "--deepspeed_config", "ds_configs/zero1_bf16.json",
+                              "--world-size", world, "--device-memory", memory, "--device-profile", "cpu", "--search",
+                              "--top", "3", "--set", f"train.output_dir={tmp_path}", *extra)
+        line, = [x for x in text.splitlines() if x.startswith("run it: ")]
+        argv = shlex.split(line[len("run it: "):])
+        planned = argv[argv.index("--deepspeed_config") + 1]
+        assert code == 0 and f"wrote {planned}" in err
+        return text, err, argv, planned
+
+    text, err, argv, planned = search("2", "4GiB")
     assert re.search(r"search: 100%\|.*\| (\d+)/\1 ", err), err          # the progress bar, to its end
-    line, = [x for x in text.splitlines() if x.startswith("run it: ")]
-    argv = shlex.split(line[len("run it: "):])
     assert argv[:4] == ["deepspeed", "--num_gpus", "2", "train.py"]
-    assert argv[argv.index("--deepspeed_config") + 1] == str(planned) and planned.is_file()
+    first = open(planned).read()
+    assert planned == str(tmp_path / "ds_config.planned.zero0-bf16-225f3fd6.json")
     rank = [x.split() for x in text.splitlines() if x.lstrip().startswith("1 ")][0]
     tp, sp, pp, dp, zero = map(int, rank[1:6])
     assert check_main(argv[4:] + ["--world-size", "2"]) == 0
     assert capsys.readouterr().out.startswith(f"ok: debug tp={tp}{f' sp={sp}' if sp > 1 else ''} pp={pp} dp={dp} "
                                               f"(world 2), ZeRO-{zero} bf16")
+    _, _, argv4, planned4 = search("4", "3MiB", "--workspace", "0MiB")
+    assert planned4 == str(tmp_path / "ds_config.planned.zero1-bf16-da57d791.json")
+    assert open(planned).read() == first and json.loads(first) != json.load(open(planned4))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([os.path.basename(planned), os.path.basename(planned4)])
+    code, out, err = cli(capsys, "--config", "debug", "--deepspeed_config", "ds_configs/zero1_bf16.json",
+                         "--world-size", "4", "--device-memory", "3MiB", "--device-profile", "cpu", "--search",
+                         "--ds-out", planned)
+    assert code == 1 and out == "" and "search:" not in err
+    assert f"--ds-out {planned} exists (an earlier search's DeepSpeed JSON, which its `run it:` line names, is not " \
+           f"rewritten): give another --ds-out, remove it, or leave --ds-out out" in err
+    assert open(planned).read() == first
 
 
 @pytest.mark.parametrize("argv, message", [
