@@ -54,7 +54,7 @@ def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp, preset, prob
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext, ParallelDims
 
-    from parallel.check import ring_size
+    from parallel.splits import ring_size
     cfg = experiment(tp, pp, dp, extra, sp, preset)
     ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp, ring_size=ring_size(cfg)))
     seed_all(cfg.train.seed)

@@ -31,7 +31,7 @@ def _validate_rank(rank, world_size, layouts, extra):
     import os
     import sys
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    from parallel.check import ring_size
+    from parallel.splits import ring_size
     from parallel.train.engine import build_trainer
     from parallel.train.run import build_val_dataset
     from parallel.distributed.seed import seed_all
@@ -162,7 +162,7 @@ def _sample_rank(rank, world_size, layouts, out, extra=()):
     import sys
     from pathlib import Path
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    from parallel.check import ring_size
+    from parallel.splits import ring_size
     from parallel.train.engine import build_trainer
     from parallel.train.run import build_val_dataset
     from parallel.distributed.seed import seed_all
