@@ -19,8 +19,9 @@ from parallel.config import load_config
 from tests.dist_utils import run_ranks
 from tests.released_utils import assert_export_reads_back, assert_grads_match, layout_model
 from tests.train_utils import assert_matches, merge_ranks, train
-from tests.distributed.test_hunyuanvideo_layouts import hunyuan_fp32_config
-from tests.unit.test_hunyuanvideo15 import DIFFUSERS, diffusers_forward, inputs, overrides, released  # noqa: F401
+from tests.helpers.hunyuanvideo_layouts import hunyuan_fp32_config
+from models.hunyuanvideo15.released import DIFFUSERS  # noqa: F401
+from tests.helpers.hunyuanvideo15 import diffusers_forward, inputs, overrides, released  # noqa: F401
 
 PRESET = "debug-hunyuan15"
 # (tp, pp, sp, ring); dp fills 4 ranks; sp 4 with ring 2 is Ulysses 2 x ring 2

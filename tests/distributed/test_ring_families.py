@@ -24,9 +24,9 @@ from parallel.config import load_config
 from parallel.distributed.sequence import padded_length
 from parallel.plan.search import ring_traffic
 from tests.dist_utils import run_ranks
-from tests.distributed.test_hunyuanvideo_layouts import hunyuan_fp32_config
+from tests.helpers.hunyuanvideo_layouts import hunyuan_fp32_config
 from tests.train_utils import assert_matches
-from tests.unit.test_hunyuanvideo import B, TEXT, diffusers_forward, inputs, overrides, released  # noqa: F401
+from tests.helpers.hunyuanvideo import B, TEXT, diffusers_forward, inputs, overrides, released  # noqa: F401
 
 VIDEO, HIDDEN, LAYERS = 72, 64, 4                          # the release's tokens, width and blocks
 PREDICT = [(2, 2), (4, 4), (4, 2)]                       # (sp, ring); dp fills 4 ranks

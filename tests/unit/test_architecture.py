@@ -1,6 +1,7 @@
 """The package layout holds (docs/architecture.md): packages are ordered and every import points down
 the order, no two modules or packages import each other, only the family registry and the family folders
-know the family names, and only parallel/distributed/deepspeed/ reads DeepSpeed's private attributes.
+know the family names, and only parallel/distributed/deepspeed/ reads DeepSpeed's private attributes. The
+tests share helpers through tests/helpers/, never by importing a test module, and bench/ imports no test.
 
 Every import in the source counts, at module level or inside a function, since a lazy import is a
 dependency all the same.
@@ -231,6 +232,12 @@ def test_the_checks_see_a_violation():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _split_folders(["parallel.plan.search", "parallel.plan", "parallel.check", "models.__main__"]) == \
         ["parallel.plan.search (a module of parallel/plan/: list the folder)"]
+    assert _test_module_imports("from tests.unit.test_wan import released\nfrom tests.unit import test_plan as p\n"
+                                "def f():\n    from .test_x import y\n    from tests.helpers.wan import inputs\n",
+                                "t.py") == ["t.py:1: tests.unit.test_wan", "t.py:1: tests.unit.test_wan.released",
+                                            "t.py:2: tests.unit.test_plan", "t.py:4: .test_x", "t.py:4: .test_x.y"]
+    assert _imports_of_tests("def measure():\n    from tests.dist_utils import run_ranks\n", "b.py") == \
+        ["b.py:2: tests.dist_utils", "b.py:2: tests.dist_utils.run_ranks"]
     # a function-level import is an edge of the package graph: the old cycle through the checker
     lazy = _imports_in("def plan():\n    from parallel.plan.memory import plan_memory\n")
     assert lazy == [("parallel.plan.memory", 2, "from parallel.plan.memory import plan_memory")]
@@ -295,6 +302,55 @@ def test_deepspeed_private_names_only_in_their_package():
     assert not found, ("DeepSpeed internals read outside parallel/distributed/deepspeed/ (add a named helper "
                        "there, with its version note and a test in tests/unit/test_deepspeed_compat.py; "
                        "a torch private name goes in OTHER_PRIVATE, with why):\n" + "\n".join(found))
+
+
+def _imported_names(text: str) -> list[tuple[str, int]]:
+    """(dotted module or module.name, line) for every import in `text`, at module level or inside a function;
+    a relative import gets its dots."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            found += [(module, node.lineno)] + [(f"{module}.{alias.name}".replace("..", "."), node.lineno)
+                                                for alias in node.names]
+    return found
+
+
+def _test_module_imports(text: str, where: str) -> list[str]:
+    """'where:line: name' for each import of a project `test_*` module (collected by pytest, never imported)."""
+    return sorted({f"{where}:{line}: {name}" for name, line in _imported_names(text)
+                   if (name.split(".")[0] in (*PACKAGES, "tests") or name.startswith("."))
+                   and any(part.startswith("test_") for part in name.split("."))})
+
+
+SOURCE_TREES = (*PACKAGES, "tests")
+
+
+def _python_files():
+    yield from (p for tree in SOURCE_TREES for p in sorted((ROOT / tree).rglob("*.py")))
+    yield from ENTRY_SCRIPTS.values()
+
+
+def test_no_test_module_is_imported():
+    """Tests share helpers and fixtures through tests/helpers/ (and the tests/*_utils.py modules), never by importing
+    another test module: a `test_*` module is pytest's to collect, and what it holds is its own tests."""
+    found = [hit for path in _python_files()
+             for hit in _test_module_imports(path.read_text(), str(path.relative_to(ROOT)))]
+    assert not found, ("test modules imported (move what they share into tests/helpers/):\n" + "\n".join(found))
+
+
+def _imports_of_tests(text: str, where: str) -> list[str]:
+    return sorted({f"{where}:{line}: {name}" for name, line in _imported_names(text) if name.split(".")[0] == "tests"})
+
+
+def test_bench_imports_nothing_from_tests():
+    """bench/ stands alone (python -m bench runs from a checkout without tests/): what it shares with the tests
+    lives in bench/ (bench/ranks.py's run_ranks) or in the toolkit."""
+    found = [hit for path in sorted((ROOT / "bench").rglob("*.py"))
+             for hit in _imports_of_tests(path.read_text(), str(path.relative_to(ROOT)))]
+    assert not found, "bench/ imports tests/:\n" + "\n".join(found)
 
 
 def render_package_graph() -> str:

@@ -15,7 +15,7 @@ from models.diffusion import Objective
 from models.hunyuanvideo import SPEC
 from models.sampling import check_sampler, linear_flow_sigmas, sample, sampling_timesteps
 from parallel.config import load_config
-from tests.unit.test_hunyuanvideo import FRAMES, HEIGHT, LLAMA, POOLED, TEXT, WIDTH, overrides, released  # noqa: F401
+from tests.helpers.hunyuanvideo import FRAMES, HEIGHT, LLAMA, POOLED, TEXT, WIDTH, overrides, released  # noqa: F401
 
 
 @pytest.mark.parametrize("steps", [1, 4, 30])
