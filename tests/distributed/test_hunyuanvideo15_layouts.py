@@ -1,7 +1,7 @@
 """The HunyuanVideo 1.5 family in 4 gloo ranks against diffusers' HunyuanVideo15Transformer3DModel and against one
 process.
 
-One spawn serves every case: the tiny random release (tests/unit/test_hunyuanvideo15.py's `released` fixture: 2
+One spawn serves every case: the tiny random release (tests/helpers/hunyuanvideo15.py's `released` fixture: 2
 dual-stream blocks) loaded at (tp, pp) = (1, 1), (2, 1), (1, 2), (2, 2) and at sp 2 (tp 1 and tp 2) predicts what
 diffusers predicts on text-to-video and image-to-video inputs (sp 2 splits the 16 text + 72 video tokens so that
 one rank holds all the text, the other none), and so do ring 2 and Ulysses 2 x ring 2 (the joint attention's

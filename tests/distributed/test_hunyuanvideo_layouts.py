@@ -1,6 +1,6 @@
 """The HunyuanVideo family in 4 gloo ranks against diffusers' HunyuanVideoTransformer3DModel and against one process.
 
-One spawn serves every case: the tiny random release (tests/unit/test_hunyuanvideo.py's `released` fixture: 2
+One spawn serves every case: the tiny random release (tests/helpers/hunyuanvideo.py's `released` fixture: 2
 dual-stream + 2 single-stream blocks) loaded at (tp, pp) = (1, 1), (2, 1), (1, 2), (2, 2) and at sp 2 (tp 1 and
 tp 2) predicts what diffusers predicts (sp 2 splits the 8 text + 72 video tokens so that one rank holds all the
 text, the other none); at tp 2 the gradients of a loss equal diffusers' own (the single block's fused

@@ -2,7 +2,7 @@
 ring splits whole frames: spatial attention stays local, temporal attention rings over frames), 4 gloo ranks in
 one spawn, the one-process references in another.
 
-- Predictions of the tiny random release (tests/unit/test_hunyuanvideo.py's `released` fixture: 8 text + 72 video
+- Predictions of the tiny random release (tests/helpers/hunyuanvideo.py's `released` fixture: 8 text + 72 video
   tokens, the second caption's last 3 text rows padding, so masked as keys) at ring 2, ring 4 and Ulysses 2 x
   ring 2 equal diffusers' on every rank.
 - Parameter gradients of the sp loss (`SequenceLoss`, averaged over the sp ranks as DeepSpeed does) on those

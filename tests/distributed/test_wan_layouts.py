@@ -1,9 +1,9 @@
 """The Wan 2.1 family in 4 gloo ranks against diffusers' WanTransformer3DModel and against one process.
 
 One spawn serves every case, for text-to-video, image-to-video (debug-wan-i2v: the CLIP tokens and the image
-cross-attention, tests/unit/test_wan_i2v.py's `released_i2v`) and Wan 2.2 TI2V (debug-wan22-ti2v: a timestep per
-token, tests/unit/test_wan22_ti2v.py's `released_ti2v`) alike: the tiny random release
-(tests/unit/test_wan.py's `released` fixture) loaded at
+cross-attention, tests/helpers/wan_i2v.py's `released_i2v`) and Wan 2.2 TI2V (debug-wan22-ti2v: a timestep per
+token, tests/helpers/wan22_ti2v.py's `released_ti2v`) alike: the tiny random release
+(tests/helpers/wan.py's `released` fixture) loaded at
 (tp, pp) = (1, 1), (2, 1), (1, 2), (2, 2) and at sp 2 (tp 1 and tp 2) predicts what diffusers predicts; at
 tp 2 the gradients of a loss (the q/k RMSNorm across heads all-reduces its statistic, forward and backward)
 equal diffusers' own; tp 2 x pp 2 exports a diffusers folder that `from_pretrained` reads back bit for bit;

@@ -6,5 +6,5 @@ from tests.train_utils import fp32_config
 
 
 def wan_fp32_config() -> dict:
-    """fp32_config with Adam's eps at 1e-6, as tests/distributed/test_sequence_parallel.py's sp_config says why."""
+    """fp32_config with Adam's eps at 1e-6, as tests/helpers/sequence_parallel.py's sp_config says why."""
     return fp32_config(eps=1e-6)

@@ -1,5 +1,5 @@
 """HunyuanVideo 1.5 samples as HunyuanVideo15Pipeline (text-to-video): its latents (output_type="latent") from a tiny
-random transformer (tests/unit/test_hunyuanvideo15.py's `released` folder) equal the toolkit's sampler (`flow_linear`,
+random transformer (tests/helpers/hunyuanvideo15.py's `released` folder) equal the toolkit's sampler (`flow_linear`,
 the family's default and the presets' val.sampler) on the toolkit's model read from the same folder: the pipeline's
 sigmas linspace(1, 0, steps + 1)[:-1] shifted by FlowMatchEulerDiscreteScheduler(shift=5.0), zero condition latents,
 mask and image states, ClassifierFreeGuidance with a negative prompt, Qwen and byT5 states with padding rows.

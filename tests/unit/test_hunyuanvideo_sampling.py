@@ -1,5 +1,5 @@
 """HunyuanVideo samples as HunyuanVideoPipeline: its latents (output_type="latent") from a tiny random transformer
-(tests/unit/test_hunyuanvideo.py's `released` folder) equal the toolkit's sampler (`flow_linear`, the family's
+(tests/helpers/hunyuanvideo.py's `released` folder) equal the toolkit's sampler (`flow_linear`, the family's
 default) on the toolkit's model read from the same folder: the pipeline's sigmas linspace(1, 0, steps + 1)[:-1]
 shifted by FlowMatchEulerDiscreteScheduler(shift=7.0), the embedded guidance 6.0 x 1000, true CFG with a negative
 prompt, a caption with padding rows.
