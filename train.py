@@ -82,9 +82,10 @@ def main(argv=None) -> int:
         print(summary(cfg, layout, args.deepspeed_config))
         return 0
 
-    from parallel.train.trainer import Trainer     # heavy imports (deepspeed, torch) only after the checks
+    from parallel.plan.memory import run_plan      # heavy imports (deepspeed, torch) only after the checks
+    from parallel.train.trainer import Trainer
     resume = {"auto": True, "never": False}.get(args.resume, args.resume)
-    return Trainer(cfg, ds, layout, env, resume=resume).fit()
+    return Trainer(cfg, ds, layout, env, resume=resume, planner=run_plan).fit()
 
 
 if __name__ == "__main__":

@@ -119,7 +119,7 @@ def measure(overrides: list[str]) -> list[dict]:
     from parallel.plan.trace import sequence_length
     from parallel.distributed.topology import ParallelContext
     from parallel.units import count_parameters
-    from tests.dist_utils import run_ranks
+    from bench.ranks import run_ranks
 
     cfg = load_config("debug", overrides)
     m, t = cfg.model, cfg.train

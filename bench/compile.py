@@ -62,7 +62,7 @@ def _compile_rank(rank, world_size, overrides, steps, backend):
 
 def measure(overrides: list[str], steps: int, backend: str = "inductor") -> dict:
     """The compile row at the given size (bench: the mid size), in a spawned one-rank process group."""
-    from tests.dist_utils import run_ranks
+    from bench.ranks import run_ranks
     return {"overrides": overrides, **run_ranks(_compile_rank, 1, overrides, steps, backend, timeout=1800)[0]}
 
 

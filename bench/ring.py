@@ -48,7 +48,7 @@ def predicted(overrides: list[str], ring: int) -> dict:
 
 def measure(overrides: list[str], steps: int) -> list[dict]:
     from bench.comm import counted_rank
-    from tests.dist_utils import run_ranks
+    from bench.ranks import run_ranks
 
     rows = []
     for name, ring in SPLITS.items():

@@ -17,11 +17,13 @@ A second tier inside cli, marked `docs`: every command of README.md and docs/*.m
 busy 2-core machine, measured 2026-11-24). Skip it while iterating: -m "not docs".
 
 A new test goes to the first tier that fits: unit unless it needs ranks (distributed) or a separate process
-(cli). A module whose tests span tiers is split along test functions; the split-off module imports the
-helpers and fixtures it shares from the unit module (tests.unit.<module>).
+(cli). A module whose tests span tiers is split along test functions; what the parts share (helpers,
+fixtures) goes to tests/helpers/<module>.py, which both import.
 
-Shared helpers stay in tests/ (a package): tests.dist_utils, tests.train_utils, importable from every tier
-because this file puts the repository root first on sys.path (the ranks run_ranks spawns inherit it).
+Shared helpers stay in tests/ (a package): tests/helpers/ (what test modules share: no test module imports
+another, tests/unit/test_architecture.py holds it), tests.dist_utils, tests.train_utils, importable from every
+tier because this file puts the repository root first on sys.path (the ranks run_ranks spawns inherit it).
+Their asserts are rewritten as a test module's are (register_assert_rewrite below).
 Each collected test gets its tier's marker (registered below); a test module outside the tiers is
 collected and run as before, with a warning.
 """
@@ -30,6 +32,9 @@ import pathlib
 import sys
 
 import pytest
+
+# tests/helpers/' asserts report their operands as a test module's do (registered before anything imports them)
+pytest.register_assert_rewrite("tests.helpers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:

@@ -1,17 +1,6 @@
-"""Spawn gloo ranks in-process with torch.multiprocessing, so distributed tests need no launcher; and pick
-the ports that tests starting real launchers must pass them.
-
-`run_ranks(fn, world_size, *args)` runs `fn(rank, world_size, *args)` in every rank with the
-process group initialised, and returns the ranks' return values (picklable) in rank order.
-An exception in any rank fails the test with that rank's traceback.
-
-The ranks meet through a file, not a TCP port: `init_method="file://<the run's temp dir>/rendezvous"`.
-Nothing is chosen in advance that another process could take before the ranks bind it (the race the
-old free_port() + MASTER_PORT had: it was seen as a flaky failure); gloo's own connections between the
-ranks bind port 0 and exchange their addresses through that file. MASTER_ADDR/MASTER_PORT are removed
-from the ranks' environment, so code that would initialise from env:// fails loudly instead of racing.
-`deepspeed.init_distributed` (build_trainer calls it in the ranks) finds torch.distributed initialised
-and only wraps the existing group.
+"""Spawn gloo ranks in-process, so distributed tests need no launcher (`run_ranks`, from bench/ranks.py: the
+benchmarks spawn theirs the same way, and bench/ imports nothing from tests/); and pick the ports that tests
+starting real launchers must pass them.
 
 `free_port()` is for the tests that start launchers (deepspeed, torchrun, mpirun, pdsh, sshd) and so
 need a real port: see its docstring.
@@ -22,14 +11,9 @@ import errno
 import fcntl
 import os
 import socket
-import sys
 import tempfile
-import time
-import traceback
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from bench.ranks import run_ranks  # noqa: F401  (every tier imports it from here)
 
 # Candidate launcher ports: below the kernel's ephemeral range, and below 29500 (torch's and DeepSpeed's
 # default MASTER_PORT, which a launcher started without a port takes).
@@ -129,58 +113,3 @@ def free_port() -> int:
                 return port
             os.close(_held_locks.pop(port))
     raise RuntimeError(f"no free port in {PORT_RANGE} (locks in {PORT_LOCK_DIR})")
-
-
-def _entry(rank, world_size, rendezvous, fn, args, result_dir):
-    for key in ("MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(key, None)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
-    path = os.path.join(result_dir, f"rank{rank}.pt")
-    try:
-        out = fn(rank, world_size, *args)
-        dist.barrier()                  # no rank tears down while a peer may still be talking to it
-        torch.save({"ok": True, "value": out}, path)
-    except BaseException:
-        torch.save({"ok": False, "error": traceback.format_exc()}, path)
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    # Leave without the interpreter's finalisation. A rank that had saved its results was once seen to
-    # die there with SIGABRT ("terminate called without an active exception", in CI): C++ threads of
-    # the process groups DeepSpeed creates are destroyed during interpreter teardown (pytorch#179291).
-    # The results are on disk; nothing after this point can change them.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def run_ranks(fn, world_size: int, *args, timeout: float = 300):
-    with tempfile.TemporaryDirectory() as result_dir:
-        rendezvous = os.path.join(result_dir, "rendezvous")       # a fresh file per run: torch's FileStore
-        ctx = mp.start_processes(_entry, args=(world_size, rendezvous, fn, args, result_dir),
-                                 nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=2):
-                if time.monotonic() > deadline:
-                    for proc in ctx.processes:
-                        proc.kill()
-                    raise AssertionError(f"ranks did not finish within {timeout} s")
-        except Exception as e:
-            errors, finished = [], []
-            for r in range(world_size):
-                p = os.path.join(result_dir, f"rank{r}.pt")
-                if os.path.exists(p):
-                    res = torch.load(p, weights_only=False)
-                    if res["ok"]:
-                        finished.append(r)
-                    else:
-                        errors.append(f"--- rank {r} ---\n{res['error']}")
-            done = f" (ranks {finished} had saved their results)" if finished else " (no rank had finished)"
-            raise AssertionError("\n".join(errors) or str(e) + done) from None
-        return [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False)["value"]
-                for r in range(world_size)]

@@ -19,7 +19,7 @@ GLOBAL_BATCH = 4
 def fp32_config(stage: int = 0, checkpointing: bool = True, optimizer: str = "AdamW",
                 eps: Optional[float] = None) -> dict:
     """ds_configs/zero0_fp32.json at ZeRO `stage`; `eps`: Adam's, where the layouts' gradient round-off would move
-    weights near eps past fp32 tolerance (1e-6: tests/distributed/test_sequence_parallel.py's sp_config says why)."""
+    weights near eps past fp32 tolerance (1e-6: tests/helpers/sequence_parallel.py's sp_config says why)."""
     ds = copy.deepcopy(ZERO0_FP32)
     ds["zero_optimization"] = {"stage": stage}
     ds["optimizer"]["type"] = optimizer
@@ -54,7 +54,7 @@ def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp, preset, prob
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext, ParallelDims
 
-    from parallel.check import ring_size
+    from parallel.splits import ring_size
     cfg = experiment(tp, pp, dp, extra, sp, preset)
     ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp, ring_size=ring_size(cfg)))
     seed_all(cfg.train.seed)

@@ -43,6 +43,9 @@ import torch
 
 from parallel import ds_config as dsc
 from parallel.config import ExperimentConfig
+from parallel.distributed.topology import Layout
+from parallel.manifest import bucket_configs
+from models.registry import sequence_tokens
 from parallel.distributed.deepspeed.accounting import ENGINE_ALLREDUCE_BUCKET
 from parallel.build import blocks_per_stage, checkpoint_interval
 from parallel.plan.trace import ActivationTracer, ring_of
@@ -395,3 +398,15 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
                  "checkpoint_input": seg_input, "side_inputs": block.side_total, "embed_activations": embed.activations,
                  "final_activations": final.activations, "block_params": sum(n_ for n_, *_ in block.params)}
     return MemoryPlan(stages, device_memory, eng.optimizer_path(pp), per_block)
+
+
+def run_plan(cfg: ExperimentConfig, ds: dict, layout: Layout, device_memory: int,
+             tokens: int | None = None) -> MemoryPlan:
+    """The memory planner's prediction for a training run's own layout (parallel/plan/cli.py prints the table;
+    train.py hands this function to the Trainer, which prints `plan_line` and checks a step against it):
+    at the longest bucket of a directory of several shapes, or at a bucket of `tokens` tokens (a step's:
+    the memory check compares a step with the plan of its own shape; shapes of equal tokens plan alike)."""
+    shaped = [c for _, _, c in bucket_configs(cfg)]
+    cfg = next((c for c in shaped if tokens == sequence_tokens(c.model, c.data)), shaped[0])
+    tracer = ActivationTracer(cfg, EngineSettings.from_ds(ds, 1).dtype)
+    return plan_memory(cfg, ds, layout.dp_size, device_memory, tracer)

@@ -48,13 +48,14 @@ from typing import Optional
 from tqdm import tqdm
 
 from models.registry import family
-from parallel.check import check, divisors, ring_fits, ring_frames
+from parallel.check import check
 from parallel.cli import DS_CONFIG_DIR      # was parallel/ds_configs here: no shipped file ever matched
 from parallel.config import ExperimentConfig, RecomputeConfig
 from parallel.distributed.topology import ParallelDims
 from parallel.plan.memory import EngineSettings, MemoryPlan, plan_memory
 from parallel.plan.trace import ActivationTracer, attention_pairs, ring_of, sequence_length
 from parallel.recompute import checkpointed_blocks
+from parallel.splits import divisors, ring_fits, ring_frames
 
 MAX_MICRO_BATCH = 64
 # (JSON activation_checkpointing on, train.recompute granularity, every): the options the search compares.

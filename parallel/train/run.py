@@ -1,6 +1,6 @@
 """The pieces of a training run that parallel/train/trainer.py's loop (and sampling, export, bench) put together:
-the launcher's environment, process groups, datasets and batches, the DeepSpeed engine, the memory plan and
-its check against a measured step."""
+the launcher's environment, process groups, datasets and batches, the DeepSpeed engine, the memory plan's line
+and its check against a measured step (the plan itself: parallel/plan/memory.py run_plan, handed in by train.py)."""
 from __future__ import annotations
 
 import datetime
@@ -45,21 +45,6 @@ def export_launch_env(env: LaunchEnv) -> None:
 
 
 STATE_LINES = ("parameters", "gradients", "adam_moments", "master_weights", "ema_shadow")
-
-
-def run_plan(cfg: ExperimentConfig, ds: dict, layout: Layout, device_memory: int, tokens: int | None = None):
-    """The memory planner's prediction for this run's own layout (parallel/plan/cli.py prints the table):
-    at the longest bucket of a directory of several shapes, or at a bucket of `tokens` tokens (a step's:
-    the memory check compares a step with the plan of its own shape; shapes of equal tokens plan alike)."""
-    from parallel.plan.memory import EngineSettings, plan_memory
-    from parallel.plan.trace import ActivationTracer
-
-    from parallel.manifest import bucket_configs
-
-    shaped = [c for _, _, c in bucket_configs(cfg)]
-    cfg = next((c for c in shaped if tokens == sequence_tokens(c.model, c.data)), shaped[0])
-    tracer = ActivationTracer(cfg, EngineSettings.from_ds(ds, 1).dtype)
-    return plan_memory(cfg, ds, layout.dp_size, device_memory, tracer)
 
 
 def device_budget(cfg: ExperimentConfig, local_rank: int) -> int:

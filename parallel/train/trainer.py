@@ -1,6 +1,8 @@
 """The training loop behind train.py, as a class whose parts a model family or an objective overrides.
 
-    Trainer(cfg, ds, layout, env).fit()          # exit status: 0, or 1 when a checkpoint could not be written
+    Trainer(cfg, ds, layout, env, planner=run_plan).fit()     # 0, or 1 when a checkpoint could not be written
+
+(run_plan: parallel/plan/memory.py's memory plan, handed in by train.py, since the planner sits above training.)
 
 `fit` is the loop and nothing else; each of its concerns is a method:
 
@@ -28,7 +30,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import deepspeed
 import torch
@@ -49,7 +51,7 @@ from parallel.train.anomaly import AnomalyGuard, AnomalyStop, GuardedSamples
 from parallel.train.continuity import resume_changes, run_records
 from parallel.train.engine import StepResult
 from parallel.train.run import (build_dataset, build_val_dataset, checkpoint_layout, device_budget, plan_line,
-                                plan_refusal, report_memory, run_plan, start_engine, step_tokens, training_batches)
+                                plan_refusal, report_memory, start_engine, step_tokens, training_batches)
 from parallel.train.validate import Validator
 from parallel.train.watchdog import collective_in, peer_failure, start_heartbeat, timed_out
 
@@ -72,10 +74,14 @@ class StopSignal:
 class Trainer:
     """One training run of a checked experiment (cfg, DeepSpeed dict, layout) on this process's rank."""
 
-    def __init__(self, cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv, resume: bool | int = True):
+    def __init__(self, cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv, resume: bool | int = True,
+                 *, planner: Callable):
         """resume: True continues from the newest usable checkpoint, False starts from step 0, an int from
-        that step's checkpoint only."""
+        that step's checkpoint only. planner: (cfg, ds, layout, device memory, tokens=None) -> the memory plan
+        (parallel/plan/memory.py run_plan, which train.py passes: the planner sits above training, which never
+        imports it)."""
         self.cfg, self.ds, self.layout, self.env, self.resume = cfg, ds, layout, env, resume
+        self.planner = planner
         self.ckpt_dir = Path(cfg.ckpt_dir)
         self.ckpt_layout = {**checkpoint_layout(layout), "global_batch": layout.global_batch}  # a resume keeps it
         self.model_keys = checkpoint.model_signature(cfg.model)    # recorded in each checkpoint, checked on resume
@@ -102,7 +108,7 @@ class Trainer:
             if self.resume is not False else None
         # The plan traces the model on the meta device: no process group needed, so a layout it cannot plan
         # stops here, before any rank waits on another.
-        self.plan = run_plan(cfg, self.ds, layout, device_budget(cfg, env.local_rank))
+        self.plan = self.planner(cfg, self.ds, layout, device_budget(cfg, env.local_rank))
         refused = plan_refusal(self.plan, cfg, layout)
         if refused:                 # before any process group: every rank plans alike and stops
             raise ConfigError(refused)
@@ -182,7 +188,7 @@ class Trainer:
             result = self.step(self.batches)
         elapsed = time.perf_counter() - tic
         step_plan = self.plan if cfg.data.kind != "directory" else \
-            run_plan(cfg, self.ds, layout, self.plan.device_memory, tokens // layout.global_batch)
+            self.planner(cfg, self.ds, layout, self.plan.device_memory, tokens // layout.global_batch)
         report_memory(step_plan, probe.result, self.ctx, self.out_dir if self.is_logger else None, step + 1)
         return result, elapsed, tokens
 

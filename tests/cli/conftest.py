@@ -1,7 +1,7 @@
 """Fixtures shared by the launcher tests."""
 import pytest
 
-from tests.cli.test_launchers import reference_losses
+from tests.helpers.launchers import reference_losses
 
 
 @pytest.fixture(scope="session")

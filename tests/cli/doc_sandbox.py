@@ -82,7 +82,7 @@ def write_text_encoder(folder: Path, tokenizer: Path, umt5: bool) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
-    from tests.unit.test_text_encoder import VOCAB
+    from tests.helpers.text_encoder import VOCAB
     tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     if umt5:
@@ -98,7 +98,7 @@ def write_text_encoder(folder: Path, tokenizer: Path, umt5: bool) -> None:
 def write_vae(folder: Path, family: str) -> None:
     from diffusers import AutoencoderKLCogVideoX, AutoencoderKLWan
 
-    from tests.unit.test_prepare_data_wan import MEAN, STD
+    from tests.helpers.prepare_data_wan import MEAN, STD
     torch.manual_seed(0)
     if family == "wan":
         AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
@@ -140,7 +140,7 @@ def write_release(root: Path, name: str) -> None:
 
 
 def write_clips(root: Path) -> None:
-    from tests.unit.test_prepare_data import squares, write_video
+    from tests.helpers.prepare_data import squares, write_video
     (root / "clips").mkdir()
     for i, name in enumerate(CAPTIONS):
         write_video(root / "clips" / name, squares(11, 32, 48, i), "ffv1" if name.endswith(".mkv") else "libx264")

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from parallel.check import load_and_check
 from parallel.distributed.topology import read_launch_env
+from parallel.plan.memory import run_plan
 from parallel.train.trainer import Trainer
 
 argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]       # the launcher's
@@ -59,7 +60,7 @@ class Poisoned(Trainer):
 cfg, ds, layout = load_and_check("debug", [f"train.output_dir={out}", "train.warmup_steps=0",
                                            "train.decay_steps=10", "train.check_replicas_every=0", *extra], ds,
                                  int(os.environ["WORLD_SIZE"]))
-sys.exit(Poisoned(cfg, ds, layout, read_launch_env(), resume=False).fit())
+sys.exit(Poisoned(cfg, ds, layout, read_launch_env(), resume=False, planner=run_plan).fit())
 '''
 
 

@@ -9,7 +9,7 @@ import subprocess
 
 from parallel.train.checkpoint import MARKER, folder_bytes
 from parallel.train.media import latest_rows
-from tests.cli.test_resume_cli import ROOT, clean_env, command, metrics
+from tests.helpers.resume_cli import ROOT, clean_env, command, metrics
 
 SIZE_MIB = 12         # the debug model's checkpoint (DeepSpeed's files + the layout-free copy) is ~7.4 MiB:
                       # the first fits, a second does not

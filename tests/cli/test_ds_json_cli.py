@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from tests.unit.test_ds_precision import fp16_json  # noqa: F401  (a fixture)
-from tests.cli.test_train_cli import ROOT, train_py
+from tests.helpers.ds_precision import fp16_json  # noqa: F401  (a fixture)
+from tests.helpers.train_cli import ROOT, train_py
 from tests.dist_utils import free_port
 
 

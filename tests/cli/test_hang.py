@@ -22,6 +22,7 @@ import time
 import torch.distributed as dist
 from parallel.check import load_and_check
 from parallel.distributed.topology import read_launch_env
+from parallel.plan.memory import run_plan
 from parallel.train.trainer import Trainer
 
 argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]       # the launcher's
@@ -46,7 +47,7 @@ class Stuck(Trainer):
 cfg, ds, layout = load_and_check("debug", [f"train.output_dir={out}", "train.max_steps=4", "ckpt.every=1",
                                            f"train.collective_timeout_s={timeout}"],
                                  "ds_configs/zero0_fp32.json", int(os.environ["WORLD_SIZE"]))
-sys.exit(Stuck(cfg, ds, layout, read_launch_env(), resume=False).fit())
+sys.exit(Stuck(cfg, ds, layout, read_launch_env(), resume=False, planner=run_plan).fit())
 '''
 
 

@@ -18,9 +18,9 @@ import pytest
 
 from tests.cli import netns_cluster
 from parallel.train.checkpoint import complete_steps
-from tests.cli.test_launchers import LAYOUT, ROOT, finish, kill_marked, losses, run_env, train_args
-from tests.cli.test_lost_node import lose_node_then_rerun, rows
-from tests.cli.test_slurm import run_sbatch, slurm_cluster
+from tests.helpers.launchers import LAYOUT, ROOT, finish, kill_marked, losses, run_env, train_args
+from tests.helpers.lost_node import lose_node_then_rerun, rows
+from tests.helpers.slurm import run_sbatch, slurm_cluster
 from tests.dist_utils import free_port
 
 VENV_BIN = os.path.dirname(sys.executable)

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tests.unit.test_prepare_data import SETS, lines, prepared, vae_dir, videos  # noqa: F401  (fixtures)
-from tests.unit.test_text_encoder import t5_dir  # noqa: F401  (fixture: tiny T5, d_model 32, 8 words)
+from tests.helpers.prepare_data import SETS, lines, prepared, vae_dir, videos  # noqa: F401  (fixtures)
+from tests.helpers.text_encoder import t5_dir  # noqa: F401  (fixture: tiny T5, d_model 32, 8 words)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,29 +6,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
 import torch
 from safetensors.torch import load_file
 
-from tests.dist_utils import free_port
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STEPS = 6
-
-
-def command(module_or_script, out, ranks, layout, *args):
-    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    return [deepspeed, "--num_gpus", str(ranks), "--master_port", str(free_port()),
-            *module_or_script, "--config", "debug", "--deepspeed_config", str(out / "ds.json"), *layout,
-            "--set", "train.warmup_steps=0", "--set", f"train.decay_steps={STEPS}",
-            "--set", f"train.output_dir={out}", *args]
-
-
-def clean_env():
-    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+from tests.helpers.resume_cli import ROOT, STEPS, clean_env, command, metrics
 
 
 def launch(*cmd_args):
@@ -52,10 +36,6 @@ def interrupted(out, ranks, layout):
     output, _ = p.communicate(timeout=300)
     assert p.returncode == 0, output[-4000:]
     return output
-
-
-def metrics(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
 
 
 def checkpoint_tensors(folder):

@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 from parallel.config import load_config
 from parallel.prepare_data.frames import frame_indices
 from parallel.prepare_data.prepare import main
-from tests.unit.test_prepare_data import lines, videos  # noqa: F401  (fixture: generated clips)
-from tests.unit.test_prepare_data_wan import umt5_dir  # noqa: F401  (fixture: tiny UMT5, d_model 32)
-from tests.unit.test_wan22_ti2v import PRESET, released_ti2v, vae_and_picture  # noqa: F401  (fixtures)
+from tests.helpers.prepare_data import lines, videos  # noqa: F401  (fixture: generated clips)
+from tests.helpers.prepare_data_wan import umt5_dir  # noqa: F401  (fixture: tiny UMT5, d_model 32)
+from tests.helpers.wan22_ti2v import PRESET, released_ti2v, vae_and_picture  # noqa: F401  (fixtures)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # 9 x 32 x 32 pixels -> latents [8, 3, 2, 2] (16 x 16 spatial, 4 x temporal) -> 3 tokens of 2 x 2 patches

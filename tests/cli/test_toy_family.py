@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import load_file
 
 from parallel.config import load_config
-from tests.cli.test_family_matrix import experiment_args, in_process, launch, run_module, sample_args
-from tests.cli.test_launchers import losses
-from tests.unit.test_family_registry import toy_registry
+from tests.helpers.family_matrix import experiment_args, in_process, launch, run_module, sample_args
+from tests.helpers.launchers import losses
+from tests.helpers.family_registry import toy_registry
 
 PRESET = "tests/toy_family/debug-toy.yaml"
 ONE = (1, ["train.micro_batch_size=2"], 0)

@@ -2,21 +2,11 @@
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from parallel.config import load_config
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def train_py(*args, env_extra=None, timeout=300):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(env_extra or {})
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+from tests.helpers.train_cli import ROOT, train_py
 
 
 def test_refused_layout_never_starts_deepspeed(tmp_path):

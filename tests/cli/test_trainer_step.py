@@ -15,6 +15,7 @@ import json, sys
 from parallel.check import load_and_check
 from parallel.distributed.topology import read_launch_env
 from parallel.train.engine import StepResult
+from parallel.plan.memory import run_plan
 from parallel.train.trainer import Trainer
 
 
@@ -38,7 +39,7 @@ class TripleLoss(Trainer):
 out = sys.argv[1]
 cfg, ds, layout = load_and_check("debug", [f"train.output_dir={out}", "train.max_steps=3"],
                                  "ds_configs/zero0_fp32.json", 1)
-status = TripleLoss(cfg, ds, layout, read_launch_env(), resume=False).fit()
+status = TripleLoss(cfg, ds, layout, read_launch_env(), resume=False, planner=run_plan).fit()
 with open(f"{out}/computed.json", "w") as f:
     json.dump(TripleLoss.computed, f)
 sys.exit(status)

@@ -1,7 +1,7 @@
 """The HunyuanVideo 1.5 family in 4 gloo ranks against diffusers' HunyuanVideo15Transformer3DModel and against one
 process.
 
-One spawn serves every case: the tiny random release (tests/unit/test_hunyuanvideo15.py's `released` fixture: 2
+One spawn serves every case: the tiny random release (tests/helpers/hunyuanvideo15.py's `released` fixture: 2
 dual-stream blocks) loaded at (tp, pp) = (1, 1), (2, 1), (1, 2), (2, 2) and at sp 2 (tp 1 and tp 2) predicts what
 diffusers predicts on text-to-video and image-to-video inputs (sp 2 splits the 16 text + 72 video tokens so that
 one rank holds all the text, the other none), and so do ring 2 and Ulysses 2 x ring 2 (the joint attention's
@@ -19,8 +19,9 @@ from parallel.config import load_config
 from tests.dist_utils import run_ranks
 from tests.released_utils import assert_export_reads_back, assert_grads_match, layout_model
 from tests.train_utils import assert_matches, merge_ranks, train
-from tests.distributed.test_hunyuanvideo_layouts import hunyuan_fp32_config
-from tests.unit.test_hunyuanvideo15 import DIFFUSERS, diffusers_forward, inputs, overrides, released  # noqa: F401
+from tests.helpers.hunyuanvideo_layouts import hunyuan_fp32_config
+from models.hunyuanvideo15.released import DIFFUSERS  # noqa: F401
+from tests.helpers.hunyuanvideo15 import diffusers_forward, inputs, overrides, released  # noqa: F401
 
 PRESET = "debug-hunyuan15"
 # (tp, pp, sp, ring); dp fills 4 ranks; sp 4 with ring 2 is Ulysses 2 x ring 2

@@ -1,6 +1,6 @@
 """The HunyuanVideo family in 4 gloo ranks against diffusers' HunyuanVideoTransformer3DModel and against one process.
 
-One spawn serves every case: the tiny random release (tests/unit/test_hunyuanvideo.py's `released` fixture: 2
+One spawn serves every case: the tiny random release (tests/helpers/hunyuanvideo.py's `released` fixture: 2
 dual-stream + 2 single-stream blocks) loaded at (tp, pp) = (1, 1), (2, 1), (1, 2), (2, 2) and at sp 2 (tp 1 and
 tp 2) predicts what diffusers predicts (sp 2 splits the 8 text + 72 video tokens so that one rank holds all the
 text, the other none); at tp 2 the gradients of a loss equal diffusers' own (the single block's fused
@@ -15,19 +15,16 @@ import torch
 from parallel.config import load_config
 from tests.dist_utils import run_ranks
 from tests.released_utils import assert_export_reads_back, assert_grads_match, layout_model
-from tests.train_utils import assert_matches, fp32_config, merge_ranks, train
-from tests.unit.test_hunyuanvideo import DIFFUSERS, diffusers_forward, inputs, overrides, released  # noqa: F401
+from tests.train_utils import assert_matches, merge_ranks, train
+from models.hunyuanvideo.released import DIFFUSERS  # noqa: F401
+from tests.helpers.hunyuanvideo import diffusers_forward, inputs, overrides, released  # noqa: F401
+from tests.helpers.hunyuanvideo_layouts import hunyuan_fp32_config
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2)]     # (tp, pp, sp); dp fills 4 ranks
 TRAIN_LAYOUTS = [(2, 2, 1, 1), (1, 1, 2, 2)]                                     # (tp, pp, sp, dp)
 # Adapters on the single block's fused input (its q and MLP parts) and its [attention; MLP] output (row-parallel over
 # two input parts), and on the dual block's text output.
 LORA = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[proj_out,to_q,proj_mlp,to_add_out]")
-
-
-def hunyuan_fp32_config() -> dict:
-    """fp32_config with Adam's eps at 1e-6, as tests/distributed/test_sequence_parallel.py's sp_config says why."""
-    return fp32_config(eps=1e-6)
 
 
 def _model(folder, tp, pp, sp, world_size):

@@ -33,10 +33,10 @@ from parallel.lora import LORA_WEIGHTS_NAME
 from parallel.plan.memory import EngineSettings, plan_memory
 from parallel.plan.trace import ActivationTracer
 from tests.dist_utils import run_ranks
-from tests.distributed.test_released_weights_layouts import _inputs, diffusers_forward
+from tests.helpers.released_weights_layouts import _inputs, diffusers_forward
 from tests.train_utils import assert_matches, experiment, fp32_config
-from tests.unit.test_plan import STATES
-from tests.unit.test_released_weights import overrides, released  # noqa: F401  (fixture)
+from tests.helpers.plan import STATES
+from tests.helpers.released_weights import overrides, released  # noqa: F401  (fixture)
 
 B, S, H, R = 2, 5, 16, 4
 PARTS = [0, 2]                       # adapters on q and v of the fused [q; k; v]

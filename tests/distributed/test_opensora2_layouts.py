@@ -8,7 +8,7 @@ import torch
 
 from parallel.config import load_config
 from tests.dist_utils import run_ranks
-from tests.unit.test_opensora2 import OPENSORA, checkpoint, coinciding_release, diffusers_prediction, inputs  # noqa: F401
+from tests.helpers.opensora2 import OPENSORA, checkpoint, coinciding_release, diffusers_prediction, inputs  # noqa: F401
 
 LAYOUTS = [(2, 1), (1, 2)]                                                      # (tp, sp)
 

@@ -12,7 +12,7 @@ from parallel.train.probe import storage_key
 from parallel.plan.memory import plan_memory
 from parallel.plan.trace import ActivationTracer
 from tests.dist_utils import run_ranks
-from tests.unit.test_plan import B, GiB, STATES, saved_bytes
+from tests.helpers.plan import B, GiB, STATES, saved_bytes
 
 
 # (name, ds_configs file, (tp, pp, dp), DeepSpeed's optimizer class, config overrides): ZeRO 0-3 at

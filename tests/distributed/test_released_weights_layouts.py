@@ -14,38 +14,19 @@ from pathlib import Path
 
 import torch
 from diffusers import CogVideoXTransformer3DModel
-from diffusers.models.embeddings import get_3d_rotary_pos_embed
-from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
 from safetensors.torch import load_file
 
 from parallel.config import load_config
 from parallel.weights.diffusers import INDEX_NAME, load_released
 from tests.dist_utils import run_ranks
 from tests.unit import cogvideox_variants as variants
-from tests.unit.test_cogvideox_releases import releases15  # noqa: F401  (fixture)
-from tests.unit.test_released_weights import B, FRAMES, HEAD_DIM, SIZE, overrides, released  # noqa: F401  (fixture)
+from tests.helpers.cogvideox_releases import releases15  # noqa: F401  (fixture)
+from tests.helpers.released_weights import B, FRAMES, HEAD_DIM, SIZE, overrides, released  # noqa: F401  (fixture)
+from tests.helpers.released_weights_layouts import _inputs, diffusers_forward
 
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]                # (tp, pp); dp fills the 4 ranks
 LAYOUTS15 = [(1, 1, 2)] + [(tp, pp, 1) for tp, pp in LAYOUTS]  # (tp, pp, sp); the last exports
-
-
-def diffusers_forward(model, pos, latents, timesteps, text) -> torch.Tensor:
-    """diffusers' prediction as [B, C, T, H, W]; the rotary tables as CogVideoXPipeline builds them."""
-    rotary = None
-    if pos == "rope3d":
-        grid, cfg = SIZE // 2, model.config
-        crop = get_resize_crop_region_for_grid((grid, grid), cfg.sample_width // 2, cfg.sample_height // 2)
-        rotary = get_3d_rotary_pos_embed(HEAD_DIM, crop, (grid, grid), FRAMES)
-    with torch.no_grad():
-        out = model(latents.transpose(1, 2), text, timesteps, image_rotary_emb=rotary).sample
-    return out.transpose(1, 2)
-
-
-def _inputs():
-    g = torch.Generator().manual_seed(7)
-    return (torch.randn(B, 4, FRAMES, SIZE, SIZE, generator=g), torch.tensor([3.0, 811.0]),
-            torch.randn(B, 8, 32, generator=g))
 
 
 def _layouts_rank(rank, world_size, folders, export_dir, folders15):

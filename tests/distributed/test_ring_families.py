@@ -2,7 +2,7 @@
 ring splits whole frames: spatial attention stays local, temporal attention rings over frames), 4 gloo ranks in
 one spawn, the one-process references in another.
 
-- Predictions of the tiny random release (tests/unit/test_hunyuanvideo.py's `released` fixture: 8 text + 72 video
+- Predictions of the tiny random release (tests/helpers/hunyuanvideo.py's `released` fixture: 8 text + 72 video
   tokens, the second caption's last 3 text rows padding, so masked as keys) at ring 2, ring 4 and Ulysses 2 x
   ring 2 equal diffusers' on every rank.
 - Parameter gradients of the sp loss (`SequenceLoss`, averaged over the sp ranks as DeepSpeed does) on those
@@ -24,9 +24,9 @@ from parallel.config import load_config
 from parallel.distributed.sequence import padded_length
 from parallel.plan.search import ring_traffic
 from tests.dist_utils import run_ranks
-from tests.distributed.test_hunyuanvideo_layouts import hunyuan_fp32_config
+from tests.helpers.hunyuanvideo_layouts import hunyuan_fp32_config
 from tests.train_utils import assert_matches
-from tests.unit.test_hunyuanvideo import B, TEXT, diffusers_forward, inputs, overrides, released  # noqa: F401
+from tests.helpers.hunyuanvideo import B, TEXT, diffusers_forward, inputs, overrides, released  # noqa: F401
 
 VIDEO, HIDDEN, LAYERS = 72, 64, 4                          # the release's tokens, width and blocks
 PREDICT = [(2, 2), (4, 4), (4, 2)]                       # (sp, ring); dp fills 4 ranks

@@ -6,7 +6,7 @@ sits in the first chunk and each chunk rotates its keys from its own first posit
 """
 import pytest
 
-from tests.distributed.test_sequence_parallel import sp_config
+from tests.helpers.sequence_parallel import sp_config
 from tests.dist_utils import run_ranks
 from tests.train_utils import assert_matches, train
 
@@ -36,7 +36,7 @@ def test_ring_layout_matches_one_process(references, ref, tp, pp, sp, ring):
 def test_validation_and_samples_under_ring(tmp_path):
     """Validation losses and sample videos at ring 2 (CogVideoX, rope3d) equal one process's, to fp32 round-off
     (the ring merges its blocks in another order); each validation sample is read once."""
-    from tests.distributed.test_validation import _check_reads, _sample_rank, _validate_rank
+    from tests.helpers.validation import _check_reads, _sample_rank, _validate_rank
 
     ring = [*ROPE, "parallel.ring_size=2"]
     (one,) = run_ranks(_validate_rank, 1, [((1, 1, 1), 0)], [*ROPE])

@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 
 from tests.dist_utils import run_ranks
 from tests.train_utils import fp32_config
-from tests.unit import test_i2v_sampling as i2v
-from tests.unit.test_release_sampling import CASES, _transformer, batch_files, pipeline_latents, sample_argv
+from tests.helpers import i2v_sampling as i2v
+from tests.helpers.release_sampling import CASES, _transformer, batch_files, pipeline_latents, sample_argv
 
 LAYOUTS = [("ddim", 2, 2), ("dpm", 2, 2), ("dpm", 1, 2)]       # (sampler, tp, pp); dp fills the 4 ranks
 BATCH_SETS = ["train.micro_batch_size=1", "train.grad_accum_steps=2", "train.lr=0.01"]

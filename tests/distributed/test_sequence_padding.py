@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_ranks
-from tests.distributed.test_sequence_parallel import sp_config
+from tests.helpers.sequence_parallel import sp_config
 from tests.train_utils import assert_matches, train
 
 B = 2

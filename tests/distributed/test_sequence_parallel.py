@@ -9,19 +9,10 @@ import pytest
 import torch
 
 from tests.dist_utils import run_ranks
-from tests.train_utils import assert_matches, fp32_config, train
+from tests.train_utils import assert_matches, train
+from tests.helpers.sequence_parallel import sp_config
 
 B = 2
-
-
-def sp_config(stage: int = 0) -> dict:
-    """fp32_config with Adam's eps at 1e-6: Adam moves a weight by lr g / (|g| + eps), so the round-off
-    d of a gradient element near eps in size (the sp ranks add its token contributions in another order)
-    moves the weight by up to lr d / eps; at eps 1e-6 that stays under assert_close's fp32 tolerance
-    (tests/distributed/test_train_equivalence.py's stdit_fp32_config, for the same reason)."""
-    ds = fp32_config(stage)
-    ds["optimizer"]["params"]["eps"] = 1e-6
-    return ds
 
 
 ROPE = ("model.pos_embed=rope3d",)
@@ -49,7 +40,7 @@ def test_sequence_parallel_layout_matches_one_process(references, ref, tp, pp, d
 def test_validation_and_samples_with_sequence_parallel(tmp_path):
     """Validation and sample videos at sp 2 equal one process's (to fp32 round-off: the sp ranks' attention
     sums in another order); each sample is read once, by the replica's first sp rank."""
-    from tests.distributed.test_validation import _check_reads, _sample_rank, _validate_rank
+    from tests.helpers.validation import _check_reads, _sample_rank, _validate_rank
 
     (one,) = run_ranks(_validate_rank, 1, [((1, 1, 1), 0)], [])
     by_rank = run_ranks(_validate_rank, 2, [((1, 1, 1, 2), 0)], [])

@@ -5,7 +5,7 @@ import torch
 
 from parallel.config import load_config
 from tests.dist_utils import run_ranks
-from tests.unit.test_stdit import B, S
+from tests.helpers.stdit import B, S
 
 
 def _tp_rank(rank, world_size):

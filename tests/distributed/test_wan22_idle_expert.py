@@ -34,7 +34,7 @@ import torch
 from parallel.train.schedule import lr_factor
 from tests.dist_utils import run_ranks
 from tests.train_utils import experiment, fp32_config
-from tests.unit.test_wan22_released import overrides, write_release
+from tests.helpers.wan22_released import overrides, write_release
 
 PRESET = "debug-wan22"
 LAYOUTS = [(2, 2, 1, 1, 1), (1, 1, 2, 2, 1)]              # (tp, pp, sp, dp, ZeRO stage)

@@ -9,7 +9,7 @@ import torch
 
 from models.wan.experts import expert_of
 from tests.dist_utils import run_ranks
-from tests.distributed.test_wan_layouts import wan_fp32_config
+from tests.helpers.wan_layouts import wan_fp32_config
 from tests.train_utils import GLOBAL_BATCH, assert_matches, experiment, train
 
 PRESET = "debug-wan22"
@@ -48,7 +48,7 @@ def _export(folder, out):
     from parallel.train.validate import StageForward
     from parallel.weights.diffusers import load_released
     from parallel.weights.diffusers_export import export_diffusers
-    from tests.unit.test_wan22_released import MIXED, inputs, overrides
+    from tests.helpers.wan22_released import MIXED, inputs, overrides
 
     result = {}
     for tp, pp, sp in [(2, 2, 1), (1, 1, 2)]:
@@ -84,12 +84,12 @@ def test_both_experts_train_alike_in_every_layout(tmp_path):
     from diffusers import WanTransformer3DModel
     from safetensors.torch import load_file
 
-    from tests.unit.test_wan22_released import write_release
+    from tests.helpers.wan22_released import write_release
     folder, models = write_release(tmp_path / "release")
     results = run_ranks(_rank, 4, str(folder), str(tmp_path / "export"))
     # Prediction at tp 2 x pp 2 and sp 2 x dp 2, every rank: each row by its own expert, as diffusers.
-    from tests.unit.test_wan22_released import MIXED, inputs
-    from tests.unit.test_wan import diffusers_forward
+    from tests.helpers.wan22_released import MIXED, inputs
+    from tests.helpers.wan import diffusers_forward
     want = torch.cat([diffusers_forward(models[0], *inputs(MIXED))[:1], diffusers_forward(models[1], *inputs(MIXED))[1:]])
     for rank, r in enumerate(results):
         for layout in [(2, 2, 1), (1, 1, 2)]:

@@ -1,9 +1,9 @@
 """The Wan 2.1 family in 4 gloo ranks against diffusers' WanTransformer3DModel and against one process.
 
 One spawn serves every case, for text-to-video, image-to-video (debug-wan-i2v: the CLIP tokens and the image
-cross-attention, tests/unit/test_wan_i2v.py's `released_i2v`) and Wan 2.2 TI2V (debug-wan22-ti2v: a timestep per
-token, tests/unit/test_wan22_ti2v.py's `released_ti2v`) alike: the tiny random release
-(tests/unit/test_wan.py's `released` fixture) loaded at
+cross-attention, tests/helpers/wan_i2v.py's `released_i2v`) and Wan 2.2 TI2V (debug-wan22-ti2v: a timestep per
+token, tests/helpers/wan22_ti2v.py's `released_ti2v`) alike: the tiny random release
+(tests/helpers/wan.py's `released` fixture) loaded at
 (tp, pp) = (1, 1), (2, 1), (1, 2), (2, 2) and at sp 2 (tp 1 and tp 2) predicts what diffusers predicts; at
 tp 2 the gradients of a loss (the q/k RMSNorm across heads all-reduces its statistic, forward and backward)
 equal diffusers' own; tp 2 x pp 2 exports a diffusers folder that `from_pretrained` reads back bit for bit;
@@ -16,21 +16,17 @@ import torch
 from parallel.config import load_config
 from tests.dist_utils import run_ranks
 from tests.released_utils import assert_export_reads_back, assert_grads_match, layout_model
-from tests.train_utils import assert_matches, fp32_config, merge_ranks, train
-from tests.unit import test_wan, test_wan22_ti2v, test_wan_i2v
-from tests.unit.test_wan import released  # noqa: F401  (fixture)
-from tests.unit.test_wan22_ti2v import released_ti2v  # noqa: F401  (fixture)
-from tests.unit.test_wan_i2v import released_i2v  # noqa: F401  (fixture)
+from tests.train_utils import assert_matches, merge_ranks, train
+from tests.helpers import wan as test_wan, wan22_ti2v as test_wan22_ti2v, wan_i2v as test_wan_i2v
+from tests.helpers.wan import released  # noqa: F401  (fixture)
+from tests.helpers.wan22_ti2v import released_ti2v  # noqa: F401  (fixture)
+from tests.helpers.wan_i2v import released_i2v  # noqa: F401  (fixture)
+from tests.helpers.wan_layouts import wan_fp32_config
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2)]     # (tp, pp, sp); dp fills 4 ranks
 TRAIN_LAYOUTS = [(2, 2, 1, 1), (1, 1, 2, 2)]                                     # (tp, pp, sp, dp)
 VARIANTS = {"debug-wan": test_wan, "debug-wan-i2v": test_wan_i2v,               # preset -> its unit-test module
             "debug-wan22-ti2v": test_wan22_ti2v}
-
-
-def wan_fp32_config() -> dict:
-    """fp32_config with Adam's eps at 1e-6, as tests/distributed/test_sequence_parallel.py's sp_config says why."""
-    return fp32_config(eps=1e-6)
 
 
 def _model(preset, folder, tp, pp, sp, world_size):

@@ -10,8 +10,8 @@ import pytest
 
 from parallel.check import PREPARE, main
 from parallel.config import load_config
-from tests.unit.test_prepare_data import CAPTIONS, SETS, vae_dir, videos  # noqa: F401  (fixtures: tiny VAE, clips)
-from tests.unit.test_text_encoder import t5_dir  # noqa: F401  (fixture: tiny T5)
+from tests.helpers.prepare_data import CAPTIONS, SETS, vae_dir, videos  # noqa: F401  (fixtures: tiny VAE, clips)
+from tests.helpers.text_encoder import t5_dir  # noqa: F401  (fixture: tiny T5)
 
 SET = re.compile(r"--set '?([\w.]+=\[[^\]]*\]|[\w.]+=[^\s',;]+)'?")
 
@@ -43,9 +43,9 @@ def follow(capsys, config: str, sets: list[str], *extra: str, rounds: int = 5) -
 @pytest.fixture(scope="module")
 def tiny_releases(tmp_path_factory):
     """{family: (folder, config.json)}: a tiny random diffusers transformer of each family (save_pretrained)."""
-    from tests.unit.test_released_weights import released_model as cogvideox_model
-    from tests.unit.test_wan import released_model as wan_model
-    from tests.unit.test_wan_i2v import released_model as wan_i2v_model
+    from tests.helpers.released_weights import released_model as cogvideox_model
+    from tests.helpers.wan import released_model as wan_model
+    from tests.helpers.wan_i2v import released_model as wan_i2v_model
     out = {}
     for family, model in (("cogvideox", cogvideox_model("sincos")), ("wan", wan_model()), ("wan-i2v", wan_i2v_model())):
         folder = tmp_path_factory.mktemp(family)

@@ -1,6 +1,7 @@
 """The package layout holds (docs/architecture.md): packages are ordered and every import points down
 the order, no two modules or packages import each other, only the family registry and the family folders
-know the family names, and only parallel/distributed/deepspeed/ reads DeepSpeed's private attributes.
+know the family names, and only parallel/distributed/deepspeed/ reads DeepSpeed's private attributes. The
+tests share helpers through tests/helpers/, never by importing a test module, and bench/ imports no test.
 
 Every import in the source counts, at module level or inside a function, since a lazy import is a
 dependency all the same.
@@ -31,10 +32,14 @@ MODULES = _modules()
 
 
 def _import_lines(path: Path) -> list[tuple[str, int, str]]:
-    """(project module, line, the import statement) for each project module `path` imports (`from a.b
-    import c` counts a.b.c when that is a module)."""
+    return _imports_in(path.read_text())
+
+
+def _imports_in(text: str) -> list[tuple[str, int, str]]:
+    """(project module, line, the import statement) for each project module `text` imports, at module level or
+    inside a function (`from a.b import c` counts a.b.c when that is a module)."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -49,19 +54,21 @@ def _import_lines(path: Path) -> list[tuple[str, int, str]]:
 IMPORTS = {name: [i for i in _import_lines(path) if i[0] != name] for name, path in MODULES.items()}
 GRAPH = {name: {i[0] for i in imports} for name, imports in IMPORTS.items()}
 
-# The packages, lowest first; a module belongs to the longest prefix listed (so `parallel.plan.cli` is a
-# command while the rest of `parallel.plan` sits below training). docs/architecture.md says why each sits
-# where it does. A module may import its own layer's modules and any lower layer's, never a higher one's.
+# The packages, lowest first: a folder (all its modules and sub-folders), a module of the root package
+# `parallel/` (its modules are concerns side by side), an entry script, or a package's `__main__` (which nothing
+# imports); never part of a folder apart from the rest (test_packages_are_folders). A module belongs to the
+# longest prefix listed. docs/architecture.md says why each sits where it does. A module may import its own
+# layer's modules and any lower layer's, never a higher one's.
 LAYERS = (
     ("primitives", ("parallel", "parallel.distributed")),
     ("models", ("models",)),
     ("experiment", ("parallel.units", "parallel.cli", "parallel.config", "parallel.ds_config", "parallel.ds_keys",
-                    "parallel.shapes", "parallel.manifest")),
+                    "parallel.shapes", "parallel.manifest", "parallel.splits")),
     ("model build", ("parallel.recompute", "parallel.lora", "parallel.build", "parallel.lora_check")),
-    ("weights, planning, data", ("parallel.weights", "parallel.plan", "parallel.prepare_data")),
+    ("weights, data", ("parallel.weights", "parallel.prepare_data")),
     ("training", ("parallel.train",)),
     ("commands", ("parallel.check", "parallel.elastic", "parallel.export", "parallel.sample", "parallel.verify",
-                  "parallel.plan.search", "parallel.plan.buckets", "parallel.plan.cli", "parallel.plan.__main__")),
+                  "parallel.plan")),
     ("entry points", ("train", "bench", "models.__main__")),
 )
 LAYER_OF = {prefix: i for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes}
@@ -165,9 +172,30 @@ def _package_graph() -> dict[str, set[str]]:
 
 
 def test_no_package_cycles():
-    """No two packages of LAYERS import each other, directly or through others (same-layer ones included)."""
+    """No two packages of LAYERS import each other, directly or through others (same-layer ones included),
+    function-level imports counted: GRAPH has every import of the source, lazy ones too."""
     cycles = _cycles(_package_graph())
     assert not cycles, f"packages that import each other: {cycles}"
+
+
+def _split_folders(prefixes) -> list[str]:
+    """The LAYERS entries that list part of a folder apart from the rest: a module of a sub-folder (not of the
+    root package `parallel/`, not a `__main__`), so the folder's cycles would go unseen by the package graph."""
+    wrong = []
+    for prefix in prefixes:
+        parts = prefix.split(".")
+        folder = ROOT.joinpath(*parts)
+        if folder.is_dir() or len(parts) == 1 or parts[-1] == "__main__" or prefix == "parallel." + parts[-1]:
+            continue
+        wrong.append(f"{prefix} (a module of {'/'.join(parts[:-1])}/: list the folder)")
+    return wrong
+
+
+def test_packages_are_folders():
+    """A folder is one package, in one layer: listing half of one elsewhere would hide a cycle through it (the
+    planner's search and command were once listed as commands while its memory model sat below training)."""
+    wrong = _split_folders(LAYER_OF)
+    assert not wrong, wrong
 
 
 def _family_code(module: str) -> bool:
@@ -202,6 +230,23 @@ def test_the_checks_see_a_violation():
     assert upward == ["parallel/distributed/topology.py:7: from parallel.check import check  (parallel.distributed."
                       "topology, layer 'primitives', imports parallel.check, layer 'commands')"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _split_folders(["parallel.plan.search", "parallel.plan", "parallel.check", "models.__main__"]) == \
+        ["parallel.plan.search (a module of parallel/plan/: list the folder)"]
+    assert _test_module_imports("from tests.unit.test_wan import released\nfrom tests.unit import test_plan as p\n"
+                                "def f():\n    from .test_x import y\n    from tests.helpers.wan import inputs\n",
+                                "t.py") == ["t.py:1: tests.unit.test_wan", "t.py:1: tests.unit.test_wan.released",
+                                            "t.py:2: tests.unit.test_plan", "t.py:4: .test_x", "t.py:4: .test_x.y"]
+    assert _imports_of_tests("def measure():\n    from tests.dist_utils import run_ranks\n", "b.py") == \
+        ["b.py:2: tests.dist_utils", "b.py:2: tests.dist_utils.run_ranks"]
+    # a function-level import is an edge of the package graph: the old cycle through the checker
+    lazy = _imports_in("def plan():\n    from parallel.plan.memory import plan_memory\n")
+    assert lazy == [("parallel.plan.memory", 2, "from parallel.plan.memory import plan_memory")]
+    graph = {"parallel.train.run": {lazy[0][0]}, "parallel.plan.search": {"parallel.check"},
+             "parallel.check": {"parallel.train.schedule"}}
+    packages = {_package(m) for m in graph} | {_package(i) for m in graph for i in graph[m]}
+    assert packages == {"parallel.train", "parallel.plan", "parallel.check"}
+    assert _cycles({p: {_package(i) for m, found in graph.items() if _package(m) == p for i in found} - {p}
+                    for p in packages}) == [["parallel.check", "parallel.plan", "parallel.train"]]
     assert _private_reads("engine._global_grad_norm = 1\nif hasattr(p, 'ds_id'):\n    x = m.module._x\n"
                           "def _partition_layers(self, method):\n    pass\n", "f.py") == \
         ["f.py:1: ._global_grad_norm", "f.py:2: 'ds_id'", "f.py:3: ._x", "f.py:4: def _partition_layers"]
@@ -257,6 +302,55 @@ def test_deepspeed_private_names_only_in_their_package():
     assert not found, ("DeepSpeed internals read outside parallel/distributed/deepspeed/ (add a named helper "
                        "there, with its version note and a test in tests/unit/test_deepspeed_compat.py; "
                        "a torch private name goes in OTHER_PRIVATE, with why):\n" + "\n".join(found))
+
+
+def _imported_names(text: str) -> list[tuple[str, int]]:
+    """(dotted module or module.name, line) for every import in `text`, at module level or inside a function;
+    a relative import gets its dots."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            found += [(module, node.lineno)] + [(f"{module}.{alias.name}".replace("..", "."), node.lineno)
+                                                for alias in node.names]
+    return found
+
+
+def _test_module_imports(text: str, where: str) -> list[str]:
+    """'where:line: name' for each import of a project `test_*` module (collected by pytest, never imported)."""
+    return sorted({f"{where}:{line}: {name}" for name, line in _imported_names(text)
+                   if (name.split(".")[0] in (*PACKAGES, "tests") or name.startswith("."))
+                   and any(part.startswith("test_") for part in name.split("."))})
+
+
+SOURCE_TREES = (*PACKAGES, "tests")
+
+
+def _python_files():
+    yield from (p for tree in SOURCE_TREES for p in sorted((ROOT / tree).rglob("*.py")))
+    yield from ENTRY_SCRIPTS.values()
+
+
+def test_no_test_module_is_imported():
+    """Tests share helpers and fixtures through tests/helpers/ (and the tests/*_utils.py modules), never by importing
+    another test module: a `test_*` module is pytest's to collect, and what it holds is its own tests."""
+    found = [hit for path in _python_files()
+             for hit in _test_module_imports(path.read_text(), str(path.relative_to(ROOT)))]
+    assert not found, ("test modules imported (move what they share into tests/helpers/):\n" + "\n".join(found))
+
+
+def _imports_of_tests(text: str, where: str) -> list[str]:
+    return sorted({f"{where}:{line}: {name}" for name, line in _imported_names(text) if name.split(".")[0] == "tests"})
+
+
+def test_bench_imports_nothing_from_tests():
+    """bench/ stands alone (python -m bench runs from a checkout without tests/): what it shares with the tests
+    lives in bench/ (bench/ranks.py's run_ranks) or in the toolkit."""
+    found = [hit for path in sorted((ROOT / "bench").rglob("*.py"))
+             for hit in _imports_of_tests(path.read_text(), str(path.relative_to(ROOT)))]
+    assert not found, "bench/ imports tests/:\n" + "\n".join(found)
 
 
 def render_package_graph() -> str:

@@ -17,7 +17,7 @@ from parallel.train.buckets import BucketSchedule
 from parallel.train.data import DiffusionBatches, DirectoryLatents, check_shapes
 from models.diffusion import Objective
 from tests.buckets_utils import PER_BUCKET, SHAPES, write_buckets
-from tests.unit.test_prepare_data import run, squares, vae_dir, write_video  # noqa: F401  (fixture)
+from tests.helpers.prepare_data import run, squares, vae_dir, write_video  # noqa: F401  (fixture)
 
 SHAPES_OF = [SHAPES[i % 3] for i in range(12)] + [None] * 6       # sizes 4, 4, 4 and 6 (the config's shape)
 

@@ -15,8 +15,9 @@ from models.registry import sequence_tokens
 from parallel.check import check
 from parallel.config import load_config
 from parallel.weights.diffusers import check_released, diffusers_config
-from tests.unit.cogvideox_variants import VARIANTS, overrides, released_model
-from tests.unit.test_prepare_data import vae_dir, videos  # noqa: F401  (fixtures: clips, a tiny VAE)
+from tests.unit.cogvideox_variants import overrides
+from tests.helpers.prepare_data import vae_dir, videos  # noqa: F401  (fixtures: clips, a tiny VAE)
+from tests.helpers.cogvideox_releases import releases15  # noqa: F401  (fixtures)
 
 _COMMON = dict(activation_fn="gelu-approximate", attention_bias=True, attention_head_dim=64, dropout=0.0,
                flip_sin_to_cos=True, freq_shift=0, norm_elementwise_affine=True, norm_eps=1e-5,
@@ -67,18 +68,6 @@ def test_the_15_geometry_pads_latent_frames_in_front():
     assert torch.equal(padded[:, :, 1:], latent) and torch.equal(padded[:, :, 0], latent[:, :, 0])
     assert pad_frames(padded, cfg.model) is padded
     assert torch.equal(video_latent(padded, cfg.model, cfg.data), latent)     # decoded without the padding
-
-
-@pytest.fixture(scope="module")
-def releases15(tmp_path_factory):
-    """{variant: (folder, diffusers model)} of the 1.5 and image-to-video variants."""
-    out = {}
-    for i, variant in enumerate(VARIANTS):
-        folder = tmp_path_factory.mktemp(variant)
-        model = released_model(variant, seed=10 + i)
-        model.save_pretrained(folder)
-        out[variant] = (folder, model)
-    return out
 
 
 def test_config_differences_name_the_keys_to_set(releases15):
@@ -175,7 +164,7 @@ def test_prepare_data_pads_15_latents_and_stores_the_augmented_first_frame_for_i
 
     from parallel.distributed.seed import derive_seed
     from parallel.prepare_data.frames import frame_indices
-    from tests.unit.test_prepare_data import SETS, run
+    from tests.helpers.prepare_data import SETS, run
 
     sets = SETS + ["model.patch_size_t=2", "model.pos_embed=rope3d", "model.image_condition=true"]
     vae15 = shutil.copytree(vae_dir, tmp_path / "vae15")

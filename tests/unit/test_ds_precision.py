@@ -1,10 +1,10 @@
 """bf16 / fp16 in the DeepSpeed JSON against the accelerator's support: refused before launch, the alternative named."""
-import json
 
 import pytest
 
 from parallel.check import DeviceDtypes, check, main
 from parallel.config import load_config
+from tests.helpers.ds_precision import fp16_json  # noqa: F401  (fixtures)
 
 
 FP32 = "fp32 (drop the section, e.g. ds_configs/zero0_fp32.json)"
@@ -38,17 +38,6 @@ def test_unsupported_precision_is_refused_with_the_alternative(device, ds, expec
     assert check(cfg, ds, "f.json", device=device)[1] == [expected]
     assert check(cfg, ds, "f.json")[1] == []                            # no device given: not checked
     assert check(cfg, ds, "f.json", device=DeviceDtypes("cuda", fp16=True, bf16=True))[1] == []
-
-
-@pytest.fixture
-def fp16_json(tmp_path):
-    if DeviceDtypes.here().fp16:
-        pytest.skip("this machine's accelerator has fp16")
-    ds = json.load(open("ds_configs/zero0_fp32.json"))
-    ds["fp16"] = {"enabled": True}
-    path = tmp_path / "fp16.json"
-    path.write_text(json.dumps(ds))
-    return path
 
 
 def test_checker_refuses_fp16_here_unless_checking_for_another_machine(fp16_json, capsys):

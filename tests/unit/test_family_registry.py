@@ -3,32 +3,16 @@ FamilySpec rules every family obeys. The toy family of tests/toy_family is the o
 leaves the registry as it found it (`toy_registry`), so the built-in families' messages stay as they are."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import sys
 
 import pytest
 import torch
 import yaml
 
 from parallel.config import ConfigError, load_config
+from tests.helpers.family_registry import toy_registry
 
 TOY = "tests/toy_family/debug-toy.yaml"
-
-
-@contextlib.contextmanager
-def toy_registry():
-    """The registry and the imported toy modules as they were before the body."""
-    from models.registry import FAMILIES
-    before, modules = dict(FAMILIES), set(sys.modules)
-    try:
-        yield
-    finally:
-        FAMILIES.clear()
-        FAMILIES.update(before)
-        for name in set(sys.modules) - modules:
-            if name.startswith("tests.toy_family"):
-                del sys.modules[name]
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ from parallel.lora import LORA_WEIGHTS_NAME, apply_lora
 from parallel.weights.diffusers import load_released
 from parallel.weights.lora_export import lora_tensors, write_lora
 from tests.released_utils import nonzero_adapters
-from tests.unit import test_hunyuanvideo as hy
-from tests.unit import test_hunyuanvideo15 as hy15
+from tests.helpers import hunyuanvideo as hy
+from tests.helpers import hunyuanvideo15 as hy15
 
 # the defaults, the text stream's q/k/v and output (dual-stream blocks), the single-stream blocks' MLP rows and output
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "proj_mlp",

@@ -8,49 +8,26 @@ fp32, one process:
   - python -m parallel.prepare_data --image-encoder on an I2V config stores them beside the picture latent, a
     training batch from the folder carries them in the image rows of every sample's text (a caption-dropped one's
     too, as the pipeline's unconditional call), a T2V folder keeps zero image rows; I2V without --image-encoder and
-    T2V with it are refused by name; validation (loss, and samples with guidance) feeds the same rows; train.py's
-    first loss on the prepared folder is that batch's;
+    T2V with it are refused by name; validation (loss, and samples with guidance) feeds the same rows (train.py's
+    first loss on the prepared folder is that batch's: tests/cli/test_hunyuanvideo15_siglip_train.py);
   - python -m parallel.sample --image --image-encoder gives the pipeline's latents.
 """
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
-from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15ImageToVideoPipeline
+from diffusers import HunyuanVideo15ImageToVideoPipeline
 from PIL import Image
 from safetensors.torch import load_file
-from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
 
 from models.hunyuanvideo15.image import Hunyuan15ImageCondition
 from models.hunyuanvideo15.released import DIFFUSERS
 from models.hunyuanvideo15.siglip import encode_image_states, load_image_encoder, text_rows
 from parallel.config import load_config
-from tests.unit.test_hunyuanvideo15_captions import ROWS, _NoVae, release  # noqa: F401  (fixture: text folders)
-from tests.unit.test_hunyuanvideo15 import released  # noqa: F401  (fixture: the tiny transformer)
-from tests.unit.test_prepare_data import videos  # noqa: F401  (fixture: clips)
-
-IMAGE, IMAGE_DIM, HEIGHT, WIDTH = 4, 24, 32, 48        # debug-hunyuan15's image rows: SigLIP 32 px, patch 16
-SETS = [f"data.height={HEIGHT}", f"data.width={WIDTH}", "data.num_frames=9", *ROWS]
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def siglip(tmp_path_factory):
-    """(pipeline-style folder, encoder, processor): image_encoder/ and feature_extractor/ as the release has them."""
-    folder = tmp_path_factory.mktemp("hunyuan15_siglip")
-    torch.manual_seed(0)
-    encoder = SiglipVisionModel(SiglipVisionConfig(hidden_size=IMAGE_DIM, intermediate_size=32, num_hidden_layers=2,
-                                                   num_attention_heads=2, image_size=32, patch_size=16)).eval()
-    processor = SiglipImageProcessor(size={"height": 32, "width": 32})
-    encoder.save_pretrained(folder / "image_encoder")
-    processor.save_pretrained(folder / "feature_extractor")
-    return folder, encoder, processor
-
+from tests.helpers.hunyuanvideo15_captions import _NoVae, release  # noqa: F401  (fixture: text folders)
+from tests.helpers.hunyuanvideo15 import released  # noqa: F401  (fixture: the tiny transformer)
+from tests.helpers.hunyuanvideo15_siglip import IMAGE, IMAGE_DIM, HEIGHT, SETS, WIDTH, _prepare, save_vae
+from tests.helpers.hunyuanvideo15_siglip import siglip  # noqa: F401  (fixture: the SigLIP encoder)
+from tests.helpers.prepare_data import videos  # noqa: F401  (fixture: clips)
 
 def pipeline_states(encoder, processor, picture) -> torch.Tensor:
     pipe = HunyuanVideo15ImageToVideoPipeline(text_encoder=None, tokenizer=None, transformer=None, vae=_NoVae(),
@@ -113,15 +90,7 @@ def validation_rows(cfg, dataset):
     torch.testing.assert_close(forward.texts[-1][0, IMAGE:], dataset.unconditional()[IMAGE:], rtol=0, atol=0)
 
 
-def _prepare(videos, vae, text, out, config_sets, *extra) -> int:
-    from parallel.prepare_data.prepare import main
-    return main(["--config", "debug-hunyuan15", *[a for s in SETS + config_sets for a in ("--set", s)],
-                 "--videos", str(videos), "--captions", str(videos / "captions.csv"), "--vae", str(vae),
-                 "--t5", str(text), "--out", str(out), "--posterior", "mode", "--limit", "2", *extra])
-
-
 def test_prepared_folder_trains_on_the_pipelines_rows(videos, release, siglip, tmp_path, capsys):  # noqa: F811
-    from parallel.build import build_model
     from parallel.check import check_data_files
     from parallel.distributed.topology import ParallelContext
     from parallel.prepare_data.frames import frame_indices
@@ -129,10 +98,7 @@ def test_prepared_folder_trains_on_the_pipelines_rows(videos, release, siglip, t
 
     root, frames = videos
     text_dir, folder = release[0], siglip[0]
-    torch.manual_seed(0)
-    AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
-                                spatial_compression_ratio=16, temporal_compression_ratio=4
-                                ).save_pretrained(tmp_path / "vae")
+    save_vae(tmp_path / "vae")
     i2v, t2v = ["model.image_condition=true"], []
     assert _prepare(root, tmp_path / "vae", text_dir, tmp_path / "x", i2v) == 1
     assert ("--image-encoder is missing: model debug-hunyuan15 (--config=debug-hunyuan15) trains on the first "
@@ -173,24 +139,6 @@ def test_prepared_folder_trains_on_the_pipelines_rows(videos, release, siglip, t
     (_, _, text), _ = next(training_batches(t2v_cfg, ParallelContext.single(), build_dataset(t2v_cfg)))
     assert not text[:, :IMAGE].any()
 
-    # train.py, one process, one step: its loss is the loss of that batch (SigLIP rows in) on the model as
-    # built from train.seed.
-    sets = SETS + i2v + ["data.kind=directory", f"data.path={out['i2v']}", "train.max_steps=1",
-                         "train.grad_accum_steps=1", "val.every=0", "ckpt.every=0", f"train.output_dir={tmp_path / 'run'}"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    run = subprocess.run([sys.executable, "train.py", "--config", "debug-hunyuan15", "--deepspeed_config",
-                          "ds_configs/zero0_fp32.json", *[a for s in sets for a in ("--set", s)]],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    cfg = load_config("debug-hunyuan15", sets)
-    batch, target = next(training_batches(cfg, ParallelContext.single(), build_dataset(cfg)))
-    assert batch[2][:, :IMAGE].any(-1).all()
-    with torch.no_grad():
-        want = build_model(cfg, {}, ParallelContext.single())(batch, target)
-    assert len(losses) == 1
-    assert losses[0] == pytest.approx(float(want), rel=1e-5)
-
 
 def test_sample_command_equals_the_pipeline(released, siglip, tmp_path, capsys):  # noqa: F811
     """python -m parallel.sample --image PICTURE --vae --image-encoder (the pipeline folder) gives
@@ -200,8 +148,8 @@ def test_sample_command_equals_the_pipeline(released, siglip, tmp_path, capsys):
     from safetensors.torch import save_file
 
     from parallel.sample import main
-    from tests.unit.test_hunyuanvideo15 import C, FRAMES, overrides
-    from tests.unit.test_hunyuanvideo15_sampling import _caption, _rows, i2v_latents, i2v_pipeline
+    from tests.helpers.hunyuanvideo15 import C, FRAMES, overrides
+    from tests.helpers.hunyuanvideo15_sampling import _caption, _rows, i2v_latents, i2v_pipeline
 
     folder, transformer = released
     _, encoder, processor = siglip

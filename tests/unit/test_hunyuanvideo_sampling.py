@@ -1,5 +1,5 @@
 """HunyuanVideo samples as HunyuanVideoPipeline: its latents (output_type="latent") from a tiny random transformer
-(tests/unit/test_hunyuanvideo.py's `released` folder) equal the toolkit's sampler (`flow_linear`, the family's
+(tests/helpers/hunyuanvideo.py's `released` folder) equal the toolkit's sampler (`flow_linear`, the family's
 default) on the toolkit's model read from the same folder: the pipeline's sigmas linspace(1, 0, steps + 1)[:-1]
 shifted by FlowMatchEulerDiscreteScheduler(shift=7.0), the embedded guidance 6.0 x 1000, true CFG with a negative
 prompt, a caption with padding rows.
@@ -15,7 +15,7 @@ from models.diffusion import Objective
 from models.hunyuanvideo import SPEC
 from models.sampling import check_sampler, linear_flow_sigmas, sample, sampling_timesteps
 from parallel.config import load_config
-from tests.unit.test_hunyuanvideo import FRAMES, HEIGHT, LLAMA, POOLED, TEXT, WIDTH, overrides, released  # noqa: F401
+from tests.helpers.hunyuanvideo import FRAMES, HEIGHT, LLAMA, POOLED, TEXT, WIDTH, overrides, released  # noqa: F401
 
 
 @pytest.mark.parametrize("steps", [1, 4, 30])

@@ -26,7 +26,7 @@ from models.sampling import open_sora_sigmas, sample, sampling_timesteps
 from parallel.config import load_config
 from parallel.distributed.topology import ParallelContext
 from parallel.weights.opensora import load_opensora
-from tests.unit.test_opensora2 import checkpoint, config, inputs, opensora_forward, random_model  # noqa: F401
+from tests.helpers.opensora2 import checkpoint, config, inputs, opensora_forward, random_model  # noqa: F401
 
 BUCKETS = [(16, 33, 72, 128), (16, 1, 32, 32), (16, 3, 8, 12), (16, 9, 48, 84)]
 

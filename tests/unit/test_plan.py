@@ -12,35 +12,15 @@ import pytest
 import torch
 
 from parallel.config import load_config
-from parallel.train.probe import graph_saved, storage_key
 from parallel.plan.memory import plan_memory
 from parallel.plan.trace import ActivationTracer
-
-GiB = 2 ** 30
+from tests.helpers.plan import B, GiB, STATES, cli, saved_bytes
 
 
 # ---- measurement instruments (parallel/train/probe.py: independent of the planner's code) --------
 
-def saved_bytes(run, module):
-    """Run `run()` under saved-tensor hooks, plus the inputs DeepSpeed's checkpoints keep on the graph.
-    Returns the bytes of distinct storages, the module's parameters and buffers skipped, and the output."""
-    seen = {}
-
-    def pack(t):
-        seen.setdefault(storage_key(t), t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    graph_saved(out, seen)
-    skip = {storage_key(t) for t in (*module.parameters(), *module.buffers())}
-    total = sum(t.untyped_storage().nbytes() for k, t in seen.items() if k not in skip)
-    return total, out
-
 
 # ---- (a) activations: the traced prediction vs the real block and model on CPU --------------------
-
-B = 2
 
 
 def _real_inputs(cfg, dtype):
@@ -130,8 +110,6 @@ def test_activations_traced_at_the_padded_share_when_sp_does_not_divide(preset, 
 
 # ---- (b) model states: predicted per rank vs what DeepSpeed holds at its peak ---------------------
 
-STATES = ("parameters", "gradients", "adam_moments", "master_weights", "ema_shadow")
-
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_model_states_against_deepspeeds_estimators(stage):
@@ -175,13 +153,6 @@ def test_model_states_against_deepspeeds_estimators(stage):
 # ---- (c) the CLI ------------------------------------------------------------------------------------
 
 FIVE_B = ["--config", "configs/cogvideox-5b.yaml", "--world-size", "8", "--device-memory", "80GiB"]
-
-
-def cli(capsys, *argv):
-    from parallel.plan.cli import main
-    code = main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def rank_params(preset: str, tp: int) -> list[tuple[int, int]]:

@@ -217,7 +217,7 @@ def test_memory_check_plans_the_step_bucket(tmp_path):
     """train.py's memory check compares step 2 with the plan of step 2's own bucket: run_plan at a bucket's
     token count is the plan of the experiment fixed at that shape (the start-up line plans the longest)."""
     from parallel.check import check
-    from parallel.train.run import run_plan
+    from parallel.plan.memory import run_plan
     (tmp_path / "manifest.jsonl").write_text("".join(json.dumps(x) + "\n" for x in write_buckets(tmp_path)))
     cfg = load_config("debug", ["data.kind=directory", f"data.path={tmp_path}"])
     ds = json.loads((CONFIG_DIR.parent / "ds_configs" / "zero1_bf16.json").read_text())

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.unit.test_plan import cli
+from tests.helpers.plan import cli
 
 WAN_14B_SP16 = ["--config", "configs/wan2.1-t2v-14b.yaml", "--deepspeed_config", "ds_configs/zero3_bf16.json",
                 "--set", "parallel.sp_size=16", "--world-size", "16", "--device-memory", "80GiB",

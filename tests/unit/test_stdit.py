@@ -4,10 +4,7 @@ import pytest
 import torch
 
 from parallel.config import load_config
-
-B = 2
-T, H, W = 3, 4, 4                       # debug-stdit's token grid: 3 frames of 4 x 4 patches
-S = T * H * W
+from tests.helpers.stdit import B, H, S, T, W
 
 
 def _block(temporal: bool):

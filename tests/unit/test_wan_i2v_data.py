@@ -20,9 +20,9 @@ from models.vae import encode
 from models.wan.image import WanImageCondition, condition_latents, encode_condition, encode_image_states, \
     encode_pictures
 from parallel.config import load_config
-from tests.unit.test_prepare_data import videos  # noqa: F401  (fixture: clips)
-from tests.unit.test_prepare_data_wan import umt5_dir, wan_vae_dir  # noqa: F401  (fixtures: UMT5, Wan VAE)
-from tests.unit.test_wan_i2v import IMAGE, IMAGE_DIM, TEXT, released_i2v  # noqa: F401  (fixture)
+from tests.helpers.prepare_data import videos  # noqa: F401  (fixture: clips)
+from tests.helpers.prepare_data_wan import umt5_dir, wan_vae_dir  # noqa: F401  (fixtures: UMT5, Wan VAE)
+from tests.helpers.wan_i2v import IMAGE, IMAGE_DIM, TEXT, released_i2v  # noqa: F401  (fixture)
 
 FRAMES, HEIGHT, WIDTH = 9, 64, 96            # pixels -> latents [4, 3, 8, 12]
 
@@ -84,7 +84,7 @@ def test_sampling_equals_the_pipeline(released_i2v, parts, tmp_path, capsys):
     from parallel.distributed.pipeline import SequentialDiT
     from parallel.distributed.topology import ParallelContext
     from parallel.weights.diffusers import load_released
-    from tests.unit.test_wan_i2v import overrides
+    from tests.helpers.wan_i2v import overrides
 
     folder, model = released_i2v
     vae, encoder, processor, picture = parts
@@ -117,7 +117,7 @@ def sample_command(folder, parts, tmp_path, tensors, first, states, want, capsys
     from safetensors.torch import load_file, save_file
 
     from parallel.sample import main
-    from tests.unit.test_wan_i2v import overrides
+    from tests.helpers.wan_i2v import overrides
 
     vae, encoder, processor, picture = parts
     for name, value in {**tensors, "first": first, "states": states}.items():
@@ -166,7 +166,7 @@ def test_prepared_folder_trains_on_the_pipelines_inputs(videos, wan_vae_dir, umt
     from parallel.distributed.topology import ParallelContext
     from parallel.prepare_data.frames import frame_indices
     from parallel.train.run import build_dataset, training_batches
-    from tests.unit.test_prepare_data_wan import SETS, run
+    from tests.helpers.prepare_data_wan import SETS, run
 
     _, encoder, processor, _ = parts
     clip_dir = tmp_path / "image_encoder"
