@@ -32,8 +32,10 @@ SPEC = FamilySpec(
     layer=LTX2Block,
     final=FinalStage,
     text_in_sequence=False,
-    row_parallel_per_layer=8,                # 6 attention outputs + 2 FFN outputs (video and audio widths)
-    attentions_per_layer=2,                  # video and audio self-attention
+    # b x S x H all-reduces: the video stream's self, caption and audio-to-video attention outputs and its FFN (the
+    # audio stream's four are b x A x Da, A ~ S / 50 at the release's sizes)
+    row_parallel_per_layer=4,
+    attentions_per_layer=0,                  # sp is not built for this family yet: no all-to-alls (checker refuses)
     attention_pairs=attention_pairs,
     describe_layers=lambda m: f"{m.num_layers} audio-video blocks",
     layer_noun="block",
