@@ -156,6 +156,11 @@ class ModelConfig(Section):
         A14B with both experts: 2); 1 for a model of one."""
         return 1
 
+    def unsupported(self) -> list[str]:
+        """What the toolkit cannot run with this model section yet, each naming what is missing (parallel/check.py
+        reports them with the layout's problems); [] for a family that trains."""
+        return []
+
     def extra_input_shapes(self) -> tuple[tuple[int, ...], ...]:
         """Shapes (without the batch) of the first stage's inputs after (latents, timesteps, text): a
         conditioning input the family's embed stage takes (Wan 2.1 I2V: the CLIP image states [257, 1280])."""

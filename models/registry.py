@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-from models import cogvideox, hunyuanvideo, hunyuanvideo15, stdit, wan
+from models import cogvideox, hunyuanvideo, hunyuanvideo15, ltx2, stdit, wan
 from models.config import ModelConfig
 from models.spec import FamilySpec
 
@@ -17,6 +17,7 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
     cogvideox.SPEC,
     hunyuanvideo.SPEC,
     hunyuanvideo15.SPEC,
+    ltx2.SPEC,
     stdit.SPEC,
     wan.SPEC,
 )}

@@ -416,6 +416,7 @@ def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source:
     the precision is checked against it too."""
     ds = ds or {}
     problems = _check_model_splits(cfg) + _check_objective(cfg) + _check_sequence(cfg) + _check_pipeline(cfg)
+    problems += cfg.model.unsupported()          # what the family cannot run yet (LTX-2: training)
     dp, grid_problems = _resolve_dp(cfg, world_size)
     auto = dsc.fill_auto(ds, cfg, ds_source, dp)          # HF's "auto" values, from the experiment
     ds = auto.ds

@@ -47,11 +47,14 @@ def _count_rank(rank, world_size):
 
     deepspeed.init_distributed(dist_backend=accelerator.backend())
     ctx = ParallelContext.build(ParallelDims(tp_size=2, sp_size=2, pp_size=1, dp_size=1))
-    out = {"counted": []}
+    out = {"counted": [], "refused": []}
     for preset in PRESETS:
         cfg = load_config(preset, [f"train.micro_batch_size={B}", "parallel.tp_size=2", "parallel.sp_size=2"])
         spec = family(cfg.model)
-        if spec.name in out:                                      # one preset per family suffices
+        if spec.name in out or spec.name in out["refused"]:       # one preset per family suffices
+            continue
+        if cfg.model.unsupported():                               # no training batches yet (LTX-2: the checker
+            out["refused"].append(spec.name)                      # refuses it; its tp counts: test_ltx2_layouts)
             continue
         out["counted"].append(spec.name)
         inputs, _ = next(training_batches(cfg, ParallelContext.single()))
@@ -79,9 +82,10 @@ def _count_rank(rank, world_size):
 def test_declared_collective_counts_equal_one_layers_forward():
     results = run_ranks(_count_rank, 4)
     for r in results:
-        assert sorted(r["counted"]) == r["families"]                     # every registered family is counted
+        assert sorted(r["counted"] + r["refused"]) == r["families"]      # every registered family is counted
+        assert r["refused"] == ["ltx2"]                                  # or refused by the checker
         assert {"cogvideox", "stdit", "toy", "wan"} <= set(r["families"])
-        for name in r["families"]:
+        for name in r["counted"]:
             counts = r[name]
             row_parallel, attentions = counts["declared"]
             assert counts["row_parallel"] == pytest.approx(row_parallel), f"{name}: {counts}"

@@ -90,7 +90,7 @@ def test_the_model_section_is_its_familys_own():
     with pytest.raises(ConfigError) as e:
         load_config("debug", ["model.family=sora"])
     assert str(e.value) == ("--set: model.family='sora' is not a model family; families: cogvideox, hunyuanvideo, "
-                            "hunyuanvideo15, stdit, wan (a family kept outside models/ is registered by a module the "
+                            "hunyuanvideo15, ltx2, stdit, wan (a family kept outside models/ is registered by a module the "
                             "experiment names under families:, docs/architecture.md)")
     tree = yaml.safe_load((CONFIG_DIR / "debug.yaml").read_text())
     del tree["model"]["family"]

@@ -31,9 +31,10 @@ def test_every_builtin_spec_names_its_own_pipeline():
     assert defaulted == ["experts"]                 # optional: one transformer unless a family lists experts
     assert {n: s.vae.class_name for n, s in FAMILIES.items()} == {
         "cogvideox": "AutoencoderKLCogVideoX", "hunyuanvideo": "AutoencoderKLHunyuanVideo",
-        "hunyuanvideo15": "AutoencoderKLHunyuanVideo15", "stdit": "AutoencoderKLCogVideoX", "wan": "AutoencoderKLWan"}
+        "hunyuanvideo15": "AutoencoderKLHunyuanVideo15", "ltx2": "AutoencoderKLLTX2Video",
+        "stdit": "AutoencoderKLCogVideoX", "wan": "AutoencoderKLWan"}
     assert sorted(vae_formats()) == ["AutoencoderKLCogVideoX", "AutoencoderKLHunyuanVideo",
-                                     "AutoencoderKLHunyuanVideo15", "AutoencoderKLWan"]
+                                     "AutoencoderKLHunyuanVideo15", "AutoencoderKLLTX2Video", "AutoencoderKLWan"]
     assert sorted(text_encoder_formats()) == ["T5EncoderModel", "UMT5EncoderModel"]     # HunyuanVideo's: not yet
 
 
@@ -66,7 +67,7 @@ def test_a_family_outside_models_is_named_by_the_experiment(registry, tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(without)
     assert str(e.value).startswith(f"{without}: model.family='toy' is not a model family; families: cogvideox, "
-                                   "hunyuanvideo, hunyuanvideo15, stdit, wan (a family kept outside models/ is registered by a module the "
+                                   "hunyuanvideo, hunyuanvideo15, ltx2, stdit, wan (a family kept outside models/ is registered by a module the "
                                    "experiment names under families:")
     missing = tmp_path / "missing.yaml"
     missing.write_text(yaml.safe_dump({**tree, "families": ["tests.no_such_family"]}))
