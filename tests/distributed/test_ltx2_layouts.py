@@ -10,8 +10,8 @@ import torch
 
 from tests.dist_utils import run_ranks
 from tests.released_utils import assert_grads_match, layout_model
-from tests.unit import test_ltx2
-from tests.unit.test_ltx2 import released  # noqa: F401  (fixture)
+from tests.helpers import ltx2 as test_ltx2
+from tests.helpers.ltx2 import released  # noqa: F401  (fixture)
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]                 # (tp, pp); dp fills 4 ranks
 VARIANTS = ["ltx2", "ltx2.3"]
