@@ -289,6 +289,24 @@ def _check_engine(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
         ds, src, pp, cfg.train.max_steps, cfg.parallel.tp_size, cfg.parallel.sp_size)
 
 
+def _check_offload(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
+    """train.offload_activations moves what checkpoints keep: it needs checkpoints, and does what DeepSpeed's
+    cpu_checkpointing does (with partition_activations DeepSpeed keeps its own partitions, which it cannot move)."""
+    if not cfg.train.offload_activations:
+        return []
+    ac = ds.get("activation_checkpointing")
+    if cfg.train.recompute is None and ac is None:
+        return [f"train.offload_activations=true with train.recompute=null and no activation_checkpointing in "
+                f"{src}: it moves the inputs checkpoints keep, and nothing is checkpointed; set --set "
+                f"train.recompute.granularity=block (or add the JSON's activation_checkpointing section)"]
+    both = [k for k in ("cpu_checkpointing", "partition_activations") if (ac or {}).get(k)]
+    if both:
+        return [f"train.offload_activations=true and {src}: activation_checkpointing.{' and .'.join(both)}=true both "
+                f"decide where checkpoint inputs live; keep one: set {' and '.join(both)} false in the JSON, or "
+                f"train.offload_activations=false"]
+    return []
+
+
 def _check_device(ds: dict, src: str, device: DeviceDtypes) -> list[str]:
     """bf16 / fp16 against what the accelerator supports: DeepSpeed would otherwise fail inside initialize."""
     fp32 = "fp32 (drop the section, e.g. ds_configs/zero0_fp32.json)"
@@ -443,6 +461,7 @@ def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source:
     problems = _check_model_splits(cfg) + _check_objective(cfg) + _check_sequence(cfg) + _check_pipeline(cfg)
     dp, grid_problems = _resolve_dp(cfg, world_size)
     problems += grid_problems + _check_batch(cfg, ds, ds_source, dp) + _check_engine(cfg, ds, ds_source)
+    problems += _check_offload(cfg, ds, ds_source)
     if device is not None:
         problems += _check_device(ds, ds_source, device)
     if cfg.train.compile:             # torch imported only for a compiled run
