@@ -26,6 +26,7 @@ from parallel.distributed.sequence import padded_length
 from parallel.distributed.sequence import sp_pairs as _sp_pairs
 from parallel.distributed.extensions import check_build_locks
 from parallel.distributed.topology import Layout, read_launch_env
+from parallel.plan.host import host_available, host_problems, uses_host
 from parallel.train.schedule import scheduler_problems
 
 
@@ -541,6 +542,8 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
     if cfg.model.lora is not None:            # targets against the model built on the meta device
         from parallel.lora_check import check_lora
         problems += check_lora(cfg.model)
+    if not problems and device_check and uses_host(cfg, ds):      # offload: the node's host memory, planned
+        problems += host_problems(cfg, ds, layout.dp_size, read_launch_env().local_world_size, host_available())
     if problems:
         raise ConfigError("\n".join(problems))
     return cfg, ds, layout

@@ -120,3 +120,26 @@ def test_planned_device_and_host_bytes_match_a_real_forward(name, monkeypatch):
     assert stage.lines["activations"] == pytest.approx(device, rel=0.05)
     assert stage.host["activations"] == host > 0
     assert stage.lines["activations"] < before.lines["activations"]
+
+
+def test_a_host_without_the_memory_the_plan_needs_is_refused_before_launch(monkeypatch, tmp_path):
+    """train.py's checks (load_and_check) plan the node's host bytes: two processes a node at tp 2 need twice one's
+    host line; one byte less free is refused, naming the key, exactly that much is accepted."""
+    from parallel.check import load_and_check
+    from parallel.config import ConfigError
+    from parallel.plan.host import uses_host
+
+    keys = ["train.recompute.granularity=block", "train.offload_activations=true", "parallel.tp_size=2",
+            f"train.output_dir={tmp_path}"]
+    cfg = load_config("debug", keys)
+    stage = plan_memory(cfg, {}, 1, 0, ActivationTracer(cfg, torch.float32)).stages[0]
+    need = 2 * sum(stage.host.values())
+    assert stage.host["activations"] > 0
+    for name, value in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr("parallel.check.host_available", lambda: need - 1)
+    with pytest.raises(ConfigError, match=r"2 process\(es\) on this node need .*train.offload_activations=false"):
+        load_and_check("debug", keys, None, 2, device_check=True)
+    monkeypatch.setattr("parallel.check.host_available", lambda: need)
+    load_and_check("debug", keys, None, 2, device_check=True)
+    assert uses_host(cfg, {}) and not uses_host(load_config("debug"), {})
