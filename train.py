@@ -45,13 +45,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser().parse_args(argv)
 
 
+def run_plan(*args, **kwargs):
+    """The memory planner (parallel/plan/memory.py run_plan), imported when first asked: the checks plan the
+    node's host memory where the run offloads, the Trainer the run's memory."""
+    from parallel.plan.memory import run_plan as plan
+    return plan(*args, **kwargs)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     env = read_launch_env()
     try:      # every rank checks before any process group, parameter or file exists
         device_check = not args.check_only
+        planner = run_plan if device_check else None
         cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size,
-                                         device_check, run_dirs=True)
+                                         device_check, run_dirs=True, planner=planner)
         elastic = elastic_worlds()
         if elastic:     # launch.sh --nnodes MIN:MAX: every world a restart may land on keeps the global batch
             lines, problems = check_elastic(args.config, args.overrides, args.deepspeed_config, cfg, layout, elastic)
@@ -67,7 +75,7 @@ def main(argv=None) -> int:
                 if kept[0] != cfg.train.grad_accum_steps:
                     overrides = [*args.overrides, f"train.grad_accum_steps={kept[0]}"]
                     cfg, ds, layout = load_and_check(args.config, overrides, args.deepspeed_config, env.world_size,
-                                                     device_check, run_dirs=True)
+                                                     device_check, run_dirs=True, planner=planner)
                 if env.local_rank == 0:
                     print(f"resuming at dp {layout.dp_size}: train.grad_accum_steps={kept[0]} keeps the "
                           f"checkpoint's global batch {kept[1]}", file=sys.stderr)
@@ -82,8 +90,7 @@ def main(argv=None) -> int:
         print(summary(cfg, layout, args.deepspeed_config))
         return 0
 
-    from parallel.plan.memory import run_plan      # heavy imports (deepspeed, torch) only after the checks
-    from parallel.train.trainer import Trainer
+    from parallel.train.trainer import Trainer     # heavy imports (deepspeed, torch) only after the checks
     resume = {"auto": True, "never": False}.get(args.resume, args.resume)
     return Trainer(cfg, ds, layout, env, resume=resume, planner=run_plan).fit()
 

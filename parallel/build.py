@@ -5,6 +5,7 @@ pipeline stages (parallel/distributed/pipeline.py) with the loss `SequenceLoss`.
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Callable, Optional
@@ -18,9 +19,10 @@ from models.geometry import StepGrid, patchify, token_grid
 from models.registry import family, sequence_tokens
 from parallel.config import ExperimentConfig
 from parallel.distributed.compile import compile_layers
+from parallel.distributed.offload import HostOffload
 from parallel.distributed.pipeline import DiTPipeline, SeededLayerSpec, SequentialDiT, checkpoint_x_only
 from parallel.distributed.sequence import local_range, sp_size_of
-from parallel.recompute import apply_recompute
+from parallel.recompute import apply_recompute, checkpointed
 
 
 def layer_specs(cfg: ExperimentConfig, ctx, grid: Optional[StepGrid] = None) -> list[SeededLayerSpec]:
@@ -85,11 +87,21 @@ def checkpoint_interval(ds: dict, num_blocks: int) -> int:
     return max(1, math.ceil(num_blocks / n)) if n else 1
 
 
+def _offloaded_checkpoint(offload: HostOffload, fn: Callable, x: torch.Tensor, *rest):
+    return checkpointed(fn, offload, moved=1)(x, *rest)
+
+
 def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Callable] = None) -> nn.Module:
     """The module to hand to deepspeed.initialize for this layout."""
     grid = StepGrid(token_grid(cfg.model, cfg.data), cfg.model)
     specs = layer_specs(cfg, ctx, grid)
     every = checkpoint_interval(ds, cfg.model.num_layers)
+    # train.offload_activations: what the checkpoints keep goes to host memory (parallel/distributed/offload.py)
+    offload = HostOffload() if cfg.train.offload_activations else None
+    if offload is not None and checkpoint_fn is not None:
+        # DeepSpeed 0.19's CheckpointFunction keeps its inputs as attributes of its ctx, out of saved-tensor hooks'
+        # reach: the JSON's segments then run through torch's checkpoint (parallel/recompute.py), the same math.
+        checkpoint_fn = functools.partial(_offloaded_checkpoint, offload)
     checkpoint_fn = checkpoint_x_only(checkpoint_fn) if checkpoint_fn else None
     loss_fn = SequenceLoss(cfg, ctx, grid)
     if cfg.parallel.pp_size == 1:
@@ -106,7 +118,9 @@ def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Ca
         compile_layers(model, specs[1].typename, cfg.train.compile_backend)
     # after compiling: a checkpointed or compressed block wraps the compiled forward (compile_layers sets
     # every block's forward to the shared compiled one, which would drop wrappers set before it)
-    apply_recompute(model, cfg)       # train.recompute / train.activation_compression (parallel/recompute.py)
+    apply_recompute(model, cfg, offload=offload)    # train.recompute / train.activation_compression (parallel/recompute.py)
+    if offload is not None:                       # each micro-batch's forward starts its own sequence of copies
+        model.forward = offload.chain(model.forward)
     if cfg.model.lora is not None:                # frozen base + adapters (parallel/lora.py)
         from parallel.lora import apply_lora
         apply_lora(model, cfg.model, cfg.train.seed)

@@ -26,6 +26,7 @@ from parallel.distributed.extensions import check_build_locks
 from parallel.distributed.topology import Layout, read_launch_env
 from parallel.splits import (divisors, ring_capable, ring_fits, ring_frames, ring_size, sp_pairs,
                              tp_split_dims, valid_sp_sizes, valid_tp_sizes)
+from parallel.host_memory import host_available, host_problems, uses_host
 from parallel.train.schedule import scheduler_problems
 
 
@@ -222,6 +223,24 @@ def _check_engine(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
                         f"train.lr: set --set train.lr={lr} or remove optimizer.params.lr")
     return problems + scheduler_problems(ds, cfg.train, src) + key_problems(
         ds, src, pp, cfg.train.max_steps, cfg.parallel.tp_size, cfg.parallel.sp_size)
+
+
+def _check_offload(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
+    """train.offload_activations moves what checkpoints keep: it needs checkpoints, and does what DeepSpeed's
+    cpu_checkpointing does (with partition_activations DeepSpeed keeps its own partitions, which it cannot move)."""
+    if not cfg.train.offload_activations:
+        return []
+    ac = ds.get("activation_checkpointing")
+    if cfg.train.recompute is None and ac is None:
+        return [f"train.offload_activations=true with train.recompute=null and no activation_checkpointing in "
+                f"{src}: it moves the inputs checkpoints keep, and nothing is checkpointed; set --set "
+                f"train.recompute.granularity=block (or add the JSON's activation_checkpointing section)"]
+    both = [k for k in ("cpu_checkpointing", "partition_activations") if (ac or {}).get(k)]
+    if both:
+        return [f"train.offload_activations=true and {src}: activation_checkpointing.{' and .'.join(both)}=true both "
+                f"decide where checkpoint inputs live; keep one: set {' and '.join(both)} false in the JSON, or "
+                f"train.offload_activations=false"]
+    return []
 
 
 def _check_device(ds: dict, src: str, device: DeviceDtypes) -> list[str]:
@@ -422,6 +441,7 @@ def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source:
     ds = auto.ds
     problems += grid_problems + auto.problems + _check_batch(cfg, ds, ds_source, dp) + _check_engine(cfg, ds,
                                                                                                     ds_source)
+    problems += _check_offload(cfg, ds, ds_source)
     if device is not None:
         problems += _check_device(ds, ds_source, device)
     if cfg.train.compile:             # torch imported only for a compiled run
@@ -472,11 +492,15 @@ def summary(cfg: ExperimentConfig, layout: Layout, deepspeed_config: Optional[st
 
 def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional[str],
                    world_size: Optional[int], device_check: bool = True,
-                   run_dirs: bool = False) -> tuple[ExperimentConfig, dict, Layout]:
+                   run_dirs: bool = False, planner=None) -> tuple[ExperimentConfig, dict, Layout]:
     """Load both files and check them; raise ConfigError listing every problem (used by train.py).
     The dict returned is the JSON with its "auto" values filled in (dsc.fill_auto).
 
     run_dirs: the folders a training run writes (check_run_dirs).
+
+    planner: (cfg, ds, layout, device memory) -> the memory plan (train.py passes parallel/plan/memory.py's
+    run_plan; the planner sits above the checker): where the run keeps anything in host memory, the node's
+    processes' planned host bytes against what the host has free.
 
     device_check: bf16/fp16 against this machine's accelerator (asked only when the JSON enables one), and the
     JIT build locks DeepSpeed's start would wait on (a stale one refused, a live one noted: parallel/distributed/
@@ -513,6 +537,9 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
     if cfg.model.lora is not None:            # targets against the model built on the meta device
         from parallel.lora_check import check_lora
         problems += check_lora(cfg.model)
+    if not problems and planner is not None and uses_host(cfg, ds):     # offload: the node's host memory, planned
+        plan = planner(cfg, ds, layout, 0)
+        problems += host_problems(plan, read_launch_env().local_world_size, host_available())
     if problems:
         raise ConfigError("\n".join(problems))
     return cfg, ds, layout

@@ -139,6 +139,10 @@ class TrainConfig(Section):
                                                  "null = the JSON's activation_checkpointing section decides")
     activation_compression: Optional[CompressionConfig] = Field(None, description="store saved activations "
                                                                 "at lower precision; null = off")
+    offload_activations: bool = Field(False, description="keep what each checkpoint keeps (a block's input; "
+                                      "the attention core's q, k, v; the MLP's input) in pinned host memory, copied "
+                                      "on a side stream and back ahead of the backward; needs train.recompute or "
+                                      "the JSON's activation_checkpointing")
     anomaly: Optional[AnomalyConfig] = Field(None, description="skip or stop on a non-finite or spiking loss "
                                              "or gradient norm, or an unreadable sample; null = off")
 

@@ -17,6 +17,8 @@ name `blocks.{i}`:
   `torch.autograd.graph.saved_tensors_hooks` that store each saved activation at lower precision (fp32 ->
   bf16; fp8: fp32 / bf16 -> float8 e4m3 with one fp32 scale, amax / 448) and cast it back in backward.
   Parameters (and their views), buffers and cached tables are not activations and are left alone.
+- `train.offload_activations`: each checkpoint's kept activations (a block's x, the core's q, k, v, the MLP's
+  input) go to pinned host memory and come back ahead of the backward (parallel/distributed/offload.py).
 
 The inputs a checkpoint keeps are not saved through autograd by torch's checkpoint, so saved-tensor hooks
 (the planner's tracer, parallel/train/probe.py) would not see them: `_Keep` saves them explicitly, which
@@ -24,6 +26,7 @@ costs nothing (they are held anyway) and makes every byte a block keeps visible 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Callable, Optional
 
@@ -33,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from models.registry import family
 from parallel.config import ConfigError, ExperimentConfig
+from parallel.distributed.offload import HostOffload
 
 FP8_MAX = 448.0                 # largest finite float8 e4m3fn value
 TARGETS = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -65,23 +69,28 @@ def keep(*xs: torch.Tensor) -> tuple:
         _kept.difference_update(keys)
 
 
-def checkpointed(fn: Callable) -> Callable:
-    """fn(*args) recomputed in backward; floating tensor arguments are kept (`_Keep`), the rest passed as is."""
+def checkpointed(fn: Callable, offload: Optional[HostOffload] = None, moved: Optional[int] = None) -> Callable:
+    """fn(*args) recomputed in backward; floating tensor arguments are kept (`_Keep`), the rest passed as is.
+    `offload` (train.offload_activations): the kept activations go to host memory, all of them or the first
+    `moved` arguments."""
     @functools.wraps(fn)
     def run(*args):
         where = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
-        args = list(args)
-        for i, kept in zip(where, keep(*(args[i] for i in where)) if where else ()):
-            args[i] = kept
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+        chosen = [args[i] for i in where[:moved] if is_activation(args[i])] if offload is not None else []
+        with offload.scope(chosen) if chosen else contextlib.nullcontext():
+            args = list(args)
+            for i, kept in zip(where, keep(*(args[i] for i in where)) if where else ()):
+                args[i] = kept
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
     return run
 
 
-def checkpointed_block(forward: Callable) -> Callable:
-    """A stage-tuple block recomputed for x only; the side tensors pass around it (see checkpoint_x_only)."""
+def checkpointed_block(forward: Callable, offload: Optional[HostOffload] = None) -> Callable:
+    """A stage-tuple block recomputed for x only; the side tensors pass around it (see checkpoint_x_only) and,
+    shared by the stage's blocks, stay on the device under `offload`."""
     def run(inputs):
         x, *rest = inputs
-        x = checkpointed(lambda x_, *rest_: forward((x_, *rest_))[0])(x, *rest)
+        x = checkpointed(lambda x_, *rest_: forward((x_, *rest_))[0], offload, moved=1)(x, *rest)
         return (x, *rest)
     return run
 
@@ -167,10 +176,11 @@ def layers_of(model: nn.Module, cfg: ExperimentConfig) -> list[tuple[int, nn.Mod
 
 
 def wrap_layer(layer: nn.Module, parts: dict, granularity: Optional[str], compression: Optional[str],
-               on_pack: Optional[Callable] = None) -> nn.Module:
-    """Checkpoint `granularity` (None: nothing) of one family layer and/or compress what it saves."""
+               on_pack: Optional[Callable] = None, offload: Optional[HostOffload] = None) -> nn.Module:
+    """Checkpoint `granularity` (None: nothing) of one family layer and/or compress what it saves; `offload`:
+    the checkpoint's kept inputs in host memory."""
     if granularity == "block":
-        layer.forward = checkpointed_block(layer.forward)
+        layer.forward = checkpointed_block(layer.forward, offload)
     elif granularity is not None:
         if granularity not in parts:
             raise ConfigError(f"train.recompute.granularity={granularity}: this family names no such part; use "
@@ -180,9 +190,9 @@ def wrap_layer(layer: nn.Module, parts: dict, granularity: Optional[str], compre
             owner, name = _resolve(unit, path)
             target = getattr(owner, name)
             if isinstance(target, nn.Module):
-                target.forward = checkpointed(target.forward)
+                target.forward = checkpointed(target.forward, offload)
             else:
-                setattr(owner, name, checkpointed(target))
+                setattr(owner, name, checkpointed(target, offload))
     if compression is not None:
         layer.forward = Compression(compression, on_pack).wrap(layer.forward)
     return layer
@@ -194,13 +204,15 @@ def checkpointed_blocks(num_blocks: int, every: int, start: int = 0, stop: Optio
     return sum(1 for i in range(start, stop) if i % every == 0)
 
 
-def apply_recompute(model: nn.Module, cfg: ExperimentConfig, on_pack: Optional[Callable] = None) -> nn.Module:
-    """Wrap the layers for train.recompute and train.activation_compression (both null: unchanged)."""
+def apply_recompute(model: nn.Module, cfg: ExperimentConfig, on_pack: Optional[Callable] = None,
+                    offload: Optional[HostOffload] = None) -> nn.Module:
+    """Wrap the layers for train.recompute and train.activation_compression (both null: unchanged); `offload`
+    (train.offload_activations): the checkpoints' kept inputs in host memory."""
     rc, comp = cfg.train.recompute, cfg.train.activation_compression
     if rc is None and comp is None:
         return model
     parts = family(cfg.model).recompute_parts
     for i, layer in layers_of(model, cfg):
         wrap_layer(layer, parts, rc.granularity if rc is not None and i % rc.every == 0 else None,
-                   comp.dtype if comp is not None else None, on_pack)
+                   comp.dtype if comp is not None else None, on_pack, offload)
     return model

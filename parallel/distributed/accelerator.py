@@ -119,3 +119,45 @@ def product_name(local_rank: int = 0) -> str:
     module = getattr(torch, name(), None)            # torch.cuda, torch.npu (torch_npu), torch.xpu
     getter = getattr(module, "get_device_name", None)
     return str(getter(local_rank)) if getter else name()
+
+
+def side_stream():
+    """A stream beside the compute stream for host copies; None on CPU (no streams: copies run in order)."""
+    return None if name() == "cpu" else get_accelerator().Stream()
+
+
+def copy_to_host(t: torch.Tensor, stream) -> torch.Tensor:
+    """A host copy of `t`: on an accelerator into pinned memory, queued on `stream` after the work that produced
+    `t`, whose device memory the allocator then keeps until the copy is done (record_stream); on CPU a plain
+    copy (the host is the device: the caller's storage is released all the same)."""
+    if stream is None:
+        return t.detach().clone()
+    acc = get_accelerator()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    stream.wait_stream(acc.current_stream())
+    with acc.stream(stream):
+        host.copy_(t.detach(), non_blocking=True)
+    t.record_stream(stream)
+    return host
+
+
+def copy_to_device(host: torch.Tensor, device: torch.device, stream) -> tuple[torch.Tensor, object]:
+    """(the device tensor, the event its copy records) of a `copy_to_host` result, queued on `stream`; on CPU
+    the host tensor itself and no event."""
+    if stream is None:
+        return host, None
+    acc = get_accelerator()
+    out = torch.empty(host.shape, dtype=host.dtype, device=device)     # allocated on the compute stream
+    stream.wait_stream(acc.current_stream())
+    with acc.stream(stream):
+        out.copy_(host, non_blocking=True)
+        event = acc.Event()
+        event.record(stream)
+    out.record_stream(stream)
+    return out, event
+
+
+def wait_for(event) -> None:
+    """The compute stream waits for `event` (a copy_to_device's); None: nothing to wait for."""
+    if event is not None:
+        get_accelerator().current_stream().wait_event(event)

@@ -27,11 +27,12 @@ with contextlib.redirect_stdout(sys.stderr):
 
 from parallel import ds_config as dsc
 from parallel.check import check
-from parallel.config import ConfigError, ExperimentConfig, load_config
+from parallel.config import ConfigError, ExperimentConfig, RecomputeConfig, load_config
 from parallel.cli import add_experiment_args, add_renamed, add_world_size, require
 from parallel.plan.buckets import bucket_rows, plan_buckets, render_buckets_text
 from parallel.plan.memory import LINES, OPTIONAL_LINES, EngineSettings, MemoryPlan, plan_memory
-from parallel.plan.search import DEVICES, Candidate, SearchResult, count_params, search, shipped_config
+from parallel.plan.search import (DEVICES, Candidate, SearchResult, count_params, search, shipped_config,
+                                  zero3_offload)
 from parallel.plan.trace import ActivationTracer, ring_of, sequence_length
 from parallel.units import gib, parse_size
 
@@ -80,6 +81,52 @@ def plan_report(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer,
             "device": _device_dict(args), "assumptions": _assumptions(args), **_memory_dict(memory)}
 
 
+def next_step(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer, dp: int) -> dict:
+    """What to try when the layout does not fit: the same layout with its checkpoint inputs on the host
+    (train.offload_activations, with block recompute where nothing is checkpointed), then also with ZeRO-3
+    optimizer and parameter offload (pp = 1); else the device count at which --search finds a layout."""
+    eng = EngineSettings.from_ds(ds, cfg.model.num_layers)
+    tries = []
+    if not cfg.train.offload_activations and not eng.cpu_checkpointing:
+        keys = ["train.offload_activations=true"]
+        if cfg.train.recompute is None and not eng.checkpoint_every:
+            keys.append("train.recompute.granularity=block")
+        own = json.loads(json.dumps(ds))
+        partitioned = (own.get("activation_checkpointing") or {}).pop("partition_activations", False)
+        tries.append((keys, own, "activation_checkpointing.partition_activations=false" if partitioned else None))
+        if cfg.parallel.pp_size == 1 and not (eng.zero == 3 and eng.offload_optimizer and eng.offload_param):
+            zero3 = zero3_offload(own)
+            if own.get("activation_checkpointing") is not None:
+                zero3["activation_checkpointing"] = own["activation_checkpointing"]
+            tries.append((keys, zero3, "zero_optimization.stage=3 with offload_optimizer and offload_param "
+                                       "{\"device\": \"cpu\"}" + (", partition_activations=false" if partitioned
+                                                                   else "")))
+    for keys, ds_try, engine in tries:
+        rc = cfg.train.recompute or (RecomputeConfig() if "train.recompute.granularity=block" in keys else None)
+        cfg_try = cfg.model_copy(update={"train": cfg.train.model_copy(update={"offload_activations": True,
+                                                                                "recompute": rc})})
+        if check(cfg_try, ds_try, args.deepspeed_config, args.world_size)[1]:
+            continue
+        memory = plan_memory(cfg_try, ds_try, dp, args.device_memory, tracer, args.margin, args.workspace)
+        if memory.fits:
+            return {"keys": keys, "engine": engine, "total": memory.worst.total,
+                    "host_memory": max(sum(st.host.values()) for st in memory.stages)}
+    return {"keys": None, "devices_that_fit": devices_that_fit(cfg, ds, args, tracer)}
+
+
+def _next_step_text(r: dict) -> list[str]:
+    step, world = r["next_step"], r["device"]["count"]
+    if step["keys"]:
+        sets = " ".join(f"--set {k}" for k in step["keys"])
+        engine = f" and a DeepSpeed JSON with {step['engine']}" if step["engine"] else ""
+        return [f"next step: {sets}{engine}: {gib(step['total'])} GiB, fits, with {gib(step['host_memory'])} GiB "
+                f"of host memory a process; --search ranks every layout with these options"]
+    n = step["devices_that_fit"]
+    return [f"next step: with checkpoint inputs on the host and ZeRO-3 offload it still does not fit on {world} "
+            f"device(s); " + (f"{n} would (--world-size {n} --search shows the layouts)" if n else
+                              "no device count up to 1024 fits: a shorter or smaller video")]
+
+
 def _device_dict(args) -> dict:
     return {"key": args.device, "name": DEVICES[args.device].name, "count": args.world_size,
             "per_node": args.devices_per_node, "memory": args.device_memory}
@@ -102,7 +149,7 @@ def _candidate_dict(c: Candidate, args, ds_file: Optional[str] = None) -> dict:
             "memory": {"total": c.memory.worst.total, "worst_stage": c.memory.worst.stage,
                        "headroom": c.memory.headroom, "lines": c.memory.worst.lines,
                        "optimizer": c.memory.optimizer_path},
-            "step_time": None if c.time is None else vars(c.time),
+            "step_time": None if c.time is None else vars(c.time), "host_memory": c.host_memory,
             "overrides": c.overrides, "ds_config": {"file": ds_arg, "shipped": shipped is not None, "json": c.ds},
             "command": None if ds_arg is None else
             f"deepspeed {launcher} train.py --config {args.config} --deepspeed_config {ds_arg} {cfg_arg}"}
@@ -139,16 +186,39 @@ def ds_out_problem(args, cfg: ExperimentConfig) -> Optional[str]:
             f"of its own in {cfg.train.output_dir}/, ds_config.planned.zero<stage>-<precision>-<hash>.json)")
 
 
+def _search(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer, world: int,
+            progress: bool = False) -> tuple[SearchResult, bool]:
+    """The search at `world` devices; when nothing fits, again with offload (search's OFFLOAD_OPTIONS): the result
+    and whether offload was needed."""
+    for offload in (False, True):
+        res = search(cfg, ds, world, args.devices_per_node, args.device_memory, DEVICES[args.device], tracer,
+                     args.utilisation, args.margin, args.workspace, source=args.deepspeed_config, progress=progress,
+                     offload=offload)
+        if res.ranked:
+            break
+    return res, offload
+
+
+def devices_that_fit(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer, limit: int = 1024):
+    """The least device count, doubling from --world-size up to `limit`, at which the search (offload included)
+    finds a layout that fits; None when none does."""
+    world = args.world_size * 2
+    while world <= limit:
+        if _search(cfg, ds, args, tracer, world)[0].ranked:
+            return world
+        world *= 2
+    return None
+
+
 def search_report(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer, found=None) -> dict:
-    res: SearchResult = search(cfg, ds, args.world_size, args.devices_per_node, args.device_memory,
-                               DEVICES[args.device], tracer, args.utilisation, args.margin, args.workspace,
-                               source=args.deepspeed_config, progress=True)
+    res, offload = _search(cfg, ds, args, tracer, args.world_size, progress=True)
     closest = sorted(res.not_fitting, key=lambda c: c.memory.worst.total)
     best = res.ranked[0] if res.ranked else None
     buckets = {"buckets": bucket_rows(best.cfg, found, best.ds, best.dims.dp_size, args)} if found and best else {}
     return {"schema": SCHEMA, "mode": "search", "model": _model_info(cfg, tracer, ds),
             "device": _device_dict(args), "assumptions": _assumptions(args), "grad_accum": cfg.train.grad_accum_steps,
             "counts": {"fitting": len(res.ranked), "not_fitting": len(res.not_fitting), "invalid": len(res.invalid)},
+            "offload": offload, "devices_that_fit": None if res.ranked else devices_that_fit(cfg, ds, args, tracer),
             "ranked": [_candidate_dict(c, args, write_planned(c, cfg, args) if i == 0 else None)
                        for i, c in enumerate(res.ranked[:args.top])],
             "not_fitting": [_candidate_dict(c, args) for c in closest[:args.top]],
@@ -199,6 +269,8 @@ def render_plan_text(r: dict) -> str:
                 f"{gib(r['device_memory'])} GiB; {'free' if r['fits'] else 'short by'} {gib(abs(r['headroom']))} GiB",
             f"margin: {r['assumptions']['margin_fraction']:.0%} of the other lines + "
             f"{gib(r['assumptions']['workspace'])} GiB workspace"]
+    if "next_step" in r:
+        out += _next_step_text(r)
     if "buckets" in r:
         out += render_buckets_text(r["buckets"], "this layout")
     return "\n".join(out)
@@ -230,14 +302,21 @@ def render_search_text(r: dict) -> str:
             f"{'bubble':>7}")
     out += [head] + [_row(i + 1, c) for i, c in enumerate(r["ranked"])]
     if not r["ranked"]:
-        out.append("  nothing fits: more devices, a smaller micro-batch or video, or offload (ds_configs/"
-                   "zero3_bf16_offload.json)")
+        n = r.get("devices_that_fit")
+        out.append("  nothing fits, with checkpoint inputs on the host (train.offload_activations) and ZeRO-3 "
+                   "optimizer and parameter offload tried too: "
+                   + (f"{n} devices would fit (--world-size {n} --search)" if n else "no device count up to 1024 "
+                      "fits") + "; or a shorter or smaller video")
     if r["ranked"]:
         best = r["ranked"][0]
         labels = dict(LINES)
+        host = f" (host memory: {gib(best['host_memory'])} GiB a process)" if best["host_memory"] else ""
         out += ["", "best layout, worst rank (GiB): " + ", ".join(f"{labels[k]} {gib(v)}" for k, v in
-                                                                  best["memory"]["lines"].items() if v),
-                f"run it: {best['command']}"]
+                                                                  best["memory"]["lines"].items() if v)]
+        if r.get("offload"):
+            out.append("nothing fits without offload: these layouts keep checkpoint inputs on the host "
+                       "(train.offload_activations, ckpt +host) or use ZeRO-3 offload")
+        out.append(f"run it{host}: {best['command']}")
     if r["not_fitting"]:
         out += ["", "closest that do not fit (micro-batch 1):"] + [
             f"  tp={c['tp']} sp={c['sp']} pp={c['pp']} dp={c['dp']} ZeRO-{c['zero']} checkpointing "
@@ -337,6 +416,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             report = plan_report(cfg, ds, args, tracer, layout.dp_size)
             if found:
                 report["buckets"] = bucket_rows(cfg, found, ds, layout.dp_size, args)
+            if not report["fits"]:
+                report["next_step"] = next_step(cfg, ds, args, tracer, layout.dp_size)
             status = 0 if report["fits"] else 2
     except ConfigError as e:
         lines = str(e).splitlines()

@@ -31,6 +31,9 @@ ranks, so ZeRO shards over d = dp x sp.
 With activation checkpointing a stage keeps only each segment's input (divided by tp with
 `partition_activations`, in host memory with `cpu_checkpointing`) plus, during backward, one
 segment's full activations for the recompute. Under 1F1B stage s holds min(pp - s, m) micro-batches.
+With train.offload_activations what each checkpoint keeps (x per segment; with train.recompute what the traced
+checkpoints keep, `StageTrace.host_bytes`) is host memory instead, and during one checkpoint's backward its
+inputs and the previous checkpoint's (prefetched) are back on the device, on the recompute line.
 """
 from __future__ import annotations
 
@@ -333,8 +336,10 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
     # activations less what it kept, once at a time during backward.
     rc, comp = cfg.train.recompute, cfg.train.activation_compression
     compression = comp.dtype if comp is not None else None
+    # train.offload_activations: what each checkpoint keeps (traced: `host_bytes`; the JSON's: x) is in host memory.
+    off = cfg.train.offload_activations
     plain = tracer.trace("block", tp, b, sp, None, compression)
-    selected = tracer.trace("block", tp, b, sp, rc.granularity, compression) if rc is not None else plain
+    selected = tracer.trace("block", tp, b, sp, rc.granularity, compression, off) if rc is not None else plain
     every = rc.every if rc is not None else 1
     # Checkpoint inputs: x per segment (the side tensors, temb or STDiT's t, t_mlp, y, pass as views of the
     # shared ones unless DeepSpeed copies inputs for partitioning or host offload), divided over tp ranks
@@ -354,7 +359,11 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
         trainable = params if block.trainable is None else \
             list(embed.trainable if first else ()) + layers_trainable + list(final.trainable if last else ())
         dev, host = model_states(trainable, eng, dp, pp, m)
-        dev["parameters"] += frozen_bytes(params, trainable, eng, dp, pp)
+        frozen = frozen_bytes(params, trainable, eng, dp, pp)
+        if eng.offload_param and eng.zero == 3:       # ZeRO-3 parameter offload moves the frozen partitions too
+            host["parameters"] += frozen
+        else:
+            dev["parameters"] += frozen
         own = (embed.activations if first else 0) + (final.activations if last else 0)
         # Side tensors are held once per stage: those its blocks save (all of them when checkpoints keep
         # views of them) or its final layer saves.
@@ -364,17 +373,24 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
         # sp: the first block's input x is this rank's view of the embed's whole (padded) sequence
         # (split_sequence narrows it), so what the first block keeps of x holds that whole storage:
         # measured at tp 2 x sp 2 (tests/cli/test_family_matrix.py). Unless the checkpoint copies its inputs.
-        own += embed.input_bytes - block.input_bytes if first and n and not copies else 0
+        # Offload copies the first block's x too (its view, not the storage under it).
+        own += embed.input_bytes - block.input_bytes if first and n and not copies and not off else 0
         host_acts = 0
         if k:
             segments = math.ceil(n / k)
-            kept = 0 if eng.cpu_checkpointing else segments * seg_input
-            host_acts = flight * segments * seg_input if eng.cpu_checkpointing else 0
-            acts, recompute = flight * (kept + shared + own), min(k, n) * block.activations
+            on_host = eng.cpu_checkpointing or off
+            kept = 0 if on_host else segments * seg_input
+            host_acts = flight * segments * seg_input if on_host else 0
+            # offload: during a segment's backward its input is back on the device and the next one arriving
+            acts, recompute = flight * (kept + shared + own), min(k, n) * block.activations + (2 * seg_input if off else 0)
         elif rc is not None or comp is not None:
             kept = chosen * selected.activations + (n - chosen) * plain.activations
             acts = flight * (kept + shared + own)
-            recompute = max(block.activations - selected.activations, 0) if chosen else 0
+            host_acts = flight * chosen * selected.host_bytes
+            # one block's recompute re-creates its activations less what it kept (on the device or the host);
+            # offload: its kept inputs are back on the device and the previous checkpoint's arriving (2 x)
+            recompute = max(block.activations - selected.activations - selected.host_bytes, 0) \
+                + 2 * selected.host_bytes if chosen else 0
         else:
             acts, recompute = flight * (n * block.activations + shared + own), 0
         boundary = block.input_bytes + block.side_total
@@ -396,6 +412,7 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
     per_block = {"block_activations": block.activations, "block_input": block.input_bytes,
                  "selected_block_activations": selected.activations, "plain_block_activations": plain.activations,
                  "checkpoint_input": seg_input, "side_inputs": block.side_total, "embed_activations": embed.activations,
+                 "offloaded_per_block": (seg_input if k else selected.host_bytes) if off else 0,
                  "final_activations": final.activations, "block_params": sum(n_ for n_, *_ in block.params)}
     return MemoryPlan(stages, device_memory, eng.optimizer_path(pp), per_block)
 

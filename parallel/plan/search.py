@@ -61,6 +61,12 @@ MAX_MICRO_BATCH = 64
 # (JSON activation_checkpointing on, train.recompute granularity, every): the options the search compares.
 RECOMPUTE_OPTIONS = ((True, None, 1), (False, None, 1), (False, "attention", 1), (False, "mlp", 1),
                      (False, "block", 2))
+# With `offload` (tried when nothing fits): each train.recompute option that checkpoints, its kept inputs on the host
+# (train.offload_activations; the JSON's full checkpointing is block/1 here), and ZeRO-3 with optimizer and
+# parameter offload (OFFLOAD_KEYS) beside the user's engine.
+OFFLOAD_OPTIONS = ((False, "block", 1), (False, "attention", 1), (False, "mlp", 1), (False, "block", 2))
+OFFLOAD_KEYS = {"offload_optimizer": {"device": "cpu", "pin_memory": True},
+                "offload_param": {"device": "cpu", "pin_memory": True}}
 
 
 @dataclass(frozen=True)
@@ -72,14 +78,17 @@ class Device:
     fp32_flops: float
     intra_bw: float        # within a node (NVLink / HCCS)
     inter_bw: float        # between nodes, per device (InfiniBand / RoCE)
+    host_bw: float = float("inf")   # device <-> host memory (PCIe); inf: host copies cost nothing
 
 
+# host_bw: the datasheets' PCIe figure per direction (A100 SXM "PCIe Gen4: 64 GB/s", H100 / H200 SXM "PCIe Gen5:
+# 128 GB/s", both directions together); Ascend 910B assumed PCIe 4.0 x16.
 DEVICES = {
-    "a100-80gb": Device("NVIDIA A100 80GB SXM", 312e12, 19.5e12, 300e9, 25e9),      # NVLink3, 8 x HDR 200G
-    "h100-80gb": Device("NVIDIA H100 80GB SXM", 989e12, 67e12, 450e9, 50e9),        # NVLink4, 8 x NDR 400G
-    "h200": Device("NVIDIA H200 141GB SXM", 989e12, 67e12, 450e9, 50e9),
-    "ascend-910b": Device("Huawei Ascend 910B", 313e12, 313e12 / 4, 196e9, 25e9),   # HCCS, 200G RoCE; fp32 assumed 1/4
-    "cpu": Device("CPU (nominal)", 1e12, 1e12, 10e9, 1e9),
+    "a100-80gb": Device("NVIDIA A100 80GB SXM", 312e12, 19.5e12, 300e9, 25e9, 32e9),      # NVLink3, 8 x HDR 200G
+    "h100-80gb": Device("NVIDIA H100 80GB SXM", 989e12, 67e12, 450e9, 50e9, 64e9),        # NVLink4, 8 x NDR 400G
+    "h200": Device("NVIDIA H200 141GB SXM", 989e12, 67e12, 450e9, 50e9, 64e9),
+    "ascend-910b": Device("Huawei Ascend 910B", 313e12, 313e12 / 4, 196e9, 25e9, 32e9),   # HCCS, 200G RoCE; fp32 1/4
+    "cpu": Device("CPU (nominal)", 1e12, 1e12, 10e9, 1e9, 10e9),
 }
 
 
@@ -93,6 +102,7 @@ class StepTime:
     bubble: float          # seconds lost to the pipeline bubble
     total: float
     samples_per_s: float
+    host: float = 0.0      # host copies not hidden behind compute (host_time)
 
 
 def count_params(tracer: ActivationTracer) -> tuple[int, int]:
@@ -129,8 +139,25 @@ def ring_traffic(chunk_bytes: int, ring: int, lp: int) -> tuple[int, int]:
     return (ring - 1) * kv, (ring - 1) * kv + ring * kv * 4 // lp
 
 
+def host_time(host: dict[str, int], offloaded: int, eng: EngineSettings, m: int, compute: float,
+              device: Device) -> float:
+    """Seconds of one step's host <-> device copies (the worst stage's `host` lines, bytes) left over after
+    compute. train.offload_activations: `offloaded` bytes a micro-batch down in forward and up in backward, on a
+    side stream, hidden behind that micro-batch's compute where the link keeps up (DeepSpeed's cpu_checkpointing
+    alike). ZeRO-3 parameter offload:
+    the parameter partitions up in forward and in backward, each micro-batch; optimizer offload: the lp gradient
+    partition down and the updated lp weights up once a step (master weights 4 B an element: elements =
+    master / 4). Neither overlapped, and the host optimizer's own time is not modelled."""
+    activations = m * max(2 * offloaded / device.host_bw - compute / m, 0.0)
+    params = m * 2 * host.get("parameters", 0) / device.host_bw if eng.offload_param and eng.zero == 3 else 0.0
+    states = 2 * eng.lp * host.get("master_weights", 0) / 4 / device.host_bw if eng.offload_optimizer else 0.0
+    return activations + params + states
+
+
 def estimate_step_time(cfg: ExperimentConfig, eng: EngineSettings, dp: int, device: Device, per_node: int,
-                       utilisation: float, tracer: ActivationTracer, stage_params: int) -> StepTime:
+                       utilisation: float, tracer: ActivationTracer, stage_params: int,
+                       memory: Optional[MemoryPlan] = None) -> StepTime:
+    """The step time of the module docstring; with `memory` (the layout's plan) its host copies too."""
     m_cfg, t = cfg.model, cfg.train
     tp, pp, m, b = cfg.parallel.tp_size, cfg.parallel.pp_size, t.grad_accum_steps, t.micro_batch_size
     sp = cfg.parallel.sp_size
@@ -180,9 +207,13 @@ def estimate_step_time(cfg: ExperimentConfig, eng: EngineSettings, dp: int, devi
             h = eng.hpz if eng.hpz > 1 else d              # hpz: backward gathers from the node's secondary copy
             backward_link = device.intra_bw if eng.hpz > 1 else link
             dp_time += m * ((d - 1) / d * forward_gather / link + (h - 1) / h * backward_gather / backward_link)
+    host = 0.0
+    if memory is not None:
+        worst = memory.worst
+        host = host_time(worst.host, worst.host.get("activations", 0) // worst.in_flight, eng, m, compute, device)
     work = compute + tp_time + sp_time + pp_time
-    total = work * (m + pp - 1) / m + dp_time
-    return StepTime(compute, tp_time, pp_time, dp_time, sp_time, work * (pp - 1) / m, total, b * m * dp / total)
+    total = work * (m + pp - 1) / m + dp_time + host
+    return StepTime(compute, tp_time, pp_time, dp_time, sp_time, work * (pp - 1) / m, total, b * m * dp / total, host)
 
 
 def recompute_fraction(cfg: ExperimentConfig, eng: EngineSettings, tracer: ActivationTracer) -> float:
@@ -251,7 +282,8 @@ class Candidate:
         rc = self.cfg.train.recompute
         if rc is None:
             return "on" if self.checkpointing else "off"
-        return rc.granularity + (f"/{rc.every}" if rc.every > 1 else "")
+        return rc.granularity + (f"/{rc.every}" if rc.every > 1 else "") \
+            + ("+host" if self.cfg.train.offload_activations else "")
 
     @property
     def overrides(self) -> list[str]:
@@ -261,7 +293,13 @@ class Candidate:
         return [f"parallel.tp_size={d.tp_size}", f"parallel.pp_size={d.pp_size}"] \
             + ([f"parallel.sp_size={d.sp_size}"] if d.sp_size > 1 else []) \
             + ([f"parallel.ring_size={d.ring_size}"] if d.ring_size > 1 else []) \
-            + [f"train.micro_batch_size={self.micro_batch}"] + recompute
+            + [f"train.micro_batch_size={self.micro_batch}"] + recompute \
+            + (["train.offload_activations=true"] if self.cfg.train.offload_activations else [])
+
+    @property
+    def host_memory(self) -> int:
+        """Host bytes one process needs (its stage's, the most of any stage)."""
+        return max(sum(stage.host.values()) for stage in self.memory.stages)
 
 
 @dataclass
@@ -281,26 +319,49 @@ def sp_split(heads: int, tp: int, sp: int, node: int, ring_ok: bool = True) -> t
     return u, sp // u
 
 
+def zero3_offload(ds: dict) -> dict:
+    """ds at ZeRO-3 with the optimizer and the parameters offloaded to the host (the user's offload keys kept)."""
+    out = ds_variant(ds, 3, False)
+    z = out["zero_optimization"]
+    for key, value in OFFLOAD_KEYS.items():
+        if (z.get(key) or {}).get("device", "none") == "none":
+            z[key] = dict(value)
+    return out
+
+
+def engine_options(ds: dict, zero: int, offload: bool) -> list[tuple[dict, bool, tuple]]:
+    """(DeepSpeed JSON, its activation_checkpointing on, the recompute options) the search tries at `zero`."""
+    if not offload:
+        return [(ds_variant(ds, zero, ckpt), ckpt, (ckpt, g, e)) for ckpt, g, e in RECOMPUTE_OPTIONS]
+    found = [(ds_variant(ds, zero, False), False, (False, g, e)) for _, g, e in OFFLOAD_OPTIONS]
+    if zero == 3 and zero3_offload(ds) != found[0][0]:      # unless the user's JSON offloads both already
+        found += [(zero3_offload(ds), False, (False, g, e)) for _, g, e in OFFLOAD_OPTIONS]
+    return found
+
+
 def with_layout(cfg: ExperimentConfig, dims: ParallelDims, micro_batch: int,
-                recompute: Optional[tuple] = None) -> ExperimentConfig:
-    """cfg at this layout and micro-batch; `recompute` (granularity, every) sets train.recompute (None: off)."""
+                recompute: Optional[tuple] = None, offload: bool = False) -> ExperimentConfig:
+    """cfg at this layout and micro-batch; `recompute` (granularity, every) sets train.recompute (None: off);
+    `offload`: train.offload_activations."""
     parallel = cfg.parallel.model_copy(update={"tp_size": dims.tp_size, "pp_size": dims.pp_size,
                                                "sp_size": dims.sp_size, "dp_size": None,
                                                "ring_size": dims.ring_size if dims.ring_size > 1 else None,
                                                "pp_partition": None})
     rc = None if recompute is None else RecomputeConfig(granularity=recompute[0], every=recompute[1])
-    train = cfg.train.model_copy(update={"micro_batch_size": micro_batch, "recompute": rc})
+    train = cfg.train.model_copy(update={"micro_batch_size": micro_batch, "recompute": rc,
+                                         "offload_activations": offload})
     return cfg.model_copy(update={"parallel": parallel, "train": train})
 
 
 def search(cfg: ExperimentConfig, ds: dict, devices: int, per_node: int, device_memory: int, device: Device,
            tracer: ActivationTracer, utilisation: float = 0.4, margin: float = 0.10,
-           workspace: int = 2 ** 30, source: str = "deepspeed config", progress: bool = False) -> SearchResult:
+           workspace: int = 2 ** 30, source: str = "deepspeed config", progress: bool = False,
+           offload: bool = False) -> SearchResult:
     """Every layout of `devices` devices; tp and Ulysses stay within a node (tp x ulysses divides the devices per
     node). Each sp runs as `sp_split` gives it: Ulysses as far as the heads and the node allow, ring for the
     rest (only for families whose attention takes a ring), so ring opens the sp sizes Ulysses cannot reach:
     head counts it does not divide, and sequence groups across nodes. `progress`: a bar of the (tp, sp, pp)
-    grids on stderr."""
+    grids on stderr. `offload`: the OFFLOAD_OPTIONS instead of RECOMPUTE_OPTIONS (engine_options)."""
     node = min(devices, per_node)
     ranked, not_fitting, invalid = [], [], []
     ring_ok = getattr(type(cfg.model), "RING_ATTENTION", True)
@@ -317,9 +378,9 @@ def search(cfg: ExperimentConfig, ds: dict, devices: int, per_node: int, device_
         dp = devices // (tp * sp * pp)
         dims = ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp, ring_size=ring)
         for zero in range(4):
-            for n, (checkpointing, granularity, every) in enumerate(RECOMPUTE_OPTIONS):
+            for n, (ds_l, checkpointing, (_, granularity, every)) in enumerate(engine_options(ds, zero, offload)):
                 rc = (granularity, every) if granularity else None
-                cfg_l, ds_l = with_layout(cfg, dims, 1, rc), ds_variant(ds, zero, checkpointing)
+                cfg_l = with_layout(cfg, dims, 1, rc, offload)
                 # The verdict does not depend on the recompute option (ds_variant drops the JSON's section
                 # whenever train.recompute is set): checked and reported once.
                 problems = [] if n else check(cfg_l, ds_l, f"{source} at zero_optimization.stage={zero}", devices)[1]
@@ -329,7 +390,7 @@ def search(cfg: ExperimentConfig, ds: dict, devices: int, per_node: int, device_
                     break
                 best = None
                 for b in (2 ** i for i in range(int(math.log2(MAX_MICRO_BATCH)) + 1)):
-                    cfg_b = with_layout(cfg, dims, b, rc)
+                    cfg_b = with_layout(cfg, dims, b, rc, offload)
                     memory = plan_memory(cfg_b, ds_l, dp, device_memory, tracer, margin, workspace)
                     cand = Candidate(dims, zero, checkpointing, b, cfg_b, ds_l, memory)
                     if not memory.fits:
@@ -341,7 +402,7 @@ def search(cfg: ExperimentConfig, ds: dict, devices: int, per_node: int, device_
                     eng = EngineSettings.from_ds(best.ds, cfg.model.num_layers)
                     stage_params = max(stage.params for stage in best.memory.stages)
                     best.time = estimate_step_time(best.cfg, eng, dp, device, per_node, utilisation, tracer,
-                                                   stage_params)
+                                                   stage_params, best.memory)
                     ranked.append(best)
     ranked.sort(key=lambda c: -c.time.samples_per_s)
     return SearchResult(ranked, not_fitting, invalid)

@@ -44,6 +44,7 @@ from models.geometry import PositionCache, latent_shape, token_grid
 from models.registry import family, ring_fits, sequence_tokens
 from parallel.config import ExperimentConfig
 from parallel.build import expert_of_parameter, layer_specs
+from parallel.distributed.offload import HostOffload
 from parallel.distributed.sequence import sp_pairs
 from parallel.distributed.topology import ParallelContext
 from parallel.lora import apply_lora
@@ -158,6 +159,7 @@ class StageTrace:
     params: tuple             # ((numel, ndim, expert or None), ...) of this tp rank's parameters
     tables: int = 0           # the position tables among `buffers`: shared by a stage's blocks, held once
     trainable: Optional[tuple] = None   # LoRA: ((numel, ndim, expert), ...) of the adapters (None: every parameter)
+    host_bytes: int = 0       # train.offload_activations: what its checkpoints put in host memory (not in activations)
 
     @property
     def side_total(self) -> int:
@@ -205,9 +207,10 @@ class ActivationTracer:
         self._modules: dict = {}
         self._traces: dict = {}
 
-    def _module(self, kind: str, tp: int, sp: int = 1, granularity: Optional[str] = None):
-        """The stage module on meta; a block with `granularity` checkpointed as train.recompute would."""
-        if (kind, tp, sp, granularity) not in self._modules:
+    def _module(self, kind: str, tp: int, sp: int = 1, granularity: Optional[str] = None, offload: bool = False):
+        """The stage module on meta; a block with `granularity` checkpointed as train.recompute would (`offload`:
+        its checkpoints' inputs moved to the host as train.offload_activations does; what moves is recorded)."""
+        if (kind, tp, sp, granularity, offload) not in self._modules:
             # Traced at the default ring for (tp, sp): every (ulysses, ring) pair saves the same elements
             # (q, k, v, out of b S/sp H/tp), so one trace serves all; ring's own buffers are memory.ring_buffers.
             ctx = ParallelContext.single(tp, sp, ring_of(self.cfg, tp, sp, explicit=False))
@@ -219,10 +222,12 @@ class ActivationTracer:
                     apply_lora(module, self.cfg.model, self.cfg.train.seed, prefix=f"{spec.name}.")
                 for param in module.parameters():     # as DeepSpeed 0.19 casts: parameters, not buffers
                     param.data = param.data.to(self.dtype)
+            moved: list[int] = []
             if granularity is not None:
-                wrap_layer(module, family(self.cfg.model).recompute_parts, granularity, None)
-            self._modules[(kind, tp, sp, granularity)] = (module, ctx)
-        return self._modules[(kind, tp, sp, granularity)]
+                hooks = HostOffload(lambda t, host: moved.append(t.numel() * t.element_size())) if offload else None
+                wrap_layer(module, family(self.cfg.model).recompute_parts, granularity, None, offload=hooks)
+            self._modules[(kind, tp, sp, granularity, offload)] = (module, ctx, moved)
+        return self._modules[(kind, tp, sp, granularity, offload)]
 
     def _inputs(self, kind: str, tp: int, b: int, sp: int = 1):
         """Meta tensors of the stage's input; a block's and final's are the embed stage's outputs, as leaves
@@ -233,14 +238,15 @@ class ActivationTracer:
                *(torch.empty(b, *shape) for shape in m.extra_input_shapes()))
         if kind == "embed":
             return raw
-        embed, _ = self._module("embed", tp, sp)
+        embed, *_ = self._module("embed", tp, sp)
         with torch.no_grad():
             out = embed(raw)
         return tuple(torch.empty(t.shape, dtype=t.dtype, requires_grad=t.is_floating_point()) for t in out)
 
     def _trace(self, kind: str, tp: int, b: int, sp: int = 1, granularity: Optional[str] = None,
-               compression: Optional[str] = None) -> StageTrace:
-        module, _ = self._module(kind, tp, sp, granularity)
+               compression: Optional[str] = None, offload: bool = False) -> StageTrace:
+        module, _, moved = self._module(kind, tp, sp, granularity, offload)
+        moved.clear()
         with torch.device("meta"), fused_attention_on_meta():
             inputs = self._inputs(kind, tp, b, sp)
             with record_saved() as saved:
@@ -259,14 +265,16 @@ class ActivationTracer:
             if self.cfg.model.lora is not None else None
         return StageTrace(acts, storage_bytes(x), tuple(storage_bytes(t) for t in side),
                           tuple(kind != "embed" and k in saved for k in side_keys), sum(held.values()), params,
-                          sum(table_storages(module).values()), trainable)
+                          sum(table_storages(module).values()), trainable, sum(moved))
 
     def trace(self, kind: str, tp: int, b: int, sp: int = 1, granularity: Optional[str] = None,
-              compression: Optional[str] = None) -> StageTrace:
+              compression: Optional[str] = None, offload: bool = False) -> StageTrace:
         """The trace at micro-batch b (one sp rank's tokens): traced at 1 and 2, extrapolated linearly beyond.
-        A block's with train.recompute's `granularity` checkpointed (its kept inputs count as saved) and/or
-        with train.activation_compression's `compression` (each saved activation at its packed size)."""
-        option = (granularity, compression) if kind == "block" else (None, None)
+        A block's with train.recompute's `granularity` checkpointed (its kept inputs count as saved, or with
+        `offload` as host bytes) and/or with train.activation_compression's `compression` (each saved
+        activation at its packed size)."""
+        option = (granularity, compression, offload and granularity is not None) if kind == "block" \
+            else (None, None, False)
         for n in (1, 2):
             if (kind, tp, n, sp, option) not in self._traces:
                 self._traces[(kind, tp, n, sp, option)] = self._trace(kind, tp, n, sp, *option)
@@ -275,7 +283,8 @@ class ActivationTracer:
         one, two = self._traces[(kind, tp, 1, sp, option)], self._traces[(kind, tp, 2, sp, option)]
         return StageTrace(_affine(one.activations, two.activations, b), _affine(one.input_bytes, two.input_bytes, b),
                           tuple(_affine(a, c, b) for a, c in zip(one.side_bytes, two.side_bytes)), one.side_saved,
-                          one.buffers, one.params, one.tables, one.trainable)
+                          one.buffers, one.params, one.tables, one.trainable,
+                          _affine(one.host_bytes, two.host_bytes, b))
 
     def layer_parameters(self, start: int, n: int, tp: int, sp: int = 1) -> tuple[list, Optional[list]]:
         """(params, trainable) as in StageTrace, of layers [start, start + n) at tp: the traced block's n times,
@@ -309,7 +318,7 @@ class ActivationTracer:
         if key not in self._traces:
             totals = []
             for g in (None, granularity):
-                module, _ = self._module("block", tp, sp, g)
+                module, *_ = self._module("block", tp, sp, g)
                 with torch.device("meta"), FlopCounterMode(display=False) as count:
                     out = module(self._inputs("block", tp, 1, sp))[0]
                     forward = count.get_total_flops()

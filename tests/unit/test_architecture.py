@@ -63,7 +63,7 @@ LAYERS = (
     ("primitives", ("parallel", "parallel.distributed")),
     ("models", ("models",)),
     ("experiment", ("parallel.units", "parallel.cli", "parallel.config", "parallel.ds_config", "parallel.ds_keys",
-                    "parallel.shapes", "parallel.manifest", "parallel.splits")),
+                    "parallel.shapes", "parallel.manifest", "parallel.splits", "parallel.host_memory")),
     ("model build", ("parallel.recompute", "parallel.lora", "parallel.build", "parallel.lora_check")),
     ("weights, data", ("parallel.weights", "parallel.prepare_data")),
     ("training", ("parallel.train",)),

@@ -1,0 +1,71 @@
+"""The planner with train.offload_activations: `--search` tries it (and ZeRO-3 offload) only when nothing fits and
+says so in its "run it" line with the host memory needed; plan mode's DOES NOT FIT names the keys that fit, or
+the device count that would; the copy time follows the device profile's host link."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+
+from parallel.config import load_config
+from parallel.plan.cli import main
+from parallel.plan.search import DEVICES, Device, search
+from parallel.plan.trace import ActivationTracer
+from tests.train_utils import fp32_config
+
+VIDEO = ["data.num_frames=33", "data.height=128", "data.width=128", "train.micro_batch_size=1"]
+# debug at 33 x 128 x 128, micro-batch 1 on one device, no workspace: the least a layout without offload needs is
+# 12,348,441 B (ZeRO-0, the JSON's checkpointing), with checkpoint inputs on the host 11,855,078 B (block+host)
+BETWEEN = "12.1MB"
+
+
+def _run(capsys, *extra, memory=BETWEEN):
+    status = main(["--config", "debug", "--deepspeed_config", "ds_configs/zero0_fp32.json", "--world-size", "1",
+                   "--device-memory", memory, "--workspace", "0GiB", "--format", "json",
+                   "--ds-out", os.path.join(tempfile.mkdtemp(), "ds.json"),      # a new file: an existing one is refused
+                   "--device-profile", "h100-80gb", *(a for k in VIDEO for a in ("--set", k)), *extra])
+    return status, json.loads(capsys.readouterr().out)
+
+
+def test_search_tries_offload_when_nothing_fits_and_names_its_keys_and_host_memory(capsys):
+    status, report = _run(capsys, "--search")
+    assert status == 0 and report["offload"] is True
+    best = report["ranked"][0]
+    assert "train.offload_activations=true" in best["overrides"] and "+host" in best["recompute"]
+    assert "--set train.offload_activations=true" in best["command"]
+    assert best["host_memory"] > 0 and best["memory"]["total"] <= 12.1e6
+    cfg = load_config("debug", VIDEO)
+    plain = search(cfg, fp32_config(0, True), 1, 8, 12_100_000, DEVICES["h100-80gb"],
+                   ActivationTracer(cfg, torch.float32), workspace=0)
+    assert plain.ranked == []
+
+
+def test_plan_mode_names_the_next_step(capsys):
+    status, report = _run(capsys)
+    assert status == 2 and report["next_step"]["keys"] == ["train.offload_activations=true"]
+    assert report["next_step"]["total"] <= 12.1e6 < report["total"] and report["next_step"]["host_memory"] > 0
+    # below the least with offload (11,855,078 B): no key fits one device; two do (ZeRO shards the model states)
+    status, report = _run(capsys, memory="11.5MB")
+    assert status == 2 and report["next_step"] == {"keys": None, "devices_that_fit": 2}
+
+
+@pytest.mark.parametrize("host_bw", [1e6, 1e12])
+def test_copy_time_is_what_the_host_link_does_not_hide(host_bw):
+    """Each micro-batch's offloaded bytes go down and up once: 2 x bytes / host_bw, less that micro-batch's compute."""
+    from parallel.plan.memory import EngineSettings, plan_memory
+    from parallel.plan.search import estimate_step_time
+
+    cfg = load_config("debug", [*VIDEO, "train.recompute.granularity=block", "train.offload_activations=true",
+                                "train.grad_accum_steps=2"])
+    tracer, ds = ActivationTracer(cfg, torch.float32), fp32_config(0, False)
+    memory = plan_memory(cfg, ds, 1, 2 ** 40, tracer)
+    eng = EngineSettings.from_ds(ds, cfg.model.num_layers)
+    device = Device("test", 1e12, 1e12, 1e10, 1e10, host_bw)
+    time = estimate_step_time(cfg, eng, 1, device, 8, 0.4, tracer, memory.worst.params, memory)
+    per_micro_batch = memory.worst.host["activations"]
+    assert per_micro_batch > 0
+    assert time.host == pytest.approx(2 * max(2 * per_micro_batch / host_bw - time.compute / 2, 0))
+    assert time.total == pytest.approx(time.compute + time.host)
