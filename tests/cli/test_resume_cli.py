@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import psutil
@@ -110,3 +111,11 @@ def test_sigterm_and_resume_equal_one_uninterrupted_run(tmp_path, capsys):
     model, ema = (load_file(parts / "export" / f"{n}.safetensors") for n in ("model", "ema"))
     assert model.keys() == ema.keys() and model["blocks.3.attn.to_qkv.weight"].shape == (3 * 64, 64)
     assert not torch.equal(model["blocks.0.ff_in.weight"], ema["blocks.0.ff_in.weight"])
+    # What DeepSpeed users run first: the zero_to_fp32.py DeepSpeed copies beside the checkpoints gives the
+    # export's model tensors, under the same names, at this layout (pp 1, tp 1, ZeRO-2; docs/training.md#export
+    # says where it does not work)
+    subprocess.run([sys.executable, str(parts / "checkpoints" / "zero_to_fp32.py"), str(parts / "checkpoints"),
+                    str(tmp_path / "zero_to_fp32"), "-t", f"step{STEPS}", "--safe_serialization"],
+                   check=True, capture_output=True, cwd=ROOT)
+    theirs = load_file(tmp_path / "zero_to_fp32" / "model.safetensors")
+    assert theirs.keys() == model.keys() and all(torch.equal(theirs[k], model[k]) for k in model)
