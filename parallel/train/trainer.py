@@ -97,7 +97,7 @@ class Trainer:
             dataset = GuardedSamples(dataset, self.guard)
         self.dataset = dataset
         val_dataset = build_val_dataset(cfg) if cfg.val.every else None
-        step = None if self.resume is True else self.resume       # an int: train.py --resume N
+        step = None if self.resume is True else self.resume       # an int: train.py --checkpoint N
         self.tag = checkpoint.find_resume(self.ckpt_dir, self.ckpt_layout, model=self.model_keys, step=step) \
             if self.resume is not False else None
         # The plan traces the model on the meta device: no process group needed, so a layout it cannot plan
@@ -151,7 +151,7 @@ class Trainer:
             print("initial weights: the checkpoint's (model.init_from is not read when resuming)" if tag else
                   f"initial weights: {cfg.model.init_from} (model.init_from)", flush=True)
         if tag:
-            done = "; train.max_steps reached, nothing to do (raise it, or --resume never)" \
+            done = "; train.max_steps reached, nothing to do (raise it, or --checkpoint none)" \
                 if start >= cfg.train.max_steps else ""
             saved = checkpoint.saved_layout(self.ckpt_dir / tag)
             moved = "" if checkpoint.same_layout(saved, self.ckpt_layout) else \

@@ -55,7 +55,7 @@ def test_a_latent_of_the_wrong_shape_is_named_before_training(tmp_path):
                  "--set", "data.kind=directory", "--set", f"data.path={tmp_path}",
                  "--set", f"train.output_dir={tmp_path / 'run'}")
     assert p.returncode == 1
-    assert "refusing to start" in p.stderr
+    assert "train.py refused (" in p.stderr
     assert f"{tmp_path / 'v1.safetensors'}: latent shape [4, 3, 8, 9] != expected [4, 3, 8, 8] (manifest.jsonl:2; " \
            in p.stderr
     assert "v0.safetensors" not in p.stderr and "Traceback" not in p.stderr
