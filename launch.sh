@@ -5,6 +5,11 @@
 #             [--nnodes N --node-rank R --master-addr HOST] [--master-port P] [--device cpu|cuda|npu]
 #             [--nnodes MIN:MAX --max-restarts N --master-addr HOST] [--dry-run] -- train.py ARGS...
 #
+# --nproc N: processes on each node (one a device; default: the devices this node has), not the total:
+# the world size (train.py's and parallel.plan's --world-size) is --nproc x the nodes (--nnodes, or the
+# hostfile's slots). Flags are spelled with dashes; the underscore spelling works too (--node_rank).
+# A refusal prints `launch.sh refused (1 problem):` and the problem, and exits 1, as every command does.
+#
 # --nnodes MIN:MAX: elastic (torchrun's agent, c10d rendezvous at --master-addr:--master-port, the same
 # command on every node, no --node-rank): when a node is lost the run restarts by itself on the nodes that
 # remain (at least MIN, at most --max-restarts times, default 3) and resumes from the newest verified
@@ -23,9 +28,10 @@ set -euo pipefail
 
 launcher=auto nproc="" hostfile="" nnodes=1 node_rank="" master_addr="" master_port=29500
 device="" dry_run=0 max_restarts=""
-die() { echo "launch.sh: $*" >&2; exit 2; }
+die() { printf 'launch.sh refused (1 problem):\n  - %s\n' "$*" >&2; exit 1; }
 usage() { sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; }
 while [ $# -gt 0 ]; do
+  case "$1" in --*_*) set -- "$(printf '%s' "${1%%=*}" | tr _ -)${1#"${1%%=*}"}" "${@:2}" ;; esac    # --node_rank
   case "$1" in
     --launcher) launcher="$2"; shift 2 ;;
     --nproc) nproc="$2"; shift 2 ;;
@@ -42,7 +48,7 @@ while [ $# -gt 0 ]; do
     *) die "unknown option $1 (options go before --, train.py's arguments after it)" ;;
   esac
 done
-[ $# -gt 0 ] || die "nothing to launch: launch.sh [options] -- train.py --config ... --deepspeed_config ..."
+[ $# -gt 0 ] || die "nothing to launch: launch.sh [options] -- train.py --config ... --deepspeed-config ..."
 PY="${PYTHON:-python}"
 
 elastic=0
@@ -80,7 +86,7 @@ fi
 where=(--launcher "$launcher" --master-port "$master_port" --nnodes "$nnodes")
 for o in hostfile master_addr nproc node_rank; do [ -z "${!o}" ] || where+=("--${o//_/-}" "${!o}"); done
 [ "$dry_run" = 1 ] && where+=(--describe)
-plan=$("$PY" -m parallel.distributed.master "${where[@]}") || exit 2
+plan=$("$PY" -m parallel.distributed.master "${where[@]}") || exit $?
 read -r master_addr world nproc <<<"$plan"
 for v in master_addr world nproc; do [ "${!v}" != - ] || printf -v "$v" ''; done
 

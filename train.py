@@ -1,7 +1,7 @@
 """Train a video DiT with tensor, pipeline and ZeRO data parallelism.
 
     deepspeed --num_gpus 4 train.py --config configs/debug.yaml \
-        --deepspeed_config ds_configs/zero1_bf16.json --set parallel.tp_size=2 --set parallel.pp_size=2
+        --deepspeed-config ds_configs/zero1_bf16.json --set parallel.tp_size=2 --set parallel.pp_size=2
 
 config -> checks (the checkpoint to resume included) -> Trainer (parallel/train/trainer.py): topology ->
 model -> deepspeed.initialize -> loop.
@@ -12,29 +12,19 @@ import argparse
 import sys
 
 from parallel.check import check_resume, load_and_check
-from parallel.cli import add_experiment_args, run
+from parallel.cli import LATEST, NONE, REFUSED, Parser, add_checkpoint, add_experiment_args, refused, run
 from parallel.config import ConfigError
 from parallel.elastic import check_elastic, elastic_worlds
 from parallel.distributed.topology import read_launch_env
 
 
-def resume_choice(text: str):
-    """--resume: 'auto', 'never', or a step (N or stepN)."""
-    if text in ("auto", "never"):
-        return text
-    step = text.removeprefix("step")
-    if not step.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r}: give auto, never, or a checkpoint's step (40 or step40)")
-    return int(step)
-
-
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="train.py", description=__doc__.splitlines()[0])
+    ap = Parser(prog="train.py", description=__doc__.splitlines()[0])
     add_experiment_args(ap)
-    ap.add_argument("--resume", default="auto", type=resume_choice, metavar="{auto,never,N}",
-                    help="auto: continue from the newest usable checkpoint in ckpt.dir, if there is one; never: "
-                         "start from step 0 (a complete checkpoint a save would write over is moved aside); "
-                         "N: from ckpt.dir's stepN and no other")
+    add_checkpoint(ap, training=True, help="the checkpoint to continue from: latest (default; also auto) the newest "
+                   "usable one in ckpt.dir, if there is one; N or stepN: ckpt.dir's stepN and no other; none (also "
+                   "never): start from step 0 (a complete checkpoint a save would write over is moved aside). "
+                   "Old spelling: --resume")
     ap.add_argument("--check-only", action="store_true",
                     help="check the configuration for WORLD_SIZE ranks (not the device), print the summary and "
                          "exit: launch.sh --dry-run runs it")
@@ -67,7 +57,7 @@ def main(argv=None) -> int:
                 raise ConfigError("\n".join(problems))
             if env.rank == 0 and env.world_size == max(elastic):
                 print("\n".join(lines), file=sys.stderr)
-        if args.resume != "never":    # on fewer or more nodes: the checkpoint's global batch, by accumulation
+        if args.checkpoint != NONE:    # on fewer or more nodes: the checkpoint's global batch, by accumulation
             from parallel.train.checkpoint import resume_accumulation
             kept = resume_accumulation(cfg.ckpt_dir, layout.global_batch, cfg.train.micro_batch_size * layout.dp_size,
                                        layout.dp_size)
@@ -79,19 +69,17 @@ def main(argv=None) -> int:
                 if env.local_rank == 0:
                     print(f"resuming at dp {layout.dp_size}: train.grad_accum_steps={kept[0]} keeps the "
                           f"checkpoint's global batch {kept[1]}", file=sys.stderr)
-            check_resume(cfg, layout, None if args.resume == "auto" else args.resume)   # one it cannot continue
+            check_resume(cfg, layout, None if args.checkpoint == LATEST else args.checkpoint)   # one it cannot continue
     except ConfigError as e:
-        if env.local_rank == 0:      # once per node, so every node's log says why its ranks stopped
-            print("refusing to start, the checks found problems:\n  - " +
-                  str(e).replace("\n", "\n  - "), file=sys.stderr)
-        return 1
+        # once per node, so every node's log says why its ranks stopped
+        return refused("train.py", str(e)) if env.local_rank == 0 else REFUSED
     if args.check_only:
         from parallel.check import summary
         print(summary(cfg, layout, args.deepspeed_config))
         return 0
 
     from parallel.train.trainer import Trainer     # heavy imports (deepspeed, torch) only after the checks
-    resume = {"auto": True, "never": False}.get(args.resume, args.resume)
+    resume = {LATEST: True, NONE: False}.get(args.checkpoint, args.checkpoint)
     return Trainer(cfg, ds, layout, env, resume=resume, planner=run_plan).fit()
 
 

@@ -75,7 +75,7 @@ class Check:
         """One schedule for every run (decay over 4 steps); a checkpoint at the end only, without the layout-free
         copy (tested on CPU; it doubles the bytes: cogvideox-2b's checkpoint is 28 GB without it, the device's
         disk 64 GiB), one kept."""
-        return ["--config", self.preset, "--deepspeed_config", self.ds, "--set", f"train.output_dir={out}",
+        return ["--config", self.preset, "--deepspeed-config", self.ds, "--set", f"train.output_dir={out}",
                 "--set", "val.every=0", "--set", "train.warmup_steps=0", "--set", "train.decay_steps=4",
                 "--set", "ckpt.every=0",
                 "--set", "ckpt.layout_free=false", "--set", "ckpt.keep=1", *extra]

@@ -1,7 +1,7 @@
 """Where `train.py`'s step goes, by phase, beside the same step's blocks (issue: train.py at the speed of its blocks).
 
-    python -m bench.step_phases --config cogvideox-5b --deepspeed_config zero1_bf16     # one GPU, release size
-    python -m bench.step_phases --config debug --deepspeed_config zero1_bf16 --steps 3  # the same on CPU
+    python -m bench.step_phases --config cogvideox-5b --deepspeed-config zero1_bf16     # one GPU, release size
+    python -m bench.step_phases --config debug --deepspeed-config zero1_bf16 --steps 3  # the same on CPU
 
 One process, the engine train.py builds (`start_engine`'s build_trainer on the preset's synthetic data), the
 step train.py runs (`TrainingEngine.train_step`). Two passes of --steps steps each, after --warmup steps:
@@ -157,7 +157,7 @@ def measure(args) -> dict:
 
 
 def render(r: dict) -> str:
-    lines = [f"{r['device']}: `python -m bench.step_phases --config {r['config']} --deepspeed_config "
+    lines = [f"{r['device']}: `python -m bench.step_phases --config {r['config']} --deepspeed-config "
              f"{r['deepspeed_config']}`" + "".join(f" --set {o}" for o in r["overrides"]), "",
              "| phase | seconds per step | share of the step |", "|---|---|---|"]
     for name, s in r["phases_s"].items():

@@ -4,7 +4,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -12,6 +11,7 @@ import torch
 from models.geometry import latent_shape, token_grid
 from models.registry import family
 from parallel.build import layer_specs
+from parallel.cli import Parser, add_experiment_args, refused
 from parallel.config import ConfigError, load_config
 from parallel.distributed.pipeline import SequentialDiT
 from parallel.distributed.topology import ParallelContext
@@ -49,15 +49,13 @@ def summary(cfg) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m models", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True, help="experiment YAML file or preset name")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap = Parser(prog="python -m models", description=__doc__.splitlines()[0])
+    add_experiment_args(ap, deepspeed=False)
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 1
+        return refused(ap.prog, str(e))
     print(summary(cfg))
     return 0
 

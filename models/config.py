@@ -5,9 +5,29 @@ with its dotted name when the experiment is loaded (parallel/config.py), before 
 """
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Optional
+import json
+import shlex
+from typing import Any, ClassVar, Literal, Optional
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+def flow_value(value: Any) -> str:
+    """`value` as `--set` reads it back (YAML, parallel/config.py's parse_override), without spaces in
+    lists: [4,6,6], true, null, 1.0e-05 (YAML reads 1e-05 as a string), t2v, '1' (a string that reads as
+    a number is quoted)."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(flow_value(v) for v in value) + "]"
+    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip().removesuffix("...").strip()
+    return json.dumps(value) if text.startswith("'") else text
+
+
+def set_flag(key: str, value: Any) -> str:
+    """The advice `--set KEY=VALUE` that gives the dotted `key` this value, as one shell word: pasted into
+    bash as printed it is one argument (brackets, braces and spaces quoted: '--set 'model.rope_axes_dim=
+    [4,6,6]''), so every refusal that names a fix names it through here."""
+    return f"--set {shlex.quote(f'{key}={flow_value(value)}')}"
 
 
 class Section(BaseModel):
@@ -125,8 +145,8 @@ class ModelConfig(Section):
             raise ValueError(
                 f"model.num_heads x model.head_dim = {self.num_heads} x {self.head_dim} = "
                 f"{self.num_heads * self.head_dim} must equal model.hidden_size={self.hidden_size}; set "
-                f"--set model.hidden_size={self.num_heads * self.head_dim}, or model.num_heads and model.head_dim "
-                f"whose product is {self.hidden_size}"
+                f"{set_flag('model.hidden_size', self.num_heads * self.head_dim)}, or model.num_heads and "
+                f"model.head_dim whose product is {self.hidden_size}"
             )
         return self
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from models.config import ModelConfig
+from models.config import ModelConfig, set_flag
 
 SCHEDULE_KEYS = ("beta_start", "beta_end", "beta_schedule", "snr_shift_scale", "rescale_betas_zero_snr",
                  "timestep_spacing")
@@ -22,10 +22,6 @@ FIXED = {"num_train_timesteps": 1000, "trained_betas": None, "set_alpha_to_one":
 
 def _show(value) -> str:
     return json.dumps(value)
-
-
-def _want(value) -> str:
-    return value if isinstance(value, str) else _show(value)
 
 
 def is_flow(config: dict) -> bool:
@@ -50,13 +46,13 @@ class DiffusersScheduler:
         problems = []
         if theirs.get("prediction_type") != m.objective:
             problems.append(f"{path}: prediction_type {_show(theirs.get('prediction_type'))} != model.objective "
-                            f"{m.objective}; set --set model.objective={_want(theirs.get('prediction_type'))} "
+                            f"{m.objective}; set {set_flag('model.objective', theirs.get('prediction_type'))} "
                             f"or use the matching preset")
         for key in SCHEDULE_KEYS:
             ours = getattr(m.schedule, key)
             if theirs.get(key) != ours:
                 problems.append(f"{path}: {key} {_show(theirs.get(key))} != model.schedule.{key} {_show(ours)}; set "
-                                f"--set model.schedule.{key}={_want(theirs.get(key))} or use the matching preset")
+                                f"{set_flag(f'model.schedule.{key}', theirs.get(key))} or use the matching preset")
         for key, value in FIXED.items():
             if theirs.get(key, value) != value:
                 problems.append(f"{path}: {key} {_show(theirs[key])} is not supported (the toolkit's schedule has "

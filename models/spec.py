@@ -21,7 +21,7 @@ from typing import Callable, Optional, Protocol
 import torch
 from torch import nn
 
-from models.config import ModelConfig
+from models.config import ModelConfig, set_flag
 from models.geometry import latent_shape, token_grid
 
 
@@ -276,7 +276,9 @@ def config_problems(pairs, config: dict, path: str, qualify: str,
     """A ReleasedFormat's config check: each (diffusers key, its default, the toolkit key or None, the toolkit's
     value) of `pairs` against `config` (config.json at `path`). Equal: nothing. A key with a family message of
     its own goes to `special[key](theirs, value)` (a problem or None); a key the toolkit cannot set is
-    unsupported (`qualify`: "the toolkit's X model has V; <qualify>"); any other names the --set that fixes it."""
+    unsupported (`qualify`: "the toolkit's X model has V; <qualify>"); any other names the --set that fixes it.
+    Heads or head_dim that multiply to another width name model.hidden_size's --set too (diffusers has no such
+    key: inner_dim = num_attention_heads x attention_head_dim)."""
     problems = []
     for key, default, ours, value in pairs:
         theirs = config.get(key, default)
@@ -289,6 +291,26 @@ def config_problems(pairs, config: dict, path: str, qualify: str,
         elif ours is None:
             problems.append(f"{path}: {key} {show(theirs)} is not supported ({qualify.format(show(value))})")
         else:
-            problems.append(f"{path}: {key} {show(theirs)} != {ours} {show(value)}; set --set {ours}={show(theirs)} "
+            problems.append(f"{path}: {key} {show(theirs)} != {ours} {show(value)}; set {set_flag(ours, theirs)} "
                             f"or use the matching preset")
-    return problems
+    return problems + hidden_size_problems(pairs, config, path)
+
+
+def release_hidden_size(pairs, config: dict) -> Optional[int]:
+    """The release's width, num_attention_heads x attention_head_dim of its config.json (None when `pairs`,
+    a ReleasedFormat's config pairs, has neither key)."""
+    found = {key: config.get(key, default) for key, default, _, _ in pairs
+             if key in ("num_attention_heads", "attention_head_dim")}
+    return found["num_attention_heads"] * found["attention_head_dim"] if len(found) == 2 else None
+
+
+def hidden_size_problems(pairs, config: dict, path: str) -> list[str]:
+    """model.hidden_size's --set when the release's heads x head_dim is another width than the section's."""
+    ours = {key: value for key, _, _, value in pairs if key in ("num_attention_heads", "attention_head_dim")}
+    theirs = release_hidden_size(pairs, config)
+    if theirs is None or theirs == ours["num_attention_heads"] * ours["attention_head_dim"]:
+        return []
+    heads, dim = (config.get(key, default) for key, default, _, _ in pairs
+                  if key in ("num_attention_heads", "attention_head_dim"))
+    return [f"{path}: num_attention_heads x attention_head_dim = {heads} x {dim} = {theirs} != model.hidden_size "
+            f"{ours['num_attention_heads'] * ours['attention_head_dim']}; set {set_flag('model.hidden_size', theirs)}"]

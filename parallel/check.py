@@ -399,7 +399,7 @@ def check_run_dirs(cfg: ExperimentConfig) -> list[str]:
 
 
 def check_resume(cfg: ExperimentConfig, layout: Layout, step: Optional[int] = None) -> None:
-    """The checkpoint train.py --resume auto (or --resume `step`) continues, found now, before any process
+    """The checkpoint train.py --checkpoint latest (or --checkpoint `step`) continues, found now, before any process
     group: raise ConfigError when ckpt.dir holds one this run cannot continue (parallel.train.checkpoint.
     find_resume says what is wrong with it and what would work). Sizes only: the checksums are read by
     the run's ranks together (checkpoint.verified_resume)."""
@@ -461,7 +461,7 @@ def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source:
     return layout, problems
 
 
-NO_DS_CONFIG = "no --deepspeed_config: DeepSpeed's defaults, its engine keys unchecked"
+NO_DS_CONFIG = "no --deepspeed-config: DeepSpeed's defaults, its engine keys unchecked"
 
 
 def summary(cfg: ExperimentConfig, layout: Layout, deepspeed_config: Optional[str] = "") -> str:
@@ -546,13 +546,13 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
 
 
 def parser() -> argparse.ArgumentParser:
-    from parallel.cli import add_experiment_args, add_world_size
+    from parallel.cli import Parser, add_experiment_args, add_world_size
 
-    ap = argparse.ArgumentParser(prog="python -m parallel.check", description=__doc__.splitlines()[0])
-    # --deepspeed_config stays optional here (the model, layout and data checks need none); without it the
+    ap = Parser(prog="python -m parallel.check", description=__doc__.splitlines()[0])
+    # --deepspeed-config stays optional here (the model, layout and data checks need none); without it the
     # engine is DeepSpeed's default, ZeRO-0 fp32, and the summary says so.
     add_experiment_args(ap, deepspeed_required=False)
-    add_world_size(ap, help="number of processes (default: parallel.dp_size, else 1)")
+    add_world_size(ap, help="number of processes, every node's together (default: parallel.dp_size, else 1)")
     ap.add_argument("--device-check", action=argparse.BooleanOptionalAction, default=True,
                     help="check bf16/fp16 against this machine's accelerator (--no-device-check when checking "
                          "a run for another machine)")
@@ -568,12 +568,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             cfg, _, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, args.world_size,
                                             args.device_check)
     except ConfigError as e:
-        lines = str(e).splitlines()
-        print(f"{len(lines)} problem{'s' if len(lines) > 1 else ''} in {args.config}"
-              f"{' + ' + args.deepspeed_config if args.deepspeed_config else ''}:", file=sys.stderr)
-        for line in lines:
-            print(f"  - {line}", file=sys.stderr)
-        return 1
+        from parallel.cli import refused
+        return refused(parser().prog, str(e))
     print(summary(cfg, layout, args.deepspeed_config))
     return 0
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Optional, Union, get_args
 import yaml
 from pydantic import BaseModel, Field, PositiveInt, ValidationError, field_validator, model_validator
 
-from models.config import Section
+from models.config import Section, set_flag
 from models.registry import FAMILIES, import_families
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -318,11 +318,6 @@ def _apply_override(tree: dict, keys: list[str], value: Any, text: str) -> None:
     node[keys[-1]] = value
 
 
-def _yaml(value: Any) -> str:
-    """A value as --set reads it back (YAML flow style: 0.0003, true, [1, 2])."""
-    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
-
-
 def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     keys = []
     for name, field in model.model_fields.items():
@@ -381,7 +376,7 @@ def _describe(error: dict, source: str, overridden: set[str]) -> str:
             known = _known_keys(ExperimentConfig)
         close = _suggest(dotted, known)
         value = error.get("input")
-        fix = f"; set --set {close}={_yaml(value)} instead" if close and origin == "--set" and not isinstance(value, dict) \
+        fix = f"; set {set_flag(close, value)} instead" if close and origin == "--set" and not isinstance(value, dict) \
             else ""
         hint = f" (did you mean {close}?)" if close else ""
         return f"{origin}: unknown key {dotted}{hint}{fix}"
@@ -389,8 +384,8 @@ def _describe(error: dict, source: str, overridden: set[str]) -> str:
         return f"{origin}: missing required key {dotted}"
     got = error.get("input")
     if error["type"] == "list_type" and isinstance(got, str) and "," in got:   # --set k=a,b is a string in YAML
-        items = ",".join(part.strip() for part in got.split(","))
-        return (f"{origin}: {dotted}: a list is written in brackets (got {got!r}); set --set '{dotted}=[{items}]' "
+        items = [parse_override(f"item={part.strip()}")[1] for part in got.split(",")]
+        return (f"{origin}: {dotted}: a list is written in brackets (got {got!r}); set {set_flag(dotted, items)} "
                 f"(quoted for the shell)")
     msg = error["msg"].removeprefix("Value error, ")      # a validator's own sentence, without pydantic's label
     got_text = "" if isinstance(got, dict) or got is None else f" (got {got!r})"

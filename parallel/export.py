@@ -3,10 +3,13 @@
 Launch with the layout that wrote the checkpoint (the same flags as train.py):
 
     deepspeed --num_gpus 4 --module parallel.export --config configs/debug.yaml \
-        --deepspeed_config ds_configs/zero1_bf16.json --set parallel.tp_size=2 --set parallel.pp_size=2 \
+        --deepspeed-config ds_configs/zero1_bf16.json --set parallel.tp_size=2 --set parallel.pp_size=2 \
         --out runs/debug/export            # -> model.safetensors, ema.safetensors (if the optimizer keeps one)
 
 Tensors are fp32, named canonically (`embed.*`, `blocks.{i}.*`, `final.*`), gathered over tp, pp and dp.
+`--checkpoint N` (or stepN) reads ckpt.dir's stepN, default `latest` the newest usable one; which one it read is
+printed (`weights: DIR/stepN (step N)`). The checkpoint is found, or refused with the steps there are, before
+any process group exists; so is an --out folder that already holds files (`--overwrite` writes over them).
 
 `--format diffusers` writes the weights (`--ema`: the EMA) as a diffusers CogVideoXTransformer3DModel
 folder instead: config.json plus diffusion_pytorch_model.safetensors, or shards of at most
@@ -21,11 +24,10 @@ adapters as OUT/pytorch_lora_weights.safetensors (`pipe.load_lora_weights(OUT)`,
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from parallel.check import load_and_check
-from parallel.cli import add_experiment_args, run, size_arg
+from parallel.cli import LATEST, Parser, add_checkpoint, add_experiment_args, refused, run, size_arg
 from parallel.config import ConfigError
 from parallel.distributed.topology import read_launch_env
 from parallel.units import DTYPES
@@ -33,8 +35,39 @@ from parallel.units import DTYPES
 OPENSORA_NAME = "Open_Sora_v2.safetensors"        # --format opensora: the name Open-Sora's configs load
 
 
-def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit", ema: bool = False,
+def checkpoint_problems(cfg, layout, step: int | None, quiet: bool = False) -> list[str]:
+    """The checkpoint export reads (ckpt.dir's step{step}, or with None the newest usable one), found by its
+    marker and file sizes before any process group exists: the problems, or [] when there is one. quiet: no
+    report of a damaged one skipped (export() makes it)."""
+    from parallel.train import checkpoint
+    from parallel.train.run import checkpoint_layout
+
+    try:
+        tag = checkpoint.find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout),
+                                     model=checkpoint.model_signature(cfg.model), step=step, quiet=quiet)
+    except ValueError as e:
+        return [str(e)]
+    return [] if tag else [
+        f"no complete checkpoint in {cfg.ckpt_dir} (ckpt.dir, default <train.output_dir>/checkpoints): export reads "
+        f"what train.py wrote with the same --config, --deepspeed-config and --set; train first, or point it at the "
+        f"run's checkpoints: --set ckpt.dir=DIR"]
+
+
+def out_problems(out: Path, overwrite: bool) -> list[str]:
+    """An --out folder that already holds files is written over only with --overwrite."""
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if out.exists() and not out.is_dir():
+        return [f"--out {out} is a file; give a folder"]
+    if held and not overwrite:
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        return [f"--out {out} already holds {shown}: add --overwrite to write over it (files of other names are "
+                f"left), or give another --out"]
+    return []
+
+
+def export(cfg, ds, layout, env, out: Path, step: int | None = None, fmt: str = "toolkit", ema: bool = False,
            max_shard_bytes: int = 5 * 10**9, dtype: str = "fp32", merge_lora: bool = False) -> list[Path]:
+    """Export ckpt.dir's step{step} (None: the newest usable checkpoint) to `out`; the paths written."""
     import deepspeed
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -44,24 +77,21 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
     from parallel.weights.gather import exporting, full_tensors
     from parallel.train.run import checkpoint_layout, start_engine
 
-    named = int(tag[4:]) if tag and tag.startswith("step") and tag[4:].isdigit() else None    # --tag stepN
-    verify = tag is None or named is not None
-    tag = tag or checkpoint.find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout),
-                                        model=checkpoint.model_signature(cfg.model))
-    if tag is None:       # before any process group: the refusal is all the command prints
-        raise ConfigError(f"no complete checkpoint in {cfg.ckpt_dir} (ckpt.dir, default <train.output_dir>/"
-                          f"checkpoints): export reads what train.py wrote with the same --config, --deepspeed_config "
-                          f"and --set; train first, or point it at the run's checkpoints: --set ckpt.dir=DIR")
+    found = checkpoint_problems(cfg, layout, step)
+    if found:             # before any process group: the refusal is all the command prints
+        raise ConfigError("\n".join(found))
     ctx, trainer = start_engine(cfg, ds, layout, env, init_from=False)
     # every file's CRC-32, read by the ranks together, before any weight is loaded: a damaged newest checkpoint
-    # is named and the previous one read; a damaged --tag is refused
+    # is named and the previous one read; a damaged --checkpoint N is refused
     try:
         tag = checkpoint.verified_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout),
-                                         checkpoint.model_signature(cfg.model), step=named) if verify else tag
+                                         checkpoint.model_signature(cfg.model), step=step)
     except ValueError as e:
         dist.destroy_process_group()
         raise ConfigError(str(e)) from None
     step = trainer.load(cfg.ckpt_dir, tag)
+    if dist.get_rank() == 0:
+        print(f"weights: {cfg.ckpt_dir}/{tag} (step {step}){', EMA' if ema else ''}", flush=True)
     module, n = trainer.engine.module, cfg.model.num_layers
     if fmt == "opensora":
         from parallel.weights.opensora import export_opensora
@@ -116,20 +146,23 @@ def export(cfg, ds, layout, env, out: Path, tag: str | None, fmt: str = "toolkit
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m parallel.export", description=__doc__.splitlines()[0])
+    ap = Parser(prog="python -m parallel.export", description=__doc__.splitlines()[0])
     add_experiment_args(ap)
-    ap.add_argument("--tag", default=None, help="checkpoint tag (step{N}); default: the newest complete one")
+    add_checkpoint(ap, help="the checkpoint to export: latest (default; also auto) the newest usable one in "
+                   "ckpt.dir; N or stepN: ckpt.dir's stepN. Old spelling: --tag")
     ap.add_argument("--out", required=True, help="folder for model.safetensors and ema.safetensors, or the "
                     "diffusers folder")
+    ap.add_argument("--overwrite", action="store_true", help="write over the files of an --out folder that already "
+                    "holds some (refused without it)")
     ap.add_argument("--format", choices=["toolkit", "diffusers", "diffusers-lora", "opensora"], default="toolkit",
                     help="toolkit: canonical names, weights and EMA; diffusers: a CogVideoXTransformer3DModel folder; "
                     "diffusers-lora: the adapters of a model.lora run as pytorch_lora_weights.safetensors; opensora: "
                     f"OUT/{OPENSORA_NAME}, Open-Sora 2.0's checkpoint (HunyuanVideo family with its switches)")
-    ap.add_argument("--merge-lora", "--merge_lora", action="store_true",
+    ap.add_argument("--merge-lora", action="store_true",
                     help="--format diffusers with model.lora: fold the adapters into the weights (W + alpha/r B A)")
     ap.add_argument("--ema", action="store_true", help="--format diffusers / opensora: export the EMA instead of "
                     "the weights")
-    ap.add_argument("--max-shard-size", "--max_shard_size", type=size_arg, default="5GB",
+    ap.add_argument("--max-shard-size", type=size_arg, default="5GB",
                     help="--format diffusers: largest shard file (5GB, 500MiB, bytes)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="--format diffusers / opensora: "
                     "tensor dtype")
@@ -139,35 +172,32 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     env = read_launch_env()
+    prog = parser().prog
     try:
         cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size)
     except ConfigError as e:
-        print("refusing to export:\n  - " + str(e).replace("\n", "\n  - "), file=sys.stderr)
-        return 1
+        return refused(prog, str(e))
+    problems = []
     if args.merge_lora and (args.format != "diffusers" or cfg.model.lora is None):
-        print("refusing to export: --merge-lora needs --format diffusers and a LoRA run (model.lora); "
-              "--format diffusers-lora writes the adapters alone", file=sys.stderr)
-        return 1
+        problems.append("--merge-lora needs --format diffusers and a LoRA run (model.lora); --format diffusers-lora "
+                        "writes the adapters alone")
     if args.format == "diffusers-lora" and cfg.model.lora is None:
-        print("refusing to export: --format diffusers-lora needs a LoRA run (model.lora: set model.lora.rank "
-              "as the run did)", file=sys.stderr)
-        return 1
+        problems.append("--format diffusers-lora needs a LoRA run (model.lora: set model.lora.rank as the run did)")
     if args.format == "opensora":
         from parallel.weights.opensora import export_problems
-        found = export_problems(cfg.model)
-        if found:
-            print("refusing to export:\n  - " + "\n  - ".join(found), file=sys.stderr)
-            return 1
+        problems += export_problems(cfg.model)
     if args.ema and args.format == "toolkit":
-        print("refusing to export: --ema selects the weights of --format diffusers; the toolkit format "
-              "writes ema.safetensors next to model.safetensors anyway", file=sys.stderr)
-        return 1
+        problems.append("--ema selects the weights of --format diffusers; the toolkit format writes ema.safetensors "
+                        "next to model.safetensors anyway")
+    step = None if args.checkpoint == LATEST else args.checkpoint
+    problems += out_problems(Path(args.out), args.overwrite) + checkpoint_problems(cfg, layout, step, quiet=True)
+    if problems:
+        return refused(prog, problems)
     try:
-        written = export(cfg, ds, layout, env, Path(args.out), args.tag, args.format, args.ema,
+        written = export(cfg, ds, layout, env, Path(args.out), step, args.format, args.ema,
                          args.max_shard_size, args.dtype, args.merge_lora)
     except ConfigError as e:
-        print(f"refusing to export: {e}", file=sys.stderr)
-        return 1
+        return refused(prog, str(e))
     for path in written:
         print(f"wrote {path}")
     return 0

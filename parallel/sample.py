@@ -2,15 +2,17 @@
 
     python -m parallel.sample --config cogvideox-2b --set model.init_from=CogVideoX-2b/transformer \\
         --set data.text_encoder=t5/ --vae CogVideoX-2b/vae --prompt "a cat on a wall" --out samples/
-    deepspeed --num_gpus 4 --module parallel.sample --config run.yaml --deepspeed_config ds.json \\
+    deepspeed --num_gpus 4 --module parallel.sample --config run.yaml --deepspeed-config ds.json \\
         --set parallel.tp_size=2 --set parallel.pp_size=2 --prompt-embeds p.safetensors \\
         --negative-embeds n.safetensors --noise noise.safetensors --steps 50 --guidance 6 --sampler dpm \\
         --out latents.safetensors
 
 Weights: `model.init_from` (a released transformer/ folder, or `python -m parallel.export --format diffusers`'s),
-read by every rank for its part of the layout, in fp32; without it, the newest complete checkpoint of ckpt.dir
-(<train.output_dir>/checkpoints), launched with the layout and DeepSpeed JSON that wrote it (`--ema`: its EMA
-weights). A run that started from init_from: `--set model.init_from=null` samples its checkpoints.
+read by every rank for its part of the layout, in fp32; without it, a checkpoint of ckpt.dir
+(<train.output_dir>/checkpoints): `--checkpoint latest` (default) the newest usable one, `--checkpoint N` (or
+stepN) that step's, launched with the layout and DeepSpeed JSON that wrote it (`--ema`: its EMA weights), found
+or refused (with the steps there are) before any process group exists. A run that started from init_from:
+`--set model.init_from=null` samples its checkpoints.
 
 Prompts, a batch of B rows in this order: captions (`--prompt`, encoded with data.text_encoder), then each
 `--prompt-embeds` file's rows (one tensor, [L, D] or [B_i, L, D]). The unconditional input (guidance != 1) is
@@ -51,31 +53,32 @@ DIR/prompt<i>.{gif,mp4,txt} (the latent preview when no decoder is given). Forma
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Optional
 
 from models.sampling import SAMPLERS
 from parallel.check import load_and_check
-from parallel.cli import add_experiment_args, run
+from parallel.cli import LATEST, Parser, add_checkpoint, add_experiment_args, refused, run
 from parallel.config import UNCOND_FILE, ConfigError
 from parallel.distributed.topology import read_launch_env
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m parallel.sample", description=__doc__.splitlines()[0])
+    ap = Parser(prog="python -m parallel.sample", description=__doc__.splitlines()[0])
     add_experiment_args(ap, deepspeed_required=False)
+    add_checkpoint(ap, help="without model.init_from, the checkpoint to sample: latest (default; also auto) the "
+                   "newest usable one in ckpt.dir; N or stepN: ckpt.dir's stepN")
     ap.add_argument("--prompt", action="append", default=[], help="a caption (needs data.text_encoder); repeatable")
-    ap.add_argument("--prompt-embeds", "--prompt_embeds", action="append", default=[], type=Path,
+    ap.add_argument("--prompt-embeds", action="append", default=[], type=Path,
                     help="T5 embeddings, one tensor [L, D] or [B, L, D] (L = model.max_text_len); repeatable")
-    ap.add_argument("--negative-embeds", "--negative_embeds", type=Path, default=None,
+    ap.add_argument("--negative-embeds", type=Path, default=None,
                     help="the unconditional embeddings [L, D] or [B, L, D]; default: T5 of \"\" or data.path's "
                          + UNCOND_FILE)
     ap.add_argument("--noise", type=Path, default=None, help="the initial latents, one tensor [B, C, T, H, W]; "
                     "default: drawn per prompt from (--seed, i)")
     ap.add_argument("--image", action="append", default=[], type=Path,
                     help="image-to-video: the first frame, a picture encoded with --vae; repeatable (1 or one per row)")
-    ap.add_argument("--image-latents", "--image_latents", type=Path, default=None,
+    ap.add_argument("--image-latents", type=Path, default=None,
                     help="image-to-video: the first frames' latents, one tensor [C, 1, H, W] or [B, C, 1, H, W]")
     ap.add_argument("--image-encoder", type=Path, default=None, help="image-to-video with image states: the "
                     "encoder folder that encodes --image (Wan 2.1 I2V: CLIP vision; HunyuanVideo 1.5 I2V: SigLIP, "
@@ -84,7 +87,7 @@ def parser() -> argparse.ArgumentParser:
                     "(SigLIP) states beside --image-latents, one tensor [I, image_dim] or [B, I, image_dim]")
     ap.add_argument("--steps", type=int, default=None, help="sampling steps; default val.sample_steps")
     ap.add_argument("--guidance", type=float, default=None, help="guidance scale; default val.guidance_scale")
-    ap.add_argument("--guidance-2", "--guidance_2", dest="guidance_2", type=float, default=None,
+    ap.add_argument("--guidance-2", dest="guidance_2", type=float, default=None,
                     help="a model of two experts (Wan 2.2 A14B): the low-noise expert's guidance scale (WanPipeline's "
                     "guidance_scale_2), --guidance the high-noise one's; default val.guidance_scale_2, else --guidance")
     ap.add_argument("--sampler", choices=sorted(s for group in SAMPLERS.values() for s in group), default=None,
@@ -291,12 +294,16 @@ def _check_weights(args, cfg, layout, ds: dict) -> list[str]:
     from parallel.ds_config import EMA_OPTIMIZERS
 
     if cfg.model.init_from:
+        if args.checkpoint != LATEST:
+            return [f"--checkpoint {args.checkpoint} reads ckpt.dir; model.init_from is set (sampled instead): "
+                    f"--set model.init_from=null to sample step{args.checkpoint}"]
         return ["--ema reads a checkpoint's EMA; model.init_from is set (released weights have none): "
                 "--set model.init_from=null to sample the newest checkpoint"] if args.ema else []
     from parallel.train.checkpoint import find_resume, model_signature
     from parallel.train.run import checkpoint_layout
     try:
-        tag = find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout), model=model_signature(cfg.model))
+        tag = find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout), model=model_signature(cfg.model),
+                          step=None if args.checkpoint == LATEST else args.checkpoint, quiet=True)
     except ValueError as e:
         return [str(e)]
     if tag is None:
@@ -384,7 +391,8 @@ def sample_videos(args, cfg, ds: dict, layout, env):
     noise = _tensor(args.noise) if args.noise else None
     first, extra = load_first_frames(args, cfg, len(text))
     shape = (cfg.model.in_channels, *latent_shape(cfg.model, cfg.data))
-    with sampling_model(cfg, ds, layout, env, args.ema) as (forward, ctx):
+    checkpoint = None if cfg.model.init_from else args.checkpoint
+    with sampling_model(cfg, ds, layout, env, args.ema, checkpoint) as (forward, ctx):
         latents = sample_batch(forward, ctx, Objective.of(cfg.model), text, uncond, noise, shape, seed, steps,
                                sampler, guidance, cfg.val.use_dynamic_cfg, first,
                                family(cfg.model).training_condition(cfg.model, cfg.data), extra,
@@ -404,8 +412,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         problems = str(e).splitlines()
     if problems:
-        print("refusing to sample:\n  - " + "\n  - ".join(problems), file=sys.stderr)
-        return 1
+        return refused(parser().prog, problems)
     sample_videos(args, cfg, ds, layout, env)
     return 0
 

@@ -8,22 +8,30 @@ Every rank loads its part of model.init_from into the layout (as sampling does) 
 deterministic random batch (--seed, --batch; the shapes of data.num_frames/height/width) at fp32; rank 0
 runs the class named in config.json (diffusers' CogVideoXTransformer3DModel, with the pipeline's rotary
 tables) on the same batch and prints `max relative difference X` = max |ours - theirs| / max |theirs|.
-Exit 0 below --tolerance (1e-4), 1 above it, 2 when the input is unusable (the reasons printed).
+Exit 0 below --tolerance (1e-4), 2 above it, 1 (refused, the reasons printed) when the input is unusable.
+
+`--checkpoint latest|N|stepN`: the toolkit's side reads that checkpoint of ckpt.dir (the layout and DeepSpeed
+JSON that wrote it) instead of model.init_from, which then names the reference only: the diffusers folder that
+`python -m parallel.export --format diffusers --checkpoint N` wrote from it (does the export predict as the
+checkpoint does?).
 """
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Optional
 
-from parallel.cli import add_experiment_args, run
+from parallel.cli import LATEST, REFUSED, Parser, add_checkpoint, add_experiment_args, refused, run
 from parallel.config import ConfigError
 from parallel.distributed.topology import read_launch_env
 
+NOT_EQUAL = 2       # the exit status of a comparison that ran and found the outputs apart (refused: REFUSED, 1)
+
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m parallel.verify", description=__doc__.splitlines()[0])
+    ap = Parser(prog="python -m parallel.verify", description=__doc__.splitlines()[0])
     add_experiment_args(ap, deepspeed_required=False)
+    add_checkpoint(ap, default=None, help="compare this checkpoint of ckpt.dir (latest, N or stepN) with the "
+                   "diffusers folder model.init_from (its export) instead of model.init_from's own weights")
     ap.add_argument("--batch", type=int, default=1, help="samples in the random batch")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random batch")
     ap.add_argument("--tolerance", type=float, default=1e-4, help="largest relative difference that passes")
@@ -32,6 +40,20 @@ def parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None) -> argparse.Namespace:
     return parser().parse_args(argv)
+
+
+def checkpoint_problems(cfg, layout, step) -> list[str]:
+    """ckpt.dir's step{step} (None: the newest usable one), found before any process group, or why not."""
+    from pathlib import Path
+
+    from parallel.train.checkpoint import find_resume, model_signature
+    from parallel.train.run import checkpoint_layout
+    try:
+        tag = find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout), quiet=True, model=model_signature(cfg.model),
+                          step=step)
+    except ValueError as e:
+        return [str(e)]
+    return [] if tag else [f"--checkpoint latest: {cfg.ckpt_dir} (ckpt.dir) has no complete checkpoint"]
 
 
 def relative_difference(ours, theirs) -> tuple[float, float]:
@@ -50,7 +72,7 @@ def verify(args, cfg, ds, layout, env) -> tuple[float, float]:
 
     fmt = released_format(cfg.model)
     inputs = fmt.example_inputs(cfg.model, cfg.data, args.batch, torch.Generator().manual_seed(args.seed))
-    with sampling_model(cfg, ds, layout, env) as (forward, ctx):
+    with sampling_model(cfg, ds, layout, env, checkpoint=args.checkpoint) as (forward, ctx):
         ours = forward.predict(inputs, torch.empty(args.batch, cfg.model.in_channels, *inputs[0].shape[2:]))
         result = torch.zeros(2, dtype=torch.float64)
         if ctx.rank == 0:
@@ -71,15 +93,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         problems = str(e).splitlines()
     else:
         if not cfg.model.init_from:
-            problems.append("model.init_from is not set: give --set model.init_from=<released transformer folder>")
+            problems.append("model.init_from is not set: give --set model.init_from=<released transformer folder>"
+                            + ("" if args.checkpoint is None else " (with --checkpoint: the diffusers folder "
+                               "python -m parallel.export --format diffusers wrote from that checkpoint)"))
         elif cfg.model.init_from.endswith(".safetensors"):
             problems.append(f"model.init_from={cfg.model.init_from}: verify compares with the diffusers model of a "
                             f"released folder; an Open-Sora 2.0 checkpoint file has no such reference (its forward is "
                             f"held to Open-Sora's in tests/unit/test_opensora2.py)")
+        if args.checkpoint is not None:
+            problems += checkpoint_problems(cfg, layout, None if args.checkpoint == LATEST else args.checkpoint)
     if problems:
-        if env.rank == 0:
-            print("cannot verify:\n  - " + "\n  - ".join(problems), file=sys.stderr)
-        return 2
+        return refused(parser().prog, problems) if env.rank == 0 else REFUSED
     ds = {k: v for k, v in ds.items() if k not in ("bf16", "fp16")}     # compare at fp32
     diff, rel = verify(args, cfg, ds, layout, env)
     passed = rel < args.tolerance
@@ -87,7 +111,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{cfg.model.init_from} in tp {layout.tp_size} x pp {layout.pp_size} x sp "
               f"{layout.sp_size}: max relative difference {rel:.3e} (max abs {diff:.3e}); "
               f"{'equal' if passed else 'NOT equal'} at --tolerance {args.tolerance:g}", flush=True)
-    return 0 if passed else 1
+    return 0 if passed else NOT_EQUAL
 
 
 def cli(argv=None) -> None:

@@ -8,7 +8,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 OUT="${OUT:-runs/demo-$(date +%Y%m%d-%H%M%S)}"
 CONFIG="${CONFIG:-configs/debug.yaml}"
-CMD=(deepspeed --num_gpus 8 train.py --config "$CONFIG" --deepspeed_config ds_configs/zero1_bf16.json
+CMD=(deepspeed --num_gpus 8 train.py --config "$CONFIG" --deepspeed-config ds_configs/zero1_bf16.json
      --set parallel.tp_size=2 --set parallel.pp_size=2 --set "train.output_dir=$OUT" "$@")
 echo "+ ${CMD[*]}"
 # DeepSpeed's INFO/WARNING log lines and its FutureWarnings are filtered; errors and our output pass.

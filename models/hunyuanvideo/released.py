@@ -26,7 +26,7 @@ import torch
 
 from models.geometry import latent_shape
 from models.hunyuanvideo.config import EMBEDDED_GUIDANCE, HunyuanVideoConfig
-from models.spec import DiffusersFormat, config_problems
+from models.spec import DiffusersFormat, config_problems, release_hidden_size
 
 _EMBED = {"patch_proj": "x_embedder.proj", "refiner_proj_in": "context_embedder.proj_in",
           **{f"{ours}.linear_{k}": f"{theirs}.linear_{k}" for k in (1, 2) for ours, theirs in (
@@ -73,12 +73,14 @@ def _config_pairs(m: HunyuanVideoConfig) -> list[tuple[str, object, Optional[str
     ]
 
 
-def mlp_ratio_check(m):
+def mlp_ratio_check(m, hidden: Optional[int] = None):
     """config_problems' message for mlp_ratio (HunyuanVideo and 1.5): diffusers' mlp_ratio is the toolkit's
-    ffn_hidden_size / hidden_size (its MLP width: int(hidden x ratio))."""
+    ffn_hidden_size / hidden_size (its MLP width: int(hidden x ratio)); `hidden`: the release's width
+    (release_hidden_size), which the advice is for, default the section's."""
     def mlp_ratio(theirs, value) -> Optional[str]:
         return None if theirs == value else (f"mlp_ratio {theirs} != model.ffn_hidden_size / model.hidden_size "
-                                             f"{value}; set --set model.ffn_hidden_size={int(m.hidden_size * theirs)}")
+                                             f"{value}; set --set model.ffn_hidden_size="
+                                             f"{int((hidden or m.hidden_size) * theirs)}")
     return mlp_ratio
 
 
@@ -99,7 +101,7 @@ class HunyuanVideoDiffusers(DiffusersFormat):
         def text_dim(theirs, value) -> Optional[str]:
             return None if theirs == value else (f"text_embed_dim {theirs} != model.text_embed_dim - model."
                                                  f"pooled_projection_dim {value}; set --set model.text_embed_dim="
-                                                 f"{theirs + m.pooled_projection_dim}")
+                                                 f"{theirs + config.get('pooled_projection_dim', 768)}")
         # the toolkit's num_layers counts both kinds: the release's dual + single blocks
         def single_layers(theirs, value) -> Optional[str]:
             return None if theirs == value else (f"num_single_layers {theirs} != model.num_layers - model."
@@ -107,7 +109,8 @@ class HunyuanVideoDiffusers(DiffusersFormat):
                                                  f"{config.get('num_layers', 20) + theirs}")
         problems = config_problems(_config_pairs(m), config, path, "the toolkit's HunyuanVideo model has {}; "
                                    "HunyuanVideo text-to-video (13B) qualifies",
-                                   {"text_embed_dim": text_dim, "mlp_ratio": mlp_ratio_check(m),
+                                   {"text_embed_dim": text_dim,
+                                    "mlp_ratio": mlp_ratio_check(m, release_hidden_size(_config_pairs(m), config)),
                                     "num_single_layers": single_layers})
         if m.cond_embed:
             problems.append(f"{path}: model.cond_embed=true (Open-Sora 2.0's cond_in) has no counterpart in "

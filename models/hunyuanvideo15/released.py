@@ -26,7 +26,7 @@ import torch
 
 from models.hunyuanvideo.released import HunyuanVideoDiffusers, mlp_ratio_check
 from models.hunyuanvideo15.config import HunyuanVideo15Config
-from models.spec import DiffusersFormat, config_problems
+from models.spec import DiffusersFormat, config_problems, release_hidden_size
 
 _EMBED = {"patch_proj": "x_embedder.proj", "refiner_proj_in": "context_embedder.proj_in",
           "cond_type_embed": "cond_type_embed",
@@ -85,7 +85,8 @@ class HunyuanVideo15Diffusers(DiffusersFormat):
 
         return config_problems(_config_pairs(m), config, path, "the toolkit's HunyuanVideo 1.5 model has {}; the "
                                "480p and 720p T2V and I2V releases qualify",
-                               {"in_channels": in_channels, "mlp_ratio": mlp_ratio_check(m)})
+                               {"in_channels": in_channels,
+                                "mlp_ratio": mlp_ratio_check(m, release_hidden_size(_config_pairs(m), config))})
 
     def config(self, m: HunyuanVideo15Config, data) -> dict:
         return {key: value for key, _, _, value in _config_pairs(m)}

@@ -187,9 +187,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         p = plan(a.launcher, a.hostfile, a.master_addr, a.master_port, a.nproc, a.nnodes, a.node_rank)
-    except (OSError, ValueError) as e:
-        print(f"launch.sh: {e}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError) as e:     # parallel.cli.refused's heading (this layer cannot import it)
+        lines = str(e).splitlines()
+        print(f"launch.sh refused ({len(lines)} problem{'' if len(lines) == 1 else 's'}):", file=sys.stderr)
+        print("\n".join(f"  - {line}" for line in lines), file=sys.stderr)
+        return 1
     if a.describe:
         print("\n".join(f"launch.sh: {line}" for line in p.lines), file=sys.stderr)
     print(p.master or "-", p.world or "-", p.nproc or "-")

@@ -1,6 +1,6 @@
 """Will it fit? Per-rank memory of a layout, or a search for the layouts that fit, ranked by step time.
 
-    python -m parallel.plan --config configs/cogvideox-5b.yaml --deepspeed_config ds_configs/zero1_bf16.json \
+    python -m parallel.plan --config configs/cogvideox-5b.yaml --deepspeed-config ds_configs/zero1_bf16.json \
         --world-size 8 --device-memory 80GiB --set parallel.tp_size=2 [--search] [--format text|json|markdown] \
         [--device-profile a100-80gb] [--buckets preset|FxHxW,...]
 
@@ -28,7 +28,7 @@ with contextlib.redirect_stdout(sys.stderr):
 from parallel import ds_config as dsc
 from parallel.check import check
 from parallel.config import ConfigError, ExperimentConfig, RecomputeConfig, load_config
-from parallel.cli import add_experiment_args, add_renamed, add_world_size, require
+from parallel.cli import Parser, add_experiment_args, add_renamed, add_world_size, refused, require
 from parallel.plan.buckets import bucket_rows, plan_buckets, render_buckets_text
 from parallel.plan.memory import LINES, OPTIONAL_LINES, EngineSettings, MemoryPlan, plan_memory
 from parallel.plan.search import (DEVICES, Candidate, SearchResult, count_params, search, shipped_config,
@@ -152,7 +152,7 @@ def _candidate_dict(c: Candidate, args, ds_file: Optional[str] = None) -> dict:
             "step_time": None if c.time is None else vars(c.time), "host_memory": c.host_memory,
             "overrides": c.overrides, "ds_config": {"file": ds_arg, "shipped": shipped is not None, "json": c.ds},
             "command": None if ds_arg is None else
-            f"deepspeed {launcher} train.py --config {args.config} --deepspeed_config {ds_arg} {cfg_arg}"}
+            f"deepspeed {launcher} train.py --config {args.config} --deepspeed-config {ds_arg} {cfg_arg}"}
 
 
 def planned_name(ds: dict) -> str:
@@ -362,18 +362,18 @@ def render_markdown(r: dict) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m parallel.plan", description=__doc__.splitlines()[0])
+    ap = Parser(prog="python -m parallel.plan", description=__doc__.splitlines()[0])
     add_experiment_args(ap)
-    add_world_size(ap, help="number of processes, one a device (required)")
-    ap.add_argument("--device-memory", "--device_memory", required=True, help="per device, with a unit: 80GiB")
-    ap.add_argument("--devices-per-node", "--devices_per_node", type=int, default=8)
+    add_world_size(ap, help="number of processes, every node's together, one a device (required)")
+    ap.add_argument("--device-memory", required=True, help="per device, with a unit: 80GiB")
+    ap.add_argument("--devices-per-node", type=int, default=8)
     # dest "device": the profile's key (DEVICES); launch.sh's --device is the accelerator kind (cpu|cuda|npu)
-    ap.add_argument("--device-profile", "--device_profile", dest="device", choices=sorted(DEVICES),
+    ap.add_argument("--device-profile", dest="device", choices=sorted(DEVICES),
                     default="a100-80gb", help="peak FLOP/s and bandwidths of the devices")
     add_renamed(ap, "--device", "--device-profile", "device", choices=sorted(DEVICES))
     ap.add_argument("--format", choices=("text", "json", "markdown"), default="text")
     ap.add_argument("--search", action="store_true", help="try every layout of --world-size processes")
-    ap.add_argument("--ds-out", "--ds_out", default=None, help="--search: where to write the best layout's DeepSpeed "
+    ap.add_argument("--ds-out", default=None, help="--search: where to write the best layout's DeepSpeed "
                     "JSON when ds_configs/ has none equal (default <train.output_dir>/ds_config.planned.zero<stage>-"
                     "<precision>-<hash>.json, a name of its own); an existing file is refused")
     ap.add_argument("--top", type=int, default=10, help="layouts shown by --search")
@@ -420,11 +420,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 report["next_step"] = next_step(cfg, ds, args, tracer, layout.dp_size)
             status = 0 if report["fits"] else 2
     except ConfigError as e:
-        lines = str(e).splitlines()
-        print(f"refused ({len(lines)} problem{'s' if len(lines) > 1 else ''}):", file=sys.stderr)
-        for line in lines:
-            print(f"  - {line}", file=sys.stderr)
-        return 1
+        return refused(ap.prog, str(e))
     if args.format == "json":
         print(json.dumps(report, indent=1))
     elif args.format == "markdown":

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from models.geometry import latent_shape, pad_frames
 from models.registry import family, text_encoder_formats, vae_formats
 from models.text_encoder import check_encoder_folder, encoder_class
-from parallel.cli import CONFIG_HELP, add_experiment_args
+from parallel.cli import CONFIG_HELP, REFUSED, Parser, add_experiment_args, refused
 from parallel.units import DTYPES
 from parallel.prepare_data.captions import InputError, read_captions, video_files
 from parallel.config import UNCOND_FILE, ConfigError, load_config
@@ -48,7 +48,7 @@ from models.vae import check_vae, default_dtype, encode, load_vae, read_vae_conf
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m parallel.prepare_data", description=__doc__.splitlines()[0])
+    ap = Parser(prog="python -m parallel.prepare_data", description=__doc__.splitlines()[0])
     add_experiment_args(ap, deepspeed=False, config_help=CONFIG_HELP + " (data.num_frames, data.height, "
                         "data.width; model.in_channels, vae scales, max_text_len, text_embed_dim)")
     ap.add_argument("--videos", required=True, type=Path, help="folder of video files (searched recursively)")
@@ -349,9 +349,7 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.overrides)
         counts = prepare(args, cfg, env)
     except (ConfigError, InputError) as e:
-        if env.local_rank == 0:
-            print("refusing to prepare data:\n  - " + str(e).replace("\n", "\n  - "), file=sys.stderr)
-        return 1
+        return refused(parser().prog, str(e)) if env.local_rank == 0 else REFUSED
     print(f"rank {env.rank} of {env.world_size}: {counts['prepared']} prepared, {counts['skipped']} skipped, "
           f"{counts['done_before']} done before, of {counts['share']} videos in this rank's share; "
           f"{args.out / 'manifest.jsonl'}: {counts['manifest']} of {counts['total']} videos, "

@@ -15,7 +15,7 @@ every reader; a flipped byte: the checksums, checked by the training run's ranks
 exist, before any weight is loaded) is reported by name and the previous complete one is used. Old checkpoints
 are pruned only once the newest is published, and only undamaged ones count, so the last good one is never
 deleted; a save that fails half-way deletes none. A complete checkpoint is never written over: a save to an
-existing complete step{N} (a run started again with --resume never, or past a damaged step{N}) first moves it
+existing complete step{N} (a run started again with --checkpoint none, or past a damaged step{N}) first moves it
 aside to step{N}.damaged or step{N}.replaced, and says so. When none can be continued (all damaged, or the
 newest written for another model: the marker records the model keys that fix the parameters), resuming is
 refused rather than started from step 0, whose first save would overwrite them.
@@ -332,15 +332,16 @@ def find_resume(directory: Path, layout: dict, quiet: bool = False, model: Optio
     When every complete checkpoint is damaged, or (with `model`, model_signature's) the newest undamaged one
     was written for another model, it is refused (ValueError) rather than trained over from step 0.
     quiet: no damage report (parallel/check.py looks before train.py's run, which reports it).
-    step: that checkpoint and no other (train.py --resume N); known: {tag: problem} of damage found
+    step: that checkpoint and no other (--checkpoint N); known: {tag: problem} of damage found
     otherwise (verified_resume's checksums)."""
     directory, training, known = Path(directory), "global_batch" in layout, known or {}
     steps = complete_steps(directory)
     if step is not None:
         if step not in steps:
             have = ", ".join(f"step{s}" for s in steps) or "none"
-            raise ValueError(f"--resume {step}: {directory}/step{step} is not a complete checkpoint (ckpt.dir "
-                             f"{directory} holds {have}); name one of those, or --resume auto for the newest usable")
+            raise ValueError(f"--checkpoint {step}: {directory}/step{step} is not a complete checkpoint (ckpt.dir "
+                             f"{directory} holds {have}); name one of those, or --checkpoint latest for the newest "
+                             f"usable")
         steps = [step]
     damaged = []
     for s in reversed(steps):

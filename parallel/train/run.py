@@ -64,7 +64,7 @@ def plan_refusal(plan, cfg: ExperimentConfig, layout: Layout) -> str | None:
     return (f"memory plan: the worst rank (stage {w.stage}) needs {format_size(w.total)} of {of}, short by "
             f"{format_size(-plan.headroom)}: {layout.describe()} ZeRO-{layout.zero_stage} {layout.precision} does not "
             f"fit; python -m parallel.plan --world-size {layout.world_size} --device-memory {budget.replace(' ', '')} "
-            f"--search (with this run's --config, --deepspeed_config and --set) lists the layouts that do; or set "
+            f"--search (with this run's --config, --deepspeed-config and --set) lists the layouts that do; or set "
             f"--set train.allow_oversubscribe=true to start anyway")
 
 

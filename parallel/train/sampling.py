@@ -14,7 +14,7 @@ import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import deepspeed
 import torch
@@ -27,7 +27,7 @@ from parallel.build import build_model
 from parallel.distributed import accelerator
 from parallel.distributed.seed import derive_seed, seed_all
 from parallel.distributed.topology import ParallelContext
-from parallel.train import checkpoint
+from parallel.train import checkpoint as ckpt
 from parallel.train.engine import build_trainer
 from parallel.train.run import checkpoint_layout, export_launch_env, init_process_groups
 from parallel.train.validate import StageForward, ema_weights, finish_sample, replica_items, replica_slice, \
@@ -36,12 +36,14 @@ from parallel.weights.diffusers import load_released
 
 
 @contextlib.contextmanager
-def sampling_model(cfg, ds: dict, layout, env, ema: bool = False) -> Iterator[tuple[StageForward, object]]:
+def sampling_model(cfg, ds: dict, layout, env, ema: bool = False,
+                   checkpoint: Optional[Union[int, str]] = None) -> Iterator[tuple[StageForward, object]]:
     """(StageForward, ctx) over this rank's part of the layout: model.init_from's weights, else the newest
-    checkpoint of ckpt.dir (ema: its EMA). The body runs in the layout's process groups, created here
-    unless torch.distributed is already up (a test's ranks); one process with init_from needs none."""
-    owned = False
-    if layout.world_size > 1 or not cfg.model.init_from:
+    checkpoint of ckpt.dir (ema: its EMA); `checkpoint` a step (int) or "latest" (parallel.cli.LATEST): that
+    checkpoint of ckpt.dir even with model.init_from set. The body runs in the layout's process groups, created
+    here unless torch.distributed is already up (a test's ranks); one process with init_from needs none."""
+    owned, from_checkpoint = False, checkpoint is not None or not cfg.model.init_from
+    if layout.world_size > 1 or from_checkpoint:
         if not dist.is_initialized():
             export_launch_env(env)
             accelerator.set_device(env.local_rank)
@@ -53,7 +55,7 @@ def sampling_model(cfg, ds: dict, layout, env, ema: bool = False) -> Iterator[tu
     else:
         ctx = ParallelContext.single()
     try:
-        if cfg.model.init_from:
+        if not from_checkpoint:
             model = build_model(cfg, ds, ctx)
             load_released(model, ctx, cfg.model, cfg.model.init_from)
             device = accelerator.device(env.local_rank)
@@ -62,7 +64,8 @@ def sampling_model(cfg, ds: dict, layout, env, ema: bool = False) -> Iterator[tu
         else:
             # every file's CRC-32, read by the ranks together, before any weight is loaded: a damaged newest
             # checkpoint is named and the previous one sampled
-            tag = checkpoint.verified_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout))
+            tag = ckpt.verified_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout),
+                                       step=checkpoint if isinstance(checkpoint, int) else None)
             seed_all(cfg.train.seed)
             trainer = build_trainer(cfg, ds, ctx, init_from=False)
             step = trainer.load(cfg.ckpt_dir, tag)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from parallel.distributed.topology import Layout
+from parallel.cli import refused
 from parallel.config import AnomalyConfig, ConfigError, ExperimentConfig
 from parallel.distributed import accelerator
 from parallel.ds_config import EMA_OPTIMIZERS
@@ -103,15 +104,15 @@ class Trainer:
             dataset = GuardedSamples(dataset, self.guard)
         self.dataset = dataset
         val_dataset = build_val_dataset(cfg) if cfg.val.every else None
-        step = None if self.resume is True else self.resume       # an int: train.py --resume N
+        step = None if self.resume is True else self.resume       # an int: train.py --checkpoint N
         self.tag = checkpoint.find_resume(self.ckpt_dir, self.ckpt_layout, model=self.model_keys, step=step) \
             if self.resume is not False else None
         # The plan traces the model on the meta device: no process group needed, so a layout it cannot plan
         # stops here, before any rank waits on another.
         self.plan = self.planner(cfg, self.ds, layout, device_budget(cfg, env.local_rank))
-        refused = plan_refusal(self.plan, cfg, layout)
-        if refused:                 # before any process group: every rank plans alike and stops
-            raise ConfigError(refused)
+        refusal = plan_refusal(self.plan, cfg, layout)
+        if refusal:                 # before any process group: every rank plans alike and stops
+            raise ConfigError(refusal)
         # a checkpoint wins over model.init_from
         self.ctx, self.engine = start_engine(cfg, self.ds, layout, env, init_from=self.tag is None)
         self.heartbeat = start_heartbeat(cfg, self.ctx, self.ckpt_dir)
@@ -160,7 +161,7 @@ class Trainer:
             print("initial weights: the checkpoint's (model.init_from is not read when resuming)" if tag else
                   f"initial weights: {cfg.model.init_from} (model.init_from)", flush=True)
         if tag:
-            done = "; train.max_steps reached, nothing to do (raise it, or --resume never)" \
+            done = "; train.max_steps reached, nothing to do (raise it, or --checkpoint none)" \
                 if start >= cfg.train.max_steps else ""
             saved = checkpoint.saved_layout(self.ckpt_dir / tag)
             moved = "" if checkpoint.same_layout(saved, self.ckpt_layout) else \
@@ -282,7 +283,7 @@ class Trainer:
             return 1
         except ConfigError as e:                  # the memory plan does not fit (train.py's heading)
             if self.env.local_rank == 0:
-                print(f"refusing to start, the checks found problems:\n  - {e}", file=sys.stderr, flush=True)
+                refused("train.py", str(e))
             self.close()
             return 1
         status = 0

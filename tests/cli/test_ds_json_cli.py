@@ -405,12 +405,12 @@ def test_hf_auto_json_is_filled_and_a_plan_that_does_not_fit_is_refused_unless_a
         f"train.grad_accum_steps x dp = 2 x 2 x 1), train_micro_batch_size_per_gpu=2 (train.micro_batch_size)\n")
     p = train_py(*args)
     assert p.returncode == 1 and not out.exists(), p.stderr[-3000:]
-    refusal = p.stderr[p.stderr.index("refusing to start"):]
+    refusal = p.stderr[p.stderr.index("train.py refused"):]
     assert re.fullmatch(
-        r"refusing to start, the checks found problems:\n  - memory plan: the worst rank \(stage 0\) needs [\d.]+ \w+ "
+        r"train.py refused \(1 problem\):\n  - memory plan: the worst rank \(stage 0\) needs [\d.]+ \w+ "
         r"of train.device_memory=1MiB, short by [\d.]+ \w+: tp=1 pp=1 dp=1 ZeRO-2 bf16 does not fit; python -m "
         r"parallel.plan --world-size 1 --device-memory 1.0MiB --search \(with this run's --config, "
-        r"--deepspeed_config and --set\) lists the layouts that do; or set --set train.allow_oversubscribe=true to "
+        r"--deepspeed-config and --set\) lists the layouts that do; or set --set train.allow_oversubscribe=true to "
         r"start anyway\n", refusal), refusal
     assert "Traceback" not in p.stderr and "init_distributed" not in p.stdout + p.stderr
     p = train_py(*args, "--set", "train.allow_oversubscribe=true")

@@ -51,7 +51,7 @@ def test_bad_hostfile_is_refused_with_line_numbers(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("node1 slots=8\nnode2 slots=eight\nnode1 slots=8\nnode3\n# comment\n")
     code, last = dry_run("--hostfile", str(hosts))
-    assert code == 2 and last == f"{hosts}:4: expected 'hostname slots=N', got 'node3'"
+    assert code == 1 and last == f"  - {hosts}:4: expected 'hostname slots=N', got 'node3'"
     assert not os.path.exists(os.path.join(ROOT, ".deepspeed_env"))
     with pytest.raises(ValueError) as e:
         parse_hostfile(hosts)
@@ -98,24 +98,25 @@ def test_dry_run_prints_each_hosts_master_and_checks(tmp_path, launcher, master)
 def test_dry_run_refuses_what_the_checker_refuses():
     code, out = dry_run("--nproc", "2", args=[*ARGS, "--set", "parallel.tp_size=4"], lines=True)
     assert code == 1
-    assert out[-2:] == ["refusing to start, the checks found problems:",
+    assert out[-2:] == ["train.py refused (1 problem):",
                         "  - world size 2 is not divisible by parallel.tp_size x parallel.pp_size = 4 x 1 = 4; "
                         "world sizes that work are multiples of 4"]
 
 
 @pytest.mark.parametrize("options, error", [
     (["--launcher", "openmpi", "--master-addr", "127.0.0.1"],
-     "launch.sh: --master-addr 127.0.0.1 is a loopback address, but {hosts} lists 10.231.0.7, another machine, "
+     "--master-addr 127.0.0.1 is a loopback address, but {hosts} lists 10.231.0.7, another machine, "
      "whose ranks would connect to themselves; pass 10.231.0.7's network address"),
     (["--launcher", "torchrun", "--nnodes", "2", "--nproc", "2", "--node-rank", "0"],
-     "launch.sh: --nnodes 2: pass --master-addr with node 0's address (the same on every node; 127.0.0.1 only "
+     "--nnodes 2: pass --master-addr with node 0's address (the same on every node; 127.0.0.1 only "
      "when every node is this machine)"),
 ])
 def test_loopback_never_reaches_other_hosts(tmp_path, options, error):
     hosts = tmp_path / "hosts"
     hosts.write_text("10.231.0.7 slots=2\n10.231.0.8 slots=2\n")
     with_hosts = ["--hostfile", str(hosts)] if options[1] == "openmpi" else []
-    assert dry_run(*options, *with_hosts) == (2, error.format(hosts=hosts))
+    assert dry_run(*options, *with_hosts, lines=True) == (1, ["launch.sh refused (1 problem):",
+                                                              "  - " + error.format(hosts=hosts)])
 
 
 def test_dry_run_counts_the_devices_without_nproc():
@@ -128,11 +129,11 @@ def test_dry_run_counts_the_devices_without_nproc():
 
 @pytest.mark.parametrize("options, error", [
     (["--nnodes", "1:2", "--launcher", "deepspeed", "--hostfile", "hosts"],
-     "launch.sh: --nnodes 1:2 (elastic) runs under torchrun's agent: drop --launcher deepspeed"),
-    (["--nnodes", "1:2", "--node-rank", "1"], "launch.sh: --nnodes 1:2 (elastic): the rendezvous numbers the nodes; "
+     "--nnodes 1:2 (elastic) runs under torchrun's agent: drop --launcher deepspeed"),
+    (["--nnodes", "1:2", "--node-rank", "1"], "--nnodes 1:2 (elastic): the rendezvous numbers the nodes; "
      "drop --node-rank"),
-    (["--nproc", "2", "--max-restarts", "2"], "launch.sh: --max-restarts: only an elastic run (--nnodes MIN:MAX) "
+    (["--nproc", "2", "--max-restarts", "2"], "--max-restarts: only an elastic run (--nnodes MIN:MAX) "
      "restarts"),
 ])
 def test_elastic_options_that_cannot_work_are_refused(options, error):
-    assert dry_run(*options) == (2, error)
+    assert dry_run(*options, lines=True) == (1, ["launch.sh refused (1 problem):", "  - " + error])

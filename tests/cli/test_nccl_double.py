@@ -51,7 +51,7 @@ def test_every_command_under_the_process_group_of_cuda(tmp_path):
     ds = json.load(open(os.path.join(ROOT, "ds_configs", "zero0_fp32.json")))      # fp32: samples compare exactly
     ds["optimizer"]["type"], ds["zero_optimization"] = "FusedEmaAdam", {"stage": 2}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
-    experiment = ["--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"), "--set", f"train.output_dir={out}",
+    experiment = ["--config", "debug", "--deepspeed-config", str(tmp_path / "ds.json"), "--set", f"train.output_dir={out}",
                   "--set", "train.warmup_steps=0", "--set", "train.micro_batch_size=1",
                   "--set", "train.grad_accum_steps=2"]
     train = ["train.py", *experiment, "--set", "ckpt.every=2", "--set", "val.every=2", "--set", "val.num_samples=2",

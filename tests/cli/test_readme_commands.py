@@ -108,8 +108,8 @@ def test_a_training_figure_may_differ_by_one_unit_of_its_last_digit_a_planner_fi
 
 
 def expected_failure(quoted: list[str]) -> bool:
-    """A quoted refusal (`1 problem in ...`): the command is shown failing on purpose."""
-    return bool(quoted) and re.match(r"\d+ problems? in ", quoted[0]) is not None
+    """A quoted refusal (`python -m parallel.check refused (1 problem):`): the command is shown failing on purpose."""
+    return bool(quoted) and re.search(r" refused \(\d+ problems?\):$", quoted[0]) is not None
 
 
 @pytest.mark.docs

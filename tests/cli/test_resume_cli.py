@@ -104,7 +104,8 @@ def test_sigterm_and_resume_equal_one_uninterrupted_run(tmp_path, capsys):
     argv = command(["x"], elsewhere, ranks, layout, "--out", str(parts / "export"))[6:]      # after "x"
     assert export_main(argv) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"refusing to export: no complete checkpoint in {elsewhere}/checkpoints (ckpt.dir") \
+    assert err.startswith(f"python -m parallel.export refused (1 problem):\n  - no complete checkpoint in "
+                          f"{elsewhere}/checkpoints (ckpt.dir") \
         and "--set ckpt.dir=DIR" in err
     launch(["--module", "parallel.export"], elsewhere, ranks, layout, "--out", str(parts / "export"),
            "--set", f"ckpt.dir={parts / 'checkpoints'}")

@@ -46,7 +46,7 @@ def test_a_latent_of_the_wrong_shape_is_named_before_training(tmp_path):
                  "--set", "data.kind=directory", "--set", f"data.path={tmp_path}",
                  "--set", f"train.output_dir={tmp_path / 'run'}")
     assert p.returncode == 1
-    assert "refusing to start" in p.stderr
+    assert "train.py refused (" in p.stderr
     assert f"{tmp_path / 'v1.safetensors'}: latent shape [4, 3, 8, 9] != expected [4, 3, 8, 8] (manifest.jsonl:2; " \
            in p.stderr
     assert "v0.safetensors" not in p.stderr and "Traceback" not in p.stderr
@@ -119,7 +119,7 @@ def test_unusable_output_folders_are_refused_before_training(tmp_path, capsys):
     nothing is left behind."""
     (tmp_path / "file").write_text("not a folder")
     out, ckpt = tmp_path / "out", tmp_path / "file"
-    heading = "refusing to start, the checks found problems:\n  - "
+    heading = "train.py refused (1 problem):\n  - "
     code, _, err = _check_only(capsys, f"train.output_dir={out}", f"ckpt.dir={ckpt}")
     assert code == 1 and err == heading + f"ckpt.dir={ckpt} is a file, not a folder: every checkpoint is written " \
         f"there; set --set ckpt.dir=null (the default, {out}/checkpoints)\n"

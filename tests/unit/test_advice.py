@@ -1,10 +1,12 @@
 """Advice in the checker's refusals works when followed: each test runs `python -m parallel.check` (its main(),
-in-process) on a config, takes the `--set KEY=VALUE` the refusal suggests, applies them and runs it again,
-until the config is accepted (a bounded number of rounds: advice that leads in circles fails)."""
+in-process) on a config, takes the `--set KEY=VALUE` the refusal suggests, pastes them into bash as printed,
+applies the arguments bash makes of them and runs it again, until the config is accepted (a bounded number of
+rounds: advice that leads in circles fails)."""
 import json
 import re
 import shlex
 import shutil
+import subprocess
 
 import pytest
 
@@ -13,12 +15,20 @@ from parallel.config import load_config
 from tests.helpers.prepare_data import CAPTIONS, SETS, vae_dir, videos  # noqa: F401  (fixtures: tiny VAE, clips)
 from tests.helpers.text_encoder import t5_dir  # noqa: F401  (fixture: tiny T5)
 
-SET = re.compile(r"--set '?([\w.]+=\[[^\]]*\]|[\w.]+=[^\s',;]+)'?")
+# `--set` and the word after it as printed: a quoted word whole, an unquoted one up to the sentence's punctuation
+SET = re.compile(r"--set ('[^']*'|[^\s'\",;)]+)")
 
 
 def suggested(err: str) -> list[str]:
-    """Every `--set KEY=VALUE` of a refusal (quoted or not, without the sentence's punctuation)."""
-    return SET.findall(err)
+    """Every `--set KEY=VALUE` of a refusal, pasted into bash as printed: the KEY=VALUE arguments bash makes of
+    them (a value printed with a space in it splits into two words, and fails here)."""
+    words = SET.findall(err)
+    if not words:
+        return []
+    argv = subprocess.run(["bash", "-c", "printf '%s\\0' " + " ".join(f"--set {w}" for w in words)],
+                          capture_output=True, text=True, check=True).stdout.split("\0")[:-1]
+    assert argv[::2] == ["--set"] * len(words) and len(argv) == 2 * len(words), (words, argv)
+    return argv[1::2]
 
 
 def follow(capsys, config: str, sets: list[str], *extra: str, rounds: int = 5) -> tuple[list[str], list[str]]:
@@ -43,11 +53,14 @@ def follow(capsys, config: str, sets: list[str], *extra: str, rounds: int = 5) -
 @pytest.fixture(scope="module")
 def tiny_releases(tmp_path_factory):
     """{family: (folder, config.json)}: a tiny random diffusers transformer of each family (save_pretrained)."""
+    from tests.helpers.hunyuanvideo import released_model as hunyuan_model
+    from tests.helpers.hunyuanvideo15 import released_model as hunyuan15_model
     from tests.helpers.released_weights import released_model as cogvideox_model
     from tests.helpers.wan import released_model as wan_model
     from tests.helpers.wan_i2v import released_model as wan_i2v_model
     out = {}
-    for family, model in (("cogvideox", cogvideox_model("sincos")), ("wan", wan_model()), ("wan-i2v", wan_i2v_model())):
+    for family, model in (("cogvideox", cogvideox_model("sincos")), ("wan", wan_model()), ("wan-i2v", wan_i2v_model()),
+                          ("hunyuanvideo", hunyuan_model()), ("hunyuanvideo15", hunyuan15_model())):
         folder = tmp_path_factory.mktemp(family)
         model.save_pretrained(folder)
         out[family] = folder, json.loads((folder / "config.json").read_text())
@@ -57,19 +70,27 @@ def tiny_releases(tmp_path_factory):
 @pytest.mark.parametrize("preset, family", [
     ("cogvideox-5b", "cogvideox"), ("cogvideox-2b", "cogvideox"), ("cogvideox1.5-5b", "cogvideox"),
     ("cogvideox-5b-long", "cogvideox"), ("wan2.1-t2v-1.3b", "wan"), ("wan2.1-t2v-14b", "wan"),
-    ("wan2.1-i2v-14b-480p", "wan-i2v")])
+    ("wan2.1-i2v-14b-480p", "wan-i2v"), ("hunyuanvideo-t2v", "hunyuanvideo"),
+    ("hunyuanvideo1.5-t2v-480p", "hunyuanvideo15")])
 def test_a_preset_pointed_at_a_release_of_another_size_is_accepted_by_following_the_advice(
         capsys, tiny_releases, preset, family):
-    """The released config.json's keys first; then what they imply (hidden = heads x head_dim) and what the
-    preset's layout no longer fits (cogvideox-5b-long's tp 2 x sp 2 on 2 heads); then accepted."""
+    """The released config.json's keys, with what they imply (hidden = heads x head_dim, the FFN width of the
+    release's mlp_ratio at that hidden, lists such as rope_axes_dim as one shell word) and what the preset's
+    layout no longer fits (cogvideox-5b-long's tp 2 x sp 2 on 2 heads), in one round; then accepted."""
     folder, config = tiny_releases[family]
     sets, refusals = follow(capsys, preset, [f"model.init_from={folder}"])
-    assert len(refusals) >= 2                       # the release's keys, then what they imply
+    heads, dim = config["num_attention_heads"], config["attention_head_dim"]
+    assert (f"num_attention_heads x attention_head_dim = {heads} x {dim} = {heads * dim} != model.hidden_size "
+            in refusals[0]) and f"set --set model.hidden_size={heads * dim}\n" in refusals[0]
+    assert len(refusals) == 1, refusals
     accepted = dict(s.split("=", 1) for s in sets)
     heads, dim = config["num_attention_heads"], config["attention_head_dim"]
     assert (accepted["model.num_heads"], accepted["model.head_dim"]) == (str(heads), str(dim))
     assert accepted["model.hidden_size"] == str(heads * dim)
-    assert accepted["model.num_layers"] == str(config["num_layers"])
+    # HunyuanVideo's model.num_layers counts its dual- and single-stream blocks
+    assert accepted["model.num_layers"] == str(config["num_layers"] + config.get("num_single_layers", 0))
+    if "rope_axes_dim" in config:        # a list, printed as one shell word
+        assert list(load_config(preset, sets).model.rope_axes_dim) == config["rope_axes_dim"]
 
 
 def test_layout_refusals_suggest_the_nearest_size_that_works(capsys):
