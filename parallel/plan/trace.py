@@ -47,7 +47,7 @@ from parallel.build import expert_of_parameter, layer_specs
 from parallel.distributed.offload import HostOffload
 from parallel.distributed.sequence import sp_pairs
 from parallel.distributed.topology import ParallelContext
-from parallel.lora import apply_lora
+from parallel.lora import apply_fp8_base, apply_lora
 from parallel.recompute import packed_nbytes, wrap_layer
 
 
@@ -143,6 +143,13 @@ def table_storages(module: nn.Module) -> dict[int, int]:
     return found
 
 
+def fp8_base_bytes(module: nn.Module) -> int:
+    """Bytes of the fp8 base (model.lora.base_dtype): each quantised layer's weight (1 byte an element) and
+    its fp32 scale."""
+    return sum(storage_bytes(m.weight) + storage_bytes(m.weight_scale) for m in module.modules()
+               if getattr(m, "weight_scale", None) is not None)
+
+
 def parameter_storages(module: nn.Module) -> set[int]:
     return {storage_key(p) for p in module.parameters()}
 
@@ -160,6 +167,7 @@ class StageTrace:
     tables: int = 0           # the position tables among `buffers`: shared by a stage's blocks, held once
     trainable: Optional[tuple] = None   # LoRA: ((numel, ndim, expert), ...) of the adapters (None: every parameter)
     host_bytes: int = 0       # train.offload_activations: what its checkpoints put in host memory (not in activations)
+    fp8_base: int = 0         # model.lora.base_dtype: bytes of the fp8 weights and their scales (among `buffers`)
 
     @property
     def side_total(self) -> int:
@@ -220,6 +228,7 @@ class ActivationTracer:
                 module = spec.build()
                 if self.cfg.model.lora is not None:       # frozen base + adapters, as parallel/build.py does
                     apply_lora(module, self.cfg.model, self.cfg.train.seed, prefix=f"{spec.name}.")
+                    apply_fp8_base(module, self.cfg.model, prefix=f"{spec.name}.")
                 for param in module.parameters():     # as DeepSpeed 0.19 casts: parameters, not buffers
                     param.data = param.data.to(self.dtype)
             moved: list[int] = []
@@ -265,7 +274,7 @@ class ActivationTracer:
             if self.cfg.model.lora is not None else None
         return StageTrace(acts, storage_bytes(x), tuple(storage_bytes(t) for t in side),
                           tuple(kind != "embed" and k in saved for k in side_keys), sum(held.values()), params,
-                          sum(table_storages(module).values()), trainable, sum(moved))
+                          sum(table_storages(module).values()), trainable, sum(moved), fp8_base_bytes(module))
 
     def trace(self, kind: str, tp: int, b: int, sp: int = 1, granularity: Optional[str] = None,
               compression: Optional[str] = None, offload: bool = False) -> StageTrace:
@@ -284,7 +293,7 @@ class ActivationTracer:
         return StageTrace(_affine(one.activations, two.activations, b), _affine(one.input_bytes, two.input_bytes, b),
                           tuple(_affine(a, c, b) for a, c in zip(one.side_bytes, two.side_bytes)), one.side_saved,
                           one.buffers, one.params, one.tables, one.trainable,
-                          _affine(one.host_bytes, two.host_bytes, b))
+                          _affine(one.host_bytes, two.host_bytes, b), one.fp8_base)
 
     def layer_parameters(self, start: int, n: int, tp: int, sp: int = 1) -> tuple[list, Optional[list]]:
         """(params, trainable) as in StageTrace, of layers [start, start + n) at tp: the traced block's n times,
