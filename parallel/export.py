@@ -152,6 +152,12 @@ def main(argv=None) -> int:
         print("refusing to export: --format diffusers-lora needs a LoRA run (model.lora: set model.lora.rank "
               "as the run did)", file=sys.stderr)
         return 1
+    if cfg.model.lora is not None and cfg.model.lora.base_dtype and args.format != "diffusers-lora":
+        print(f"refusing to export: --format {args.format}{' --merge-lora' if args.merge_lora else ''} writes the "
+              f"base, which model.lora.base_dtype={cfg.model.lora.base_dtype} keeps in fp8 (a dequantised export is "
+              "not built); --format diffusers-lora writes the adapters, to load onto the released base",
+              file=sys.stderr)
+        return 1
     if args.format == "opensora":
         from parallel.weights.opensora import export_problems
         found = export_problems(cfg.model)

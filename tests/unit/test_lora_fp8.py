@@ -108,3 +108,13 @@ def test_planner_counts_the_fp8_base_as_the_built_model_holds_it():
         assert states["parameters"] == held + 2 * adapters, args
         sizes[args[-1]] = states["parameters"]
     assert sizes["model.lora.base_dtype=float8_e4m3fn"] < sizes["model.lora.rank=4"]
+
+
+@pytest.mark.parametrize("fmt", [["--format", "diffusers", "--merge-lora"], ["--format", "toolkit"]])
+def test_an_export_of_the_fp8_base_is_refused_pointing_at_the_adapters(fmt, tmp_path, capsys):
+    from parallel.export import main as export_main
+    argv = ["--config", "debug", "--deepspeed_config", "ds_configs/zero1_bf16.json", "--set", *" --set ".join(FP8_ARGS).split(" "), *fmt, "--out", str(tmp_path)]
+    assert export_main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"refusing to export: --format {fmt[1]}") and "model.lora.base_dtype=float8_e4m3fn" in err
+    assert "--format diffusers-lora writes the adapters" in err
