@@ -168,6 +168,7 @@ class StageTrace:
     trainable: Optional[tuple] = None   # LoRA: ((numel, ndim, expert), ...) of the adapters (None: every parameter)
     host_bytes: int = 0       # train.offload_activations: what its checkpoints put in host memory (not in activations)
     fp8_base: int = 0         # model.lora.base_dtype: bytes of the fp8 weights and their scales (among `buffers`)
+    fp8_numel: int = 0        # model.lora.base_dtype: elements of those fp8 weights (not among `params`)
 
     @property
     def side_total(self) -> int:
@@ -274,7 +275,8 @@ class ActivationTracer:
             if self.cfg.model.lora is not None else None
         return StageTrace(acts, storage_bytes(x), tuple(storage_bytes(t) for t in side),
                           tuple(kind != "embed" and k in saved for k in side_keys), sum(held.values()), params,
-                          sum(table_storages(module).values()), trainable, sum(moved), fp8_base_bytes(module))
+                          sum(table_storages(module).values()), trainable, sum(moved), fp8_base_bytes(module),
+                          sum(storage_bytes(m.weight) for m in module.modules() if getattr(m, "weight_scale", None) is not None))
 
     def trace(self, kind: str, tp: int, b: int, sp: int = 1, granularity: Optional[str] = None,
               compression: Optional[str] = None, offload: bool = False) -> StageTrace:
@@ -293,7 +295,7 @@ class ActivationTracer:
         return StageTrace(_affine(one.activations, two.activations, b), _affine(one.input_bytes, two.input_bytes, b),
                           tuple(_affine(a, c, b) for a, c in zip(one.side_bytes, two.side_bytes)), one.side_saved,
                           one.buffers, one.params, one.tables, one.trainable,
-                          _affine(one.host_bytes, two.host_bytes, b), one.fp8_base)
+                          _affine(one.host_bytes, two.host_bytes, b), one.fp8_base, one.fp8_numel)
 
     def layer_parameters(self, start: int, n: int, tp: int, sp: int = 1) -> tuple[list, Optional[list]]:
         """(params, trainable) as in StageTrace, of layers [start, start + n) at tp: the traced block's n times,
@@ -311,6 +313,7 @@ class ActivationTracer:
                     module = specs[1 + i].build()
                     if self.cfg.model.lora is not None:
                         apply_lora(module, self.cfg.model, self.cfg.train.seed, prefix=f"{specs[1 + i].name}.")
+                        apply_fp8_base(module, self.cfg.model, prefix=f"{specs[1 + i].name}.")
                 named = [(p.numel(), p.dim(), expert_of_parameter(n), p.requires_grad)
                          for n, p in module.named_parameters()]
                 self._traces[key] = (tuple(t[:3] for t in named), tuple(t[:3] for t in named if t[3]))
