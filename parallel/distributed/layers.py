@@ -267,7 +267,8 @@ class RowParallelLinear(_Lora):
         if self.lora_A is None:
             y = reduce_from_tp(F.linear(x, self.base_weight(x.dtype)), self.ctx)   # (..., out), summed over ranks
             return y + self.bias if self.bias is not None else y
-        y, u = F.linear(x, self.base_weight(x.dtype)), F.linear(self.lora_dropout(x), self.lora_A)   # (..., out), (..., r)
+        w = self.base_weight(x.dtype)
+        y, u = F.linear(x, w), F.linear(self.lora_dropout(x), self.lora_A)   # (..., out), (..., r)
         if self.ctx.tp_size > 1:                                 # one all-reduce for both partial sums
             y, u = reduce_from_tp(torch.cat([y, u], dim=-1), self.ctx).split([self.out_features, u.shape[-1]], -1)
         y = y + self.bias if self.bias is not None else y

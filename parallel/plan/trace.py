@@ -276,7 +276,7 @@ class ActivationTracer:
         return StageTrace(acts, storage_bytes(x), tuple(storage_bytes(t) for t in side),
                           tuple(kind != "embed" and k in saved for k in side_keys), sum(held.values()), params,
                           sum(table_storages(module).values()), trainable, sum(moved), fp8_base_bytes(module),
-                          sum(storage_bytes(m.weight) for m in module.modules() if getattr(m, "weight_scale", None) is not None))
+                          sum(m.weight.numel() for m in module.modules() if getattr(m, "weight_scale", None) is not None))
 
     def trace(self, kind: str, tp: int, b: int, sp: int = 1, granularity: Optional[str] = None,
               compression: Optional[str] = None, offload: bool = False) -> StageTrace:

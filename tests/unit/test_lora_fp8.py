@@ -5,7 +5,8 @@ fp8 + one fp32 scale each (parallel/distributed/layers.py quantise_base, paralle
   equals x (that weight)^T + b, and differs from the full-precision layer's by no more than e4m3's rounding
   bound (relative 2^-4 a weight, absolute 2^-10 s below the smallest normal 2^-6 s).
 * The debug model with an fp8 base predicts what the same model with its weights replaced by the hand
-  quantise-dequantise predicts (fp32); adapters stay trainable parameters, the fp8 weights are buffers.
+  quantise-dequantise predicts (fp32); adapters stay trainable parameters, the fp8 weights are buffers; a model
+  loading its state dict (as a checkpoint resumes) predicts the same, bit for bit.
 * base_dtype without LoRA is refused, naming the key and what works.
 * The planner's parameter bytes with the fp8 base equal what the built model holds.
 """
@@ -75,7 +76,13 @@ def test_model_with_fp8_base_predicts_as_its_hand_quantised_weights():
                          cfg.data.width // 8)
     inputs = (latent, torch.tensor([10, 700]), torch.randn(2, m.max_text_len, m.text_embed_dim))
     with torch.no_grad():
-        torch.testing.assert_close(fp8.predict(inputs), by_hand.predict(inputs), rtol=1e-5, atol=1e-5)
+        got = fp8.predict(inputs)
+        torch.testing.assert_close(got, by_hand.predict(inputs), rtol=1e-5, atol=1e-5)
+    resumed = build_model(cfg, {}, ParallelContext.single())          # a checkpoint's module state: fp8 + scales
+    apply_fp8_base(resumed, cfg.model)
+    resumed.load_state_dict(fp8.state_dict())
+    with torch.no_grad():
+        assert torch.equal(resumed.predict(inputs), got)
 
 
 def test_base_dtype_without_lora_is_refused_naming_the_key_and_what_works():
@@ -113,7 +120,8 @@ def test_planner_counts_the_fp8_base_as_the_built_model_holds_it():
 @pytest.mark.parametrize("fmt", [["--format", "diffusers", "--merge-lora"], ["--format", "toolkit"]])
 def test_an_export_of_the_fp8_base_is_refused_pointing_at_the_adapters(fmt, tmp_path, capsys):
     from parallel.export import main as export_main
-    argv = ["--config", "debug", "--deepspeed_config", "ds_configs/zero1_bf16.json", "--set", *" --set ".join(FP8_ARGS).split(" "), *fmt, "--out", str(tmp_path)]
+    sets = [a for kv in FP8_ARGS for a in ("--set", kv)]
+    argv = ["--config", "debug", "--deepspeed_config", "ds_configs/zero1_bf16.json", *sets, *fmt, "--out", str(tmp_path)]
     assert export_main(argv) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"refusing to export: --format {fmt[1]}") and "model.lora.base_dtype=float8_e4m3fn" in err
