@@ -150,6 +150,10 @@ def fp8_base_bytes(module: nn.Module) -> int:
                if getattr(m, "weight_scale", None) is not None)
 
 
+def fp8_numel(module: nn.Module) -> int:
+    return sum(m.weight.numel() for m in module.modules() if getattr(m, "weight_scale", None) is not None)
+
+
 def parameter_storages(module: nn.Module) -> set[int]:
     return {storage_key(p) for p in module.parameters()}
 
@@ -275,8 +279,7 @@ class ActivationTracer:
             if self.cfg.model.lora is not None else None
         return StageTrace(acts, storage_bytes(x), tuple(storage_bytes(t) for t in side),
                           tuple(kind != "embed" and k in saved for k in side_keys), sum(held.values()), params,
-                          sum(table_storages(module).values()), trainable, sum(moved), fp8_base_bytes(module),
-                          sum(m.weight.numel() for m in module.modules() if getattr(m, "weight_scale", None) is not None))
+                          sum(table_storages(module).values()), trainable, sum(moved), fp8_base_bytes(module), fp8_numel(module))
 
     def trace(self, kind: str, tp: int, b: int, sp: int = 1, granularity: Optional[str] = None,
               compression: Optional[str] = None, offload: bool = False) -> StageTrace:
@@ -317,10 +320,21 @@ class ActivationTracer:
                 named = [(p.numel(), p.dim(), expert_of_parameter(n), p.requires_grad)
                          for n, p in module.named_parameters()]
                 self._traces[key] = (tuple(t[:3] for t in named), tuple(t[:3] for t in named if t[3]))
+                self._traces[("fp8", i, tp, sp)] = (fp8_base_bytes(module), fp8_numel(module))
             params += self._traces[key][0]
             if trainable is not None:
                 trainable += self._traces[key][1]
         return params, trainable
+
+    def layer_fp8(self, start: int, n: int, tp: int, sp: int = 1) -> tuple[int, int]:
+        """model.lora.base_dtype: (bytes, elements) of the fp8 base of layers [start, start + n) at tp, each
+        layer its own for a family whose layers differ by index (as layer_parameters)."""
+        block = self.trace("block", tp, 1, sp)
+        if not getattr(family(self.cfg.model).layer, "indexed", False):
+            return block.fp8_base * n, block.fp8_numel * n
+        self.layer_parameters(start, n, tp, sp)
+        per_layer = [self._traces[("fp8", i, tp, sp)] for i in range(start, start + n)]
+        return sum(b for b, _ in per_layer), sum(e for _, e in per_layer)
 
     def recompute_fraction(self, granularity: str, tp: int = 1, sp: int = 1) -> float:
         """FLOPs a checkpointed block repeats in backward, as a fraction of its forward's: (forward + backward

@@ -96,14 +96,15 @@ def test_base_dtype_without_lora_is_refused_naming_the_key_and_what_works():
     load_and_check("debug", FP8_ARGS, None, 1)                                       # no error
 
 
-def test_planner_counts_the_fp8_base_as_the_built_model_holds_it():
+@pytest.mark.parametrize("preset", ["debug", "debug-hunyuan"])
+def test_planner_counts_the_fp8_base_as_the_built_model_holds_it(preset):
     from parallel.plan.memory import plan_memory
     from parallel.plan.trace import ActivationTracer
     ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
           "zero_optimization": {"stage": 1}}
     sizes = {}
     for args in (["model.lora.rank=4"], FP8_ARGS):
-        cfg = load_config("debug", args)
+        cfg = load_config(preset, args)
         model = build_model(cfg, {}, ParallelContext.single())
         apply_fp8_base(model, cfg.model)
         held = sum(p.numel() * 2 for p in model.parameters() if not p.requires_grad)      # bf16 frozen parameters
