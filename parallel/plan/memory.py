@@ -402,8 +402,8 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
             gathered = eng.lp * min(eng.max_live, big + eng.prefetch_bucket)
         # model.lora.base_dtype: the fp8 base (1 byte an element + a scale a tensor) is a buffer in the module,
         # whole on every rank under each ZeRO stage; counted as parameters, not as buffers.
-        fp8 = tracer.layer_fp8(start, n, tp, sp)[0] + (embed.fp8_base if first else 0) + (final.fp8_base if last else 0)
-        dev["parameters"] += fp8
+        dev["parameters"] += tracer.layer_fp8(start, n, tp, sp)[0] + (embed.fp8_base if first else 0) \
+            + (final.fp8_base if last else 0)
         own_buffers = block.buffers - block.tables - block.fp8_base       # registered buffers; tables once a stage
         lines = {**dev, "buffers": own_buffers * n + (block.tables if n else 0)
                  + (embed.buffers - embed.fp8_base if first else 0) + (final.buffers - final.fp8_base if last else 0),

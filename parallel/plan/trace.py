@@ -151,6 +151,7 @@ def fp8_base_bytes(module: nn.Module) -> int:
 
 
 def fp8_numel(module: nn.Module) -> int:
+    """Elements of the fp8 base's weights (model.lora.base_dtype)."""
     return sum(m.weight.numel() for m in module.modules() if getattr(m, "weight_scale", None) is not None)
 
 
@@ -279,7 +280,8 @@ class ActivationTracer:
             if self.cfg.model.lora is not None else None
         return StageTrace(acts, storage_bytes(x), tuple(storage_bytes(t) for t in side),
                           tuple(kind != "embed" and k in saved for k in side_keys), sum(held.values()), params,
-                          sum(table_storages(module).values()), trainable, sum(moved), fp8_base_bytes(module), fp8_numel(module))
+                          sum(table_storages(module).values()), trainable, sum(moved), fp8_base_bytes(module),
+                          fp8_numel(module))
 
     def trace(self, kind: str, tp: int, b: int, sp: int = 1, granularity: Optional[str] = None,
               compression: Optional[str] = None, offload: bool = False) -> StageTrace:

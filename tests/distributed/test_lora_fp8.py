@@ -3,7 +3,8 @@
 Each tp rank scales its own shard (s_i = amax|W_i| / 448), so tp 2 quantises differently from tp 1 (one scale
 for all of W): tp 2 is compared with one process whose weights are the same per-shard quantise-dequantise done
 by hand. Checked: every rank's dequantised shard equals fp8(W_i / s_i) s_i of its shard of the tp 1 weight, bit
-for bit; the debug model's prediction at tp 2 equals that one-process model's (fp32).
+for bit; the debug model's prediction at tp 2 equals that one-process model's (fp32). And deepspeed.initialize
+under ZeRO-1 bf16 leaves the fp8 weights and fp32 scales as they are and steps the adapters only.
 """
 from __future__ import annotations
 
@@ -88,3 +89,29 @@ def test_tp2_fp8_base_equals_one_process_with_the_same_per_shard_quantisation():
         want = one.predict(_inputs(cfg))
     for r, out in enumerate(ranks):
         torch.testing.assert_close(out["prediction"], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {r}: {m}")
+
+
+def _engine(rank, world_size):
+    import json
+    from pathlib import Path
+
+    from parallel.train.engine import build_trainer
+    ds = json.loads((Path(__file__).resolve().parents[2] / "ds_configs/zero1_bf16.json").read_text())
+    cfg = load_config("debug", ARGS)
+    trainer = build_trainer(cfg, ds, ParallelContext.build(ParallelDims()))
+    module = trainer.engine.module
+    stepped = {id(p) for group in trainer.engine.optimizer.param_groups for p in group["params"]}
+    return {"buffers": {n: b.dtype for n, b in module.named_buffers() if n.endswith(("weight", "weight_scale"))},
+            "linears": [n for n, _ in tp_linears(module, cfg.model.num_layers)],
+            "params": {n: (p.dtype, id(p) in stepped or p.requires_grad) for n, p in module.named_parameters()}}
+
+
+def test_deepspeed_bf16_keeps_the_fp8_base_and_steps_the_adapters_only():
+    """deepspeed.initialize (ZeRO-1 bf16) casts parameters to bf16 and leaves the fp8 buffers and fp32 scales."""
+    out = run_ranks(_engine, 1)[0]
+    linears = out["linears"]
+    assert linears and set(out["buffers"]) == {f"{n}.{leaf}" for n in linears for leaf in ("weight", "weight_scale")}
+    for name, dtype in out["buffers"].items():
+        assert dtype == (torch.float32 if name.endswith("scale") else torch.float8_e4m3fn), name
+    for name, (dtype, trained) in out["params"].items():
+        assert dtype == torch.bfloat16 and trained == name.endswith(("lora_A", "lora_B")), name
