@@ -72,6 +72,18 @@ class LoraConfig(Section):
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input (peft's lora_dropout)")
     init_from: Optional[str] = Field(None, description="pytorch_lora_weights.safetensors (diffusers' LoRA keys, "
                                      "e.g. from python -m parallel.export --format diffusers-lora) to start from")
+    base_dtype: Optional[Literal["float8_e4m3fn"]] = Field(
+        None, description="store the frozen base's tensor-parallel linear weights in fp8 with one scale per tensor "
+        "(per tp shard), computed in the run's dtype; default: the run's dtype")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _base_dtype_needs_adapters(cls, data):
+        if isinstance(data, dict) and "rank" not in data and data.get("base_dtype") is not None:
+            raise ValueError("model.lora.base_dtype needs LoRA (set model.lora.rank): only a frozen base can be "
+                             "stored in fp8; full fine-tuning (no model.lora) trains the base in the run's dtype "
+                             "(the DeepSpeed JSON's bf16/fp16)")
+        return data
 
     @property
     def scaling(self) -> float:

@@ -183,6 +183,10 @@ def main(argv=None) -> int:
                         "writes the adapters alone")
     if args.format == "diffusers-lora" and cfg.model.lora is None:
         problems.append("--format diffusers-lora needs a LoRA run (model.lora: set model.lora.rank as the run did)")
+    if cfg.model.lora is not None and cfg.model.lora.base_dtype and args.format != "diffusers-lora":
+        problems.append(f"--format {args.format}{' --merge-lora' if args.merge_lora else ''} writes the base, which "
+                        f"model.lora.base_dtype={cfg.model.lora.base_dtype} keeps in fp8 (a dequantised export is not "
+                        "built); --format diffusers-lora writes the adapters, to load onto the released base")
     if args.format == "opensora":
         from parallel.weights.opensora import export_problems
         problems += export_problems(cfg.model)

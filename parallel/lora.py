@@ -126,6 +126,19 @@ def apply_lora(model: nn.Module, m: ModelConfig, seed: int, prefix: str = "") ->
     return count
 
 
+def apply_fp8_base(model: nn.Module, m: ModelConfig, prefix: str = "") -> int:
+    """model.lora.base_dtype: every tensor-parallel linear weight (all frozen, adapted or not) stored as fp8
+    with one fp32 scale per tensor, each tp rank's shard scaled by itself (parallel/distributed/layers.py).
+    After the base and adapters are loaded, before deepspeed.initialize. Returns the fp8 elements."""
+    if m.lora is None or m.lora.base_dtype is None:
+        return 0
+    count = 0
+    for _, layer in tp_linears(model, m.num_layers, prefix):
+        layer.quantise_base()
+        count += layer.weight.numel()
+    return count
+
+
 def _outputs_need_grad(module, inputs, outputs):
     """The embed stage's outputs, computed from frozen weights only, marked as requiring a gradient: a
     reentrant activation checkpoint whose inputs need none returns outputs without a graph (the adapters

@@ -170,7 +170,7 @@ class HunyuanBlock(nn.Module):
 
     def _single(self, x, temb, keep):
         shift, scale, gate = self.norm(F.silu(temb))[:, None].chunk(3, dim=-1)
-        local = self.proj_in.weight.tp_parts                                             # [H, H, H, F] / tp
+        local = self.proj_in.local_parts                                                 # [H, H, H, F] / tp
         q, k, v, m = self.proj_in(modulate(x, shift, scale)).split(local, dim=-1)
         o = self.attn(q, k, v, 0, keep)
         return x + self.proj_out(torch.cat([o, self.mlp(m)], dim=-1)) * gate

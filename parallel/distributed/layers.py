@@ -30,6 +30,11 @@ the layer's existing all-reduce, concatenated to it along the last dim):
 Fused column layers (QKV) get one adapter per part, as peft puts one on each of to_q, to_k, to_v. The
 adapters start as peft's (A kaiming-uniform a=sqrt(5), B zero), drawn full from a generator and sliced,
 so every layout starts from the tp = 1 adapters.
+
+fp8 base (`quantise_base`, model.lora.base_dtype): the frozen W becomes a float8_e4m3fn buffer `weight` and an
+fp32 buffer `weight_scale` = amax|W_i| / 448 of this rank's shard W_i (each tp rank scales its own shard, so
+tp = p quantises differently from tp = 1); the forward uses W_i ~ fp8(W_i / s) s, dequantised to the input's
+dtype (no fp8 matmul). Buffers: no gradient, no optimizer state, not cast by DeepSpeed (it casts parameters).
 """
 from __future__ import annotations
 
@@ -43,6 +48,20 @@ from torch import nn
 from parallel.distributed.comm import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 
 InitFn = Callable[[torch.Tensor], None]
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max                                   # 448
+
+
+def quantise_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8(w / s), s) with one fp32 scale s = amax|w| / 448 (1 for an all-zero w)."""
+    amax = w.detach().abs().amax().float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (w.detach().float() / scale).to(FP8), scale
+
+
+def dequantise_fp8(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w8 s in fp32, then rounded once to `dtype`."""
+    return (w8.float() * scale).to(dtype)
 
 
 def default_weight_init(weight: torch.Tensor) -> None:
@@ -90,6 +109,26 @@ class _Lora(nn.Module):
         super().__init__()
         self.register_parameter("lora_A", None)
         self.register_parameter("lora_B", None)
+        self.register_buffer("weight_scale", None)
+
+    def quantise_base(self) -> None:
+        """The frozen weight as fp8 + one scale (module docstring); call after the adapters and weights exist."""
+        w = self.weight
+        if w.requires_grad:
+            raise ValueError("an fp8 base must be frozen (model.lora freezes it)")
+        attrs = {k: getattr(w, k) for k in ("tensor_model_parallel", "partition_dim", "tp_parts") if hasattr(w, k)}
+        w8, scale = quantise_fp8(w)
+        del self.weight
+        self.register_buffer("weight", w8)
+        self.register_buffer("weight_scale", scale)
+        for k, v in attrs.items():
+            setattr(self.weight, k, v)
+
+    def base_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """W (this rank's shard) for the matmul: the parameter, or the fp8 base dequantised to `dtype`."""
+        if self.weight_scale is None:
+            return self.weight
+        return dequantise_fp8(self.weight, self.weight_scale, dtype)
 
     def _lora_setup(self, rank: int, alpha: float, dropout: float, a: torch.Tensor, b: torch.Tensor) -> None:
         like = self.weight
@@ -126,7 +165,7 @@ class ColumnParallelLinear(_Lora):
         self.weight = nn.Parameter(self._shard(full_w, parts, local, r, (self.out_features_per_partition, in_features),
                                                device, dtype))
         mark_tensor_parallel(self.weight, 0)
-        self.weight.tp_parts = local
+        self.weight.tp_parts = self.local_parts = local      # on the module too: a moved fp8 buffer loses attributes
         if bias:
             self.bias = nn.Parameter(self._shard(full_b, parts, local, r, (self.out_features_per_partition,),
                                                  device, dtype))
@@ -157,13 +196,13 @@ class ColumnParallelLinear(_Lora):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora_A is None:
             x = copy_to_tp(x, self.ctx)                          # (..., in)
-            y = F.linear(x, self.weight, self.bias)              # (..., out / p)
+            y = F.linear(x, self.base_weight(x.dtype), self.bias)   # (..., out / p)
             return gather_from_tp(y, self.ctx) if self.gather_output else y
         u = F.linear(self.lora_dropout(x), self.lora_A)          # (..., k r), the same on every tp rank
         if self.ctx.tp_size > 1:                                 # one backward all-reduce for dx and du
             x, u = copy_to_tp(torch.cat([x, u], dim=-1), self.ctx).split([self.in_features, u.shape[-1]], -1)
-        y = F.linear(x, self.weight, self.bias)                  # (..., out / p)
-        local = self.weight.tp_parts
+        y = F.linear(x, self.base_weight(x.dtype), self.bias)      # (..., out / p)
+        local = self.local_parts
         pieces = list(y.split(local, dim=-1))
         for u_j, b_j, j in zip(u.chunk(len(self.lora_parts), -1), self.lora_B.split(self.lora_B.tp_parts),
                                self.lora_parts):
@@ -226,9 +265,10 @@ class RowParallelLinear(_Lora):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.ctx)                       # (..., in / p)
         if self.lora_A is None:
-            y = reduce_from_tp(F.linear(x, self.weight), self.ctx)   # (..., out), summed over ranks
+            y = reduce_from_tp(F.linear(x, self.base_weight(x.dtype)), self.ctx)   # (..., out), summed over ranks
             return y + self.bias if self.bias is not None else y
-        y, u = F.linear(x, self.weight), F.linear(self.lora_dropout(x), self.lora_A)   # (..., out), (..., r)
+        w = self.base_weight(x.dtype)
+        y, u = F.linear(x, w), F.linear(self.lora_dropout(x), self.lora_A)   # (..., out), (..., r)
         if self.ctx.tp_size > 1:                                 # one all-reduce for both partial sums
             y, u = reduce_from_tp(torch.cat([y, u], dim=-1), self.ctx).split([self.out_features, u.shape[-1]], -1)
         y = y + self.bias if self.bias is not None else y

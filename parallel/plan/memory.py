@@ -400,9 +400,14 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
         if eng.zero == 3:
             big = sum(n_ for n_, *_ in block.params if n_ >= eng.persistence_threshold)
             gathered = eng.lp * min(eng.max_live, big + eng.prefetch_bucket)
-        own_buffers = block.buffers - block.tables               # registered buffers; tables once a stage
-        lines = {**dev, "buffers": own_buffers * n + (block.tables if n else 0) + (embed.buffers if first else 0)
-                 + (final.buffers if last else 0), "activations": acts, "recompute": recompute,
+        # model.lora.base_dtype: the fp8 base (1 byte an element + a scale a tensor) is a buffer in the module,
+        # whole on every rank under each ZeRO stage; counted as parameters, not as buffers.
+        dev["parameters"] += tracer.layer_fp8(start, n, tp, sp)[0] + (embed.fp8_base if first else 0) \
+            + (final.fp8_base if last else 0)
+        own_buffers = block.buffers - block.tables - block.fp8_base       # registered buffers; tables once a stage
+        lines = {**dev, "buffers": own_buffers * n + (block.tables if n else 0)
+                 + (embed.buffers - embed.fp8_base if first else 0) + (final.buffers - final.fp8_base if last else 0),
+                 "activations": acts, "recompute": recompute,
                  "zero_buckets": zero_buckets(eng, pp, trainable, dp), "zero3_gathered": gathered,
                  "pipeline_buffers": pipe,
                  "ring_buffers": ring_buffers(block.input_bytes, tp, ring_of(cfg, tp, sp), eng.lp) if n else 0}

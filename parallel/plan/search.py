@@ -107,8 +107,11 @@ class StepTime:
 
 def count_params(tracer: ActivationTracer) -> tuple[int, int]:
     """(all parameters of one model replica, block parameters) counted on the tp = 1 build."""
-    blocks = sum(n for n, *_ in tracer.layer_parameters(0, tracer.cfg.model.num_layers, 1)[0])
-    ends = sum(n for kind in ("embed", "final") for n, *_ in tracer.trace(kind, 1, 1).params)
+    num_layers = tracer.cfg.model.num_layers
+    # model.lora.base_dtype: the fp8 weights are buffers, not parameters; they count (and multiply) all the same
+    blocks = sum(n for n, *_ in tracer.layer_parameters(0, num_layers, 1)[0]) + tracer.layer_fp8(0, num_layers, 1)[1]
+    ends = sum(n for kind in ("embed", "final") for n, *_ in tracer.trace(kind, 1, 1).params) + \
+        sum(tracer.trace(kind, 1, 1).fp8_numel for kind in ("embed", "final"))
     return blocks + ends, blocks
 
 

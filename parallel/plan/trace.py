@@ -47,7 +47,7 @@ from parallel.build import expert_of_parameter, layer_specs
 from parallel.distributed.offload import HostOffload
 from parallel.distributed.sequence import sp_pairs
 from parallel.distributed.topology import ParallelContext
-from parallel.lora import apply_lora
+from parallel.lora import apply_fp8_base, apply_lora
 from parallel.recompute import packed_nbytes, wrap_layer
 
 
@@ -143,6 +143,18 @@ def table_storages(module: nn.Module) -> dict[int, int]:
     return found
 
 
+def fp8_base_bytes(module: nn.Module) -> int:
+    """Bytes of the fp8 base (model.lora.base_dtype): each quantised layer's weight (1 byte an element) and
+    its fp32 scale."""
+    return sum(storage_bytes(m.weight) + storage_bytes(m.weight_scale) for m in module.modules()
+               if getattr(m, "weight_scale", None) is not None)
+
+
+def fp8_numel(module: nn.Module) -> int:
+    """Elements of the fp8 base's weights (model.lora.base_dtype)."""
+    return sum(m.weight.numel() for m in module.modules() if getattr(m, "weight_scale", None) is not None)
+
+
 def parameter_storages(module: nn.Module) -> set[int]:
     return {storage_key(p) for p in module.parameters()}
 
@@ -160,6 +172,8 @@ class StageTrace:
     tables: int = 0           # the position tables among `buffers`: shared by a stage's blocks, held once
     trainable: Optional[tuple] = None   # LoRA: ((numel, ndim, expert), ...) of the adapters (None: every parameter)
     host_bytes: int = 0       # train.offload_activations: what its checkpoints put in host memory (not in activations)
+    fp8_base: int = 0         # model.lora.base_dtype: bytes of the fp8 weights and their scales (among `buffers`)
+    fp8_numel: int = 0        # model.lora.base_dtype: elements of those fp8 weights (not among `params`)
 
     @property
     def side_total(self) -> int:
@@ -220,6 +234,7 @@ class ActivationTracer:
                 module = spec.build()
                 if self.cfg.model.lora is not None:       # frozen base + adapters, as parallel/build.py does
                     apply_lora(module, self.cfg.model, self.cfg.train.seed, prefix=f"{spec.name}.")
+                    apply_fp8_base(module, self.cfg.model, prefix=f"{spec.name}.")
                 for param in module.parameters():     # as DeepSpeed 0.19 casts: parameters, not buffers
                     param.data = param.data.to(self.dtype)
             moved: list[int] = []
@@ -265,7 +280,8 @@ class ActivationTracer:
             if self.cfg.model.lora is not None else None
         return StageTrace(acts, storage_bytes(x), tuple(storage_bytes(t) for t in side),
                           tuple(kind != "embed" and k in saved for k in side_keys), sum(held.values()), params,
-                          sum(table_storages(module).values()), trainable, sum(moved))
+                          sum(table_storages(module).values()), trainable, sum(moved), fp8_base_bytes(module),
+                          fp8_numel(module))
 
     def trace(self, kind: str, tp: int, b: int, sp: int = 1, granularity: Optional[str] = None,
               compression: Optional[str] = None, offload: bool = False) -> StageTrace:
@@ -284,7 +300,7 @@ class ActivationTracer:
         return StageTrace(_affine(one.activations, two.activations, b), _affine(one.input_bytes, two.input_bytes, b),
                           tuple(_affine(a, c, b) for a, c in zip(one.side_bytes, two.side_bytes)), one.side_saved,
                           one.buffers, one.params, one.tables, one.trainable,
-                          _affine(one.host_bytes, two.host_bytes, b))
+                          _affine(one.host_bytes, two.host_bytes, b), one.fp8_base, one.fp8_numel)
 
     def layer_parameters(self, start: int, n: int, tp: int, sp: int = 1) -> tuple[list, Optional[list]]:
         """(params, trainable) as in StageTrace, of layers [start, start + n) at tp: the traced block's n times,
@@ -302,13 +318,25 @@ class ActivationTracer:
                     module = specs[1 + i].build()
                     if self.cfg.model.lora is not None:
                         apply_lora(module, self.cfg.model, self.cfg.train.seed, prefix=f"{specs[1 + i].name}.")
+                        apply_fp8_base(module, self.cfg.model, prefix=f"{specs[1 + i].name}.")
                 named = [(p.numel(), p.dim(), expert_of_parameter(n), p.requires_grad)
                          for n, p in module.named_parameters()]
                 self._traces[key] = (tuple(t[:3] for t in named), tuple(t[:3] for t in named if t[3]))
+                self._traces[("fp8", i, tp, sp)] = (fp8_base_bytes(module), fp8_numel(module))
             params += self._traces[key][0]
             if trainable is not None:
                 trainable += self._traces[key][1]
         return params, trainable
+
+    def layer_fp8(self, start: int, n: int, tp: int, sp: int = 1) -> tuple[int, int]:
+        """model.lora.base_dtype: (bytes, elements) of the fp8 base of layers [start, start + n) at tp, each
+        layer its own for a family whose layers differ by index (as layer_parameters)."""
+        block = self.trace("block", tp, 1, sp)
+        if not getattr(family(self.cfg.model).layer, "indexed", False):
+            return block.fp8_base * n, block.fp8_numel * n
+        self.layer_parameters(start, n, tp, sp)
+        per_layer = [self._traces[("fp8", i, tp, sp)] for i in range(start, start + n)]
+        return sum(b for b, _ in per_layer), sum(e for _, e in per_layer)
 
     def recompute_fraction(self, granularity: str, tp: int = 1, sp: int = 1) -> float:
         """FLOPs a checkpointed block repeats in backward, as a fraction of its forward's: (forward + backward

@@ -192,7 +192,8 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
     its part of the released weights into the built model before deepspeed.initialize, when parameters
     are still whole local tensors under every ZeRO stage (ZeRO-3 partitions them in initialize); then
     model.lora.init_from's adapters the same way. With model.lora the base is frozen (requires_grad False)
-    and the optimizer, its EMA and DeepSpeed's master weights hold the adapters only.
+    and the optimizer, its EMA and DeepSpeed's master weights hold the adapters only; with model.lora.base_dtype
+    its tensor-parallel linear weights then become fp8 buffers (parallel/lora.py apply_fp8_base).
     `model`: a module the caller built for the layout (bench: the network with plain nn.Linear), used
     instead of building one.
     """
@@ -211,6 +212,9 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
     if init_from and cfg.model.lora is not None and cfg.model.lora.init_from:
         from parallel.lora import load_lora
         load_lora(model, ctx, cfg.model, cfg.model.lora.init_from)
+    if cfg.model.lora is not None and cfg.model.lora.base_dtype:     # fp8 base: after loading, before DeepSpeed
+        from parallel.lora import apply_fp8_base
+        apply_fp8_base(model, cfg.model)
     optimizer = build_optimizer(model, ds, cfg.train)
     factor = schedule_factor(ds, cfg.train)
     schedule = lambda opt: build_schedule(opt, factor)
