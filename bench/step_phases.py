@@ -19,7 +19,6 @@ Nothing is asserted; the figures go to bench/report.md by hand with the card, th
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gzip
 import json
@@ -170,8 +169,8 @@ def render(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from parallel.cli import add_experiment_args
-    ap = argparse.ArgumentParser(prog="python -m bench.step_phases", description=__doc__.splitlines()[0])
+    from parallel.cli import Parser, add_experiment_args
+    ap = Parser(prog="python -m bench.step_phases", description=__doc__.splitlines()[0])
     add_experiment_args(ap)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)

@@ -321,7 +321,7 @@ def test_the_printed_command_runs_as_printed(capsys, tmp_path):
                               "--top", "3", "--set", f"train.output_dir={tmp_path}", *extra)
         line, = [x for x in text.splitlines() if x.startswith("run it: ")]
         argv = shlex.split(line[len("run it: "):])
-        planned = argv[argv.index("--deepspeed_config") + 1]
+        planned = argv[argv.index("--deepspeed-config") + 1]
         assert code == 0 and f"wrote {planned}" in err
         return text, err, argv, planned
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from parallel.cli import add_experiment_args, size_arg
+from parallel.cli import Parser, add_experiment_args, size_arg
 from parallel.units import BYTES, DTYPES, count_parameters, format_size, gib, parse_size
 
 
@@ -45,7 +45,7 @@ def test_count_parameters():
 
 
 def test_experiment_args():
-    ap = argparse.ArgumentParser()
+    ap = Parser()        # the toolkit's parser: underscore spellings read as the dashed flags
     add_experiment_args(ap)
     args = ap.parse_args(["--config", "debug", "--deepspeed-config", "ds.json", "--set", "a=1", "--set", "b=2"])
     assert (args.config, args.deepspeed_config, args.overrides) == ("debug", "ds.json", ["a=1", "b=2"])
@@ -53,10 +53,10 @@ def test_experiment_args():
     with pytest.raises(SystemExit):
         ap.parse_args(["--config", "debug"])              # the DeepSpeed JSON is required by default
 
-    optional = argparse.ArgumentParser()
+    optional = Parser()
     add_experiment_args(optional, deepspeed_required=False)
     assert optional.parse_args(["--config", "debug"]).deepspeed_config is None
 
-    none = argparse.ArgumentParser()
+    none = Parser()
     add_experiment_args(none, deepspeed=False)
     assert not hasattr(none.parse_args(["--config", "debug"]), "deepspeed_config")
