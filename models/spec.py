@@ -97,7 +97,7 @@ class DiffusersFormat:
 
 class LatentFormat(Protocol):
     """A VAE folder class (diffusers' `_class_name`) and how its release normalises latents for training
-    (models/vae.py reads and writes through it; models/cogvideox/pipeline.py, models/wan/pipeline.py)."""
+    (models/vae.py reads and writes through it; models/shared/pipeline.py, models/wan/pipeline.py)."""
 
     class_name: str                    # `_class_name` of the VAE folder's config.json
     release: str                       # where a user finds such a folder, for messages

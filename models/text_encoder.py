@@ -3,7 +3,7 @@ released pipeline that ships that encoder feeds its transformer.
 
 The encoder class comes from the folder's config.json (`model_type`, else `architectures`), and each class is
 used as the family that trains on it says (its FamilySpec.text_encoder, a models.spec.TextEncoderFormat in the
-family's folder: models/cogvideox/pipeline.py, models/wan/pipeline.py):
+family's folder or models/shared/: models/shared/pipeline.py's T5, models/wan/pipeline.py):
 - not masked (CogVideoX's T5EncoderModel): the caption tokenised to exactly `max_len` tokens (padded,
   truncated), encoded without an attention mask; the last hidden state [max_len, d_model] is the text input,
   padding positions included.

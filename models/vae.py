@@ -1,7 +1,7 @@
 """The VAE (a diffusers folder of a class some registered family trains on): frames -> training latents and back.
 
 Each class normalises latents as its release trains on them: the family's FamilySpec.vae (a LatentFormat,
-in the family's folder, e.g. models/cogvideox/pipeline.py), found by the folder's `_class_name`; the
+in the family's folder or models/shared/pipeline.py, e.g. CogVideoX's), found by the folder's `_class_name`; the
 experiment's family names the class it takes, and a folder of another class is refused.
 The latent is a draw from the VAE's posterior for the clip in [-1, 1] (as CogVideoX and finetrainers' Wan
 train) or its mode. diffusers is an optional dependency (`pip install .[data]`), imported only when a VAE

@@ -6,9 +6,10 @@ import math
 from models.cogvideox.config import CogVideoXConfig
 from models.cogvideox.image import first_frame_condition
 from models.cogvideox.model import DiTBlock, EmbedStage, FinalStage
-from models.cogvideox.pipeline import SAMPLING, T5, CogVideoXLatents
+from models.cogvideox.pipeline import SAMPLING
 from models.cogvideox.released import DIFFUSERS
 from models.diffusion import PER_SAMPLE
+from models.shared.pipeline import T5, CogVideoXLatents
 from models.spec import FamilySpec
 
 SPEC = FamilySpec(

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import math
 
-from models.hunyuanvideo.blocks import HunyuanBlock
 from models.hunyuanvideo.config import HunyuanVideoConfig
-from models.hunyuanvideo.embed import EmbedStage, FinalStage
+from models.hunyuanvideo.embed import EmbedStage
 from models.hunyuanvideo.opensora import OPENSORA
 from models.hunyuanvideo.pipeline import LLAMA_CLIP, SAMPLING, HunyuanLatents
 from models.hunyuanvideo.released import DIFFUSERS
 from models.hunyuanvideo.timesteps import HUNYUAN_TIMESTEPS
+from models.shared.mmdit import FinalStage, HunyuanBlock
 from models.spec import FamilySpec
 
 SPEC = FamilySpec(

@@ -1,5 +1,6 @@
-"""HunyuanVideo's first and last stages: patch, time / guidance / CLIP and token-refined text embeddings in;
-the adaLN-continuous head out. Names follow diffusers' HunyuanVideoTransformer3DModel.
+"""HunyuanVideo's first stage: patch, time / guidance / CLIP and token-refined text embeddings in (the
+adaLN-continuous head out is models/shared/mmdit.py's FinalStage; the refiner block and the MLP,
+models/shared/refiner.py). Names follow diffusers' HunyuanVideoTransformer3DModel.
 
     temb = MLP_t(sinusoid(t)) + MLP_g(sinusoid(1000 g)) + MLP_clip(pooled)           [B, H]
     text = refiner(proj_in(llama), MLP_t'(sinusoid(t)) + MLP_txt(mean_real llama))   [B, L, H]
@@ -21,51 +22,14 @@ false (every text row a key), model.cond_embed (temb unchanged; x += cond_in(zer
 """
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.embeddings import timestep_embedding
-from models.geometry import patchify, unpatchify
+from models.geometry import patchify
 from models.hunyuanvideo.config import EMBEDDED_GUIDANCE, HunyuanVideoConfig
-from parallel.distributed.sequence import gather_sequence, sp_size_of, split_sequence
-
-EPS = 1e-6
-
-
-class MLP(nn.Module):
-    """linear_1 -> SiLU -> linear_2 (diffusers' TimestepEmbedding and PixArtAlphaTextProjection(act silu))."""
-
-    def __init__(self, d_in: int, hidden: int):
-        super().__init__()
-        self.linear_1, self.linear_2 = nn.Linear(d_in, hidden), nn.Linear(hidden, hidden)
-
-    def forward(self, x):
-        return self.linear_2(F.silu(self.linear_1(x)))
-
-
-class RefinerBlock(nn.Module):
-    """HunyuanVideoIndividualTokenRefinerBlock without a mask: every text row attends to every other."""
-
-    def __init__(self, cfg: HunyuanVideoConfig):
-        super().__init__()
-        hid, self.head_dim = cfg.hidden_size, cfg.head_dim
-        self.norm1 = nn.LayerNorm(hid, eps=EPS)
-        self.to_qkv = nn.Linear(hid, 3 * hid)                          # diffusers' attn.to_{q,k,v}, rows fused
-        self.to_out = nn.Linear(hid, hid)
-        self.norm2 = nn.LayerNorm(hid, eps=EPS)
-        self.ff_in, self.ff_out = nn.Linear(hid, 4 * hid), nn.Linear(4 * hid, hid)
-        self.norm_out = nn.Linear(hid, 2 * hid)                        # gate_msa, gate_mlp
-
-    def forward(self, x, temb, mask):
-        """x [B, L, H], temb [B, H], mask [B, 1, L, L] (query i may attend to key j)."""
-        gate_msa, gate_mlp = self.norm_out(F.silu(temb))[:, None].chunk(2, dim=-1)        # (B, 1, H) each
-        q, k, v = self.to_qkv(self.norm1(x)).unflatten(-1, (3, -1, self.head_dim)).permute(2, 0, 3, 1, 4)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2)   # (B, L, H)
-        x = x + self.to_out(o) * gate_msa
-        return x + self.ff_out(F.silu(self.ff_in(self.norm2(x)))) * gate_mlp
+from models.shared.refiner import MLP, RefinerBlock
+from parallel.distributed.sequence import split_sequence
 
 
 class EmbedStage(nn.Module):
@@ -117,31 +81,3 @@ class EmbedStage(nn.Module):
             # and cond_proj.weight stays in the graph (a zero gradient, not none)
             x = x + self.cond_proj(video.new_zeros(*video.shape[:2], self.cond_proj.in_features))
         return split_sequence(torch.cat([y, x], dim=1), self.ctx), torch.cat([temb, keep.to(dtype)], dim=1)
-
-
-class FinalStage(nn.Module):
-    """Video tokens -> LayerNorm * (1 + scale) + shift (from temb) -> proj_out -> unpatchify [B, C, T, H, W];
-    with sp, this rank's tokens as patches [B, S_pad/sp, C*pt*p*p] (`assemble` makes the full prediction)."""
-
-    def __init__(self, cfg: HunyuanVideoConfig, grid, ctx=None):
-        super().__init__()
-        self.cfg, self.grid, self.ctx = cfg, grid, ctx
-        hid, p, pt = cfg.hidden_size, cfg.patch_size, cfg.patch_size_t
-        self.norm_out_linear = nn.Linear(hid, 2 * hid)                    # AdaLayerNormContinuous: scale, shift
-        self.proj_out = nn.Linear(hid, cfg.in_channels * pt * p * p)     # rows in (c, pt, p, q) order, as patchify
-
-    def forward(self, inputs):
-        x, temb = inputs
-        temb, sp = temb[:, :x.shape[-1]], sp_size_of(self.ctx)                          # the mask left out
-        v = x[:, self.cfg.max_text_len:] if sp == 1 else x                # (B, S_vid, H)
-        scale, shift = self.norm_out_linear(F.silu(temb))[:, None].chunk(2, dim=-1)
-        out = self.proj_out(F.layer_norm(v, (v.shape[-1],), eps=EPS) * (1 + scale) + shift)
-        return unpatchify(out, self.cfg, self.grid) if sp == 1 else out
-
-    def assemble(self, out: torch.Tensor) -> torch.Tensor:
-        """The full prediction [B, C, T, H, W] from forward's output on any sp rank (no gradient)."""
-        if sp_size_of(self.ctx) == 1:
-            return out
-        tokens = self.cfg.max_text_len + math.prod(self.grid.value)
-        return unpatchify(gather_sequence(out, self.ctx, total=tokens)[:, self.cfg.max_text_len:], self.cfg,
-                          self.grid)

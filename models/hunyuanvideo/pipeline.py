@@ -15,13 +15,12 @@ with (FamilySpec.vae, text_encoder, sampling).
 """
 from __future__ import annotations
 
-import torch
-
 from models.hunyuanvideo.captions import caption_encoder
+from models.shared.pipeline import ScaledLatents
 from models.spec import Sampling, TextEncoderFormat
 
 
-class HunyuanLatents:
+class HunyuanLatents(ScaledLatents):
     class_name = "AutoencoderKLHunyuanVideo"
     release = "the vae/ folder of a HunyuanVideo diffusers release"
 
@@ -32,14 +31,6 @@ class HunyuanLatents:
     @staticmethod
     def compression(config: dict) -> tuple[int, int]:
         return config.get("temporal_compression_ratio", 4), config.get("spatial_compression_ratio", 8)
-
-    @staticmethod
-    def normalise(z: torch.Tensor, config) -> torch.Tensor:
-        return z * config.scaling_factor
-
-    @staticmethod
-    def denormalise(z: torch.Tensor, config) -> torch.Tensor:
-        return z / config.scaling_factor
 
 
 LLAMA_CLIP = TextEncoderFormat(class_name="LlamaModel", model_type="llama", masked=True, clean=False, prepared=False,

@@ -16,7 +16,8 @@
                                          (proj_in, rows fused), proj_out, attn.norm_{q,k}.weight
     final.norm_out_linear / proj_out     norm_out.linear / proj_out
 
-D = model.num_dual_layers: the map depends on the config, so parallel/weights/ asks for `bind(model)`.
+D = model.num_dual_layers: the map depends on the config, so parallel/weights/ asks for `bind(model)`. The
+refiner's, the blocks' and the head's names are shared with HunyuanVideo 1.5 (models/shared/released.py).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 
 from models.geometry import latent_shape
 from models.hunyuanvideo.config import EMBEDDED_GUIDANCE, HunyuanVideoConfig
+from models.shared.released import mlp_ratio_check, mmdit_names
 from models.spec import DiffusersFormat, config_problems, release_hidden_size
 
 _EMBED = {"patch_proj": "x_embedder.proj", "refiner_proj_in": "context_embedder.proj_in",
@@ -35,17 +37,6 @@ _EMBED = {"patch_proj": "x_embedder.proj", "refiner_proj_in": "context_embedder.
               ("pooled_embedder", "time_text_embed.text_embedder"),
               ("refiner_timestep_embedder", "context_embedder.time_text_embed.timestep_embedder"),
               ("refiner_text_embedder", "context_embedder.time_text_embed.text_embedder"))}}
-_REFINER = {"norm1": "norm1", "to_out": "attn.to_out.0", "norm2": "norm2", "ff_in": "ff.net.0.proj",
-            "ff_out": "ff.net.2", "norm_out": "norm_out.linear", "to_qkv": ("attn.to_q", "attn.to_k", "attn.to_v")}
-_DUAL = {"norm1": "norm1.linear", "norm1_context": "norm1_context.linear", "to_out": "attn.to_out.0",
-         "to_add_out": "attn.to_add_out", "ff_in": "ff.net.0.proj", "ff_out": "ff.net.2",
-         "ff_context_in": "ff_context.net.0.proj", "ff_context_out": "ff_context.net.2",
-         "to_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
-         "add_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
-_SINGLE = {"norm": "norm.linear", "proj_out": "proj_out", "proj_in": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")}
-_NORMS = {"attn.norm_q": "attn.norm_q.weight", "attn.norm_k": "attn.norm_k.weight",
-          "attn.norm_added_q": "attn.norm_added_q.weight", "attn.norm_added_k": "attn.norm_added_k.weight"}
-_FINAL = {"norm_out_linear": "norm_out.linear", "proj_out": "proj_out"}
 PATCH_WEIGHT = "embed.patch_proj.weight"
 
 
@@ -71,17 +62,6 @@ def _config_pairs(m: HunyuanVideoConfig) -> list[tuple[str, object, Optional[str
         ("qk_norm", "rms_norm", None, "rms_norm"),
         ("image_condition_type", None, None, None),
     ]
-
-
-def mlp_ratio_check(m, hidden: Optional[int] = None):
-    """config_problems' message for mlp_ratio (HunyuanVideo and 1.5): diffusers' mlp_ratio is the toolkit's
-    ffn_hidden_size / hidden_size (its MLP width: int(hidden x ratio)); `hidden`: the release's width
-    (release_hidden_size), which the advice is for, default the section's."""
-    def mlp_ratio(theirs, value) -> Optional[str]:
-        return None if theirs == value else (f"mlp_ratio {theirs} != model.ffn_hidden_size / model.hidden_size "
-                                             f"{value}; set --set model.ffn_hidden_size="
-                                             f"{int((hidden or m.hidden_size) * theirs)}")
-    return mlp_ratio
 
 
 class HunyuanVideoDiffusers(DiffusersFormat):
@@ -122,27 +102,7 @@ class HunyuanVideoDiffusers(DiffusersFormat):
         return {key: value for key, _, _, value in _config_pairs(m)}
 
     def names(self, name: str) -> list[str]:
-        section, _, rest = name.partition(".")
-        module, _, leaf = rest.rpartition(".")
-        if section == "blocks":
-            index, _, rest = rest.partition(".")
-            i = int(index)
-            dual = i < self.num_dual
-            prefix = f"transformer_blocks.{i}." if dual else f"single_transformer_blocks.{i - self.num_dual}."
-            if rest in _NORMS:
-                return [prefix + _NORMS[rest]]
-            module, _, leaf = rest.rpartition(".")
-            table = _DUAL if dual else _SINGLE
-        elif section == "embed" and rest.startswith("refiner."):
-            j, _, rest = rest[len("refiner."):].partition(".")
-            prefix, table = f"context_embedder.token_refiner.refiner_blocks.{j}.", _REFINER
-            module, _, leaf = rest.rpartition(".")
-        else:
-            table, prefix = {"embed": _EMBED, "final": _FINAL}.get(section, {}), ""
-        if module not in table:
-            raise KeyError(f"{name} has no counterpart in diffusers' {self.class_name}")
-        target = table[module]
-        return [f"{prefix}{t}.{leaf}" for t in target] if isinstance(target, tuple) else [f"{prefix}{target}.{leaf}"]
+        return mmdit_names(name, self.num_dual, _EMBED, self.class_name)
 
     def shapes(self, name: str, shape: tuple[int, ...], m: HunyuanVideoConfig) -> dict[str, tuple[int, ...]]:
         sources = self.names(name)

@@ -1,18 +1,17 @@
 """HunyuanVideo 1.5 (8.3B) text- and image-to-video: dual-stream blocks only, over image, glyph and text rows +
-video tokens. The blocks and the head are HunyuanVideo's (models/hunyuanvideo/: the same dual-stream block and
+video tokens. The blocks and the head are HunyuanVideo's (models/shared/mmdit.py: the same dual-stream block and
 adaLN-continuous head); the first stage and the released names are its own."""
 from __future__ import annotations
 
 import math
 
 from models.diffusion import PER_SAMPLE
-from models.hunyuanvideo.blocks import HunyuanBlock
-from models.hunyuanvideo.embed import FinalStage
 from models.hunyuanvideo15.config import HunyuanVideo15Config
 from models.hunyuanvideo15.embed import EmbedStage
 from models.hunyuanvideo15.image import image_condition
 from models.hunyuanvideo15.pipeline import QWEN_BYT5, SAMPLING, Hunyuan15Latents
 from models.hunyuanvideo15.released import DIFFUSERS
+from models.shared.mmdit import FinalStage, HunyuanBlock
 from models.spec import FamilySpec
 
 SPEC = FamilySpec(

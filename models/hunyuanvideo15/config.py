@@ -54,7 +54,7 @@ class HunyuanVideo15Config(ModelConfig):
 
     @property
     def num_dual_layers(self) -> int:
-        """Every block is dual-stream (models/hunyuanvideo/blocks.py's HunyuanBlock reads this)."""
+        """Every block is dual-stream (models/shared/mmdit.py's HunyuanBlock reads this)."""
         return self.num_layers
 
     @property

@@ -1,6 +1,6 @@
 """HunyuanVideo 1.5's first stage: patch and time embeddings, and the three text encoders' rows as context tokens.
 Names follow diffusers' HunyuanVideo15Transformer3DModel; the layers and the last stage are HunyuanVideo's
-(models/hunyuanvideo/: every block dual-stream, the same adaLN-continuous head).
+(models/shared/mmdit.py: every block dual-stream, the same adaLN-continuous head).
 
     temb  = MLP_t(sinusoid(t))                                                        [B, H]
     qwen  = refiner(proj_in(qwen), MLP_t'(sinusoid(t)) + MLP_txt(mean_real qwen)) + e_0   [B, Lq, H]
@@ -9,7 +9,7 @@ Names follow diffusers' HunyuanVideo15Transformer3DModel; the layers and the las
     x     = [image; glyph; qwen; patch([noisy; condition; mask])]                   [B, L + S_vid, H]
 
 e_k: cond_type_embed row k. Padding rows (all-zero input channels, as the pipelines' masks) are zero and no key
-in the blocks' attention (the mask travels as temb's last L channels, models/hunyuanvideo/embed.py); diffusers
+in the blocks' attention (the mask travels as temb's last L channels, models/shared/mmdit.py); diffusers
 moves them behind the real rows, which changes nothing, since text tokens carry no position. Diffusers decides
 text-to-video (image rows masked) for the whole batch when every image state is zero; here a sample whose image
 rows are zero: the same for any batch the pipelines make (one kind per call).
@@ -25,8 +25,8 @@ from torch import nn
 
 from models.embeddings import timestep_embedding
 from models.geometry import patchify
-from models.hunyuanvideo.embed import MLP, RefinerBlock
 from models.hunyuanvideo15.config import HunyuanVideo15Config
+from models.shared.refiner import MLP, RefinerBlock
 from parallel.distributed.sequence import split_sequence
 
 GLYPH_HIDDEN = 2048                 # HunyuanVideo15ByT5TextProjection's hidden width, fixed in diffusers

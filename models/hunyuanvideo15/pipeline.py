@@ -15,12 +15,12 @@
 """
 from __future__ import annotations
 
-from models.hunyuanvideo.pipeline import HunyuanLatents
 from models.hunyuanvideo15.captions import caption_encoder
+from models.shared.pipeline import ScaledLatents
 from models.spec import Sampling, TextEncoderFormat
 
 
-class Hunyuan15Latents(HunyuanLatents):
+class Hunyuan15Latents(ScaledLatents):
     class_name = "AutoencoderKLHunyuanVideo15"
     release = "the vae/ folder of a HunyuanVideo 1.5 diffusers release"
 

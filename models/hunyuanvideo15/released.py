@@ -14,7 +14,7 @@ and how its pipelines call it.
     blocks.i.*                           transformer_blocks.i.* (HunyuanVideo's dual-stream map)
     final.norm_out_linear / proj_out     norm_out.linear / proj_out
 
-The refiner, the blocks and the head are named as HunyuanVideo's (models/hunyuanvideo/released.py, every block
+The refiner, the blocks and the head are named as HunyuanVideo's (models/shared/released.py, every block
 dual-stream). The text input's row layout (image_len, glyph_len) is not in diffusers' config: the pipelines fix
 729 and 256, so `bind(model)` carries the model's for `reference_call`.
 """
@@ -24,8 +24,8 @@ from typing import Optional
 
 import torch
 
-from models.hunyuanvideo.released import HunyuanVideoDiffusers, mlp_ratio_check
 from models.hunyuanvideo15.config import HunyuanVideo15Config
+from models.shared.released import mlp_ratio_check, mmdit_names
 from models.spec import DiffusersFormat, config_problems, release_hidden_size
 
 _EMBED = {"patch_proj": "x_embedder.proj", "refiner_proj_in": "context_embedder.proj_in",
@@ -37,7 +37,7 @@ _EMBED = {"patch_proj": "x_embedder.proj", "refiner_proj_in": "context_embedder.
               ("refiner_timestep_embedder", "context_embedder.time_text_embed.timestep_embedder"),
               ("refiner_text_embedder", "context_embedder.time_text_embed.text_embedder"))}}
 PATCH_WEIGHT = "embed.patch_proj.weight"
-_DUAL_ONLY = HunyuanVideoDiffusers(num_dual=1 << 30)       # every block index below it: transformer_blocks.i
+_DUAL_ONLY = 1 << 30                 # num_dual: every block index below it, transformer_blocks.i
 
 
 # diffusers' HunyuanVideo15Transformer3DModel arguments: (config.json key, its default, our key or None, ours).
@@ -94,7 +94,7 @@ class HunyuanVideo15Diffusers(DiffusersFormat):
     def names(self, name: str) -> list[str]:
         section, _, rest = name.partition(".")
         if section != "embed" or rest.startswith("refiner."):
-            return _DUAL_ONLY.names(name)
+            return mmdit_names(name, _DUAL_ONLY, {}, "HunyuanVideoTransformer3DModel")
         module, _, leaf = rest.rpartition(".")
         if module not in _EMBED:
             raise KeyError(f"{name} has no counterpart in diffusers' {self.class_name}")

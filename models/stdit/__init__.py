@@ -1,8 +1,8 @@
 """Open-Sora STDiT3-style (1.2/1.3): a spatial and a temporal block per layer, cross-attention to the text."""
 from __future__ import annotations
 
-from models.cogvideox.pipeline import T5, CogVideoXLatents
 from models.diffusion import PER_SAMPLE
+from models.shared.pipeline import T5, CogVideoXLatents
 from models.spec import FamilySpec, Sampling
 from models.stdit.config import STDiTConfig
 from models.stdit.model import EmbedStage, FinalStage, STDiT3Layer

@@ -12,9 +12,9 @@ import math
 
 import torch
 
-from models.cogvideox.pipeline import T5, CogVideoXLatents
 from models.diffusion import NUM_TRAIN_TIMESTEPS
 from models.registry import register
+from models.shared.pipeline import T5, CogVideoXLatents
 from models.spec import Expert, FamilySpec, Sampling
 from tests.toy_family.config import ToyConfig
 from tests.toy_family.model import EmbedStage, FinalStage, ToyBlock

@@ -1,6 +1,6 @@
 """The package layout holds (docs/architecture.md): packages are ordered and every import points down
-the order, no two modules or packages import each other, only the family registry and the family folders
-know the family names, and only parallel/distributed/deepspeed/ reads DeepSpeed's private attributes. The
+the order, no two modules or packages import each other, no family folder imports another's (what two share
+lives in models/shared/), only the family registry and the family folders know the family names, and only parallel/distributed/deepspeed/ reads DeepSpeed's private attributes. The
 tests share helpers through tests/helpers/, never by importing a test module, and bench/ imports no test.
 
 Every import in the source counts, at module level or inside a function, since a lazy import is a
@@ -222,6 +222,43 @@ def test_family_names_only_in_the_registry_and_family_folders():
     assert not found, found
 
 
+# The family folders: every package under models/ but the shared one (models/shared/: what two families build
+# from), read from the tree, not listed by hand.
+SHARED = "models.shared"
+FAMILY_FOLDERS = tuple(sorted(f"models.{p.name}" for p in (ROOT / "models").iterdir()
+                              if (p / "__init__.py").is_file() and f"models.{p.name}" != SHARED))
+
+
+def _family_of(module: str) -> str | None:
+    return next((folder for folder in FAMILY_FOLDERS if _inside(module, folder)), None)
+
+
+def _sideways(imports: dict[str, list[tuple[str, int, str]]]) -> list[str]:
+    """'file:line: import ...  (module imports another family's folder)' for each import of a family folder from
+    outside it by a module of another family folder or of the shared package."""
+    wrong = []
+    for module, found in imports.items():
+        here = _family_of(module)
+        if here is None and not _inside(module, SHARED):
+            continue
+        for target, line, statement in found:
+            there = _family_of(target)
+            if there is not None and there != here:
+                path = MODULES[module].relative_to(ROOT) if module in MODULES else module
+                wrong.append(f"{path}:{line}: {statement}  ({module} imports {there}/)")
+    return wrong
+
+
+def test_no_family_imports_another_family_s_folder():
+    """A family folder imports its own modules, models/shared/ and models/' top-level modules (and lower layers),
+    never another family's folder; models/shared/ imports no family folder. Function-level imports counted."""
+    assert {"models.cogvideox", "models.hunyuanvideo", "models.hunyuanvideo15", "models.stdit"} <= set(FAMILY_FOLDERS)
+    assert SHARED not in FAMILY_FOLDERS
+    wrong = _sideways(IMPORTS)
+    assert not wrong, ("a family reaching into another's folder (move what they share into models/shared/):\n"
+                       + "\n".join(wrong))
+
+
 def test_the_checks_see_a_violation():
     """The walkers find what they look for (a check that cannot fail would prove nothing)."""
     assert "parallel.distributed.comm" in GRAPH["parallel.distributed.layers"]
@@ -250,6 +287,18 @@ def test_the_checks_see_a_violation():
     assert _private_reads("engine._global_grad_norm = 1\nif hasattr(p, 'ds_id'):\n    x = m.module._x\n"
                           "def _partition_layers(self, method):\n    pass\n", "f.py") == \
         ["f.py:1: ._global_grad_norm", "f.py:2: 'ds_id'", "f.py:3: ._x", "f.py:4: def _partition_layers"]
+    # a family's module (a lazy import too) reaching into another family's folder, and the shared package into one
+    sideways = {"models.stdit.model": _imports_in("def f():\n    from models.cogvideox.pipeline import T5\n"),
+                "models.shared.mmdit": _imports_in("from models.hunyuanvideo.config import HunyuanVideoConfig\n"),
+                "models.hunyuanvideo15.embed": _imports_in("from models.shared.refiner import MLP\n"
+                                                           "from models.hunyuanvideo15.config import C\n"
+                                                           "from models.geometry import patchify\n"),
+                "models.registry": _imports_in("from models import stdit\n")}
+    assert _sideways(sideways) == [
+        "models/stdit/model.py:2: from models.cogvideox.pipeline import T5  (models.stdit.model imports "
+        "models.cogvideox/)",
+        "models/shared/mmdit.py:1: from models.hunyuanvideo.config import HunyuanVideoConfig  (models.shared.mmdit "
+        "imports models.hunyuanvideo/)"]
     assert "models.registry" in GRAPH["parallel.config"]
     tree = ast.parse('if cfg.model.family == "stdit":\n    pass\n')
     compare = next(n for n in ast.walk(tree) if isinstance(n, ast.Compare))

@@ -1,9 +1,12 @@
 """HunyuanVideo's layers: dual-stream blocks, then single-stream blocks, one class (`HunyuanBlock`) so that
-pipeline stages, recomputation and compilation treat the 60 as one list.
+pipeline stages, recomputation and compilation treat the 60 as one list; and their adaLN-continuous head
+(`FinalStage`). Shared: HunyuanVideo (models/hunyuanvideo/) and HunyuanVideo 1.5 (models/hunyuanvideo15/, every
+block dual-stream) build their layers and head from here; `cfg` is either family's config
+(models/hunyuanvideo/config.py, models/hunyuanvideo15/config.py).
 
 Between layers flow x [B, L + S_vid, H] (text tokens first, then video tokens in (t, h, w) order; diffusers
 orders them video first, which changes nothing: attention masks keys, not positions, and everything else is per
-token) and temb [B, H + L] (the time embedding, then the text mask: 1.0 for a real row; models/hunyuanvideo/embed.py).
+token) and temb [B, H + L] (the time embedding, then the text mask: 1.0 for a real row; the family's embed.py).
 Attention skips the padding rows of the text as keys (HunyuanVideoPipeline's prompt_attention_mask).
 
 Dual-stream block (HunyuanVideoTransformerBlock): text (c) and video tokens have their own weights:
@@ -40,11 +43,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.embeddings import apply_rope_complex, rope_complex
-from models.geometry import PositionCache
-from models.hunyuanvideo.config import HunyuanVideoConfig
+from models.config import ModelConfig
+from models.geometry import PositionCache, unpatchify
 from parallel.distributed.comm import copy_to_tp
 from parallel.distributed.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.distributed.sequence import SequenceAttention, local_range
+from parallel.distributed.sequence import SequenceAttention, gather_sequence, local_range, sp_size_of
 
 EPS = 1e-6
 
@@ -70,7 +73,7 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class JointAttention(nn.Module):
     """Attention over text + video tokens; q, k RMS-normalised per head (one weight per stream)."""
 
-    def __init__(self, cfg: HunyuanVideoConfig, grid, ctx, dual: bool):
+    def __init__(self, cfg: ModelConfig, grid, ctx, dual: bool):
         super().__init__()
         self.head_dim, self.ctx, self.grid, self.n_txt = cfg.head_dim, ctx, grid, cfg.max_text_len
         self.text_mask = cfg.text_mask                   # false (Open-Sora 2.0): every text row is a key
@@ -122,7 +125,7 @@ class HunyuanBlock(nn.Module):
 
     indexed = True                           # parallel/build.py passes the block's index
 
-    def __init__(self, cfg: HunyuanVideoConfig, grid, ctx, index: int):
+    def __init__(self, cfg: ModelConfig, grid, ctx, index: int):
         super().__init__()
         self.cfg, self.grid, self.ctx = cfg, grid, ctx
         self.dual = index < cfg.num_dual_layers
@@ -182,3 +185,31 @@ class HunyuanBlock(nn.Module):
     def mlp(self, m):
         """The single block's MLP activation gelu(m) (B, S, F/tp); recomputation's `mlp` part."""
         return F.gelu(m, approximate="tanh")
+
+
+class FinalStage(nn.Module):
+    """Video tokens -> LayerNorm * (1 + scale) + shift (from temb) -> proj_out -> unpatchify [B, C, T, H, W];
+    with sp, this rank's tokens as patches [B, S_pad/sp, C*pt*p*p] (`assemble` makes the full prediction)."""
+
+    def __init__(self, cfg: ModelConfig, grid, ctx=None):
+        super().__init__()
+        self.cfg, self.grid, self.ctx = cfg, grid, ctx
+        hid, p, pt = cfg.hidden_size, cfg.patch_size, cfg.patch_size_t
+        self.norm_out_linear = nn.Linear(hid, 2 * hid)                    # AdaLayerNormContinuous: scale, shift
+        self.proj_out = nn.Linear(hid, cfg.in_channels * pt * p * p)     # rows in (c, pt, p, q) order, as patchify
+
+    def forward(self, inputs):
+        x, temb = inputs
+        temb, sp = temb[:, :x.shape[-1]], sp_size_of(self.ctx)                          # the mask left out
+        v = x[:, self.cfg.max_text_len:] if sp == 1 else x                # (B, S_vid, H)
+        scale, shift = self.norm_out_linear(F.silu(temb))[:, None].chunk(2, dim=-1)
+        out = self.proj_out(F.layer_norm(v, (v.shape[-1],), eps=EPS) * (1 + scale) + shift)
+        return unpatchify(out, self.cfg, self.grid) if sp == 1 else out
+
+    def assemble(self, out: torch.Tensor) -> torch.Tensor:
+        """The full prediction [B, C, T, H, W] from forward's output on any sp rank (no gradient)."""
+        if sp_size_of(self.ctx) == 1:
+            return out
+        tokens = self.cfg.max_text_len + math.prod(self.grid.value)
+        return unpatchify(gather_sequence(out, self.ctx, total=tokens)[:, self.cfg.max_text_len:], self.cfg,
+                          self.grid)
