@@ -5,11 +5,11 @@
 #
 #   bash scripts/gpu-check.sh                 # on the GPU machine (about 8 minutes on one H100/H200)
 #   bash scripts/gpu-check.sh --tiny          # the same commands on the debug presets (CPU works)
-#   bash scripts/gpu-check.sh --pack          # here: bench/out/carry/, the packages a bare device image lacks
+#   bash scripts/gpu-check.sh --pack          # here: bench/out/carry.tar.gz, what a bare device image lacks
 #
 # Python: the project's .venv where it exists (scripts/env.sh), else the machine's python3 with
-# bench/out/carry/ (from --pack: DeepSpeed, diffusers, peft and their pure-Python dependencies, and a
-# pydantic_core wheel for the device's Python) on its path.
+# bench/out/carry/ (unpacked from --pack's carry.tar.gz: DeepSpeed, diffusers, peft and their pure-Python
+# dependencies, and pydantic_core built for the device's Python) on its path.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CARRY="$ROOT/bench/out/carry"
@@ -31,12 +31,14 @@ if [ "${1:-}" = "--pack" ]; then
     --platform manylinux2014_x86_64 "pydantic_core==$version" -d "$CARRY/wheels"
   (cd "$CARRY/wheels" && for w in *.whl; do python -m zipfile -e "$w" "$CARRY"; done)
   rm -rf "$CARRY/wheels"
-  echo "bench/out/carry: $(du -sh "$CARRY" | cut -f1) (carry it with the tree: run(carry=[\"bench/out/carry\"]))"
+  tar czf "$CARRY.tar.gz" -C "$ROOT/bench/out" carry
+  echo "bench/out/carry.tar.gz: $(du -sh "$CARRY.tar.gz" | cut -f1) (carry it with the tree; the script unpacks it)"
   exit 0
 fi
 if [ -d "$ROOT/.venv" ] || ! python3 -c "import torch" 2>/dev/null; then
   source "$ROOT/scripts/env.sh"
 else
+  [ -d "$CARRY" ] || [ ! -f "$CARRY.tar.gz" ] || tar xzf "$CARRY.tar.gz" -C "$ROOT/bench/out"
   export PYTHONPATH="$ROOT:$CARRY${PYTHONPATH:+:$PYTHONPATH}"
 fi
 cd "$ROOT"
