@@ -7,17 +7,9 @@
     embed.refiner_timestep_embedder / refiner_text_embedder
                                          context_embedder.time_text_embed.{timestep_embedder, text_embedder}
     embed.refiner_proj_in                context_embedder.proj_in
-    embed.refiner.j.*                    context_embedder.token_refiner.refiner_blocks.j.* (to_qkv: attn.to_{q,k,v};
-                                         to_out: attn.to_out.0; ff_in/out: ff.net.0.proj / ff.net.2; norm_out: .linear)
-    blocks.i (i < D, dual-stream)        transformer_blocks.i: norm1{,_context}.linear, attn.to_{q,k,v} (to_qkv),
-                                         attn.add_{q,k,v}_proj (add_qkv), attn.to_out.0, attn.to_add_out,
-                                         attn.norm_{q,k,added_q,added_k}.weight, ff{,_context}.net.{0.proj,2}
-    blocks.i (i >= D, single-stream)     single_transformer_blocks.(i - D): norm.linear, attn.to_{q,k,v} + proj_mlp
-                                         (proj_in, rows fused), proj_out, attn.norm_{q,k}.weight
-    final.norm_out_linear / proj_out     norm_out.linear / proj_out
+    embed.refiner.j.*, blocks.i, final.*  as in models/shared/released.py's table (shared with HunyuanVideo 1.5)
 
-D = model.num_dual_layers: the map depends on the config, so parallel/weights/ asks for `bind(model)`. The
-refiner's, the blocks' and the head's names are shared with HunyuanVideo 1.5 (models/shared/released.py).
+D = model.num_dual_layers: the map depends on the config, so parallel/weights/ asks for `bind(model)`.
 """
 from __future__ import annotations
 

@@ -110,16 +110,17 @@ def test_train_refuses_table_keys_before_any_process_group(tmp_path):
     assert "Traceback" not in p.stderr
 
 
-def _train_with(tmp_path, section: str, value: dict | None = None, steps: int = 3, sets=(), env=None,
-                launched=False):
-    """train.py with DeepSpeed's `section` (a monitor, by default writing under tmp_path/section) on, one process
+def _train_with(folder, sections: dict, steps: int = 3, sets=(), env=None, launched=False):
+    """train.py with DeepSpeed's `sections` on (a monitor's None: on, writing under folder/<section>), one process
     or (`launched`) two ranks under torchrun, which leave without the interpreter's teardown (parallel.cli.run):
-    the completed process, the metrics.jsonl records and the figures they carry."""
+    the completed process, the metrics.jsonl records and the figures they carry. One run serves every section's
+    test (the fixtures below): the monitors and profilers read the same steps side by side."""
     ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
-    ds[section] = value or {"enabled": True, "output_path": str(tmp_path / section), "job_name": "job"}
-    (tmp_path / "ds.json").write_text(json.dumps(ds))
-    out = tmp_path / "run"
-    args = ("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"), "--set",
+    for section, value in sections.items():
+        ds[section] = value or {"enabled": True, "output_path": str(folder / section), "job_name": "job"}
+    (folder / "ds.json").write_text(json.dumps(ds))
+    out = folder / "run"
+    args = ("--config", "debug", "--deepspeed_config", str(folder / "ds.json"), "--set",
             f"train.max_steps={steps}", "--set", f"train.output_dir={out}", "--set", "train.memory_check=false",
             *(a for s in sets for a in ("--set", s)))
     if launched:
@@ -135,24 +136,43 @@ def _train_with(tmp_path, section: str, value: dict | None = None, steps: int = 
     return p, records, figures
 
 
-def test_csv_monitor_gets_every_figure_of_metrics_jsonl(tmp_path):
-    _, records, figures = _train_with(tmp_path, "csv_monitor")
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """One process, 3 steps of one micro-batch: the CSV monitor, the flops profiler (profile_step=2) and the comms
+    logger at once."""
+    folder = tmp_path_factory.mktemp("one_process")
+    return folder, *_train_with(folder, {
+        "csv_monitor": None,
+        "flops_profiler": {"enabled": True, "profile_step": 2, "module_depth": 1, "top_modules": 1},
+        "comms_logger": {"enabled": True, "prof_all": True}}, sets=["train.grad_accum_steps=1"])
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Two ranks under torchrun, 3 steps: tensorboard and wandb (offline) at once."""
+    folder = tmp_path_factory.mktemp("launched")
+    return folder, *_train_with(folder, {"tensorboard": None, "wandb": {"enabled": True, "project": "vdp"}},
+                                env={"WANDB_MODE": "offline", "WANDB_DIR": str(folder)}, launched=True)
+
+
+def test_csv_monitor_gets_every_figure_of_metrics_jsonl(one_process):
+    folder, _, records, figures = one_process
     for name in figures:
-        csv = (tmp_path / "csv_monitor" / "job" / f"train_{name}.csv").read_text()
+        csv = (folder / "csv_monitor" / "job" / f"train_{name}.csv").read_text()
         rows = [line.split(",") for line in csv.splitlines()[1:]]
         assert [int(r[0]) for r in rows] == [1, 2, 3], name
         assert [float(r[1]) for r in rows] == pytest.approx([r[name] for r in records], rel=1e-12), name
 
 
-def test_tensorboard_gets_every_figure_of_metrics_jsonl(tmp_path):
+def test_tensorboard_gets_every_figure_of_metrics_jsonl(launched):
     """The event file read back with tensorboard's own EventAccumulator: each figure's steps and values (stored
     as float32 by the summary writer) equal metrics.jsonl's. DeepSpeed adds its own Train/Samples/lr, by
     samples seen, written after its scheduler stepped: at step k's samples, the lr step k + 1 runs at."""
     pytest.importorskip("tensorboard", reason="the test extra installs tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    _, records, figures = _train_with(tmp_path, "tensorboard", launched=True)
-    events = EventAccumulator(str(tmp_path / "tensorboard" / "job")).Reload()
+    folder, _, records, figures = launched
+    events = EventAccumulator(str(folder / "tensorboard" / "job")).Reload()
     assert sorted(events.Tags()["scalars"]) == sorted([f"train/{name}" for name in figures] + ["Train/Samples/lr"])
     samples = events.Scalars("Train/Samples/lr")
     assert [e.step for e in samples] == [samples[0].step * k for k in (1, 2, 3)]
@@ -194,17 +214,16 @@ def _wandb_history(path) -> list[dict]:
     return rows
 
 
-def test_wandb_gets_every_figure_of_metrics_jsonl(tmp_path):
+def test_wandb_gets_every_figure_of_metrics_jsonl(launched):
     """wandb offline (WANDB_MODE=offline), its run file read back: every figure of every step, with the step as
     its x-axis ("step"), equal to metrics.jsonl's (JSON both ways: exact). wandb drops a log whose step is below
     the last it saw, and DeepSpeed logs Train/Samples/lr at the samples seen (4, 8, 12): figures logged at
     steps 1, 2, 3 would all be lost (parallel/distributed/deepspeed/monitor.py write_monitor_events). Two
     launched ranks, which leave without the interpreter's teardown: the run file is whole only where the trainer
     ended the wandb run (close_monitors; without it no row reached the file)."""
-    p, records, figures = _train_with(tmp_path, "wandb", {"enabled": True, "project": "vdp"},
-                                      env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}, launched=True)
+    folder, p, records, figures = launched
     assert "Steps must be monotonically increasing" not in p.stdout + p.stderr
-    [run] = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    [run] = list((folder / "wandb").glob("offline-run-*/run-*.wandb"))
     rows = [row for row in _wandb_history(run) if "train/loss" in row]
     assert [row["step"] for row in rows] == [1, 2, 3]
     for name in figures:
@@ -213,7 +232,7 @@ def test_wandb_gets_every_figure_of_metrics_jsonl(tmp_path):
     assert samples[:-1] == pytest.approx([r["lr"] for r in records][1:], rel=1e-12)
 
 
-def test_flops_profiler_prints_its_profile_at_pp1(tmp_path):
+def test_flops_profiler_prints_its_profile_at_pp1(one_process):
     """DeepSpeed's flops profiler at parallel.pp_size=1, one micro-batch a step: one profile in train.py's output.
     profile_step counts DeepSpeed's global steps from 0, so profile_step=2 profiles the toolkit's step 3 and
     says so; its parameter count is the model's (the planner's count). The pipeline refusal is in
@@ -222,8 +241,7 @@ def test_flops_profiler_prints_its_profile_at_pp1(tmp_path):
     from parallel.plan.search import count_params
     from parallel.plan.trace import ActivationTracer
 
-    p, _, _ = _train_with(tmp_path, "flops_profiler", {"enabled": True, "profile_step": 2, "module_depth": 1,
-                                                       "top_modules": 1}, sets=["train.grad_accum_steps=1"])
+    _, p, _, _ = one_process
     assert p.stdout.count("DeepSpeed Flops Profiler") == 1
     assert "Profile Summary at step 3:" in p.stdout
     fields = dict(line.rsplit(":", 1) for line in p.stdout.splitlines() if line.count(":") == 1)
@@ -233,7 +251,7 @@ def test_flops_profiler_prints_its_profile_at_pp1(tmp_path):
     assert fields["batch size per GPU"].strip() == "2"
 
 
-def test_comms_logger_prints_its_summary_at_pp1(tmp_path):
+def test_comms_logger_prints_its_summary_at_pp1(one_process):
     """DeepSpeed's comms logger (prof_all) at tp = sp = pp = 1: train.py prints deepspeed.comm's summary after the
     last step, with the engine's gradient all-reduce once a step, of the model's fp32 gradients' size."""
     from deepspeed.utils.comms_logging import convert_size
@@ -242,7 +260,7 @@ def test_comms_logger_prints_its_summary_at_pp1(tmp_path):
     from parallel.plan.search import count_params
     from parallel.plan.trace import ActivationTracer
 
-    p, records, _ = _train_with(tmp_path, "comms_logger", {"enabled": True, "prof_all": True})
+    _, p, records, _ = one_process
     lines = p.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("Comm. Op"))
     assert header > max(i for i, line in enumerate(lines) if "training debug" in line)
