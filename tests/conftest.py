@@ -72,7 +72,9 @@ LONGEST_FIRST = ("test_readme_commands.py", "test_family_matrix.py", "test_netns
 
 
 def _unit(item) -> str:
-    return SHARED_UNITS.get(item.path.name, str(item.path))
+    """The module (or the shared units' name); a test that names its own unit (`xdist_group`) keeps it."""
+    own = item.get_closest_marker("xdist_group")
+    return own.args[0] if own else SHARED_UNITS.get(item.path.name, str(item.path))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -261,9 +261,25 @@ OUTPUT_OF = {("docs/planner.md", 47): "docs/planner.md|--device-profile a100-80g
              ("docs/sequence-parallel.md", 69): "docs/sequence-parallel.md|parallel.plan"}
 
 
+# Under pytest-xdist (tests/conftest.py) the documents' commands are one unit, run in order in one sandbox; the
+# figures and output blocks of commands run as written (the planner's, `python -m models`) are a second unit that
+# another worker takes meanwhile. A figure of a sandbox command stays with the documents' unit.
+# `python -m models`' parameter counts are a third.
+AS_WRITTEN_UNIT = pytest.mark.xdist_group("docs: the planner's figures, as written")
+MODELS_UNIT = pytest.mark.xdist_group("docs: python -m models' parameter counts")
+
+
+def _unit(source: str):
+    if re.match(r"^[\w./-]+\.md\|", source):
+        block, command = command_at(source)
+        if rule(command, block)[0] != "as written":
+            return ()
+    return (MODELS_UNIT if source.startswith("python -m models ") else AS_WRITTEN_UNIT,)
+
+
 @pytest.mark.docs
-@pytest.mark.parametrize("doc, pattern, source, extract", FIGURES,
-                         ids=[f"{d}:{i}" for i, (d, *_) in enumerate(FIGURES)])
+@pytest.mark.parametrize("doc, pattern, source, extract",
+                         [pytest.param(*f, id=f"{f[0]}:{i}", marks=_unit(f[2])) for i, f in enumerate(FIGURES)])
 def test_quoted_figures_are_what_the_commands_print(doc, pattern, source, extract, sandbox_base_lazy,
                                                     tmp_path_factory):
     quoted = re.search(pattern, (ROOT / doc).read_text(), re.M)
@@ -275,8 +291,9 @@ def test_quoted_figures_are_what_the_commands_print(doc, pattern, source, extrac
 
 
 @pytest.mark.docs
-@pytest.mark.parametrize("doc, line, lines", [(d, n, ls) for d in DOCS for n, ls in output_blocks(d)],
-                         ids=[f"{d}:{n}" for d in DOCS for n, _ in output_blocks(d)])
+@pytest.mark.parametrize("doc, line, lines", [
+    pytest.param(d, n, ls, id=f"{d}:{n}", marks=_unit(OUTPUT_OF.get((d, n), "as written")))
+    for d in DOCS for n, ls in output_blocks(d)])
 def test_output_blocks_are_what_the_commands_print(doc, line, lines, sandbox_base_lazy, tmp_path_factory):
     if lines and lines[0].startswith("$ "):
         command, rest = "", list(lines)
