@@ -154,6 +154,13 @@ class BlockSwap:
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor], pos: int, slot: int) -> torch.Tensor:
         return _HostLinear.apply(x, bias, self, pos, slot)
 
+    def storages(self) -> set[int]:
+        """Storage keys of what block swap holds: the host tensors and the device copies under way (the memory
+        probe leaves them out of the device's model states; the plan has them on the host and their own line)."""
+        moved = [t for layers in self.units for layer in layers for _, t in moved_tensors(layer)]
+        copies = [t for copy in self._copies.values() for pair in copy.tensors for t in pair if t is not None]
+        return {t.untyped_storage()._cdata for t in moved + copies}
+
     def _plain_linear(self, layer: nn.Linear, pos: int, slot: int, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, layer.bias, pos, slot)
 
