@@ -114,7 +114,7 @@ def next_step(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer, d
     keys, cfg_off, own, engine = _offloaded(cfg, ds, eng)
     tries = [(keys, cfg_off, own, engine, False)] if keys else []      # (keys, cfg, JSON, what changes, swap)
     lora = cfg.model.lora
-    swap = lora is not None and eng.zero < 3 and not cfg.train.block_swap
+    swap = lora is not None and eng.zero < 3
     if swap:
         tries.append((keys, cfg_off, own, engine, True))
     if keys and cfg.parallel.pp_size == 1 and not (eng.zero == 3 and eng.offload_optimizer and eng.offload_param):
@@ -130,7 +130,7 @@ def next_step(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer, d
             continue
         tracer_t = tracer if cfg_t.model.lora == lora else ActivationTracer(cfg_t, tracer.dtype)
         memory = plan_memory(cfg_t, ds_t, dp, args.device_memory, tracer_t, args.margin, args.workspace)
-        if swapped and not memory.fits:
+        if swapped and not memory.fits:          # the least N that fits (more than the config's, if it has one)
             cfg_t, memory = fewest_swapped(cfg_t, ds_t, dp, args.device_memory, tracer_t, args.margin, args.workspace)
             keys_t = keys_t + [f"train.block_swap={cfg_t.train.block_swap}"]
         if memory.fits:

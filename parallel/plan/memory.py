@@ -54,7 +54,7 @@ from parallel.manifest import bucket_configs
 from models.registry import sequence_tokens
 from parallel.distributed.deepspeed.accounting import ENGINE_ALLREDUCE_BUCKET
 from parallel.build import blocks_per_stage, checkpoint_interval
-from parallel.plan.trace import ActivationTracer, ring_of
+from parallel.plan.trace import ActivationTracer, StageTrace, ring_of
 from parallel.recompute import checkpointed_blocks
 from parallel.units import BYTES, DTYPES, GiB
 
@@ -289,6 +289,37 @@ def zero_buckets(eng: EngineSettings, pp: int, params: list, dp: int) -> int:
     return dtype_bytes * eng.reduce_bucket * (2 if eng.overlap_comm else 1)
 
 
+@dataclass(frozen=True)
+class BlockTraces:
+    """One block's traces at a micro-batch: `whole` as written, `plain` with train.activation_compression,
+    `selected` with train.recompute's checkpoints too (and train.offload_activations' host copies)."""
+
+    whole: StageTrace
+    plain: StageTrace
+    selected: StageTrace
+
+
+def _block_traces(cfg: ExperimentConfig, tracer: ActivationTracer, b: int, swapped: bool = False) -> BlockTraces:
+    """The block's traces for cfg at micro-batch b; `swapped`: as a train.block_swap block computes."""
+    tp, sp, rc, comp = cfg.parallel.tp_size, cfg.parallel.sp_size, cfg.train.recompute, cfg.train.activation_compression
+    compression = comp.dtype if comp is not None else None
+    plain = tracer.trace("block", tp, b, sp, None, compression, swapped=swapped)
+    selected = plain if rc is None else tracer.trace("block", tp, b, sp, rc.granularity, compression,
+                                                     cfg.train.offload_activations, swapped)
+    return BlockTraces(tracer.trace("block", tp, b, sp, swapped=swapped), plain, selected)
+
+
+def _kept(traces: BlockTraces, blocks: int, chosen: int) -> tuple[int, int, int]:
+    """(device bytes, host bytes, recompute bytes) of `blocks` blocks under train.recompute / compression, `chosen` of
+    them checkpointed: those keep `selected`'s bytes, the others `plain`'s; one block's recompute re-creates its
+    activations less what it kept (on the device or the host), and with offload its kept inputs are back on the
+    device and the previous checkpoint's arriving (2 x)."""
+    whole, plain, selected = traces.whole, traces.plain, traces.selected
+    recompute = max(whole.activations - selected.activations - selected.host_bytes, 0) + 2 * selected.host_bytes
+    return (chosen * selected.activations + (blocks - chosen) * plain.activations, chosen * selected.host_bytes,
+            recompute if chosen else 0)
+
+
 @dataclass
 class StageMemory:
     """Memory of the worst rank of one pipeline stage, by line, in bytes."""
@@ -336,20 +367,15 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
     k = eng.checkpoint_every
     # train.recompute / train.activation_compression: blocks i % every == 0 keep `selected`'s bytes, the others
     # `plain`'s (both compressed when compression is on); recomputing one block re-creates its uncompressed
-    # activations less what it kept, once at a time during backward.
+    # activations less what it kept, once at a time during backward (`_kept`).
     rc, comp = cfg.train.recompute, cfg.train.activation_compression
-    compression = comp.dtype if comp is not None else None
     # train.offload_activations: what each checkpoint keeps (traced: `host_bytes`; the JSON's: x) is in host memory.
     off = cfg.train.offload_activations
-    plain = tracer.trace("block", tp, b, sp, None, compression)
-    selected = tracer.trace("block", tp, b, sp, rc.granularity, compression, off) if rc is not None else plain
+    ours = _block_traces(cfg, tracer, b)
+    plain, selected = ours.plain, ours.selected
     every = rc.every if rc is not None else 1
     # train.block_swap: a swapped block's linear layers save no weight (an fp8 base no dequantised copy): traced so
-    swapping = cfg.train.block_swap > 0
-    block_sw = tracer.trace("block", tp, b, sp, swapped=True) if swapping else block
-    plain_sw = tracer.trace("block", tp, b, sp, None, compression, swapped=True) if swapping else plain
-    selected_sw = tracer.trace("block", tp, b, sp, rc.granularity, compression, off, swapped=True) \
-        if swapping and rc is not None else plain_sw if swapping else selected
+    swapped_traces = _block_traces(cfg, tracer, b, swapped=True) if cfg.train.block_swap else ours
     # Checkpoint inputs: x per segment (the side tensors, temb or STDiT's t, t_mlp, y, pass as views of the
     # shared ones unless DeepSpeed copies inputs for partitioning or host offload), divided over tp ranks
     # when partitioned.
@@ -394,19 +420,16 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
             host_acts = flight * segments * seg_input if on_host else 0
             # offload: during a segment's backward its input is back on the device and the next one arriving
             acts = flight * (kept + shared + own)
-            recompute = min(k, n) * (block_sw if ns == n else block).activations + (2 * seg_input if off else 0)
+            recompute = min(k, n) * (swapped_traces if ns == n else ours).whole.activations \
+                + (2 * seg_input if off else 0)
         elif rc is not None or comp is not None:
-            kept = (chosen - chosen_sw) * selected.activations + (n - ns - chosen + chosen_sw) * plain.activations \
-                + chosen_sw * selected_sw.activations + (ns - chosen_sw) * plain_sw.activations
-            acts = flight * (kept + shared + own)
-            host_acts = flight * chosen * selected.host_bytes
-            # one block's recompute re-creates its activations less what it kept (on the device or the host);
-            # offload: its kept inputs are back on the device and the previous checkpoint's arriving (2 x)
-            again = lambda whole, sel: max(whole.activations - sel.activations - sel.host_bytes, 0) + 2 * sel.host_bytes
-            recompute = max(again(block, selected) if chosen > chosen_sw else 0,
-                            again(block_sw, selected_sw) if chosen_sw else 0)
+            (kept, held, recompute), (kept_sw, held_sw, recompute_sw) = \
+                _kept(ours, n - ns, chosen - chosen_sw), _kept(swapped_traces, ns, chosen_sw)
+            acts, host_acts = flight * (kept + kept_sw + shared + own), flight * (held + held_sw)
+            recompute = max(recompute, recompute_sw)
         else:
-            acts, recompute = flight * ((n - ns) * block.activations + ns * block_sw.activations + shared + own), 0
+            acts = flight * ((n - ns) * block.activations + ns * swapped_traces.whole.activations + shared + own)
+            recompute = 0
         boundary = block.input_bytes + block.side_total
         pipe = (boundary if not first else 0) + ((1 + flight) * boundary if not last else 0) if pp > 1 else 0
         numel = sum(n_ for n_, *_ in params)
