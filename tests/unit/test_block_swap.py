@@ -2,11 +2,12 @@
 code path an accelerator runs, without its stream):
 
 * loss and gradients equal the same LoRA model's without block swap bit for bit (nonzero adapters), without
-  recomputation, with block recompute, with attention recompute and offloaded checkpoints, with the JSON's
-  checkpointing (DeepSpeed's reentrant checkpoint) and with the fp8 base; a forward and backward copy 2N - 1 blocks
-  and hold at most two blocks' copies;
-* the planner's parameters line, swapped-copies line and host bytes equal what the built model holds, measured
-  (debug, and debug-hunyuan: indexed dual/single-stream blocks with plain nn.Linear modulation; bf16 and fp8);
+  recomputation, with attention recompute and offloaded checkpoints, with the JSON's checkpointing (DeepSpeed's
+  reentrant checkpoint) and with the fp8 base; a forward and backward copy 2N - 1 blocks and hold at most two
+  blocks' copies;
+* the planner's parameters line, swapped-copies line, host bytes and (debug) activation line equal what the built
+  model holds, measured (debug fp32 and fp8; debug-hunyuan fp8: indexed dual/single-stream blocks with plain
+  nn.Linear modulation);
 * `.to()` leaves the swapped weights in host memory (converted there), a loaded state dict is what the next step uses;
 * the checker refuses block swap without LoRA, under ZeRO-3, beyond a stage's blocks and with train.compile.
 """
@@ -29,7 +30,8 @@ from tests.train_utils import fp32_config
 
 SWAP = 3                                    # of debug's 4 blocks
 # name: (experiment keys, JSON activation_checkpointing on)
-OPTIONS = {"none": ([], False), "block": (["train.recompute.granularity=block"], False),
+# (block granularity: tests/distributed/test_offload_parallel.py's tp 2 x pp 2 run)
+OPTIONS = {"none": ([], False),
            "attention+host": (["train.recompute.granularity=attention", "train.offload_activations=true"], False),
            "json": ([], True), "fp8": (["model.lora.base_dtype=float8_e4m3fn"], False)}
 
@@ -119,8 +121,7 @@ def _measured(preset: str, keys: list[str], swap: int, monkeypatch) -> dict:
                                                       if k not in state)}
 
 
-@pytest.mark.parametrize("preset", ["debug", "debug-hunyuan"])
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("preset, fp8", [("debug", False), ("debug", True), ("debug-hunyuan", True)])
 def test_planned_lines_equal_what_the_model_holds(preset, fp8, monkeypatch):
     """The measured figures (`_measured`) against plan_memory's parameters line, host block_swap, swapped-copies line
     and activation line (torch AdamW: fp32), with block swap and without."""
@@ -172,17 +173,19 @@ def test_to_leaves_swapped_weights_on_the_host_and_a_loaded_state_dict_is_used()
     assert torch.equal(model(inputs, target), reference(inputs, target))
 
 
-@pytest.mark.parametrize("keys, ds, expected", [
-    ([], {}, r"train.block_swap=2 without model.lora: full fine-tuning trains"),
-    (["model.lora.rank=4"], {"zero_optimization": {"stage": 3}}, r"with zero_optimization.stage=3 in .*offload_param"),
-    (["model.lora.rank=4", "parallel.pp_size=2", "train.block_swap=3"], {},
+@pytest.mark.parametrize("preset, keys, ds, expected", [
+    ("debug", [], {}, r"train.block_swap=2 without model.lora: full fine-tuning trains"),
+    ("debug", ["model.lora.rank=4"], {"zero_optimization": {"stage": 3}},
+     r"with zero_optimization.stage=3 in .*offload_param"),
+    ("debug", ["model.lora.rank=4", "parallel.pp_size=2", "train.block_swap=3"], {},
      r"train.block_swap=3 is more than the 2 blocks of a pipeline stage .*2 \+ 2.*train.block_swap=2 or less"),
-    (["model.lora.rank=4", "train.compile=true"], {}, r"with train.compile=true: .*set train.compile=false"),
+    ("debug", ["model.lora.rank=4", "train.compile=true"], {}, r"with train.compile=true: .*set train.compile=false"),
+    ("debug-wan22", ["model.lora.rank=4"], {}, r"with 2 experts trained .*model.experts.train=high_noise or low_noise"),
 ])
-def test_the_checker_refuses_what_block_swap_cannot_do(keys, ds, expected):
+def test_the_checker_refuses_what_block_swap_cannot_do(preset, keys, ds, expected):
     from parallel.check import check
     from parallel.host_memory import uses_host
-    cfg = load_config("debug", ["train.block_swap=2", *keys])
+    cfg = load_config(preset, ["train.block_swap=2", *keys])
     problems = check(cfg, ds, "ds.json", world_size=cfg.parallel.pp_size)[1]
     assert any(re.search(expected, p) for p in problems), problems
     ok = load_config("debug", ["train.block_swap=2", "model.lora.rank=4", "parallel.pp_size=2"])
