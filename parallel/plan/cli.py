@@ -148,8 +148,9 @@ def _next_step_text(r: dict) -> list[str]:
                 f"of host memory a process; --search ranks every layout with these options"]
     n = step["devices_that_fit"]
     return [f"next step: with checkpoint inputs on the host, ZeRO-3 offload (and with LoRA block swap and an fp8 "
-            f"base) it still does not fit on {world} device(s); " + (f"{n} would (--world-size {n} --search shows the layouts)" if n else
-                              "no device count up to 1024 fits: a shorter or smaller video")]
+            f"base) it still does not fit on {world} device(s); "
+            + (f"{n} would (--world-size {n} --search shows the layouts)" if n else
+               "no device count up to 1024 fits: a shorter or smaller video")]
 
 
 def _device_dict(args) -> dict:
@@ -260,7 +261,8 @@ def search_report(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTrace
     return {"schema": SCHEMA, "mode": "search", "model": _model_info(cfg, tracer, ds),
             "device": _device_dict(args), "assumptions": _assumptions(args), "grad_accum": cfg.train.grad_accum_steps,
             "counts": {"fitting": len(res.ranked), "not_fitting": len(res.not_fitting), "invalid": len(res.invalid)},
-            "offload": found_by != "none", "fp8_base": found_by == "fp8_base", "devices_that_fit": None if res.ranked else devices_that_fit(cfg, ds, args, tracer),
+            "offload": found_by != "none", "fp8_base": found_by == "fp8_base",
+            "devices_that_fit": None if res.ranked else devices_that_fit(cfg, ds, args, tracer),
             "ranked": [_candidate_dict(c, args, write_planned(c, cfg, args) if i == 0 else None)
                        for i, c in enumerate(res.ranked[:args.top])],
             "not_fitting": [_candidate_dict(c, args) for c in closest[:args.top]],
@@ -308,10 +310,10 @@ def render_plan_text(r: dict) -> str:
         out.append(f"{'host memory':<{width}}" + "".join(f"{gib(h):>10}" for h in host))
     if "block_swap" in r:
         b = r["block_swap"]
-        out.append(f"block swap: the last {b['blocks']} blocks of each stage keep {gib(b['host'])} GiB of frozen weights "
-                   f"in host memory, {gib(b['device'])} GiB of copies on the device; a step copies up to "
-                   f"{gib(b['copied_per_step'])} GiB to the device, {b['copy_seconds']:.2f} s at the {r['device']['key']} "
-                   f"profile's {b['host_bw'] / 1e9:g} GB/s, beside the swapped blocks' compute")
+        out.append(f"block swap: the last {b['blocks']} blocks of each stage keep {gib(b['host'])} GiB of frozen "
+                   f"weights in host memory, {gib(b['device'])} GiB of copies on the device; a step copies up to "
+                   f"{gib(b['copied_per_step'])} GiB to the device, {b['copy_seconds']:.2f} s at the "
+                   f"{r['device']['key']} profile's {b['host_bw'] / 1e9:g} GB/s, beside the swapped blocks' compute")
     verdict = "fits" if r["fits"] else "DOES NOT FIT"
     out += ["", f"{verdict}: worst rank (stage {r['worst_stage']}) needs {gib(r['total'])} GiB of "
                 f"{gib(r['device_memory'])} GiB; {'free' if r['fits'] else 'short by'} {gib(abs(r['headroom']))} GiB",

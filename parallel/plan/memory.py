@@ -64,7 +64,8 @@ DEFAULT_PERSISTENCE = 100_000
 DEFAULT_MAX_LIVE = 1_000_000_000
 DEFAULT_SUB_GROUP = 1_000_000_000
 # (key, label) of each line of the breakdown, in report order.
-LINES = (("parameters", "parameters"), ("block_swap", "swapped blocks' copies"), ("gradients", "gradients"), ("adam_moments", "Adam moments"),
+LINES = (("parameters", "parameters"), ("block_swap", "swapped blocks' copies"), ("gradients", "gradients"),
+         ("adam_moments", "Adam moments"),
          ("master_weights", "fp32 master weights"), ("ema_shadow", "EMA shadow"), ("buffers", "position tables"),
          ("activations", "activations"), ("recompute", "recompute (1 segment)"),
          ("zero_buckets", "gradient reduce buffers"), ("zero3_gathered", "ZeRO-3 gathered params"),
@@ -386,7 +387,7 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
     for s, n in enumerate(counts):
         start = sum(counts[:s])
         chosen = checkpointed_blocks(cfg.model.num_layers, every, start, start + n) if rc is not None else 0
-        ns = min(cfg.train.block_swap, n)                  # swapped: the stage's last ns blocks, chosen_sw of them chosen
+        ns = min(cfg.train.block_swap, n)          # swapped: the stage's last ns blocks, chosen_sw of them chosen
         chosen_sw = checkpointed_blocks(cfg.model.num_layers, every, start + n - ns, start + n) if rc is not None else 0
         first, last = s == 0, s == pp - 1
         flight = min(pp - s, m)

@@ -31,7 +31,9 @@ Recomputed collectives are scaled by f too: an approximation for selective recom
 core repeats its all-to-alls and no all-reduce, an MLP one all-reduce), exact for whole blocks.
 Each layout and ZeRO stage is tried with every recompute option (RECOMPUTE_OPTIONS: none, the JSON's
 full checkpointing, attention core, MLP, every second block); activation compression is lossy and so
-is never chosen here: the user's train.activation_compression is planned as set.
+is never chosen here: the user's train.activation_compression is planned as set. When nothing fits, the offload
+options (OFFLOAD_OPTIONS, ZeRO-3 offload) are tried, with LoRA each micro-batch also with the least train.block_swap
+that fits it (`fewest_swapped`); parallel/plan/cli.py then tries LoRA's base in fp8 (PASSES).
 
 Layouts are ranked by samples per second (global batch / step time), since the micro-batch and dp
 (and so the global batch) differ between layouts.

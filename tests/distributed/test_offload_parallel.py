@@ -67,7 +67,8 @@ def test_block_swap_at_tp2_pp2_and_tp2_dp2_matches_the_same_lora_layout(cases):
     from parallel.plan.trace import ActivationTracer
     for layout, (tp, pp, dp, zero, extra) in SWAP_CASES.items():
         cfg = experiment(tp, pp, dp, LORA + extra)
-        plan = plan_memory(cfg, fp32_config(zero, checkpointing=False), dp, 2 ** 40, ActivationTracer(cfg, torch.float32))
+        tracer = ActivationTracer(cfg, torch.float32)
+        plan = plan_memory(cfg, fp32_config(zero, checkpointing=False), dp, 2 ** 40, tracer)
         for r, rank in enumerate(cases):
             lora, swap = rank[layout]["lora"], rank[layout]["swap"]
             held = plan.stages[r // (tp * dp)].host["block_swap"]

@@ -130,12 +130,13 @@ def test_planned_lines_equal_what_the_model_holds(preset, fp8, monkeypatch):
     keys = ["model.lora.base_dtype=float8_e4m3fn"] if fp8 else []
     swapped, plain = _measured(preset, keys, SWAP, monkeypatch), _measured(preset, keys, 0, monkeypatch)
     tracer = ActivationTracer(swapped["cfg"], torch.float32)
-    stage, before = (plan_memory(m["cfg"], fp32_config(0, False), 1, 2 ** 40, tracer).stages[0] for m in (swapped, plain))
+    stage, before = (plan_memory(m["cfg"], fp32_config(0, False), 1, 2 ** 40, tracer).stages[0]
+                     for m in (swapped, plain))
     print(f"{preset} fp8={fp8}: host {swapped['host']:,} B planned {stage.host['block_swap']:,}; device parameters "
-          f"{swapped['device']:,} B planned {stage.lines['parameters']:,} (without swap {before.lines['parameters']:,}); "
-          f"copies {swapped['copies']:,} B planned {stage.lines['block_swap']:,}; activations {swapped['activations']:,} "
-          f"B planned {stage.lines['activations']:,} (without swap {plain['activations']:,} B planned "
-          f"{before.lines['activations']:,})")
+          f"{swapped['device']:,} B planned {stage.lines['parameters']:,} (without swap "
+          f"{before.lines['parameters']:,}); copies {swapped['copies']:,} B planned {stage.lines['block_swap']:,}; "
+          f"activations {swapped['activations']:,} B planned {stage.lines['activations']:,} (without swap "
+          f"{plain['activations']:,} B planned {before.lines['activations']:,})")
     assert stage.host["block_swap"] == swapped["host"] > 0 and plain["host"] == before.host["block_swap"] == 0
     assert stage.lines["parameters"] == swapped["device"] == before.lines["parameters"] - stage.host["block_swap"]
     assert before.lines["parameters"] == plain["device"]
@@ -143,7 +144,8 @@ def test_planned_lines_equal_what_the_model_holds(preset, fp8, monkeypatch):
     # fp8: a swapped block keeps no dequantised copy of its weights. (debug-hunyuan's activations are traced on its
     # first, dual-stream, block for every block, so the plan's stand apart from the measure there, swapped or not.)
     if preset == "debug":
-        assert stage.lines["activations"] == swapped["activations"] and before.lines["activations"] == plain["activations"]
+        assert stage.lines["activations"] == swapped["activations"]
+        assert before.lines["activations"] == plain["activations"]
         assert (stage.lines["activations"] < before.lines["activations"]) == fp8
 
 
