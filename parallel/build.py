@@ -18,11 +18,12 @@ from models.diffusion import mse_loss
 from models.geometry import StepGrid, patchify, token_grid
 from models.registry import family, sequence_tokens
 from parallel.config import ExperimentConfig
+from parallel.distributed.block_swap import BlockSwap
 from parallel.distributed.compile import compile_layers
 from parallel.distributed.offload import HostOffload
 from parallel.distributed.pipeline import DiTPipeline, SeededLayerSpec, SequentialDiT, checkpoint_x_only
 from parallel.distributed.sequence import local_range, sp_size_of
-from parallel.recompute import apply_recompute, checkpointed
+from parallel.recompute import apply_recompute, checkpointed, layers_of
 
 
 def layer_specs(cfg: ExperimentConfig, ctx, grid: Optional[StepGrid] = None) -> list[SeededLayerSpec]:
@@ -125,6 +126,22 @@ def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Ca
         from parallel.lora import apply_lora
         apply_lora(model, cfg.model, cfg.train.seed)
     return model
+
+
+def apply_block_swap(model: nn.Module, cfg: ExperimentConfig) -> Optional[BlockSwap]:
+    """train.block_swap = N: the frozen base of this stage's last N blocks in host memory, fetched for each use
+    (parallel/distributed/block_swap.py); None when 0. After the weights are loaded and the fp8 base made, before
+    deepspeed.initialize (whose `.to(device)` then leaves them on the host).
+
+    The last N: the first swapped block's copy starts with each forward and arrives while the stage's embed and
+    unswapped blocks compute, and backward begins with the last one, still on the device from the forward."""
+    n = cfg.train.block_swap
+    if not n:
+        return None
+    swap = BlockSwap([block for _, block in layers_of(model, cfg)][-n:])
+    model.forward = swap.chain(model.forward)
+    model.host_swap = swap            # the stage module's .to(device) leaves them on the host (HostResident)
+    return swap
 
 
 EXPERT_NAME = re.compile(r"(?:^|\.)experts\.(\d+)\.")

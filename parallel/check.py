@@ -243,6 +243,42 @@ def _check_offload(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
     return []
 
 
+def _check_block_swap(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
+    """train.block_swap moves frozen weights, per pipeline stage (parallel/distributed/block_swap.py): it needs a
+    frozen base, weights that DeepSpeed does not own (ZeRO-3 partitions every parameter), at most a stage's blocks,
+    uncompiled blocks and one expert a block."""
+    n = cfg.train.block_swap
+    if not n:
+        return []
+    key, problems = f"train.block_swap={n}", []
+    if cfg.model.lora is None:
+        problems.append(f"{key} without model.lora: full fine-tuning trains the blocks' weights, which the optimizer "
+                        f"updates on the device every step, and block swap moves frozen weights only; set "
+                        f"model.lora.rank (a frozen base with adapters), or keep trainable weights in host memory "
+                        f"with ZeRO-3's offload_param (ds_configs/zero3_bf16_offload.json) and train.block_swap=0")
+    if dsc.zero_stage(ds) == 3:
+        problems.append(f"{key} with zero_optimization.stage=3 in {src}: ZeRO-3 partitions every parameter, the "
+                        f"frozen base too, and gathers it for each use; its offload_param keeps those partitions in "
+                        f"host memory, as block swap would: use ZeRO-3 with offload_param (ds_configs/"
+                        f"zero3_bf16_offload.json) and train.block_swap=0, or block swap with ZeRO stage 0-2")
+    layers, pp, part = cfg.model.num_layers, cfg.parallel.pp_size, cfg.parallel.pp_partition
+    counts = list(part) if part is not None and len(part) == pp else [layers // pp] * pp
+    if n > min(counts):
+        problems.append(f"{key} is more than the {min(counts)} blocks of a pipeline stage (model.num_layers={layers} "
+                        f"over parallel.pp_size={pp}: {' + '.join(map(str, counts))}): it counts per stage; set "
+                        f"--set train.block_swap={min(counts)} or less")
+    if cfg.train.compile:
+        problems.append(f"{key} with train.compile=true: a swapped layer fetches its weight through an autograd "
+                        f"Function that copies between host and device, which a compiled block would break its graph "
+                        f"on; set train.compile=false, or train.block_swap=0")
+    if cfg.model.trained_experts > 1:
+        problems.append(f"{key} with {cfg.model.trained_experts} experts trained (model.experts.train=both): a block "
+                        f"holds each expert's weights and a sample uses one, so the next block's copy would often be "
+                        f"the wrong expert's; train one expert a run (model.experts.train=high_noise or low_noise), or "
+                        f"train.block_swap=0")
+    return problems
+
+
 def _check_device(ds: dict, src: str, device: DeviceDtypes) -> list[str]:
     """bf16 / fp16 against what the accelerator supports: DeepSpeed would otherwise fail inside initialize."""
     fp32 = "fp32 (drop the section, e.g. ds_configs/zero0_fp32.json)"
@@ -441,7 +477,7 @@ def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source:
     ds = auto.ds
     problems += grid_problems + auto.problems + _check_batch(cfg, ds, ds_source, dp) + _check_engine(cfg, ds,
                                                                                                     ds_source)
-    problems += _check_offload(cfg, ds, ds_source)
+    problems += _check_offload(cfg, ds, ds_source) + _check_block_swap(cfg, ds, ds_source)
     if device is not None:
         problems += _check_device(ds, ds_source, device)
     if cfg.train.compile:             # torch imported only for a compiled run

@@ -143,6 +143,9 @@ class TrainConfig(Section):
                                       "the attention core's q, k, v; the MLP's input) in pinned host memory, copied "
                                       "on a side stream and back ahead of the backward; needs train.recompute or "
                                       "the JSON's activation_checkpointing")
+    block_swap: int = Field(0, ge=0, description="keep the frozen base (tensor-parallel linear weights) of the last N "
+                            "blocks of each pipeline stage in pinned host memory, copied to the device for each use, "
+                            "the next block's ahead on a side stream; needs model.lora; 0 = off")
     anomaly: Optional[AnomalyConfig] = Field(None, description="skip or stop on a non-finite or spiking loss "
                                              "or gradient norm, or an unreadable sample; null = off")
 

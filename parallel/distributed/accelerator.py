@@ -49,6 +49,11 @@ def device(local_rank: int = 0) -> torch.device:
     return torch.device(device_name(local_rank))
 
 
+def current_device() -> torch.device:
+    """The device this process computes on ('cuda:3' after set_device(3); 'cpu')."""
+    return torch.device("cpu" if name() == "cpu" else get_accelerator().current_device_name())
+
+
 def device_count() -> int:
     """Devices on this node; 1 for the CPU accelerator (launch CPU runs with an explicit --nproc)."""
     return 1 if name() == "cpu" else int(get_accelerator().device_count())
@@ -141,11 +146,13 @@ def copy_to_host(t: torch.Tensor, stream) -> torch.Tensor:
     return host
 
 
-def copy_to_device(host: torch.Tensor, device: torch.device, stream) -> tuple[torch.Tensor, object]:
-    """(the device tensor, the event its copy records) of a `copy_to_host` result, queued on `stream`; on CPU
-    the host tensor itself and no event."""
+def copy_to_device(host: torch.Tensor, device: torch.device, stream, fresh: bool = False
+                   ) -> tuple[torch.Tensor, object]:
+    """(the device tensor, the event its copy records) of a host tensor (`copy_to_host`'s, `host_copy`'s), queued on
+    `stream`; on CPU the host tensor itself, or with `fresh` a copy of it (block swap: the host tensor stays the
+    master, each use gets its own storage as on a device), and no event."""
     if stream is None:
-        return host, None
+        return (host.clone() if fresh else host), None
     acc = get_accelerator()
     out = torch.empty(host.shape, dtype=host.dtype, device=device)     # allocated on the compute stream
     stream.wait_stream(acc.current_stream())
@@ -155,6 +162,19 @@ def copy_to_device(host: torch.Tensor, device: torch.device, stream) -> tuple[to
         event.record(stream)
     out.record_stream(stream)
     return out, event
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` that lives in host memory (block swap's weights): page-locked where the accelerator pins
+    memory (what lets `copy_to_device` overlap compute); on CPU a clone, a storage of its own."""
+    if name() == "cpu":
+        return t.detach().clone()
+    return get_accelerator().pin_memory(t.detach().to("cpu"))      # pinning copies: a storage of its own
+
+
+def is_host_copy(t: torch.Tensor) -> bool:
+    """Whether `t` is as `host_copy` leaves it: in host memory, and pinned where the accelerator pins."""
+    return t.device.type == "cpu" and (name() == "cpu" or bool(get_accelerator().is_pinned(t)))
 
 
 def wait_for(event) -> None:

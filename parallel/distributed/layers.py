@@ -35,6 +35,9 @@ fp8 base (`quantise_base`, model.lora.base_dtype): the frozen W becomes a float8
 fp32 buffer `weight_scale` = amax|W_i| / 448 of this rank's shard W_i (each tp rank scales its own shard, so
 tp = p quantises differently from tp = 1); the forward uses W_i ~ fp8(W_i / s) s, dequantised to the input's
 dtype (no fp8 matmul). Buffers: no gradient, no optimizer state, not cast by DeepSpeed (it casts parameters).
+
+Block swap (`host_base`, train.block_swap): the frozen W (or fp8 W and scale) in host memory, `base_linear`
+fetching it for each use (parallel/distributed/block_swap.py).
 """
 from __future__ import annotations
 
@@ -110,6 +113,7 @@ class _Lora(nn.Module):
         self.register_parameter("lora_A", None)
         self.register_parameter("lora_B", None)
         self.register_buffer("weight_scale", None)
+        self.host_base = None     # block swap: (BlockSwap, block, layer) while the base lives in host memory
 
     def quantise_base(self) -> None:
         """The frozen weight as fp8 + one scale (module docstring); call after the adapters and weights exist."""
@@ -129,6 +133,14 @@ class _Lora(nn.Module):
         if self.weight_scale is None:
             return self.weight
         return dequantise_fp8(self.weight, self.weight_scale, dtype)
+
+    def base_linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x W^T + b with this rank's base W: the parameter, the fp8 base dequantised, or (block swap) W fetched
+        from host memory for the call (parallel/distributed/block_swap.py)."""
+        if self.host_base is not None:
+            swap, block, layer = self.host_base
+            return swap.linear(x, bias, block, layer)
+        return F.linear(x, self.base_weight(x.dtype), bias)
 
     def _lora_setup(self, rank: int, alpha: float, dropout: float, a: torch.Tensor, b: torch.Tensor) -> None:
         like = self.weight
@@ -196,12 +208,12 @@ class ColumnParallelLinear(_Lora):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora_A is None:
             x = copy_to_tp(x, self.ctx)                          # (..., in)
-            y = F.linear(x, self.base_weight(x.dtype), self.bias)   # (..., out / p)
+            y = self.base_linear(x, self.bias)                   # (..., out / p)
             return gather_from_tp(y, self.ctx) if self.gather_output else y
         u = F.linear(self.lora_dropout(x), self.lora_A)          # (..., k r), the same on every tp rank
         if self.ctx.tp_size > 1:                                 # one backward all-reduce for dx and du
             x, u = copy_to_tp(torch.cat([x, u], dim=-1), self.ctx).split([self.in_features, u.shape[-1]], -1)
-        y = F.linear(x, self.base_weight(x.dtype), self.bias)      # (..., out / p)
+        y = self.base_linear(x, self.bias)                       # (..., out / p)
         local = self.local_parts
         pieces = list(y.split(local, dim=-1))
         for u_j, b_j, j in zip(u.chunk(len(self.lora_parts), -1), self.lora_B.split(self.lora_B.tp_parts),
@@ -265,10 +277,9 @@ class RowParallelLinear(_Lora):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.ctx)                       # (..., in / p)
         if self.lora_A is None:
-            y = reduce_from_tp(F.linear(x, self.base_weight(x.dtype)), self.ctx)   # (..., out), summed over ranks
+            y = reduce_from_tp(self.base_linear(x, None), self.ctx)   # (..., out), summed over ranks
             return y + self.bias if self.bias is not None else y
-        w = self.base_weight(x.dtype)
-        y, u = F.linear(x, w), F.linear(self.lora_dropout(x), self.lora_A)   # (..., out), (..., r)
+        y, u = self.base_linear(x, None), F.linear(self.lora_dropout(x), self.lora_A)   # (..., out), (..., r)
         if self.ctx.tp_size > 1:                                 # one all-reduce for both partial sums
             y, u = reduce_from_tp(torch.cat([y, u], dim=-1), self.ctx).split([self.out_features, u.shape[-1]], -1)
         y = y + self.bias if self.bias is not None else y

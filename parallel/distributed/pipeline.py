@@ -45,7 +45,19 @@ def checkpoint_x_only(checkpoint_fn: Callable) -> Callable:
     return run
 
 
-class SequentialDiT(nn.Module):
+class HostResident:
+    """Stage modules' `module.to(device)` (deepspeed.initialize's) and casts leave what block swap keeps in host
+    memory there: `host_swap` (a parallel/distributed/block_swap.py BlockSwap, or None) converts it in place."""
+
+    host_swap = None
+
+    def _apply(self, fn, recurse=True):
+        if self.host_swap is None:
+            return super()._apply(fn, recurse)
+        return self.host_swap.keep_on_host(fn, lambda: super(HostResident, self)._apply(fn, recurse), self)
+
+
+class SequentialDiT(HostResident, nn.Module):
     """pp = 1: the stages in order; forward(inputs, target) -> loss. Blocks checkpointed in segments."""
 
     def __init__(self, specs: list[SeededLayerSpec], checkpoint_every: int = 0,
@@ -77,7 +89,7 @@ class SequentialDiT(nn.Module):
         return self.sequence_loss(self.predict(inputs), target)
 
 
-class DiTPipeline(ExplicitPipelineModule):
+class DiTPipeline(HostResident, ExplicitPipelineModule):
     """pp > 1: stage s holds blocks_per_stage[s] blocks; embed on the first stage, final + loss on the last.
 
     `dynamic_shape`: the tensors between stages may change shape from one micro-batch to the next (a

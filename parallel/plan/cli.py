@@ -31,8 +31,8 @@ from parallel.config import ConfigError, ExperimentConfig, RecomputeConfig, load
 from parallel.cli import Parser, add_experiment_args, add_renamed, add_world_size, refused, require
 from parallel.plan.buckets import bucket_rows, plan_buckets, render_buckets_text
 from parallel.plan.memory import LINES, OPTIONAL_LINES, EngineSettings, MemoryPlan, plan_memory
-from parallel.plan.search import (DEVICES, Candidate, SearchResult, count_params, search, shipped_config,
-                                  zero3_offload)
+from parallel.plan.search import (DEVICES, Candidate, SearchResult, count_params, fewest_swapped, search,
+                                  shipped_config, with_block_swap, zero3_offload)
 from parallel.plan.trace import ActivationTracer, ring_of, sequence_length
 from parallel.units import gib, parse_size
 
@@ -78,38 +78,63 @@ def plan_report(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer,
                        "recompute": None if cfg.train.recompute is None else cfg.train.recompute.model_dump(),
                        "activation_compression": None if cfg.train.activation_compression is None
                        else cfg.train.activation_compression.dtype},
-            "device": _device_dict(args), "assumptions": _assumptions(args), **_memory_dict(memory)}
+            "device": _device_dict(args), "assumptions": _assumptions(args), **_memory_dict(memory),
+            **({"block_swap": _swap_dict(cfg, memory, args)} if cfg.train.block_swap else {})}
+
+
+def _swap_dict(cfg: ExperimentConfig, memory: MemoryPlan, args) -> dict:
+    """train.block_swap's figures on the worst stage: host bytes, device copies, bytes a step copies to the device
+    (each swapped block up to twice a micro-batch) and their time over the profile's host link."""
+    worst, bw = memory.worst, DEVICES[args.device].host_bw
+    copied = 2 * worst.host["block_swap"] * cfg.train.grad_accum_steps
+    return {"blocks": cfg.train.block_swap, "host": worst.host["block_swap"], "device": worst.lines["block_swap"],
+            "copied_per_step": copied, "copy_seconds": copied / bw, "host_bw": bw}
+
+
+def _offloaded(cfg: ExperimentConfig, ds: dict, eng: EngineSettings):
+    """(keys, cfg, JSON, what the JSON changes or None) with the checkpoint inputs on the host
+    (train.offload_activations, with block recompute where nothing is checkpointed); no keys when they are."""
+    if cfg.train.offload_activations or eng.cpu_checkpointing:
+        return [], cfg, ds, None
+    keys, rc = ["train.offload_activations=true"], cfg.train.recompute
+    if rc is None and not eng.checkpoint_every:
+        keys, rc = keys + ["train.recompute.granularity=block"], RecomputeConfig()
+    own = json.loads(json.dumps(ds))
+    partitioned = (own.get("activation_checkpointing") or {}).pop("partition_activations", False)
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"offload_activations": True, "recompute": rc})})
+    return keys, cfg, own, "activation_checkpointing.partition_activations=false" if partitioned else None
 
 
 def next_step(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer, dp: int) -> dict:
-    """What to try when the layout does not fit: the same layout with its checkpoint inputs on the host
-    (train.offload_activations, with block recompute where nothing is checkpointed), then also with ZeRO-3
-    optimizer and parameter offload (pp = 1); else the device count at which --search finds a layout."""
+    """What to try when the layout does not fit, the first that fits: the same layout with its checkpoint inputs on
+    the host (`_offloaded`); with LoRA at ZeRO 0-2 also the least train.block_swap that fits; then ZeRO-3 optimizer
+    and parameter offload (pp = 1); then LoRA's frozen base in fp8 with block swap; else the device count at which
+    --search finds a layout."""
     eng = EngineSettings.from_ds(ds, cfg.model.num_layers)
-    tries = []
-    if not cfg.train.offload_activations and not eng.cpu_checkpointing:
-        keys = ["train.offload_activations=true"]
-        if cfg.train.recompute is None and not eng.checkpoint_every:
-            keys.append("train.recompute.granularity=block")
-        own = json.loads(json.dumps(ds))
-        partitioned = (own.get("activation_checkpointing") or {}).pop("partition_activations", False)
-        tries.append((keys, own, "activation_checkpointing.partition_activations=false" if partitioned else None))
-        if cfg.parallel.pp_size == 1 and not (eng.zero == 3 and eng.offload_optimizer and eng.offload_param):
-            zero3 = zero3_offload(own)
-            if own.get("activation_checkpointing") is not None:
-                zero3["activation_checkpointing"] = own["activation_checkpointing"]
-            tries.append((keys, zero3, "zero_optimization.stage=3 with offload_optimizer and offload_param "
-                                       "{\"device\": \"cpu\"}" + (", partition_activations=false" if partitioned
-                                                                   else "")))
-    for keys, ds_try, engine in tries:
-        rc = cfg.train.recompute or (RecomputeConfig() if "train.recompute.granularity=block" in keys else None)
-        cfg_try = cfg.model_copy(update={"train": cfg.train.model_copy(update={"offload_activations": True,
-                                                                                "recompute": rc})})
-        if check(cfg_try, ds_try, args.deepspeed_config, args.world_size)[1]:
+    keys, cfg_off, own, engine = _offloaded(cfg, ds, eng)
+    tries = [(keys, cfg_off, own, engine, False)] if keys else []      # (keys, cfg, JSON, what changes, swap)
+    lora = cfg.model.lora
+    swap = lora is not None and eng.zero < 3
+    if swap:
+        tries.append((keys, cfg_off, own, engine, True))
+    if keys and cfg.parallel.pp_size == 1 and not (eng.zero == 3 and eng.offload_optimizer and eng.offload_param):
+        zero3 = zero3_offload(own)
+        if own.get("activation_checkpointing") is not None:
+            zero3["activation_checkpointing"] = own["activation_checkpointing"]
+        tries.append((keys, cfg_off, zero3, "zero_optimization.stage=3 with offload_optimizer and offload_param "
+                      "{\"device\": \"cpu\"}" + (", partition_activations=false" if engine else ""), False))
+    if swap and lora.base_dtype is None:
+        tries.append((keys + ["model.lora.base_dtype=float8_e4m3fn"], with_fp8_base(cfg_off), own, engine, True))
+    for keys_t, cfg_t, ds_t, engine_t, swapped in tries:
+        if check(with_block_swap(cfg_t, 1) if swapped else cfg_t, ds_t, args.deepspeed_config, args.world_size)[1]:
             continue
-        memory = plan_memory(cfg_try, ds_try, dp, args.device_memory, tracer, args.margin, args.workspace)
+        tracer_t = tracer if cfg_t.model.lora == lora else ActivationTracer(cfg_t, tracer.dtype)
+        memory = plan_memory(cfg_t, ds_t, dp, args.device_memory, tracer_t, args.margin, args.workspace)
+        if swapped and not memory.fits:          # the least N that fits (more than the config's, if it has one)
+            cfg_t, memory = fewest_swapped(cfg_t, ds_t, dp, args.device_memory, tracer_t, args.margin, args.workspace)
+            keys_t = keys_t + [f"train.block_swap={cfg_t.train.block_swap}"]
         if memory.fits:
-            return {"keys": keys, "engine": engine, "total": memory.worst.total,
+            return {"keys": keys_t, "engine": engine_t, "total": memory.worst.total,
                     "host_memory": max(sum(st.host.values()) for st in memory.stages)}
     return {"keys": None, "devices_that_fit": devices_that_fit(cfg, ds, args, tracer)}
 
@@ -122,9 +147,10 @@ def _next_step_text(r: dict) -> list[str]:
         return [f"next step: {sets}{engine}: {gib(step['total'])} GiB, fits, with {gib(step['host_memory'])} GiB "
                 f"of host memory a process; --search ranks every layout with these options"]
     n = step["devices_that_fit"]
-    return [f"next step: with checkpoint inputs on the host and ZeRO-3 offload it still does not fit on {world} "
-            f"device(s); " + (f"{n} would (--world-size {n} --search shows the layouts)" if n else
-                              "no device count up to 1024 fits: a shorter or smaller video")]
+    return [f"next step: with checkpoint inputs on the host, ZeRO-3 offload (and with LoRA block swap and an fp8 "
+            f"base) it still does not fit on {world} device(s); "
+            + (f"{n} would (--world-size {n} --search shows the layouts)" if n else
+               "no device count up to 1024 fits: a shorter or smaller video")]
 
 
 def _device_dict(args) -> dict:
@@ -186,17 +212,34 @@ def ds_out_problem(args, cfg: ExperimentConfig) -> Optional[str]:
             f"of its own in {cfg.train.output_dir}/, ds_config.planned.zero<stage>-<precision>-<hash>.json)")
 
 
+# The search's passes, each tried when the one before finds nothing: (name, offload, fp8 base). Offload: checkpoint
+# inputs on the host, ZeRO-3 optimizer and parameter offload, and (LoRA) block swap; fp8 base (LoRA): all that again
+# with the frozen base in fp8, which changes the numbers (docs/lora.md#fp8-base), so it comes last.
+PASSES = (("none", False, False), ("offload", True, False), ("fp8_base", True, True))
+
+
+def with_fp8_base(cfg: ExperimentConfig) -> ExperimentConfig:
+    lora = cfg.model.lora.model_copy(update={"base_dtype": "float8_e4m3fn"})
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": lora})})
+
+
 def _search(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer, world: int,
-            progress: bool = False) -> tuple[SearchResult, bool]:
-    """The search at `world` devices; when nothing fits, again with offload (search's OFFLOAD_OPTIONS): the result
-    and whether offload was needed."""
-    for offload in (False, True):
-        res = search(cfg, ds, world, args.devices_per_node, args.device_memory, DEVICES[args.device], tracer,
+            progress: bool = False) -> tuple[SearchResult, str]:
+    """The search at `world` devices; when nothing fits, again with offload (search's OFFLOAD_OPTIONS, and with LoRA
+    the least train.block_swap that fits), then with LoRA's frozen base in fp8 too (unless the config has it): the
+    result and the name of the pass (PASSES) that found it, or the last tried."""
+    lora = cfg.model.lora
+    for name, offload, fp8 in PASSES:
+        if fp8 and (lora is None or lora.base_dtype is not None):
+            continue
+        cfg_p, tracer_p = (with_fp8_base(cfg), ActivationTracer(with_fp8_base(cfg), tracer.dtype)) if fp8 \
+            else (cfg, tracer)
+        res = search(cfg_p, ds, world, args.devices_per_node, args.device_memory, DEVICES[args.device], tracer_p,
                      args.utilisation, args.margin, args.workspace, source=args.deepspeed_config, progress=progress,
-                     offload=offload)
+                     offload=offload, swap=offload and lora is not None)
         if res.ranked:
             break
-    return res, offload
+    return res, name
 
 
 def devices_that_fit(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer, limit: int = 1024):
@@ -211,14 +254,15 @@ def devices_that_fit(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTr
 
 
 def search_report(cfg: ExperimentConfig, ds: dict, args, tracer: ActivationTracer, found=None) -> dict:
-    res, offload = _search(cfg, ds, args, tracer, args.world_size, progress=True)
+    res, found_by = _search(cfg, ds, args, tracer, args.world_size, progress=True)
     closest = sorted(res.not_fitting, key=lambda c: c.memory.worst.total)
     best = res.ranked[0] if res.ranked else None
     buckets = {"buckets": bucket_rows(best.cfg, found, best.ds, best.dims.dp_size, args)} if found and best else {}
     return {"schema": SCHEMA, "mode": "search", "model": _model_info(cfg, tracer, ds),
             "device": _device_dict(args), "assumptions": _assumptions(args), "grad_accum": cfg.train.grad_accum_steps,
             "counts": {"fitting": len(res.ranked), "not_fitting": len(res.not_fitting), "invalid": len(res.invalid)},
-            "offload": offload, "devices_that_fit": None if res.ranked else devices_that_fit(cfg, ds, args, tracer),
+            "offload": found_by != "none", "fp8_base": found_by == "fp8_base",
+            "devices_that_fit": None if res.ranked else devices_that_fit(cfg, ds, args, tracer),
             "ranked": [_candidate_dict(c, args, write_planned(c, cfg, args) if i == 0 else None)
                        for i, c in enumerate(res.ranked[:args.top])],
             "not_fitting": [_candidate_dict(c, args) for c in closest[:args.top]],
@@ -264,6 +308,12 @@ def render_plan_text(r: dict) -> str:
     host = [sum(s["host"].values()) for s in shown]
     if any(host):
         out.append(f"{'host memory':<{width}}" + "".join(f"{gib(h):>10}" for h in host))
+    if "block_swap" in r:
+        b = r["block_swap"]
+        out.append(f"block swap: the last {b['blocks']} blocks of each stage keep {gib(b['host'])} GiB of frozen "
+                   f"weights in host memory, {gib(b['device'])} GiB of copies on the device; a step copies up to "
+                   f"{gib(b['copied_per_step'])} GiB to the device, {b['copy_seconds']:.2f} s at the "
+                   f"{r['device']['key']} profile's {b['host_bw'] / 1e9:g} GB/s, beside the swapped blocks' compute")
     verdict = "fits" if r["fits"] else "DOES NOT FIT"
     out += ["", f"{verdict}: worst rank (stage {r['worst_stage']}) needs {gib(r['total'])} GiB of "
                 f"{gib(r['device_memory'])} GiB; {'free' if r['fits'] else 'short by'} {gib(abs(r['headroom']))} GiB",
@@ -303,8 +353,9 @@ def render_search_text(r: dict) -> str:
     out += [head] + [_row(i + 1, c) for i, c in enumerate(r["ranked"])]
     if not r["ranked"]:
         n = r.get("devices_that_fit")
+        tried = ", block swap (train.block_swap) and an fp8 base (model.lora.base_dtype)" if r.get("fp8_base") else ""
         out.append("  nothing fits, with checkpoint inputs on the host (train.offload_activations) and ZeRO-3 "
-                   "optimizer and parameter offload tried too: "
+                   f"optimizer and parameter offload{tried} tried too: "
                    + (f"{n} devices would fit (--world-size {n} --search)" if n else "no device count up to 1024 "
                       "fits") + "; or a shorter or smaller video")
     if r["ranked"]:
@@ -315,7 +366,10 @@ def render_search_text(r: dict) -> str:
                                                                   best["memory"]["lines"].items() if v)]
         if r.get("offload"):
             out.append("nothing fits without offload: these layouts keep checkpoint inputs on the host "
-                       "(train.offload_activations, ckpt +host) or use ZeRO-3 offload")
+                       "(train.offload_activations, ckpt +host), the frozen base of each stage's last N blocks "
+                       "(train.block_swap, +swapN) or use ZeRO-3 offload"
+                       + ("; with a bf16 base none fits: the frozen base in fp8 (model.lora.base_dtype, +fp8) "
+                          "changes the numbers (docs/lora.md#fp8-base)" if r.get("fp8_base") else ""))
         out.append(f"run it{host}: {best['command']}")
     if r["not_fitting"]:
         out += ["", "closest that do not fit (micro-batch 1):"] + [

@@ -34,6 +34,9 @@ segment's full activations for the recompute. Under 1F1B stage s holds min(pp - 
 With train.offload_activations what each checkpoint keeps (x per segment; with train.recompute what the traced
 checkpoints keep, `StageTrace.host_bytes`) is host memory instead, and during one checkpoint's backward its
 inputs and the previous checkpoint's (prefetched) are back on the device, on the recompute line.
+With train.block_swap the frozen base of each stage's last N blocks (`ActivationTracer.layer_swap`: their tensor-
+parallel linear weights, fp8 ones with their scales) leaves the parameters line for host memory, and the copies of
+two of them at a time (the block computing, the next arriving) are the "swapped blocks' copies" line.
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ from parallel.manifest import bucket_configs
 from models.registry import sequence_tokens
 from parallel.distributed.deepspeed.accounting import ENGINE_ALLREDUCE_BUCKET
 from parallel.build import blocks_per_stage, checkpoint_interval
-from parallel.plan.trace import ActivationTracer, ring_of
+from parallel.plan.trace import ActivationTracer, StageTrace, ring_of
 from parallel.recompute import checkpointed_blocks
 from parallel.units import BYTES, DTYPES, GiB
 
@@ -61,13 +64,14 @@ DEFAULT_PERSISTENCE = 100_000
 DEFAULT_MAX_LIVE = 1_000_000_000
 DEFAULT_SUB_GROUP = 1_000_000_000
 # (key, label) of each line of the breakdown, in report order.
-LINES = (("parameters", "parameters"), ("gradients", "gradients"), ("adam_moments", "Adam moments"),
+LINES = (("parameters", "parameters"), ("block_swap", "swapped blocks' copies"), ("gradients", "gradients"),
+         ("adam_moments", "Adam moments"),
          ("master_weights", "fp32 master weights"), ("ema_shadow", "EMA shadow"), ("buffers", "position tables"),
          ("activations", "activations"), ("recompute", "recompute (1 segment)"),
          ("zero_buckets", "gradient reduce buffers"), ("zero3_gathered", "ZeRO-3 gathered params"),
          ("pipeline_buffers", "pipeline buffers"), ("ring_buffers", "ring attention buffers"), ("margin", "margin"))
 # Lines reports leave out when they are zero on every stage (a layout without them).
-OPTIONAL_LINES = {"ring_buffers"}
+OPTIONAL_LINES = {"ring_buffers", "block_swap"}
 
 
 def ring_buffers(block_input: int, tp: int, ring: int, lp: int) -> int:
@@ -286,6 +290,37 @@ def zero_buckets(eng: EngineSettings, pp: int, params: list, dp: int) -> int:
     return dtype_bytes * eng.reduce_bucket * (2 if eng.overlap_comm else 1)
 
 
+@dataclass(frozen=True)
+class BlockTraces:
+    """One block's traces at a micro-batch: `whole` as written, `plain` with train.activation_compression,
+    `selected` with train.recompute's checkpoints too (and train.offload_activations' host copies)."""
+
+    whole: StageTrace
+    plain: StageTrace
+    selected: StageTrace
+
+
+def _block_traces(cfg: ExperimentConfig, tracer: ActivationTracer, b: int, swapped: bool = False) -> BlockTraces:
+    """The block's traces for cfg at micro-batch b; `swapped`: as a train.block_swap block computes."""
+    tp, sp, rc, comp = cfg.parallel.tp_size, cfg.parallel.sp_size, cfg.train.recompute, cfg.train.activation_compression
+    compression = comp.dtype if comp is not None else None
+    plain = tracer.trace("block", tp, b, sp, None, compression, swapped=swapped)
+    selected = plain if rc is None else tracer.trace("block", tp, b, sp, rc.granularity, compression,
+                                                     cfg.train.offload_activations, swapped)
+    return BlockTraces(tracer.trace("block", tp, b, sp, swapped=swapped), plain, selected)
+
+
+def _kept(traces: BlockTraces, blocks: int, chosen: int) -> tuple[int, int, int]:
+    """(device bytes, host bytes, recompute bytes) of `blocks` blocks under train.recompute / compression, `chosen` of
+    them checkpointed: those keep `selected`'s bytes, the others `plain`'s; one block's recompute re-creates its
+    activations less what it kept (on the device or the host), and with offload its kept inputs are back on the
+    device and the previous checkpoint's arriving (2 x)."""
+    whole, plain, selected = traces.whole, traces.plain, traces.selected
+    recompute = max(whole.activations - selected.activations - selected.host_bytes, 0) + 2 * selected.host_bytes
+    return (chosen * selected.activations + (blocks - chosen) * plain.activations, chosen * selected.host_bytes,
+            recompute if chosen else 0)
+
+
 @dataclass
 class StageMemory:
     """Memory of the worst rank of one pipeline stage, by line, in bytes."""
@@ -333,14 +368,15 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
     k = eng.checkpoint_every
     # train.recompute / train.activation_compression: blocks i % every == 0 keep `selected`'s bytes, the others
     # `plain`'s (both compressed when compression is on); recomputing one block re-creates its uncompressed
-    # activations less what it kept, once at a time during backward.
+    # activations less what it kept, once at a time during backward (`_kept`).
     rc, comp = cfg.train.recompute, cfg.train.activation_compression
-    compression = comp.dtype if comp is not None else None
     # train.offload_activations: what each checkpoint keeps (traced: `host_bytes`; the JSON's: x) is in host memory.
     off = cfg.train.offload_activations
-    plain = tracer.trace("block", tp, b, sp, None, compression)
-    selected = tracer.trace("block", tp, b, sp, rc.granularity, compression, off) if rc is not None else plain
+    ours = _block_traces(cfg, tracer, b)
+    plain, selected = ours.plain, ours.selected
     every = rc.every if rc is not None else 1
+    # train.block_swap: a swapped block's linear layers save no weight (an fp8 base no dequantised copy): traced so
+    swapped_traces = _block_traces(cfg, tracer, b, swapped=True) if cfg.train.block_swap else ours
     # Checkpoint inputs: x per segment (the side tensors, temb or STDiT's t, t_mlp, y, pass as views of the
     # shared ones unless DeepSpeed copies inputs for partitioning or host offload), divided over tp ranks
     # when partitioned.
@@ -351,6 +387,8 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
     for s, n in enumerate(counts):
         start = sum(counts[:s])
         chosen = checkpointed_blocks(cfg.model.num_layers, every, start, start + n) if rc is not None else 0
+        ns = min(cfg.train.block_swap, n)          # swapped: the stage's last ns blocks, chosen_sw of them chosen
+        chosen_sw = checkpointed_blocks(cfg.model.num_layers, every, start + n - ns, start + n) if rc is not None else 0
         first, last = s == 0, s == pp - 1
         flight = min(pp - s, m)
         layers, layers_trainable = tracer.layer_parameters(start, n, tp, sp)
@@ -382,17 +420,17 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
             kept = 0 if on_host else segments * seg_input
             host_acts = flight * segments * seg_input if on_host else 0
             # offload: during a segment's backward its input is back on the device and the next one arriving
-            acts, recompute = flight * (kept + shared + own), min(k, n) * block.activations + (2 * seg_input if off else 0)
-        elif rc is not None or comp is not None:
-            kept = chosen * selected.activations + (n - chosen) * plain.activations
             acts = flight * (kept + shared + own)
-            host_acts = flight * chosen * selected.host_bytes
-            # one block's recompute re-creates its activations less what it kept (on the device or the host);
-            # offload: its kept inputs are back on the device and the previous checkpoint's arriving (2 x)
-            recompute = max(block.activations - selected.activations - selected.host_bytes, 0) \
-                + 2 * selected.host_bytes if chosen else 0
+            recompute = min(k, n) * (swapped_traces if ns == n else ours).whole.activations \
+                + (2 * seg_input if off else 0)
+        elif rc is not None or comp is not None:
+            (kept, held, recompute), (kept_sw, held_sw, recompute_sw) = \
+                _kept(ours, n - ns, chosen - chosen_sw), _kept(swapped_traces, ns, chosen_sw)
+            acts, host_acts = flight * (kept + kept_sw + shared + own), flight * (held + held_sw)
+            recompute = max(recompute, recompute_sw)
         else:
-            acts, recompute = flight * (n * block.activations + shared + own), 0
+            acts = flight * ((n - ns) * block.activations + ns * swapped_traces.whole.activations + shared + own)
+            recompute = 0
         boundary = block.input_bytes + block.side_total
         pipe = (boundary if not first else 0) + ((1 + flight) * boundary if not last else 0) if pp > 1 else 0
         numel = sum(n_ for n_, *_ in params)
@@ -404,8 +442,13 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
         # whole on every rank under each ZeRO stage; counted as parameters, not as buffers.
         dev["parameters"] += tracer.layer_fp8(start, n, tp, sp)[0] + (embed.fp8_base if first else 0) \
             + (final.fp8_base if last else 0)
+        # train.block_swap: the stage's last N blocks keep their frozen base on the host; the device holds the copies
+        # of two of them at a time (the one computing and the next arriving)
+        swapped = tracer.layer_swap(start, n, tp, sp)[-cfg.train.block_swap:] if cfg.train.block_swap else []
+        dev["parameters"] -= sum(swapped)
         own_buffers = block.buffers - block.tables - block.fp8_base       # registered buffers; tables once a stage
-        lines = {**dev, "buffers": own_buffers * n + (block.tables if n else 0)
+        lines = {**dev, "block_swap": max((a + b for a, b in zip(swapped, swapped[1:] + [0])), default=0),
+                 "buffers": own_buffers * n + (block.tables if n else 0)
                  + (embed.buffers - embed.fp8_base if first else 0) + (final.buffers - final.fp8_base if last else 0),
                  "activations": acts, "recompute": recompute,
                  "zero_buckets": zero_buckets(eng, pp, trainable, dp), "zero3_gathered": gathered,
@@ -413,7 +456,7 @@ def plan_memory(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tr
                  "ring_buffers": ring_buffers(block.input_bytes, tp, ring_of(cfg, tp, sp), eng.lp) if n else 0}
         lines["margin"] = int(margin * sum(lines.values())) + workspace
         stages.append(StageMemory(s, n, flight, {key: lines[key] for key, _ in LINES},
-                                  {**host, "activations": host_acts}, numel))
+                                  {**host, "activations": host_acts, "block_swap": sum(swapped)}, numel))
     per_block = {"block_activations": block.activations, "block_input": block.input_bytes,
                  "selected_block_activations": selected.activations, "plain_block_activations": plain.activations,
                  "checkpoint_input": seg_input, "side_inputs": block.side_total, "embed_activations": embed.activations,

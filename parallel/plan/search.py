@@ -31,7 +31,9 @@ Recomputed collectives are scaled by f too: an approximation for selective recom
 core repeats its all-to-alls and no all-reduce, an MLP one all-reduce), exact for whole blocks.
 Each layout and ZeRO stage is tried with every recompute option (RECOMPUTE_OPTIONS: none, the JSON's
 full checkpointing, attention core, MLP, every second block); activation compression is lossy and so
-is never chosen here: the user's train.activation_compression is planned as set.
+is never chosen here: the user's train.activation_compression is planned as set. When nothing fits, the offload
+options (OFFLOAD_OPTIONS, ZeRO-3 offload) are tried, with LoRA each micro-batch also with the least train.block_swap
+that fits it (`fewest_swapped`); parallel/plan/cli.py then tries LoRA's base in fp8 (PASSES).
 
 Layouts are ranked by samples per second (global batch / step time), since the micro-batch and dp
 (and so the global batch) differ between layouts.
@@ -52,6 +54,7 @@ from parallel.check import check
 from parallel.cli import DS_CONFIG_DIR      # was parallel/ds_configs here: no shipped file ever matched
 from parallel.config import ExperimentConfig, RecomputeConfig
 from parallel.distributed.topology import ParallelDims
+from parallel.build import blocks_per_stage
 from parallel.plan.memory import EngineSettings, MemoryPlan, plan_memory
 from parallel.plan.trace import ActivationTracer, attention_pairs, ring_of, sequence_length
 from parallel.recompute import checkpointed_blocks
@@ -143,15 +146,19 @@ def ring_traffic(chunk_bytes: int, ring: int, lp: int) -> tuple[int, int]:
 
 
 def host_time(host: dict[str, int], offloaded: int, eng: EngineSettings, m: int, compute: float,
-              device: Device) -> float:
+              device: Device, swapped_share: float = 0.0) -> float:
     """Seconds of one step's host <-> device copies (the worst stage's `host` lines, bytes) left over after
     compute. train.offload_activations: `offloaded` bytes a micro-batch down in forward and up in backward, on a
     side stream, hidden behind that micro-batch's compute where the link keeps up (DeepSpeed's cpu_checkpointing
-    alike). ZeRO-3 parameter offload:
+    alike). train.block_swap: the swapped blocks' weights (`host["block_swap"]`) up twice a micro-batch (forward,
+    backward), each block's copy while its neighbour computes: hidden behind the swapped blocks' share of the
+    stage's compute (`swapped_share`: swapped / stage blocks); the two share the link, which is not modelled.
+    ZeRO-3 parameter offload:
     the parameter partitions up in forward and in backward, each micro-batch; optimizer offload: the lp gradient
     partition down and the updated lp weights up once a step (master weights 4 B an element: elements =
     master / 4). Neither overlapped, and the host optimizer's own time is not modelled."""
     activations = m * max(2 * offloaded / device.host_bw - compute / m, 0.0)
+    activations += m * max(2 * host.get("block_swap", 0) / device.host_bw - swapped_share * compute / m, 0.0)
     params = m * 2 * host.get("parameters", 0) / device.host_bw if eng.offload_param and eng.zero == 3 else 0.0
     states = 2 * eng.lp * host.get("master_weights", 0) / 4 / device.host_bw if eng.offload_optimizer else 0.0
     return activations + params + states
@@ -213,7 +220,8 @@ def estimate_step_time(cfg: ExperimentConfig, eng: EngineSettings, dp: int, devi
     host = 0.0
     if memory is not None:
         worst = memory.worst
-        host = host_time(worst.host, worst.host.get("activations", 0) // worst.in_flight, eng, m, compute, device)
+        host = host_time(worst.host, worst.host.get("activations", 0) // worst.in_flight, eng, m, compute, device,
+                         min(cfg.train.block_swap, worst.blocks) / max(worst.blocks, 1))
     work = compute + tp_time + sp_time + pp_time
     total = work * (m + pp - 1) / m + dp_time + host
     return StepTime(compute, tp_time, pp_time, dp_time, sp_time, work * (pp - 1) / m, total, b * m * dp / total, host)
@@ -285,8 +293,11 @@ class Candidate:
         rc = self.cfg.train.recompute
         if rc is None:
             return "on" if self.checkpointing else "off"
+        swap = self.cfg.train.block_swap
+        fp8 = self.cfg.model.lora is not None and self.cfg.model.lora.base_dtype is not None
         return rc.granularity + (f"/{rc.every}" if rc.every > 1 else "") \
-            + ("+host" if self.cfg.train.offload_activations else "")
+            + ("+host" if self.cfg.train.offload_activations else "") + (f"+swap{swap}" if swap else "") \
+            + ("+fp8" if fp8 else "")
 
     @property
     def overrides(self) -> list[str]:
@@ -297,7 +308,10 @@ class Candidate:
             + ([f"parallel.sp_size={d.sp_size}"] if d.sp_size > 1 else []) \
             + ([f"parallel.ring_size={d.ring_size}"] if d.ring_size > 1 else []) \
             + [f"train.micro_batch_size={self.micro_batch}"] + recompute \
-            + (["train.offload_activations=true"] if self.cfg.train.offload_activations else [])
+            + (["train.offload_activations=true"] if self.cfg.train.offload_activations else []) \
+            + ([f"train.block_swap={self.cfg.train.block_swap}"] if self.cfg.train.block_swap else []) \
+            + ([f"model.lora.base_dtype={self.cfg.model.lora.base_dtype}"]
+               if self.cfg.model.lora is not None and self.cfg.model.lora.base_dtype else [])
 
     @property
     def host_memory(self) -> int:
@@ -342,6 +356,24 @@ def engine_options(ds: dict, zero: int, offload: bool) -> list[tuple[dict, bool,
     return found
 
 
+def with_block_swap(cfg: ExperimentConfig, n: int) -> ExperimentConfig:
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"block_swap": n})})
+
+
+def fewest_swapped(cfg: ExperimentConfig, ds: dict, dp: int, device_memory: int, tracer: ActivationTracer,
+                   margin: float, workspace: int) -> tuple[ExperimentConfig, MemoryPlan]:
+    """cfg with the least train.block_swap at which it fits and its plan (the device bytes fall as N grows: a
+    binary search), or with the most a stage allows, which does not fit."""
+    plan = lambda n: plan_memory(with_block_swap(cfg, n), ds, dp, device_memory, tracer, margin, workspace)
+    low, high = 1, min(blocks_per_stage(cfg))
+    if not plan(high).fits:
+        return with_block_swap(cfg, high), plan(high)
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if plan(mid).fits else (mid + 1, high)
+    return with_block_swap(cfg, low), plan(low)
+
+
 def with_layout(cfg: ExperimentConfig, dims: ParallelDims, micro_batch: int,
                 recompute: Optional[tuple] = None, offload: bool = False) -> ExperimentConfig:
     """cfg at this layout and micro-batch; `recompute` (granularity, every) sets train.recompute (None: off);
@@ -359,12 +391,14 @@ def with_layout(cfg: ExperimentConfig, dims: ParallelDims, micro_batch: int,
 def search(cfg: ExperimentConfig, ds: dict, devices: int, per_node: int, device_memory: int, device: Device,
            tracer: ActivationTracer, utilisation: float = 0.4, margin: float = 0.10,
            workspace: int = 2 ** 30, source: str = "deepspeed config", progress: bool = False,
-           offload: bool = False) -> SearchResult:
+           offload: bool = False, swap: bool = False) -> SearchResult:
     """Every layout of `devices` devices; tp and Ulysses stay within a node (tp x ulysses divides the devices per
     node). Each sp runs as `sp_split` gives it: Ulysses as far as the heads and the node allow, ring for the
     rest (only for families whose attention takes a ring), so ring opens the sp sizes Ulysses cannot reach:
     head counts it does not divide, and sequence groups across nodes. `progress`: a bar of the (tp, sp, pp)
-    grids on stderr. `offload`: the OFFLOAD_OPTIONS instead of RECOMPUTE_OPTIONS (engine_options)."""
+    grids on stderr. `offload`: the OFFLOAD_OPTIONS instead of RECOMPUTE_OPTIONS (engine_options). `swap` (LoRA): a
+    micro-batch that does not fit is tried with the least train.block_swap that fits it (`fewest_swapped`) where the
+    checker takes block swap (ZeRO 0-2: ZeRO-3 owns the frozen base)."""
     node = min(devices, per_node)
     ranked, not_fitting, invalid = [], [], []
     ring_ok = getattr(type(cfg.model), "RING_ATTENTION", True)
@@ -381,12 +415,16 @@ def search(cfg: ExperimentConfig, ds: dict, devices: int, per_node: int, device_
         dp = devices // (tp * sp * pp)
         dims = ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp, ring_size=ring)
         for zero in range(4):
+            swapping = False
             for n, (ds_l, checkpointing, (_, granularity, every)) in enumerate(engine_options(ds, zero, offload)):
                 rc = (granularity, every) if granularity else None
                 cfg_l = with_layout(cfg, dims, 1, rc, offload)
                 # The verdict does not depend on the recompute option (ds_variant drops the JSON's section
-                # whenever train.recompute is set): checked and reported once.
-                problems = [] if n else check(cfg_l, ds_l, f"{source} at zero_optimization.stage={zero}", devices)[1]
+                # whenever train.recompute is set): checked and reported once. Block swap checked by itself.
+                where = f"{source} at zero_optimization.stage={zero}"
+                problems = [] if n else check(cfg_l, ds_l, where, devices)[1]
+                if not n and swap and not problems:
+                    swapping = not check(with_block_swap(cfg_l, 1), ds_l, where, devices)[1]
                 if problems:
                     invalid.append(({"tp": tp, "sp": sp, "pp": pp, "dp": dp, "zero": zero,
                                      **({"ring": ring} if ring > 1 else {})}, problems))
@@ -395,6 +433,8 @@ def search(cfg: ExperimentConfig, ds: dict, devices: int, per_node: int, device_
                 for b in (2 ** i for i in range(int(math.log2(MAX_MICRO_BATCH)) + 1)):
                     cfg_b = with_layout(cfg, dims, b, rc, offload)
                     memory = plan_memory(cfg_b, ds_l, dp, device_memory, tracer, margin, workspace)
+                    if swapping and not memory.fits:
+                        cfg_b, memory = fewest_swapped(cfg_b, ds_l, dp, device_memory, tracer, margin, workspace)
                     cand = Candidate(dims, zero, checkpointing, b, cfg_b, ds_l, memory)
                     if not memory.fits:
                         if best is None:

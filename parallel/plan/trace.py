@@ -44,6 +44,7 @@ from models.geometry import PositionCache, latent_shape, token_grid
 from models.registry import family, ring_fits, sequence_tokens
 from parallel.config import ExperimentConfig
 from parallel.build import expert_of_parameter, layer_specs
+from parallel.distributed.block_swap import BlockSwap, swappable_bytes
 from parallel.distributed.offload import HostOffload
 from parallel.distributed.sequence import sp_pairs
 from parallel.distributed.topology import ParallelContext
@@ -174,6 +175,7 @@ class StageTrace:
     host_bytes: int = 0       # train.offload_activations: what its checkpoints put in host memory (not in activations)
     fp8_base: int = 0         # model.lora.base_dtype: bytes of the fp8 weights and their scales (among `buffers`)
     fp8_numel: int = 0        # model.lora.base_dtype: elements of those fp8 weights (not among `params`)
+    swap_bytes: int = 0       # train.block_swap: bytes of its frozen base that a swapped block keeps on the host
 
     @property
     def side_total(self) -> int:
@@ -221,10 +223,13 @@ class ActivationTracer:
         self._modules: dict = {}
         self._traces: dict = {}
 
-    def _module(self, kind: str, tp: int, sp: int = 1, granularity: Optional[str] = None, offload: bool = False):
+    def _module(self, kind: str, tp: int, sp: int = 1, granularity: Optional[str] = None, offload: bool = False,
+                swapped: bool = False):
         """The stage module on meta; a block with `granularity` checkpointed as train.recompute would (`offload`:
-        its checkpoints' inputs moved to the host as train.offload_activations does; what moves is recorded)."""
-        if (kind, tp, sp, granularity, offload) not in self._modules:
+        its checkpoints' inputs moved to the host as train.offload_activations does; what moves is recorded);
+        `swapped`: its linear layers computing as train.block_swap's do (no weight saved, no fp8 copy)."""
+        key = (kind, tp, sp, granularity, offload, swapped)
+        if key not in self._modules:
             # Traced at the default ring for (tp, sp): every (ulysses, ring) pair saves the same elements
             # (q, k, v, out of b S/sp H/tp), so one trace serves all; ring's own buffers are memory.ring_buffers.
             ctx = ParallelContext.single(tp, sp, ring_of(self.cfg, tp, sp, explicit=False))
@@ -237,12 +242,14 @@ class ActivationTracer:
                     apply_fp8_base(module, self.cfg.model, prefix=f"{spec.name}.")
                 for param in module.parameters():     # as DeepSpeed 0.19 casts: parameters, not buffers
                     param.data = param.data.to(self.dtype)
+            if swapped:
+                BlockSwap([module], in_place=True)
             moved: list[int] = []
             if granularity is not None:
                 hooks = HostOffload(lambda t, host: moved.append(t.numel() * t.element_size())) if offload else None
                 wrap_layer(module, family(self.cfg.model).recompute_parts, granularity, None, offload=hooks)
-            self._modules[(kind, tp, sp, granularity, offload)] = (module, ctx, moved)
-        return self._modules[(kind, tp, sp, granularity, offload)]
+            self._modules[key] = (module, ctx, moved)
+        return self._modules[key]
 
     def _inputs(self, kind: str, tp: int, b: int, sp: int = 1):
         """Meta tensors of the stage's input; a block's and final's are the embed stage's outputs, as leaves
@@ -259,8 +266,8 @@ class ActivationTracer:
         return tuple(torch.empty(t.shape, dtype=t.dtype, requires_grad=t.is_floating_point()) for t in out)
 
     def _trace(self, kind: str, tp: int, b: int, sp: int = 1, granularity: Optional[str] = None,
-               compression: Optional[str] = None, offload: bool = False) -> StageTrace:
-        module, _, moved = self._module(kind, tp, sp, granularity, offload)
+               compression: Optional[str] = None, offload: bool = False, swapped: bool = False) -> StageTrace:
+        module, _, moved = self._module(kind, tp, sp, granularity, offload, swapped)
         moved.clear()
         with torch.device("meta"), fused_attention_on_meta():
             inputs = self._inputs(kind, tp, b, sp)
@@ -281,16 +288,16 @@ class ActivationTracer:
         return StageTrace(acts, storage_bytes(x), tuple(storage_bytes(t) for t in side),
                           tuple(kind != "embed" and k in saved for k in side_keys), sum(held.values()), params,
                           sum(table_storages(module).values()), trainable, sum(moved), fp8_base_bytes(module),
-                          fp8_numel(module))
+                          fp8_numel(module), swappable_bytes(module))
 
     def trace(self, kind: str, tp: int, b: int, sp: int = 1, granularity: Optional[str] = None,
-              compression: Optional[str] = None, offload: bool = False) -> StageTrace:
+              compression: Optional[str] = None, offload: bool = False, swapped: bool = False) -> StageTrace:
         """The trace at micro-batch b (one sp rank's tokens): traced at 1 and 2, extrapolated linearly beyond.
         A block's with train.recompute's `granularity` checkpointed (its kept inputs count as saved, or with
         `offload` as host bytes) and/or with train.activation_compression's `compression` (each saved
-        activation at its packed size)."""
-        option = (granularity, compression, offload and granularity is not None) if kind == "block" \
-            else (None, None, False)
+        activation at its packed size); `swapped`: as a train.block_swap block computes."""
+        option = (granularity, compression, offload and granularity is not None, swapped) if kind == "block" \
+            else (None, None, False, False)
         for n in (1, 2):
             if (kind, tp, n, sp, option) not in self._traces:
                 self._traces[(kind, tp, n, sp, option)] = self._trace(kind, tp, n, sp, *option)
@@ -300,7 +307,7 @@ class ActivationTracer:
         return StageTrace(_affine(one.activations, two.activations, b), _affine(one.input_bytes, two.input_bytes, b),
                           tuple(_affine(a, c, b) for a, c in zip(one.side_bytes, two.side_bytes)), one.side_saved,
                           one.buffers, one.params, one.tables, one.trainable,
-                          _affine(one.host_bytes, two.host_bytes, b), one.fp8_base, one.fp8_numel)
+                          _affine(one.host_bytes, two.host_bytes, b), one.fp8_base, one.fp8_numel, one.swap_bytes)
 
     def layer_parameters(self, start: int, n: int, tp: int, sp: int = 1) -> tuple[list, Optional[list]]:
         """(params, trainable) as in StageTrace, of layers [start, start + n) at tp: the traced block's n times,
@@ -322,7 +329,10 @@ class ActivationTracer:
                 named = [(p.numel(), p.dim(), expert_of_parameter(n), p.requires_grad)
                          for n, p in module.named_parameters()]
                 self._traces[key] = (tuple(t[:3] for t in named), tuple(t[:3] for t in named if t[3]))
+                for param in module.parameters():     # in the run's dtype, as _module casts them
+                    param.data = param.data.to(self.dtype)
                 self._traces[("fp8", i, tp, sp)] = (fp8_base_bytes(module), fp8_numel(module))
+                self._traces[("swap", i, tp, sp)] = swappable_bytes(module)
             params += self._traces[key][0]
             if trainable is not None:
                 trainable += self._traces[key][1]
@@ -337,6 +347,15 @@ class ActivationTracer:
         self.layer_parameters(start, n, tp, sp)
         per_layer = [self._traces[("fp8", i, tp, sp)] for i in range(start, start + n)]
         return sum(b for b, _ in per_layer), sum(e for _, e in per_layer)
+
+    def layer_swap(self, start: int, n: int, tp: int, sp: int = 1) -> list[int]:
+        """train.block_swap: the bytes each of layers [start, start + n) keeps on the host when swapped, at tp
+        (parallel/distributed/block_swap.py swappable_bytes; each layer its own, as layer_parameters)."""
+        block = self.trace("block", tp, 1, sp)
+        if not getattr(family(self.cfg.model).layer, "indexed", False):
+            return [block.swap_bytes] * n
+        self.layer_parameters(start, n, tp, sp)
+        return [self._traces[("swap", i, tp, sp)] for i in range(start, start + n)]
 
     def recompute_fraction(self, granularity: str, tp: int = 1, sp: int = 1) -> float:
         """FLOPs a checkpointed block repeats in backward, as a fraction of its forward's: (forward + backward

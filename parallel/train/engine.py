@@ -23,7 +23,7 @@ from parallel.distributed.deepspeed.version import check_deepspeed_version
 from parallel import ds_config as dsc
 from parallel.config import ExperimentConfig
 from parallel.train.experts import clear_routed, idle_experts
-from parallel.build import build_model, checkpoint_interval, expert_count
+from parallel.build import apply_block_swap, build_model, checkpoint_interval, expert_count
 from parallel.train.optim import build_optimizer
 from parallel.train.schedule import build_schedule, lr_factor, schedule_factor  # noqa: F401  (lr_factor: bench/)
 
@@ -193,7 +193,8 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
     are still whole local tensors under every ZeRO stage (ZeRO-3 partitions them in initialize); then
     model.lora.init_from's adapters the same way. With model.lora the base is frozen (requires_grad False)
     and the optimizer, its EMA and DeepSpeed's master weights hold the adapters only; with model.lora.base_dtype
-    its tensor-parallel linear weights then become fp8 buffers (parallel/lora.py apply_fp8_base).
+    its tensor-parallel linear weights then become fp8 buffers (parallel/lora.py apply_fp8_base), and with
+    train.block_swap the last blocks' go to host memory (parallel/build.py apply_block_swap).
     `model`: a module the caller built for the layout (bench: the network with plain nn.Linear), used
     instead of building one.
     """
@@ -215,6 +216,7 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
     if cfg.model.lora is not None and cfg.model.lora.base_dtype:     # fp8 base: after loading, before DeepSpeed
         from parallel.lora import apply_fp8_base
         apply_fp8_base(model, cfg.model)
+    apply_block_swap(model, cfg)          # train.block_swap: swapped blocks' base in host memory, before DeepSpeed
     optimizer = build_optimizer(model, ds, cfg.train)
     factor = schedule_factor(ds, cfg.train)
     schedule = lambda opt: build_schedule(opt, factor)

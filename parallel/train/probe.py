@@ -106,6 +106,9 @@ class StepProbe:
     def _snapshot(self, step: Callable) -> Callable:
         def wrapped(*args, **kwargs):
             found = held_by({"optimizer": self.engine.optimizer, "module": self.engine.module})
+            swap = getattr(self.engine.module, "host_swap", None)      # train.block_swap: host tensors, copies
+            for key in swap.storages() if swap is not None else ():
+                found.pop(key, None)
             kinds = held_kinds(found)
             if kinds["states"] + kinds["buckets"] > self.result.states + self.result.buckets:
                 self.result.states, self.result.buckets, self.result.buffers = \

@@ -318,9 +318,11 @@ DEEPSPEED_PREFIXES = ("_z3_", "_hp_", "_ds_")
 # Underscored names of torch and the standard library the source reads (not DeepSpeed's): storage identity,
 # a view's base, foreach kernels, the CPU flash-attention op the tracer calls, the watchdog's hard exit, and the
 # attention ops that return the log-sum-exp ring attention merges by (parallel/distributed/ring.py).
+# _apply: torch's nn.Module._apply, which .to() and the casts call; block swap's stage modules override it to keep their
+# swapped weights in host memory (parallel/distributed/pipeline.py HostResident).
 OTHER_PRIVATE = {"_cdata", "_base", "_foreach_mul_", "_foreach_add_", "_scaled_dot_product_flash_attention_for_cpu",
                  "_exit", "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_flash_attention_backward"}
+                 "_scaled_dot_product_flash_attention_backward", "_apply"}
 
 
 def _private_reads(text: str, where: str) -> list[str]:

@@ -12,6 +12,7 @@ from parallel.distributed import offload as offload_module
 from parallel.plan.memory import plan_memory
 from parallel.plan.trace import ActivationTracer
 from parallel.train.probe import storage_key
+from tests.helpers.batches import random_batch
 from tests.train_utils import fp32_config
 
 GiB = 2 ** 30
@@ -34,15 +35,6 @@ def _model(cfg, checkpointing: bool):
     seed_all(0)
     return build_model(cfg, fp32_config(0, checkpointing), ParallelContext.single(),
                        deepspeed.checkpointing.checkpoint if checkpointing else None)
-
-
-def _batch(cfg):
-    from models.geometry import latent_shape
-
-    m, g = cfg.model, torch.Generator().manual_seed(1)
-    inputs = (torch.randn(B, m.transformer_in_channels, *latent_shape(m, cfg.data), generator=g),
-              torch.randint(0, 1000, (B,), generator=g), torch.randn(B, m.max_text_len, m.text_embed_dim, generator=g))
-    return inputs, torch.randn(B, m.in_channels, *latent_shape(m, cfg.data), generator=g)
 
 
 def _config(name: str, offload: bool):
@@ -69,7 +61,7 @@ def test_gradients_equal_without_offload_and_each_input_returns_once(name, monke
     for offload in (False, True):
         cfg = _config(name, offload)
         model = _model(cfg, OPTIONS[name][1])
-        inputs, target = _batch(cfg)
+        inputs, target = random_batch(cfg, B)
         loss = model(inputs, target)
         loss.backward()
         runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
@@ -93,7 +85,7 @@ def _measured(cfg, checkpointing: bool, monkeypatch) -> tuple[int, int]:
         return out
     monkeypatch.setattr(offload_module.accelerator, "copy_to_host", recorded)
     model = _model(cfg, checkpointing)
-    inputs, target = _batch(cfg)
+    inputs, target = random_batch(cfg, B)
     seen = {}
 
     def pack(t):
