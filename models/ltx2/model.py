@@ -173,8 +173,8 @@ class LTX2Block(nn.Module):
         cv_rope, ca_rope = cross[:2], cross[2:]
 
         # 1. self-attention
-        x = x + self.attn1(modulate(rms(x), vp[1], vp[0]), q_rope=v_rope) * vp[2]
-        a = a + self.audio_attn1(modulate(rms(a), ap[1], ap[0]), q_rope=a_rope) * ap[2]
+        x = x + self.attn1(modulate(rms(x), vp[1], vp[0]), None, v_rope) * vp[2]
+        a = a + self.audio_attn1(modulate(rms(a), ap[1], ap[0]), None, a_rope) * ap[2]
 
         # 2. caption cross-attention (LTX-2.3: queries and caption modulated, output gated)
         if m.cross_attn_adaln:
