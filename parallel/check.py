@@ -92,9 +92,6 @@ def _check_sequence(cfg: ExperimentConfig) -> list[str]:
     key/value chunks over the ring ranks (the token sequence outside it is padded to a multiple of sp:
     `sequence_padding`)."""
     sp, tp, heads, ring = cfg.parallel.sp_size, cfg.parallel.tp_size, cfg.model.num_heads, cfg.parallel.ring_size
-    if sp > 1 and not getattr(type(cfg.model), "SEQUENCE_PARALLEL", True):
-        return [f"parallel.sp_size={sp}: model.family={cfg.model.family}'s layers do not split the sequence yet; "
-                f"set --set parallel.sp_size=1"]
     if heads % tp:                                          # _check_model_splits says it
         return []
     pairs = sp_pairs(cfg)

@@ -42,7 +42,9 @@ SPEC = FamilySpec(
     # keys' and values' see A and L tokens, so an LTX-2 step's compute is overestimated (~40% at the release's
     # 121 x 512 x 768), like STDiT's text keys and values (parallel/plan/search.py)
     row_parallel_per_layer=4,
-    attentions_per_layer=0,                  # sp is not built for this family yet: no all-to-alls (checker refuses)
+    # the video self-attention's (Ulysses: 4 all-to-alls); the audio stream is whole on every sp rank, and
+    # video-to-audio's merge is one all-gather of B x A x Da/tp (models/ltx2/model.py)
+    attentions_per_layer=1,
     attention_pairs=attention_pairs,
     describe_layers=lambda m: f"{m.num_layers} audio-video blocks",
     layer_noun="block",

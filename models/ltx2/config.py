@@ -22,7 +22,6 @@ class LTX2Config(ModelConfig):
     (`cross_attn_mod`, `audio_cross_attn_mod`)."""
 
     POS_EMBEDS: ClassVar[tuple[str, ...]] = ("rope_av",)       # the class's video (t, h, w) and audio (t) rotary
-    SEQUENCE_PARALLEL: ClassVar[bool] = False                  # the checker refuses sp > 1 (not built yet)
 
     family: Literal["ltx2"] = "ltx2"
     num_layers: int = Field(48, ge=1)
@@ -130,6 +129,6 @@ class LTX2Config(ModelConfig):
         the planner plans it)."""
         return [f"model.family=ltx2: training is not built yet: the data path has no audio stream (audio latents "
                 f"[B, {self.audio_in_channels}-channel tokens], its caption and its own timesteps are not in the "
-                f"batch), and the loss and the sampler see the video stream only; the transformer runs at any tp "
-                f"and pp and loads diffusers' LTX2VideoTransformer3DModel, and python -m parallel.plan plans both "
+                f"batch), and the loss and the sampler see the video stream only; the transformer runs at any tp, "
+                f"pp and sp and loads diffusers' LTX2VideoTransformer3DModel, and python -m parallel.plan plans both "
                 f"streams (docs/models.md#ltx-2)"]

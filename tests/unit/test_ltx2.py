@@ -65,7 +65,7 @@ def test_the_plan_traces_both_streams_as_a_real_block_saves_them(dtype):
     """The planner's traced block (meta device) against a real debug-ltx2 block on CPU fed the real embed
     stage's outputs: the bytes it saves, video and audio, exactly (its rotary tables are the plan's position
     tables line), and what a checkpoint of the block keeps (both streams' inputs; the modulation rows and
-    captions as views), whose outputs equal the plain block's."""
+    captions as views), whose outputs equal the plain block's; under sp a rank's video share and the whole audio."""
     import deepspeed
 
     from parallel.build import layer_specs
@@ -82,6 +82,10 @@ def test_the_plan_traces_both_streams_as_a_real_block_saves_them(dtype):
     with torch.no_grad():
         h = tuple(t.requires_grad_(t.is_floating_point()) for t in embed(inputs()))
     assert trace.input_bytes == (h[0].numel() + h[1].numel()) * h[0].element_size()      # x and a
+    # sp: one rank's share of the 48 video tokens (padded: 48 -> 50 at sp 5, a ring of 5) and the whole audio
+    size = h[0].element_size()
+    for sp, share in ((2, 24), (5, 10)):
+        assert ActivationTracer(cfg, dtype).trace("block", 1, B, sp).input_bytes == B * (share * 32 + 9 * 16) * size
     full, want = saved_bytes(lambda: block(h), block)
     tables = sum(table_storages(block).values())         # rotary tables: the plan's position tables line
     assert trace.activations + trace.side_saved_bytes == full - tables
