@@ -197,3 +197,14 @@ class ModelConfig(Section):
         """Shapes (without the batch) of the first stage's inputs after (latents, timesteps, text): a
         conditioning input the family's embed stage takes (Wan 2.1 I2V: the CLIP image states [257, 1280])."""
         return ()
+
+    def clip_input_shapes(self, data) -> tuple[tuple[int, ...], ...]:
+        """Shapes (without the batch) of the first stage's inputs after (latents, timesteps, text) for a clip of
+        `data`'s shape: `extra_input_shapes`, and inputs whose length follows the clip's (LTX-2's audio latents).
+        The planner traces the embed stage on these."""
+        return self.extra_input_shapes()
+
+    def tp_splits(self) -> dict[str, int]:
+        """Dimensions tensor parallelism splits besides the heads, hidden size and FFN width every family has
+        (parallel/splits.py), by dotted key: a second stream's heads and width (LTX-2's audio)."""
+        return {}

@@ -8,8 +8,9 @@ a family is one folder under models/ that defines a spec, and one line in models
 family kept elsewhere, `models.registry.register` called by a module the experiment names under `families:`).
 
 A family's network is a list of stages, embed -> layer_0 .. layer_{L-1} -> final, each taking and
-returning a tuple (the stage tuple: the hidden states x [B, S, H] first, then tensors every layer reads
-and passes on unchanged), so the same list runs in one module or as DeepSpeed pipeline stages.
+returning a tuple (the stage tuple: the hidden states x [B, S, H] first (LTX-2: x and its audio stream, `streams`),
+then tensors every layer reads and passes on unchanged), so the same list runs in one module or as DeepSpeed
+pipeline stages.
 """
 from __future__ import annotations
 
@@ -230,6 +231,10 @@ class FamilySpec:
     recompute_parts: dict[str, tuple[str, ...]]
     # Transformers chosen by timestep, highest noise first (empty: one transformer); see `expert`.
     experts: tuple[Expert, ...] = field(default=())
+    # The stage tuple's first `streams` tensors are hidden states every layer updates (LTX-2: video x and audio
+    # a); the rest are side tensors the layers read and pass on unchanged. The planner counts the streams as what
+    # a layer takes and a checkpoint keeps (parallel/plan/trace.py).
+    streams: int = 1
 
     def __post_init__(self):
         bounds = [e.boundary for e in self.experts]

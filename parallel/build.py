@@ -103,7 +103,7 @@ def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Ca
         # DeepSpeed 0.19's CheckpointFunction keeps its inputs as attributes of its ctx, out of saved-tensor hooks'
         # reach: the JSON's segments then run through torch's checkpoint (parallel/recompute.py), the same math.
         checkpoint_fn = functools.partial(_offloaded_checkpoint, offload)
-    checkpoint_fn = checkpoint_x_only(checkpoint_fn) if checkpoint_fn else None
+    checkpoint_fn = checkpoint_x_only(checkpoint_fn, family(cfg.model).streams) if checkpoint_fn else None
     loss_fn = SequenceLoss(cfg, ctx, grid)
     if cfg.parallel.pp_size == 1:
         model = SequentialDiT(specs, every, checkpoint_fn, loss_fn)

@@ -468,10 +468,10 @@ def _folder_problem(key: str, folder: str) -> Optional[str]:
 def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source: str = "deepspeed config",
           world_size: Optional[int] = None, device: Optional[DeviceDtypes] = None) -> tuple[Layout, list[str]]:
     """Return the layout and every problem found (an empty list means the layout is valid); with `device`,
-    the precision is checked against it too."""
+    the precision is checked against it too. The layout's verdict, which the planner and its search read: what
+    a family cannot run yet (ModelConfig.unsupported) is load_and_check's, a run's."""
     ds = ds or {}
     problems = _check_model_splits(cfg) + _check_objective(cfg) + _check_sequence(cfg) + _check_pipeline(cfg)
-    problems += cfg.model.unsupported()          # what the family cannot run yet (LTX-2: training)
     dp, grid_problems = _resolve_dp(cfg, world_size)
     auto = dsc.fill_auto(ds, cfg, ds_source, dp)          # HF's "auto" values, from the experiment
     ds = auto.ds
@@ -562,7 +562,8 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
         else None
     layout, found = check(cfg, ds, src, world_size, device)
     ds = dsc.fill_auto(ds, cfg, src, layout.dp_size).ds        # what the run reads: "auto" filled (check says how)
-    problems += found
+    # What the family cannot run yet (LTX-2: training); `check` alone, the planner's verdict on a layout, plans it.
+    problems += found + cfg.model.unsupported()
     problems += check_unconditional(cfg) + check_data_files(cfg) + check_outputs(cfg)
     if run_dirs:
         problems += check_run_dirs(cfg)

@@ -5,7 +5,8 @@ stages alike) changes the family's layer modules in place, found by class, numbe
 name `blocks.{i}`:
 
 - `train.recompute: {granularity, every}`: in blocks i with i % every == 0, wrap either the whole block
-  (it keeps only its input x; the side tensors go around the checkpoint as in checkpoint_x_only) or the
+  (it keeps only its input x, LTX-2's x and audio stream; the side tensors go around the checkpoint as in
+  checkpoint_x_only) or the
   parts the family names in `FamilySpec.recompute_parts` ("attention": the attention core, whose inputs
   q, k, v are kept and whose scores / softmax statistics and rotary are recomputed, with the q/k norms where
   the family's core holds them (CogVideoX, STDiT; Wan normalises q, k before its core); "mlp": the
@@ -85,13 +86,14 @@ def checkpointed(fn: Callable, offload: Optional[HostOffload] = None, moved: Opt
     return run
 
 
-def checkpointed_block(forward: Callable, offload: Optional[HostOffload] = None) -> Callable:
-    """A stage-tuple block recomputed for x only; the side tensors pass around it (see checkpoint_x_only) and,
-    shared by the stage's blocks, stay on the device under `offload`."""
+def checkpointed_block(forward: Callable, offload: Optional[HostOffload] = None, streams: int = 1) -> Callable:
+    """A stage-tuple block recomputed for x only (its first `streams` tensors: LTX-2's x and audio stream); the
+    side tensors pass around it (see checkpoint_x_only) and, shared by the stage's blocks, stay on the device
+    under `offload`."""
     def run(inputs):
-        x, *rest = inputs
-        x = checkpointed(lambda x_, *rest_: forward((x_, *rest_))[0], offload, moved=1)(x, *rest)
-        return (x, *rest)
+        hidden, rest = inputs[:streams], inputs[streams:]
+        out = checkpointed(lambda *h: forward(h)[:streams], offload, moved=streams)(*hidden, *rest)
+        return (*out, *rest)
     return run
 
 
@@ -176,11 +178,12 @@ def layers_of(model: nn.Module, cfg: ExperimentConfig) -> list[tuple[int, nn.Mod
 
 
 def wrap_layer(layer: nn.Module, parts: dict, granularity: Optional[str], compression: Optional[str],
-               on_pack: Optional[Callable] = None, offload: Optional[HostOffload] = None) -> nn.Module:
+               on_pack: Optional[Callable] = None, offload: Optional[HostOffload] = None,
+               streams: int = 1) -> nn.Module:
     """Checkpoint `granularity` (None: nothing) of one family layer and/or compress what it saves; `offload`:
-    the checkpoint's kept inputs in host memory."""
+    the checkpoint's kept inputs in host memory; `streams`: the family's (FamilySpec.streams)."""
     if granularity == "block":
-        layer.forward = checkpointed_block(layer.forward, offload)
+        layer.forward = checkpointed_block(layer.forward, offload, streams)
     elif granularity is not None:
         if granularity not in parts:
             raise ConfigError(f"train.recompute.granularity={granularity}: this family names no such part; use "
@@ -211,8 +214,8 @@ def apply_recompute(model: nn.Module, cfg: ExperimentConfig, on_pack: Optional[C
     rc, comp = cfg.train.recompute, cfg.train.activation_compression
     if rc is None and comp is None:
         return model
-    parts = family(cfg.model).recompute_parts
+    parts, streams = family(cfg.model).recompute_parts, family(cfg.model).streams
     for i, layer in layers_of(model, cfg):
         wrap_layer(layer, parts, rc.granularity if rc is not None and i % rc.every == 0 else None,
-                   comp.dtype if comp is not None else None, on_pack, offload)
+                   comp.dtype if comp is not None else None, on_pack, offload, streams)
     return model

@@ -26,9 +26,10 @@ def tp_split_dims(model: ModelConfig) -> dict[str, int]:
     the same three: its spatial and temporal self-attention (QKV, out) and cross-attention (Q from the
     video tokens, K and V from the text, out) by heads, each num_heads x head_dim wide, and its MLP
     by ffn_hidden_size; scale_shift_tables, t_block, the caption MLP and the final layer are replicated.
+    A family with a second stream adds its own (`ModelConfig.tp_splits`: LTX-2's audio heads and width).
     """
     return {"model.num_heads": model.num_heads, "model.hidden_size": model.hidden_size,
-            "model.ffn_hidden_size": model.ffn_size}
+            "model.ffn_hidden_size": model.ffn_size, **model.tp_splits()}
 
 
 def valid_tp_sizes(model: ModelConfig) -> list[int]:

@@ -19,10 +19,14 @@ from models.spec import FamilySpec
 
 
 def attention_pairs(m: LTX2Config, grid: tuple[int, int, int]) -> int:
-    """The video stream's: self-attention S^2, caption cross-attention S L, audio-to-video S A (A is not in the
-    grid: counted as the release's 5 s clip, 126 audio tokens, until the plan knows the audio stream)."""
-    s = math.prod(grid)
-    return s * s + s * m.max_text_len + s * 126
+    """(query, key) pairs of one block at the video width D (the planner's 12 L pairs D FLOPs): the video
+    stream's self-attention S^2 and caption cross-attention S L, and the attentions of the audio width Da,
+    scaled by Da / D: audio-to-video S A, the audio self-attention A^2, its caption cross-attention A L and
+    video-to-audio A S. A: the audio tokens of the clip the grid's t latent frames come from ((t - 1) x
+    vae_scale_temporal + 1 frames, the pipelines' 8k + 1)."""
+    s, text = math.prod(grid), m.max_text_len
+    a = m.audio_tokens_of((grid[0] - 1) * m.vae_scale_temporal + 1)
+    return round(s * s + s * text + (2 * s * a + a * a + a * text) * m.audio_hidden_size / m.hidden_size)
 
 
 SPEC = FamilySpec(
@@ -33,9 +37,14 @@ SPEC = FamilySpec(
     final=FinalStage,
     text_in_sequence=False,
     # b x S x H all-reduces: the video stream's self, caption and audio-to-video attention outputs and its FFN (the
-    # audio stream's four are b x A x Da, A ~ S / 50 at the release's sizes)
+    # audio stream's four are b x A x Da, A ~ S / 50 at the release's sizes). The step time's 6 N S FLOPs count
+    # every block weight over the S video tokens: the audio stream's (a fifth of a block's) and the caption
+    # keys' and values' see A and L tokens, so an LTX-2 step's compute is overestimated (~40% at the release's
+    # 121 x 512 x 768), like STDiT's text keys and values (parallel/plan/search.py)
     row_parallel_per_layer=4,
-    attentions_per_layer=0,                  # sp is not built for this family yet: no all-to-alls (checker refuses)
+    # the video self-attention's (Ulysses: 4 all-to-alls); the audio stream is whole on every sp rank, and
+    # video-to-audio's merge is one all-gather of B x A x Da/tp (models/ltx2/model.py)
+    attentions_per_layer=1,
     attention_pairs=attention_pairs,
     describe_layers=lambda m: f"{m.num_layers} audio-video blocks",
     layer_noun="block",
@@ -47,4 +56,5 @@ SPEC = FamilySpec(
     text_encoder=GEMMA3,
     timesteps=PER_SAMPLE,
     sampling=SAMPLING,
+    streams=2,                               # x and the audio stream a: both updated by every block
 )

@@ -101,12 +101,34 @@ class LTX2Config(ModelConfig):
 
     def audio_tokens(self, data) -> int:
         """Audio latent frames of a data.num_frames clip, as LTX2Pipeline: round(seconds x latents a second)."""
+        return self.audio_tokens_of(data.num_frames)
+
+    def audio_tokens_of(self, frames: int) -> int:
+        """round(frames / frame_rate x audio_sampling_rate / audio_hop_length / audio_scale_factor): LTX2Pipeline's
+        audio_num_frames (AutoencoderKLLTX2Audio: 16 kHz, mel hop 160, 4 x temporal compression: 25 a second)."""
         per_second = self.audio_sampling_rate / self.audio_hop_length / self.audio_scale_factor
-        return round(data.num_frames / self.frame_rate * per_second)
+        return round(frames / self.frame_rate * per_second)
+
+    @property
+    def audio_caption_dim(self) -> int:
+        """Width of the audio caption states the transformer takes (projected by it, or by the connector)."""
+        return self.text_embed_dim if self.prompt_embeddings else self.audio_hidden_size
+
+    def clip_input_shapes(self, data) -> tuple[tuple[int, ...], ...]:
+        """(audio latents [A, audio_in_channels], audio caption [L, audio_caption_dim], audio timesteps []) after
+        (latents, timesteps, caption): the embed stage's inputs (models/ltx2/embed.py)."""
+        return (self.audio_tokens(data), self.audio_in_channels), (self.max_text_len, self.audio_caption_dim), ()
+
+    def tp_splits(self) -> dict[str, int]:
+        """The audio stream's heads (its self-attention, caption cross-attention and both audio-video
+        cross-attentions) and width (its FFN, 4 x, splits with it)."""
+        return {"model.audio_num_heads": self.audio_num_heads, "model.audio_hidden_size": self.audio_hidden_size}
 
     def unsupported(self) -> list[str]:
-        """What the toolkit cannot do with this model yet (parallel/check.py refuses training with it)."""
+        """What the toolkit cannot do with this model yet (parallel/check.py's load_and_check refuses runs with it;
+        the planner plans it)."""
         return [f"model.family=ltx2: training is not built yet: the data path has no audio stream (audio latents "
                 f"[B, {self.audio_in_channels}-channel tokens], its caption and its own timesteps are not in the "
-                f"batch), and the loss, the sampler and the memory plan see the video stream only; the transformer "
-                f"runs at any tp and pp and loads diffusers' LTX2VideoTransformer3DModel (docs/models.md#ltx-2)"]
+                f"batch), and the loss and the sampler see the video stream only; the transformer runs at any tp, "
+                f"pp and sp and loads diffusers' LTX2VideoTransformer3DModel, and python -m parallel.plan plans both "
+                f"streams (docs/models.md#ltx-2)"]

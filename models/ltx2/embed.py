@@ -17,6 +17,8 @@ see timesteps x cross_attn_timestep_scale_multiplier / timestep_scale_multiplier
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +27,7 @@ from models.embeddings import timestep_embedding
 from models.geometry import patchify, unpatchify
 from models.ltx2.config import LTX2Config
 from models.ltx2.model import EPS, mod_rows
+from parallel.distributed.sequence import gather_sequence, sp_size_of, split_sequence
 
 
 class TimestepEmbedder(nn.Module):
@@ -72,7 +75,7 @@ class EmbedStage(nn.Module):
 
     def __init__(self, cfg: LTX2Config, grid, ctx=None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.ctx = cfg, ctx
         d, da = cfg.hidden_size, cfg.audio_hidden_size
         self.proj_in = nn.Linear(cfg.in_channels, d)
         self.audio_proj_in = nn.Linear(cfg.audio_in_channels, da)
@@ -91,7 +94,7 @@ class EmbedStage(nn.Module):
     def forward(self, inputs):
         latents, t, text, audio, atext, at = inputs
         m, dtype = self.cfg, self.proj_in.weight.dtype
-        x = self.proj_in(patchify(latents.to(dtype), m))                               # (B, S, D)
+        x = split_sequence(self.proj_in(patchify(latents.to(dtype), m)), self.ctx)     # (B, S/sp, D)
         a = self.audio_proj_in(audio.to(dtype))                                         # (B, A, Da)
         vt, at_ = (at, t) if m.cross_timestep else (t, at)       # each stream's a2v/v2a modulation timestep
         gate = m.cross_attn_timestep_scale_multiplier / m.timestep_scale_multiplier
@@ -117,11 +120,12 @@ class EmbedStage(nn.Module):
 
 class FinalStage(nn.Module):
     """(x, a, vmod, amod, ...) -> (video [B, C, T, H, W], audio [B, A, Ca]): LayerNorm (no affine), shift and scale
-    from scale_shift_table [2, W] + e, proj_out; per stream."""
+    from scale_shift_table [2, W] + e, proj_out; per stream. With sp, the video as this rank's tokens [B, S_pad/sp,
+    C] (`assemble` makes the full prediction); the audio is whole on every rank."""
 
     def __init__(self, cfg: LTX2Config, grid, ctx=None):
         super().__init__()
-        self.cfg, self.grid = cfg, grid
+        self.cfg, self.grid, self.ctx = cfg, grid, ctx
         d, da = cfg.hidden_size, cfg.audio_hidden_size
         self.scale_shift_table = nn.Parameter(torch.randn(2, d) / d ** 0.5)
         self.audio_scale_shift_table = nn.Parameter(torch.randn(2, da) / da ** 0.5)
@@ -132,7 +136,7 @@ class FinalStage(nn.Module):
         x, a, vmod, amod = inputs[:4]
         video = self._head(x, vmod[..., -x.shape[-1]:], self.scale_shift_table, self.proj_out)
         audio = self._head(a, amod[..., -a.shape[-1]:], self.audio_scale_shift_table, self.audio_proj_out)
-        return unpatchify(video, self.cfg, self.grid), audio
+        return (unpatchify(video, self.cfg, self.grid) if sp_size_of(self.ctx) == 1 else video), audio
 
     @staticmethod
     def _head(h, e, table, proj):
@@ -140,4 +144,9 @@ class FinalStage(nn.Module):
         return proj(F.layer_norm(h, (h.shape[-1],), eps=EPS) * (1 + scale) + shift)
 
     def assemble(self, out):
-        return out
+        """The full (video, audio) from forward's output on any sp rank (no gradient)."""
+        video, audio = out
+        if sp_size_of(self.ctx) == 1:
+            return out
+        return unpatchify(gather_sequence(video, self.ctx, total=math.prod(self.grid.value)), self.cfg,
+                          self.grid), audio

@@ -27,10 +27,27 @@ Tensor parallelism (ctx.tp_size = p): every q, k, v projection and gate is colum
 every output projection row-parallel, the FFNs column- then row-parallel: 6 attentions + 2 FFNs, 8 all-reduces of
 the block outputs per block. The q/k RMSNorm spans every head: each rank sums its channels' squares and one
 all-reduce adds them (`HeadsRMSNorm`: 12 per block, B x tokens numbers each). Modulation tables are replicated.
+
+Sequence parallelism (ctx.sp_size = s): the video stream is split, each sp rank holding S_pad / s consecutive
+tokens (x [B, S_pad/s, D], padded at the end, parallel/distributed/sequence.py), and the audio stream is kept
+whole on every sp rank. Why: audio has 25 tokens a second, 126 for the release's 121 frames against 6,144 video
+tokens, about 0.6% of a block's FLOPs and 1% of its activations; split it would be padded (126 -> 128 at s 4)
+and its attentions would need Ulysses' all-to-alls (audio heads dividing tp x Ulysses) for a hundred tokens;
+whole, its self-attention, caption cross-attention and FFN run on each rank without communicating. Then:
+  - video self-attention: `SequenceAttention` (Ulysses, ring, or both), the rotary positions turned on the rows
+    and heads it hands over (`VideoSelfAttention._prepare`);
+  - video caption cross-attention, FFN, norms, modulation: per token, on the rank's chunk;
+  - audio-to-video: the rank's video queries attend to the whole audio stream it holds: no communication;
+  - video-to-audio: the audio queries need every rank's video keys: each rank attends to its own and the
+    partial outputs merge by their log-sum-exps over the sp group (`split_keys_attention`: an all-gather of
+    B x A x Da/p outputs, not of the B x S x Da/p keys and values, which every rank would keep for backward).
+Each sp rank's audio stream is its own copy: training counts each rank's whole audio loss once and its video
+share s times (SequenceLoss), so that the average over dp x sp is the serial loss and gradient.
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +55,11 @@ from torch import nn
 
 from models.geometry import PositionCache
 from models.ltx2.config import LTX2Config
-from models.ltx2.rope import RopeParams, apply_rope, audio_rope, cross_ropes, local, video_rope
+from models.ltx2.rope import RopeParams, apply_rope, audio_rope, cross_ropes, local, rows, video_rope
 from parallel.distributed.comm import copy_to_tp, reduce_from_tp
 from parallel.distributed.layers import ColumnParallelLinear, RowParallelLinear, mark_tensor_parallel
+from parallel.distributed.sequence import SequenceAttention, local_range, sp_size_of
+from parallel.distributed.split_keys import split_keys_attention
 
 EPS = 1e-6
 
@@ -70,7 +89,7 @@ class HeadsRMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """One LTX2Attention: queries from h [B, N, query_dim], keys and values from h (self) or from c [B, M, kv_dim];
-    heads split over tp ranks."""
+    heads split over tp ranks. Arguments positional: train.recompute's checkpoints pass them so."""
 
     def __init__(self, query_dim: int, kv_dim: int, heads: int, head_dim: int, ctx, gated: bool, self_attn: bool):
         super().__init__()
@@ -84,7 +103,7 @@ class Attention(nn.Module):
         self.to_out = RowParallelLinear(inner, query_dim, ctx=ctx)
         self.to_gate_logits = ColumnParallelLinear(query_dim, heads, ctx=ctx) if gated else None
 
-    def forward(self, h, c=None, q_rope=None, k_rope=None):
+    def forward(self, h, c=None, q_rope=None, k_rope=None, *extra):
         if c is None:
             q, k, v = self.to_qkv(h).chunk(3, dim=-1)                               # (B, N, inner/p) each
         else:
@@ -94,11 +113,52 @@ class Attention(nn.Module):
             rank, size = self.ctx.tp_rank, self.ctx.tp_size
             q = apply_rope(q, local(q_rope, rank, size))
             k = apply_rope(k, local(k_rope if k_rope is not None else q_rope, rank, size))
-        q, k, v = (z.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for z in (q, k, v))   # (B, n/p, N, d)
-        o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)                   # (B, N, n/p, d)
+        o = self.attend(*(z.unflatten(-1, (-1, self.head_dim)) for z in (q, k, v)), *extra)   # (B, N, n/p, d)
         if self.to_gate_logits is not None:
             o = o * (2.0 * torch.sigmoid(self.to_gate_logits(h))).unsqueeze(-1)
         return self.to_out(o.flatten(2))
+
+    def attend(self, q, k, v):
+        """[B, N, n, d] queries, [B, M, n, d] keys and values -> [B, N, n, d]."""
+        return F.scaled_dot_product_attention(*(z.transpose(1, 2) for z in (q, k, v))).transpose(1, 2)
+
+
+class VideoSelfAttention(Attention):
+    """The video self-attention over the whole sequence (`SequenceAttention`: Ulysses, ring or both under sp), its
+    rotary positions turned on the tokens and heads SequenceAttention hands `_prepare`."""
+
+    def __init__(self, cfg: LTX2Config, grid, ctx):
+        super().__init__(cfg.hidden_size, cfg.hidden_size, cfg.num_heads, cfg.head_dim, ctx, cfg.gated_attn, True)
+        self.grid = grid
+        self._rope = PositionCache(functools.partial(video_rope, RopeParams.of(cfg)))
+        self.core = SequenceAttention(ctx=ctx, tokens=self.tokens, prepare=self._prepare)
+
+    def tokens(self) -> int:
+        """Video tokens of the step's grid, before any sp padding."""
+        return math.prod(self.grid.value)
+
+    def attend(self, q, k, v):
+        return self.core(q, k, v)
+
+    def _prepare(self, q, k, v, start: int):
+        """Rotary positions of tokens start.. (no sp padding) for the heads given: [B, s, n, d] each -> same. The
+        heads are this tp rank's, and under Ulysses this rank's consecutive part of them."""
+        c = self.ctx
+        table = local(local(self._rope.get(self.grid, q.device), c.tp_rank, c.tp_size), c.ulysses_rank,
+                      c.ulysses_size)
+        table = rows(table, start, start + q.shape[1])
+        q, k = (apply_rope(z.flatten(2), table).unflatten(-1, (-1, self.head_dim)) for z in (q, k))
+        return q, k, v
+
+
+class VideoToAudioAttention(Attention):
+    """The audio queries (whole on every sp rank) over the video keys and values (this rank's S_pad / sp tokens,
+    `real` of them real): parallel/distributed/split_keys.py merges the ranks' partial attentions."""
+
+    def attend(self, q, k, v, real: int):
+        if sp_size_of(self.ctx) == 1:
+            return super().attend(q, k, v)
+        return split_keys_attention(q, k, v, real, self.ctx)
 
 
 class FeedForward(nn.Module):
@@ -138,15 +198,15 @@ class LTX2Block(nn.Module):
 
     def __init__(self, cfg: LTX2Config, grid, ctx):
         super().__init__()
-        self.cfg, self.grid = cfg, grid
+        self.cfg, self.grid, self.ctx = cfg, grid, ctx
         d, da, n, na = cfg.hidden_size, cfg.audio_hidden_size, cfg.num_heads, cfg.audio_num_heads
         hd, had = cfg.head_dim, cfg.audio_head_dim
-        self.attn1 = Attention(d, d, n, hd, ctx, cfg.gated_attn, True)
+        self.attn1 = VideoSelfAttention(cfg, grid, ctx)
         self.audio_attn1 = Attention(da, da, na, had, ctx, cfg.audio_gated_attn, True)
         self.attn2 = Attention(d, d, n, hd, ctx, cfg.gated_attn, False)
         self.audio_attn2 = Attention(da, da, na, had, ctx, cfg.audio_gated_attn, False)
         self.audio_to_video_attn = Attention(d, da, na, had, ctx, cfg.gated_attn, False)
-        self.video_to_audio_attn = Attention(da, d, na, had, ctx, cfg.audio_gated_attn, False)
+        self.video_to_audio_attn = VideoToAudioAttention(da, d, na, had, ctx, cfg.audio_gated_attn, False)
         self.ff, self.audio_ff = FeedForward(d, ctx), FeedForward(da, ctx)
         self.scale_shift_table = nn.Parameter(torch.randn(mod_rows(cfg, False)["block"], d) / d ** 0.5)
         self.audio_scale_shift_table = nn.Parameter(torch.randn(mod_rows(cfg, True)["block"], da) / da ** 0.5)
@@ -156,7 +216,6 @@ class LTX2Block(nn.Module):
         self.video_a2v_cross_attn_scale_shift_table = nn.Parameter(torch.randn(5, d))
         self.audio_a2v_cross_attn_scale_shift_table = nn.Parameter(torch.randn(5, da))
         m = RopeParams.of(cfg)
-        self._video_rope = PositionCache(functools.partial(video_rope, m))
         self._audio_rope = PositionCache(functools.partial(audio_rope, m))
         self._cross_rope = PositionCache(functools.partial(cross_ropes, m))
 
@@ -168,13 +227,14 @@ class LTX2Block(nn.Module):
         vp = (self.scale_shift_table + v["block"]).unbind(2)                         # (B, 1, D) each
         ap = (self.audio_scale_shift_table + au["block"]).unbind(2)
         grid, tokens = tuple(self.grid), a.shape[1]
-        v_rope, a_rope = self._video_rope.get(grid, dev), self._audio_rope.get((tokens,), dev)
-        cross = self._cross_rope.get((*grid, tokens), dev)
-        cv_rope, ca_rope = cross[:2], cross[2:]
+        a_rope, cross = self._audio_rope.get((tokens,), dev), self._cross_rope.get((*grid, tokens), dev)
+        video = math.prod(grid)
+        start, stop = local_range(video, self.ctx)                  # this sp rank's video tokens (padding from S)
+        cv_rope, ca_rope = rows(cross[:2], start, stop), cross[2:]
 
         # 1. self-attention
-        x = x + self.attn1(modulate(rms(x), vp[1], vp[0]), q_rope=v_rope) * vp[2]
-        a = a + self.audio_attn1(modulate(rms(a), ap[1], ap[0]), q_rope=a_rope) * ap[2]
+        x = x + self.attn1(modulate(rms(x), vp[1], vp[0])) * vp[2]
+        a = a + self.audio_attn1(modulate(rms(a), ap[1], ap[0]), None, a_rope) * ap[2]
 
         # 2. caption cross-attention (LTX-2.3: queries and caption modulated, output gated)
         if m.cross_attn_adaln:
@@ -193,7 +253,7 @@ class LTX2Block(nn.Module):
         x_new = x + a2v_gate * self.audio_to_video_attn(modulate(nx, cv[0], cv[1]), modulate(na, ca[0], ca[1]),
                                                         cv_rope, ca_rope)
         a = a + v2a_gate * self.video_to_audio_attn(modulate(na, ca[2], ca[3]), modulate(nx, cv[2], cv[3]),
-                                                    ca_rope, cv_rope)
+                                                    ca_rope, cv_rope, max(min(stop, video) - start, 0))
         x = x_new
 
         # 4. feed-forward

@@ -116,8 +116,7 @@ class LTX2Diffusers(DiffusersFormat):
         t = torch.randint(0, 1000, (batch,), generator=generator)
         text = torch.randn(batch, m.max_text_len, m.text_embed_dim, generator=generator)
         audio = torch.randn(batch, m.audio_tokens(data), m.audio_in_channels, generator=generator)
-        audio_width = m.text_embed_dim if m.prompt_embeddings else m.audio_hidden_size
-        atext = torch.randn(batch, m.max_text_len, audio_width, generator=generator)
+        atext = torch.randn(batch, m.max_text_len, m.audio_caption_dim, generator=generator)
         return latents, t, text, audio, atext, torch.randint(0, 1000, (batch,), generator=generator)
 
     def reference_call(self, model: torch.nn.Module, inputs: tuple, kwargs: dict):

@@ -10,8 +10,10 @@ rest (width mod 2 x axes channels, in front) unrotated.
 
 The table spans every head (width = heads x head_dim): `interleaved` turns neighbouring channels (cos, sin
 [N, width]); `split` turns the two halves of each head (cos, sin [N, heads, head_dim / 2]). Under tensor
-parallelism a rank takes the part of its heads' columns (`local`). The audio-video cross-attentions use the time axis alone,
-over the audio heads' width, for the video queries and the audio keys (and the reverse).
+parallelism a rank takes the part of its heads' columns (`local`), under Ulysses the part of those its
+attention holds (`local` again), and under sequence parallelism the rows of its tokens (`rows`). The
+audio-video cross-attentions use the time axis alone, over the audio heads' width, for the video queries and the
+audio keys (and the reverse).
 """
 from __future__ import annotations
 
@@ -82,6 +84,19 @@ def local(table: tuple[torch.Tensor, torch.Tensor], rank: int, size: int):
         n = x.shape[1] // size                              # columns (interleaved) or groups (split)
         return x[:, rank * n:(rank + 1) * n]
     return part(table[0]), part(table[1])
+
+
+def rows(table: tuple[torch.Tensor, torch.Tensor], start: int, stop: int):
+    """Rows [start, stop) of a table: an sp rank's tokens (parallel/distributed/sequence.py `local_range`); rows
+    past the table's end (sp padding) unturned, cos 1 and sin 0."""
+    cos, sin = table
+    real = max(min(stop, cos.shape[0]) - start, 0)
+    cos, sin = cos[start:start + real], sin[start:start + real]
+    pad = stop - start - real
+    if pad:
+        cos = torch.cat([cos, cos.new_ones((pad, *cos.shape[1:]))])
+        sin = torch.cat([sin, sin.new_zeros((pad, *sin.shape[1:]))])
+    return cos, sin
 
 
 def apply_rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

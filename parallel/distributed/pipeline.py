@@ -30,18 +30,24 @@ class SeededLayerSpec(LayerSpec):
             return super().build(log=log)
 
 
-def checkpoint_x_only(checkpoint_fn: Callable) -> Callable:
-    """Recompute a range of blocks for x; the other stage tensors (temb; STDiT: t, t_mlp, y), which
-    blocks read but pass on unchanged, go around the checkpoint, not through it.
+def checkpoint_x_only(checkpoint_fn: Callable, streams: int = 1) -> Callable:
+    """Recompute a range of blocks for x (the stage tuple's first `streams` tensors: LTX-2's x and audio
+    stream); the other stage tensors (temb; STDiT: t, t_mlp, y), which blocks read but pass on unchanged, go
+    around the checkpoint, not through it.
 
     Two DeepSpeed behaviours make this necessary: partition_activations and cpu_checkpointing free a
     checkpoint's inputs in place (`arg.data = empty`), so the checkpoint gets fresh views of them and
     the caller's tensors survive; and the 0.19 pipeline engine backpropagates each stage output
     separately, which a checkpoint node cannot serve twice, so they must not be among its outputs.
+    (Two streams are two outputs of one checkpoint: measured in one process (tests/unit/test_ltx2.py), not yet
+    under the pipeline engine, which LTX-2's training will need.)
     """
-    def run(fn, x, *rest):
-        x = checkpoint_fn(lambda x_, *rest_: fn(x_, *rest_)[0], x, *(r.view_as(r) for r in rest))
-        return (x, *rest)
+    def run(fn, *h):
+        hidden, rest = h[:streams], h[streams:]
+        views = tuple(r.view_as(r) for r in rest)
+        if streams == 1:
+            return (checkpoint_fn(lambda x_, *rest_: fn(x_, *rest_)[0], *hidden, *views), *rest)
+        return (*checkpoint_fn(lambda *h_: fn(*h_)[:streams], *hidden, *views), *rest)
     return run
 
 

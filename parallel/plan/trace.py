@@ -23,8 +23,9 @@ per storage (views of one tensor are counted once); `held_storages()` finds tens
 outside its parameters (position tables cached on first use), which are model state, not activations.
 `ActivationTracer` puts these together per stage kind (embed, one block, final + loss), tp size and
 micro-batch, for any model family: the inputs of a block and of the final stage are the embed stage's
-own outputs on meta, x [B, S, H] first, then the tensors a stage's blocks share and pass on unchanged
-(CogVideoX: temb; STDiT: t, t_mlp, y), called side tensors here. tests/unit/test_plan.py checks it against
+own outputs on meta, x [B, S, H] first (LTX-2: x and the audio stream, `FamilySpec.streams`), then the
+tensors a stage's blocks share and pass on unchanged (CogVideoX: temb; STDiT: t, t_mlp, y), called side
+tensors here. tests/unit/test_plan.py checks it against
 real CPU forwards at tp = 1 and tp = 2.
 """
 from __future__ import annotations
@@ -165,7 +166,8 @@ class StageTrace:
     """What one stage kind (embed, block, final) saves for one micro-batch on one tp rank."""
 
     activations: int          # saved bytes, without parameters, cached tables and the side tensors
-    input_bytes: int          # bytes of its hidden-state input x [B, S, H] (what a checkpoint keeps)
+    input_bytes: int          # bytes of its hidden-state input x [B, S, H] (what a checkpoint keeps; LTX-2: x and
+                              # the audio stream a [B, A, Da], FamilySpec.streams)
     side_bytes: tuple         # bytes of each side tensor (shared by the stage's blocks, passed on)
     side_saved: tuple         # whether it saves each side tensor for backward
     buffers: int              # registered buffers and tables cached in attributes (position tables)
@@ -247,7 +249,8 @@ class ActivationTracer:
             moved: list[int] = []
             if granularity is not None:
                 hooks = HostOffload(lambda t, host: moved.append(t.numel() * t.element_size())) if offload else None
-                wrap_layer(module, family(self.cfg.model).recompute_parts, granularity, None, offload=hooks)
+                fam = family(self.cfg.model)
+                wrap_layer(module, fam.recompute_parts, granularity, None, offload=hooks, streams=fam.streams)
             self._modules[key] = (module, ctx, moved)
         return self._modules[key]
 
@@ -257,7 +260,7 @@ class ActivationTracer:
         m = self.cfg.model
         raw = (torch.empty(b, m.transformer_in_channels, *latent_shape(m, self.cfg.data)),
                torch.zeros(b, dtype=torch.long), torch.empty(b, m.max_text_len, m.text_embed_dim),
-               *(torch.empty(b, *shape) for shape in m.extra_input_shapes()))
+               *(torch.empty(b, *shape) for shape in m.clip_input_shapes(self.cfg.data)))
         if kind == "embed":
             return raw
         embed, *_ = self._module("embed", tp, sp)
@@ -273,11 +276,13 @@ class ActivationTracer:
             inputs = self._inputs(kind, tp, b, sp)
             with record_saved() as saved:
                 out = module(inputs)
-                if kind == "final":
-                    out = mse_loss(out, torch.empty(out.shape))  # the last stage's loss
+                if kind == "final":                  # the last stage's loss (LTX-2: one per stream, summed)
+                    out = sum(mse_loss(o, torch.empty(o.shape)) for o in (out if isinstance(out, tuple) else (out,)))
         skip = parameter_storages(module)
         held = held_storages(module)
-        x, *side = out if kind == "embed" else inputs
+        stage = out if kind == "embed" else inputs
+        streams = family(self.cfg.model).streams                  # x (LTX-2: x and the audio stream) first
+        hidden, side = stage[:streams], stage[streams:]
         side_keys = [storage_key(t) for t in side]
         size = (lambda t: packed_nbytes(t, compression)) if compression else storage_bytes
         acts = sum(size(t) for k, t in saved.items() if k not in skip and k not in held and k not in side_keys)
@@ -285,7 +290,7 @@ class ActivationTracer:
         trainable = tuple((p.numel(), p.dim(), expert_of_parameter(n)) for n, p in module.named_parameters()
                           if p.requires_grad) \
             if self.cfg.model.lora is not None else None
-        return StageTrace(acts, storage_bytes(x), tuple(storage_bytes(t) for t in side),
+        return StageTrace(acts, sum(storage_bytes(t) for t in hidden), tuple(storage_bytes(t) for t in side),
                           tuple(kind != "embed" and k in saved for k in side_keys), sum(held.values()), params,
                           sum(table_storages(module).values()), trainable, sum(moved), fp8_base_bytes(module),
                           fp8_numel(module), swappable_bytes(module))

@@ -1,11 +1,17 @@
 """The LTX-2 family in 4 gloo ranks against diffusers' LTX2VideoTransformer3DModel.
 
 One spawn: the tiny random releases of tests/unit/test_ltx2.py (LTX-2.0, and the LTX-2.3 flags: gated attention,
-cross-attention modulation) loaded at (tp, pp) = (1, 1), (2, 1), (1, 2), (2, 2) predict what diffusers predicts,
-video and audio, on every rank; at tp 2 the gradients of a loss over both streams equal diffusers' own (every q/k
-RMSNorm all-reduces its statistic across heads, forward and backward), and one block's forward all-reduces what
-the block's docstring counts. Sequence parallelism is not built for this family yet (docs/models.md#ltx-2).
+cross-attention modulation) loaded at (tp, pp) = (1, 1), (2, 1), (1, 2), (2, 2) and at sp 2 (Ulysses; tp 2 x
+Ulysses 2 and tp 2 x ring 2: the video stream split, the audio stream whole on every rank) predict what diffusers
+predicts, video and audio, on every rank, under sp at the preset's 48 video tokens and at 45 (padded) and 1 (one
+rank holds only padding); at tp 2, and at tp 2 x sp 2 (Ulysses, ring; 45 tokens) the gradients of a loss
+over both streams equal diffusers' own (every q/k RMSNorm all-reduces its statistic across heads, forward and
+backward; under sp the video-to-audio partials merge across ranks, and the sp ranks' gradients are averaged as
+DeepSpeed's data axis does); one block's forward at tp 2 all-reduces what the block's docstring counts, and under
+Ulysses makes the all-to-alls the family's spec declares (FamilySpec.attentions_per_layer).
 """
+import contextlib
+
 import torch
 
 from tests.dist_utils import run_ranks
@@ -13,18 +19,25 @@ from tests.released_utils import assert_grads_match, layout_model
 from tests.helpers import ltx2 as test_ltx2
 from tests.helpers.ltx2 import released  # noqa: F401  (fixture)
 
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]                 # (tp, pp); dp fills 4 ranks
+# (tp, pp, sp, ring); dp fills 4 ranks; ring None: the preset's (Ulysses where the heads allow)
+LAYOUTS = [(1, 1, 1, None), (2, 1, 1, None), (1, 2, 1, None), (2, 2, 1, None), (1, 1, 2, None), (2, 1, 2, None),
+           (2, 1, 2, 2)]
+GRAD_LAYOUTS = [(2, 1, 1, None), (2, 1, 2, None), (2, 1, 2, 2)]
 VARIANTS = ["ltx2", "ltx2.3"]
+# Under sp 2 the models also run other steps' grids (a bucket's StepGrid): (t, h, w), audio tokens. 45 video tokens
+# pad to 46 (23 a rank, 22 real on the second); 1 token leaves the second rank only padding (no key of its own).
+DEBUG = ((test_ltx2.FRAMES, test_ltx2.HEIGHT, test_ltx2.WIDTH), test_ltx2.AUDIO)
+ODD = [((3, 3, 5), 18), ((1, 1, 1), 1)]
 
 
-def targets():
+def targets(shape=DEBUG):
     g = torch.Generator().manual_seed(3)
-    x = test_ltx2.inputs()
+    x = test_ltx2.inputs(*shape)
     return torch.randn(x[0].shape, generator=g), torch.randn(x[3].shape, generator=g)
 
 
-def loss(video, audio):
-    want_video, want_audio = targets()
+def loss(video, audio, shape=DEBUG):
+    want_video, want_audio = targets(shape)
     return torch.nn.functional.mse_loss(video, want_video) + torch.nn.functional.mse_loss(audio, want_audio)
 
 
@@ -37,7 +50,7 @@ def _predict(model, ctx, inputs):
     from parallel.train.validate import _recv, _send
 
     if ctx.pp_size == 1:
-        return model.predict(inputs)
+        return model.final.assemble(model.predict(inputs))
     g, c = ctx.dims, ctx.coord
     h = inputs if c.pp == 0 else _recv(g.rank(pp=c.pp - 1, dp=c.dp, tp=c.tp, sp=c.sp), torch.device("cpu"))
     for layer in stage_layers(model):
@@ -61,23 +74,69 @@ def _rank(rank, world_size, folders):
     return {variant: _variant(world_size, variant, folder) for variant, folder in folders}
 
 
-def _variant(world_size, variant, folder):
-    from parallel.distributed.comm import count_comm
+@contextlib.contextmanager
+def _count_all_to_alls():
+    """torch.distributed.all_to_all_single calls (DeepSpeed's Ulysses makes them) inside: a list of numels."""
+    import torch.distributed as dist
+    calls, original = [], dist.all_to_all_single
+
+    def counted(output, input, *args, **kwargs):
+        calls.append(input.numel())
+        return original(output, input, *args, **kwargs)
+    dist.all_to_all_single = counted
+    try:
+        yield calls
+    finally:
+        dist.all_to_all_single = original
+
+
+def _grads(cfg, ctx, model, shape=DEBUG):
+    """Full gradients of the loss over both streams at the step grid `shape`, as training takes them under sp:
+    each rank's video share sp times (SequenceLoss), its whole audio once, the sp ranks' gradients averaged
+    (DeepSpeed's data axis)."""
+    import torch.distributed as dist
+
+    from parallel.build import SequenceLoss
     from parallel.weights.gather import full_tensors
 
+    model.zero_grad(set_to_none=True)
+    model.step_grid.set(shape[0])
+    video, audio = model.predict(test_ltx2.inputs(*shape))
+    want_video, want_audio = targets(shape)
+    video_loss = SequenceLoss(cfg, ctx, model.step_grid)(video, want_video) if ctx.sp_size > 1 else \
+        torch.nn.functional.mse_loss(video, want_video)
+    (video_loss + torch.nn.functional.mse_loss(audio, want_audio)).backward()
+    if ctx.sp_size > 1:                                       # one all-reduce of every gradient, flattened
+        grads = [p.grad for p in model.parameters()]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=ctx.sp_group)
+        for g, mean in zip(grads, torch._utils._unflatten_dense_tensors(flat / ctx.sp_size, grads)):
+            g.copy_(mean)
+    return dict(full_tensors(model, ctx, cfg.model.num_layers, value=lambda p: p.grad))
+
+
+def _variant(world_size, variant, folder):
+    from parallel.distributed.comm import count_comm
+
     x, out, overrides = test_ltx2.inputs(), {}, test_ltx2.overrides(folder, variant)
-    for tp, pp in LAYOUTS:
-        _, ctx, model = layout_model("debug-ltx2", overrides, folder, world_size, tp, pp)
+    for tp, pp, sp, ring in LAYOUTS:
+        cfg, ctx, model = layout_model("debug-ltx2", overrides, folder, world_size, tp, pp, sp, ring)
         with torch.no_grad():
-            out[("predict", tp, pp)] = _predict(model, ctx, x)
-    cfg, ctx, model = layout_model("debug-ltx2", overrides, folder, world_size, 2, 1)
-    with count_comm() as counter:
-        h = model.blocks[0](model.embed(x))
-    out["block_all_reduces"] = counter.numels("all_reduce")
-    for block in model.blocks[1:]:
-        h = block(h)
-    loss(*model.final(h)).backward()
-    out["grads"] = dict(full_tensors(model, ctx, cfg.model.num_layers, value=lambda p: p.grad))
+            out[("predict", tp, pp, sp, ring)] = _predict(model, ctx, x)
+            for shape in ODD if sp > 1 else ():
+                model.step_grid.set(shape[0])
+                out[("predict", tp, pp, sp, ring, shape)] = _predict(model, ctx, test_ltx2.inputs(*shape))
+            model.step_grid.set(DEBUG[0])
+            if (tp, pp, sp) == (2, 1, 1):
+                with count_comm() as counter:
+                    model.blocks[0](model.embed(x))
+                out["block_all_reduces"] = counter.numels("all_reduce")
+            if sp > 1 and tp == 2:
+                with _count_all_to_alls() as calls:
+                    model.blocks[0](model.embed(x))
+                out[("block_all_to_alls", ring)] = len(calls)
+        if (tp, pp, sp, ring) in GRAD_LAYOUTS:               # under sp at 45 tokens: padded, and full chunks
+            out[("grads", sp, ring)] = _grads(cfg, ctx, model, DEBUG if sp == 1 else ODD[0])
     return out
 
 
@@ -88,18 +147,34 @@ def test_ltx2_in_every_layout(released):
     for variant in VARIANTS:
         folder, model = released[variant]
         want = test_ltx2.diffusers_forward(model, variant)
+        odd = {shape: test_ltx2.diffusers_forward(model, variant, test_ltx2.inputs(*shape)) for shape in ODD}
         for rank, out in enumerate(r[variant] for r in results):
-            for tp, pp in LAYOUTS:
-                for got, expected, stream in zip(out[("predict", tp, pp)], want, ("video", "audio")):
-                    torch.testing.assert_close(got, expected,
-                                               msg=lambda m: f"{variant} {stream} tp={tp} pp={pp} rank {rank}: {m}")
+            for tp, pp, sp, ring in LAYOUTS:
+                cases = [((), want)] + [((shape,), odd[shape]) for shape in ODD if sp > 1]
+                for key, expected_pair in cases:
+                    for got, expected, stream in zip(out[("predict", tp, pp, sp, ring, *key)], expected_pair,
+                                                     ("video", "audio")):
+                        torch.testing.assert_close(got, expected, msg=lambda m: f"{variant} {stream} tp={tp} "
+                                                   f"pp={pp} sp={sp} ring={ring} {key} rank {rank}: {m}")
 
-        # tp 2 gradients equal diffusers' (names through the released format's map).
-        model.zero_grad()
+        # tp 2, and tp 2 x sp 2 (Ulysses, ring) at 45 video tokens (padded): gradients equal diffusers' (names
+        # through the released format's map).
         from models.ltx2.released import DIFFUSERS
-        loss(*DIFFUSERS.reference_call(model, test_ltx2.inputs(), {})).backward()
         cfg = load_config("debug-ltx2", test_ltx2.overrides(folder, variant))
-        assert_grads_match(results[0][variant]["grads"], cfg.model, {n: p.grad for n, p in model.named_parameters()})
+        theirs = {}
+        for shape in (DEBUG, ODD[0]):
+            model.zero_grad(set_to_none=True)
+            loss(*DIFFUSERS.reference_call(model, test_ltx2.inputs(*shape), {}), shape).backward()
+            theirs[shape] = {n: p.grad for n, p in model.named_parameters()}
+        for rank, out in enumerate(r[variant] for r in results):
+            for _, _, sp, ring in GRAD_LAYOUTS:
+                assert_grads_match(out[("grads", sp, ring)], cfg.model, theirs[DEBUG if sp == 1 else ODD[0]])
+
+        # Ulysses sp 2 (at tp 2): the video self-attention's four all-to-alls a block (the spec's
+        # attentions_per_layer); a ring of 2 makes none.
+        from models.ltx2 import SPEC
+        assert results[0][variant][("block_all_to_alls", None)] == 4 * SPEC.attentions_per_layer == 4
+        assert results[0][variant][("block_all_to_alls", 2)] == 0
 
         # One block at tp 2: per attention, the q and k statistics (B x queries, B x keys) then its output
         # (B x queries x width of the stream the queries come from); then the two FFN outputs.

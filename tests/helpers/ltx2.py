@@ -35,16 +35,18 @@ def released(tmp_path_factory):
     return {v: save_release(tmp_path_factory.mktemp(v.replace(".", "_")), release(v), "40KB") for v in VARIANTS}
 
 
-def inputs():
-    """(latents, t, text, audio, audio text, audio t): the two streams at different timesteps."""
+def inputs(grid: tuple[int, int, int] = (FRAMES, HEIGHT, WIDTH), audio: int = AUDIO):
+    """(latents, t, text, audio, audio text, audio t): the two streams at different timesteps; debug-ltx2's
+    shapes, or latents of another (t, h, w) grid with `audio` audio tokens."""
     g = torch.Generator().manual_seed(7)
-    return (torch.randn(B, 8, FRAMES, HEIGHT, WIDTH, generator=g), torch.tensor([3.0, 811.0]),
-            torch.randn(B, 8, 16, generator=g), torch.randn(B, AUDIO, 8, generator=g),
+    return (torch.randn(B, 8, *grid, generator=g), torch.tensor([3.0, 811.0]),
+            torch.randn(B, 8, 16, generator=g), torch.randn(B, audio, 8, generator=g),
             torch.randn(B, 8, 16, generator=g), torch.tensor([500.0, 40.0]))
 
 
-def diffusers_forward(model, variant: str = "ltx2"):
-    """diffusers' (video [B, C, T, H, W], audio [B, A, Ca]), called as the pipelines call it."""
+def diffusers_forward(model, variant: str = "ltx2", x=None):
+    """diffusers' (video [B, C, T, H, W], audio [B, A, Ca]) on `x` (default `inputs()`), called as the pipelines
+    call it."""
     from models.ltx2.released import DIFFUSERS
     with torch.no_grad():
-        return DIFFUSERS.reference_call(model, inputs(), dict(VARIANTS[variant][2]))
+        return DIFFUSERS.reference_call(model, inputs() if x is None else x, dict(VARIANTS[variant][2]))

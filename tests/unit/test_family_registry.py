@@ -28,7 +28,8 @@ def test_every_builtin_spec_names_its_own_pipeline():
     from models.spec import FamilySpec
     defaulted = [f.name for f in dataclasses.fields(FamilySpec)
                  if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING]
-    assert defaulted == ["experts"]                 # optional: one transformer unless a family lists experts
+    # optional: one transformer unless a family lists experts; one hidden stream unless it has two (LTX-2)
+    assert defaulted == ["experts", "streams"]
     assert {n: s.vae.class_name for n, s in FAMILIES.items()} == {
         "cogvideox": "AutoencoderKLCogVideoX", "hunyuanvideo": "AutoencoderKLHunyuanVideo",
         "hunyuanvideo15": "AutoencoderKLHunyuanVideo15", "ltx2": "AutoencoderKLLTX2Video",

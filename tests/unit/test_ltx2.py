@@ -2,7 +2,8 @@
 (written by `save_pretrained` in several shards) loaded into the toolkit predicts what diffusers predicts, video and
 audio, for LTX-2.0 and for the LTX-2.3 flags (gated attention, cross-attention modulation), with split rotary
 positions and without the cross timesteps; the preset counts diffusers' parameters; wrong configs are refused by
-key; the checker refuses training. tp, pp: tests/distributed/test_ltx2_layouts.py.
+key; the checker refuses training, and the planner counts both streams (parameters, activations, a tp that does
+not divide the audio heads refused). tp, pp: tests/distributed/test_ltx2_layouts.py.
 """
 import pytest
 import torch
@@ -10,6 +11,9 @@ from diffusers import LTX2VideoTransformer3DModel
 
 from models.__main__ import summary
 from parallel.config import load_config
+from parallel.plan.search import count_params
+from parallel.plan.trace import ActivationTracer
+from parallel.splits import valid_tp_sizes
 from parallel.weights.diffusers import check_released
 from tests.helpers.ltx2 import (AUDIO, DIFFUSERS_TINY, FRAMES, HEIGHT, LTX23, VARIANTS, WIDTH, B,  # noqa: F401
                                diffusers_forward, inputs, overrides, release, released)
@@ -37,16 +41,70 @@ def test_reference_reads_the_folder(released):
         torch.testing.assert_close(got, want)
 
 
-def test_the_preset_counts_the_parameters_diffusers_builds():
+def test_the_preset_and_the_planner_count_the_parameters_diffusers_builds():
+    """`python -m models` and the memory plan (its tracer's stages on the meta device: both streams' weights)."""
     with torch.device("meta"):
         reference = LTX2VideoTransformer3DModel()           # the class defaults: the 19B release
     want = sum(p.numel() for p in reference.parameters())
     assert want == 18_876_174_592
-    assert f"parameters: {want}" in summary(load_config("ltx2-t2v")).splitlines()
-    with torch.device("meta"):
-        tiny = LTX2VideoTransformer3DModel(**DIFFUSERS_TINY, **LTX23)
-    cfg = load_config("debug-ltx2", [f"model.{k}=true" for k in LTX23])
-    assert f"parameters: {sum(p.numel() for p in tiny.parameters())}" in summary(cfg).splitlines()
+    cfg = load_config("ltx2-t2v")
+    assert f"parameters: {want}" in summary(cfg).splitlines()
+    assert count_params(ActivationTracer(cfg, torch.bfloat16)) == (want, sum(
+        p.numel() for p in reference.transformer_blocks.parameters()))
+    for flags in ({}, LTX23):
+        with torch.device("meta"):
+            tiny = LTX2VideoTransformer3DModel(**DIFFUSERS_TINY, **flags)
+        cfg = load_config("debug-ltx2", [f"model.{k}=true" for k in flags])
+        want = sum(p.numel() for p in tiny.parameters())
+        assert f"parameters: {want}" in summary(cfg).splitlines()
+        assert count_params(ActivationTracer(cfg, torch.float32))[0] == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_plan_traces_both_streams_as_a_real_block_saves_them(dtype):
+    """The planner's traced block (meta device) against a real debug-ltx2 block on CPU fed the real embed
+    stage's outputs: the bytes it saves, video and audio, exactly (its rotary tables are the plan's position
+    tables line), and what a checkpoint of the block keeps (both streams' inputs; the modulation rows and
+    captions as views), whose outputs equal the plain block's; under sp a rank's video share and the whole audio."""
+    import deepspeed
+
+    from parallel.build import layer_specs
+    from parallel.distributed.pipeline import checkpoint_x_only
+    from parallel.distributed.topology import ParallelContext
+    from parallel.plan.trace import table_storages
+    from parallel.recompute import checkpointed_block
+    from tests.helpers.plan import saved_bytes
+
+    cfg = load_config("debug-ltx2")
+    trace = ActivationTracer(cfg, dtype).trace("block", 1, B)
+    specs = layer_specs(cfg, ParallelContext.single())
+    embed, block = specs[0].build().to(dtype), specs[1].build().to(dtype)
+    with torch.no_grad():
+        h = tuple(t.requires_grad_(t.is_floating_point()) for t in embed(inputs()))
+    assert trace.input_bytes == (h[0].numel() + h[1].numel()) * h[0].element_size()      # x and a
+    # sp: one rank's share of the 48 video tokens (padded: 48 -> 50 at sp 5, a ring of 5) and the whole audio
+    size = h[0].element_size()
+    for sp, share in ((2, 24), (5, 10)):
+        assert ActivationTracer(cfg, dtype).trace("block", 1, B, sp).input_bytes == B * (share * 32 + 9 * 16) * size
+    full, want = saved_bytes(lambda: block(h), block)
+    tables = sum(table_storages(block).values())         # rotary tables: the plan's position tables line
+    assert trace.activations + trace.side_saved_bytes == full - tables
+    for run in (lambda: checkpoint_x_only(deepspeed.checkpointing.checkpoint, 2)(lambda *z: block(z), *h),
+                lambda: checkpointed_block(block.forward, streams=2)(h)):
+        kept, out = saved_bytes(run, block)
+        assert kept == trace.input_bytes + trace.side_total
+        for got, expected in zip(out, want):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_the_checker_refuses_a_tp_that_does_not_divide_the_audio_heads():
+    """debug-ltx2: 4 video heads, 2 audio heads; tp 4 divides the first, not the second. The advice works."""
+    from parallel.check import check
+    _, problems = check(load_config("debug-ltx2", ["parallel.tp_size=4"]))
+    assert problems == ["model.audio_num_heads=2 is not divisible by parallel.tp_size=4; tp sizes that divide every "
+                        "split dimension of this model: 1, 2; set --set parallel.tp_size=2"]
+    assert check(load_config("debug-ltx2", ["parallel.tp_size=2"]))[1] == []
+    assert valid_tp_sizes(load_config("ltx2-t2v").model) == [1, 2, 4, 8, 16, 32]
 
 
 def test_audio_tokens_follow_the_pipeline():
@@ -71,8 +129,18 @@ def test_wrong_config_is_refused_by_key(released):
         f"matching preset"]
 
 
-def test_the_checker_refuses_training_and_names_what_is_missing():
-    from parallel.check import check
-    _, problems = check(load_config("debug-ltx2"))
-    assert len(problems) == 1 and problems[0].startswith("model.family=ltx2: training is not built yet: the data "
-                                                         "path has no audio stream")
+def test_a_run_is_refused_by_name_and_the_planner_plans_it(capsys):
+    """train.py's checks (load_and_check) refuse training; the layout's verdict (`check`, the planner's) has no
+    problem, and python -m parallel.plan sizes the model with diffusers' parameter count."""
+    from parallel.check import check, load_and_check
+    from parallel.config import ConfigError
+    from tests.helpers.plan import cli
+
+    with pytest.raises(ConfigError) as refused:
+        load_and_check("debug-ltx2", [], None, None, device_check=False)
+    assert str(refused.value).startswith("model.family=ltx2: training is not built yet: the data path has no audio "
+                                         "stream")
+    assert check(load_config("debug-ltx2"))[1] == []
+    code, out, _ = cli(capsys, "--config", "debug-ltx2", "--deepspeed-config", "ds_configs/zero1_bf16.json",
+                       "--world-size", "4", "--device-memory", "80GiB", "--set", "parallel.tp_size=2")
+    assert code == 0 and out.startswith("model: debug-ltx2 (108,880 parameters)") and "tp=2 sp=1 pp=1 dp=2" in out
