@@ -12,8 +12,8 @@ import argparse
 import sys
 
 from parallel.check import check_resume, load_and_check
-from parallel.cli import LATEST, NONE, REFUSED, Parser, add_checkpoint, add_experiment_args, refused, run
-from parallel.config import ConfigError
+from parallel.experiment.cli import LATEST, NONE, REFUSED, Parser, add_checkpoint, add_experiment_args, refused, run
+from parallel.experiment.config import ConfigError
 from parallel.elastic import check_elastic, elastic_worlds
 from parallel.distributed.topology import read_launch_env
 
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
             if env.rank == 0 and env.world_size == max(elastic):
                 print("\n".join(lines), file=sys.stderr)
         if args.checkpoint != NONE:    # on fewer or more nodes: the checkpoint's global batch, by accumulation
-            from parallel.train.checkpoint import resume_accumulation
+            from parallel.checkpoints.checkpoint import resume_accumulation
             kept = resume_accumulation(cfg.ckpt_dir, layout.global_batch, cfg.train.micro_batch_size * layout.dp_size,
                                        layout.dp_size)
             if kept is not None:
@@ -84,4 +84,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    run(main)       # a launched rank leaves without the interpreter's teardown (parallel/cli.py says why)
+    run(main)       # a launched rank leaves without the interpreter's teardown (parallel/experiment/cli.py says why)

@@ -48,11 +48,11 @@ from bench.overhead import MID, build_engines
 def step_flops(cfg) -> float:
     """Model FLOPs of one training step (forward + backward): 6 x parameters x tokens for the matrices,
     12 x layers x seq^2 x hidden for attention, per sample, times the micro-batch."""
-    from parallel.build import layer_specs
+    from parallel.model.build import layer_specs
     from parallel.distributed.pipeline import SequentialDiT
     from parallel.plan.trace import sequence_length
     from parallel.distributed.topology import ParallelContext
-    from parallel.units import count_parameters
+    from parallel.experiment.units import count_parameters
 
     with torch.device("meta"):
         model = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
@@ -68,13 +68,13 @@ def in_process(steps: int) -> dict:
 
     from parallel.train.data import DiffusionBatches
     from models.diffusion import Objective
-    from parallel.config import load_config
+    from parallel.experiment.config import load_config
     from parallel.train.probe import StepProbe
     from parallel.plan.memory import plan_memory
     from parallel.plan.trace import ActivationTracer
     from parallel.train.run import build_dataset, export_launch_env
     from parallel.distributed.topology import read_launch_env
-    from parallel.units import TiB
+    from parallel.experiment.units import TiB
 
     export_launch_env(read_launch_env())
     from parallel.distributed import accelerator

@@ -1,6 +1,6 @@
 """What checksumming a checkpoint costs at save: `ranks` processes each write their share of a training
 state with torch.save, four ways: plain (as DeepSpeed's save_checkpoint does without checksums: no fsync);
-plain, then, after all have written, each CRC-32s its share of the files read back (parallel/train/
+plain, then, after all have written, each CRC-32s its share of the files read back (parallel/checkpoints/
 checksums.py: how files nobody hashed while writing are checked); through the CRC-32 writer hashing every
 write inline (CrcWriter(inline_below=inf): the CRC's time added to the write's); through the CRC-32 writer
 as checkpoints are saved (parallel/distributed/deepspeed/checkpoint.py: a helper thread hashes each large
@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from parallel.train.checksums import hash_share  # noqa: E402
+from parallel.checkpoints.checksums import hash_share  # noqa: E402
 
 BYTES_PER_PARAM = 16
 CHUNK = 1 << 30          # bytes per file at most (DeepSpeed writes one or a few files per rank)
@@ -40,11 +40,11 @@ CHUNK = 1 << 30          # bytes per file at most (DeepSpeed writes one or a few
 def debug_params() -> int:
     """The debug preset's parameter count, counted on the meta device as `python -m models` does."""
     import torch
-    from parallel.build import layer_specs
-    from parallel.config import load_config
+    from parallel.model.build import layer_specs
+    from parallel.experiment.config import load_config
     from parallel.distributed.pipeline import SequentialDiT
     from parallel.distributed.topology import ParallelContext
-    from parallel.units import count_parameters
+    from parallel.experiment.units import count_parameters
     with torch.device("meta"):
         return count_parameters(SequentialDiT(layer_specs(load_config("debug"), ParallelContext.single())))
 

@@ -75,7 +75,7 @@ def counted_rank(rank, world_size, dims: dict, overrides, stage=0, ds_extra=None
     totals: dict = {}
     _install_counter(totals)
 
-    from parallel.config import load_config
+    from parallel.experiment.config import load_config
     from parallel.train.engine import build_trainer
     from parallel.train.run import training_batches
     from parallel.distributed.seed import seed_all
@@ -111,14 +111,14 @@ def measure(overrides: list[str]) -> list[dict]:
     gradient reduction (communication_data_type; 2 ranks each)."""
     import torch
 
-    from parallel.config import load_config
-    from parallel.build import layer_specs
+    from parallel.experiment.config import load_config
+    from parallel.model.build import layer_specs
     from parallel.distributed.pipeline import SequentialDiT
     from parallel.plan.memory import EngineSettings
     from parallel.plan.search import dp_bytes
     from parallel.plan.trace import sequence_length
     from parallel.distributed.topology import ParallelContext
-    from parallel.units import count_parameters
+    from parallel.experiment.units import count_parameters
     from bench.ranks import run_ranks
 
     cfg = load_config("debug", overrides)

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _compile_rank(rank, world_size, overrides, steps, backend):
     import json
 
-    from parallel.config import load_config
+    from parallel.experiment.config import load_config
     from parallel.distributed.compile import compile_stats
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext, ParallelDims

@@ -53,7 +53,7 @@ def metrics(out: Path) -> list[dict]:
 
 def step_flops(preset: str) -> float:
     from bench.__main__ import step_flops as flops
-    from parallel.config import load_config
+    from parallel.experiment.config import load_config
     return flops(load_config(preset))
 
 
@@ -164,7 +164,7 @@ def embeds_for(presets: list[str], work: Path) -> dict[str, Path]:
     import torch
     from safetensors.torch import save_file
 
-    from parallel.config import load_config
+    from parallel.experiment.config import load_config
     files = {}
     for preset in presets:
         m = load_config(preset).model

@@ -23,7 +23,7 @@ RUNS = {"bf16 base": LORA, "fp8 base": [*LORA, "model.lora.base_dtype=float8_e4m
 
 
 def _curves(rank: int, world_size: int, steps: int) -> dict:
-    from parallel.config import load_config
+    from parallel.experiment.config import load_config
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.train.engine import build_trainer

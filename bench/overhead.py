@@ -54,7 +54,7 @@ def build_engines(cfg, variants: dict) -> dict:
     """One DeepSpeed engine per variant {name: (ds, plain_linear)}, all from the same initial weights,
     set up by train.py's build_trainer (plain_linear: on the model with its layers made nn.Linear), in one
     process whose torch.distributed is initialised (the context is DeepSpeed's mpu: it needs groups)."""
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.train.engine import build_trainer
@@ -72,7 +72,7 @@ def measure_overhead(steps: int) -> dict:
 
     from parallel.train.data import DiffusionBatches
     from models.diffusion import Objective
-    from parallel.config import load_config
+    from parallel.experiment.config import load_config
     from parallel.train.run import build_dataset, export_launch_env
     from parallel.distributed.topology import read_launch_env
 

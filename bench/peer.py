@@ -84,8 +84,8 @@ def build_pair(preset: str, size: str, device: torch.device, dtype: torch.dtype)
     import diffusers
 
     from models.registry import family, sequence_tokens
-    from parallel.build import layer_specs
-    from parallel.config import load_config
+    from parallel.model.build import layer_specs
+    from parallel.experiment.config import load_config
     from parallel.distributed.pipeline import SequentialDiT
     from parallel.distributed.topology import ParallelContext
     from parallel.weights.diffusers import load_released, released_format

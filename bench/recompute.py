@@ -1,4 +1,4 @@
-"""Selective recomputation and activation compression (parallel/recompute.py), measured against the planner.
+"""Selective recomputation and activation compression (parallel/model/recompute.py), measured against the planner.
 
     python -m bench --only recompute [--steps 20]      # or: python bench/recompute.py
 
@@ -43,9 +43,9 @@ def _ds() -> dict:
 def _trainer(cfg, ds, ctx, stored: dict, recording: dict):
     """build_trainer on a model whose compression hooks report what they store into `stored` while
     recording["on"]."""
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.seed import seed_all
-    from parallel.recompute import apply_recompute
+    from parallel.model.recompute import apply_recompute
     from parallel.train.engine import build_trainer
 
     seed_all(cfg.train.seed)
@@ -61,7 +61,7 @@ def _trainer(cfg, ds, ctx, stored: dict, recording: dict):
 
 
 def options(steps: int) -> dict:
-    from parallel.config import load_config
+    from parallel.experiment.config import load_config
     from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.plan.memory import EngineSettings, plan_memory
     from parallel.train.probe import StepProbe
@@ -70,7 +70,7 @@ def options(steps: int) -> dict:
     from parallel.train.data import DiffusionBatches
     from parallel.train.run import build_dataset
     from models.diffusion import Objective
-    from parallel.units import TiB
+    from parallel.experiment.units import TiB
 
     ds, ctx = _ds(), ParallelContext.build(ParallelDims())
     tracer = ActivationTracer(load_config("debug", MID), torch.float32)
@@ -109,7 +109,7 @@ def options(steps: int) -> dict:
 
 def curves(curve_steps: int) -> dict:
     """configs/debug.yaml for `curve_steps` steps uncompressed, bf16 and fp8: per-step losses."""
-    from parallel.config import load_config
+    from parallel.experiment.config import load_config
     from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.train.run import training_batches
 

@@ -26,13 +26,13 @@ def predicted(overrides: list[str], ring: int) -> dict:
     import torch
 
     from models.registry import family
-    from parallel.build import layer_specs
-    from parallel.config import load_config
+    from parallel.model.build import layer_specs
+    from parallel.experiment.config import load_config
     from parallel.distributed.pipeline import SequentialDiT
     from parallel.distributed.topology import ParallelContext
     from parallel.plan.search import ring_traffic
     from parallel.plan.trace import ActivationTracer
-    from parallel.units import count_parameters
+    from parallel.experiment.units import count_parameters
 
     cfg = load_config("debug", [*overrides, f"parallel.sp_size={SP}", f"parallel.ring_size={ring}"])
     m, t = cfg.model, cfg.train

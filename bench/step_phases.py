@@ -169,7 +169,7 @@ def render(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from parallel.cli import Parser, add_experiment_args
+    from parallel.experiment.cli import Parser, add_experiment_args
     ap = Parser(prog="python -m bench.step_phases", description=__doc__.splitlines()[0])
     add_experiment_args(ap)
     ap.add_argument("--steps", type=int, default=5)

@@ -10,12 +10,12 @@ import torch
 
 from models.geometry import latent_shape, token_grid
 from models.registry import family
-from parallel.build import layer_specs
-from parallel.cli import Parser, add_experiment_args, refused
-from parallel.config import ConfigError, load_config
+from parallel.model.build import layer_specs
+from parallel.experiment.cli import Parser, add_experiment_args, refused
+from parallel.experiment.config import ConfigError, load_config
 from parallel.distributed.pipeline import SequentialDiT
 from parallel.distributed.topology import ParallelContext
-from parallel.units import count_parameters
+from parallel.experiment.units import count_parameters
 
 
 def summary(cfg) -> str:

@@ -1,7 +1,7 @@
 """The `model:` section every family shares; each family subclasses it with its own fields (models/<family>/).
 
 Typed with pydantic (`extra="forbid"`): a misspelt key, a wrong type or an impossible value is refused
-with its dotted name when the experiment is loaded (parallel/config.py), before anything expensive.
+with its dotted name when the experiment is loaded (parallel/experiment/config.py), before anything expensive.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 def flow_value(value: Any) -> str:
-    """`value` as `--set` reads it back (YAML, parallel/config.py's parse_override), without spaces in
+    """`value` as `--set` reads it back (YAML, parallel/experiment/config.py's parse_override), without spaces in
     lists: [4,6,6], true, null, 1.0e-05 (YAML reads 1e-05 as a string), t2v, '1' (a string that reads as
     a number is quoted)."""
     if isinstance(value, (list, tuple)):
@@ -62,7 +62,7 @@ class LoraConfig(Section):
     """Low-rank adapters (LoRA, as peft builds them) on the linear layers named by `targets`; the base is frozen.
 
     Each targeted weight W [out, in] gains A [rank, in] (kaiming-uniform, as peft starts it) and B [out, rank]
-    (zeros): y = x W^T + b + (alpha / rank) * (dropout(x) A^T) B^T. parallel/lora.py does the rest."""
+    (zeros): y = x W^T + b + (alpha / rank) * (dropout(x) A^T) B^T. parallel/model/lora.py does the rest."""
 
     rank: int = Field(ge=1, description="the adapters' rank r")
     alpha: Optional[float] = Field(None, gt=0, description="scaling = alpha / rank; default: rank (scaling 1)")
@@ -206,5 +206,5 @@ class ModelConfig(Section):
 
     def tp_splits(self) -> dict[str, int]:
         """Dimensions tensor parallelism splits besides the heads, hidden size and FFN width every family has
-        (parallel/splits.py), by dotted key: a second stream's heads and width (LTX-2's audio)."""
+        (parallel/experiment/splits.py), by dotted key: a second stream's heads and width (LTX-2's audio)."""
         return {}

@@ -1,7 +1,7 @@
 """The model families, by the name `model.family` gives: one line each for the built-in ones.
 
 A family kept outside models/ (a user's, or tests/toy_family/) registers itself at import: its module calls
-`register(SPEC)`, and an experiment names the module in its top-level `families:` list (parallel/config.py
+`register(SPEC)`, and an experiment names the module in its top-level `families:` list (parallel/experiment/config.py
 imports them before it reads the `model:` section), so every command and every rank train.py spawns, all
 of which load the experiment, know the family.
 """

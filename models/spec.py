@@ -226,7 +226,7 @@ class FamilySpec:
     text_encoder: TextEncoderFormat
     timesteps: TimestepSampling               # per sample or per token (models/diffusion.py)
     sampling: Sampling                        # its samplers and its release's scheduler
-    # Selective recomputation (parallel/recompute.py): per granularity ("attention", "mlp"), the dotted paths,
+    # Selective recomputation (parallel/model/recompute.py): per granularity ("attention", "mlp"), the dotted paths,
     # relative to one layer, of the modules or methods a checkpoint wraps (`attn.core`, `mlp`).
     recompute_parts: dict[str, tuple[str, ...]]
     # Transformers chosen by timestep, highest noise first (empty: one transformer); see `expert`.
@@ -319,3 +319,11 @@ def hidden_size_problems(pairs, config: dict, path: str) -> list[str]:
                   if key in ("num_attention_heads", "attention_head_dim"))
     return [f"{path}: num_attention_heads x attention_head_dim = {heads} x {dim} = {theirs} != model.hidden_size "
             f"{ours['num_attention_heads'] * ours['attention_head_dim']}; set {set_flag('model.hidden_size', theirs)}"]
+
+
+def image_rows(condition, text: torch.Tensor, stored) -> torch.Tensor:
+    """text [B, L, D] with the stored image states (the second of parallel/train/data.py's STORED_CONDITION) as
+    rows, for a condition whose image states travel in the text (`condition.text_rows`: HunyuanVideo 1.5's
+    SigLIP rows); else text unchanged. Training batches and validation both call it."""
+    rows = getattr(condition, "text_rows", None)
+    return text if rows is None or len(stored) < 2 else rows(text, stored[1])

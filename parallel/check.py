@@ -17,16 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from parallel import ds_config as dsc
-from parallel.ds_keys import ZERO_QUANTIZED, key_problems
+from parallel.experiment import ds_config as dsc
+from parallel.experiment.ds_keys import ZERO_QUANTIZED, key_problems
 from models.registry import family, sequence_tokens
-from parallel.config import ConfigError, ExperimentConfig, load_config
+from parallel.experiment.config import ConfigError, ExperimentConfig, load_config
 from parallel.distributed.sequence import padded_length
 from parallel.distributed.extensions import check_build_locks
 from parallel.distributed.topology import Layout, read_launch_env
-from parallel.splits import (divisors, ring_capable, ring_fits, ring_frames, ring_size, sp_pairs,
+from parallel.experiment.splits import (divisors, ring_capable, ring_fits, ring_frames, ring_size, sp_pairs,
                              tp_split_dims, valid_sp_sizes, valid_tp_sizes)
-from parallel.host_memory import host_available, host_problems, uses_host
+from parallel.experiment.host_memory import host_available, host_problems, uses_host
 from parallel.train.schedule import scheduler_problems
 
 
@@ -306,7 +306,7 @@ def _check_device(ds: dict, src: str, device: DeviceDtypes) -> list[str]:
 def check_unconditional(cfg: ExperimentConfig) -> list[str]:
     """The unconditional text embedding (T5 of "") of a prepared folder, where caption dropout or guidance
     needs it and no data.text_encoder can encode it; synthetic data has its own."""
-    from parallel.config import UNCOND_FILE
+    from parallel.experiment.config import UNCOND_FILE
     needs = []
     if cfg.data.caption_dropout > 0 and cfg.data.kind == "directory":
         needs.append((cfg.data.path, f"data.caption_dropout={cfg.data.caption_dropout}", "data.caption_dropout=0"))
@@ -334,7 +334,7 @@ def check_data_files(cfg: ExperimentConfig) -> list[str]:
     missing = [p for key, folder in folders for p in [_folder_problem(key, folder)] if p]
     if missing:                  # the shape and bucket checks would only say the manifest is missing again
         return missing
-    from parallel.manifest import bucket_problems      # the manifest's buckets and data.buckets
+    from parallel.experiment.manifest import bucket_problems      # the manifest's buckets and data.buckets
     from parallel.train.data import check_shapes
     return bucket_problems(cfg) + _ring_bucket_problems(cfg) + [
         p for key, folder in folders for p in
@@ -347,8 +347,8 @@ def _ring_bucket_problems(cfg: ExperimentConfig) -> list[str]:
     sp, ring = cfg.parallel.sp_size, ring_size(cfg)
     if ring == 1 or ring_frames(cfg) is None or cfg.data.kind != "directory":
         return []
-    from parallel.manifest import bucket_configs
-    from parallel.shapes import format_shape
+    from parallel.experiment.manifest import bucket_configs
+    from parallel.experiment.shapes import format_shape
     bad = [f"{format_shape(s)} ({ring_frames(c)[0]} latent frames, {ring_frames(c)[1]:,} tokens)"
            for s, _, c in bucket_configs(cfg) if s is not None and not ring_fits(c, sp, ring)]
     if not bad:
@@ -366,7 +366,7 @@ def check_outputs(cfg: ExperimentConfig) -> list[str]:
     if not v.every or not v.num_prompts:
         return []
     from models.sampling import check_sampler
-    from parallel.train.media import load_decoder
+    from parallel.validation.media import load_decoder
     problems = []
     try:
         if check_sampler(cfg.model.objective, v.sampler, family(cfg.model).sampling.samplers) == "opensora" and \
@@ -436,10 +436,10 @@ def check_run_dirs(cfg: ExperimentConfig) -> list[str]:
 
 def check_resume(cfg: ExperimentConfig, layout: Layout, step: Optional[int] = None) -> None:
     """The checkpoint train.py --checkpoint latest (or --checkpoint `step`) continues, found now, before any process
-    group: raise ConfigError when ckpt.dir holds one this run cannot continue (parallel.train.checkpoint.
+    group: raise ConfigError when ckpt.dir holds one this run cannot continue (parallel.checkpoints.checkpoint.
     find_resume says what is wrong with it and what would work). Sizes only: the checksums are read by
     the run's ranks together (checkpoint.verified_resume)."""
-    from parallel.train.checkpoint import find_resume, model_signature
+    from parallel.checkpoints.checkpoint import find_resume, model_signature
     saved = {**layout.as_dict(), "zero_stage": layout.zero_stage, "global_batch": layout.global_batch}
     try:
         find_resume(Path(cfg.ckpt_dir), saved, quiet=True, model=model_signature(cfg.model), step=step)
@@ -510,8 +510,8 @@ def summary(cfg: ExperimentConfig, layout: Layout, deepspeed_config: Optional[st
     padding = sequence_padding(cfg)
     buckets = ""
     if cfg.data.kind == "directory":
-        from parallel.manifest import bucket_configs
-        from parallel.shapes import format_shape
+        from parallel.experiment.manifest import bucket_configs
+        from parallel.experiment.shapes import format_shape
         found = bucket_configs(cfg)
         if len(found) > 1:               # each bucket's tokens and padding; the first (longest) is planned for
             buckets = "; buckets (longest first, the memory plan's): " + ", ".join(
@@ -572,7 +572,7 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
         from parallel.weights.scheduler import check_scheduler
         problems += check_released(cfg.model, cfg.model.init_from) + check_scheduler(cfg.model, cfg.model.init_from)
     if cfg.model.lora is not None:            # targets against the model built on the meta device
-        from parallel.lora_check import check_lora
+        from parallel.model.lora_check import check_lora
         problems += check_lora(cfg.model)
     if not problems and planner is not None and uses_host(cfg, ds):     # offload: the node's host memory, planned
         plan = planner(cfg, ds, layout, 0)
@@ -583,7 +583,7 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
 
 
 def parser() -> argparse.ArgumentParser:
-    from parallel.cli import Parser, add_experiment_args, add_world_size
+    from parallel.experiment.cli import Parser, add_experiment_args, add_world_size
 
     ap = Parser(prog="python -m parallel.check", description=__doc__.splitlines()[0])
     # --deepspeed-config stays optional here (the model, layout and data checks need none); without it the
@@ -605,7 +605,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             cfg, _, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, args.world_size,
                                             args.device_check)
     except ConfigError as e:
-        from parallel.cli import refused
+        from parallel.experiment.cli import refused
         return refused(parser().prog, str(e))
     print(summary(cfg, layout, args.deepspeed_config))
     return 0

@@ -10,7 +10,7 @@ dp_max. After a lost node it resumes (train.py, checkpoint.resume_accumulation) 
 so that step N names the same samples and the same point of the schedule. A world where tp x sp x pp does
 not divide the ranks, where no whole accumulation reaches G, or where the experiment and the DeepSpeed JSON
 refuse accum_w (a fixed `gradient_accumulation_steps`, a fixed `parallel.dp_size`) is refused by name now.
-DeepSpeed's own `elasticity` section is refused (parallel/ds_keys.py): DeepSpeed 0.19 removed it, and the
+DeepSpeed's own `elasticity` section is refused (parallel/experiment/ds_keys.py): DeepSpeed 0.19 removed it, and the
 micro-batch stays fixed here so that a step's samples do not depend on the world.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 from typing import Optional
 
 from parallel.check import load_and_check
-from parallel.config import ConfigError, ExperimentConfig
+from parallel.experiment.config import ConfigError, ExperimentConfig
 from parallel.distributed.topology import Layout
 
 ENV = "VDP_ELASTIC_WORLDS"

@@ -27,10 +27,10 @@ import argparse
 from pathlib import Path
 
 from parallel.check import load_and_check
-from parallel.cli import LATEST, Parser, add_checkpoint, add_experiment_args, refused, run, size_arg
-from parallel.config import ConfigError
+from parallel.experiment.cli import LATEST, Parser, add_checkpoint, add_experiment_args, refused, run, size_arg
+from parallel.experiment.config import ConfigError
 from parallel.distributed.topology import read_launch_env
-from parallel.units import DTYPES
+from parallel.experiment.units import DTYPES
 
 OPENSORA_NAME = "Open_Sora_v2.safetensors"        # --format opensora: the name Open-Sora's configs load
 
@@ -39,7 +39,7 @@ def checkpoint_problems(cfg, layout, step: int | None, quiet: bool = False) -> l
     """The checkpoint export reads (ckpt.dir's step{step}, or with None the newest usable one), found by its
     marker and file sizes before any process group exists: the problems, or [] when there is one. quiet: no
     report of a damaged one skipped (export() makes it)."""
-    from parallel.train import checkpoint
+    from parallel.checkpoints import checkpoint
     from parallel.train.run import checkpoint_layout
 
     try:
@@ -72,8 +72,8 @@ def export(cfg, ds, layout, env, out: Path, step: int | None = None, fmt: str = 
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from parallel.train import checkpoint
-    from parallel.train.ema import full_ema, has_ema
+    from parallel.checkpoints import checkpoint
+    from parallel.weights.ema import full_ema, has_ema
     from parallel.weights.gather import exporting, full_tensors
     from parallel.train.run import checkpoint_layout, start_engine
 
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
 
 
 def cli(argv=None) -> None:
-    """The console script (and `python -m`): parallel.cli.run."""
+    """The console script (and `python -m`): parallel.experiment.cli.run."""
     run(lambda: main(argv))
 
 

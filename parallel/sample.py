@@ -58,8 +58,8 @@ from typing import Optional
 
 from models.sampling import SAMPLERS
 from parallel.check import load_and_check
-from parallel.cli import LATEST, Parser, add_checkpoint, add_experiment_args, refused, run
-from parallel.config import UNCOND_FILE, ConfigError
+from parallel.experiment.cli import LATEST, Parser, add_checkpoint, add_experiment_args, refused, run
+from parallel.experiment.config import UNCOND_FILE, ConfigError
 from parallel.distributed.topology import read_launch_env
 
 
@@ -291,7 +291,7 @@ def load_first_frames(args, cfg, rows: int):
 
 
 def _check_weights(args, cfg, layout, ds: dict) -> list[str]:
-    from parallel.ds_config import EMA_OPTIMIZERS
+    from parallel.experiment.ds_config import EMA_OPTIMIZERS
 
     if cfg.model.init_from:
         if args.checkpoint != LATEST:
@@ -299,7 +299,7 @@ def _check_weights(args, cfg, layout, ds: dict) -> list[str]:
                     f"--set model.init_from=null to sample step{args.checkpoint}"]
         return ["--ema reads a checkpoint's EMA; model.init_from is set (released weights have none): "
                 "--set model.init_from=null to sample the newest checkpoint"] if args.ema else []
-    from parallel.train.checkpoint import find_resume, model_signature
+    from parallel.checkpoints.checkpoint import find_resume, model_signature
     from parallel.train.run import checkpoint_layout
     try:
         tag = find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout), model=model_signature(cfg.model),
@@ -346,7 +346,7 @@ def write_outputs(out: Path, latents, labels: list[str], cfg, decoder: Optional[
     from safetensors.torch import save_file
 
     from models.geometry import video_latent
-    from parallel.train.media import load_decoder, write_gif, write_mp4
+    from parallel.validation.media import load_decoder, write_gif, write_mp4
 
     written = []
     if out.suffix == ".safetensors":
@@ -418,7 +418,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def cli(argv=None) -> None:
-    """The console script (and `python -m`): parallel.cli.run."""
+    """The console script (and `python -m`): parallel.experiment.cli.run."""
     run(lambda: main(argv))
 
 

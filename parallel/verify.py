@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from parallel.cli import LATEST, REFUSED, Parser, add_checkpoint, add_experiment_args, refused, run
-from parallel.config import ConfigError
+from parallel.experiment.cli import LATEST, REFUSED, Parser, add_checkpoint, add_experiment_args, refused, run
+from parallel.experiment.config import ConfigError
 from parallel.distributed.topology import read_launch_env
 
 NOT_EQUAL = 2       # the exit status of a comparison that ran and found the outputs apart (refused: REFUSED, 1)
@@ -46,7 +46,7 @@ def checkpoint_problems(cfg, layout, step) -> list[str]:
     """ckpt.dir's step{step} (None: the newest usable one), found before any process group, or why not."""
     from pathlib import Path
 
-    from parallel.train.checkpoint import find_resume, model_signature
+    from parallel.checkpoints.checkpoint import find_resume, model_signature
     from parallel.train.run import checkpoint_layout
     try:
         tag = find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout), quiet=True, model=model_signature(cfg.model),
@@ -115,7 +115,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def cli(argv=None) -> None:
-    """The console script (and `python -m`): parallel.cli.run."""
+    """The console script (and `python -m`): parallel.experiment.cli.run."""
     run(lambda: main(argv))
 
 

@@ -6,7 +6,7 @@ import json
 import torch
 from safetensors.torch import save_file
 
-from parallel.shapes import Shape
+from parallel.experiment.shapes import Shape
 
 # Pixel (frames, height, width) -> for the `debug` model (VAE 4 x 8 x 8, patch 2): latent 3x8x8 (48 video
 # tokens + 8 text = 56), 2x6x10 (30 + 8 = 38), 1x6x6 (9 + 8 = 17: sp 2 pads it to 18).

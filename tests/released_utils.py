@@ -37,8 +37,8 @@ def save_release(folder: Path, model: torch.nn.Module, max_shard_size: str) -> t
 
 def read_release(preset: str, overrides: list[str], folder):
     """(cfg, the toolkit model in one process with the release in `folder` read in, the elements read)."""
-    from parallel.build import layer_specs
-    from parallel.config import load_config
+    from parallel.model.build import layer_specs
+    from parallel.experiment.config import load_config
     from parallel.distributed.pipeline import SequentialDiT
     from parallel.distributed.topology import ParallelContext
     from parallel.weights.diffusers import load_released
@@ -62,8 +62,8 @@ def layout_model(preset: str, overrides: list[str], folder, world_size: int, tp:
                  ring: Optional[int] = None):
     """(cfg, ctx, model) in a spawned rank: `preset` with `overrides` at (tp, pp, sp; ring when given, else the
     preset's), dp filling `world_size`, the release in `folder` read into this rank's part."""
-    from parallel.build import build_model
-    from parallel.config import load_config
+    from parallel.model.build import build_model
+    from parallel.experiment.config import load_config
     from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.weights.diffusers import load_released
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from tests.adam_bound import add_step_slack
 from tests.dist_utils import run_ranks
 
@@ -46,7 +46,7 @@ def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp, preset, prob
     import deepspeed
 
     from parallel.train.probe import StepProbe
-    from parallel.train.ema import full_ema, has_ema
+    from parallel.weights.ema import full_ema, has_ema
     from parallel.train.engine import build_trainer
     from parallel.weights.gather import full_state
     from parallel.distributed.replicas import replica_mismatches
@@ -54,7 +54,7 @@ def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp, preset, prob
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext, ParallelDims
 
-    from parallel.splits import ring_size
+    from parallel.experiment.splits import ring_size
     cfg = experiment(tp, pp, dp, extra, sp, preset)
     ctx = ParallelContext.build(ParallelDims(tp_size=tp, sp_size=sp, pp_size=pp, dp_size=dp, ring_size=ring_size(cfg)))
     seed_all(cfg.train.seed)

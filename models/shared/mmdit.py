@@ -123,7 +123,7 @@ class HunyuanBlock(nn.Module):
     """Block `index` of the list: dual-stream below cfg.num_dual_layers, single-stream from there on.
     (x [B, S, H], temb [B, H]) -> same, x updated."""
 
-    indexed = True                           # parallel/build.py passes the block's index
+    indexed = True                           # parallel/model/build.py passes the block's index
 
     def __init__(self, cfg: ModelConfig, grid, ctx, index: int):
         super().__init__()

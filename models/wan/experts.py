@@ -146,7 +146,7 @@ class ExpertLayer(nn.Module):
 
     @property
     def expert_layers(self) -> tuple[nn.Module, ...]:
-        """Each expert's block, whose parts selective recomputation wraps (parallel/recompute.py)."""
+        """Each expert's block, whose parts selective recomputation wraps (parallel/model/recompute.py)."""
         return tuple(self.experts)
 
     def forward(self, inputs):

@@ -90,7 +90,7 @@ class TI2VCondition:
 
     dropout = 0.0                # the picture is never dropped (DiffSynth-Studio, the release)
     image_encoder = False        # no CLIP states
-    loss_skip_frames = 1         # latent frames the loss leaves out (parallel/build.py SequenceLoss)
+    loss_skip_frames = 1         # latent frames the loss leaves out (parallel/model/build.py SequenceLoss)
 
     def __init__(self, model, data):
         self.model, self.data = model, data

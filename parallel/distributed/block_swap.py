@@ -23,7 +23,7 @@ weight, with or without recomputation, and the device holds copies of at most tw
 So a block's copy arrives while the block before it (forward) or after it (backward, and its recompute) computes;
 a micro-batch copies 2N - 1 blocks (the last one serves its forward and its backward).
 
-Layouts: each tp rank swaps its own shards; N counts per pipeline stage (parallel/build.py swaps each stage's last
+Layouts: each tp rank swaps its own shards; N counts per pipeline stage (parallel/model/build.py swaps each stage's last
 N blocks, a pipeline's micro-batches each starting with `chain`); ZeRO 0-2 (ZeRO-3 owns every parameter, the
 frozen base too: the checker refuses the pair and points at its offload_param).
 

@@ -13,7 +13,7 @@ backward. Weights are initialised on the full [out, in] shape from the current R
 so for the same seed the shards of tp=p concatenate to exactly the tp=1 weight. Sharded parameters
 carry `tensor_model_parallel=True` and `partition_dim`, which DeepSpeed's gradient-norm code reads.
 
-LoRA (`add_lora`, parallel/lora.py decides where): y = x W^T + b + s (x A^T) B^T, A [r, in], B [out, r],
+LoRA (`add_lora`, parallel/model/lora.py decides where): y = x W^T + b + s (x A^T) B^T, A [r, in], B [out, r],
 s = alpha / r, split so that the adapter adds no collective (the adapter's r-wide activation u rides on
 the layer's existing all-reduce, concatenated to it along the last dim):
 

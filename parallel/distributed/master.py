@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         p = plan(a.launcher, a.hostfile, a.master_addr, a.master_port, a.nproc, a.nnodes, a.node_rank)
-    except (OSError, ValueError) as e:     # parallel.cli.refused's heading (this layer cannot import it)
+    except (OSError, ValueError) as e:     # parallel.experiment.cli.refused's heading (this layer cannot import it)
         lines = str(e).splitlines()
         print(f"launch.sh refused ({len(lines)} problem{'' if len(lines) == 1 else 's'}):", file=sys.stderr)
         print("\n".join(f"  - {line}" for line in lines), file=sys.stderr)

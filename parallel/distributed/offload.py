@@ -4,7 +4,7 @@ checkpoint keeps to pinned host memory on a side stream in forward, and back ahe
 Under activation checkpointing what a stage holds between forward and backward is each checkpoint's inputs
 (a block's x [b, S/sp, H]; the attention core's q, k, v; the MLP's input). `HostOffload.scope(tensors)`
 wraps one checkpoint call: inside it, every save of those tensors (torch's checkpoint saves its inputs,
-parallel/recompute.py's `_Keep` saves them again, DeepSpeed's CheckpointFunction saves its arguments) is
+parallel/model/recompute.py's `_Keep` saves them again, DeepSpeed's CheckpointFunction saves its arguments) is
 packed as one host copy per view, and the device storage is released once nothing else holds it. Other saves
 in the window (the side tensors, shared by the stage's blocks and kept on the device anyway) pass as they are.
 

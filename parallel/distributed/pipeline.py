@@ -3,7 +3,7 @@
 The layer list is [embed, layer_0 .. layer_{L-1}, final], each a `SeededLayerSpec` built inside
 `init_rng(seed, name)`, so its weights depend on the seed and its name only, not on the stage that
 builds it. Canonical parameter names are `embed.*`, `blocks.{i}.*`, `final.*` in both forms
-(`canonical_name`). Nothing here knows a model family: parallel/build.py makes the list from one.
+(`canonical_name`). Nothing here knows a model family: parallel/model/build.py makes the list from one.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ the last video token) with zero rows to S_pad = ceil(S / s) x s, so every rank h
 and the all-to-alls stay even. `SequenceAttention` slices the gathered q, k, v back to the S real tokens
 before the model's attention and pads its output with zeros again: no real token attends to a padded
 key, so no mask is needed and the fused attention kernels stay in use. Everything else is per token, so
-the padded rows never touch the real ones; they are left out of the loss (parallel/build.py) and of
+the padded rows never touch the real ones; they are left out of the loss (parallel/model/build.py) and of
 the assembled prediction (`gather_sequence(..., total=S)`), so they get a zero gradient and give none.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ a row of its own (tokens, sp padding, activations, the worst rank's total, step 
 Where the shapes come from, first found:
   1. `--buckets 'FxHxW,...'` or `--buckets preset` (the config's data.buckets), as prepare_data takes them;
   2. a directory dataset's manifest (data.kind: directory): its samples' shapes, with their counts, as
-     training reads them (parallel/manifest.py);
+     training reads them (parallel/experiment/manifest.py);
   3. else the config's one shape (no table).
 
 A bucket's row is the plan of the experiment fixed at that shape (data.num_frames x data.height x
@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-from parallel.config import ConfigError
+from parallel.experiment.config import ConfigError
 from parallel.distributed.sequence import padded_length
 from parallel.plan.memory import EngineSettings, plan_memory
 from parallel.plan.search import DEVICES, estimate_step_time
 from parallel.plan.trace import ActivationTracer, sequence_length
-from parallel.manifest import bucket_configs
-from parallel.shapes import format_shape, resolve_buckets, shape_configs, shape_problems
-from parallel.units import gib
+from parallel.experiment.manifest import bucket_configs
+from parallel.experiment.shapes import format_shape, resolve_buckets, shape_configs, shape_problems
+from parallel.experiment.units import gib
 
 
 def plan_buckets(cfg, buckets: Optional[str], source: str) -> list[tuple]:

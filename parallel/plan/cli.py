@@ -25,16 +25,16 @@ from typing import Optional
 with contextlib.redirect_stdout(sys.stderr):
     import deepspeed  # noqa: F401
 
-from parallel import ds_config as dsc
+from parallel.experiment import ds_config as dsc
 from parallel.check import check
-from parallel.config import ConfigError, ExperimentConfig, RecomputeConfig, load_config
-from parallel.cli import Parser, add_experiment_args, add_renamed, add_world_size, refused, require
+from parallel.experiment.config import ConfigError, ExperimentConfig, RecomputeConfig, load_config
+from parallel.experiment.cli import Parser, add_experiment_args, add_renamed, add_world_size, refused, require
 from parallel.plan.buckets import bucket_rows, plan_buckets, render_buckets_text
 from parallel.plan.memory import LINES, OPTIONAL_LINES, EngineSettings, MemoryPlan, plan_memory
 from parallel.plan.search import (DEVICES, Candidate, SearchResult, count_params, fewest_swapped, search,
                                   shipped_config, with_block_swap, zero3_offload)
 from parallel.plan.trace import ActivationTracer, ring_of, sequence_length
-from parallel.units import gib, parse_size
+from parallel.experiment.units import gib, parse_size
 
 SCHEMA = "video-dit-parallel/memory-plan/1"
 INVALID_SHOWN = 8

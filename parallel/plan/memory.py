@@ -47,16 +47,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from parallel import ds_config as dsc
-from parallel.config import ExperimentConfig
+from parallel.experiment import ds_config as dsc
+from parallel.experiment.config import ExperimentConfig
 from parallel.distributed.topology import Layout
-from parallel.manifest import bucket_configs
+from parallel.experiment.manifest import bucket_configs
 from models.registry import sequence_tokens
 from parallel.distributed.deepspeed.accounting import ENGINE_ALLREDUCE_BUCKET
-from parallel.build import blocks_per_stage, checkpoint_interval
+from parallel.model.build import blocks_per_stage, checkpoint_interval
 from parallel.plan.trace import ActivationTracer, StageTrace, ring_of
-from parallel.recompute import checkpointed_blocks
-from parallel.units import BYTES, DTYPES, GiB
+from parallel.model.recompute import checkpointed_blocks
+from parallel.experiment.units import BYTES, DTYPES, GiB
 
 DEFAULT_BUCKET = 500_000_000              # DeepSpeed 0.19's reduce bucket default (elements)
 DEFAULT_PREFETCH = 50_000_000

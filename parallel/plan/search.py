@@ -51,14 +51,14 @@ from tqdm import tqdm
 
 from models.registry import family
 from parallel.check import check
-from parallel.cli import DS_CONFIG_DIR      # was parallel/ds_configs here: no shipped file ever matched
-from parallel.config import ExperimentConfig, RecomputeConfig
+from parallel.experiment.cli import DS_CONFIG_DIR      # was parallel/ds_configs here: no shipped file ever matched
+from parallel.experiment.config import ExperimentConfig, RecomputeConfig
 from parallel.distributed.topology import ParallelDims
-from parallel.build import blocks_per_stage
+from parallel.model.build import blocks_per_stage
 from parallel.plan.memory import EngineSettings, MemoryPlan, plan_memory
 from parallel.plan.trace import ActivationTracer, attention_pairs, ring_of, sequence_length
-from parallel.recompute import checkpointed_blocks
-from parallel.splits import divisors, ring_fits, ring_frames
+from parallel.model.recompute import checkpointed_blocks
+from parallel.experiment.splits import divisors, ring_fits, ring_frames
 
 MAX_MICRO_BATCH = 64
 # (JSON activation_checkpointing on, train.recompute granularity, every): the options the search compares.

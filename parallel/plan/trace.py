@@ -43,14 +43,14 @@ from torch.utils.flop_counter import FlopCounterMode
 from models.diffusion import mse_loss
 from models.geometry import PositionCache, latent_shape, token_grid
 from models.registry import family, ring_fits, sequence_tokens
-from parallel.config import ExperimentConfig
-from parallel.build import expert_of_parameter, layer_specs
+from parallel.experiment.config import ExperimentConfig
+from parallel.model.build import expert_of_parameter, layer_specs
 from parallel.distributed.block_swap import BlockSwap, swappable_bytes
 from parallel.distributed.offload import HostOffload
 from parallel.distributed.sequence import sp_pairs
 from parallel.distributed.topology import ParallelContext
-from parallel.lora import apply_fp8_base, apply_lora
-from parallel.recompute import packed_nbytes, wrap_layer
+from parallel.model.lora import apply_fp8_base, apply_lora
+from parallel.model.recompute import packed_nbytes, wrap_layer
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -239,7 +239,7 @@ class ActivationTracer:
             spec = {"embed": specs[0], "block": specs[1], "final": specs[-1]}[kind]
             with torch.device("meta"):
                 module = spec.build()
-                if self.cfg.model.lora is not None:       # frozen base + adapters, as parallel/build.py does
+                if self.cfg.model.lora is not None:       # frozen base + adapters, as parallel/model/build.py does
                     apply_lora(module, self.cfg.model, self.cfg.train.seed, prefix=f"{spec.name}.")
                     apply_fp8_base(module, self.cfg.model, prefix=f"{spec.name}.")
                 for param in module.parameters():     # as DeepSpeed 0.19 casts: parameters, not buffers

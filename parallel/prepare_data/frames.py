@@ -58,7 +58,7 @@ def resize_crop(frame: np.ndarray, height: int, width: int) -> np.ndarray:
 
 def probe(path: str | Path, fps: float | None = None) -> tuple[int, int, int]:
     """(frames, height, width) of a video without decoding it: its packets and its stream's size; with
-    `fps`, the frames its duration holds at that rate (parallel/shapes.py choose_bucket picks the bucket)."""
+    `fps`, the frames its duration holds at that rate (parallel/experiment/shapes.py choose_bucket picks the bucket)."""
     import av
 
     try:

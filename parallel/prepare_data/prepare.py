@@ -35,11 +35,11 @@ from tqdm import tqdm
 from models.geometry import latent_shape, pad_frames
 from models.registry import family, text_encoder_formats, vae_formats
 from models.text_encoder import check_encoder_folder, encoder_class
-from parallel.cli import CONFIG_HELP, REFUSED, Parser, add_experiment_args, refused
-from parallel.units import DTYPES
+from parallel.experiment.cli import CONFIG_HELP, REFUSED, Parser, add_experiment_args, refused
+from parallel.experiment.units import DTYPES
 from parallel.prepare_data.captions import InputError, read_captions, video_files
-from parallel.config import UNCOND_FILE, ConfigError, load_config
-from parallel.shapes import choose_bucket, format_shape, resolve_buckets, shape_problems
+from parallel.experiment.config import UNCOND_FILE, ConfigError, load_config
+from parallel.experiment.shapes import choose_bucket, format_shape, resolve_buckets, shape_problems
 from parallel.prepare_data.frames import VideoError, probe, read_clip
 from parallel.distributed.seed import derive_seed
 from parallel.distributed.topology import read_launch_env

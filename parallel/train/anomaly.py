@@ -46,7 +46,7 @@ class AnomalyGuard:
     """Per-step anomaly decisions of one rank; `decide` is collective (every rank calls it every step)."""
 
     def __init__(self, cfg, device=None, values: bool = True):
-        """cfg: train.anomaly (parallel.config.AnomalyConfig); values=False: judge unreadable samples only
+        """cfg: train.anomaly (parallel.experiment.config.AnomalyConfig); values=False: judge unreadable samples only
         (the guard a directory dataset gets without train.anomaly, which stops on one)."""
         self.cfg, self.device, self.values = cfg, device, values
         self.history: deque[float] = deque(maxlen=cfg.window)

@@ -1,7 +1,7 @@
-"""The bucket schedule: which bucket (the samples of one shape, parallel/shapes.py) each training step uses.
+"""The bucket schedule: which bucket (the samples of one shape, parallel/experiment/shapes.py) each training step uses.
 
 A manifest line may give its sample's shape, `"shape": [frames, height, width]` in pixels (what
-`python -m parallel.prepare_data --buckets` writes, parallel/manifest.py reads); a line without one has the config's
+`python -m parallel.prepare_data --buckets` writes, parallel/experiment/manifest.py reads); a line without one has the config's
 data.num_frames x data.height x data.width. Samples of one shape form a bucket. Every step's global
 batch comes from one bucket, so the (tp, sp, pp) ranks of a step agree on the token grid:
 
@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import torch
 
 from parallel.distributed.seed import derive_seed
-from parallel.shapes import Shape, format_shape
+from parallel.experiment.shapes import Shape, format_shape
 
 
 class BucketSchedule:

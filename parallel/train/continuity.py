@@ -11,10 +11,10 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from parallel.config import ExperimentConfig
+from parallel.experiment.config import ExperimentConfig
 from parallel.train.schedule import scheduler_params
 
-MARKER = "complete.json"       # parallel.train.checkpoint.MARKER (that module imports this one's callers)
+MARKER = "complete.json"       # parallel.checkpoints.checkpoint.MARKER (that module imports this one's callers)
 
 
 def run_records(cfg: ExperimentConfig, ds: dict) -> dict:

@@ -18,9 +18,10 @@ from typing import Optional
 import torch
 
 from models.diffusion import PER_SAMPLE, Objective
-from parallel.config import UNCOND_FILE
-from parallel.manifest import read_manifest
-from parallel.shapes import bucket_data, format_shape
+from models.spec import image_rows
+from parallel.experiment.config import UNCOND_FILE
+from parallel.experiment.manifest import read_manifest
+from parallel.experiment.shapes import bucket_data, format_shape
 from parallel.train.buckets import BucketSchedule
 from parallel.distributed.seed import derive_seed
 
@@ -134,13 +135,6 @@ MAX_SHAPE_PROBLEMS = 10
 # first frame's latents, the first frame's CLIP states (an image cross-attention: Wan 2.1 I2V).
 STORED_CONDITION = ("image", "image_embeds")
 _LATENT_WORDS = ("VAE latent", "latent of the sample's")       # the stored image latent, in the checks' messages
-
-
-def image_rows(condition, text: torch.Tensor, stored) -> torch.Tensor:
-    """text [B, L, D] with the stored image states (STORED_CONDITION's second) as rows, for a condition whose image
-    states travel in the text (`condition.text_rows`: HunyuanVideo 1.5's SigLIP rows); else text unchanged."""
-    rows = getattr(condition, "text_rows", None)
-    return text if rows is None or len(stored) < 2 else rows(text, stored[1])
 
 
 def _holds(path: Path, key: str) -> bool:

@@ -20,10 +20,10 @@ from parallel.distributed.deepspeed.checkpoint import use_weights_only_checkpoin
 from parallel.distributed.deepspeed.clipping import clip_with_replica_norm
 from parallel.distributed.deepspeed.skip import before_pipeline_update, guard_pipeline_updates, skipped_update
 from parallel.distributed.deepspeed.version import check_deepspeed_version
-from parallel import ds_config as dsc
-from parallel.config import ExperimentConfig
+from parallel.experiment import ds_config as dsc
+from parallel.experiment.config import ExperimentConfig
 from parallel.train.experts import clear_routed, idle_experts
-from parallel.build import apply_block_swap, build_model, checkpoint_interval, expert_count
+from parallel.model.build import apply_block_swap, build_model, checkpoint_interval, expert_count
 from parallel.train.optim import build_optimizer
 from parallel.train.schedule import build_schedule, lr_factor, schedule_factor  # noqa: F401  (lr_factor: bench/)
 
@@ -146,11 +146,11 @@ class TrainingEngine:
         the CRC-32s of the files this rank wrote ({name under step{N}: crc32}), taken as they were written:
         DeepSpeed's (parallel/distributed/deepspeed/checkpoint.py) and its part of the layout-free copy.
 
-        Beside it every rank writes its part of the layout-free copy (parallel/train/relayout.py) that a
-        resume on another layout reads. Publishing it (marker, `latest`) is parallel.train.checkpoint.save's
+        Beside it every rank writes its part of the layout-free copy (parallel/checkpoints/relayout.py) that a
+        resume on another layout reads. Publishing it (marker, `latest`) is parallel.checkpoints.checkpoint.save's
         job, once every rank has written.
         """
-        from parallel.train import relayout
+        from parallel.checkpoints import relayout
 
         # its collectives before any disk write that could fail; ckpt.layout_free=false: DeepSpeed's files only
         part = relayout.collect(self) if self.cfg.ckpt.layout_free else None
@@ -173,7 +173,7 @@ class TrainingEngine:
     def load(self, directory, tag=None) -> int:
         """Restore everything `save` wrote (the newest tag by default); returns the step to continue from.
         A checkpoint written at another layout is read from its layout-free copy."""
-        from parallel.train import checkpoint, relayout
+        from parallel.checkpoints import checkpoint, relayout
 
         saved = checkpoint.saved_layout(Path(directory) / tag) if tag else None
         if saved is not None and not checkpoint.same_layout(saved, self.layout()):
@@ -193,8 +193,8 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
     are still whole local tensors under every ZeRO stage (ZeRO-3 partitions them in initialize); then
     model.lora.init_from's adapters the same way. With model.lora the base is frozen (requires_grad False)
     and the optimizer, its EMA and DeepSpeed's master weights hold the adapters only; with model.lora.base_dtype
-    its tensor-parallel linear weights then become fp8 buffers (parallel/lora.py apply_fp8_base), and with
-    train.block_swap the last blocks' go to host memory (parallel/build.py apply_block_swap).
+    its tensor-parallel linear weights then become fp8 buffers (parallel/model/lora.py apply_fp8_base), and with
+    train.block_swap the last blocks' go to host memory (parallel/model/build.py apply_block_swap).
     `model`: a module the caller built for the layout (bench: the network with plain nn.Linear), used
     instead of building one.
     """
@@ -211,10 +211,10 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
         from parallel.weights.diffusers import load_released
         load_released(model, ctx, cfg.model, cfg.model.init_from)
     if init_from and cfg.model.lora is not None and cfg.model.lora.init_from:
-        from parallel.lora import load_lora
+        from parallel.model.lora import load_lora
         load_lora(model, ctx, cfg.model, cfg.model.lora.init_from)
     if cfg.model.lora is not None and cfg.model.lora.base_dtype:     # fp8 base: after loading, before DeepSpeed
-        from parallel.lora import apply_fp8_base
+        from parallel.model.lora import apply_fp8_base
         apply_fp8_base(model, cfg.model)
     apply_block_swap(model, cfg)          # train.block_swap: swapped blocks' base in host memory, before DeepSpeed
     optimizer = build_optimizer(model, ds, cfg.train)

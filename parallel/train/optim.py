@@ -26,9 +26,9 @@ import logging
 
 import torch
 
-from parallel.build import expert_of_parameter
-from parallel.config import TrainConfig
-from parallel.ds_config import ADAM_OPTIMIZERS, EMA_OPTIMIZERS
+from parallel.model.build import expert_of_parameter
+from parallel.experiment.config import TrainConfig
+from parallel.experiment.ds_config import ADAM_OPTIMIZERS, EMA_OPTIMIZERS
 
 log = logging.getLogger(__name__)
 

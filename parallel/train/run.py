@@ -19,13 +19,13 @@ from models.diffusion import Objective
 from models.geometry import latent_grid, latent_shape, token_grid
 from models.registry import family, sequence_tokens
 from parallel.distributed import accelerator
-from parallel.config import ExperimentConfig
+from parallel.experiment.config import ExperimentConfig
 from parallel.train.engine import build_trainer
 from parallel.train.probe import StepMeasurement
 from parallel.distributed.deepspeed.shm import unlink_shm_buffer
 from parallel.distributed.seed import seed_all
 from parallel.distributed.topology import LaunchEnv, Layout, ParallelContext
-from parallel.units import format_size, parse_size
+from parallel.experiment.units import format_size, parse_size
 
 
 def export_launch_env(env: LaunchEnv) -> None:

@@ -23,14 +23,14 @@ from tqdm import tqdm
 
 from models.diffusion import Objective
 from models.sampling import sample
-from parallel.build import build_model
+from parallel.model.build import build_model
 from parallel.distributed import accelerator
 from parallel.distributed.seed import derive_seed, seed_all
 from parallel.distributed.topology import ParallelContext
-from parallel.train import checkpoint as ckpt
+from parallel.checkpoints import checkpoint as ckpt
 from parallel.train.engine import build_trainer
 from parallel.train.run import checkpoint_layout, export_launch_env, init_process_groups
-from parallel.train.validate import StageForward, ema_weights, finish_sample, replica_items, replica_slice, \
+from parallel.validation.validate import StageForward, ema_weights, finish_sample, replica_items, replica_slice, \
     row_predictor
 from parallel.weights.diffusers import load_released
 
@@ -39,7 +39,7 @@ from parallel.weights.diffusers import load_released
 def sampling_model(cfg, ds: dict, layout, env, ema: bool = False,
                    checkpoint: Optional[Union[int, str]] = None) -> Iterator[tuple[StageForward, object]]:
     """(StageForward, ctx) over this rank's part of the layout: model.init_from's weights, else the newest
-    checkpoint of ckpt.dir (ema: its EMA); `checkpoint` a step (int) or "latest" (parallel.cli.LATEST): that
+    checkpoint of ckpt.dir (ema: its EMA); `checkpoint` a step (int) or "latest" (parallel.experiment.cli.LATEST): that
     checkpoint of ckpt.dir even with model.init_from set. The body runs in the layout's process groups, created
     here unless torch.distributed is already up (a test's ranks); one process with init_from needs none."""
     owned, from_checkpoint = False, checkpoint is not None or not cfg.model.init_from

@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 import torch
 
-from parallel.config import TrainConfig
+from parallel.experiment.config import TrainConfig
 
 WARMUP_TYPES = ("log", "linear")
 

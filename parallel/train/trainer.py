@@ -13,7 +13,7 @@
     check_replicas(n)  tp replicas of replicated parameters still equal (train.check_replicas_every)
     validate(n)        the validation losses and samples due after step n ({} when none are)
     log(n, ...)        the metrics.jsonl row, the validation line, DeepSpeed's monitors (logging rank)
-    save(n)            a checkpoint (parallel/train/checkpoint.py); False when it could not be written
+    save(n)            a checkpoint (parallel/checkpoints/checkpoint.py); False when it could not be written
     finish(status)     the loss summary and the comms table
     close()            metrics file, heartbeat and process groups, however the loop ended
 
@@ -38,22 +38,22 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from parallel.distributed.topology import Layout
-from parallel.cli import refused
-from parallel.config import AnomalyConfig, ConfigError, ExperimentConfig
+from parallel.experiment.cli import refused
+from parallel.experiment.config import AnomalyConfig, ConfigError, ExperimentConfig
 from parallel.distributed import accelerator
-from parallel.ds_config import EMA_OPTIMIZERS
+from parallel.experiment.ds_config import EMA_OPTIMIZERS
 from parallel.distributed.deepspeed.monitor import close_monitors, write_monitor_events
 from parallel.distributed.deepspeed.zero3 import full_shape
 from parallel.distributed.replicas import replica_mismatches
 from parallel.distributed.topology import LaunchEnv
 from parallel.train.probe import StepProbe
-from parallel.train import checkpoint
+from parallel.checkpoints import checkpoint
 from parallel.train.anomaly import AnomalyGuard, AnomalyStop, GuardedSamples
 from parallel.train.continuity import resume_changes, run_records
 from parallel.train.engine import StepResult
 from parallel.train.run import (build_dataset, build_val_dataset, checkpoint_layout, device_budget, plan_line,
                                 plan_refusal, report_memory, start_engine, step_tokens, training_batches)
-from parallel.train.validate import Validator
+from parallel.validation.validate import Validator
 from parallel.train.watchdog import collective_in, peer_failure, start_heartbeat, timed_out
 
 
@@ -346,7 +346,7 @@ class Trainer:
 
     def close(self) -> None:
         """Close every file and sink (train.py's ranks leave without the interpreter's teardown:
-        parallel.cli.run), then the process group."""
+        parallel.experiment.cli.run), then the process group."""
         if self.metrics:
             self.metrics.close()
         engine = getattr(self, "engine", None)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from parallel.config import ExperimentConfig
+from parallel.experiment.config import ExperimentConfig
 from parallel.distributed.heartbeat import Heartbeat
-from parallel.train import checkpoint
+from parallel.checkpoints import checkpoint
 
 
 def peer_failure(e: BaseException) -> bool:

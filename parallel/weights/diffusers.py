@@ -21,7 +21,7 @@ from torch import nn
 from models.config import ModelConfig
 from models.registry import family
 from models.spec import ReleasedFormat
-from parallel.lora import is_adapter
+from parallel.model.lora import is_adapter
 from parallel.weights.gather import format_shapes, model_tensors
 
 CONFIG_NAME = "config.json"

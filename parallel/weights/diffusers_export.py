@@ -91,7 +91,7 @@ def export_diffusers(module: nn.Module, ctx, cfg, out: str | Path, value: Option
 
     tensors = exporting(full_tensors(module, ctx, m.num_layers, value, zero3), module, dist.get_rank() == 0)
     if m.lora is not None:
-        from parallel.lora import merged_tensors
+        from parallel.model.lora import merged_tensors
         tensors = merged_tensors(tensors, module, m, merge_lora)
     for name, full in tensors:
         if not writer:

@@ -26,8 +26,8 @@ def model_tensors(module: nn.Module, num_blocks: int) -> Iterator[tuple[str, tor
 def format_shapes(m, shapes: Callable) -> dict[str, tuple[int, ...]]:
     """Every tensor name of a weights format with its shape for model section `m`: `shapes(canonical name, full
     shape, m)` -> {its name: shape} over the model's tensors (the model built on the meta device)."""
-    from parallel.build import layer_specs
-    from parallel.config import ExperimentConfig
+    from parallel.model.build import layer_specs
+    from parallel.experiment.config import ExperimentConfig
     from parallel.distributed.pipeline import SequentialDiT
     from parallel.distributed.topology import ParallelContext
     with torch.device("meta"):
@@ -41,7 +41,7 @@ def format_shapes(m, shapes: Callable) -> dict[str, tuple[int, ...]]:
 @torch.no_grad()
 def full_tensors(module: nn.Module, ctx, num_blocks: int, value: Optional[Callable] = None, zero3: bool = False
                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """This rank's parameters (or `value(param)`, e.g. their EMA: parallel.train.ema.full_ema) and buffers as
+    """This rank's parameters (or `value(param)`, e.g. their EMA: parallel.weights.ema.full_ema) and buffers as
     full fp32 CPU tensors with canonical names, one at a time.
 
     Tensor-parallel shards are gathered over the tp group, so every rank of it calls. `zero3`: each

@@ -2,9 +2,9 @@
 
 The adapters are small (2 r (in + out) per adapted layer), so each pipeline stage's first tp and dp rank
 gathers its stage's full adapters (tensor-parallel shards over the tp group) and rank 0 writes one file,
-with diffusers' keys and the peft config in the header (parallel/lora.py), which
+with diffusers' keys and the peft config in the header (parallel/model/lora.py), which
 `CogVideoXPipeline.load_lora_weights` and `CogVideoXTransformer3DModel.load_lora_adapter` read. Wan 2.2 A14B
-with both experts: out/transformer/ and out/transformer_2/ hold one such file each (parallel/lora.py).
+with both experts: out/transformer/ and out/transformer_2/ hold one such file each (parallel/model/lora.py).
 """
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from parallel.lora import (ADAPTER_PARAMS, LORA_WEIGHTS_NAME, part_rows, peft_metadata, split_files, to_diffusers_lora,
-                           tp_linears)
+from parallel.model.lora import (ADAPTER_PARAMS, LORA_WEIGHTS_NAME, part_rows, peft_metadata, split_files,
+                                 to_diffusers_lora, tp_linears)
 from parallel.weights.gather import full_tensors
 
 
 def export_lora(module: nn.Module, ctx, cfg, out: str | Path, value: Optional[Callable] = None,
                 zero3: bool = False, metadata: Optional[dict] = None) -> list[Path]:
     """Write out/pytorch_lora_weights.safetensors (fp32) from every rank's adapters; call on every rank.
-    `value(param)`: e.g. the adapters' EMA (parallel.train.ema.full_ema)."""
+    `value(param)`: e.g. the adapters' EMA (parallel.weights.ema.full_ema)."""
     import torch.distributed as dist
 
     m = cfg.model
@@ -40,7 +40,7 @@ def export_lora(module: nn.Module, ctx, cfg, out: str | Path, value: Optional[Ca
 
 def lora_tensors(module: nn.Module, ctx, m, value: Optional[Callable] = None, zero3: bool = False
                  ) -> dict[str, torch.Tensor]:
-    """This rank's stage's full adapters under diffusers' keys (parallel/lora.py lora_key); every tp rank of
+    """This rank's stage's full adapters under diffusers' keys (parallel/model/lora.py lora_key); every tp rank of
     the stage takes part (the gather), the stage writer's result is the one to keep."""
     held: dict[str, dict] = {}
     for name, full in full_tensors(module, ctx, m.num_layers, value, zero3):

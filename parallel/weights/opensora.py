@@ -18,7 +18,7 @@ from torch import nn
 from models.config import ModelConfig
 from models.registry import FAMILIES, family
 from models.spec import CheckpointFormat
-from parallel.lora import is_adapter
+from parallel.model.lora import is_adapter
 from parallel.weights.gather import format_shapes, model_tensors
 
 

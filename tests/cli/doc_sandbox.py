@@ -115,7 +115,7 @@ def write_transformer(folder: Path, preset: Path, seed: int = 0) -> None:
     import diffusers
 
     from models.registry import family
-    from parallel.config import load_config
+    from parallel.experiment.config import load_config
     cfg = load_config(str(preset), [])
     released = family(cfg.model).released
     torch.manual_seed(seed)

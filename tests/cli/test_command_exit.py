@@ -1,4 +1,4 @@
-"""parallel.cli.run, every distributed command's entry: main()'s exit status, and a launched rank (WORLD_SIZE > 1)
+"""parallel.experiment.cli.run, every distributed command's entry: main()'s exit status, and a launched rank (WORLD_SIZE > 1)
 leaves without the interpreter's teardown (where process-group threads can abort a finished rank with SIGABRT,
 and the launcher then kills the ranks still writing); a single process exits normally."""
 import os
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PROGRAM = ("import atexit; from parallel.cli import run; atexit.register(lambda: print('teardown ran', flush=True)); "
+PROGRAM = ("import atexit; from parallel.experiment.cli import run; atexit.register(lambda: print('teardown ran', flush=True)); "
            "run(lambda: print('work done', flush=True) or 3)")
 
 

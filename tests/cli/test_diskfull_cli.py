@@ -7,8 +7,8 @@ import os
 import shutil
 import subprocess
 
-from parallel.train.checkpoint import MARKER, folder_bytes
-from parallel.train.media import latest_rows
+from parallel.checkpoints.checkpoint import MARKER, folder_bytes
+from parallel.validation.media import latest_rows
 from tests.helpers.resume_cli import ROOT, clean_env, command, metrics
 
 SIZE_MIB = 12         # the debug model's checkpoint (DeepSpeed's files + the layout-free copy) is ~7.4 MiB:

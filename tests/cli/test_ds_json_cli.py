@@ -112,7 +112,7 @@ def test_train_refuses_table_keys_before_any_process_group(tmp_path):
 
 def _train_with(folder, sections: dict, steps: int = 3, sets=(), env=None, launched=False):
     """train.py with DeepSpeed's `sections` on (a monitor's None: on, writing under folder/<section>), one process
-    or (`launched`) two ranks under torchrun, which leave without the interpreter's teardown (parallel.cli.run):
+    or (`launched`) two ranks under torchrun, which leave without the interpreter's teardown (parallel.experiment.cli.run):
     the completed process, the metrics.jsonl records and the figures they carry. One run serves every section's
     test (the fixtures below): the monitors and profilers read the same steps side by side."""
     ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
@@ -237,7 +237,7 @@ def test_flops_profiler_prints_its_profile_at_pp1(one_process):
     profile_step counts DeepSpeed's global steps from 0, so profile_step=2 profiles the toolkit's step 3 and
     says so; its parameter count is the model's (the planner's count). The pipeline refusal is in
     tests/unit/test_ds_keys.py."""
-    from parallel.config import load_config
+    from parallel.experiment.config import load_config
     from parallel.plan.search import count_params
     from parallel.plan.trace import ActivationTracer
 
@@ -256,7 +256,7 @@ def test_comms_logger_prints_its_summary_at_pp1(one_process):
     last step, with the engine's gradient all-reduce once a step, of the model's fp32 gradients' size."""
     from deepspeed.utils.comms_logging import convert_size
 
-    from parallel.config import load_config
+    from parallel.experiment.config import load_config
     from parallel.plan.search import count_params
     from parallel.plan.trace import ActivationTracer
 

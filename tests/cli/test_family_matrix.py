@@ -29,7 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from tests.helpers.launchers import losses
 from tests.helpers.family_matrix import STEPS, experiment_args, in_process, launch, run_module, sample_args
 

@@ -10,14 +10,14 @@ import sys
 import pytest
 import torch
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from tests.helpers.hunyuanvideo15_captions import release  # noqa: F401  (fixture: text folders)
 from tests.helpers.hunyuanvideo15_siglip import IMAGE, ROOT, SETS, _prepare, save_vae, siglip  # noqa: F401  (fixture)
 from tests.helpers.prepare_data import videos  # noqa: F401  (fixture: clips)
 
 
 def test_train_py_first_loss_is_the_batchs(videos, release, siglip, tmp_path):  # noqa: F811
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.topology import ParallelContext
     from parallel.train.run import build_dataset, training_batches
 

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.cli import netns_cluster
-from parallel.train.checkpoint import complete_steps
+from parallel.checkpoints.checkpoint import complete_steps
 from tests.helpers.launchers import LAYOUT, ROOT, finish, kill_marked, losses, run_env, train_args
 from tests.helpers.lost_node import lose_node_then_rerun, rows
 from tests.helpers.slurm import run_sbatch, slurm_cluster

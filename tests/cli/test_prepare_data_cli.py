@@ -41,6 +41,6 @@ def test_two_ranks_cover_every_video_once(videos, vae_dir, t5_dir, prepared, tmp
 def test_training_imports_neither_diffusers_nor_av():
     """The [data] extra is optional: every training module imports with diffusers and av unavailable."""
     code = ("import sys; sys.modules.update(diffusers=None, av=None)\n"
-            "import train, parallel.train.run, parallel.train.validate, parallel.train.media, parallel.prepare_data.prepare, models.vae\n"
-            "from parallel.train.media import load_decoder; load_decoder(None)")
+            "import train, parallel.train.run, parallel.validation.validate, parallel.validation.media, parallel.prepare_data.prepare, models.vae\n"
+            "from parallel.validation.media import load_decoder; load_decoder(None)")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})

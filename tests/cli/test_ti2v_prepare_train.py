@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.prepare_data.frames import frame_indices
 from parallel.prepare_data.prepare import main
 from tests.helpers.prepare_data import lines, videos  # noqa: F401  (fixture: generated clips)
@@ -41,7 +41,7 @@ def test_prepared_clips_train_as_the_one_process_model(videos, ti2v_vae_dir, umt
     from diffusers import AutoencoderKLWan
 
     from models.wan.ti2v import token_timesteps
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.topology import ParallelContext
     from parallel.train.run import build_dataset, training_batches
     from parallel.weights.diffusers import load_released

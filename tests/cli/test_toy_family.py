@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from tests.helpers.family_matrix import experiment_args, in_process, launch, run_module, sample_args
 from tests.helpers.launchers import losses
 from tests.helpers.family_registry import toy_registry
@@ -82,9 +82,9 @@ def test_toy_family_is_checked_planned_trained_sampled_and_exported(tmp_path):
     from models.diffusion import Objective
     from models.geometry import latent_shape
     from models.sampling import check_sampler
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.train.sampling import sample_batch
-    from parallel.train.validate import StageForward
+    from parallel.validation.validate import StageForward
     cfg = load_config(PRESET, ["train.micro_batch_size=2"])
     ctx = ParallelContext.single()
     model = build_model(cfg, {}, ctx)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from tests.helpers.train_cli import ROOT, train_py
 
 

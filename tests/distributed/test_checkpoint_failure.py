@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from parallel.train import checkpoint
+from parallel.checkpoints import checkpoint
 from tests.dist_utils import run_ranks
 
 

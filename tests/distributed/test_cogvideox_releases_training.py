@@ -38,7 +38,7 @@ def test_the_training_input_is_the_pipelines_image_latents_with_dropout():
     """x_t and [z_img, 0, ..., 0] over the padded frames (1.5, odd VAE frames: as CogVideoXImageToVideoPipeline
     and CogVideo's I2V fine-tuning build them) on channels; the dropped samples' image latents are zeros."""
     from models.registry import family
-    from parallel.config import load_config
+    from parallel.experiment.config import load_config
     from parallel.distributed.topology import ParallelContext
     from parallel.train.run import training_batches
 

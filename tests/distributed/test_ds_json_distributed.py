@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from tests.dist_utils import run_ranks
 from tests.train_utils import assert_matches, fp32_config, train
 

@@ -30,8 +30,8 @@ def _count_rank(rank, world_size):
     import torch.distributed as dist
 
     from models.registry import FAMILIES, family
-    from parallel.build import build_model
-    from parallel.config import load_config
+    from parallel.model.build import build_model
+    from parallel.experiment.config import load_config
     from parallel.distributed import accelerator
     from parallel.distributed.comm import count_comm
     from parallel.distributed.topology import ParallelContext, ParallelDims

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from tests.dist_utils import run_ranks
 from tests.released_utils import assert_export_reads_back, assert_grads_match, layout_model
 from tests.train_utils import assert_matches, merge_ranks, train
@@ -37,7 +37,7 @@ def _rank(rank, world_size, folder, export_dir):
     import deepspeed
 
     from parallel.distributed import accelerator
-    from parallel.train.validate import StageForward
+    from parallel.validation.validate import StageForward
     from parallel.weights.diffusers_export import export_diffusers
     from parallel.weights.gather import full_tensors
     from tests.train_utils import _train_rank

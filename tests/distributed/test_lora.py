@@ -1,4 +1,4 @@
-"""LoRA (parallel/lora.py; the adapters in parallel/distributed/layers.py) in one spawn of 4 gloo ranks and one of 1.
+"""LoRA (parallel/model/lora.py; the adapters in parallel/distributed/layers.py) in one spawn of 4 gloo ranks and one of 1.
 
 * Layers: a fused Column (q, k, v; adapters on q and v) and a Row layer with adapters at tp 2 against tp 1:
   outputs and the gradients of x, A and B (fp32); the all-reduces are the ones the layers issue without
@@ -25,11 +25,11 @@ from diffusers import CogVideoXTransformer3DModel
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.distributed.comm import count_comm, gather_shards
 from parallel.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.distributed.topology import ParallelContext, ParallelDims
-from parallel.lora import LORA_WEIGHTS_NAME
+from parallel.model.lora import LORA_WEIGHTS_NAME
 from parallel.plan.memory import EngineSettings, plan_memory
 from parallel.plan.trace import ActivationTracer
 from tests.dist_utils import run_ranks
@@ -89,7 +89,7 @@ LAYOUTS = [(1, 1), (2, 2)]
 
 def adapter_file(model, folder: Path) -> Path:
     """Random A [r, in] and B [out, r] for every targeted module, with the peft config diffusers writes."""
-    from parallel.lora import peft_metadata
+    from parallel.model.lora import peft_metadata
     g, tensors = torch.Generator().manual_seed(11), {}
     for name, module in model.named_modules():
         if any(name.endswith("." + t) for t in TARGETS):
@@ -112,11 +112,11 @@ def _diffusers(world_size, folder, lora_path, export_dir):
 
     import deepspeed
 
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed import accelerator
     from parallel.distributed.topology import ParallelContext, ParallelDims
-    from parallel.lora import load_lora
-    from parallel.train.validate import StageForward
+    from parallel.model.lora import load_lora
+    from parallel.validation.validate import StageForward
     from parallel.weights.diffusers import load_released
     from parallel.weights.diffusers_export import export_diffusers
     from parallel.weights.lora_export import export_lora
@@ -146,7 +146,7 @@ CASES = [("tp2 x pp2 zero0", 2, 2, 1, 1, 0), ("sp2 x dp2 zero2", 1, 1, 2, 2, 2)]
 def _train(cfg, ds, ctx):
     from parallel.distributed.replicas import replica_mismatches
     from parallel.distributed.seed import seed_all
-    from parallel.lora import is_adapter
+    from parallel.model.lora import is_adapter
     from parallel.train.probe import StepProbe
     from parallel.train.engine import build_trainer
     from parallel.train.run import training_batches

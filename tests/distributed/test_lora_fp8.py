@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from parallel.build import build_model
-from parallel.config import load_config
+from parallel.model.build import build_model
+from parallel.experiment.config import load_config
 from parallel.distributed.topology import ParallelContext, ParallelDims
-from parallel.lora import apply_fp8_base, tp_linears
+from parallel.model.lora import apply_fp8_base, tp_linears
 from parallel.distributed.layers import ColumnParallelLinear
 from tests.dist_utils import run_ranks
 

@@ -47,7 +47,7 @@ def _predict(model, ctx, inputs):
     import torch.distributed as dist
 
     from parallel.distributed.deepspeed.pipeline import stage_layers
-    from parallel.train.validate import _recv, _send
+    from parallel.validation.validate import _recv, _send
 
     if ctx.pp_size == 1:
         return model.final.assemble(model.predict(inputs))
@@ -96,7 +96,7 @@ def _grads(cfg, ctx, model, shape=DEBUG):
     (DeepSpeed's data axis)."""
     import torch.distributed as dist
 
-    from parallel.build import SequenceLoss
+    from parallel.model.build import SequenceLoss
     from parallel.weights.gather import full_tensors
 
     model.zero_grad(set_to_none=True)
@@ -141,7 +141,7 @@ def _variant(world_size, variant, folder):
 
 
 def test_ltx2_in_every_layout(released):
-    from parallel.config import load_config
+    from parallel.experiment.config import load_config
 
     results = run_ranks(_rank, 4, [(v, str(released[v][0])) for v in VARIANTS])
     for variant in VARIANTS:

@@ -6,7 +6,7 @@ exported back from tp 2 (`python -m parallel.export --format opensora`'s writer)
 """
 import torch
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from tests.dist_utils import run_ranks
 from tests.helpers.opensora2 import OPENSORA, checkpoint, coinciding_release, diffusers_prediction, inputs  # noqa: F401
 
@@ -18,10 +18,10 @@ def _rank(rank, world_size, folder, path, export_dir):
 
     import deepspeed
 
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed import accelerator
     from parallel.distributed.topology import ParallelContext, ParallelDims
-    from parallel.train.validate import StageForward
+    from parallel.validation.validate import StageForward
     from parallel.weights.diffusers import load_released
     from parallel.weights.opensora import export_opensora
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.train.probe import storage_key
 from parallel.plan.memory import plan_memory
 from parallel.plan.trace import ActivationTracer
@@ -101,7 +101,7 @@ def _states_rank(rank, world_size):
                      "activations": m.activations, "optimizer": type(trainer.engine.optimizer).__name__,
                      "stage": ctx.pp_rank, "largest_all_reduce": max(reduced, default=0)}
     # A real tp = 2 block (its collectives run): what its forward saves, for the tp trace below.
-    from parallel.build import layer_specs
+    from parallel.model.build import layer_specs
     tp_ctx = contexts[(2, 1, 1, 1)]
     block = layer_specs(experiment(2, 1, 1), tp_ctx)[1].build()
     x = torch.randn(B, 56, 64, requires_grad=True)

@@ -19,7 +19,7 @@ SCHEDULE = ("train.warmup_steps=2", "train.max_steps=6")          # the lr moves
 
 
 def _build(layout, tmp):
-    from parallel.config import load_config
+    from parallel.experiment.config import load_config
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.train.engine import build_trainer
@@ -41,8 +41,8 @@ def _train(layout, tmp, steps, save_at=None, resume=None):
     (losses, lrs, full weights, full EMA) of this rank."""
     import deepspeed
 
-    from parallel.train import checkpoint
-    from parallel.train.ema import full_ema
+    from parallel.checkpoints import checkpoint
+    from parallel.weights.ema import full_ema
     from parallel.weights.gather import full_state
 
     cfg, ctx, trainer, training_batches = _build(layout, tmp)

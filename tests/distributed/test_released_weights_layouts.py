@@ -16,7 +16,7 @@ import torch
 from diffusers import CogVideoXTransformer3DModel
 from safetensors.torch import load_file
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.weights.diffusers import INDEX_NAME, load_released
 from tests.dist_utils import run_ranks
 from tests.unit import cogvideox_variants as variants
@@ -35,10 +35,10 @@ def _layouts_rank(rank, world_size, folders, export_dir, folders15):
     import deepspeed
 
     from parallel.distributed import accelerator
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.weights.diffusers_export import export_diffusers
     from parallel.distributed.topology import ParallelContext, ParallelDims
-    from parallel.train.validate import StageForward
+    from parallel.validation.validate import StageForward
 
     deepspeed.init_distributed(dist_backend=accelerator.backend())
     inputs, out = _inputs(), {}

@@ -20,7 +20,7 @@ one spawn, the one-process references in another.
 """
 import torch
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.distributed.sequence import padded_length
 from parallel.plan.search import ring_traffic
 from tests.dist_utils import run_ranks
@@ -46,7 +46,7 @@ STEPS = 2
 
 
 def _model(folder, sp, ring, world_size):
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.weights.diffusers import load_released
 
@@ -61,7 +61,7 @@ def _grads(folder, sp, ring, world_size, x, target):
     """The full parameter gradients of the sp loss, averaged over the sp ranks, and the bytes this rank isent."""
     import torch.distributed as dist
 
-    from parallel.build import SequenceLoss
+    from parallel.model.build import SequenceLoss
     from parallel.weights.gather import full_tensors
 
     cfg, ctx, model = _model(folder, sp, ring, world_size)
@@ -91,7 +91,7 @@ def _rank(rank, world_size, folder):
     import deepspeed
 
     from parallel.distributed import accelerator
-    from parallel.train.validate import StageForward
+    from parallel.validation.validate import StageForward
     from tests.train_utils import _train_rank
 
     deepspeed.init_distributed(dist_backend=accelerator.backend())
@@ -121,10 +121,10 @@ def _stdit_prediction(sp, ring, world_size):
 
     import torch.distributed as dist
 
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext, ParallelDims
-    from parallel.train.validate import StageForward
+    from parallel.validation.validate import StageForward
 
     cfg = load_config("debug-stdit", [*FRAMES, f"parallel.sp_size={sp}", f"parallel.ring_size={ring}"])
     ctx = ParallelContext.build(ParallelDims(sp_size=sp, ring_size=ring, dp_size=world_size // sp))

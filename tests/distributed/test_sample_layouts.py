@@ -42,8 +42,8 @@ def _train_and_save(argv, export_dir):
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext
     from parallel.sample import parse_args
-    from parallel.train import checkpoint
-    from parallel.train.ema import full_ema
+    from parallel.checkpoints import checkpoint
+    from parallel.weights.ema import full_ema
     from parallel.train.engine import build_trainer
     from parallel.train.run import checkpoint_layout, training_batches
     from parallel.weights.diffusers_export import export_diffusers

@@ -25,8 +25,8 @@ def _rank(rank, world_size):
     import deepspeed
 
     from models.diffusion import Objective
-    from parallel.build import build_model
-    from parallel.config import load_config
+    from parallel.model.build import build_model
+    from parallel.experiment.config import load_config
     from parallel.distributed import accelerator
     from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.train.data import DiffusionBatches

@@ -64,8 +64,8 @@ def _rank(rank, world_size, preset):
     from parallel.train.data import DiffusionBatches
     from models.diffusion import Objective
     from parallel.distributed import accelerator
-    from parallel.config import load_config
-    from parallel.build import build_model
+    from parallel.experiment.config import load_config
+    from parallel.model.build import build_model
     from parallel.train.run import build_dataset
     from parallel.distributed.topology import ParallelContext, ParallelDims
 

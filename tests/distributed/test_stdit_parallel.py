@@ -3,7 +3,7 @@ counted, and validation and sampling through a pipeline equal to one process (wh
 attention mixes: tests/unit/test_stdit.py)."""
 import torch
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from tests.dist_utils import run_ranks
 from tests.helpers.stdit import B, S
 
@@ -15,7 +15,7 @@ def _tp_rank(rank, world_size):
     from models.diffusion import Objective
     from parallel.distributed import accelerator
     from parallel.distributed.comm import count_comm, gather_shards
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.replicas import replica_mismatches
     from parallel.train.run import build_dataset
     from parallel.distributed.topology import ParallelContext, ParallelDims
@@ -78,7 +78,7 @@ VAL = ["val.every=1", "val.num_samples=3", "val.timesteps=[50, 950]", "val.num_p
 def _validate(cfg, engine, ctx):
     from models.diffusion import Objective
     from parallel.train.run import build_val_dataset
-    from parallel.train.validate import StageForward, sample_latents, validation_loss
+    from parallel.validation.validate import StageForward, sample_latents, validation_loss
 
     forward, dataset, objective = StageForward(engine, ctx), build_val_dataset(cfg), Objective(cfg.model.objective)
     return {"loss": validation_loss(forward, dataset, objective, cfg, ctx),
@@ -100,7 +100,7 @@ def _pipeline_rank(rank, world_size):
 def test_validation_and_sampling_through_a_pipeline_equal_one_process():
     """StageForward sends the four stage tensors between pipeline stages: pp = 2 gives the bits of the
     one-process model (built here, same seed), on both stages."""
-    from parallel.build import layer_specs
+    from parallel.model.build import layer_specs
     from parallel.distributed.pipeline import SequentialDiT
     from parallel.distributed.topology import ParallelContext
     from tests.train_utils import experiment

@@ -13,8 +13,8 @@ def _rank(rank, world_size):
     from models.diffusion import Objective
     from parallel.distributed import accelerator
     from parallel.distributed.comm import count_comm
-    from parallel.config import load_config
-    from parallel.build import build_model
+    from parallel.experiment.config import load_config
+    from parallel.model.build import build_model
     from parallel.distributed.replicas import replica_mismatches
     from parallel.train.run import build_dataset
     from parallel.distributed.topology import ParallelContext, ParallelDims

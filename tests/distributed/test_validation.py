@@ -51,13 +51,13 @@ def _ema_rank(rank, world_size, tp, pp, dp, stage):
     import os
     import sys
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    from parallel.train.ema import full_ema
+    from parallel.weights.ema import full_ema
     from parallel.train.engine import build_trainer
     from parallel.weights.gather import full_state
     from parallel.train.run import build_val_dataset, training_batches
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext, ParallelDims
-    from parallel.train.validate import Validator
+    from parallel.validation.validate import Validator
     from tests.train_utils import experiment
 
     cfg = experiment(tp, pp, dp, VAL + ["val.use_ema=true"])
@@ -79,11 +79,11 @@ def _ema_rank(rank, world_size, tp, pp, dp, stage):
 def _serial_from_weights(weights: dict) -> dict:
     """Validation of the one-process model loaded with `weights` (canonical names), in this process."""
     from models.diffusion import Objective
-    from parallel.build import layer_specs
+    from parallel.model.build import layer_specs
     from parallel.distributed.pipeline import SequentialDiT
     from parallel.train.run import build_val_dataset
     from parallel.distributed.topology import ParallelContext
-    from parallel.train.validate import StageForward, validation_loss
+    from parallel.validation.validate import StageForward, validation_loss
     from tests.train_utils import experiment
 
     cfg = experiment(1, 1, 1, VAL)

@@ -13,7 +13,7 @@ batch of both experts (M).
 - the second H leaves the low-noise expert as L left it, and the high-noise expert equals a one-expert run
   (`high_noise`) given the same two H batches, at its second step's lr (2 train.lr / 3, not the third step's);
 - each step's lr per expert is train.lr * f(the expert's own update count), in every layout;
-- the layout-free checkpoint copy (parallel/train/relayout.py) records each expert's step count (and the
+- the layout-free checkpoint copy (parallel/checkpoints/relayout.py) records each expert's step count (and the
   schedule's), and at one process the copy of step 1 (the low-noise expert never stepped) resumed gives steps
   2 to 4 bit for bit, at the same lrs.
 
@@ -59,7 +59,7 @@ def _snapshot(trainer, ctx, cfg, held=(0, 1)) -> dict:
 
     from parallel.distributed.deepspeed.optimizer import relink_optimizer_fragments, zero_holds_master
     from parallel.distributed.deepspeed.zero3 import full_shape
-    from parallel.build import expert_of_parameter
+    from parallel.model.build import expert_of_parameter
     from parallel.weights.gather import full_state
 
     engine, opt, n = trainer.engine, trainer.optimizer, cfg.model.num_layers
@@ -96,7 +96,7 @@ def _run(tp, pp, sp, dp, stage, folder, world_size):
     the step-1 copy resumed, and one-expert runs' snapshots after H, H and after L."""
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext, ParallelDims
-    from parallel.train import relayout
+    from parallel.checkpoints import relayout
     from parallel.train.engine import build_trainer
     from parallel.train.run import training_batches
 

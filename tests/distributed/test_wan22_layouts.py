@@ -42,10 +42,10 @@ def _export(folder, out):
     each; export it from tp 2 x pp 2 as diffusers folders."""
     import types
 
-    from parallel.build import build_model
-    from parallel.config import load_config
+    from parallel.model.build import build_model
+    from parallel.experiment.config import load_config
     from parallel.distributed.topology import ParallelContext, ParallelDims
-    from parallel.train.validate import StageForward
+    from parallel.validation.validate import StageForward
     from parallel.weights.diffusers import load_released
     from parallel.weights.diffusers_export import export_diffusers
     from tests.helpers.wan22_released import MIXED, inputs, overrides
@@ -124,7 +124,7 @@ def test_both_experts_train_alike_in_every_layout(tmp_path):
         assert any(".experts.1." in n for n in run["state"]) and any(".experts.0." in n for n in run["state"])
         assert_matches(run, reference)
     # Each expert's weights moved from their initial values over the three steps.
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.topology import ParallelContext
     from parallel.weights.gather import full_state
     cfg = experiment(1, 1, 1, (), 1, PRESET)

@@ -11,7 +11,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from tests.helpers.launchers import finish, run_env, start
 from tests.dist_utils import free_port
 

@@ -7,7 +7,7 @@ import torch
 from diffusers import HunyuanVideo15Transformer3DModel
 
 from models.hunyuanvideo15.released import DIFFUSERS
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from tests.released_utils import random_release, save_release
 
 

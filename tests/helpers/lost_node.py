@@ -7,7 +7,7 @@ import time
 import psutil
 import torch
 
-from parallel.train.checkpoint import complete_steps
+from parallel.checkpoints.checkpoint import complete_steps
 from tests.helpers.launchers import finish, kill_marked, marked_alive, train_args
 from tests.dist_utils import free_port
 

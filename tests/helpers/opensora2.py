@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from diffusers import HunyuanVideoTransformer3DModel
 from safetensors.torch import save_file
 
-from parallel.build import layer_specs
-from parallel.config import load_config
+from parallel.model.build import layer_specs
+from parallel.experiment.config import load_config
 from parallel.distributed.pipeline import SequentialDiT
 from parallel.distributed.topology import ParallelContext
 from parallel.weights.diffusers import CONFIG_NAME, WEIGHTS_NAME

@@ -28,12 +28,12 @@ def _validate_rank(rank, world_size, layouts, extra):
     import os
     import sys
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    from parallel.splits import ring_size
+    from parallel.experiment.splits import ring_size
     from parallel.train.engine import build_trainer
     from parallel.train.run import build_val_dataset
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext, ParallelDims
-    from parallel.train.validate import StageForward, validation_loss
+    from parallel.validation.validate import StageForward, validation_loss
     from tests.train_utils import experiment
 
     from models.diffusion import Objective
@@ -64,12 +64,12 @@ def _sample_rank(rank, world_size, layouts, out, extra=()):
     import sys
     from pathlib import Path
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    from parallel.splits import ring_size
+    from parallel.experiment.splits import ring_size
     from parallel.train.engine import build_trainer
     from parallel.train.run import build_val_dataset
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext, ParallelDims
-    from parallel.train.validate import Validator
+    from parallel.validation.validate import Validator
     from tests.train_utils import experiment
 
     frames = []

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from parallel.check import PREPARE, main
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from tests.helpers.prepare_data import CAPTIONS, SETS, vae_dir, videos  # noqa: F401  (fixtures: tiny VAE, clips)
 from tests.helpers.text_encoder import t5_dir  # noqa: F401  (fixture: tiny T5)
 

@@ -3,7 +3,7 @@ spike test against the running median, and an unreadable sample replaced by zero
 import pytest
 import torch
 
-from parallel.config import AnomalyConfig
+from parallel.experiment.config import AnomalyConfig
 from parallel.train.anomaly import AnomalyGuard, GuardedSamples
 
 

@@ -62,9 +62,9 @@ GRAPH = {name: {i[0] for i in imports} for name, imports in IMPORTS.items()}
 LAYERS = (
     ("primitives", ("parallel", "parallel.distributed")),
     ("models", ("models",)),
-    ("experiment", ("parallel.units", "parallel.cli", "parallel.config", "parallel.ds_config", "parallel.ds_keys",
-                    "parallel.shapes", "parallel.manifest", "parallel.splits", "parallel.host_memory")),
-    ("model build", ("parallel.recompute", "parallel.lora", "parallel.build", "parallel.lora_check")),
+    ("experiment", ("parallel.experiment.units", "parallel.experiment.cli", "parallel.experiment.config", "parallel.experiment.ds_config", "parallel.experiment.ds_keys",
+                    "parallel.experiment.shapes", "parallel.experiment.manifest", "parallel.experiment.splits", "parallel.experiment.host_memory")),
+    ("model build", ("parallel.model.recompute", "parallel.model.lora", "parallel.model.build", "parallel.model.lora_check")),
     ("weights, data", ("parallel.weights", "parallel.prepare_data")),
     ("training", ("parallel.train",)),
     ("commands", ("parallel.check", "parallel.elastic", "parallel.export", "parallel.sample", "parallel.verify",
@@ -299,7 +299,7 @@ def test_the_checks_see_a_violation():
         "models.cogvideox/)",
         "models/shared/mmdit.py:1: from models.hunyuanvideo.config import HunyuanVideoConfig  (models.shared.mmdit "
         "imports models.hunyuanvideo/)"]
-    assert "models.registry" in GRAPH["parallel.config"]
+    assert "models.registry" in GRAPH["parallel.experiment.config"]
     tree = ast.parse('if cfg.model.family == "stdit":\n    pass\n')
     compare = next(n for n in ast.walk(tree) if isinstance(n, ast.Compare))
     assert any(isinstance(o, ast.Attribute) and o.attr == "family" for o in [compare.left, *compare.comparators])

@@ -19,11 +19,11 @@ import weakref
 import pytest
 import torch
 
-from parallel.build import apply_block_swap, build_model
-from parallel.config import load_config
+from parallel.model.build import apply_block_swap, build_model
+from parallel.experiment.config import load_config
 from parallel.distributed import block_swap as swap_module
 from parallel.distributed.topology import ParallelContext
-from parallel.lora import apply_fp8_base
+from parallel.model.lora import apply_fp8_base
 from tests.helpers.batches import random_batch
 from tests.released_utils import nonzero_adapters
 from tests.train_utils import fp32_config
@@ -186,7 +186,7 @@ def test_to_leaves_swapped_weights_on_the_host_and_a_loaded_state_dict_is_used()
 ])
 def test_the_checker_refuses_what_block_swap_cannot_do(preset, keys, ds, expected):
     from parallel.check import check
-    from parallel.host_memory import uses_host
+    from parallel.experiment.host_memory import uses_host
     cfg = load_config(preset, ["train.block_swap=2", *keys])
     problems = check(cfg, ds, "ds.json", world_size=cfg.parallel.pp_size)[1]
     assert any(re.search(expected, p) for p in problems), problems

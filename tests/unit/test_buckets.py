@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from models.geometry import token_grid
-from parallel.build import build_model
-from parallel.config import load_config
+from parallel.model.build import build_model
+from parallel.experiment.config import load_config
 from parallel.distributed.topology import ParallelContext
-from parallel.shapes import choose_bucket, parse_shapes
+from parallel.experiment.shapes import choose_bucket, parse_shapes
 from parallel.train.buckets import BucketSchedule
 from parallel.train.data import DiffusionBatches, DirectoryLatents, check_shapes
 from models.diffusion import Objective
@@ -144,7 +144,7 @@ def test_checker_names_each_bucket_and_refuses_learned_positions(tmp_path, monke
     every other bucket, naming it."""
     from models.cogvideox.config import CogVideoXConfig
     from parallel.check import check_data_files, load_and_check, summary
-    from parallel.manifest import bucket_configs
+    from parallel.experiment.manifest import bucket_configs
 
     write_buckets(tmp_path)
     sets = ["data.kind=directory", f"data.path={tmp_path}", "parallel.sp_size=2"]
@@ -175,7 +175,7 @@ def test_validation_keeps_each_sample_shape(tmp_path):
     shape gives (the stages take the sample's grid, then the next training step's again)."""
     from types import SimpleNamespace
 
-    from parallel.train.validate import StageForward, validation_loss, validation_noise
+    from parallel.validation.validate import StageForward, validation_loss, validation_noise
 
     write_buckets(tmp_path)
     cfg = load_config("debug", ["data.kind=directory", f"data.path={tmp_path}", "val.timesteps=[100,800]"])

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from parallel.check import check, main, valid_tp_sizes
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 
 TP4_MESSAGE = ("model.num_heads=30 is not divisible by parallel.tp_size=4; tp sizes that divide every split "
                "dimension of this model: 1, 2, 3, 5, 6, 10, 15, 30")

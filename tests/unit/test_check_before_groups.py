@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from parallel.check import check_resume, load_and_check
-from parallel.config import ConfigError
-from parallel.train import checkpoint
+from parallel.experiment.config import ConfigError
+from parallel.checkpoints import checkpoint
 
 SAMPLING = ["val.every=2", "val.num_prompts=1"]
 

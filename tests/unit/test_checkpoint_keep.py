@@ -6,8 +6,8 @@ import json
 import pytest
 import torch.distributed as dist
 
-from parallel.train import checkpoint
-from parallel.train.checksums import file_crc32
+from parallel.checkpoints import checkpoint
+from parallel.checkpoints.checksums import file_crc32
 
 
 class Writer:

@@ -1,10 +1,10 @@
-"""Disk space around checkpoints (parallel/train/checkpoint.py) and resumed metrics (parallel/train/media.py),
+"""Disk space around checkpoints (parallel/checkpoints/checkpoint.py) and resumed metrics (parallel/validation/media.py),
 in one process: the figures a full disk is reported with, and each step once after a resume."""
 import json
 
-from parallel.train.checkpoint import MARKER, predicted_bytes, space_problem
-from parallel.train.media import latest_rows
-from parallel.units import MiB
+from parallel.checkpoints.checkpoint import MARKER, predicted_bytes, space_problem
+from parallel.validation.media import latest_rows
+from parallel.experiment.units import MiB
 
 
 def complete(directory, step, size):

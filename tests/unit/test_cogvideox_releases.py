@@ -13,7 +13,7 @@ from models.__main__ import summary
 from models.geometry import latent_shape, pad_frames, token_grid, video_latent
 from models.registry import sequence_tokens
 from parallel.check import check
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.weights.diffusers import check_released, diffusers_config
 from tests.unit.cogvideox_variants import overrides
 from tests.helpers.prepare_data import vae_dir, videos  # noqa: F401  (fixtures: clips, a tiny VAE)
@@ -124,11 +124,11 @@ def test_i2v_validation_conditions_on_each_samples_first_frame():
     import types
 
     from models.diffusion import Objective
-    from parallel.build import layer_specs
+    from parallel.model.build import layer_specs
     from parallel.distributed.pipeline import SequentialDiT
     from parallel.distributed.topology import ParallelContext
     from parallel.train.run import build_val_dataset
-    from parallel.train.validate import StageForward, validation_loss, validation_noise
+    from parallel.validation.validate import StageForward, validation_loss, validation_noise
 
     cfg = load_config("debug", ["model.patch_size_t=2", "model.pos_embed=rope3d", "model.image_condition=true",
                                 "model.ofs_embed_dim=32", "val.num_samples=2", "val.timesteps=[100,700]"])

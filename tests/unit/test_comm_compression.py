@@ -3,7 +3,7 @@ communication_data_type, ZeRO++ and train.compile, and the planner's byte model 
 import pytest
 
 from parallel.check import DeviceDtypes, check
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.plan.memory import EngineSettings
 from parallel.plan.search import QUANT_GROUP, dp_bytes
 

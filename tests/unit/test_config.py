@@ -2,7 +2,7 @@
 import pytest
 import yaml
 
-from parallel.config import CONFIG_DIR, ConfigError, ExperimentConfig, load_config
+from parallel.experiment.config import CONFIG_DIR, ConfigError, ExperimentConfig, load_config
 
 
 def test_presets_carry_the_published_dimensions():

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from parallel.distributed.deepspeed.checkpoint import INLINE, CrcWriter
-from parallel.train import safetensors_crc
+from parallel.checkpoints import safetensors_crc
 
 
 def _crc(path) -> str:
@@ -63,8 +63,8 @@ def test_safetensors_through_the_writer_are_save_files_bytes_and_crc(tmp_path):
 def test_the_layout_free_copy_returns_the_crc_of_every_file_it_wrote(tmp_path):
     """relayout.write hashes what it writes (rank 0: its safetensors file and state.json), so
     checkpoint._checksum_files reads none of them back."""
-    from parallel.train import relayout
-    from parallel.train.checksums import file_crc32
+    from parallel.checkpoints import relayout
+    from parallel.checkpoints.checksums import file_crc32
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     try:

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import save_file
 
 from parallel.check import check_data_files
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.train.data import MAX_SHAPE_PROBLEMS, check_shapes, stored_shape
 
 

@@ -344,7 +344,7 @@ def test_shm_buffer_name_is_the_one_deepspeed_creates():
            "it no longer reads LOCAL_SIZE, MASTER_ADDR and MASTER_PORT")
 
 
-# -- zero_holds_master (read by train/relayout.py) ---------------------------------------------------------
+# -- zero_holds_master (read by checkpoints/relayout.py) ---------------------------------------------------------
 
 def test_zero_holds_master_relies_on_the_safe_accessors_and_state_views():
     import importlib

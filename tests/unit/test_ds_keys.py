@@ -7,8 +7,8 @@ import os
 import pytest
 
 from parallel.check import check
-from parallel.config import load_config
-from parallel.ds_keys import KEYS, REFUSED, STAGE3_ONLY, SUBKEYS, ZERO_KEYS, render
+from parallel.experiment.config import load_config
+from parallel.experiment.ds_keys import KEYS, REFUSED, STAGE3_ONLY, SUBKEYS, ZERO_KEYS, render
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,14 +56,14 @@ def test_table_has_every_key_deepspeed_reads_and_no_other(monkeypatch):
 
     read = keys_deepspeed_reads(monkeypatch)
     assert len(read) > 50
-    assert sorted(read - KEYS.keys()) == [], "keys DeepSpeed reads that parallel/ds_keys.py does not decide"
-    assert sorted(KEYS.keys() - read) == [], "keys in parallel/ds_keys.py that DeepSpeed no longer reads"
+    assert sorted(read - KEYS.keys()) == [], "keys DeepSpeed reads that parallel/experiment/ds_keys.py does not decide"
+    assert sorted(KEYS.keys() - read) == [], "keys in parallel/experiment/ds_keys.py that DeepSpeed no longer reads"
     assert [k for k in ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS if KEYS[k].verdict != REFUSED] == []
 
 
 def test_docs_are_the_rendered_table():
     with open(os.path.join(ROOT, "docs", "deepspeed-keys.md")) as f:
-        assert f.read() == render(), "regenerate: python -m parallel.ds_keys > docs/deepspeed-keys.md"
+        assert f.read() == render(), "regenerate: python -m parallel.experiment.ds_keys > docs/deepspeed-keys.md"
 
 
 @pytest.mark.parametrize("key", sorted(k for k, v in KEYS.items() if v.verdict == REFUSED))

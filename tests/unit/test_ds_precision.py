@@ -3,7 +3,7 @@
 import pytest
 
 from parallel.check import DeviceDtypes, check, main
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from tests.helpers.ds_precision import fp16_json  # noqa: F401  (fixtures)
 
 

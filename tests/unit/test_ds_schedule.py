@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from parallel.check import check
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.train.schedule import SCHEDULERS, schedule_factor
 
 

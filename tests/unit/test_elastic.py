@@ -5,7 +5,7 @@ import json
 import pytest
 
 from parallel.check import load_and_check
-from parallel.config import ConfigError
+from parallel.experiment.config import ConfigError
 from parallel.elastic import ENV, check_elastic, elastic_worlds
 
 TP2 = ["parallel.tp_size=2"]

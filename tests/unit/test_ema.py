@@ -3,8 +3,8 @@ tests/distributed/test_ema_layouts.py; exact resume with the EMA: tests/cli/test
 import pytest
 import torch
 
-from parallel.config import load_config
-from parallel.build import layer_specs
+from parallel.experiment.config import load_config
+from parallel.model.build import layer_specs
 from parallel.distributed.pipeline import SequentialDiT
 from parallel.train.optim import EmaAdamW, adamw_implementation, build_optimizer
 from parallel.distributed.topology import ParallelContext

@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from parallel.config import ConfigError, load_config
+from parallel.experiment.config import ConfigError, load_config
 from tests.helpers.family_registry import toy_registry
 
 TOY = "tests/toy_family/debug-toy.yaml"

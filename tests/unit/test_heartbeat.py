@@ -47,11 +47,11 @@ def test_the_collective_is_named_from_the_traceback():
     first caller outside torch.distributed and deepspeed.comm; nothing without a torch.distributed frame."""
     site = "/venv/lib/python3.11/site-packages"
     frame = lambda path, name: traceback.FrameSummary(path, 1, name)
-    stack = [frame("/repo/parallel/train/trainer.py", "fit"), frame("/repo/parallel/train/checkpoint.py", "_write"),
+    stack = [frame("/repo/parallel/train/trainer.py", "fit"), frame("/repo/parallel/checkpoints/checkpoint.py", "_write"),
              frame(f"{site}/torch/distributed/c10d_logger.py", "wrapper"),
              frame(f"{site}/torch/distributed/distributed_c10d.py", "all_gather_object"),
              frame(f"{site}/torch/distributed/distributed_c10d.py", "all_gather")]
-    assert collective_in(stack) == "all_gather_object from parallel/train/checkpoint.py _write"
+    assert collective_in(stack) == "all_gather_object from parallel/checkpoints/checkpoint.py _write"
     stack = [frame(f"{site}/deepspeed/runtime/engine.py", "allreduce_bucket"),
              frame(f"{site}/deepspeed/comm/comm.py", "all_reduce"), frame(f"{site}/deepspeed/comm/torch.py", "all_reduce"),
              frame(f"{site}/torch/distributed/distributed_c10d.py", "all_reduce")]

@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from parallel.build import layer_specs
-from parallel.config import load_config
+from parallel.model.build import layer_specs
+from parallel.experiment.config import load_config
 from parallel.distributed.pipeline import SequentialDiT
 from parallel.distributed.topology import ParallelContext
-from parallel.lora import LORA_WEIGHTS_NAME, apply_lora
+from parallel.model.lora import LORA_WEIGHTS_NAME, apply_lora
 from parallel.weights.diffusers import load_released
 from parallel.weights.lora_export import lora_tensors, write_lora
 from tests.released_utils import nonzero_adapters

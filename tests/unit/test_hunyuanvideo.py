@@ -12,7 +12,7 @@ from diffusers import HunyuanVideoTransformer3DModel
 
 from models.__main__ import summary
 from models.hunyuanvideo.released import DIFFUSERS
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.distributed.topology import ParallelContext
 from parallel.weights.diffusers import check_released
 from tests.released_utils import read_release
@@ -96,7 +96,7 @@ def test_wrong_config_is_refused_by_key(released, tmp_path):
 def test_recompute_gives_the_same_gradients(granularity):
     """train.recompute's parts (attn.core; the dual block's FFNs and the single block's MLP activation; the whole
     block) exist in both kinds of block and change no number."""
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.seed import seed_all
 
     grads = []

@@ -12,7 +12,7 @@ from diffusers import HunyuanVideo15Transformer3DModel
 
 from models.__main__ import summary
 from models.hunyuanvideo15.released import DIFFUSERS
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.weights.diffusers import check_released
 from tests.released_utils import read_release
 from tests.helpers.hunyuanvideo15 import C, diffusers_forward, inputs, overrides

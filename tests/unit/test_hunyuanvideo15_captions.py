@@ -9,7 +9,7 @@ import json
 import torch
 
 from models.hunyuanvideo15.captions import CROP_START, SYSTEM_MESSAGE, QwenByT5TextEncoder, glyph_text
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.train.run import build_dataset
 from tests.helpers.hunyuanvideo15_captions import GLYPH, GLYPH_LEN, IMAGE_LEN, QWEN, QWEN_LEN, ROWS
 from tests.helpers.hunyuanvideo15_captions import release  # noqa: F401  (fixtures)

@@ -17,7 +17,7 @@ from PIL import Image
 from models.diffusion import Objective
 from models.hunyuanvideo15 import SPEC
 from models.sampling import check_sampler, sample
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from models.registry import family
 from tests.helpers.hunyuanvideo15 import C, FRAMES, HEIGHT, IMAGE, WIDTH, overrides
 from tests.helpers.hunyuanvideo15 import released  # noqa: F401  (fixture)
@@ -39,9 +39,9 @@ class _NoVae(torch.nn.Module):
 
 
 def _toolkit_forward(folder, extra=()):
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.topology import ParallelContext
-    from parallel.train.validate import StageForward
+    from parallel.validation.validate import StageForward
     from parallel.weights.diffusers import load_released
 
     cfg = load_config("debug-hunyuan15", overrides(folder) + list(extra))

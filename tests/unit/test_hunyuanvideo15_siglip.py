@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from models.hunyuanvideo15.image import Hunyuan15ImageCondition
 from models.hunyuanvideo15.released import DIFFUSERS
 from models.hunyuanvideo15.siglip import encode_image_states, load_image_encoder, text_rows
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from tests.helpers.hunyuanvideo15_captions import _NoVae, release  # noqa: F401  (fixture: text folders)
 from tests.helpers.hunyuanvideo15 import released  # noqa: F401  (fixture: the tiny transformer)
 from tests.helpers.hunyuanvideo15_siglip import IMAGE, IMAGE_DIM, HEIGHT, SETS, WIDTH, _prepare, save_vae
@@ -69,7 +69,7 @@ def validation_rows(cfg, dataset):
     unconditional call of guidance too (a recording forward: the text input of every call)."""
     from models.diffusion import Objective
     from parallel.distributed.topology import ParallelContext
-    from parallel.train.validate import sample_latents, validation_loss
+    from parallel.validation.validate import sample_latents, validation_loss
 
     class Recorder:
         lockstep, texts = False, []

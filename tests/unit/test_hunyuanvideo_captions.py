@@ -15,7 +15,7 @@ from transformers import (CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
                           T5EncoderModel)
 
 from models.hunyuanvideo.captions import CROP_START, TEMPLATE, LlamaClipTextEncoder
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.train.run import build_dataset
 
 WORDS = ["<pad>", "<unk>", "<eos>", "system", "user", ":", ".", "describe", "the", "video", "a", "red", "square",

@@ -14,7 +14,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
 from models.diffusion import Objective
 from models.hunyuanvideo import SPEC
 from models.sampling import check_sampler, linear_flow_sigmas, sample, sampling_timesteps
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from tests.helpers.hunyuanvideo import FRAMES, HEIGHT, LLAMA, POOLED, TEXT, WIDTH, overrides, released  # noqa: F401
 
 
@@ -35,9 +35,9 @@ def _caption(g, real: int):
 
 
 def test_pipeline_latents_equal_the_toolkit_sampler(released):  # noqa: F811
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.topology import ParallelContext
-    from parallel.train.validate import StageForward
+    from parallel.validation.validate import StageForward
     from parallel.weights.diffusers import load_released
 
     folder, transformer = released

@@ -62,7 +62,7 @@ def test_i2v_sample_command_refuses_missing_or_wrong_images(tmp_path, capsys):
     assert "3 pictures for 2 prompts; give 1 or 2" in err and "--image needs the VAE" in err
     # A text-to-video model takes no image.
     from parallel.check import check
-    from parallel.config import load_config
+    from parallel.experiment.config import load_config
     from parallel.sample import check_args, parse_args
     args = parse_args(["--config", "debug", "--prompt-embeds", str(tmp_path / "prompt.safetensors"), "--image",
                        str(tmp_path / "picture0.png"), "--out", str(tmp_path / "x.safetensors")])

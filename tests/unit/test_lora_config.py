@@ -1,8 +1,8 @@
-"""model.lora: typed keys, targets checked against the model before any process group (parallel/lora.py)."""
+"""model.lora: typed keys, targets checked against the model before any process group (parallel/model/lora.py)."""
 import pytest
 
 from parallel.check import load_and_check
-from parallel.config import ConfigError, load_config
+from parallel.experiment.config import ConfigError, load_config
 
 
 def test_unknown_lora_key_is_refused_with_a_suggestion():
@@ -29,7 +29,7 @@ def test_a_target_matching_nothing_is_named_with_the_names_that_exist():
 
 def test_adapters_start_as_peft_starts_them():
     """A from the seed and the layer's name (the same in every layout), B zero; the base frozen."""
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.topology import ParallelContext
     cfg = load_config("debug", ["model.lora.rank=4"])
     one, two = (build_model(cfg, {}, ParallelContext.single()) for _ in range(2))

@@ -1,5 +1,5 @@
 """model.lora.base_dtype: float8_e4m3fn, one process: the frozen base's tensor-parallel linear weights stored as
-fp8 + one fp32 scale each (parallel/distributed/layers.py quantise_base, parallel/lora.py apply_fp8_base).
+fp8 + one fp32 scale each (parallel/distributed/layers.py quantise_base, parallel/model/lora.py apply_fp8_base).
 
 * A layer's dequantised weight equals fp8(W / s) s with s = amax|W| / 448 done by hand, bit for bit; its output
   equals x (that weight)^T + b, and differs from the full-precision layer's by no more than e4m3's rounding
@@ -13,12 +13,12 @@ fp8 + one fp32 scale each (parallel/distributed/layers.py quantise_base, paralle
 import pytest
 import torch
 
-from parallel.build import build_model
+from parallel.model.build import build_model
 from parallel.check import load_and_check
-from parallel.config import ConfigError, load_config
+from parallel.experiment.config import ConfigError, load_config
 from parallel.distributed.layers import FP8, ColumnParallelLinear, RowParallelLinear
 from parallel.distributed.topology import ParallelContext
-from parallel.lora import apply_fp8_base, tp_linears
+from parallel.model.lora import apply_fp8_base, tp_linears
 
 FP8_ARGS = ["model.lora.rank=4", "model.lora.base_dtype=float8_e4m3fn"]
 

@@ -10,10 +10,10 @@ import torch
 from diffusers import LTX2VideoTransformer3DModel
 
 from models.__main__ import summary
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.plan.search import count_params
 from parallel.plan.trace import ActivationTracer
-from parallel.splits import valid_tp_sizes
+from parallel.experiment.splits import valid_tp_sizes
 from parallel.weights.diffusers import check_released
 from tests.helpers.ltx2 import (AUDIO, DIFFUSERS_TINY, FRAMES, HEIGHT, LTX23, VARIANTS, WIDTH, B,  # noqa: F401
                                diffusers_forward, inputs, overrides, release, released)
@@ -68,11 +68,11 @@ def test_the_plan_traces_both_streams_as_a_real_block_saves_them(dtype):
     captions as views), whose outputs equal the plain block's; under sp a rank's video share and the whole audio."""
     import deepspeed
 
-    from parallel.build import layer_specs
+    from parallel.model.build import layer_specs
     from parallel.distributed.pipeline import checkpoint_x_only
     from parallel.distributed.topology import ParallelContext
     from parallel.plan.trace import table_storages
-    from parallel.recompute import checkpointed_block
+    from parallel.model.recompute import checkpointed_block
     from tests.helpers.plan import saved_bytes
 
     cfg = load_config("debug-ltx2")
@@ -133,7 +133,7 @@ def test_a_run_is_refused_by_name_and_the_planner_plans_it(capsys):
     """train.py's checks (load_and_check) refuse training; the layout's verdict (`check`, the planner's) has no
     problem, and python -m parallel.plan sizes the model with diffusers' parameter count."""
     from parallel.check import check, load_and_check
-    from parallel.config import ConfigError
+    from parallel.experiment.config import ConfigError
     from tests.helpers.plan import cli
 
     with pytest.raises(ConfigError) as refused:

@@ -1,6 +1,6 @@
 """`python -m models`' summary: parameter counts on the meta device (split from tests/cli/test_train_cli.py)."""
 from models.__main__ import summary
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 
 
 def test_model_summary_counts_published_sizes():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.distributed import offload as offload_module
 from parallel.plan.memory import plan_memory
 from parallel.plan.trace import ActivationTracer
@@ -28,7 +28,7 @@ OPTIONS = {"block": (["train.recompute.granularity=block"], False),
 def _model(cfg, checkpointing: bool):
     import deepspeed
 
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext
 
@@ -118,8 +118,8 @@ def test_a_host_without_the_memory_the_plan_needs_is_refused_before_launch(monke
     """train.py's checks (load_and_check with train.py's planner) plan the node's host bytes: two processes a node at tp 2 need twice one's
     host line; one byte less free is refused, naming the key, exactly that much is accepted."""
     from parallel.check import load_and_check
-    from parallel.config import ConfigError
-    from parallel.host_memory import uses_host
+    from parallel.experiment.config import ConfigError
+    from parallel.experiment.host_memory import uses_host
     from parallel.plan.memory import run_plan
 
     keys = ["train.recompute.granularity=block", "train.offload_activations=true", "parallel.tp_size=2",

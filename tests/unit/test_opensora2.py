@@ -15,8 +15,8 @@ text_mask false, cond_embed, rope_theta 10000), in one process:
 import torch
 from safetensors.torch import load_file
 
-from parallel.build import layer_specs
-from parallel.config import load_config
+from parallel.model.build import layer_specs
+from parallel.experiment.config import load_config
 from parallel.distributed.pipeline import SequentialDiT
 from parallel.distributed.topology import ParallelContext
 from parallel.weights.diffusers import check_released, load_released

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from models.diffusion import Objective, open_sora_shift
 from models.hunyuanvideo import SPEC
 from models.sampling import open_sora_sigmas, sample, sampling_timesteps
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.distributed.topology import ParallelContext
 from parallel.weights.opensora import load_opensora
 from tests.helpers.opensora2 import checkpoint, config, inputs, opensora_forward, random_model  # noqa: F401

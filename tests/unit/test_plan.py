@@ -11,7 +11,7 @@ import shlex
 import pytest
 import torch
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.plan.memory import plan_memory
 from parallel.plan.trace import ActivationTracer
 from tests.helpers.plan import B, GiB, STATES, cli, saved_bytes
@@ -38,7 +38,7 @@ def test_block_activations_match_the_real_block(dtype, preset):
     real embed stage's outputs: saved bytes with and without checkpointing."""
     import deepspeed
 
-    from parallel.build import layer_specs
+    from parallel.model.build import layer_specs
 
     from parallel.distributed.pipeline import checkpoint_x_only
     from parallel.distributed.topology import ParallelContext
@@ -70,7 +70,7 @@ def test_model_activations_match_a_real_forward(checkpointing, preset):
     a real fp32 forward of embed, 4 blocks, final and loss through build_model."""
     import deepspeed
 
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.topology import ParallelContext
     from tests.train_utils import fp32_config
 
@@ -124,7 +124,7 @@ def test_model_states_against_deepspeeds_estimators(stage):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    from parallel.build import layer_specs
+    from parallel.model.build import layer_specs
 
     from parallel.distributed.pipeline import SequentialDiT
     from parallel.distributed.topology import ParallelContext
@@ -157,7 +157,7 @@ FIVE_B = ["--config", "configs/cogvideox-5b.yaml", "--world-size", "8", "--devic
 
 def rank_params(preset: str, tp: int) -> list[tuple[int, int]]:
     """(numel, ndim) of one tp rank's parameters, from the model built on the meta device."""
-    from parallel.build import layer_specs
+    from parallel.model.build import layer_specs
     from parallel.distributed.pipeline import SequentialDiT
     from parallel.distributed.topology import ParallelContext
     with torch.device("meta"):

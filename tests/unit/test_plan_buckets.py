@@ -7,12 +7,12 @@ import pytest
 
 from models.geometry import latent_shape, token_grid
 from models.registry import sequence_tokens
-from parallel.config import CONFIG_DIR, load_config
+from parallel.experiment.config import CONFIG_DIR, load_config
 from parallel.distributed.sequence import padded_length
 from parallel.plan.memory import EngineSettings
 from parallel.plan.search import DEVICES, estimate_step_time
 from parallel.plan.trace import ActivationTracer
-from parallel.shapes import bucket_data
+from parallel.experiment.shapes import bucket_data
 from tests.buckets_utils import SHAPES, write_buckets
 
 LONG = ["--config", "configs/cogvideox-5b-long.yaml", "--deepspeed_config", "ds_configs/zero2_bf16_long.json",
@@ -38,7 +38,7 @@ def fixed_shape(capsys, argv, shape, sets=()):
 
 def step_time(cfg, ds_path, dp, shape, device="a100-80gb", per_node=8):
     """estimate_step_time of the experiment fixed at `shape`, as plan.search computes it for a layout."""
-    from parallel import ds_config as dsc
+    from parallel.experiment import ds_config as dsc
     from parallel.plan.memory import plan_memory
     ds = dsc.read_ds_config(ds_path)
     cfg = cfg.model_copy(update={"data": bucket_data(cfg.data, shape)})
@@ -127,7 +127,7 @@ def test_preset_buckets_make_whole_latents_and_patches(preset):
     whole patches (the latent frames padded to whole temporal patches, as CogVideoX 1.5's pipeline pads),
     and the checker training uses finds nothing; the preset's own shape is one of its buckets."""
     from parallel.check import check_data_files
-    from parallel.shapes import preset_bucket_problems
+    from parallel.experiment.shapes import preset_bucket_problems
     cfg = load_config(preset)
     m, shapes = cfg.model, cfg.data.buckets
     assert len(shapes) >= 4 and (cfg.data.num_frames, cfg.data.height, cfg.data.width) in shapes

@@ -11,7 +11,7 @@ import tempfile
 import pytest
 import torch
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.plan.cli import main
 from parallel.plan.search import DEVICES, Device, search
 from parallel.plan.trace import ActivationTracer

@@ -80,7 +80,7 @@ def test_stdit_step_time_counts_one_ring_attention_a_layer():
     m x L x ((1 + f) forward + backward bytes) / link, f = 0 here."""
     import torch
 
-    from parallel.config import load_config
+    from parallel.experiment.config import load_config
     from parallel.plan.memory import EngineSettings
     from parallel.plan.search import Device, estimate_step_time, ring_traffic
     from parallel.plan.trace import ActivationTracer

@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 
 from parallel.train.data import DirectoryLatents
 from models.diffusion import Objective
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.prepare_data.frames import VideoError, clip_indices, frame_indices, read_clip, resize_crop
-from parallel.train.media import load_decoder, to_uint8
+from parallel.validation.media import load_decoder, to_uint8
 from parallel.distributed.seed import derive_seed
 from tests.helpers.text_encoder import t5_dir  # noqa: F401  (fixture: tiny T5, d_model 32, 8 words)
 from tests.helpers.prepare_data import CAPTIONS, SETS, lines, run, write_video
@@ -53,7 +53,7 @@ def test_latents_and_text_are_what_the_vae_and_t5_give(videos, vae_dir, t5_dir, 
 
 
 def test_training_reads_the_prepared_folder(prepared):
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.train.run import build_dataset, training_batches
     from parallel.distributed.topology import ParallelContext
 
@@ -192,7 +192,7 @@ def test_frame_choice_and_resize():
 
 
 def test_validation_decodes_with_the_vae_folder(vae_dir, tmp_path):
-    from parallel.train.validate import write_samples
+    from parallel.validation.validate import write_samples
 
     vae = AutoencoderKLCogVideoX.from_pretrained(vae_dir).eval()
     latent = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))

@@ -10,7 +10,7 @@ from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipe
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, UMT5EncoderModel
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.prepare_data.frames import frame_indices
 from tests.helpers.prepare_data import lines, vae_dir, videos  # noqa: F401  (fixtures: clips, CogVideoX VAE)
 from tests.helpers.text_encoder import VOCAB, t5_dir  # noqa: F401  (fixture: tiny T5)
@@ -65,7 +65,7 @@ def test_latents_and_text_are_what_diffusers_and_the_wan_pipeline_give(videos, w
 
 def test_training_steps_from_the_prepared_folder(prepared):
     from models.diffusion import Objective
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.check import check_data_files, check_unconditional
     from parallel.distributed.seed import derive_seed
     from parallel.distributed.topology import ParallelContext
@@ -144,7 +144,7 @@ def test_validation_decodes_as_the_wan_pipeline(wan_vae_dir):
     """vae_decoder on a Wan VAE folder against WanPipeline.__call__'s decode path: a transformer that predicts
     zero velocity and one Euler step leave the given latents unchanged, so the pipeline decodes exactly them."""
     from models.vae import vae_decoder
-    from parallel.train.media import load_decoder, to_uint8
+    from parallel.validation.media import load_decoder, to_uint8
 
     latent = torch.randn(4, 3, 4, 4, generator=torch.Generator().manual_seed(0))
     transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8,

@@ -1,4 +1,4 @@
-"""Selective recomputation and activation compression (parallel/recompute.py) in one process: every
+"""Selective recomputation and activation compression (parallel/model/recompute.py) in one process: every
 recompute option gives the no-checkpointing loss and gradients; compression moves them by a bounded amount;
 the checker refuses train.recompute together with the JSON's activation_checkpointing."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from tests.train_utils import fp32_config
 
 B = 2
@@ -18,10 +18,10 @@ OPTIONS = {"block": ["train.recompute.granularity=block"], "attention": ["train.
 def loss_and_grads(preset: str, extra=(), on_pack=None):
     """Loss and parameter gradients of one fp32 forward/backward of `preset` at micro-batch 2 (fixed inputs)."""
     from models.geometry import latent_shape
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext
-    from parallel.recompute import apply_recompute
+    from parallel.model.recompute import apply_recompute
 
     cfg = load_config(preset, [f"train.micro_batch_size={B}", *extra])
     seed_all(cfg.train.seed)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.plan.memory import plan_memory
 from parallel.train.probe import storage_key
 from parallel.plan.trace import ActivationTracer
@@ -25,10 +25,10 @@ def measured_bytes(cfg) -> int:
     """Bytes autograd keeps after one real forward of the model with cfg's options: distinct storages seen by
     an outer saved-tensor hook (parameters and buffers skipped) plus what compressed blocks store."""
     from models.geometry import latent_shape
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext
-    from parallel.recompute import apply_recompute
+    from parallel.model.recompute import apply_recompute
 
     seed_all(0)
     bare = cfg.train.model_copy(update={"recompute": None, "activation_compression": None})

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from models.diffusion import Objective
 from parallel.check import check_unconditional, load_and_check
-from parallel.config import ConfigError, load_config
+from parallel.experiment.config import ConfigError, load_config
 from parallel.distributed.topology import ParallelContext
 from parallel.train.data import DiffusionBatches, DirectoryLatents, SyntheticLatents
 from parallel.train.run import build_val_dataset
@@ -94,7 +94,7 @@ def test_missing_unconditional_is_refused_by_name_before_training(tmp_path):
 
 
 def test_guided_validation_samples_feed_the_unconditional_embedding():
-    from parallel.train.validate import sample_latents
+    from parallel.validation.validate import sample_latents
 
     cfg = load_config("debug", ["val.every=1", "val.num_prompts=1", "val.guidance_scale=4", "val.sample_steps=2",
                                 "val.sampler=dpm"])

@@ -15,7 +15,7 @@ from diffusers import CogVideoXDDIMScheduler, CogVideoXDPMScheduler, CogVideoXPi
 from models.config import NoiseSchedule
 from models.diffusion import Objective
 from models.sampling import ddpm_timesteps, guidance_at, sample, sampling_timesteps
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from tests.helpers.release_sampling import (BATCH, CASES, FRAMES, HEADS, HEAD_DIM, RELEASE, SCHEDULERS, SIZE, TEXT,
                                             _transformer, batch_files, pipeline_latents, sample_argv)
 
@@ -100,9 +100,9 @@ def test_dpm_needs_a_generator_and_samplers_fit_their_objective():
 
 
 def _toolkit_predictor(pos, folder, shift):
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.topology import ParallelContext
-    from parallel.train.validate import StageForward
+    from parallel.validation.validate import StageForward
     from parallel.weights.diffusers import load_released
 
     cfg = load_config("debug", ["model.num_layers=2", f"model.hidden_size={HEADS * HEAD_DIM}",

@@ -9,7 +9,7 @@ from diffusers import CogVideoXDDIMScheduler, CogVideoXDPMScheduler, CogVideoXTr
 
 from models.diffusion import Objective
 from parallel.check import load_and_check
-from parallel.config import ConfigError, load_config
+from parallel.experiment.config import ConfigError, load_config
 from parallel.weights.scheduler import check_scheduler
 
 RELEASE = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "clip_sample": False,

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from parallel.check import load_and_check
-from parallel.config import ConfigError, load_config
+from parallel.experiment.config import ConfigError, load_config
 from parallel.weights.diffusers import INDEX_NAME, check_released, load_released
 from tests.helpers.released_weights import overrides
 from tests.helpers.released_weights import released  # noqa: F401  (fixtures)
@@ -53,7 +53,7 @@ def test_missing_and_unexpected_tensors_are_listed(released, tmp_path):
     assert check_released(cfg.model, folder) == [
         f"{folder}: 1 tensors of CogVideoXTransformer3DModel are missing: {gone}",
         f"{folder}: 1 tensors have no place in the toolkit's model: transformer_blocks.1.attn1.to_added.weight"]
-    from parallel.build import layer_specs
+    from parallel.model.build import layer_specs
     from parallel.distributed.pipeline import SequentialDiT
     from parallel.distributed.topology import ParallelContext
     model = SequentialDiT(layer_specs(cfg, ParallelContext.single()))

@@ -8,8 +8,8 @@ from PIL import Image
 
 from models.diffusion import Objective
 from models.sampling import sample, sampling_timesteps
-from parallel.train.media import (Sample, latent_preview, load_decoder, plot_losses, to_uint8, write_gif, write_index,
-                            write_mp4)
+from parallel.validation.media import (Sample, latent_preview, load_decoder, plot_losses, to_uint8, write_gif,
+                                       write_index, write_mp4)
 
 SHAPE = (2, 4, 3, 4, 4)     # B, C, T, H, W
 

@@ -3,12 +3,12 @@ validation and sampling through a pipeline: tests/distributed/test_stdit_paralle
 import pytest
 import torch
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from tests.helpers.stdit import B, H, S, T, W
 
 
 def _block(temporal: bool):
-    from parallel.build import layer_specs
+    from parallel.model.build import layer_specs
     from parallel.distributed.topology import ParallelContext
     layer = layer_specs(load_config("debug-stdit"), ParallelContext.single())[1].build()
     return layer.temporal if temporal else layer.spatial

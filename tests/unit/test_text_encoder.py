@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import T5EncoderModel
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.train.run import build_dataset
 from tests.helpers.text_encoder import t5_dir  # noqa: F401  (fixtures)
 

@@ -1,12 +1,12 @@
-"""parallel.units (sizes, dtypes, parameter counts) and parallel.cli (the shared experiment flags)."""
+"""parallel.experiment.units (sizes, dtypes, parameter counts) and parallel.experiment.cli (the shared experiment flags)."""
 import argparse
 
 import pytest
 import torch
 from torch import nn
 
-from parallel.cli import Parser, add_experiment_args, size_arg
-from parallel.units import BYTES, DTYPES, count_parameters, format_size, gib, parse_size
+from parallel.experiment.cli import Parser, add_experiment_args, size_arg
+from parallel.experiment.units import BYTES, DTYPES, count_parameters, format_size, gib, parse_size
 
 
 @pytest.mark.parametrize("text, n", [("5GB", 5 * 10 ** 9), ("500MiB", 500 * 2 ** 20), ("1000", 1000),

@@ -10,7 +10,7 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from models.__main__ import summary
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.weights.diffusers import check_released
 from tests.released_utils import read_release
 from tests.helpers.wan import FRAMES, HEIGHT, WIDTH, diffusers_forward, inputs, overrides

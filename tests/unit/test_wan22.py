@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from models.diffusion import Objective
-from parallel.config import ConfigError, load_config
+from parallel.experiment.config import ConfigError, load_config
 
 
 def _cfg(*extra):
@@ -21,7 +21,7 @@ def test_the_boundary_splits_model_timesteps_as_wanpipeline():
 
 @pytest.mark.parametrize("train", ["high_noise", "low_noise"])
 def test_one_expert_trains_in_its_band_with_plain_wan_weights(train):
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.topology import ParallelContext
     from parallel.train.run import training_batches
     from models.wan.experts import expert_of
@@ -38,7 +38,7 @@ def test_one_expert_trains_in_its_band_with_plain_wan_weights(train):
 
 
 def test_each_sample_runs_through_its_own_expert_only():
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.topology import ParallelContext
     cfg = _cfg()
     model = build_model(cfg, {}, ParallelContext.single())
@@ -75,10 +75,10 @@ def test_bad_expert_settings_are_refused_by_key(setting, words):
 @pytest.mark.parametrize("granularity", ["attention", "mlp", "block"])
 def test_selective_recompute_wraps_both_experts(granularity):
     """train.recompute on a two-expert model: each expert's part is checkpointed; the gradients are unchanged."""
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.seed import seed_all
     from parallel.distributed.topology import ParallelContext
-    from parallel.recompute import layers_of
+    from parallel.model.recompute import layers_of
     g = torch.Generator().manual_seed(0)
     lat, text = torch.randn(2, 4, 3, 8, 8, generator=g), torch.randn(2, 8, 32, generator=g)
     grads = []
@@ -102,7 +102,7 @@ def test_selective_recompute_wraps_both_experts(granularity):
 def test_lora_builds_on_one_expert_and_on_both():
     """LoRA on one expert (the band mode): the plain Wan model's adapters; on both: each expert's own adapters
     (drawn from their canonical names, so they differ), in that expert's optimizer groups."""
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.distributed.topology import ParallelContext
     from parallel.train.optim import param_groups
     cfg = _cfg("model.lora.rank=4", "model.experts.train=low_noise")

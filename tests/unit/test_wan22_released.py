@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from parallel.distributed.topology import ParallelContext
 from parallel.weights.diffusers import check_released
 from tests.released_utils import nonzero_adapters, read_release
@@ -183,7 +183,7 @@ def test_both_experts_adapters_load_into_wanpipelines_two_transformers(release, 
     from diffusers import WanPipeline
     from safetensors.torch import load_file
 
-    from parallel.lora import LORA_WEIGHTS_NAME, apply_lora
+    from parallel.model.lora import LORA_WEIGHTS_NAME, apply_lora
     from parallel.weights.lora_export import lora_tensors, write_lora
     folder, models = release
     cfg = load_config("debug-wan22", overrides(folder, "model.lora.rank=4", "model.lora.alpha=8"))

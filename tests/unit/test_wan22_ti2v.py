@@ -17,8 +17,8 @@ import torch
 from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline
 from diffusers import WanTransformer3DModel
 
-from parallel.build import layer_specs
-from parallel.config import load_config
+from parallel.model.build import layer_specs
+from parallel.experiment.config import load_config
 from parallel.distributed.pipeline import SequentialDiT
 from parallel.distributed.topology import ParallelContext
 from tests.released_utils import read_release
@@ -85,7 +85,7 @@ def test_preset_counts_the_parameters_diffusers_builds():
 
 def test_training_keeps_the_first_frame_clean_and_out_of_the_loss():
     from models.diffusion import Objective
-    from parallel.build import SequenceLoss
+    from parallel.model.build import SequenceLoss
     from parallel.train.run import training_batches
     cfg = load_config(PRESET)
     (x_t, t, _), target = next(training_batches(cfg, ParallelContext.single()))
@@ -199,7 +199,7 @@ def test_validation_conditions_on_the_clean_first_frame():
 
     from models.diffusion import Objective
     from parallel.train.run import build_val_dataset
-    from parallel.train.validate import StageForward, sample_latents, validation_loss, validation_noise
+    from parallel.validation.validate import StageForward, sample_latents, validation_loss, validation_noise
 
     cfg = load_config(PRESET, ["val.num_samples=2", "val.timesteps=[100,700]", "val.num_prompts=1",
                                "val.sample_steps=2", "val.guidance_scale=1"])
@@ -228,7 +228,7 @@ def test_validation_conditions_on_the_clean_first_frame():
 def test_wrong_settings_and_folders_are_refused_by_key(released_ti2v, tmp_path):
     """expand_timesteps with an image cross-attention, experts or temporal patches is refused by key; a Wan 2.1
     image-to-video transformer folder (36 channels in, 16 out) read as TI2V names the keys."""
-    from parallel.config import ConfigError
+    from parallel.experiment.config import ConfigError
     from parallel.weights.diffusers import check_released
     for extra, message in ((["model.image_dim=24", "model.added_kv_proj_dim=64", "model.max_text_len=512"],
                             "model.expand_timesteps=true with model.image_dim: "),

@@ -8,8 +8,8 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from models.__main__ import summary
-from parallel.build import layer_specs
-from parallel.config import load_config
+from parallel.model.build import layer_specs
+from parallel.experiment.config import load_config
 from parallel.distributed.pipeline import SequentialDiT
 from parallel.distributed.topology import ParallelContext
 from parallel.weights.diffusers import check_released
@@ -90,7 +90,7 @@ def test_text_and_image_folders_are_refused_by_key(released_i2v, tmp_path):
 
 
 def test_wrong_image_settings_are_refused_by_key():
-    from parallel.config import ConfigError
+    from parallel.experiment.config import ConfigError
     for sets, words in [(["model.image_dim=24"], "set both"),
                         (["model.added_kv_proj_dim=32"], "must equal model.hidden_size=64"),
                         (["model.image_condition=false"], "needs model.image_condition=true"),
@@ -110,7 +110,7 @@ def test_validation_conditions_on_the_first_frame_and_its_clip_states():
     from models.wan.image import stand_in_embeds
     from parallel.distributed.seed import derive_seed
     from parallel.train.run import build_val_dataset
-    from parallel.train.validate import StageForward, sample_latents, validation_loss, validation_noise
+    from parallel.validation.validate import StageForward, sample_latents, validation_loss, validation_noise
 
     cfg = load_config("debug-wan-i2v", ["model.num_layers=2", "val.num_samples=2", "val.timesteps=[100,700]",
                                         "val.num_prompts=1", "val.sample_steps=2", "val.guidance_scale=3"])

@@ -19,7 +19,7 @@ from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 from models.vae import encode
 from models.wan.image import WanImageCondition, condition_latents, encode_condition, encode_image_states, \
     encode_pictures
-from parallel.config import load_config
+from parallel.experiment.config import load_config
 from tests.helpers.prepare_data import videos  # noqa: F401  (fixture: clips)
 from tests.helpers.prepare_data_wan import umt5_dir, wan_vae_dir  # noqa: F401  (fixtures: UMT5, Wan VAE)
 from tests.helpers.wan_i2v import IMAGE, IMAGE_DIM, TEXT, released_i2v  # noqa: F401  (fixture)
@@ -80,7 +80,7 @@ def test_sampling_equals_the_pipeline(released_i2v, parts, tmp_path, capsys):
     input and the CLIP states gives WanImageToVideoPipeline(..., output_type="latent")'s latents."""
     from models.diffusion import Objective
     from models.sampling import sample
-    from parallel.build import layer_specs
+    from parallel.model.build import layer_specs
     from parallel.distributed.pipeline import SequentialDiT
     from parallel.distributed.topology import ParallelContext
     from parallel.weights.diffusers import load_released
@@ -161,7 +161,7 @@ def test_prepared_folder_trains_on_the_pipelines_inputs(videos, wan_vae_dir, umt
     from diffusers import AutoencoderKLWan
     from safetensors.torch import load_file
 
-    from parallel.build import build_model
+    from parallel.model.build import build_model
     from parallel.check import check_data_files
     from parallel.distributed.topology import ParallelContext
     from parallel.prepare_data.frames import frame_indices

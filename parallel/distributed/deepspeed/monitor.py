@@ -12,7 +12,7 @@ write_monitor_events(monitor, events)  (0.19.8)
 
 close_monitors(monitor)  (0.19.8)
     does     closes TensorBoard's summary writer, ends the wandb run (rank 0) and comet's experiment
-    why      a launched rank leaves without the interpreter's teardown (parallel.cli.run), where these would
+    why      a launched rank leaves without the interpreter's teardown (parallel.experiment.cli.run), where these would
              otherwise be flushed and closed by atexit handlers: the wandb run file would end unfinished
     relies   TensorBoardMonitor.summary_writer, CometMonitor.experiment; wandb.finish
 """

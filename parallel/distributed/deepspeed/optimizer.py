@@ -9,7 +9,7 @@ relink_optimizer_fragments(wrapper)  (0.19.8)
     relies   that flag and that method on both optimizers
 zero_holds_master(param)  (read, 0.19.8)
     ZeRO-3 marks its parameters with ds_id, ZeRO-1/2 and BF16_Optimizer with _hp_mapping (deepspeed.utils'
-    safe_*_full_* accessors dispatch on the same two); train/relayout.py then creates the client optimizer's
+    safe_*_full_* accessors dispatch on the same two); checkpoints/relayout.py then creates the client optimizer's
     state on the flat fp32 partitions, which DeepSpeed's per-parameter views (ZeRO-1/2: tensors of the
     partition's shape; ZeRO-3: optimizer.state[fp32 partition][key]) point into
 engine_optimizers(engine)  (read, 0.19.8)

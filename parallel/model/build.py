@@ -17,13 +17,13 @@ from torch import nn
 from models.diffusion import mse_loss
 from models.geometry import StepGrid, patchify, token_grid
 from models.registry import family, sequence_tokens
-from parallel.config import ExperimentConfig
+from parallel.experiment.config import ExperimentConfig
 from parallel.distributed.block_swap import BlockSwap
 from parallel.distributed.compile import compile_layers
 from parallel.distributed.offload import HostOffload
 from parallel.distributed.pipeline import DiTPipeline, SeededLayerSpec, SequentialDiT, checkpoint_x_only
 from parallel.distributed.sequence import local_range, sp_size_of
-from parallel.recompute import apply_recompute, checkpointed, layers_of
+from parallel.model.recompute import apply_recompute, checkpointed, layers_of
 
 
 def layer_specs(cfg: ExperimentConfig, ctx, grid: Optional[StepGrid] = None) -> list[SeededLayerSpec]:
@@ -101,7 +101,7 @@ def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Ca
     offload = HostOffload() if cfg.train.offload_activations else None
     if offload is not None and checkpoint_fn is not None:
         # DeepSpeed 0.19's CheckpointFunction keeps its inputs as attributes of its ctx, out of saved-tensor hooks'
-        # reach: the JSON's segments then run through torch's checkpoint (parallel/recompute.py), the same math.
+        # reach: the JSON's segments then run through torch's checkpoint (parallel/model/recompute.py), the same math.
         checkpoint_fn = functools.partial(_offloaded_checkpoint, offload)
     checkpoint_fn = checkpoint_x_only(checkpoint_fn, family(cfg.model).streams) if checkpoint_fn else None
     loss_fn = SequenceLoss(cfg, ctx, grid)
@@ -119,11 +119,11 @@ def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Ca
         compile_layers(model, specs[1].typename, cfg.train.compile_backend)
     # after compiling: a checkpointed or compressed block wraps the compiled forward (compile_layers sets
     # every block's forward to the shared compiled one, which would drop wrappers set before it)
-    apply_recompute(model, cfg, offload=offload)    # train.recompute / train.activation_compression (parallel/recompute.py)
+    apply_recompute(model, cfg, offload=offload)    # train.recompute / train.activation_compression (parallel/model/recompute.py)
     if offload is not None:                       # each micro-batch's forward starts its own sequence of copies
         model.forward = offload.chain(model.forward)
-    if cfg.model.lora is not None:                # frozen base + adapters (parallel/lora.py)
-        from parallel.lora import apply_lora
+    if cfg.model.lora is not None:                # frozen base + adapters (parallel/model/lora.py)
+        from parallel.model.lora import apply_lora
         apply_lora(model, cfg.model, cfg.train.seed)
     return model
 

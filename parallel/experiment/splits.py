@@ -10,7 +10,7 @@ from typing import Optional
 from models.config import ModelConfig
 from models.registry import ring_fits as _ring_fits
 from models.registry import ring_frames as _ring_frames
-from parallel.config import ExperimentConfig
+from parallel.experiment.config import ExperimentConfig
 from parallel.distributed.sequence import sp_pairs as _sp_pairs
 
 

@@ -18,7 +18,7 @@ from typing import Callable, NoReturn
 
 CONFIG_HELP = "experiment YAML file or preset name"
 REFUSED = 1         # every command's exit status when it refuses to run (nothing was started)
-DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"     # shipped beside configs/
+DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"     # shipped beside configs/
 
 
 def ds_config_arg(text: str) -> str:
@@ -145,8 +145,8 @@ def require(ap: argparse.ArgumentParser, args: argparse.Namespace, **flags: str)
 
 
 def size_arg(text: str) -> int:
-    """argparse `type=` for a byte size with an optional unit (parallel.units.parse_size)."""
-    from parallel.units import parse_size
+    """argparse `type=` for a byte size with an optional unit (parallel.experiment.units.parse_size)."""
+    from parallel.experiment.units import parse_size
 
     try:
         return parse_size(text)

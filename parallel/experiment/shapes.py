@@ -1,5 +1,5 @@
 """Clip shapes, one vocabulary for every command: a `Shape` is a pixel (frames, height, width); a bucket is
-the samples of one shape (a directory dataset may hold several; parallel/manifest.py reads them, and
+the samples of one shape (a directory dataset may hold several; parallel/experiment/manifest.py reads them, and
 parallel/train/buckets.py schedules which one each step trains on).
 
 Shapes come from a manifest line's `"shape": [F, H, W]` (`parse_shape`), from `--buckets 'FxHxW,...'`
@@ -23,7 +23,7 @@ import yaml
 
 from models.geometry import token_grid
 from models.registry import sequence_tokens
-from parallel.config import CONFIG_DIR
+from parallel.experiment.config import CONFIG_DIR
 
 Shape = tuple[int, int, int]        # (frames, height, width) in pixels; Optional[Shape] None: the config's
 

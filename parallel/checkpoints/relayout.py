@@ -41,7 +41,7 @@ Random state: nothing to carry. The data order, each sample's noise and timestep
 drawn from (seed, step, global sample position) (parallel/train/data.py), the models have no dropout, and
 no training step draws from a process's global RNG, so the continuation sees what the uninterrupted run
 would. The global batch must stay the same across the change (it fixes the sample positions of a step
-and the meaning of `step` for the schedule); parallel.train.checkpoint.find_resume refuses otherwise.
+and the meaning of `step` for the schedule); parallel.checkpoints.checkpoint.find_resume refuses otherwise.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
 from parallel.distributed.deepspeed.optimizer import relink_optimizer_fragments, zero_holds_master
 from parallel.distributed.deepspeed.zero3 import full_shape, is_partitioned
 from parallel.distributed.pipeline import canonical_name
-from parallel.build import expert_of_parameter
+from parallel.model.build import expert_of_parameter
 
 FOLDER = "layout_free"
 STATE = "state.json"
@@ -246,7 +246,7 @@ def write(part: dict, folder: Path, step: int, layout: dict) -> dict[str, str]:
     CRC-32s of the files this rank wrote ({name under `folder`: crc32}), taken as they were written."""
     import zlib
 
-    from parallel.train import safetensors_crc
+    from parallel.checkpoints import safetensors_crc
 
     out = Path(folder) / FOLDER
     out.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, PositiveInt, ValidationError, field_valid
 from models.config import Section, set_flag
 from models.registry import FAMILIES, import_families
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 class ConfigError(ValueError):
@@ -74,7 +74,7 @@ class ParallelConfig(Section):
 
 
 class RecomputeConfig(Section):
-    """Selective activation checkpointing (parallel/recompute.py): which part of a block is recomputed in
+    """Selective activation checkpointing (parallel/model/recompute.py): which part of a block is recomputed in
     backward instead of kept, in every `every`-th block (blocks 0, k, 2k, ...). An alternative to the
     DeepSpeed JSON's activation_checkpointing section, not a companion: the checker refuses both at once."""
 
@@ -85,7 +85,7 @@ class RecomputeConfig(Section):
 
 
 class CompressionConfig(Section):
-    """Activation compression (parallel/recompute.py): a block's tensors saved for backward are stored at
+    """Activation compression (parallel/model/recompute.py): a block's tensors saved for backward are stored at
     lower precision and cast back when backward needs them. Lossy: gradients change."""
 
     dtype: Literal["bf16", "fp8"] = Field("bf16", description="bf16: fp32 tensors stored as bf16; fp8: fp32 "
@@ -153,7 +153,7 @@ class TrainConfig(Section):
     @classmethod
     def _a_size(cls, text: Optional[str]) -> Optional[str]:
         if text is not None:
-            from parallel.units import parse_size
+            from parallel.experiment.units import parse_size
             parse_size(text, unit_required=True)       # its ValueError names the unit to give
         return text
 

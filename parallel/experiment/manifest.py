@@ -1,5 +1,5 @@
 """A directory dataset's manifest.jsonl (what `python -m parallel.prepare_data` writes and training reads):
-its lines, and its buckets (the samples of each shape, parallel/shapes.py) checked against the model.
+its lines, and its buckets (the samples of each shape, parallel/experiment/shapes.py) checked against the model.
 
 A line is {"latent": file, "text": file} (or "caption": str where a text encoder will encode it), with
 "shape": [frames, height, width] in pixels when the dataset holds several shapes.
@@ -10,12 +10,13 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from parallel.shapes import Shape, format_shape, parse_shape, preset_bucket_problems, shape_configs, shape_problems
+from parallel.experiment.shapes import (Shape, format_shape, parse_shape, preset_bucket_problems, shape_configs,
+                                        shape_problems)
 
 
 def read_manifest(root: Path, captions: bool = False, key: str = "data.path") -> tuple[list, list, list[int], list]:
     """`root`/manifest.jsonl as (latent, text) pairs, their captions, their manifest line numbers and their
-    shapes ("shape": [frames, height, width] in pixels, or None: the config's; parallel/shapes.py).
+    shapes ("shape": [frames, height, width] in pixels, or None: the config's; parallel/experiment/shapes.py).
 
     text is a file, or with `captions` (a text encoder will encode it) the line's caption when it has one.
     Every listed file is checked to exist, so a missing one is named before training starts."""

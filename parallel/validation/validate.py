@@ -24,11 +24,11 @@ import torch.distributed as dist
 
 from models.diffusion import Objective
 from models.registry import family
-from parallel.config import ExperimentConfig
+from parallel.experiment.config import ExperimentConfig
 from parallel.distributed.deepspeed.pipeline import stage_layers
 from parallel.distributed.deepspeed.zero3 import is_partitioned
 from parallel.distributed.seed import derive_seed
-from parallel.train.data import image_rows
+from models.spec import image_rows
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
 _HEADER = 64                     # int64 slots: count, then (dtype, ndim, *shape) per tensor
@@ -147,7 +147,7 @@ def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: E
     ts = cfg.val.timesteps
     chunk = cfg.val.micro_batch_size or len(ts)
     condition = family(cfg.model).training_condition(cfg.model, cfg.data)    # I2V: the sample's first frame
-    skip = getattr(condition, "loss_skip_frames", 0)       # latent frames that are inputs (parallel.build.SequenceLoss)
+    skip = getattr(condition, "loss_skip_frames", 0)       # latent frames that are inputs (parallel.model.build.SequenceLoss)
     mine: dict[int, list[float]] = {}
     for i, counts in replica_items(len(dataset), forward, ctx):
         x0, text, *stored = dataset[i]                        # stored: I2V first-frame latents (, CLIP states)
@@ -238,7 +238,7 @@ def sample_latents(forward: StageForward, dataset, objective: Objective, cfg: Ex
 def write_samples(latents: dict, dataset, cfg: ExperimentConfig, out_dir: Path, step: int) -> dict:
     """Decode and write each prompt's video under out_dir/samples/step<N>/; {prompt: frames}."""
     from models.geometry import video_latent
-    from parallel.train.media import load_decoder, write_gif, write_mp4
+    from parallel.validation.media import load_decoder, write_gif, write_mp4
 
     decode, frames = load_decoder(cfg.val.decoder), {}
     folder = out_dir / "samples" / f"step{step}"
@@ -254,7 +254,7 @@ def write_samples(latents: dict, dataset, cfg: ExperimentConfig, out_dir: Path, 
 
 def publish(out_dir: Path, title: str) -> Path:
     """Loss plots from metrics.jsonl and index.html over every step's samples found under out_dir/samples."""
-    from parallel.train.media import Sample, plot_losses, write_index
+    from parallel.validation.media import Sample, plot_losses, write_index
 
     metrics = out_dir / "metrics.jsonl"
     plots = plot_losses(metrics, out_dir) if metrics.is_file() else []
@@ -276,7 +276,7 @@ def ema_weights(trainer) -> Iterator[None]:
     under ZeRO-3 each parameter is gathered in turn to be swapped. Keeps a host copy of this rank's
     parameters (ZeRO-3: gathered) for the restore.
     """
-    from parallel.train.ema import full_ema, has_ema
+    from parallel.weights.ema import full_ema, has_ema
     if not has_ema(trainer.optimizer):
         raise RuntimeError("val.use_ema=true, but the optimizer keeps no EMA: use \"type\": \"FusedEmaAdam\" "
                            "(or EmaAdamW) in the DeepSpeed JSON, and validate after the first step")

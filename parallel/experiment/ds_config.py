@@ -2,7 +2,7 @@
 and Hugging Face's "auto" values from the experiment (`fill_auto`, `AUTO_KEYS`).
 
 What the toolkit does with each top-level key (honoured or refused, unknown ones refused with a
-did-you-mean) is parallel/ds_keys.py's table.
+did-you-mean) is parallel/experiment/ds_keys.py's table.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from parallel.config import ConfigError, ExperimentConfig
+from parallel.experiment.config import ConfigError, ExperimentConfig
 
 # Optimizer types the toolkit builds (parallel/train/optim.py), lower-cased: EMA ones keep a shadow of the weights.
 EMA_OPTIMIZERS = ("fusedemaadam", "emaadamw")

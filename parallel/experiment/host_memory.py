@@ -7,8 +7,8 @@ allocation error or the OOM killer in the middle of the first step). train.py's 
 """
 from __future__ import annotations
 
-from parallel.config import ExperimentConfig
-from parallel.units import format_size
+from parallel.experiment.config import ExperimentConfig
+from parallel.experiment.units import format_size
 
 
 def uses_host(cfg: ExperimentConfig, ds: dict) -> bool:

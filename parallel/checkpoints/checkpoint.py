@@ -2,12 +2,12 @@
 
 A checkpoint is the folder `<ckpt.dir>/step{N}` written by `engine.save_checkpoint` (model, optimizer with the
 EMA, LR schedule, step), plus `step{N}/layout_free/`, the layout-free copy every rank writes of its own slices
-(parallel/train/relayout.py) that a run at another (tp, sp, pp, dp, ZeRO) layout resumes from; a run at the
+(parallel/checkpoints/relayout.py) that a run at another (tp, sp, pp, dp, ZeRO) layout resumes from; a run at the
 saved layout loads DeepSpeed's files. After every rank has written its files, rank 0 writes the marker
 `step{N}/complete.json` (the layout, the global batch and every file with its size) and then replaces
 `<ckpt.dir>/latest` atomically (write a temporary file, `os.replace`). A folder without the marker is an
 interrupted save: it is never loaded and never counts towards the `ckpt.keep` newest that are kept. The marker
-records each file's size and CRC-32 (parallel/train/checksums.py): DeepSpeed's files and the layout-free copy
+records each file's size and CRC-32 (parallel/checkpoints/checksums.py): DeepSpeed's files and the layout-free copy
 hashed as they are written (CrcWriter, parallel/distributed/deepspeed/checkpoint.py), any other file
 (zero_to_fp32.py, which DeepSpeed copies in itself) read back once all have written, every rank a share. A
 checkpoint whose files no longer match the marker (truncated by a full disk, half-copied: the sizes, checked by
@@ -39,8 +39,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from parallel.train import checksums as _checksums
-from parallel.units import format_size
+from parallel.checkpoints import checksums as _checksums
+from parallel.experiment.units import format_size
 
 MARKER = "complete.json"
 _TAG = re.compile(r"^step(\d+)$")
@@ -326,7 +326,7 @@ def find_resume(directory: Path, layout: dict, quiet: bool = False, model: Optio
                 step: Optional[int] = None, known: Optional[dict] = None) -> Optional[str]:
     """Tag of the newest complete, undamaged checkpoint, or None. A damaged one is reported (stderr, every
     rank) and skipped. One written at another layout is resumed through its layout-free copy
-    (parallel/train/relayout.py); one without that copy (written before it existed, or fp16 ZeRO-0) is
+    (parallel/checkpoints/relayout.py); one without that copy (written before it existed, or fp16 ZeRO-0) is
     refused with the layout to resume it at. With `layout["global_batch"]` (a training run), a checkpoint
     written at another global batch is refused: the step would no longer name the same samples.
     When every complete checkpoint is damaged, or (with `model`, model_signature's) the newest undamaged one

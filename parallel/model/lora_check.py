@@ -1,15 +1,15 @@
 """The checker's part of LoRA: model.lora.targets against the model built on the meta device, before any
-process group (parallel/check.py calls it; parallel/lora.py does the matching)."""
+process group (parallel/check.py calls it; parallel/model/lora.py does the matching)."""
 from __future__ import annotations
 
 import torch
 
 from models.config import ModelConfig
-from parallel.build import layer_specs
-from parallel.config import ExperimentConfig
+from parallel.model.build import layer_specs
+from parallel.experiment.config import ExperimentConfig
 from parallel.distributed.pipeline import SequentialDiT
 from parallel.distributed.topology import ParallelContext
-from parallel.lora import plan_adapters, released_format
+from parallel.model.lora import plan_adapters, released_format
 
 
 def check_lora(m: ModelConfig) -> list[str]:

@@ -1,6 +1,6 @@
 """Selective activation checkpointing and activation compression of a built model's blocks.
 
-`apply_recompute(model, cfg)` (called by parallel/build.py after the model is built, pp = 1 or pipeline
+`apply_recompute(model, cfg)` (called by parallel/model/build.py after the model is built, pp = 1 or pipeline
 stages alike) changes the family's layer modules in place, found by class, numbered by their canonical
 name `blocks.{i}`:
 
@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from models.registry import family
-from parallel.config import ConfigError, ExperimentConfig
+from parallel.experiment.config import ConfigError, ExperimentConfig
 from parallel.distributed.offload import HostOffload
 
 FP8_MAX = 448.0                 # largest finite float8 e4m3fn value

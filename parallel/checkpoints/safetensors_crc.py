@@ -1,5 +1,5 @@
 """safetensors files written through the CRC-32 writer: the bytes of safetensors.torch.save_file, hashed as
-they are written, so a checkpoint's layout-free copy (parallel/train/relayout.py) needs no read-back.
+they are written, so a checkpoint's layout-free copy (parallel/checkpoints/relayout.py) needs no read-back.
 
 The format (safetensors 0.x): an 8-byte little-endian header length n, n bytes of JSON padded with spaces
 to a multiple of 8, then every tensor's bytes in the header's order:

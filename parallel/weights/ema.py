@@ -2,7 +2,7 @@
 
 Each rank holds the shadow of the fp32 partition it owns (ZeRO 1/2/3, BF16_Optimizer) or of its own
 parameters (ZeRO-0, fp32). `full_ema(optimizer)` returns, per model parameter, the shadow gathered over
-data-parallel ranks (DeepSpeed's fragment mapping, a collective); `parallel.build.full_state` then
+data-parallel ranks (DeepSpeed's fragment mapping, a collective); `parallel.model.build.full_state` then
 gathers tensor-parallel shards and names them canonically. Frozen parameters (LoRA's base) are not
 updated and have no shadow: their EMA is the parameter itself.
 """
