@@ -1,7 +1,9 @@
-"""The package layout holds (docs/architecture.md): packages are ordered and every import points down
-the order, no two modules or packages import each other, no family folder imports another's (what two share
-lives in models/shared/), only the family registry and the family folders know the family names, and only parallel/distributed/deepspeed/ reads DeepSpeed's private attributes. The
-tests share helpers through tests/helpers/, never by importing a test module, and bench/ imports no test.
+"""The package layout holds (docs/architecture.md): the layers are folders (each folder directly under parallel/ in
+one layer; parallel/'s own modules, at most 8, are the commands on top), every import points down the layers, no
+two modules or packages import each other, no family folder imports another's (what two share lives in
+models/shared/), only the family registry and the family folders know the family names, and only
+parallel/distributed/deepspeed/ reads DeepSpeed's private attributes. The tests share helpers through
+tests/helpers/, never by importing a test module, and bench/ imports no test.
 
 Every import in the source counts, at module level or inside a function, since a lazy import is a
 dependency all the same.
@@ -54,24 +56,28 @@ def _imports_in(text: str) -> list[tuple[str, int, str]]:
 IMPORTS = {name: [i for i in _import_lines(path) if i[0] != name] for name, path in MODULES.items()}
 GRAPH = {name: {i[0] for i in imports} for name, imports in IMPORTS.items()}
 
-# The packages, lowest first: a folder (all its modules and sub-folders), a module of the root package
-# `parallel/` (its modules are concerns side by side), an entry script, or a package's `__main__` (which nothing
-# imports); never part of a folder apart from the rest (test_packages_are_folders). A module belongs to the
-# longest prefix listed. docs/architecture.md says why each sits where it does. A module may import its own
-# layer's modules and any lower layer's, never a higher one's.
+# The layers, lowest first, read from the tree: each lists folders (dotted), and a module is in the layer of the
+# nearest folder listed above it. Every folder directly under parallel/ is listed (a room of its own, in one layer);
+# a folder inside a listed one is in its layer (parallel/distributed/deepspeed/, models/wan/). The modules directly
+# in parallel/ (listed as "parallel") are the commands, on top of everything the toolkit has: at most
+# MAX_FLAT_MODULES of them, each a package of its own in the package graph. Only the entry points' layer names
+# files: entry scripts and a package's `__main__`, which nothing imports. docs/architecture.md says why each folder
+# sits where it does. A module may import its own layer's modules and any lower layer's, never a higher one's.
 LAYERS = (
-    ("primitives", ("parallel", "parallel.distributed")),
+    ("primitives", ("parallel.distributed",)),
     ("models", ("models",)),
-    ("experiment", ("parallel.experiment.units", "parallel.experiment.cli", "parallel.experiment.config", "parallel.experiment.ds_config", "parallel.experiment.ds_keys",
-                    "parallel.experiment.shapes", "parallel.experiment.manifest", "parallel.experiment.splits", "parallel.experiment.host_memory")),
-    ("model build", ("parallel.model.recompute", "parallel.model.lora", "parallel.model.build", "parallel.model.lora_check")),
+    ("experiment", ("parallel.experiment",)),
+    ("model build", ("parallel.model",)),
     ("weights, data", ("parallel.weights", "parallel.prepare_data")),
+    ("checkpoints, validation", ("parallel.checkpoints", "parallel.validation")),
     ("training", ("parallel.train",)),
-    ("commands", ("parallel.check", "parallel.elastic", "parallel.export", "parallel.sample", "parallel.verify",
-                  "parallel.plan")),
+    ("commands", ("parallel", "parallel.plan")),
     ("entry points", ("train", "bench", "models.__main__")),
 )
 LAYER_OF = {prefix: i for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes}
+COMMANDS = "parallel"            # the root folder: its modules are the commands
+ENTRY_POINTS = len(LAYERS) - 1
+MAX_FLAT_MODULES = 8             # parallel/*.py, __init__.py counted
 
 
 def _inside(module: str, package: str) -> bool:
@@ -134,23 +140,30 @@ def test_no_import_cycles():
     assert not _cycles(GRAPH), _cycles(GRAPH)
 
 
-def _package(module: str) -> str | None:
-    """The LAYERS prefix `module` belongs to (the longest that holds it)."""
+def _folder(module: str) -> str | None:
+    """The LAYERS entry `module` belongs to: the longest that holds it."""
     holding = [p for p in LAYER_OF if _inside(module, p)]
     return max(holding, key=len) if holding else None
 
 
+def _package(module: str) -> str | None:
+    """The node of the package graph `module` is in: its folder, or itself for a command (a module of parallel/)."""
+    folder = _folder(module)
+    return module if folder == COMMANDS else folder
+
+
 def test_every_module_has_a_layer():
-    assert not [m for m in MODULES if _package(m) is None], "add these modules to LAYERS (and docs/architecture.md)"
+    unlisted = [m for m in MODULES if _folder(m) is None]
+    assert not unlisted, f"add these modules' folders to LAYERS (and docs/architecture.md): {unlisted}"
 
 
 def _upward(imports: dict[str, list[tuple[str, int, str]]]) -> list[str]:
     """'file:line: import ... (module, layer, imports a higher layer's module)' for each upward import."""
     wrong = []
     for module, found in imports.items():
-        here = LAYER_OF[_package(module)]
+        here = LAYER_OF[_folder(module)]
         for target, line, statement in found:
-            there = LAYER_OF[_package(target)]
+            there = LAYER_OF[_folder(target)]
             if there > here:
                 path = MODULES[module].relative_to(ROOT) if module in MODULES else module
                 wrong.append(f"{path}:{line}: {statement}  ({module}, layer '{LAYERS[here][0]}', imports "
@@ -178,24 +191,57 @@ def test_no_package_cycles():
     assert not cycles, f"packages that import each other: {cycles}"
 
 
-def _split_folders(prefixes) -> list[str]:
-    """The LAYERS entries that list part of a folder apart from the rest: a module of a sub-folder (not of the
-    root package `parallel/`, not a `__main__`), so the folder's cycles would go unseen by the package graph."""
+def _split_folders(entries) -> list[str]:
+    """The LAYERS entries that are not a folder of their own: a module (only the entry points' layer names files),
+    a folder that does not exist, or a folder inside another listed one (half of a folder listed apart from the
+    rest would hide its cycles from the package graph); the root `parallel` holds the listed rooms."""
     wrong = []
-    for prefix in prefixes:
-        parts = prefix.split(".")
-        folder = ROOT.joinpath(*parts)
-        if folder.is_dir() or len(parts) == 1 or parts[-1] == "__main__" or prefix == "parallel." + parts[-1]:
-            continue
-        wrong.append(f"{prefix} (a module of {'/'.join(parts[:-1])}/: list the folder)")
+    for entry in entries:
+        parts = entry.split(".")
+        if (ROOT.joinpath(*parts) / "__init__.py").is_file():
+            outer = [o for o in entries if o not in (entry, COMMANDS) and _inside(entry, o)]
+            wrong += [f"{entry} (inside {o}/, listed apart: list the folder once)" for o in outer]
+        elif LAYER_OF.get(entry) != ENTRY_POINTS:
+            wrong.append(f"{entry} (not a folder: list the folder that holds it)")
     return wrong
 
 
-def test_packages_are_folders():
+def test_layers_are_folders():
     """A folder is one package, in one layer: listing half of one elsewhere would hide a cycle through it (the
     planner's search and command were once listed as commands while its memory model sat below training)."""
-    wrong = _split_folders(LAYER_OF)
+    entries = [e for _, listed in LAYERS for e in listed]
+    assert len(entries) == len(set(entries)), "a folder listed in two layers"
+    wrong = _split_folders(entries)
     assert not wrong, wrong
+
+
+def _rooms(root: Path) -> list[str]:
+    """The folders directly under `root` (dotted), each a package (__init__.py)."""
+    return sorted(".".join(p.relative_to(ROOT).parts) for p in root.iterdir() if (p / "__init__.py").is_file())
+
+
+def _unlisted(rooms, listed) -> list[str]:
+    return [f"{room.replace('.', '/')}/ (give it a layer in LAYERS and docs/architecture.md)"
+            for room in rooms if room not in listed]
+
+
+def test_every_folder_of_parallel_is_a_layer():
+    """Each folder directly under parallel/ is listed in LAYERS: a new one says which layer it is, rather than
+    falling into the commands' with the modules beside it."""
+    wrong = _unlisted(_rooms(ROOT / "parallel"), LAYER_OF)
+    assert not wrong, wrong
+
+
+def _flat_modules() -> list[str]:
+    return sorted(p.name for p in (ROOT / COMMANDS).glob("*.py"))
+
+
+def test_at_most_8_modules_flat_in_parallel():
+    """parallel/'s own modules are the commands (each `python -m parallel.<name>`) and __init__.py; a helper
+    goes in the folder of its layer."""
+    flat = _flat_modules()
+    assert len(flat) <= MAX_FLAT_MODULES, (f"{len(flat)} modules flat in parallel/ (at most {MAX_FLAT_MODULES}): "
+                                           f"{flat}; move helpers into their layer's folder")
 
 
 def _family_code(module: str) -> bool:
@@ -267,8 +313,15 @@ def test_the_checks_see_a_violation():
     assert upward == ["parallel/distributed/topology.py:7: from parallel.check import check  (parallel.distributed."
                       "topology, layer 'primitives', imports parallel.check, layer 'commands')"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert _split_folders(["parallel.plan.search", "parallel.plan", "parallel.check", "models.__main__"]) == \
-        ["parallel.plan.search (a module of parallel/plan/: list the folder)"]
+    assert _split_folders(["parallel.plan.search", "parallel.plan", "parallel.check", "models.__main__", "parallel",
+                           "parallel.distributed", "parallel.distributed.deepspeed"]) == \
+        ["parallel.plan.search (not a folder: list the folder that holds it)",
+         "parallel.check (not a folder: list the folder that holds it)",
+         "parallel.distributed.deepspeed (inside parallel.distributed/, listed apart: list the folder once)"]
+    assert _unlisted(["parallel.plan", "parallel.new"], LAYER_OF) == \
+        ["parallel/new/ (give it a layer in LAYERS and docs/architecture.md)"]
+    assert "check.py" in _flat_modules() and "__init__.py" in _flat_modules()
+    assert _package("parallel.check") == "parallel.check" and _package("parallel.plan.search") == "parallel.plan"
     assert _test_module_imports("from tests.unit.test_wan import released\nfrom tests.unit import test_plan as p\n"
                                 "def f():\n    from .test_x import y\n    from tests.helpers.wan import inputs\n",
                                 "t.py") == ["t.py:1: tests.unit.test_wan", "t.py:1: tests.unit.test_wan.released",
@@ -409,11 +462,13 @@ def render_package_graph() -> str:
     python -m tests.unit.test_architecture"""
     graph, out = _package_graph(), []
     for i in reversed(range(len(LAYERS))):
-        name, prefixes = LAYERS[i]
+        name, folders = LAYERS[i]
         out.append(f"{i} {name}")
-        for package in prefixes:
-            below = sorted(graph.get(package, ()), key=lambda p: (-LAYER_OF[p], p))
-            if package in graph:
+        for folder in folders:
+            # the commands' folder: one line per module (each a package); every other folder: one line
+            packages = sorted(p for p in graph if _folder(p) == COMMANDS) if folder == COMMANDS else [folder]
+            for package in (p for p in packages if p in graph):
+                below = sorted(graph[package], key=lambda p: (-LAYER_OF[_folder(p)], p))
                 out.append(f"    {package:<24} -> {', '.join(below) or '(nothing of the project)'}")
     return "\n".join(out)
 
