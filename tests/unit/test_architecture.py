@@ -21,10 +21,19 @@ PACKAGES = ("parallel", "models", "bench")
 ENTRY_SCRIPTS = {"train": ROOT / "train.py"}
 
 
+# What the benchmarks write (bench/out/, git-ignored): scripts/gpu-check.sh --pack unpacks DeepSpeed, diffusers and
+# peft there for a device machine; their sources are not the project's.
+OUTPUT = ROOT / "bench" / "out"
+
+
+def _sources(tree: str) -> list[Path]:
+    return [p for p in sorted((ROOT / tree).rglob("*.py")) if not p.is_relative_to(OUTPUT)]
+
+
 def _modules() -> dict[str, Path]:
     out = {}
     for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
+        for path in _sources(package):
             parts = path.relative_to(ROOT).with_suffix("").parts
             out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return {**out, **ENTRY_SCRIPTS}
@@ -433,7 +442,7 @@ SOURCE_TREES = (*PACKAGES, "tests")
 
 
 def _python_files():
-    yield from (p for tree in SOURCE_TREES for p in sorted((ROOT / tree).rglob("*.py")))
+    yield from (p for tree in SOURCE_TREES for p in _sources(tree))
     yield from ENTRY_SCRIPTS.values()
 
 
@@ -452,7 +461,7 @@ def _imports_of_tests(text: str, where: str) -> list[str]:
 def test_bench_imports_nothing_from_tests():
     """bench/ stands alone (python -m bench runs from a checkout without tests/): what it shares with the tests
     lives in bench/ (bench/ranks.py's run_ranks) or in the toolkit."""
-    found = [hit for path in sorted((ROOT / "bench").rglob("*.py"))
+    found = [hit for path in _sources("bench")
              for hit in _imports_of_tests(path.read_text(), str(path.relative_to(ROOT)))]
     assert not found, "bench/ imports tests/:\n" + "\n".join(found)
 
