@@ -11,8 +11,8 @@ tests/cli/          Real commands as subprocesses: train.py, launch.sh and the d
                     and prepare_data CLIs. The slowest; the launcher tests need sshd, pdsh and mpirun
                     (scripts/test.sh installs them).
                         python -m pytest tests/cli             (or: -m cli)
-All of them: bash scripts/test.sh (python -m pytest -n 2 --dist loadgroup: two pytest-xdist workers, each taking a
-test module whole; modules sharing a session fixture go together, the longest first: see pytest_collection_modifyitems).
+All of them: bash scripts/test.sh (python -m pytest -n 2 --dist loadfile: two pytest-xdist workers, each taking a
+test module whole, the longest first: see pytest_collection_modifyitems).
 One test: add -k (and -n 0 for one process).
 A second tier inside cli, marked `docs`: every command of README.md and docs/*.md run as written
 (tests/cli/test_readme_commands.py: about 45 min for the commands and 12 for the figures and searches on a
@@ -57,34 +57,26 @@ HERE = pathlib.Path(__file__).resolve().parent
 def pytest_configure(config):
     for name, description in TIERS.items():
         config.addinivalue_line("markers", f"{name}: {description}")
-    config.addinivalue_line("markers", "docs: the documentation's commands as written (tests/cli/test_readme_commands.py)")
+    config.addinivalue_line("markers", "docs: the documentation's commands and figures (tests/cli/test_readme_commands.py, "
+                                       "test_doc_figures.py, test_doc_parameter_counts.py)")
     config.addinivalue_line("markers", "slow: minutes of end-to-end commands (tests/cli/test_family_matrix.py); "
                                        "-m 'not slow' leaves them out, .ci/run runs them")
 
 
-# Under pytest-xdist (scripts/test.sh runs `-n 2 --dist loadgroup`) a test module is the unit a worker takes whole,
-# so its module fixtures are made once; modules that share a session fixture form one unit (it is made once too).
-SHARED_UNITS = {"test_launchers.py": "launchers (the `reference` run)", "test_slurm.py": "launchers (the `reference` run)"}
-# The longest units first: the one started last sets when the run ends (names from --durations; the docs' commands
-# run in order in one sandbox, so they are one unit whatever the split).
-LONGEST_FIRST = ("test_readme_commands.py", "test_family_matrix.py", "test_netns_hosts.py", "test_launchers.py",
-                 "test_slurm.py")
-
-
-def _unit(item) -> str:
-    """The module (or the shared units' name); a test that names its own unit (`xdist_group`) keeps it."""
-    own = item.get_closest_marker("xdist_group")
-    return own.args[0] if own else SHARED_UNITS.get(item.path.name, str(item.path))
+# Under pytest-xdist (scripts/test.sh runs `-n 2 --dist loadfile`) a test module is the unit a worker takes whole, so
+# its module and session fixtures are made once. The longest modules first: the one started last sets when the run
+# ends. The docs tier is three modules (tests/cli/doc_runs.py) so that two workers share it.
+LONGEST_FIRST = ("test_readme_commands.py", "test_doc_figures.py", "test_family_matrix.py", "test_netns_hosts.py",
+                 "test_doc_parameter_counts.py", "test_launchers.py", "test_anomaly_guard.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark each test with its tier (the first directory under tests/), so `-m unit` etc. select them; give each
-    its xdist unit (`xdist_group`), the longest units first."""
+    """Mark each test with its tier (the first directory under tests/), so `-m unit` etc. select them; the longest
+    modules first."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))        # stable: the rest keep their order
     outside = set()
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(_unit(item)))
         parts = item.path.resolve().relative_to(HERE).parts if item.path.resolve().is_relative_to(HERE) else ()
         if len(parts) > 1 and parts[0] in TIERS:
             item.add_marker(parts[0])
