@@ -91,8 +91,8 @@ def _count_all_to_alls():
 
 
 def _grads(cfg, ctx, model, shape=DEBUG):
-    """Full gradients of the loss over both streams at the step grid `shape`, as training takes them under sp:
-    each rank's video share sp times (SequenceLoss), its whole audio once, the sp ranks' gradients averaged
+    """Full gradients of the training loss over both streams (SequenceLoss) at the step grid `shape`, as training
+    takes them under sp: each rank's video share sp times, its whole audio once, the sp ranks' gradients averaged
     (DeepSpeed's data axis)."""
     import torch.distributed as dist
 
@@ -101,11 +101,7 @@ def _grads(cfg, ctx, model, shape=DEBUG):
 
     model.zero_grad(set_to_none=True)
     model.step_grid.set(shape[0])
-    video, audio = model.predict(test_ltx2.inputs(*shape))
-    want_video, want_audio = targets(shape)
-    video_loss = SequenceLoss(cfg, ctx, model.step_grid)(video, want_video) if ctx.sp_size > 1 else \
-        torch.nn.functional.mse_loss(video, want_video)
-    (video_loss + torch.nn.functional.mse_loss(audio, want_audio)).backward()
+    SequenceLoss(cfg, ctx, model.step_grid)(model.predict(test_ltx2.inputs(*shape)), targets(shape)).backward()
     if ctx.sp_size > 1:                                       # one all-reduce of every gradient, flattened
         grads = [p.grad for p in model.parameters()]
         flat = torch._utils._flatten_dense_tensors(grads)
