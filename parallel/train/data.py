@@ -205,11 +205,18 @@ def check_shapes(root: str | Path, model, data, key: str = "data.path", captions
             continue
         if shape != want:
             problems.append(f"{f}: {what} shape {shape} != expected {want} ({where}; {why})")
+    problems += stream_problems(items, lines, shapes, model, data)          # LTX-2's audio beside the video
     if len(problems) > MAX_SHAPE_PROBLEMS:
         rest = len(problems) - MAX_SHAPE_PROBLEMS
         problems = problems[:MAX_SHAPE_PROBLEMS] + [f"{key}={root}: {rest} more file{'s' if rest > 1 else ''} "
                                                     f"with the wrong shape ({len(problems)} of {len(files)})"]
     return problems
+
+
+def _no_stream_tensor(path: Path, key: str) -> str:
+    return (f"{path}: no \"{key}\" tensor: a model with a second stream (LTX-2's audio) trains on samples whose "
+            f"latent .safetensors also holds \"audio\" [audio tokens, model.audio_in_channels] and whose text "
+            f".safetensors also holds \"audio_text\" [model.max_text_len, its caption width]")
 
 
 def stream_tensor(path: Path, key: str) -> torch.Tensor:
@@ -219,9 +226,26 @@ def stream_tensor(path: Path, key: str) -> torch.Tensor:
         with safe_open(str(path), "pt") as f:
             if key in f.keys():
                 return f.get_tensor(key)
-    raise ValueError(f"{path}: no \"{key}\" tensor: a model with a second stream (LTX-2's audio) trains on samples "
-                     f"whose latent .safetensors also holds \"audio\" [audio tokens, model.audio_in_channels] and "
-                     f"whose text .safetensors also holds \"audio_text\" [model.max_text_len, its caption width]")
+    raise ValueError(_no_stream_tensor(path, key))
+
+
+def stream_problems(items, lines, shapes, model, data) -> list[str]:
+    """A second stream's tensors (STREAM_KEYS) of every manifest line: there, and of the shapes the family's hook
+    gives for the line's clip (headers only); [] for a family of one stream."""
+    from models.registry import family
+
+    problems = []
+    for (latent, text), n, shape in zip(items, lines, shapes):
+        stream = family(model).training_stream(model, bucket_data(data, shape))
+        for (_, key), f, want in zip(STREAM_KEYS, (latent, text), stream.shapes() if stream else ()):
+            if not isinstance(f, Path):
+                continue
+            if f.suffix != ".safetensors" or not _holds(f, key):
+                problems.append(f"{_no_stream_tensor(f, key)} (manifest.jsonl:{n})")
+            elif stored_shape(f, key) != list(want):
+                problems.append(f"{f}: {key} shape {stored_shape(f, key)} != expected {list(want)} (manifest.jsonl:"
+                                f"{n}; model.audio_in_channels, the clip's audio tokens, model.max_text_len)")
+    return problems
 
 
 # A second stream's tensors (FamilySpec.second_stream: LTX-2's audio), by the file of the manifest line they sit in:

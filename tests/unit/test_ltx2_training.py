@@ -57,18 +57,25 @@ def test_the_loss_is_the_release_objective_on_diffusers_model(tmp_path):
 
 
 def test_a_prepared_sample_holds_the_audio_stream(tmp_path):
-    """The latent file's "audio" and the text file's "audio_text" follow the video latent and caption; a file
-    without them is named with what it needs."""
+    """The latent file's "audio" and the text file's "audio_text" follow the video latent and caption; the checker
+    (headers only) names a file without them, or with another audio length, and so does the reader."""
     import pytest
 
-    from parallel.train.data import DirectoryLatents
+    from parallel.experiment.config import load_config
+    from parallel.train.data import DirectoryLatents, check_shapes
 
     video, text, audio, atext = torch.randn(8, 2, 4, 6), torch.randn(8, 16), torch.randn(9, 8), torch.randn(8, 16)
     save_file({"latent": video, "audio": audio}, str(tmp_path / "a.safetensors"))
     save_file({"text": text, "audio_text": atext}, str(tmp_path / "a_text.safetensors"))
     save_file({"latent": video}, str(tmp_path / "b.safetensors"))
-    (tmp_path / "manifest.jsonl").write_text('{"latent": "a.safetensors", "text": "a_text.safetensors"}\n'
-                                             '{"latent": "b.safetensors", "text": "a_text.safetensors"}\n')
+    save_file({"latent": video, "audio": torch.randn(10, 8)}, str(tmp_path / "c.safetensors"))
+    (tmp_path / "manifest.jsonl").write_text("".join(f'{{"latent": "{n}.safetensors", "text": "a_text.safetensors"}}\n'
+                                                     for n in "abc"))
+    cfg = load_config("debug-ltx2")
+    missing, length = check_shapes(tmp_path, cfg.model, cfg.data)
+    assert missing.startswith(f'{tmp_path / "b.safetensors"}: no "audio" tensor') and missing.endswith("(manifest."
+                                                                                                       "jsonl:2)")
+    assert length.startswith(f"{tmp_path / 'c.safetensors'}: audio shape [10, 8] != expected [9, 8] (manifest.jsonl:3")
     data = DirectoryLatents(tmp_path, stream=True)
     for got, want in zip(data[0], (video, text, audio, atext)):
         assert torch.equal(got, want)
