@@ -116,7 +116,7 @@ def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Ca
         # reach: the JSON's segments then run through torch's checkpoint (parallel/model/recompute.py), the same math.
         checkpoint_fn = functools.partial(_offloaded_checkpoint, offload)
     streams = family(cfg.model).streams
-    if checkpoint_fn is not None and streams > 1 and cfg.parallel.pp_size > 1:
+    if checkpoint_fn is not None and offload is None and streams > 1 and cfg.parallel.pp_size > 1:
         # The 0.19 pipeline engine backpropagates each stage output on its own (retain_graph between them): a
         # DeepSpeed CheckpointFunction among the producers of two streams is asked for its backward twice and has
         # freed its inputs after the first. torch's non-reentrant checkpoint recomputes for each (the same math).
