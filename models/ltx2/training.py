@@ -14,6 +14,10 @@ audio_timestep defaults to timestep). Noising, as the pipeline's _create_noised_
 targets e - x0 and e_a - a0. Loss (ltx-trainer's compute_loss): mse(video) + mse(audio), each the mean over its
 own elements, equal weights.
 
+Not matched: the release's scheduler_config.json is not read (the shift constants are the pipeline's defaults,
+which `.get` falls back to), its `shift_terminal` stretches an inference grid and has no training counterpart, and
+ltx-trainer's own sigma draw (a shifted logit-normal) is not the pipeline's schedule this follows.
+
 Under sequence parallelism the video stream is split and the audio whole on every sp rank: each rank counts its
 video share sp times and its whole audio loss once (`AudioStream.loss`), so DeepSpeed's average over dp x sp
 is the serial loss and gradient.
