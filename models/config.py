@@ -188,9 +188,10 @@ class ModelConfig(Section):
         A14B with both experts: 2); 1 for a model of one."""
         return 1
 
-    def unsupported(self) -> list[str]:
-        """What the toolkit cannot run with this model section yet, each naming what is missing (parallel/check.py
-        reports them with the layout's problems); [] for a family that trains."""
+    def unsupported(self, run, purpose: str = "train") -> list[str]:
+        """What the toolkit cannot do yet with this model section in experiment `run` (its data, val, parallel
+        sections) for `purpose` ("train", "sample", "export", "verify": the command's job), each naming what is
+        missing (parallel/check.py reports them with the layout's problems); [] for a family that does it all."""
         return []
 
     def extra_input_shapes(self) -> tuple[tuple[int, ...], ...]:

@@ -235,6 +235,10 @@ class FamilySpec:
     # a); the rest are side tensors the layers read and pass on unchanged. The planner counts the streams as what
     # a layer takes and a checkpoint keeps (parallel/plan/trace.py).
     streams: int = 1
+    # (model, data) -> None, or the hook of a second noised stream in the training batch (LTX-2's audio,
+    # models/ltx2/training.py AudioStream): what a sample stores of it (`shapes`), its noise, its inputs after the
+    # text and its target (the batch's target a tuple), and the loss over both streams.
+    second_stream: Optional[Callable] = None
 
     def __post_init__(self):
         bounds = [e.boundary for e in self.experts]
@@ -257,6 +261,9 @@ class FamilySpec:
 
     def training_condition(self, model: ModelConfig, data):
         return self.condition(model, data) if self.condition else None
+
+    def training_stream(self, model: ModelConfig, data):
+        return self.second_stream(model, data) if self.second_stream else None
 
     def sequence_tokens(self, model: ModelConfig, data) -> int:
         """Length of the sequence x the layers see (and sequence parallelism splits)."""

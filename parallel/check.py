@@ -528,11 +528,12 @@ def summary(cfg: ExperimentConfig, layout: Layout, deepspeed_config: Optional[st
 
 def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional[str],
                    world_size: Optional[int], device_check: bool = True,
-                   run_dirs: bool = False, planner=None) -> tuple[ExperimentConfig, dict, Layout]:
+                   run_dirs: bool = False, planner=None, purpose: str = "train") -> tuple[ExperimentConfig, dict, Layout]:
     """Load both files and check them; raise ConfigError listing every problem (used by train.py).
     The dict returned is the JSON with its "auto" values filled in (dsc.fill_auto).
 
-    run_dirs: the folders a training run writes (check_run_dirs).
+    run_dirs: the folders a training run writes (check_run_dirs). purpose: the command's job ("train", "sample",
+    "export", "verify"), which a family that cannot do one yet refuses (ModelConfig.unsupported).
 
     planner: (cfg, ds, layout, device memory) -> the memory plan (train.py passes parallel/plan/memory.py's
     run_plan; the planner sits above the checker): where the run keeps anything in host memory, the node's
@@ -562,8 +563,9 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
         else None
     layout, found = check(cfg, ds, src, world_size, device)
     ds = dsc.fill_auto(ds, cfg, src, layout.dp_size).ds        # what the run reads: "auto" filled (check says how)
-    # What the family cannot run yet (LTX-2: training); `check` alone, the planner's verdict on a layout, plans it.
-    problems += found + cfg.model.unsupported()
+    # What the family cannot run yet (LTX-2: sampling, export); `check` alone, the planner's verdict on a layout,
+    # plans it.
+    problems += found + cfg.model.unsupported(cfg, purpose)
     problems += check_unconditional(cfg) + check_data_files(cfg) + check_outputs(cfg)
     if run_dirs:
         problems += check_run_dirs(cfg)

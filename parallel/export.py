@@ -174,7 +174,8 @@ def main(argv=None) -> int:
     env = read_launch_env()
     prog = parser().prog
     try:
-        cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size)
+        cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size,
+                                         purpose="export")
     except ConfigError as e:
         return refused(prog, str(e))
     problems = []

@@ -407,7 +407,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     env = read_launch_env()
     try:
-        cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size)
+        cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size,
+                                         purpose="sample")
         problems = check_args(args, cfg, layout, ds)
     except ConfigError as e:
         problems = str(e).splitlines()

@@ -88,7 +88,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     problems = []
     try:
         from parallel.check import load_and_check
-        cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size)
+        cfg, ds, layout = load_and_check(args.config, args.overrides, args.deepspeed_config, env.world_size,
+                                         purpose="verify")
     except ConfigError as e:
         problems = str(e).splitlines()
     else:

@@ -2,19 +2,19 @@
 and a caption cross-attention, joined by audio-to-video and video-to-audio cross-attention in every block.
 
 The stage tuple carries both streams (models/ltx2/model.py); the last stage returns (video, audio) predictions.
-Training is refused by the checker until the batch, the loss and the samplers carry the audio stream
-(LTX2Config.unsupported).
+Training batches carry the audio stream and the loss counts both (models/ltx2/training.py); what is not built is
+refused by name (LTX2Config.unsupported).
 """
 from __future__ import annotations
 
 import math
 
-from models.diffusion import PER_SAMPLE
 from models.ltx2.config import LTX2Config
 from models.ltx2.embed import EmbedStage, FinalStage
 from models.ltx2.model import LTX2Block
 from models.ltx2.pipeline import GEMMA3, SAMPLING, LTX2Latents
 from models.ltx2.released import DIFFUSERS
+from models.ltx2.training import AudioStream, LTX2Timesteps
 from models.spec import FamilySpec
 
 
@@ -54,7 +54,8 @@ SPEC = FamilySpec(
     condition=None,
     vae=LTX2Latents(),
     text_encoder=GEMMA3,
-    timesteps=PER_SAMPLE,
+    timesteps=LTX2Timesteps(),
     sampling=SAMPLING,
     streams=2,                               # x and the audio stream a: both updated by every block
+    second_stream=AudioStream,
 )

@@ -124,11 +124,23 @@ class LTX2Config(ModelConfig):
         cross-attentions) and width (its FFN, 4 x, splits with it)."""
         return {"model.audio_num_heads": self.audio_num_heads, "model.audio_hidden_size": self.audio_hidden_size}
 
-    def unsupported(self) -> list[str]:
+    def unsupported(self, run, purpose: str = "train") -> list[str]:
         """What the toolkit cannot do with this model yet (parallel/check.py's load_and_check refuses runs with it;
-        the planner plans it)."""
-        return [f"model.family=ltx2: training is not built yet: the data path has no audio stream (audio latents "
-                f"[B, {self.audio_in_channels}-channel tokens], its caption and its own timesteps are not in the "
-                f"batch), and the loss and the sampler see the video stream only; the transformer runs at any tp, "
-                f"pp and sp and loads diffusers' LTX2VideoTransformer3DModel, and python -m parallel.plan plans both "
-                f"streams (docs/models.md#ltx-2)"]
+        the planner plans it). Training from latents with both streams works (models/ltx2/training.py)."""
+        why = "docs/models.md#ltx-2"
+        jobs = {"sample": "parallel.sample: sampling both streams",
+                "export": "parallel.export: writing diffusers' LTX2VideoTransformer3DModel folder",
+                "verify": "parallel.verify: comparing both streams (tests/distributed/test_ltx2_layouts.py compares "
+                          "them against diffusers)"}
+        problems = [f"model.family=ltx2 with {jobs[purpose]} is not built yet ({why})"] if purpose in jobs else []
+        if self.lora is not None:
+            problems.append(f"model.lora with model.family=ltx2: adapters on LTX-2 (its audio layers, "
+                            f"LTX2LoraLoaderMixin's names) are not built yet; leave model.lora out ({why})")
+        if run.data.caption_dropout > 0:
+            problems.append(f"data.caption_dropout={run.data.caption_dropout} with model.family=ltx2: the audio "
+                            f"caption's unconditional states are not stored yet; set --set data.caption_dropout=0 "
+                            f"({why})")
+        if run.val.every:
+            problems.append(f"val.every={run.val.every} with model.family=ltx2: validation sees the video stream "
+                            f"only; set --set val.every=0 ({why})")
+        return problems

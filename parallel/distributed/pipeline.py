@@ -39,8 +39,8 @@ def checkpoint_x_only(checkpoint_fn: Callable, streams: int = 1) -> Callable:
     checkpoint's inputs in place (`arg.data = empty`), so the checkpoint gets fresh views of them and
     the caller's tensors survive; and the 0.19 pipeline engine backpropagates each stage output
     separately, which a checkpoint node cannot serve twice, so they must not be among its outputs.
-    (Two streams are two outputs of one checkpoint: measured in one process (tests/unit/test_ltx2.py), not yet
-    under the pipeline engine, which LTX-2's training will need.)
+    Two streams (LTX-2) are two outputs of one checkpoint, each backpropagated on its own by the pipeline engine:
+    parallel/model/build.py then hands in torch's non-reentrant checkpoint, which recomputes for each.
     """
     def run(fn, *h):
         hidden, rest = h[:streams], h[streams:]

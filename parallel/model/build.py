@@ -45,7 +45,8 @@ class SequenceLoss:
     gradient). The sum of its squared errors over the global element count, times sp, averages over
     the sp ranks (DeepSpeed's data axis) to the serial loss, and so do the gradients. Latent frames the family's
     condition marks as inputs (`loss_skip_frames`: Wan 2.2 TI2V's clean first frame) are left out, as rows of
-    every sp layout and from the element count.
+    every sp layout and from the element count. A family with a second stream (LTX-2's audio, whole on every sp
+    rank) adds that stream's loss (FamilySpec.second_stream), counted once on every sp rank.
     """
 
     def __init__(self, cfg: ExperimentConfig, ctx, grid: Optional[StepGrid] = None):
@@ -55,8 +56,15 @@ class SequenceLoss:
         # Latent frames that are inputs, not predictions (Wan 2.2 TI2V's clean first frame): left out of the loss.
         condition = family(cfg.model).training_condition(cfg.model, cfg.data)
         self.clean = getattr(condition, "loss_skip_frames", 0)
+        # a second stream (LTX-2's audio, whole on every sp rank): its loss beside the video's (its `loss`)
+        self.stream = family(cfg.model).training_stream(cfg.model, cfg.data)
 
-    def __call__(self, prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def __call__(self, prediction, target) -> torch.Tensor:
+        if self.stream is not None:        # prediction and target: (video, second stream) pairs
+            return self.stream.loss(self.video, prediction, target, self.sp)
+        return self.video(prediction, target)
+
+    def video(self, prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.sp == 1:
             return mse_loss(prediction[:, :, self.clean:], target[:, :, self.clean:])
         total = self.prefix + math.prod(self.grid)
@@ -92,6 +100,10 @@ def _offloaded_checkpoint(offload: HostOffload, fn: Callable, x: torch.Tensor, *
     return checkpointed(fn, offload, moved=1)(x, *rest)
 
 
+def _torch_checkpoint(fn: Callable, *args):
+    return checkpointed(fn)(*args)
+
+
 def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Callable] = None) -> nn.Module:
     """The module to hand to deepspeed.initialize for this layout."""
     grid = StepGrid(token_grid(cfg.model, cfg.data), cfg.model)
@@ -103,7 +115,13 @@ def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Ca
         # DeepSpeed 0.19's CheckpointFunction keeps its inputs as attributes of its ctx, out of saved-tensor hooks'
         # reach: the JSON's segments then run through torch's checkpoint (parallel/model/recompute.py), the same math.
         checkpoint_fn = functools.partial(_offloaded_checkpoint, offload)
-    checkpoint_fn = checkpoint_x_only(checkpoint_fn, family(cfg.model).streams) if checkpoint_fn else None
+    streams = family(cfg.model).streams
+    if checkpoint_fn is not None and offload is None and streams > 1 and cfg.parallel.pp_size > 1:
+        # The 0.19 pipeline engine backpropagates each stage output on its own (retain_graph between them): a
+        # DeepSpeed CheckpointFunction among the producers of two streams is asked for its backward twice and has
+        # freed its inputs after the first. torch's non-reentrant checkpoint recomputes for each (the same math).
+        checkpoint_fn = _torch_checkpoint
+    checkpoint_fn = checkpoint_x_only(checkpoint_fn, streams) if checkpoint_fn else None
     loss_fn = SequenceLoss(cfg, ctx, grid)
     if cfg.parallel.pp_size == 1:
         model = SequentialDiT(specs, every, checkpoint_fn, loss_fn)

@@ -35,13 +35,16 @@ class SyntheticLatents:
 
     Sample i: class k = i mod (channels x 4 directions), a square of side h/4 starting at a position drawn
     from (seed, i) and moving one latent pixel a frame in one of four directions; its text embedding is a
-    fixed random table for class k. Values are in [-1, 1].
+    fixed random table for class k. Values are in [-1, 1]. A family with a second stream (LTX-2's audio) gets,
+    after the caption, that stream's latents (random, from (seed, i)) and caption (a table for class k).
     """
 
     def __init__(self, num_samples: int, channels: int, shape: tuple[int, int, int], text_len: int,
-                 text_dim: int, seed: int):
+                 text_dim: int, seed: int, stream_shapes: tuple = ()):
         self.num_samples, self.channels, self.shape = num_samples, channels, shape
         self.text_len, self.text_dim, self.seed = text_len, text_dim, seed
+        # a second stream's (FamilySpec.second_stream: LTX-2's audio latents, then its caption), after the caption
+        self.stream_shapes = tuple(stream_shapes)
         self.num_classes = channels * 4
 
     def __len__(self) -> int:
@@ -73,7 +76,11 @@ class SyntheticLatents:
             y, x = (y0 + dy * f) % h, (x0 + dx * f) % w
             rows, cols = [(y + r) % h for r in range(side)], [(x + c) % w for c in range(side)]
             video[channel, f][torch.tensor(rows)[:, None], torch.tensor(cols)[None]] = 1.0
-        return video, self.text(k)
+        if not self.stream_shapes:
+            return video, self.text(k)
+        (latent, caption), g = self.stream_shapes, _generator(self.seed, "stream", i)
+        return (video, self.text(k), torch.randn(latent, generator=g).clamp(-1, 1),
+                torch.randn(caption, generator=_generator(self.seed, "stream caption", k)))
 
 
 class IndexRange:
@@ -198,11 +205,52 @@ def check_shapes(root: str | Path, model, data, key: str = "data.path", captions
             continue
         if shape != want:
             problems.append(f"{f}: {what} shape {shape} != expected {want} ({where}; {why})")
+    problems += stream_problems(items, lines, shapes, model, data)          # LTX-2's audio beside the video
     if len(problems) > MAX_SHAPE_PROBLEMS:
         rest = len(problems) - MAX_SHAPE_PROBLEMS
         problems = problems[:MAX_SHAPE_PROBLEMS] + [f"{key}={root}: {rest} more file{'s' if rest > 1 else ''} "
                                                     f"with the wrong shape ({len(problems)} of {len(files)})"]
     return problems
+
+
+def _no_stream_tensor(path: Path, key: str) -> str:
+    return (f"{path}: no \"{key}\" tensor: a model with a second stream (LTX-2's audio) trains on samples whose "
+            f"latent .safetensors also holds \"audio\" [audio tokens, model.audio_in_channels] and whose text "
+            f".safetensors also holds \"audio_text\" [model.max_text_len, its caption width]")
+
+
+def stream_tensor(path: Path, key: str) -> torch.Tensor:
+    """A second stream's tensor `key` of a sample's safetensors file (STREAM_KEYS), named when absent."""
+    from safetensors import safe_open
+    if path.suffix == ".safetensors":
+        with safe_open(str(path), "pt") as f:
+            if key in f.keys():
+                return f.get_tensor(key)
+    raise ValueError(_no_stream_tensor(path, key))
+
+
+def stream_problems(items, lines, shapes, model, data) -> list[str]:
+    """A second stream's tensors (STREAM_KEYS) of every manifest line: there, and of the shapes the family's hook
+    gives for the line's clip (headers only); [] for a family of one stream."""
+    from models.registry import family
+
+    problems = []
+    for (latent, text), n, shape in zip(items, lines, shapes):
+        stream = family(model).training_stream(model, bucket_data(data, shape))
+        for (_, key), f, want in zip(STREAM_KEYS, (latent, text), stream.shapes() if stream else ()):
+            if not isinstance(f, Path):
+                continue
+            if f.suffix != ".safetensors" or not _holds(f, key):
+                problems.append(f"{_no_stream_tensor(f, key)} (manifest.jsonl:{n})")
+            elif stored_shape(f, key) != list(want):
+                problems.append(f"{f}: {key} shape {stored_shape(f, key)} != expected {list(want)} (manifest.jsonl:"
+                                f"{n}; model.audio_in_channels, the clip's audio tokens, model.max_text_len)")
+    return problems
+
+
+# A second stream's tensors (FamilySpec.second_stream: LTX-2's audio), by the file of the manifest line they sit in:
+# the latent file's "audio" (packed audio latents), the text file's "audio_text" (the audio caption states).
+STREAM_KEYS = (("latent", "audio"), ("text", "audio_text"))
 
 
 class DirectoryLatents:
@@ -216,8 +264,8 @@ class DirectoryLatents:
     (caption dropout, guidance) is uncond.safetensors beside the manifest, or the encoder's T5("").
     """
 
-    def __init__(self, root: str | Path, text_encoder=None):
-        self.root, self.text_encoder = Path(root), text_encoder
+    def __init__(self, root: str | Path, text_encoder=None, stream: bool = False):
+        self.root, self.text_encoder, self.stream = Path(root), text_encoder, stream      # stream: STREAM_KEYS too
         self.items, self.captions, self.lines, self.shapes = read_manifest(self.root,
                                                                            captions=text_encoder is not None)
 
@@ -247,17 +295,22 @@ class DirectoryLatents:
         embedding = self.text_encoder.encode(text) if isinstance(text, str) else _load_tensor(text, "text")
         # image-to-video: prepare_data's first-frame latents (and CLIP states) beside the latent
         stored = [_load_tensor(latent, key) for key in STORED_CONDITION] if latent.suffix == ".safetensors" else []
+        if self.stream:        # a second stream's latents and caption (LTX-2's audio), from the line's files
+            files = {"latent": latent, "text": text}
+            stored = [stream_tensor(files[where], key) for where, key in STREAM_KEYS]
         return (_load_tensor(latent, "latent").float(), embedding.float(),
                 *(z.float() for z in stored if z is not None))
 
 
 class DiffusionBatches:
-    """Infinite iterator of this rank's micro-batches: ((x_t, t, text), target), grad_accum per step."""
+    """Infinite iterator of this rank's micro-batches: ((x_t, t, text, *more), target), grad_accum per step; with a
+    second stream (LTX-2's audio) more is its (a_t, caption, timesteps) and target the pair (video's, its)."""
 
     def __init__(self, dataset, objective: Objective, *, seed: int, micro_batch: int, grad_accum: int,
                  dp_rank: int, dp_size: int, start_step: int = 0, caption_dropout: float = 0.0, condition=None,
-                 timesteps=PER_SAMPLE, model=None):
+                 timesteps=PER_SAMPLE, model=None, stream=None):
         self.dataset, self.objective, self.seed = dataset, objective, seed
+        self.stream = stream              # FamilySpec.training_stream: a second noised stream (LTX-2's audio), or None
         self.condition = condition        # FamilySpec.training_condition: image latents onto x_t, or None
         self.timesteps, self.model = timesteps, model     # FamilySpec.timesteps: per sample or per token
         self.caption_dropout = caption_dropout
@@ -292,7 +345,7 @@ class DiffusionBatches:
 
     def micro_batch(self, step: int, micro: int):
         first = step * self.global_batch + (micro * self.dp_size + self.dp_rank) * self.mb
-        x0s, texts, noises, ts, keep, stored = [], [], [], [], [], []
+        x0s, texts, noises, ts, keep, stored, stream_noises = [], [], [], [], [], [], []
         for pos in range(first, first + self.mb):
             x0, text, *extra = self.dataset[self.sample_index(pos)]       # extra: I2V image latents (, CLIP states)
             stored.append(extra)
@@ -301,6 +354,8 @@ class DiffusionBatches:
             g = _generator(self.seed, "noise", pos)
             noises.append(torch.randn(x0.shape, generator=g))
             ts.append(self.timesteps.draw(g, tuple(x0.shape), self.model))        # [1] or [1, T, H, W]
+            if self.stream is not None:       # its noise after the video's noise and timestep
+                stream_noises.append(self.stream.noise(g, extra))
             if self.condition is not None:    # the condition's dropout, drawn like the caption's
                 keep.append(float(torch.rand(1, generator=_generator(self.seed, "condition_dropout", step, pos)))
                             >= self.condition.dropout)
@@ -308,6 +363,9 @@ class DiffusionBatches:
             texts.append(text)
         x_t, target = self.objective.noised(torch.stack(x0s), torch.stack(noises), torch.cat(ts))
         more, texts = (), torch.stack(texts)     # more: the condition's inputs after the text (Wan 2.1 I2V: CLIP)
+        if self.stream is not None:              # (a_t, its caption, its timesteps); the target (video, audio)
+            more, second = self.stream.batch(self.objective, torch.cat(ts), stored, stream_noises)
+            target = (target, second)
         if self.condition is not None:
             stored = [torch.stack(z) for z in zip(*stored)] if all(stored) else []
             x_t = self.condition(x_t, torch.stack(x0s), torch.tensor(keep), *stored)

@@ -101,7 +101,8 @@ class TrainingEngine:
             for micro in range(accum):
                 inputs, target = next(batches)
                 device = self.engine.device
-                loss = self.engine(tuple(x.to(device) for x in inputs), target.to(device))
+                target = tuple(y.to(device) for y in target) if isinstance(target, tuple) else target.to(device)
+                loss = self.engine(tuple(x.to(device) for x in inputs), target)
                 self.engine.backward(loss)
                 if micro < accum - 1:       # not the boundary: no update; the last step() is below
                     self.engine.step()

@@ -120,11 +120,12 @@ def _text_encoder(cfg: ExperimentConfig):
 
 
 def build_dataset(cfg: ExperimentConfig):
+    stream = family(cfg.model).training_stream(cfg.model, cfg.data)       # LTX-2's audio, or None
     if cfg.data.kind == "directory":
-        return DirectoryLatents(cfg.data.path, _text_encoder(cfg))
+        return DirectoryLatents(cfg.data.path, _text_encoder(cfg), stream=stream is not None)
     m = cfg.model
     return SyntheticLatents(cfg.data.num_samples, m.in_channels, latent_shape(m, cfg.data), m.max_text_len,
-                            m.text_embed_dim, cfg.train.seed)
+                            m.text_embed_dim, cfg.train.seed, stream.shapes() if stream else ())
 
 
 def training_batches(cfg: ExperimentConfig, ctx, dataset=None, start_step: int = 0) -> DiffusionBatches:
@@ -134,7 +135,8 @@ def training_batches(cfg: ExperimentConfig, ctx, dataset=None, start_step: int =
                             grad_accum=cfg.train.grad_accum_steps, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
                             start_step=start_step, caption_dropout=cfg.data.caption_dropout,
                             condition=family(cfg.model).training_condition(cfg.model, cfg.data),
-                            timesteps=family(cfg.model).timesteps, model=cfg.model)
+                            timesteps=family(cfg.model).timesteps, model=cfg.model,
+                            stream=family(cfg.model).training_stream(cfg.model, cfg.data))
 
 
 def build_val_dataset(cfg: ExperimentConfig):

@@ -8,13 +8,17 @@ rank holds only padding); at tp 2, and at tp 2 x sp 2 (Ulysses, ring; 45 tokens)
 over both streams equal diffusers' own (every q/k RMSNorm all-reduces its statistic across heads, forward and
 backward; under sp the video-to-audio partials merge across ranks, and the sp ranks' gradients are averaged as
 DeepSpeed's data axis does); one block's forward at tp 2 all-reduces what the block's docstring counts, and under
-Ulysses makes the all-to-alls the family's spec declares (FamilySpec.attentions_per_layer).
+Ulysses makes the all-to-alls the family's spec declares (FamilySpec.attentions_per_layer). The same ranks train
+debug-ltx2 (both streams, synthetic data, fp32, activation checkpointing) at tp 2 x sp 2 and at tp 2 x pp 2 (the
+pipeline engine sends the stage tuple of both streams and takes the (video, audio) target): the losses on every
+rank and the final weights equal a one-process run's.
 """
 import contextlib
 
 import torch
 
 from tests.dist_utils import run_ranks
+from tests.train_utils import _train_rank, assert_matches, fp32_config, merge_ranks, train
 from tests.released_utils import assert_grads_match, layout_model
 from tests.helpers import ltx2 as test_ltx2
 from tests.helpers.ltx2 import released  # noqa: F401  (fixture)
@@ -24,6 +28,7 @@ LAYOUTS = [(1, 1, 1, None), (2, 1, 1, None), (1, 2, 1, None), (2, 2, 1, None), (
            (2, 1, 2, 2)]
 GRAD_LAYOUTS = [(2, 1, 1, None), (2, 1, 2, None), (2, 1, 2, 2)]
 VARIANTS = ["ltx2", "ltx2.3"]
+TRAIN_LAYOUTS = [(2, 1, 2), (2, 2, 1)]         # (tp, pp, sp) training debug-ltx2 on the 4 ranks; 2 steps
 # Under sp 2 the models also run other steps' grids (a bucket's StepGrid): (t, h, w), audio tokens. 45 video tokens
 # pad to 46 (23 a rank, 22 real on the second); 1 token leaves the second rank only padding (no key of its own).
 DEBUG = ((test_ltx2.FRAMES, test_ltx2.HEIGHT, test_ltx2.WIDTH), test_ltx2.AUDIO)
@@ -71,7 +76,11 @@ def _rank(rank, world_size, folders):
     from parallel.distributed import accelerator
 
     deepspeed.init_distributed(dist_backend=accelerator.backend())
-    return {variant: _variant(world_size, variant, folder) for variant, folder in folders}
+    out = {variant: _variant(world_size, variant, folder) for variant, folder in folders}
+    for tp, pp, sp in TRAIN_LAYOUTS:
+        out[("train", tp, pp, sp)] = _train_rank(rank, world_size, tp, pp, 1, fp32_config(), 2, (), sp, "debug-ltx2",
+                                                 0)
+    return out
 
 
 @contextlib.contextmanager
@@ -91,8 +100,8 @@ def _count_all_to_alls():
 
 
 def _grads(cfg, ctx, model, shape=DEBUG):
-    """Full gradients of the loss over both streams at the step grid `shape`, as training takes them under sp:
-    each rank's video share sp times (SequenceLoss), its whole audio once, the sp ranks' gradients averaged
+    """Full gradients of the training loss over both streams (SequenceLoss) at the step grid `shape`, as training
+    takes them under sp: each rank's video share sp times, its whole audio once, the sp ranks' gradients averaged
     (DeepSpeed's data axis)."""
     import torch.distributed as dist
 
@@ -101,11 +110,7 @@ def _grads(cfg, ctx, model, shape=DEBUG):
 
     model.zero_grad(set_to_none=True)
     model.step_grid.set(shape[0])
-    video, audio = model.predict(test_ltx2.inputs(*shape))
-    want_video, want_audio = targets(shape)
-    video_loss = SequenceLoss(cfg, ctx, model.step_grid)(video, want_video) if ctx.sp_size > 1 else \
-        torch.nn.functional.mse_loss(video, want_video)
-    (video_loss + torch.nn.functional.mse_loss(audio, want_audio)).backward()
+    SequenceLoss(cfg, ctx, model.step_grid)(model.predict(test_ltx2.inputs(*shape)), targets(shape)).backward()
     if ctx.sp_size > 1:                                       # one all-reduce of every gradient, flattened
         grads = [p.grad for p in model.parameters()]
         flat = torch._utils._flatten_dense_tensors(grads)
@@ -144,6 +149,9 @@ def test_ltx2_in_every_layout(released):
     from parallel.experiment.config import load_config
 
     results = run_ranks(_rank, 4, [(v, str(released[v][0])) for v in VARIANTS])
+    reference = train(1, 1, 1, fp32_config(), steps=2, preset="debug-ltx2")
+    for tp, pp, sp in TRAIN_LAYOUTS:
+        assert_matches(merge_ranks([r[("train", tp, pp, sp)] for r in results]), reference)
     for variant in VARIANTS:
         folder, model = released[variant]
         want = test_ltx2.diffusers_forward(model, variant)

@@ -2,7 +2,7 @@
 (written by `save_pretrained` in several shards) loaded into the toolkit predicts what diffusers predicts, video and
 audio, for LTX-2.0 and for the LTX-2.3 flags (gated attention, cross-attention modulation), with split rotary
 positions and without the cross timesteps; the preset counts diffusers' parameters; wrong configs are refused by
-key; the checker refuses training, and the planner counts both streams (parameters, activations, a tp that does
+key; the checker lets training through and refuses what is not built by name, and the planner counts both streams (parameters, activations, a tp that does
 not divide the audio heads refused). tp, pp: tests/distributed/test_ltx2_layouts.py.
 """
 import pytest
@@ -129,17 +129,27 @@ def test_wrong_config_is_refused_by_key(released):
         f"matching preset"]
 
 
-def test_a_run_is_refused_by_name_and_the_planner_plans_it(capsys):
-    """train.py's checks (load_and_check) refuse training; the layout's verdict (`check`, the planner's) has no
-    problem, and python -m parallel.plan sizes the model with diffusers' parameter count."""
+def test_what_is_not_built_is_refused_by_name_and_the_planner_plans_it(capsys):
+    """train.py's checks (load_and_check) let debug-ltx2 train and refuse, by name, what is not built: sampling,
+    export, parallel.verify, caption dropout, validation (tests/unit/test_ltx2_training.py trains); python -m
+    parallel.plan sizes the model with diffusers' parameter count."""
     from parallel.check import check, load_and_check
     from parallel.experiment.config import ConfigError
     from tests.helpers.plan import cli
 
+    assert load_and_check("debug-ltx2", [], None, None, device_check=False)[0].model.family == "ltx2"
+    for purpose, what in [("sample", "parallel.sample: sampling both streams"),
+                          ("export", "parallel.export: writing diffusers' LTX2VideoTransformer3DModel folder")]:
+        with pytest.raises(ConfigError) as refused:
+            load_and_check("debug-ltx2", [], None, None, device_check=False, purpose=purpose)
+        assert str(refused.value) == f"model.family=ltx2 with {what} is not built yet (docs/models.md#ltx-2)"
     with pytest.raises(ConfigError) as refused:
-        load_and_check("debug-ltx2", [], None, None, device_check=False)
-    assert str(refused.value).startswith("model.family=ltx2: training is not built yet: the data path has no audio "
-                                         "stream")
+        load_and_check("debug-ltx2", ["data.caption_dropout=0.1", "val.every=2"], None, None, device_check=False)
+    assert str(refused.value).splitlines() == [
+        "data.caption_dropout=0.1 with model.family=ltx2: the audio caption's unconditional states are not stored "
+        "yet; set --set data.caption_dropout=0 (docs/models.md#ltx-2)",
+        "val.every=2 with model.family=ltx2: validation sees the video stream only; set --set val.every=0 "
+        "(docs/models.md#ltx-2)"]
     assert check(load_config("debug-ltx2"))[1] == []
     code, out, _ = cli(capsys, "--config", "debug-ltx2", "--deepspeed-config", "ds_configs/zero1_bf16.json",
                        "--world-size", "4", "--device-memory", "80GiB", "--set", "parallel.tp_size=2")

@@ -1,0 +1,83 @@
+"""LTX-2's training batch and loss against the release, in one process: a micro-batch of debug-ltx2's synthetic data
+is noised as LTX2Pipeline's scheduler and its audio copy do (FlowMatchEulerDiscreteScheduler's exponential time
+shift at calculate_shift of the video tokens; one sigma for both streams), and the toolkit's loss on it equals a
+hand-written reference: diffusers' LTX2VideoTransformer3DModel (a tiny random release) at that timestep, the
+video MSE plus the audio MSE (Lightricks' ltx-trainer). A prepared directory holds the audio beside the video.
+"""
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
+from safetensors.torch import save_file
+
+from parallel.distributed.seed import derive_seed
+from parallel.distributed.topology import ParallelContext
+from tests.helpers.ltx2 import overrides, release
+from tests.released_utils import read_release, save_release
+
+
+def _reference_batch(cfg, batches):
+    """The first micro-batch re-stated: each position's sample, its generator's video noise, uniform draw and audio
+    noise; sigma as the pipeline's scheduler shifts it; x_t, a_t and the targets as flow matching makes them."""
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
+                                                base_image_seq_len=1024, max_image_seq_len=4096)
+    rows = []
+    for pos in range(cfg.train.micro_batch_size):
+        x0, text, a0, atext = batches.dataset[batches.sample_index(pos)]
+        g = torch.Generator().manual_seed(derive_seed(cfg.train.seed, "noise", pos))
+        e = torch.randn(x0.shape, generator=g)
+        u = torch.randint(0, 1000, (1,), generator=g) / 1000
+        ea = torch.randn(a0.shape, generator=g)
+        mu = calculate_shift(x0[0].numel(), 1024, 4096, 0.95, 2.05)     # the packed video tokens (patch 1)
+        s = scheduler.time_shift(mu, 1.0, u.double()).float()
+        rows.append((s * e + (1 - s) * x0, text, s * ea + (1 - s) * a0, atext, s * 1000, e - x0, ea - a0))
+    x_t, text, a_t, atext, t, v, va = (torch.cat(z) if z[0].dim() == 1 else torch.stack(z) for z in zip(*rows))
+    return (x_t, t, text, a_t, atext, t), (v, va)
+
+
+def test_the_loss_is_the_release_objective_on_diffusers_model(tmp_path):
+    from models.ltx2.released import DIFFUSERS
+    from parallel.model.build import SequenceLoss
+    from parallel.train.run import training_batches
+
+    model = release()
+    folder, _ = save_release(tmp_path, model, "40KB")
+    cfg, ours, _ = read_release("debug-ltx2", overrides(folder), folder)
+    batches = training_batches(cfg, ParallelContext.single())
+    inputs, target = next(batches)
+    want_inputs, want_target = _reference_batch(cfg, batches)
+    for got, want in zip((*inputs, *target), (*want_inputs, *want_target)):
+        torch.testing.assert_close(got, want)
+    assert len(set(inputs[1].tolist())) == 2 and 0 < inputs[1].min() < inputs[1].max() < 1000
+
+    loss = SequenceLoss(cfg, ParallelContext.single())(ours.predict(inputs), target)
+    with torch.no_grad():
+        video, audio = DIFFUSERS.reference_call(model, want_inputs, {})
+    want = torch.nn.functional.mse_loss(video, want_target[0]) + torch.nn.functional.mse_loss(audio, want_target[1])
+    torch.testing.assert_close(loss, want)
+
+
+def test_a_prepared_sample_holds_the_audio_stream(tmp_path):
+    """The latent file's "audio" and the text file's "audio_text" follow the video latent and caption; the checker
+    (headers only) names a file without them, or with another audio length, and so does the reader."""
+    import pytest
+
+    from parallel.experiment.config import load_config
+    from parallel.train.data import DirectoryLatents, check_shapes
+
+    video, text, audio, atext = torch.randn(8, 2, 4, 6), torch.randn(8, 16), torch.randn(9, 8), torch.randn(8, 16)
+    save_file({"latent": video, "audio": audio}, str(tmp_path / "a.safetensors"))
+    save_file({"text": text, "audio_text": atext}, str(tmp_path / "a_text.safetensors"))
+    save_file({"latent": video}, str(tmp_path / "b.safetensors"))
+    save_file({"latent": video, "audio": torch.randn(10, 8)}, str(tmp_path / "c.safetensors"))
+    (tmp_path / "manifest.jsonl").write_text("".join(f'{{"latent": "{n}.safetensors", "text": "a_text.safetensors"}}\n'
+                                                     for n in "abc"))
+    cfg = load_config("debug-ltx2")
+    missing, length = check_shapes(tmp_path, cfg.model, cfg.data)
+    assert missing.startswith(f'{tmp_path / "b.safetensors"}: no "audio" tensor') and missing.endswith("(manifest."
+                                                                                                       "jsonl:2)")
+    assert length.startswith(f"{tmp_path / 'c.safetensors'}: audio shape [10, 8] != expected [9, 8] (manifest.jsonl:3")
+    data = DirectoryLatents(tmp_path, stream=True)
+    for got, want in zip(data[0], (video, text, audio, atext)):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=f'^{tmp_path / "b.safetensors"}: no "audio" tensor'):
+        data[1]
