@@ -39,7 +39,7 @@ def predicted(overrides: list[str], ring: int) -> dict:
     with torch.device("meta"):
         params = count_parameters(SequentialDiT(layer_specs(cfg, ParallelContext.single())))
     chunk = ActivationTracer(cfg, torch.float32).trace("block", 1, t.micro_batch_size, SP).input_bytes
-    attentions = m.num_layers * t.grad_accum_steps * family(m).attentions_per_layer
+    attentions = m.num_layers * t.grad_accum_steps * family(m).costs.attentions_per_layer
     ulysses = SP // ring
     fwd, bwd = ring_traffic(chunk, ring, 4) if ring > 1 else (0, 0)
     return {"all_to_all": 8 * chunk * attentions if ulysses > 1 else 0, "ring": (fwd + bwd) * attentions,

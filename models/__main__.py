@@ -22,15 +22,17 @@ def summary(cfg) -> str:
     with torch.device("meta"):
         model = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
     m, spec = cfg.model, family(cfg.model)
+    words = spec.wording
     t, h, w = token_grid(m, cfg.data)
     lines = [
-        f"model: {m.name} ({m.family}), {spec.describe_layers(m)}, hidden {m.hidden_size} = {m.num_heads} heads x "
+        f"model: {m.name} ({m.family}), {words.describe_layers(m)}, hidden {m.hidden_size} = {m.num_heads} heads x "
         f"{m.head_dim}, FFN {m.ffn_size}, time embedding {m.time_embed_dim}, positions {m.pos_embed}",
         f"video: {cfg.data.num_frames} x {cfg.data.height} x {cfg.data.width} -> latents "
         f"{'x'.join(map(str, latent_shape(m, cfg.data)))} x {m.in_channels} ch -> {t} x {h} x {w} patches = "
         f"{spec.describe_tokens(m, cfg.data)}",
         f"embed:  {count_parameters(model.embed):>14,d}",
-        f"blocks: {count_parameters(model.blocks):>14,d}  ({count_parameters(model.blocks[0]):,d} per {spec.layer_noun})",
+        f"blocks: {count_parameters(model.blocks):>14,d}  "
+        f"({count_parameters(model.blocks[0]):,d} per {words.layer_noun})",
         f"final:  {count_parameters(model.final):>14,d}",
         f"parameters: {count_parameters(model)}",
     ]

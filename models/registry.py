@@ -77,9 +77,10 @@ def ring_fits(model: ModelConfig, data, sp: int, ring: int) -> bool:
 
 def vae_formats() -> dict:
     """Every registered family's VAE format, by the VAE folder's `_class_name`."""
-    return {spec.vae.class_name: spec.vae for spec in FAMILIES.values()}
+    return {spec.formats.vae.class_name: spec.formats.vae for spec in FAMILIES.values()}
 
 
 def text_encoder_formats() -> dict:
     """Every registered family's text-encoder format, by its transformers class name."""
-    return {spec.text_encoder.class_name: spec.text_encoder for spec in FAMILIES.values() if spec.text_encoder.prepared}
+    return {spec.formats.text_encoder.class_name: spec.formats.text_encoder for spec in FAMILIES.values()
+            if spec.formats.text_encoder.prepared}

@@ -3,7 +3,8 @@
 The checker, the planner and its tracer, `python -m models`, the model builder, the released-weights
 reader and writer, data preparation (VAE latents, text embeddings), the training batches (objective inputs,
 timesteps, conditioning) and the samplers ask a family's spec; none of them tests a family's name. Every
-field is required: no family inherits another's VAE, text encoder, timesteps or sampler by default. Adding
+field of a family's formats, timesteps and sampler is required: no family inherits another's VAE, text encoder,
+timesteps or sampler by default. Adding
 a family is one folder under models/ that defines a spec, and one line in models/registry.py (or, for a
 family kept elsewhere, `models.registry.register` called by a module the experiment names under `families:`).
 
@@ -199,42 +200,73 @@ class Expert:
 
 
 @dataclass(frozen=True)
-class FamilySpec:
-    """A model family: its config, its stages, its token geometry and its published-weights format."""
+class Network:
+    """A family's stages (embed -> layer x L -> final) and what selective recomputation wraps in a layer."""
 
-    name: str
-    config: type[ModelConfig]                 # the `model:` section of this family (fields, defaults, checks)
     embed: type[nn.Module]                    # (latents, timesteps, text, *extra inputs) -> stage tuple
     layer: type[nn.Module]                    # stage tuple -> stage tuple; the unit pipelines split and recompute
     final: type[nn.Module]                    # stage tuple -> prediction [B, C, T, H, W]; .assemble() under sp
-    text_in_sequence: bool                    # text tokens join x (CogVideoX) or enter by cross-attention (STDiT)
-    # b x S x H all-reduces in one layer's forward under tp: a count, or (model) -> the mean over the layers where
-    # layers differ (HunyuanVideo: dual-stream blocks 2, single-stream 1); see `row_parallel`
-    row_parallel_per_layer: "int | Callable[[ModelConfig], float]"
-    attentions_per_layer: int                 # self-attentions per layer: Ulysses all-to-all sets
-    attention_pairs: Callable[[ModelConfig, tuple[int, int, int]], int]   # (query, key) pairs a layer scores
-    describe_layers: Callable[[ModelConfig], str]                         # "30 blocks", "28 layers (...)"
-    layer_noun: str
-    released: Optional[ReleasedFormat]        # None: no published format (no init_from, toolkit-format export)
-    checkpoint: Optional[CheckpointFormat]    # a single-file checkpoint of its own code's, or None
-    # (model, data) -> None, or a training-input hook: (x_t, x0, keep [B] bool) -> the first stage's latents
-    # (image-to-video: x_t with the image latents on channels), its `.dropout` the probability of keep False.
-    condition: Optional[Callable]
-    # The data it trains on: the VAE whose normalised latents it takes (models/vae.py), and the text encoder
-    # whose embeddings it reads, as its release's pipeline feeds them (models/text_encoder.py).
-    vae: LatentFormat
-    text_encoder: TextEncoderFormat
-    timesteps: TimestepSampling               # per sample or per token (models/diffusion.py)
-    sampling: Sampling                        # its samplers and its release's scheduler
     # Selective recomputation (parallel/model/recompute.py): per granularity ("attention", "mlp"), the dotted paths,
     # relative to one layer, of the modules or methods a checkpoint wraps (`attn.core`, `mlp`).
     recompute_parts: dict[str, tuple[str, ...]]
-    # Transformers chosen by timestep, highest noise first (empty: one transformer); see `expert`.
-    experts: tuple[Expert, ...] = field(default=())
     # The stage tuple's first `streams` tensors are hidden states every layer updates (LTX-2: video x and audio
     # a); the rest are side tensors the layers read and pass on unchanged. The planner counts the streams as what
     # a layer takes and a checkpoint keeps (parallel/plan/trace.py).
     streams: int = 1
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What the planner (parallel/plan/) counts per layer, written by hand and checked against the network's own
+    collectives (tests/distributed/test_family_comm_counts.py)."""
+
+    text_in_sequence: bool                    # text tokens join x (CogVideoX) or enter by cross-attention (STDiT)
+    # b x S x H all-reduces in one layer's forward under tp: a count, or (model) -> the mean over the layers where
+    # layers differ (HunyuanVideo: dual-stream blocks 2, single-stream 1); see FamilySpec.row_parallel
+    row_parallel_per_layer: "int | Callable[[ModelConfig], float]"
+    attention_pairs: Callable[[ModelConfig, tuple[int, int, int]], int]   # (query, key) pairs a layer scores
+    attentions_per_layer: int = 1             # self-attentions per layer: Ulysses all-to-all sets
+
+
+@dataclass(frozen=True)
+class Wording:
+    """How `python -m models` and the planner's messages name the layers."""
+
+    describe_layers: Callable[[ModelConfig], str]                         # "30 blocks", "28 layers (...)"
+    layer_noun: str = "block"
+
+
+@dataclass(frozen=True)
+class Formats:
+    """The files the family reads and writes: the data it trains on, as its release's pipeline feeds them (the VAE
+    whose normalised latents it takes, models/vae.py; the text encoder whose embeddings it reads,
+    models/text_encoder.py), and its published weights."""
+
+    vae: LatentFormat
+    text_encoder: TextEncoderFormat
+    released: Optional[ReleasedFormat]        # None: no published format (no init_from, toolkit-format export)
+    checkpoint: Optional[CheckpointFormat] = None   # a single-file checkpoint of its own code's (Open-Sora 2.0's)
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """A model family: its config, its network, the planner's costs, its wording, its file formats, and how it
+    trains and samples. A family fills at most 10 required fields (tests/unit/test_family_registry.py)."""
+
+    name: str
+    config: type[ModelConfig]                 # the `model:` section of this family (fields, defaults, checks)
+    network: Network
+    costs: Costs
+    wording: Wording
+    formats: Formats
+    timesteps: TimestepSampling               # per sample or per token (models/diffusion.py)
+    sampling: Sampling                        # its samplers and its release's scheduler
+    # (model, data) -> None, or a training-input hook: (x_t, x0, keep [B] bool) -> the first stage's latents
+    # (image-to-video: x_t with the image latents on channels), its `.dropout` the probability of keep False.
+    # None: text-to-video.
+    condition: Optional[Callable] = None
+    # Transformers chosen by timestep, highest noise first (empty: one transformer); see `expert`.
+    experts: tuple[Expert, ...] = field(default=())
     # (model, data) -> None, or the hook of a second noised stream in the training batch (LTX-2's audio,
     # models/ltx2/training.py AudioStream): what a sample stores of it (`shapes`), its noise, its inputs after the
     # text and its target (the batch's target a tuple), and the loss over both streams.
@@ -256,7 +288,7 @@ class FamilySpec:
 
     def row_parallel(self, model: ModelConfig) -> float:
         """b x S x H all-reduces per layer's forward under tp, the mean over the model's layers."""
-        n = self.row_parallel_per_layer
+        n = self.costs.row_parallel_per_layer
         return n(model) if callable(n) else n
 
     def training_condition(self, model: ModelConfig, data):
@@ -268,12 +300,12 @@ class FamilySpec:
     def sequence_tokens(self, model: ModelConfig, data) -> int:
         """Length of the sequence x the layers see (and sequence parallelism splits)."""
         t, h, w = token_grid(model, data)
-        return (model.max_text_len if self.text_in_sequence else 0) + t * h * w
+        return (model.max_text_len if self.costs.text_in_sequence else 0) + t * h * w
 
     def describe_tokens(self, model: ModelConfig, data) -> str:
         t, h, w = token_grid(model, data)
         video = t * h * w
-        if self.text_in_sequence:
+        if self.costs.text_in_sequence:
             return f"{video} video tokens + {model.max_text_len} text tokens = {video + model.max_text_len}"
         return f"{video} video tokens, cross-attending to {model.max_text_len} text tokens"
 

@@ -2,7 +2,7 @@
 released pipeline that ships that encoder feeds its transformer.
 
 The encoder class comes from the folder's config.json (`model_type`, else `architectures`), and each class is
-used as the family that trains on it says (its FamilySpec.text_encoder, a models.spec.TextEncoderFormat in the
+used as the family that trains on it says (its FamilySpec.formats.text_encoder, a models.spec.TextEncoderFormat in the
 family's folder or models/shared/: models/shared/pipeline.py's T5, models/wan/pipeline.py):
 - not masked (CogVideoX's T5EncoderModel): the caption tokenised to exactly `max_len` tokens (padded,
   truncated), encoded without an attention mask; the last hidden state [max_len, d_model] is the text input,
@@ -68,7 +68,7 @@ def check_encoder_folder(path: str | Path, expected, key: str) -> list[str] | No
 class T5TextEncoder:
     def __init__(self, path: str | Path, max_len: int, expected_dim: int | None = None, device="cpu",
                  cache_size: int = 4096, expected=None, key: str = "data.text_encoder"):
-        """expected: the TextEncoderFormat the model's family trains on (FamilySpec.text_encoder); None takes
+        """expected: the TextEncoderFormat the model's family trains on (FamilySpec.formats.text_encoder); None takes
         the folder's class as its registered family uses it."""
         import transformers
 

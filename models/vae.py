@@ -1,6 +1,6 @@
 """The VAE (a diffusers folder of a class some registered family trains on): frames -> training latents and back.
 
-Each class normalises latents as its release trains on them: the family's FamilySpec.vae (a LatentFormat,
+Each class normalises latents as its release trains on them: the family's FamilySpec.formats.vae (a LatentFormat,
 in the family's folder or models/shared/pipeline.py, e.g. CogVideoX's), found by the folder's `_class_name`; the
 experiment's family names the class it takes, and a folder of another class is refused.
 The latent is a draw from the VAE's posterior for the clip in [-1, 1] (as CogVideoX and finetrainers' Wan
@@ -54,7 +54,7 @@ def check_vae(config: dict, model, data, key: str = "--vae") -> list[str]:
     size."""
     from models.registry import family
 
-    name, wanted = config["_class_name"], family(model).vae
+    name, wanted = config["_class_name"], family(model).formats.vae
     if name != wanted.class_name:
         problem = (f"{key}: an {name} folder, but model.family={model.family} trains on {wanted.class_name} latents "
                    f"(use {wanted.release}, or a config of a family that takes {name})")

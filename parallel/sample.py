@@ -234,7 +234,7 @@ def _check_image(args, cfg, rows: int, shapes: dict) -> list[str]:
         if len(args.image) not in (1, rows):
             problems.append(f"--image: {len(args.image)} pictures for {rows} prompts; give 1 or {rows}")
         if not (args.vae or cfg.val.decoder):
-            problems.append(f"--image needs the VAE that encodes it: --vae <{family(cfg.model).vae.release}>")
+            problems.append(f"--image needs the VAE that encodes it: --vae <{family(cfg.model).formats.vae.release}>")
     shape = shapes.get(args.image_latents)
     if shape and not (list(shape) == want or (len(shape) == 5 and shape[0] in (1, rows) and list(shape[1:]) == want)):
         problems.append(f"--image-latents {args.image_latents}: shape {list(shape)}, expected {label} = {want} "
@@ -325,7 +325,7 @@ def load_prompts(args, cfg):
         from models.registry import family
         from models.text_encoder import build_text_encoder
         encoder = build_text_encoder(cfg.data.text_encoder, cfg.model.max_text_len, cfg.model.text_embed_dim,
-                                     expected=family(cfg.model).text_encoder, model=cfg.model)
+                                     expected=family(cfg.model).formats.text_encoder, model=cfg.model)
     labels, texts = list(args.prompt), [encoder.encode(text).float()[None] for text in args.prompt]
     for path in args.prompt_embeds:
         t = _tensor(path)

@@ -10,27 +10,25 @@ from models.cogvideox.pipeline import SAMPLING
 from models.cogvideox.released import DIFFUSERS
 from models.diffusion import PER_SAMPLE
 from models.shared.pipeline import T5, CogVideoXLatents
-from models.spec import FamilySpec
+from models.spec import Costs, FamilySpec, Formats, Network, Wording
 
 SPEC = FamilySpec(
     name="cogvideox",
     config=CogVideoXConfig,
-    embed=EmbedStage,
-    layer=DiTBlock,
-    final=FinalStage,
-    text_in_sequence=True,
-    row_parallel_per_layer=2,                # attention output, FFN output
-    attentions_per_layer=1,
-    attention_pairs=lambda m, grid: (m.max_text_len + math.prod(grid)) ** 2,
-    describe_layers=lambda m: f"{m.num_layers} blocks",
-    layer_noun="block",
-    recompute_parts={"attention": ("attn.core",), "mlp": ("mlp",)},
-    released=DIFFUSERS,
-    checkpoint=None,
-    condition=first_frame_condition,         # image-to-video presets: the first frame's latents on channels
-    vae=CogVideoXLatents(),
-    text_encoder=T5,
+    network=Network(
+        embed=EmbedStage,
+        layer=DiTBlock,
+        final=FinalStage,
+        recompute_parts={"attention": ("attn.core",), "mlp": ("mlp",)},
+    ),
+    costs=Costs(
+        text_in_sequence=True,
+        row_parallel_per_layer=2,                # attention output, FFN output
+        attention_pairs=lambda m, grid: (m.max_text_len + math.prod(grid)) ** 2,
+    ),
+    wording=Wording(describe_layers=lambda m: f"{m.num_layers} blocks"),
+    formats=Formats(vae=CogVideoXLatents(), text_encoder=T5, released=DIFFUSERS),
     timesteps=PER_SAMPLE,
     sampling=SAMPLING,
-    experts=(),
+    condition=first_frame_condition,         # image-to-video presets: the first frame's latents on channels
 )

@@ -1,4 +1,4 @@
-"""What CogVideoX's released pipeline feeds its transformer and samples it with (FamilySpec.vae, text_encoder,
+"""What CogVideoX's released pipeline feeds its transformer and samples it with (FamilySpec.formats.vae, text_encoder,
 sampling): the VAE latents and the T5 text input (models/shared/pipeline.py: STDiT trains on them too) and the
 DDPM schedulers.
 

@@ -40,7 +40,7 @@ class HunyuanVideoConfig(ModelConfig):
                              "patch volume inputs (a mask channel + condition latents, patched as the video) added "
                              "to the patch embedding; text-to-video feeds it zeros")
     train_timesteps: Literal["uniform", "opensora"] = Field(
-        "uniform", description="the training draw (models/hunyuanvideo/timesteps.py): uniform, integer timesteps "
+        "uniform", description="the training draw (models/hunyuanvideo/opensora2.py): uniform, integer timesteps "
         "shifted by model.schedule.shift; opensora, Open-Sora 2.0's sigmoid of a normal draw shifted by the "
         "sample's own resolution (flow_matching, 2 x 2 patches)")
     hidden_size: int = 3072

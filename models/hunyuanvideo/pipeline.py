@@ -1,5 +1,5 @@
 """What HunyuanVideo's released pipeline (HunyuanVideoPipeline, diffusers 0.42) feeds its transformer and samples it
-with (FamilySpec.vae, text_encoder, sampling).
+with (FamilySpec.formats.vae, text_encoder, FamilySpec.sampling).
 
 - VAE `AutoencoderKLHunyuanVideo`: training latents z * scaling_factor (0.476986 in the release's config), decoded
   as the pipeline does, z / scaling_factor; 4 x temporal, 8 x spatial compression, 16 channels.

@@ -12,26 +12,29 @@ from models.hunyuanvideo15.image import image_condition
 from models.hunyuanvideo15.pipeline import QWEN_BYT5, SAMPLING, Hunyuan15Latents
 from models.hunyuanvideo15.released import DIFFUSERS
 from models.shared.mmdit import FinalStage, HunyuanBlock
-from models.spec import FamilySpec
+from models.spec import Costs, FamilySpec, Formats, Network, Wording
 
 SPEC = FamilySpec(
     name="hunyuanvideo15",
     config=HunyuanVideo15Config,
-    embed=EmbedStage,
-    layer=HunyuanBlock,                      # every block dual-stream (config.num_dual_layers = num_layers)
-    final=FinalStage,
-    text_in_sequence=True,
-    row_parallel_per_layer=2,                # 4 on partial sequences (text, video x attention, FFN): 2 x b S H
-    attentions_per_layer=1,
-    attention_pairs=lambda m, grid: (m.max_text_len + math.prod(grid)) ** 2,
-    describe_layers=lambda m: f"{m.num_layers} dual-stream blocks",
-    layer_noun="block",
-    recompute_parts={"attention": ("attn.core",), "mlp": ("ffn",)},
-    released=DIFFUSERS,
-    checkpoint=None,
-    condition=image_condition,               # model.image_condition: the first frame's latents and mask
-    vae=Hunyuan15Latents(),                  # latents z * scaling_factor
-    text_encoder=QWEN_BYT5,                  # Qwen2.5-VL + byT5 (+ zero SigLIP) rows: captions.py; I2V: siglip.py
+    network=Network(
+        embed=EmbedStage,
+        layer=HunyuanBlock,                      # every block dual-stream (config.num_dual_layers = num_layers)
+        final=FinalStage,
+        recompute_parts={"attention": ("attn.core",), "mlp": ("ffn",)},
+    ),
+    costs=Costs(
+        text_in_sequence=True,
+        row_parallel_per_layer=2,                # 4 on partial sequences (text, video x attention, FFN): 2 x b S H
+        attention_pairs=lambda m, grid: (m.max_text_len + math.prod(grid)) ** 2,
+    ),
+    wording=Wording(describe_layers=lambda m: f"{m.num_layers} dual-stream blocks"),
+    formats=Formats(
+        vae=Hunyuan15Latents(),                  # latents z * scaling_factor
+        text_encoder=QWEN_BYT5,                  # Qwen2.5-VL + byT5 (+ zero SigLIP) rows: captions.py; I2V: siglip.py
+        released=DIFFUSERS,
+    ),
     timesteps=PER_SAMPLE,
     sampling=SAMPLING,
+    condition=image_condition,               # model.image_condition: the first frame's latents and mask
 )

@@ -1,5 +1,5 @@
 """What HunyuanVideo 1.5's released pipelines (HunyuanVideo15Pipeline, HunyuanVideo15ImageToVideoPipeline, diffusers
-0.42) feed the transformer and sample it with (FamilySpec.vae, text_encoder, sampling).
+0.42) feed the transformer and sample it with (FamilySpec.formats.vae, text_encoder, FamilySpec.sampling).
 
 - VAE `AutoencoderKLHunyuanVideo15`: training latents z * scaling_factor (1.03682 by default), decoded as the
   pipelines do, z / scaling_factor; 4 x temporal, 16 x spatial compression, 32 channels.

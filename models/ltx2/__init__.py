@@ -15,7 +15,7 @@ from models.ltx2.model import LTX2Block
 from models.ltx2.pipeline import GEMMA3, SAMPLING, LTX2Latents
 from models.ltx2.released import DIFFUSERS
 from models.ltx2.training import AudioStream, LTX2Timesteps
-from models.spec import FamilySpec
+from models.spec import Costs, FamilySpec, Formats, Network, Wording
 
 
 def attention_pairs(m: LTX2Config, grid: tuple[int, int, int]) -> int:
@@ -32,30 +32,29 @@ def attention_pairs(m: LTX2Config, grid: tuple[int, int, int]) -> int:
 SPEC = FamilySpec(
     name="ltx2",
     config=LTX2Config,
-    embed=EmbedStage,
-    layer=LTX2Block,
-    final=FinalStage,
-    text_in_sequence=False,
-    # b x S x H all-reduces: the video stream's self, caption and audio-to-video attention outputs and its FFN (the
-    # audio stream's four are b x A x Da, A ~ S / 50 at the release's sizes). The step time's 6 N S FLOPs count
-    # every block weight over the S video tokens: the audio stream's (a fifth of a block's) and the caption
-    # keys' and values' see A and L tokens, so an LTX-2 step's compute is overestimated (~40% at the release's
-    # 121 x 512 x 768), like STDiT's text keys and values (parallel/plan/search.py)
-    row_parallel_per_layer=4,
-    # the video self-attention's (Ulysses: 4 all-to-alls); the audio stream is whole on every sp rank, and
-    # video-to-audio's merge is one all-gather of B x A x Da/tp (models/ltx2/model.py)
-    attentions_per_layer=1,
-    attention_pairs=attention_pairs,
-    describe_layers=lambda m: f"{m.num_layers} audio-video blocks",
-    layer_noun="block",
-    recompute_parts={"attention": ("attn1", "audio_attn1"), "mlp": ("ff", "audio_ff")},
-    released=DIFFUSERS,
-    checkpoint=None,
-    condition=None,
-    vae=LTX2Latents(),
-    text_encoder=GEMMA3,
+    network=Network(
+        embed=EmbedStage,
+        layer=LTX2Block,
+        final=FinalStage,
+        recompute_parts={"attention": ("attn1", "audio_attn1"), "mlp": ("ff", "audio_ff")},
+        streams=2,                               # x and the audio stream a: both updated by every block
+    ),
+    costs=Costs(
+        text_in_sequence=False,
+        # b x S x H all-reduces: the video stream's self, caption and audio-to-video attention outputs and its FFN (the
+        # audio stream's four are b x A x Da, A ~ S / 50 at the release's sizes). The step time's 6 N S FLOPs count
+        # every block weight over the S video tokens: the audio stream's (a fifth of a block's) and the caption
+        # keys' and values' see A and L tokens, so an LTX-2 step's compute is overestimated (~40% at the release's
+        # 121 x 512 x 768), like STDiT's text keys and values (parallel/plan/search.py)
+        row_parallel_per_layer=4,
+        attention_pairs=attention_pairs,
+        # the video self-attention's (Ulysses: 4 all-to-alls); the audio stream is whole on every sp rank, and
+        # video-to-audio's merge is one all-gather of B x A x Da/tp (models/ltx2/model.py)
+        attentions_per_layer=1,
+    ),
+    wording=Wording(describe_layers=lambda m: f"{m.num_layers} audio-video blocks"),
+    formats=Formats(vae=LTX2Latents(), text_encoder=GEMMA3, released=DIFFUSERS),
     timesteps=LTX2Timesteps(),
     sampling=SAMPLING,
-    streams=2,                               # x and the audio stream a: both updated by every block
     second_stream=AudioStream,
 )

@@ -1,5 +1,5 @@
 """What LTX-2's released pipelines (LTX2Pipeline, LTX2ImageToVideoPipeline, diffusers 0.42) feed the transformer
-(FamilySpec.vae, text_encoder, sampling), as far as the toolkit has it.
+(FamilySpec.formats.vae, text_encoder, FamilySpec.sampling), as far as the toolkit has it.
 
 - VAE `AutoencoderKLLTX2Video`: compression as the class computes it (the release: 8 x temporal, 32 x spatial,
   128 channels). The pipelines normalise latents per channel with the VAE's `latents_mean` / `latents_std`

@@ -1,4 +1,5 @@
-"""VAE latent formats and text encoders that more than one family's pipeline uses (FamilySpec.vae, text_encoder).
+"""VAE latent formats and text encoders that more than one family's pipeline uses (FamilySpec.formats.vae,
+text_encoder).
 
 - VAE `AutoencoderKLCogVideoX` (CogVideoX; STDiT trains on its latents): z = scaling_factor * (x - shift_factor)
   (CogVideoX trains on `latent_dist.sample() * scaling_factor`; shift_factor is None there, i.e. 0); decoding

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from models.diffusion import PER_SAMPLE
 from models.shared.pipeline import T5, CogVideoXLatents
-from models.spec import FamilySpec, Sampling
+from models.spec import Costs, FamilySpec, Formats, Network, Sampling, Wording
 from models.stdit.config import STDiTConfig
 from models.stdit.model import EmbedStage, FinalStage, STDiT3Layer
 
@@ -17,24 +17,30 @@ def attention_pairs(m: STDiTConfig, grid: tuple[int, int, int]) -> int:
 SPEC = FamilySpec(
     name="stdit",
     config=STDiTConfig,
-    embed=EmbedStage,
-    layer=STDiT3Layer,
-    final=FinalStage,
-    text_in_sequence=False,
-    row_parallel_per_layer=6,                # self-attention, cross-attention and MLP outputs of two blocks
-    attentions_per_layer=2,                  # a spatial and a temporal self-attention
-    attention_pairs=attention_pairs,
-    describe_layers=lambda m: f"{m.num_layers} layers ({m.num_layers} spatial + {m.num_layers} temporal blocks)",
-    recompute_parts={"attention": ("spatial.attn.core", "temporal.attn.core"), "mlp": ("spatial.mlp", "temporal.mlp")},
-    layer_noun="layer",
-    released=None,                           # no diffusers release: exports in the toolkit's format
-    checkpoint=None,
-    condition=None,
-    # Trained here on CogVideoX's VAE latents and T5 embeddings (Open-Sora's own VAE is not in diffusers).
-    vae=CogVideoXLatents(),
-    text_encoder=T5,
+    network=Network(
+        embed=EmbedStage,
+        layer=STDiT3Layer,
+        final=FinalStage,
+        recompute_parts={"attention": ("spatial.attn.core", "temporal.attn.core"),
+                         "mlp": ("spatial.mlp", "temporal.mlp")},
+    ),
+    costs=Costs(
+        text_in_sequence=False,
+        row_parallel_per_layer=6,                # self-attention, cross-attention and MLP outputs of two blocks
+        attention_pairs=attention_pairs,
+        attentions_per_layer=2,                  # a spatial and a temporal self-attention
+    ),
+    wording=Wording(
+        describe_layers=lambda m: f"{m.num_layers} layers ({m.num_layers} spatial + {m.num_layers} temporal blocks)",
+        layer_noun="layer",
+    ),
+    formats=Formats(
+        # Trained here on CogVideoX's VAE latents and T5 embeddings (Open-Sora's own VAE is not in diffusers).
+        vae=CogVideoXLatents(),
+        text_encoder=T5,
+        released=None,                           # no diffusers release: exports in the toolkit's format
+    ),
     timesteps=PER_SAMPLE,
     sampling=Sampling(samplers={"v_prediction": ("ddim", "dpm"), "flow_matching": ("euler", "flow_euler", "unipc")},
                       scheduler=None),
-    experts=(),
 )

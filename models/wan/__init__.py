@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from models.spec import FamilySpec
+from models.spec import Costs, FamilySpec, Formats, Network, Wording
 from models.wan.config import WanConfig
 from models.wan.image import image_condition
 from models.wan.model import EmbedStage, FinalStage, WanBlock
@@ -22,23 +22,25 @@ def attention_pairs(m: WanConfig, grid: tuple[int, int, int]) -> int:
 SPEC = FamilySpec(
     name="wan",
     config=WanConfig,
-    embed=EmbedStage,
-    layer=WanBlock,
-    final=FinalStage,
-    text_in_sequence=False,
-    row_parallel_per_layer=3,                # self-attention, cross-attention and FFN outputs
-    attentions_per_layer=1,
-    attention_pairs=attention_pairs,
-    describe_layers=lambda m: f"{m.num_layers} blocks",
-    layer_noun="block",
-    recompute_parts={"attention": ("attn1.core",), "mlp": ("ffn",)},     # self-attention; cross-attention is S x L
-    released=DIFFUSERS,
-    checkpoint=None,
-    condition=image_condition,               # I2V: mask + image latents on channels, CLIP states (models/wan/image.py)
-    vae=WanLatents(),                        # latents (x - latents_mean) / latents_std per channel
-    text_encoder=UMT5,                       # padding rows zeroed, as WanPipeline
+    network=Network(
+        embed=EmbedStage,
+        layer=WanBlock,
+        final=FinalStage,
+        recompute_parts={"attention": ("attn1.core",), "mlp": ("ffn",)},     # self-attention; cross-attention is S x L
+    ),
+    costs=Costs(
+        text_in_sequence=False,
+        row_parallel_per_layer=3,                # self-attention, cross-attention and FFN outputs
+        attention_pairs=attention_pairs,
+    ),
+    wording=Wording(describe_layers=lambda m: f"{m.num_layers} blocks"),
+    formats=Formats(
+        vae=WanLatents(),                        # latents (x - latents_mean) / latents_std per channel
+        text_encoder=UMT5,                       # padding rows zeroed, as WanPipeline
+        released=DIFFUSERS,
+    ),
     timesteps=TI2VTimesteps(),              # per sample; in one expert's band (model.experts.train); per token
                                              # for Wan 2.2 TI2V (model.expand_timesteps, models/wan/ti2v.py)
     sampling=SAMPLING,
-    experts=(),
+    condition=image_condition,               # I2V: mask + image latents on channels, CLIP states (models/wan/image.py)
 )

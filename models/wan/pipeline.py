@@ -1,5 +1,5 @@
 """What Wan 2.1's released pipeline (WanPipeline, diffusers 0.42) feeds its transformer and samples it with
-(FamilySpec.vae, text_encoder, sampling).
+(FamilySpec.formats.vae, text_encoder, FamilySpec.sampling).
 
 - VAE `AutoencoderKLWan`: per channel c, z_c = (x_c - latents_mean[c]) / latents_std[c] (finetrainers'
   WanLatentEncodeProcessor + `_normalize_latents`: (x - mean) * (1 / std), training on a posterior draw);

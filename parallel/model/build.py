@@ -30,11 +30,11 @@ def layer_specs(cfg: ExperimentConfig, ctx, grid: Optional[StepGrid] = None) -> 
     """The stages, all reading one `StepGrid` (the config's grid until a bucketed run sets the step's)."""
     spec = family(cfg.model)
     grid, seed = grid or StepGrid(token_grid(cfg.model, cfg.data), cfg.model), cfg.train.seed
-    return ([SeededLayerSpec(seed, "embed", spec.embed, cfg.model, grid, ctx)]
-            + [SeededLayerSpec(seed, f"blocks.{i}", spec.layer, cfg.model, grid, ctx,
-                               **({"index": i} if getattr(spec.layer, "indexed", False) else {}))
+    return ([SeededLayerSpec(seed, "embed", spec.network.embed, cfg.model, grid, ctx)]
+            + [SeededLayerSpec(seed, f"blocks.{i}", spec.network.layer, cfg.model, grid, ctx,
+                               **({"index": i} if getattr(spec.network.layer, "indexed", False) else {}))
                for i in range(cfg.model.num_layers)]
-            + [SeededLayerSpec(seed, "final", spec.final, cfg.model, grid, ctx)])
+            + [SeededLayerSpec(seed, "final", spec.network.final, cfg.model, grid, ctx)])
 
 
 class SequenceLoss:
@@ -115,7 +115,7 @@ def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Ca
         # DeepSpeed 0.19's CheckpointFunction keeps its inputs as attributes of its ctx, out of saved-tensor hooks'
         # reach: the JSON's segments then run through torch's checkpoint (parallel/model/recompute.py), the same math.
         checkpoint_fn = functools.partial(_offloaded_checkpoint, offload)
-    streams = family(cfg.model).streams
+    streams = family(cfg.model).network.streams
     if checkpoint_fn is not None and offload is None and streams > 1 and cfg.parallel.pp_size > 1:
         # The 0.19 pipeline engine backpropagates each stage output on its own (retain_graph between them): a
         # DeepSpeed CheckpointFunction among the producers of two streams is asked for its backward twice and has

@@ -42,7 +42,7 @@ ADAPTER_PARAMS = ("lora_A", "lora_B")
 
 def released_format(m: ModelConfig):
     """The family's name map; LoRA's targets are released module names, so a family needs one."""
-    fmt = family(m).released
+    fmt = family(m).formats.released
     if fmt is None:
         raise ValueError(f"model.family={m.family} has no released-weights format (models/spec.py): model.lora's "
                          f"targets are its released module names")

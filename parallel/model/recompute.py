@@ -7,7 +7,7 @@ name `blocks.{i}`:
 - `train.recompute: {granularity, every}`: in blocks i with i % every == 0, wrap either the whole block
   (it keeps only its input x, LTX-2's x and audio stream; the side tensors go around the checkpoint as in
   checkpoint_x_only) or the
-  parts the family names in `FamilySpec.recompute_parts` ("attention": the attention core, whose inputs
+  parts the family names in `FamilySpec.network.recompute_parts` ("attention": the attention core, whose inputs
   q, k, v are kept and whose scores / softmax statistics and rotary are recomputed, with the q/k norms where
   the family's core holds them (CogVideoX, STDiT; Wan normalises q, k before its core); "mlp": the
   feed-forward network, which keeps its input and recomputes the S x F hidden activations).
@@ -166,7 +166,7 @@ def _resolve(root: nn.Module, path: str) -> tuple[object, str]:
 
 def layers_of(model: nn.Module, cfg: ExperimentConfig) -> list[tuple[int, nn.Module]]:
     """(block index, module) of the family's layers this process holds (pp: its stage's), in order."""
-    layer = family(cfg.model).layer
+    layer = family(cfg.model).network.layer
     found = []
     for name, module in model.named_modules():
         if isinstance(module, layer):
@@ -181,7 +181,7 @@ def wrap_layer(layer: nn.Module, parts: dict, granularity: Optional[str], compre
                on_pack: Optional[Callable] = None, offload: Optional[HostOffload] = None,
                streams: int = 1) -> nn.Module:
     """Checkpoint `granularity` (None: nothing) of one family layer and/or compress what it saves; `offload`:
-    the checkpoint's kept inputs in host memory; `streams`: the family's (FamilySpec.streams)."""
+    the checkpoint's kept inputs in host memory; `streams`: the family's (Network.streams)."""
     if granularity == "block":
         layer.forward = checkpointed_block(layer.forward, offload, streams)
     elif granularity is not None:
@@ -214,7 +214,7 @@ def apply_recompute(model: nn.Module, cfg: ExperimentConfig, on_pack: Optional[C
     rc, comp = cfg.train.recompute, cfg.train.activation_compression
     if rc is None and comp is None:
         return model
-    parts, streams = family(cfg.model).recompute_parts, family(cfg.model).streams
+    parts, streams = family(cfg.model).network.recompute_parts, family(cfg.model).network.streams
     for i, layer in layers_of(model, cfg):
         wrap_layer(layer, parts, rc.granularity if rc is not None and i % rc.every == 0 else None,
                    comp.dtype if comp is not None else None, on_pack, offload, streams)

@@ -189,7 +189,7 @@ def estimate_step_time(cfg: ExperimentConfig, eng: EngineSettings, dp: int, devi
     if sp > 1:
         r = ring_of(cfg, tp, sp)
         u = sp // r
-        attentions = family(m_cfg).attentions_per_layer
+        attentions = family(m_cfg).costs.attentions_per_layer
         # A ring of whole frames (STDiT): only temporal attention rings, a query meeting T / r keys a chunk.
         frames = ring_frames(cfg)
         rings, keys = (attentions, seq / r) if frames is None else (1, frames[0] / r)

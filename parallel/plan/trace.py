@@ -23,7 +23,7 @@ per storage (views of one tensor are counted once); `held_storages()` finds tens
 outside its parameters (position tables cached on first use), which are model state, not activations.
 `ActivationTracer` puts these together per stage kind (embed, one block, final + loss), tp size and
 micro-batch, for any model family: the inputs of a block and of the final stage are the embed stage's
-own outputs on meta, x [B, S, H] first (LTX-2: x and the audio stream, `FamilySpec.streams`), then the
+own outputs on meta, x [B, S, H] first (LTX-2: x and the audio stream, `FamilySpec.network.streams`), then the
 tensors a stage's blocks share and pass on unchanged (CogVideoX: temb; STDiT: t, t_mlp, y), called side
 tensors here. tests/unit/test_plan.py checks it against
 real CPU forwards at tp = 1 and tp = 2.
@@ -167,7 +167,7 @@ class StageTrace:
 
     activations: int          # saved bytes, without parameters, cached tables and the side tensors
     input_bytes: int          # bytes of its hidden-state input x [B, S, H] (what a checkpoint keeps; LTX-2: x and
-                              # the audio stream a [B, A, Da], FamilySpec.streams)
+                              # the audio stream a [B, A, Da], FamilySpec.network.streams)
     side_bytes: tuple         # bytes of each side tensor (shared by the stage's blocks, passed on)
     side_saved: tuple         # whether it saves each side tensor for backward
     buffers: int              # registered buffers and tables cached in attributes (position tables)
@@ -197,7 +197,7 @@ def sequence_length(cfg: ExperimentConfig) -> int:
 def attention_pairs(cfg: ExperimentConfig) -> int:
     """(query, key) pairs one layer's attention scores per sample (the family's count: S^2 for CogVideoX's
     full attention; STDiT: spatial t (hw)^2 + temporal hw t^2 + two cross-attentions 2 t hw L)."""
-    return family(cfg.model).attention_pairs(cfg.model, token_grid(cfg.model, cfg.data))
+    return family(cfg.model).costs.attention_pairs(cfg.model, token_grid(cfg.model, cfg.data))
 
 
 def _affine(a: int, b: int, n: int) -> int:
@@ -249,8 +249,8 @@ class ActivationTracer:
             moved: list[int] = []
             if granularity is not None:
                 hooks = HostOffload(lambda t, host: moved.append(t.numel() * t.element_size())) if offload else None
-                fam = family(self.cfg.model)
-                wrap_layer(module, fam.recompute_parts, granularity, None, offload=hooks, streams=fam.streams)
+                net = family(self.cfg.model).network
+                wrap_layer(module, net.recompute_parts, granularity, None, offload=hooks, streams=net.streams)
             self._modules[key] = (module, ctx, moved)
         return self._modules[key]
 
@@ -281,7 +281,7 @@ class ActivationTracer:
         skip = parameter_storages(module)
         held = held_storages(module)
         stage = out if kind == "embed" else inputs
-        streams = family(self.cfg.model).streams                  # x (LTX-2: x and the audio stream) first
+        streams = family(self.cfg.model).network.streams                  # x (LTX-2: x and the audio stream) first
         hidden, side = stage[:streams], stage[streams:]
         side_keys = [storage_key(t) for t in side]
         size = (lambda t: packed_nbytes(t, compression)) if compression else storage_bytes
@@ -319,7 +319,7 @@ class ActivationTracer:
         or, for a family whose layers differ by index (its layer class `indexed`: HunyuanVideo's dual- and
         single-stream blocks), each layer built on meta by itself."""
         block = self.trace("block", tp, 1, sp)
-        if not getattr(family(self.cfg.model).layer, "indexed", False):
+        if not getattr(family(self.cfg.model).network.layer, "indexed", False):
             return list(block.params) * n, (list(block.trainable) * n if block.trainable is not None else None)
         params, trainable = [], [] if block.trainable is not None else None
         specs = layer_specs(self.cfg, ParallelContext.single(tp, sp))
@@ -347,7 +347,7 @@ class ActivationTracer:
         """model.lora.base_dtype: (bytes, elements) of the fp8 base of layers [start, start + n) at tp, each
         layer its own for a family whose layers differ by index (as layer_parameters)."""
         block = self.trace("block", tp, 1, sp)
-        if not getattr(family(self.cfg.model).layer, "indexed", False):
+        if not getattr(family(self.cfg.model).network.layer, "indexed", False):
             return block.fp8_base * n, block.fp8_numel * n
         self.layer_parameters(start, n, tp, sp)
         per_layer = [self._traces[("fp8", i, tp, sp)] for i in range(start, start + n)]
@@ -357,7 +357,7 @@ class ActivationTracer:
         """train.block_swap: the bytes each of layers [start, start + n) keeps on the host when swapped, at tp
         (parallel/distributed/block_swap.py swappable_bytes; each layer its own, as layer_parameters)."""
         block = self.trace("block", tp, 1, sp)
-        if not getattr(family(self.cfg.model).layer, "indexed", False):
+        if not getattr(family(self.cfg.model).network.layer, "indexed", False):
             return [block.swap_bytes] * n
         self.layer_parameters(start, n, tp, sp)
         return [self._traces[("swap", i, tp, sp)] for i in range(start, start + n)]

@@ -131,11 +131,11 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
         count = {p: sum(q == p for q, _ in per_bucket) for p, _ in per_bucket}
         everywhere = {p for p, n in count.items() if n == len(args.bucket_list or [None])}
         problems += list(dict.fromkeys(p if p in everywhere else p + where for p, where in per_bucket))
-    own = check_encoder_folder(args.t5, family(cfg.model).text_encoder, "--t5") if args.t5 else None
+    own = check_encoder_folder(args.t5, family(cfg.model).formats.text_encoder, "--t5") if args.t5 else None
     if own is not None:                                 # the family's own encoder (HunyuanVideo: LLaMA + CLIP)
         problems += own
     elif args.t5:
-        wanted = family(cfg.model).text_encoder.class_name
+        wanted = family(cfg.model).formats.text_encoder.class_name
         what = (f"expected a folder written by {wanted}.save_pretrained with its tokenizer beside it "
                 "(for a release: text_encoder/ with the files of tokenizer/ copied in)")
         try:
@@ -246,7 +246,7 @@ class ClipEncoder:
         if args.t5:
             from models.text_encoder import build_text_encoder
             self.t5 = build_text_encoder(args.t5, cfg.model.max_text_len, cfg.model.text_embed_dim, device,
-                                         cache_size=0, expected=family(cfg.model).text_encoder, key="--t5",
+                                         cache_size=0, expected=family(cfg.model).formats.text_encoder, key="--t5",
                                          model=cfg.model)
         self.args, self.data, self.seed, self.tag = args, cfg.data, cfg.train.seed, tag
         self.store, self.model, self.buckets = DTYPES[args.dtype], cfg.model, args.bucket_list

@@ -116,7 +116,7 @@ def _text_encoder(cfg: ExperimentConfig):
         return None
     from models.text_encoder import build_text_encoder
     return build_text_encoder(cfg.data.text_encoder, cfg.model.max_text_len, cfg.model.text_embed_dim,
-                              expected=family(cfg.model).text_encoder, model=cfg.model)
+                              expected=family(cfg.model).formats.text_encoder, model=cfg.model)
 
 
 def build_dataset(cfg: ExperimentConfig):

@@ -65,7 +65,7 @@ def load_decoder(spec: str | None) -> Decoder:
     """The decoder `spec` names, wrapped to return uint8 frames; None -> preview.
 
     `spec` is a VAE folder of a class some family trains on (`diffusers`; decoded as the family's
-    FamilySpec.vae says, see models.vae) or "package.module:function", a callable taking a latent
+    FamilySpec.formats.vae says, see models.vae) or "package.module:function", a callable taking a latent
     [C, T, H, W] fp32 tensor and returning frames [T, H, W, 3], uint8 or floats in [0, 1]. It runs on every process that decodes,
     so it should load its VAE once (e.g. functools.cache).
     """

@@ -31,7 +31,7 @@ INDEX_NAME = WEIGHTS_NAME + ".index.json"
 
 def released_format(m: ModelConfig) -> ReleasedFormat:
     """The family's published-weights format; a family without one is refused by name."""
-    fmt = family(m).released
+    fmt = family(m).formats.released
     if fmt is None:
         raise ValueError(f"model.family={m.family} has no released-weights format: model.init_from and "
                          f"--format diffusers need a family that has one")

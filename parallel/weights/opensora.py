@@ -1,6 +1,6 @@
-"""A family's single-file checkpoint (FamilySpec.checkpoint, a models.spec.CheckpointFormat: Open-Sora 2.0's
+"""A family's single-file checkpoint (FamilySpec.formats.checkpoint, a models.spec.CheckpointFormat: Open-Sora 2.0's
 `Open_Sora_v2.safetensors` with its MMDiTModel's names, for the HunyuanVideo family) in and out of a model of any
-layout; the name map and its rewrites are the family's (models/hunyuanvideo/opensora.py).
+layout; the name map and its rewrites are the family's (models/hunyuanvideo/opensora2.py).
 
 `check_opensora` reads the header only (every missing, unexpected or mis-shaped tensor at once, before any
 process group); `load_opensora` fills a built model: each rank reads the tensors of its pipeline stage, rewrites
@@ -25,17 +25,18 @@ from parallel.weights.gather import format_shapes, model_tensors
 def format_problems(m: ModelConfig) -> list[str]:
     """What keeps this model section from its family's single-file checkpoint, each with its key. A family without
     one: the refusal of a family that has one (it names the family the file loads into)."""
-    own = family(m).checkpoint
+    own = family(m).formats.checkpoint
     if own is not None:
         return own.problems(m)
-    other: CheckpointFormat | None = next((s.checkpoint for s in FAMILIES.values() if s.checkpoint), None)
+    other: CheckpointFormat | None = next((s.formats.checkpoint for s in FAMILIES.values() if s.formats.checkpoint),
+                                          None)
     return (other.problems(m) if other else []) or [f"model.family={m.family} reads no single-file checkpoint; "
                                                     f"model.init_from must be a diffusers folder"]
 
 
 def expected_tensors(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every checkpoint tensor name of this model with its shape (the model built on the meta device)."""
-    return format_shapes(m, family(m).checkpoint.shapes)
+    return format_shapes(m, family(m).formats.checkpoint.shapes)
 
 
 def check_opensora(m: ModelConfig, path: str | Path) -> list[str]:
@@ -46,7 +47,7 @@ def check_opensora(m: ModelConfig, path: str | Path) -> list[str]:
     problems = [f"{path}: {p}" for p in format_problems(m)]
     if problems:
         return problems
-    fmt = family(m).checkpoint
+    fmt = family(m).formats.checkpoint
     try:
         with safe_open(str(path), framework="pt") as f:
             have = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
@@ -87,7 +88,7 @@ def load_opensora(module: nn.Module, ctx, m: ModelConfig, path: str | Path) -> i
     problems = check_opensora(m, path)
     if problems:
         raise ValueError("\n".join(problems))
-    fmt, read = family(m).checkpoint, 0
+    fmt, read = family(m).formats.checkpoint, 0
     with safe_open(str(path), framework="pt", device="cpu") as f:
         for name, target in model_tensors(module, m.num_layers):
             if is_adapter(name):                             # LoRA's adapters: model.lora.init_from
@@ -104,7 +105,7 @@ def write_opensora(tensors: Iterable[tuple[str, torch.Tensor]], m: ModelConfig, 
     """Write full toolkit tensors ((canonical name, tensor), every one of the model) under the checkpoint's
     names."""
     from safetensors.torch import save_file
-    to_checkpoint, out = family(m).checkpoint.to_checkpoint, {}
+    to_checkpoint, out = family(m).formats.checkpoint.to_checkpoint, {}
     for name, full in tensors:
         if not is_adapter(name):
             out.update({n: t.to(dtype) for n, t in to_checkpoint(name, full, m).items()})

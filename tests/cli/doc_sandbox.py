@@ -117,7 +117,7 @@ def write_transformer(folder: Path, preset: Path, seed: int = 0) -> None:
     from models.registry import family
     from parallel.experiment.config import load_config
     cfg = load_config(str(preset), [])
-    released = family(cfg.model).released
+    released = family(cfg.model).formats.released
     torch.manual_seed(seed)
     model = getattr(diffusers, released.class_name).from_config(released.config(cfg.model, cfg.data))
     with torch.no_grad():              # non-trivial norms and zero-initialised projections

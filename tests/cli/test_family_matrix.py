@@ -65,7 +65,7 @@ def test_family_in_every_layout_through_the_commands(preset, tmp_path):
 
     from models.registry import family
 
-    released = family(load_config(preset).model).released is not None    # a diffusers format to export to
+    released = family(load_config(preset).model).formats.released is not None    # a diffusers format to export to
 
     # One process: the reference losses and sample, and (toolkit format) the reference export.
     one = experiment_args(preset, tmp_path, "one", ONE)

@@ -2,7 +2,8 @@
 
 parallel/plan/search.py prices tensor parallelism by FamilySpec.row_parallel (b x S x H all-reduces in one
 layer's forward, the mean over the layers; an all-reduce of part of the sequence counts its share) and
-sequence parallelism by FamilySpec.attentions_per_layer (Ulysses attentions, four all-to-alls each). Both are written by hand in each family's spec; here one forward of every layer of every
+sequence parallelism by FamilySpec.costs.attentions_per_layer (Ulysses attentions, four all-to-alls each). Both are
+written by hand in each family's spec; here one forward of every layer of every
 registered family (the built-ins' debug presets, and the toy family of tests/toy_family registered at run
 time) at tp 2 x sp 2 counts them: all-reduces through parallel/distributed/comm.py's count_comm(), all-to-alls
 at torch.distributed.
@@ -74,7 +75,7 @@ def _count_rank(rank, world_size):
         hidden = [math.prod(shape) / bsh for op, shape in comm.shapes
                   if op == "all_reduce" and len(shape) == 3 and shape[-1] == cfg.model.hidden_size]
         out[spec.name] = {"row_parallel": sum(hidden) / layers, "all_to_all": len(calls) / layers,
-                          "declared": (spec.row_parallel(cfg.model), spec.attentions_per_layer)}
+                          "declared": (spec.row_parallel(cfg.model), spec.costs.attentions_per_layer)}
     out["families"] = sorted(FAMILIES)
     return out
 

@@ -8,7 +8,7 @@ rank holds only padding); at tp 2, and at tp 2 x sp 2 (Ulysses, ring; 45 tokens)
 over both streams equal diffusers' own (every q/k RMSNorm all-reduces its statistic across heads, forward and
 backward; under sp the video-to-audio partials merge across ranks, and the sp ranks' gradients are averaged as
 DeepSpeed's data axis does); one block's forward at tp 2 all-reduces what the block's docstring counts, and under
-Ulysses makes the all-to-alls the family's spec declares (FamilySpec.attentions_per_layer). The same ranks train
+Ulysses makes the all-to-alls the family's spec declares (FamilySpec.costs.attentions_per_layer). The same ranks train
 debug-ltx2 (both streams, synthetic data, fp32, activation checkpointing) at tp 2 x sp 2 and at tp 2 x pp 2 (the
 pipeline engine sends the stage tuple of both streams and takes the (video, audio) target): the losses on every
 rank and the final weights equal a one-process run's.
@@ -181,7 +181,7 @@ def test_ltx2_in_every_layout(released):
         # Ulysses sp 2 (at tp 2): the video self-attention's four all-to-alls a block (the spec's
         # attentions_per_layer); a ring of 2 makes none.
         from models.ltx2 import SPEC
-        assert results[0][variant][("block_all_to_alls", None)] == 4 * SPEC.attentions_per_layer == 4
+        assert results[0][variant][("block_all_to_alls", None)] == 4 * SPEC.costs.attentions_per_layer == 4
         assert results[0][variant][("block_all_to_alls", 2)] == 0
 
         # One block at tp 2: per attention, the q and k statistics (B x queries, B x keys) then its output

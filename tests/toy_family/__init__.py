@@ -15,7 +15,7 @@ import torch
 from models.diffusion import NUM_TRAIN_TIMESTEPS
 from models.registry import register
 from models.shared.pipeline import T5, CogVideoXLatents
-from models.spec import Expert, FamilySpec, Sampling
+from models.spec import Costs, Expert, FamilySpec, Formats, Network, Sampling, Wording
 from tests.toy_family.config import ToyConfig
 from tests.toy_family.model import EmbedStage, FinalStage, ToyBlock
 
@@ -36,23 +36,21 @@ class PerToken:
 SPEC = register(FamilySpec(
     name="toy",
     config=ToyConfig,
-    embed=EmbedStage,
-    layer=ToyBlock,
-    final=FinalStage,
-    text_in_sequence=False,
-    row_parallel_per_layer=3,                # self-attention, cross-attention, the experts' MLP
-    attentions_per_layer=1,
-    attention_pairs=lambda m, grid: math.prod(grid) ** 2 + math.prod(grid) * m.max_text_len,
-    describe_layers=lambda m: f"{m.num_layers} blocks (2 timestep experts in each MLP)",
-    layer_noun="block",
-    released=None,
-    checkpoint=None,
-    condition=None,
-    vae=CogVideoXLatents(),
-    text_encoder=T5,
+    network=Network(
+        embed=EmbedStage,
+        layer=ToyBlock,
+        final=FinalStage,
+        recompute_parts={"attention": ("core",), "mlp": ("mlp",)},
+    ),
+    costs=Costs(
+        text_in_sequence=False,
+        row_parallel_per_layer=3,                # self-attention, cross-attention, the experts' MLP
+        attention_pairs=lambda m, grid: math.prod(grid) ** 2 + math.prod(grid) * m.max_text_len,
+    ),
+    wording=Wording(describe_layers=lambda m: f"{m.num_layers} blocks (2 timestep experts in each MLP)"),
+    formats=Formats(vae=CogVideoXLatents(), text_encoder=T5, released=None),
     timesteps=PerToken(),
     sampling=Sampling(samplers={"v_prediction": ("ddim", "dpm"), "flow_matching": ("euler", "flow_euler")},
                       scheduler=None),
-    recompute_parts={"attention": ("core",), "mlp": ("mlp",)},
     experts=(Expert("high_noise", 500), Expert("low_noise", 0)),
 ))

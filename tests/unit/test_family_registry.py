@@ -22,15 +22,26 @@ def registry():
 
 
 def test_every_builtin_spec_names_its_own_pipeline():
-    """No field left to a default: each family names its VAE format, text encoder, timesteps and samplers
-    (a FamilySpec without them is refused by the dataclass), and the formats are the families' own."""
+    """No format left to a default: each family names its VAE format, text encoder, released format, timesteps and
+    samplers (a FamilySpec without them is refused by the dataclass), and the formats are the families' own. A
+    family fills at most 10 required fields: the rest is grouped by concern (network, planner costs, wording,
+    formats), each group's fields required unless most families share a value."""
     from models.registry import FAMILIES, text_encoder_formats, vae_formats
-    from models.spec import FamilySpec
-    defaulted = [f.name for f in dataclasses.fields(FamilySpec)
-                 if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING]
-    # optional: one transformer unless a family lists experts; one hidden stream unless it has two (LTX-2)
-    assert defaulted == ["experts", "streams"]
-    assert {n: s.vae.class_name for n, s in FAMILIES.items()} == {
+    from models.spec import Costs, FamilySpec, Formats, Network, Wording
+
+    def fields(cls, required):
+        return [f.name for f in dataclasses.fields(cls)
+                if (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING) == required]
+    assert fields(FamilySpec, True) == ["name", "config", "network", "costs", "wording", "formats", "timesteps",
+                                        "sampling"]
+    assert len(fields(FamilySpec, True)) <= 10
+    # optional: text-to-video; one transformer unless a family lists experts; one noised stream unless two (LTX-2)
+    assert fields(FamilySpec, False) == ["condition", "experts", "second_stream"]
+    assert {cls.__name__: fields(cls, False) for cls in (Network, Costs, Wording, Formats)} == {
+        "Network": ["streams"], "Costs": ["attentions_per_layer"], "Wording": ["layer_noun"],
+        "Formats": ["checkpoint"]}
+    assert fields(Formats, True) == ["vae", "text_encoder", "released"]
+    assert {n: s.formats.vae.class_name for n, s in FAMILIES.items()} == {
         "cogvideox": "AutoencoderKLCogVideoX", "hunyuanvideo": "AutoencoderKLHunyuanVideo",
         "hunyuanvideo15": "AutoencoderKLHunyuanVideo15", "ltx2": "AutoencoderKLLTX2Video",
         "stdit": "AutoencoderKLCogVideoX", "wan": "AutoencoderKLWan"}
@@ -45,7 +56,7 @@ def test_register_refuses_a_taken_name_and_a_config_of_another_family(registry):
     spec = FAMILIES["stdit"]
     assert register(spec) is spec                                      # the same spec again: nothing changes
     with pytest.raises(ValueError, match="a family named 'stdit' is already registered; choose another name"):
-        register(dataclasses.replace(spec, layer_noun="layer "))
+        register(dataclasses.replace(spec, condition=lambda m, d: None))
     with pytest.raises(ValueError, match=r"its config STDiTConfig must declare family: Literal\['other'\] = 'other'"):
         register(dataclasses.replace(spec, name="other", config=STDiTConfig))
 

@@ -131,7 +131,7 @@ def test_the_data_path_takes_the_release_vae_and_refuses_a_t5_style_encode(tmp_p
                                     layers_per_block=1, norm_num_groups=4, spatial_compression_ratio=8,
                                     temporal_compression_ratio=4).eval()
     config = {"_class_name": "AutoencoderKLHunyuanVideo", **vae.config}
-    fmt = family(load_config("debug-hunyuan").model).vae
+    fmt = family(load_config("debug-hunyuan").model).formats.vae
     assert (fmt.channels(config), compression(config)) == (4, (4, 8))
     with torch.no_grad():
         z = vae.encode(torch.rand(1, 3, 5, 16, 16) * 2 - 1).latent_dist.mode()
@@ -140,6 +140,6 @@ def test_the_data_path_takes_the_release_vae_and_refuses_a_t5_style_encode(tmp_p
     torch.testing.assert_close(fmt.denormalise(fmt.normalise(z, vae.config), vae.config), z)
     cfg = load_config("debug-hunyuan")
     with pytest.raises(ValueError, match="not a T5 encoder's"):
-        T5TextEncoder(tmp_path, cfg.model.max_text_len, expected=family(cfg.model).text_encoder)
+        T5TextEncoder(tmp_path, cfg.model.max_text_len, expected=family(cfg.model).formats.text_encoder)
     with pytest.raises(FileNotFoundError, match="missing: text_encoder, tokenizer, text_encoder_2, tokenizer_2"):
-        build_text_encoder(tmp_path, cfg.model.max_text_len, expected=family(cfg.model).text_encoder)
+        build_text_encoder(tmp_path, cfg.model.max_text_len, expected=family(cfg.model).formats.text_encoder)

@@ -109,7 +109,7 @@ def test_the_data_path_takes_the_release_vae_and_refuses_to_encode_captions_it_c
     vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
                                       spatial_compression_ratio=16, temporal_compression_ratio=4).eval()
     config = {"_class_name": "AutoencoderKLHunyuanVideo15", **vae.config}
-    fmt = family(load_config("debug-hunyuan15").model).vae
+    fmt = family(load_config("debug-hunyuan15").model).formats.vae
     assert (fmt.class_name, fmt.channels(config), compression(config)) == ("AutoencoderKLHunyuanVideo15", 4, (4, 16))
     with torch.no_grad():
         z = vae.encode(torch.rand(1, 3, 5, 32, 32) * 2 - 1).latent_dist.mode()
@@ -118,4 +118,4 @@ def test_the_data_path_takes_the_release_vae_and_refuses_to_encode_captions_it_c
     torch.testing.assert_close(fmt.denormalise(fmt.normalise(z, vae.config), vae.config), z)
     cfg = load_config("debug-hunyuan15")
     with pytest.raises(ValueError, match="not a T5 encoder.s, and the toolkit does not encode them yet"):
-        T5TextEncoder(tmp_path, cfg.model.max_text_len, expected=family(cfg.model).text_encoder)
+        T5TextEncoder(tmp_path, cfg.model.max_text_len, expected=family(cfg.model).formats.text_encoder)

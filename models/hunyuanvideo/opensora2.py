@@ -1,6 +1,10 @@
-"""Open-Sora 2.0's released checkpoint (hpcaitech/Open-Sora `MMDiTModel`, fused_qkv=False, use_liger_rope=True) as
+"""Open-Sora 2.0 (configs/opensora2.0.yaml): what it adds to the HunyuanVideo family, whose network it is (the same
+MMDiT: dual-stream then single-stream blocks; its switches are HunyuanVideoConfig fields, docs/models.md): its
+training timesteps (`HUNYUAN_TIMESTEPS`, the family's FamilySpec.timesteps) and its released checkpoint.
+
+Checkpoint: Open-Sora 2.0's released file (hpcaitech/Open-Sora `MMDiTModel`, fused_qkv=False, use_liger_rope=True) as
 this family's tensors: the name map and the two exact rewrites between them (`OPENSORA`, the family's
-FamilySpec.checkpoint). parallel/weights/opensora.py reads and writes the file.
+FamilySpec.formats.checkpoint). parallel/weights/opensora.py reads and writes the file.
 
     toolkit                              Open-Sora 2.0 (opensora/models/mmdit/model.py, layers.py)
     embed.patch_proj / cond_proj         img_in / cond_in                 (both (c, ph, pw)-ordered patches)
@@ -24,6 +28,18 @@ The two rewrites, each a permutation (so a round trip is bit for bit):
   products, v and the output are untouched.
 - The head's modulation: Open-Sora's `LastLayer` chunks (shift, scale), diffusers' AdaLayerNormContinuous (scale,
   shift).
+
+Timesteps: the family's training draw (FamilySpec.timesteps), chosen by model.train_timesteps.
+
+- uniform (HunyuanVideo): an integer timestep uniform over [0, 1000), shifted by model.schedule.shift
+  (models/diffusion.py `PerSample`).
+- opensora (Open-Sora 2.0, hpcaitech/Open-Sora @ 7ad6a96, scripts/diffusion/train.py:384-390): t = sigmoid(n),
+  n ~ N(0, 1) (a logit-normal draw), then shifted by the sample's own resolution, s = a t / (1 + (a - 1) t) with
+  a = (1 + (patches per latent frame - 256) / 1920) x sqrt(latent frames) (models/diffusion.py `open_sora_shift`),
+  so each bucket gets its own shift; model.schedule.shift is not read. The draw is the noise level s itself
+  (a float32 [1]): models/diffusion.py noises with it (and model.schedule.sigma_min) and the model sees 1000 s, as
+  Open-Sora's time_in(sinusoid(1000 t)). Open-Sora draws the batch's n from the global generator and rounds t to
+  the training dtype; here n is the sample's own draw (from its generator, after its noise), in float32.
 """
 from __future__ import annotations
 
@@ -31,6 +47,7 @@ from typing import Optional
 
 import torch
 
+from models.diffusion import PER_SAMPLE, open_sora_shift, time_shift
 from models.hunyuanvideo.config import HunyuanVideoConfig
 from models.spec import CheckpointFormat
 
@@ -134,3 +151,17 @@ def shapes(name: str, shape: tuple[int, ...], m: HunyuanVideoConfig) -> dict[str
 OPENSORA = CheckpointFormat(title="Open-Sora 2.0", file_name="Open_Sora_v2.safetensors", problems=problems,
                             names=lambda name, m: [n for n, _ in sources(name, m)], shapes=shapes,
                             from_checkpoint=from_opensora, to_checkpoint=to_opensora)
+
+
+class HunyuanTimesteps:
+    per_token = False
+
+    @staticmethod
+    def draw(generator: torch.Generator, latent_shape: tuple[int, ...], model) -> torch.Tensor:
+        if model.train_timesteps == "uniform":
+            return PER_SAMPLE.draw(generator, latent_shape, model)
+        t = torch.sigmoid(torch.randn(1, generator=generator))             # train.py:389
+        return time_shift(open_sora_shift(latent_shape), t)                # train.py:386-390
+
+
+HUNYUAN_TIMESTEPS = HunyuanTimesteps()
