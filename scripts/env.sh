@@ -13,6 +13,8 @@ PY="${PYTHON:-python3}"
 if [ -z "${TORCH_EXTENSIONS_DIR:-}" ] || [ "$TORCH_EXTENSIONS_DIR" = "${VDP_ENV_EXTENSIONS:-}" ]; then
   export TORCH_EXTENSIONS_DIR="$VENV/torch_extensions" VDP_ENV_EXTENSIONS="$VENV/torch_extensions"
 fi
+export PATH="$VENV/bin:$PATH"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 STAMP="$VENV/.installed-$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/env.sh" | sha1sum | cut -c1-12)"
 if [ ! -f "$STAMP" ]; then
   echo "[env] setting up $VENV (one time)" >&2
@@ -23,9 +25,7 @@ if [ ! -f "$STAMP" ]; then
   "$VENV/bin/python" -m pip install -q -e "$ROOT[test,data]" >&2
   # DeepSpeed's CPU all-reduce op, JIT-built now rather than by the first job's ranks (parallel/distributed/deepspeed/shm.py),
   # with the environment's own ninja, as the ranks will find it (another one's build is redone by theirs)
-  PATH="$VENV/bin:$PATH" PYTHONPATH="$ROOT" "$VENV/bin/python" -m parallel.distributed.deepspeed.shm >&2
+  "$VENV/bin/python" -m parallel.distributed.deepspeed.shm >&2
   rm -f "$VENV"/.installed-*
   touch "$STAMP"
 fi
-export PATH="$VENV/bin:$PATH"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
