@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional, Union
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -29,7 +28,7 @@ from parallel.distributed.seed import derive_seed, seed_all
 from parallel.distributed.topology import ParallelContext
 from parallel.checkpoints import checkpoint as ckpt
 from parallel.train.engine import build_trainer
-from parallel.train.run import checkpoint_layout, export_launch_env, init_process_groups
+from parallel.train.run import checkpoint_layout, layout_groups
 from parallel.validation.validate import StageForward, ema_weights, finish_sample, replica_items, replica_slice, \
     row_predictor
 from parallel.weights.diffusers import load_released
@@ -42,19 +41,10 @@ def sampling_model(cfg, ds: dict, layout, env, ema: bool = False,
     checkpoint of ckpt.dir (ema: its EMA); `checkpoint` a step (int) or "latest" (parallel.experiment.cli.LATEST): that
     checkpoint of ckpt.dir even with model.init_from set. The body runs in the layout's process groups, created
     here unless torch.distributed is already up (a test's ranks); one process with init_from needs none."""
-    owned, from_checkpoint = False, checkpoint is not None or not cfg.model.init_from
-    if layout.world_size > 1 or from_checkpoint:
-        if not dist.is_initialized():
-            export_launch_env(env)
-            accelerator.set_device(env.local_rank)
-            init_process_groups(cfg.train.collective_timeout_s)
-            owned = True
-        else:                       # torch.distributed is up (a test's ranks): DeepSpeed wraps its group
-            deepspeed.init_distributed(dist_backend=accelerator.backend())
-        ctx = ParallelContext.build(layout.dims)
-    else:
-        ctx = ParallelContext.single()
-    try:
+    from_checkpoint = checkpoint is not None or not cfg.model.init_from
+    groups = layout_groups(cfg, layout, env) if layout.world_size > 1 or from_checkpoint else \
+        contextlib.nullcontext(ParallelContext.single())
+    with groups as ctx:
         if not from_checkpoint:
             model = build_model(cfg, ds, ctx)
             load_released(model, ctx, cfg.model, cfg.model.init_from)
@@ -74,10 +64,6 @@ def sampling_model(cfg, ds: dict, layout, env, ema: bool = False,
             trainer.engine.module.eval()
             with ema_weights(trainer) if ema else contextlib.nullcontext():
                 yield StageForward(trainer.engine, ctx), ctx
-    finally:
-        if owned:
-            dist.destroy_process_group()
-
 
 def sample_batch(forward: StageForward, ctx, objective: Objective, text: torch.Tensor, uncond: Optional[torch.Tensor],
                  noise: Optional[torch.Tensor], shape: tuple[int, ...], seed: int, steps: int, sampler: Optional[str],

@@ -11,14 +11,18 @@ DeepSpeed's data axis does); one block's forward at tp 2 all-reduces what the bl
 Ulysses makes the all-to-alls the family's spec declares (FamilySpec.costs.attentions_per_layer). The same ranks train
 debug-ltx2 (both streams, synthetic data, fp32, activation checkpointing) at tp 2 x sp 2 and at tp 2 x pp 2 (the
 pipeline engine sends the stage tuple of both streams and takes the (video, audio) target): the losses on every
-rank and the final weights equal a one-process run's.
+rank and the final weights equal a one-process run's. `python -m parallel.export --format diffusers` (its
+main(argv) in the same ranks, as `deepspeed --module` runs it) of the tp 2 x pp 2 run's checkpoint writes a folder
+whose tensors are the trained weights bit for bit and from which diffusers' model predicts what the trained toolkit
+model predicts (video and audio).
 """
 import contextlib
+import json
 
 import torch
 
 from tests.dist_utils import run_ranks
-from tests.train_utils import _train_rank, assert_matches, fp32_config, merge_ranks, train
+from tests.train_utils import _train_rank, assert_matches, experiment_overrides, fp32_config, merge_ranks, train
 from tests.released_utils import assert_grads_match, layout_model
 from tests.helpers import ltx2 as test_ltx2
 from tests.helpers.ltx2 import released  # noqa: F401  (fixture)
@@ -29,6 +33,7 @@ LAYOUTS = [(1, 1, 1, None), (2, 1, 1, None), (1, 2, 1, None), (2, 2, 1, None), (
 GRAD_LAYOUTS = [(2, 1, 1, None), (2, 1, 2, None), (2, 1, 2, 2)]
 VARIANTS = ["ltx2", "ltx2.3"]
 TRAIN_LAYOUTS = [(2, 1, 2), (2, 2, 1)]         # (tp, pp, sp) training debug-ltx2 on the 4 ranks; 2 steps
+EXPORT_LAYOUT = (2, 2, 1)                      # the one whose checkpoint is exported
 # Under sp 2 the models also run other steps' grids (a bucket's StepGrid): (t, h, w), audio tokens. 45 video tokens
 # pad to 46 (23 a rank, 22 real on the second); 1 token leaves the second rank only padding (no key of its own).
 DEBUG = ((test_ltx2.FRAMES, test_ltx2.HEIGHT, test_ltx2.WIDTH), test_ltx2.AUDIO)
@@ -70,7 +75,7 @@ def _predict(model, ctx, inputs):
     return h
 
 
-def _rank(rank, world_size, folders):
+def _rank(rank, world_size, folders, run):
     import deepspeed
 
     from parallel.distributed import accelerator
@@ -78,9 +83,20 @@ def _rank(rank, world_size, folders):
     deepspeed.init_distributed(dist_backend=accelerator.backend())
     out = {variant: _variant(world_size, variant, folder) for variant, folder in folders}
     for tp, pp, sp in TRAIN_LAYOUTS:
+        save = f"{run}/checkpoints" if (tp, pp, sp) == EXPORT_LAYOUT else None
         out[("train", tp, pp, sp)] = _train_rank(rank, world_size, tp, pp, 1, fp32_config(), 2, (), sp, "debug-ltx2",
-                                                 0)
-    return out
+                                                 0, save)
+    return {**out, **_commands(run)}
+
+
+def _commands(run):
+    """parallel.export of the EXPORT_LAYOUT run's checkpoint as a diffusers folder: the command's exit status."""
+    from parallel import export
+
+    tp, pp, sp = EXPORT_LAYOUT
+    trained = ["--config", "debug-ltx2", "--deepspeed-config", f"{run}/ds.json", f"--set=ckpt.dir={run}/checkpoints",
+               *(f"--set={o}" for o in experiment_overrides(tp, pp, 1, (), sp))]
+    return {"export": export.main([*trained, "--format", "diffusers", "--out", f"{run}/export"])}
 
 
 @contextlib.contextmanager
@@ -145,13 +161,16 @@ def _variant(world_size, variant, folder):
     return out
 
 
-def test_ltx2_in_every_layout(released):
+def test_ltx2_in_every_layout(released, tmp_path):
     from parallel.experiment.config import load_config
 
-    results = run_ranks(_rank, 4, [(v, str(released[v][0])) for v in VARIANTS])
+    (tmp_path / "ds.json").write_text(json.dumps(fp32_config()))
+    results = run_ranks(_rank, 4, [(v, str(released[v][0])) for v in VARIANTS], str(tmp_path))
     reference = train(1, 1, 1, fp32_config(), steps=2, preset="debug-ltx2")
     for tp, pp, sp in TRAIN_LAYOUTS:
         assert_matches(merge_ranks([r[("train", tp, pp, sp)] for r in results]), reference)
+    assert [r["export"] for r in results] == [0] * 4
+    check_export(tmp_path / "export", merge_ranks([r[("train", *EXPORT_LAYOUT)] for r in results])["state"])
     for variant in VARIANTS:
         folder, model = released[variant]
         want = test_ltx2.diffusers_forward(model, variant)
@@ -190,3 +209,29 @@ def test_ltx2_in_every_layout(released):
         attentions = [(s, s, d), (a, a, da), (s, text, d), (a, text, da), (s, a, d), (a, s, da)]
         expected = [n for q, k, w in attentions for n in (b * q, b * k, b * q * w)] + [b * s * d, b * a * da]
         assert results[0][variant]["block_all_reduces"] == expected
+
+
+def check_export(folder, state):
+    """The diffusers folder parallel.export wrote: diffusers' from_pretrained reads the trained weights bit for bit
+    (through the released name map), and its forward predicts what the trained toolkit model (one process, the
+    ranks' gathered weights) predicts, video and audio."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    from parallel.experiment.config import load_config
+    from parallel.model.build import build_model
+    from parallel.distributed.topology import ParallelContext
+    from parallel.weights.diffusers_export import to_diffusers
+
+    theirs = LTX2VideoTransformer3DModel.from_pretrained(folder).eval()
+    cfg = load_config("debug-ltx2")
+    want = {k: v for name, full in state.items() for k, v in to_diffusers(name, full, cfg.model).items()}
+    got = theirs.state_dict()
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    ours = build_model(cfg, {}, ParallelContext.single()).eval()
+    ours.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        predicted = ours.predict(test_ltx2.inputs())
+    for got, expected, stream in zip(predicted, test_ltx2.diffusers_forward(theirs), ("video", "audio")):
+        torch.testing.assert_close(got, expected, msg=lambda m: f"export {stream}: {m}")

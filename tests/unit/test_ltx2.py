@@ -1,9 +1,10 @@
 """The LTX-2 family against diffusers' LTX2VideoTransformer3DModel, in one process: a tiny random release
 (written by `save_pretrained` in several shards) loaded into the toolkit predicts what diffusers predicts, video and
 audio, for LTX-2.0 and for the LTX-2.3 flags (gated attention, cross-attention modulation), with split rotary
-positions and without the cross timesteps; the preset counts diffusers' parameters; wrong configs are refused by
-key; the checker lets training through and refuses what is not built by name, and the planner counts both streams (parameters, activations, a tp that does
-not divide the audio heads refused). tp, pp: tests/distributed/test_ltx2_layouts.py.
+positions and without the cross timesteps; the
+preset counts diffusers' parameters; wrong configs are refused by key; the checker lets training and export
+through and refuses what is not built by name, and the planner counts both streams (parameters, activations, a tp
+that does not divide the audio heads refused). tp, pp, sp: tests/distributed/test_ltx2_layouts.py.
 """
 import pytest
 import torch
@@ -130,16 +131,19 @@ def test_wrong_config_is_refused_by_key(released):
 
 
 def test_what_is_not_built_is_refused_by_name_and_the_planner_plans_it(capsys):
-    """train.py's checks (load_and_check) let debug-ltx2 train and refuse, by name, what is not built: sampling,
-    export, parallel.verify, caption dropout, validation (tests/unit/test_ltx2_training.py trains); python -m
-    parallel.plan sizes the model with diffusers' parameter count."""
+    """train.py's checks (load_and_check) let debug-ltx2 train and export and refuse, by name, what is not
+    built: sampling, parallel.verify, caption dropout, validation (tests/unit/test_ltx2_training.py trains); python -m parallel.plan
+    sizes the model with diffusers' parameter count."""
     from parallel.check import check, load_and_check
     from parallel.experiment.config import ConfigError
     from tests.helpers.plan import cli
 
-    assert load_and_check("debug-ltx2", [], None, None, device_check=False)[0].model.family == "ltx2"
+    for purpose in ("train", "export"):
+        assert load_and_check("debug-ltx2", [], None, None, device_check=False, purpose=purpose)[0].model.family \
+            == "ltx2"
     for purpose, what in [("sample", "parallel.sample: sampling both streams"),
-                          ("export", "parallel.export: writing diffusers' LTX2VideoTransformer3DModel folder")]:
+                          ("verify", "parallel.verify: comparing both streams (tests/distributed/test_ltx2_layouts.py "
+                                     "compares them against diffusers)")]:
         with pytest.raises(ConfigError) as refused:
             load_and_check("debug-ltx2", [], None, None, device_check=False, purpose=purpose)
         assert str(refused.value) == f"model.family=ltx2 with {what} is not built yet (docs/models.md#ltx-2)"
