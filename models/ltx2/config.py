@@ -126,12 +126,10 @@ class LTX2Config(ModelConfig):
 
     def unsupported(self, run, purpose: str = "train") -> list[str]:
         """What the toolkit cannot do with this model yet (parallel/check.py's load_and_check refuses runs with it;
-        the planner plans it). Training from latents with both streams works (models/ltx2/training.py), and so does
-        parallel.export."""
+        the planner plans it). Training from latents with both streams works (models/ltx2/training.py), and so do
+        parallel.export and parallel.verify (both predictions)."""
         why = "docs/models.md#ltx-2"
-        jobs = {"sample": "parallel.sample: sampling both streams",
-                "verify": "parallel.verify: comparing both streams (tests/distributed/test_ltx2_layouts.py compares "
-                          "them against diffusers)"}
+        jobs = {"sample": "parallel.sample: sampling both streams"}
         problems = [f"model.family=ltx2 with {jobs[purpose]} is not built yet ({why})"] if purpose in jobs else []
         if self.lora is not None:
             problems.append(f"model.lora with model.family=ltx2: adapters on LTX-2 (its audio layers, "

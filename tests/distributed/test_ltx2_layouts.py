@@ -11,13 +11,15 @@ DeepSpeed's data axis does); one block's forward at tp 2 all-reduces what the bl
 Ulysses makes the all-to-alls the family's spec declares (FamilySpec.costs.attentions_per_layer). The same ranks train
 debug-ltx2 (both streams, synthetic data, fp32, activation checkpointing) at tp 2 x sp 2 and at tp 2 x pp 2 (the
 pipeline engine sends the stage tuple of both streams and takes the (video, audio) target): the losses on every
-rank and the final weights equal a one-process run's. `python -m parallel.export --format diffusers` (its
-main(argv) in the same ranks, as `deepspeed --module` runs it) of the tp 2 x pp 2 run's checkpoint writes a folder
-whose tensors are the trained weights bit for bit and from which diffusers' model predicts what the trained toolkit
-model predicts (video and audio).
+rank and the final weights equal a one-process run's. The user's commands in the same ranks (their main(argv), as
+`deepspeed --module` runs them): `python -m parallel.export --format diffusers` of the tp 2 x pp 2 run's checkpoint
+writes a folder whose tensors are the trained weights bit for bit and from which diffusers' model predicts what the
+trained toolkit model predicts (video and audio); `python -m parallel.verify` holds that export to the checkpoint
+(`--checkpoint latest`, tp 2 x pp 2) and the LTX-2.3 release to diffusers at tp 2 x sp 2, both streams.
 """
 import contextlib
 import json
+import types
 
 import torch
 
@@ -33,7 +35,7 @@ LAYOUTS = [(1, 1, 1, None), (2, 1, 1, None), (1, 2, 1, None), (2, 2, 1, None), (
 GRAD_LAYOUTS = [(2, 1, 1, None), (2, 1, 2, None), (2, 1, 2, 2)]
 VARIANTS = ["ltx2", "ltx2.3"]
 TRAIN_LAYOUTS = [(2, 1, 2), (2, 2, 1)]         # (tp, pp, sp) training debug-ltx2 on the 4 ranks; 2 steps
-EXPORT_LAYOUT = (2, 2, 1)                      # the one whose checkpoint is exported
+EXPORT_LAYOUT = (2, 2, 1)                      # the one whose checkpoint is exported and verified
 # Under sp 2 the models also run other steps' grids (a bucket's StepGrid): (t, h, w), audio tokens. 45 video tokens
 # pad to 46 (23 a rank, 22 real on the second); 1 token leaves the second rank only padding (no key of its own).
 DEBUG = ((test_ltx2.FRAMES, test_ltx2.HEIGHT, test_ltx2.WIDTH), test_ltx2.AUDIO)
@@ -52,27 +54,13 @@ def loss(video, audio, shape=DEBUG):
 
 
 def _predict(model, ctx, inputs):
-    """Both predictions on every rank: the stages in order (pp 1), or each pipeline stage's layers with the stage
-    tuple sent to the next stage and the last stage's (video, audio) broadcast over the pipeline group."""
-    import torch.distributed as dist
+    """Both predictions on every rank (StageForward: pipeline stages send the stage tuple on, the last stage's
+    (video, audio) is broadcast over the pipeline group)."""
+    from models.ltx2.released import DIFFUSERS
+    from parallel.validation.validate import StageForward
 
-    from parallel.distributed.deepspeed.pipeline import stage_layers
-    from parallel.validation.validate import _recv, _send
-
-    if ctx.pp_size == 1:
-        return model.final.assemble(model.predict(inputs))
-    g, c = ctx.dims, ctx.coord
-    h = inputs if c.pp == 0 else _recv(g.rank(pp=c.pp - 1, dp=c.dp, tp=c.tp, sp=c.sp), torch.device("cpu"))
-    for layer in stage_layers(model):
-        h = layer(h)
-    last = g.rank(pp=ctx.pp_size - 1, dp=c.dp, tp=c.tp, sp=c.sp)
-    if c.pp < ctx.pp_size - 1:
-        _send(h, g.rank(pp=c.pp + 1, dp=c.dp, tp=c.tp, sp=c.sp))
-        h = tuple(torch.empty(s) for s in (inputs[0].shape, inputs[3].shape))
-    h = tuple(t.contiguous() for t in h)
-    for t in h:
-        dist.broadcast(t, last, group=ctx.pp_group)
-    return h
+    forward = StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx)
+    return forward.predict(inputs, DIFFUSERS.prediction_like(None, inputs))
 
 
 def _rank(rank, world_size, folders, run):
@@ -86,17 +74,21 @@ def _rank(rank, world_size, folders, run):
         save = f"{run}/checkpoints" if (tp, pp, sp) == EXPORT_LAYOUT else None
         out[("train", tp, pp, sp)] = _train_rank(rank, world_size, tp, pp, 1, fp32_config(), 2, (), sp, "debug-ltx2",
                                                  0, save)
-    return {**out, **_commands(run)}
+    return {**out, **_commands(dict(folders)["ltx2.3"], run)}
 
 
-def _commands(run):
-    """parallel.export of the EXPORT_LAYOUT run's checkpoint as a diffusers folder: the command's exit status."""
-    from parallel import export
+def _commands(release, run):
+    """parallel.export of the EXPORT_LAYOUT run's checkpoint as a diffusers folder; parallel.verify of that folder
+    against the checkpoint, and of the LTX-2.3 release at tp 2 x sp 2: each command's exit status."""
+    from parallel import export, verify
 
     tp, pp, sp = EXPORT_LAYOUT
     trained = ["--config", "debug-ltx2", "--deepspeed-config", f"{run}/ds.json", f"--set=ckpt.dir={run}/checkpoints",
                *(f"--set={o}" for o in experiment_overrides(tp, pp, 1, (), sp))]
-    return {"export": export.main([*trained, "--format", "diffusers", "--out", f"{run}/export"])}
+    return {"export": export.main([*trained, "--format", "diffusers", "--out", f"{run}/export"]),
+            "verify export": verify.main([*trained, "--checkpoint", "latest", f"--set=model.init_from={run}/export"]),
+            "verify sp": verify.main(["--config", "debug-ltx2", "--set=parallel.tp_size=2", "--set=parallel.sp_size=2",
+                                      *(f"--set={o}" for o in test_ltx2.overrides(release, "ltx2.3"))])}
 
 
 @contextlib.contextmanager
@@ -169,7 +161,8 @@ def test_ltx2_in_every_layout(released, tmp_path):
     reference = train(1, 1, 1, fp32_config(), steps=2, preset="debug-ltx2")
     for tp, pp, sp in TRAIN_LAYOUTS:
         assert_matches(merge_ranks([r[("train", tp, pp, sp)] for r in results]), reference)
-    assert [r["export"] for r in results] == [0] * 4
+    for command in ("export", "verify export", "verify sp"):
+        assert [r[command] for r in results] == [0] * 4, command        # verify: 2 when a stream is apart
     check_export(tmp_path / "export", merge_ranks([r[("train", *EXPORT_LAYOUT)] for r in results])["state"])
     for variant in VARIANTS:
         folder, model = released[variant]
