@@ -182,7 +182,8 @@ class SchedulerFormat(Protocol):
 class Sampling:
     """How the family samples (models/sampling.py) and reads its release's schedule."""
 
-    # objective -> the samplers (models/sampling.py names) that fit it, the first used when val.sampler is unset
+    # objective -> the samplers (models/sampling.py names, or one of the family's own whose second stream samples:
+    # LTX-2's "ltx2") that fit it, the first used when val.sampler is unset
     samplers: dict[str, tuple[str, ...]]
     scheduler: Optional[SchedulerFormat]      # the release's scheduler_config.json; None: no released pipeline
     # (model, guidance_scale, guidance_scale_2) -> the sampler's guidance, a float or a function of the timestep
@@ -282,7 +283,9 @@ class FamilySpec:
     experts: tuple[Expert, ...] = field(default=())
     # (model, data) -> None, or the hook of a second noised stream in the training batch (LTX-2's audio,
     # models/ltx2/training.py AudioStream): what a sample stores of it (`shapes`), its noise, its inputs after the
-    # text and its target (the batch's target a tuple), and the loss over both streams.
+    # text and its target (the batch's target a tuple), and the loss over both streams; for sampling
+    # (parallel/train/sampling.py) its noise after the video's, the model's inputs at both streams, the sampler that
+    # steps both (`sample`, which the family's own sampler name in Sampling.samplers stands for) and its `min_steps`.
     second_stream: Optional[Callable] = None
 
     def __post_init__(self):

@@ -15,13 +15,15 @@ rank and the final weights equal a one-process run's. The user's commands in the
 `deepspeed --module` runs them): `python -m parallel.export --format diffusers` of the tp 2 x pp 2 run's checkpoint
 writes a folder whose tensors are the trained weights bit for bit and from which diffusers' model predicts what the
 trained toolkit model predicts (video and audio); `python -m parallel.verify` holds that export to the checkpoint
-(`--checkpoint latest`, tp 2 x pp 2) and the LTX-2.3 release to diffusers at tp 2 x sp 2, both streams.
+(`--checkpoint latest`, tp 2 x pp 2) and the LTX-2.3 release to diffusers at tp 2 x sp 2, both streams;
+`python -m parallel.sample` of that release at tp 2 x sp 2 samples what one process samples, video and audio.
 """
 import contextlib
 import json
 import types
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from tests.dist_utils import run_ranks
 from tests.train_utils import _train_rank, assert_matches, experiment_overrides, fp32_config, merge_ranks, train
@@ -79,8 +81,9 @@ def _rank(rank, world_size, folders, run):
 
 def _commands(release, run):
     """parallel.export of the EXPORT_LAYOUT run's checkpoint as a diffusers folder; parallel.verify of that folder
-    against the checkpoint, and of the LTX-2.3 release at tp 2 x sp 2: each command's exit status."""
-    from parallel import export, verify
+    against the checkpoint, and of the LTX-2.3 release at tp 2 x sp 2; parallel.sample of that release at tp 2 x sp
+    2 (`sample_args`, written to run/sample.safetensors): each command's exit status."""
+    from parallel import export, sample, verify
 
     tp, pp, sp = EXPORT_LAYOUT
     trained = ["--config", "debug-ltx2", "--deepspeed-config", f"{run}/ds.json", f"--set=ckpt.dir={run}/checkpoints",
@@ -88,7 +91,17 @@ def _commands(release, run):
     return {"export": export.main([*trained, "--format", "diffusers", "--out", f"{run}/export"]),
             "verify export": verify.main([*trained, "--checkpoint", "latest", f"--set=model.init_from={run}/export"]),
             "verify sp": verify.main(["--config", "debug-ltx2", "--set=parallel.tp_size=2", "--set=parallel.sp_size=2",
-                                      *(f"--set={o}" for o in test_ltx2.overrides(release, "ltx2.3"))])}
+                                      *(f"--set={o}" for o in test_ltx2.overrides(release, "ltx2.3"))]),
+            "sample sp": sample.main([*sample_args(release, run), "--set=parallel.tp_size=2", "--set=parallel.sp_size=2",
+                                      "--out", f"{run}/sample.safetensors"])}
+
+
+def sample_args(release, run) -> list[str]:
+    """parallel.sample of the LTX-2.3 release: two prompts of run/prompt.safetensors (video and audio captions), the
+    negative ones of run/negative.safetensors, noise of each prompt from (seed, i), 2 steps, guidance 3."""
+    return ["--config", "debug-ltx2", *(f"--set={o}" for o in test_ltx2.overrides(release, "ltx2.3")),
+            "--prompt-embeds", f"{run}/prompt.safetensors", "--negative-embeds", f"{run}/negative.safetensors",
+            "--steps", "2", "--guidance", "3", "--seed", "5"]
 
 
 @contextlib.contextmanager
@@ -157,13 +170,25 @@ def test_ltx2_in_every_layout(released, tmp_path):
     from parallel.experiment.config import load_config
 
     (tmp_path / "ds.json").write_text(json.dumps(fp32_config()))
+    g = torch.Generator().manual_seed(9)
+    for name, rows in (("prompt", 2), ("negative", 1)):
+        save_file({key: torch.randn(rows, 8, 16, generator=g) for key in ("text", "audio_text")},
+                  str(tmp_path / f"{name}.safetensors"))
     results = run_ranks(_rank, 4, [(v, str(released[v][0])) for v in VARIANTS], str(tmp_path))
     reference = train(1, 1, 1, fp32_config(), steps=2, preset="debug-ltx2")
     for tp, pp, sp in TRAIN_LAYOUTS:
         assert_matches(merge_ranks([r[("train", tp, pp, sp)] for r in results]), reference)
-    for command in ("export", "verify export", "verify sp"):
+    for command in ("export", "verify export", "verify sp", "sample sp"):
         assert [r[command] for r in results] == [0] * 4, command        # verify: 2 when a stream is apart
     check_export(tmp_path / "export", merge_ranks([r[("train", *EXPORT_LAYOUT)] for r in results])["state"])
+    # parallel.sample at tp 2 x sp 2 samples what one process samples, video and audio (the pipeline's own loop
+    # against one process: tests/unit/test_ltx2_sampling.py)
+    from parallel import sample
+    assert sample.main([*sample_args(released["ltx2.3"][0], tmp_path), "--out", str(tmp_path / "one.safetensors")]) == 0
+    one, layout = (load_file(str(tmp_path / f"{n}.safetensors")) for n in ("one", "sample"))
+    assert one.keys() == layout.keys() == {"latents", "audio"}
+    for key, value in one.items():
+        torch.testing.assert_close(layout[key], value, msg=lambda m: f"sample {key} at tp 2 x sp 2: {m}")
     for variant in VARIANTS:
         folder, model = released[variant]
         want = test_ltx2.diffusers_forward(model, variant)

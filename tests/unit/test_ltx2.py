@@ -2,9 +2,9 @@
 (written by `save_pretrained` in several shards) loaded into the toolkit predicts what diffusers predicts, video and
 audio, for LTX-2.0 and for the LTX-2.3 flags (gated attention, cross-attention modulation), with split rotary
 positions and without the cross timesteps; python -m parallel.verify compares both and names the one apart; the
-preset counts diffusers' parameters; wrong configs are refused by key; the checker lets training, export and verify
-through and refuses what is not built by name, and the planner counts both streams (parameters, activations, a tp
-that does not divide the audio heads refused). tp, pp, sp: tests/distributed/test_ltx2_layouts.py.
+preset counts diffusers' parameters; wrong configs are refused by key; the checker lets training, export, verify
+and sampling through and refuses what is not built by name, and the planner counts both streams (parameters,
+activations, a tp that does not divide the audio heads refused). tp, pp, sp: tests/distributed/test_ltx2_layouts.py.
 """
 import re
 
@@ -161,20 +161,16 @@ def test_wrong_config_is_refused_by_key(released):
 
 
 def test_what_is_not_built_is_refused_by_name_and_the_planner_plans_it(capsys):
-    """train.py's checks (load_and_check) let debug-ltx2 train, export and verify and refuse, by name, what is not
-    built: sampling, caption dropout, validation (tests/unit/test_ltx2_training.py trains); python -m parallel.plan
-    sizes the model with diffusers' parameter count."""
+    """train.py's checks (load_and_check) let debug-ltx2 train, export, verify and sample and refuse, by name, what is
+    not built: caption dropout, validation (tests/unit/test_ltx2_training.py trains); python -m parallel.plan sizes
+    the model with diffusers' parameter count."""
     from parallel.check import check, load_and_check
     from parallel.experiment.config import ConfigError
     from tests.helpers.plan import cli
 
-    for purpose in ("train", "export", "verify"):
+    for purpose in ("train", "export", "verify", "sample"):
         assert load_and_check("debug-ltx2", [], None, None, device_check=False, purpose=purpose)[0].model.family \
             == "ltx2"
-    with pytest.raises(ConfigError) as refused:
-        load_and_check("debug-ltx2", [], None, None, device_check=False, purpose="sample")
-    assert str(refused.value) == ("model.family=ltx2 with parallel.sample: sampling both streams is not built yet "
-                                  "(docs/models.md#ltx-2)")
     with pytest.raises(ConfigError) as refused:
         load_and_check("debug-ltx2", ["data.caption_dropout=0.1", "val.every=2"], None, None, device_check=False)
     assert str(refused.value).splitlines() == [
