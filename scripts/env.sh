@@ -13,6 +13,9 @@ if [ ! -f "$STAMP" ]; then
   # torch first, pinned: 2.13.0 is the CPU build on this machine class; an unpinned torch pulls a CUDA build.
   "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
   "$VENV/bin/python" -m pip install -q -e "$ROOT[test,data]" >&2
+  # DeepSpeed's CPU all-reduce op, JIT-built now rather than by the first job's ranks (parallel/distributed/deepspeed/shm.py)
+  TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}" PYTHONPATH="$ROOT" \
+    "$VENV/bin/python" -m parallel.distributed.deepspeed.shm >&2
   rm -f "$VENV"/.installed-*
   touch "$STAMP"
 fi

@@ -1,6 +1,7 @@
 """parallel/distributed/deepspeed/ against the installed DeepSpeed: every internal a patch relies on is
 still there and still used as the patch assumes (each failure names the patch and the DeepSpeed symbol),
 and each patch does what it says. One process, no process group."""
+import importlib
 import inspect
 import os
 import pickle
@@ -342,6 +343,15 @@ def test_shm_buffer_name_is_the_one_deepspeed_creates():
     relies(p, "shm_interface.cpp initialize", all(f'getenv("{v}")' in interface for v in
                                                   ("LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")),
            "it no longer reads LOCAL_SIZE, MASTER_ADDR and MASTER_PORT")
+
+
+def test_build_op_relies_on_the_builder_init_distributed_loads():
+    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")     # deepspeed.comm's `torch` is torch itself
+    p = "build_op"
+    relies(p, "deepspeed.comm.torch.build_shm_op()", params(getattr(ds_torch_comm, "build_shm_op", None) or
+                                                             (lambda missing: None)) == [], "it no longer exists")
+    relies(p, "TorchBackend.__init__ builds it", "build_shm_op()" in inspect.getsource(ds_torch_comm.TorchBackend),
+           "init_distributed no longer loads the op through it")
 
 
 # -- zero_holds_master (read by checkpoints/relayout.py) ---------------------------------------------------------

@@ -9,6 +9,14 @@ unlink_shm_buffer()  (0.19.8)
              mapped file without a name lives until its last process exits
     relies   shm.cpp's name "deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>",
              created and mapped by every rank inside TorchBackend.__init__ (shm_comm_op.initialize)
+
+build_op()  (0.19.8; `python -m parallel.distributed.deepspeed.shm`, which scripts/env.sh runs once per environment)
+    does     JIT-builds that all-reduce's C++ op (deepspeed_shm_comm) into $TORCH_EXTENSIONS_DIR now, in one process
+    why      every rank's init_distributed loads it, and the first start of a fresh environment builds it: one rank
+             builds, the others wait on its lock (parallel/distributed/extensions.py); two jobs starting side by side
+             in a fresh environment (two test workers) race for it, and a job in another PID namespace (a netns test
+             node, a container) cannot see the builder and takes its lock for a killed build's
+    relies   deepspeed.comm.torch.build_shm_op (None where the accelerator has no such op: CUDA, NPU)
 """
 from __future__ import annotations
 
@@ -30,3 +38,14 @@ def unlink_shm_buffer() -> None:
         os.unlink(name)
     except FileNotFoundError:
         pass
+
+
+def build_op() -> None:
+    """See the module docstring: builds the op, or nothing where the accelerator has none."""
+    from deepspeed.comm.torch import build_shm_op
+
+    build_shm_op()
+
+
+if __name__ == "__main__":
+    build_op()
