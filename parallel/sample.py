@@ -97,8 +97,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--guidance-2", dest="guidance_2", type=float, default=None,
                     help="a model of two experts (Wan 2.2 A14B): the low-noise expert's guidance scale (WanPipeline's "
                     "guidance_scale_2), --guidance the high-noise one's; default val.guidance_scale_2, else --guidance")
-    ap.add_argument("--sampler", choices=sorted(s for group in SAMPLERS.values() for s in group), default=None,
-                    help="default val.sampler, else the first the model's family offers for its objective")
+    ap.add_argument("--sampler", default=None, help=f"one of {', '.join(sorted(s for g in SAMPLERS.values() for s in g))} "
+                    "or a family's own (LTX-2: ltx2), fitting the model's objective (a misfit is refused, naming those "
+                    "that fit); default val.sampler, else the first the model's family offers for its objective")
     ap.add_argument("--seed", type=int, default=None, help="noise seed; default train.seed")
     ap.add_argument("--ema", action="store_true", help="a checkpoint's EMA weights instead of its weights")
     ap.add_argument("--vae", default=None, help="decoder for the videos and encoder of --image (a VAE folder of "
