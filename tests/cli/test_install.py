@@ -96,3 +96,27 @@ def test_the_venvs_console_script_runs_from_tmp():
                           cwd="/tmp", capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("ok: cogvideox-5b tp=2 pp=1 dp=4 (world 8), ZeRO-1 bf16")
+
+
+@pytest.mark.parametrize("inherited, want", [
+    ({}, "{venv}/torch_extensions"),
+    # what another checkout's env.sh exported (the docs' sandbox under scripts/test.sh): not inherited
+    ({"TORCH_EXTENSIONS_DIR": "/other/.venv/torch_extensions", "VDP_ENV_EXTENSIONS": "/other/.venv/torch_extensions"},
+     "{venv}/torch_extensions"),
+    ({"TORCH_EXTENSIONS_DIR": "/scratch/ext"}, "/scratch/ext"),           # the user's own: kept
+])
+def test_env_sh_gives_each_environment_its_own_extensions_folder(inherited, want, tmp_path):
+    """scripts/env.sh on an environment already set up (its stamp present: nothing installed): the folder DeepSpeed
+    JIT-builds its ops in. A shared one is rebuilt by each environment in turn (the build commands name the
+    environment's paths); two test workers in two environments raced for it."""
+    import hashlib
+
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    digest = hashlib.sha1((ROOT / "pyproject.toml").read_bytes() + (ROOT / "scripts/env.sh").read_bytes()).hexdigest()
+    (venv / f".installed-{digest[:12]}").touch()
+    env = {"PATH": os.environ["PATH"], "VDP_VENV": str(venv), **inherited}
+    out = subprocess.run(["bash", "-c", f"source {ROOT}/scripts/env.sh && echo $TORCH_EXTENSIONS_DIR"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == want.format(venv=venv)
