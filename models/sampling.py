@@ -60,14 +60,15 @@ SAMPLERS = {"v_prediction": ("ddim", "dpm"),
 
 def check_sampler(objective_kind: str, sampler: str | None, offered: Optional[dict] = None) -> str:
     """The sampler to use for `objective_kind`: `sampler`, or the first the family offers for it when None.
-    offered: the family's FamilySpec.sampling.samplers (default: every sampler of the objective)."""
+    offered: the family's FamilySpec.sampling.samplers (default: every sampler of the objective), which may name a
+    sampler of the family's own (LTX-2's "ltx2": video and audio, its second stream's `sample`)."""
     offered = SAMPLERS if offered is None else offered
     if objective_kind not in SAMPLERS or objective_kind not in offered:
         raise ValueError(f"unknown objective {objective_kind!r}; use one of {sorted(offered)}")
     fitting = offered[objective_kind]
     if sampler is None:
         return fitting[0]
-    known = sorted(s for group in SAMPLERS.values() for s in group)
+    known = sorted({s for group in (*SAMPLERS.values(), *offered.values()) for s in group})
     if sampler not in known:
         raise ValueError(f"unknown sampler {sampler!r}; use one of {known}")
     if sampler not in fitting:

@@ -34,6 +34,8 @@ class ReleasedFormat(Protocol):
     bench/peer.py)."""
 
     class_name: str                    # the `_class_name` in config.json
+    # the model's predictions, in order: ("prediction",) for one tensor, ("video", "audio") for LTX-2's pair
+    predictions: tuple[str, ...]
 
     def check_config(self, model: ModelConfig, config: dict, path: str) -> list[str]:
         """Every key of a released config.json that disagrees with the model section, named."""
@@ -51,6 +53,10 @@ class ReleasedFormat(Protocol):
     def example_inputs(self, model: ModelConfig, data, batch: int, generator) -> tuple:
         """A random batch the transformer takes: (latents [B, C_in, T, H, W], timesteps [B], text [B, L, D])."""
 
+    def prediction_like(self, model: ModelConfig, inputs: tuple):
+        """Tensors of the prediction's shape for `inputs` (parallel.validation.validate.StageForward.predict's
+        `like`): one, or a tuple of one per `predictions` when there are several."""
+
     def reference_model(self, folder: str) -> nn.Module:
         """The released library's model read from a `save_pretrained` folder, at fp32, in eval mode."""
 
@@ -64,16 +70,18 @@ class ReleasedFormat(Protocol):
         convention inside); grad-able: no no_grad, no dtype change (the bench trains through it)."""
 
     def reference(self, folder: str, inputs: tuple):
-        """The released prediction [B, C, T, H, W] at fp32 under no_grad: reference_model, then reference_call
-        with reference_kwargs (parallel/verify.py's oracle)."""
+        """The released prediction [B, C, T, H, W] (a tuple where there are several `predictions`) at fp32 under
+        no_grad: reference_model, then reference_call with reference_kwargs (parallel/verify.py's oracle)."""
 
 
 class DiffusersFormat:
-    """What the ReleasedFormat of every diffusers-published family shares: the example batch, the model read
-    from a folder by its class name, no extra call arguments, and `reference` built from the three. A family
-    subclasses it and gives class_name, the config translation, the name map and `reference_call`."""
+    """What the ReleasedFormat of every diffusers-published family shares: the example batch, one prediction of
+    the latents' shape, the model read from a folder by its class name, no extra call arguments, and `reference`
+    built from the three. A family subclasses it and gives class_name, the config translation, the name map and
+    `reference_call`."""
 
     class_name: str
+    predictions: tuple[str, ...] = ("prediction",)
 
     def example_inputs(self, model: ModelConfig, data, batch: int, generator) -> tuple:
         """(latents [B, C_in, T, H, W], integer timesteps [B] in [0, 1000), text [B, max_text_len, text_embed_dim],
@@ -83,6 +91,11 @@ class DiffusersFormat:
         text = torch.randn(batch, model.max_text_len, model.text_embed_dim, generator=generator)
         return (latents, timesteps, text,
                 *(torch.randn(batch, *shape, generator=generator) for shape in model.extra_input_shapes()))
+
+    def prediction_like(self, model: ModelConfig, inputs: tuple) -> torch.Tensor:
+        """[B, C, T, H, W] of the latents' grid (C = model.in_channels: an image condition's channels are input
+        only)."""
+        return torch.empty(len(inputs[0]), model.in_channels, *inputs[0].shape[2:])
 
     def reference_model(self, folder: str) -> nn.Module:
         import diffusers
@@ -169,7 +182,8 @@ class SchedulerFormat(Protocol):
 class Sampling:
     """How the family samples (models/sampling.py) and reads its release's schedule."""
 
-    # objective -> the samplers (models/sampling.py names) that fit it, the first used when val.sampler is unset
+    # objective -> the samplers (models/sampling.py names, or one of the family's own whose second stream samples:
+    # LTX-2's "ltx2") that fit it, the first used when val.sampler is unset
     samplers: dict[str, tuple[str, ...]]
     scheduler: Optional[SchedulerFormat]      # the release's scheduler_config.json; None: no released pipeline
     # (model, guidance_scale, guidance_scale_2) -> the sampler's guidance, a float or a function of the timestep
@@ -269,7 +283,9 @@ class FamilySpec:
     experts: tuple[Expert, ...] = field(default=())
     # (model, data) -> None, or the hook of a second noised stream in the training batch (LTX-2's audio,
     # models/ltx2/training.py AudioStream): what a sample stores of it (`shapes`), its noise, its inputs after the
-    # text and its target (the batch's target a tuple), and the loss over both streams.
+    # text and its target (the batch's target a tuple), and the loss over both streams; for sampling
+    # (parallel/train/sampling.py) its noise after the video's, the model's inputs at both streams, the sampler that
+    # steps both (`sample`, which the family's own sampler name in Sampling.samplers stands for) and its `min_steps`.
     second_stream: Optional[Callable] = None
 
     def __post_init__(self):

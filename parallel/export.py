@@ -11,10 +11,11 @@ Tensors are fp32, named canonically (`embed.*`, `blocks.{i}.*`, `final.*`), gath
 printed (`weights: DIR/stepN (step N)`). The checkpoint is found, or refused with the steps there are, before
 any process group exists; so is an --out folder that already holds files (`--overwrite` writes over them).
 
-`--format diffusers` writes the weights (`--ema`: the EMA) as a diffusers CogVideoXTransformer3DModel
-folder instead: config.json plus diffusion_pytorch_model.safetensors, or shards of at most
-`--max-shard-size` (default 5GB) with diffusion_pytorch_model.safetensors.index.json, in `--dtype`
-(fp32 default; bf16, fp16), loadable with `CogVideoXTransformer3DModel.from_pretrained(OUT)` and by
+`--format diffusers` writes the weights (`--ema`: the EMA) as a folder of the family's diffusers class
+(CogVideoXTransformer3DModel, WanTransformer3DModel, LTX2VideoTransformer3DModel, ...) instead: config.json plus
+diffusion_pytorch_model.safetensors, or shards of at most `--max-shard-size` (default 5GB) with
+diffusion_pytorch_model.safetensors.index.json, in `--dtype` (fp32 default; bf16, fp16), loadable with that
+class's `from_pretrained(OUT)` and by
 `--set model.init_from=OUT` (parallel/weights/diffusers.py). A LoRA run (model.lora) writes its base
 there, or with `--merge-lora` the base with the adapters folded in; `--format diffusers-lora` writes the
 adapters as OUT/pytorch_lora_weights.safetensors (`pipe.load_lora_weights(OUT)`, or
@@ -67,7 +68,22 @@ def out_problems(out: Path, overwrite: bool) -> list[str]:
 
 def export(cfg, ds, layout, env, out: Path, step: int | None = None, fmt: str = "toolkit", ema: bool = False,
            max_shard_bytes: int = 5 * 10**9, dtype: str = "fp32", merge_lora: bool = False) -> list[Path]:
-    """Export ckpt.dir's step{step} (None: the newest usable checkpoint) to `out`; the paths written."""
+    """Export ckpt.dir's step{step} (None: the newest usable checkpoint) to `out`; the paths written (rank 0)."""
+    from parallel.distributed.seed import seed_all
+    from parallel.train.engine import build_trainer
+    from parallel.train.run import layout_groups
+
+    found = checkpoint_problems(cfg, layout, step)
+    if found:             # before any process group: the refusal is all the command prints
+        raise ConfigError("\n".join(found))
+    with layout_groups(cfg, layout, env) as ctx:
+        seed_all(cfg.train.seed)
+        trainer = build_trainer(cfg, ds, ctx, init_from=False)
+        return _export_checkpoint(cfg, layout, ctx, trainer, out, step, fmt, ema, max_shard_bytes, dtype, merge_lora)
+
+
+def _export_checkpoint(cfg, layout, ctx, trainer, out: Path, step, fmt, ema, max_shard_bytes, dtype,
+                       merge_lora) -> list[Path]:
     import deepspeed
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -75,51 +91,36 @@ def export(cfg, ds, layout, env, out: Path, step: int | None = None, fmt: str = 
     from parallel.checkpoints import checkpoint
     from parallel.weights.ema import full_ema, has_ema
     from parallel.weights.gather import exporting, full_tensors
-    from parallel.train.run import checkpoint_layout, start_engine
+    from parallel.train.run import checkpoint_layout
 
-    found = checkpoint_problems(cfg, layout, step)
-    if found:             # before any process group: the refusal is all the command prints
-        raise ConfigError("\n".join(found))
-    ctx, trainer = start_engine(cfg, ds, layout, env, init_from=False)
     # every file's CRC-32, read by the ranks together, before any weight is loaded: a damaged newest checkpoint
     # is named and the previous one read; a damaged --checkpoint N is refused
     try:
         tag = checkpoint.verified_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout),
                                          checkpoint.model_signature(cfg.model), step=step)
     except ValueError as e:
-        dist.destroy_process_group()
         raise ConfigError(str(e)) from None
     step = trainer.load(cfg.ckpt_dir, tag)
     if dist.get_rank() == 0:
         print(f"weights: {cfg.ckpt_dir}/{tag} (step {step}){', EMA' if ema else ''}", flush=True)
     module, n = trainer.engine.module, cfg.model.num_layers
+    if ema and not has_ema(trainer.optimizer):
+        raise ValueError(f"--ema: the checkpoint {cfg.ckpt_dir}/{tag} has no EMA (its optimizer is "
+                         f"{type(trainer.optimizer).__name__}; FusedEmaAdam/EmaAdamW keep one)")
+    value = full_ema(trainer.optimizer, trainer.engine.optimizer) if ema else None
     if fmt == "opensora":
         from parallel.weights.opensora import export_opensora
-        if ema and not has_ema(trainer.optimizer):
-            raise ValueError(f"--ema: the checkpoint {cfg.ckpt_dir}/{tag} has no EMA (its optimizer is "
-                             f"{type(trainer.optimizer).__name__}; FusedEmaAdam/EmaAdamW keep one)")
-        value = full_ema(trainer.optimizer, trainer.engine.optimizer) if ema else None
-        written = export_opensora(module, ctx, cfg, out / OPENSORA_NAME, value, zero3=layout.zero_stage == 3,
-                                  dtype=DTYPES[dtype], metadata={"step": str(step), "weights": "ema" if ema else
-                                                                 "model"})
-        dist.destroy_process_group()
-        return written
+        return export_opensora(module, ctx, cfg, out / OPENSORA_NAME, value, zero3=layout.zero_stage == 3,
+                               dtype=DTYPES[dtype], metadata={"step": str(step), "weights": "ema" if ema else "model"})
     if fmt in ("diffusers", "diffusers-lora"):
         from parallel.weights.diffusers_export import export_diffusers
         from parallel.weights.lora_export import export_lora
-        if ema and not has_ema(trainer.optimizer):
-            raise ValueError(f"--ema: the checkpoint {cfg.ckpt_dir}/{tag} has no EMA (its optimizer is "
-                             f"{type(trainer.optimizer).__name__}; FusedEmaAdam/EmaAdamW keep one)")
-        value = full_ema(trainer.optimizer, trainer.engine.optimizer) if ema else None
         metadata = {"step": str(step), "checkpoint": f"{cfg.ckpt_dir}/{tag}", "weights": "ema" if ema else "model"}
         if fmt == "diffusers-lora":
-            written = export_lora(module, ctx, cfg, out, value, zero3=layout.zero_stage == 3, metadata=metadata)
-        else:
-            written = export_diffusers(module, ctx, cfg, out, value, zero3=layout.zero_stage == 3,
-                                       max_shard_bytes=max_shard_bytes, dtype=DTYPES[dtype], metadata=metadata,
-                                       merge_lora=merge_lora)
-        dist.destroy_process_group()
-        return written
+            return export_lora(module, ctx, cfg, out, value, zero3=layout.zero_stage == 3, metadata=metadata)
+        return export_diffusers(module, ctx, cfg, out, value, zero3=layout.zero_stage == 3,
+                                max_shard_bytes=max_shard_bytes, dtype=DTYPES[dtype], metadata=metadata,
+                                merge_lora=merge_lora)
     show = dist.get_rank() == 0
     if layout.zero_stage == 3:
         with deepspeed.zero.GatheredParameters(list(module.parameters())):
@@ -141,9 +142,7 @@ def export(cfg, ds, layout, env, out: Path, step: int | None = None, fmt: str = 
             save_file(merged, str(path), metadata={"step": str(step), "checkpoint": f"{cfg.ckpt_dir}/{tag}"})
             written.append(path)
     dist.barrier()
-    dist.destroy_process_group()
     return written
-
 
 def parser() -> argparse.ArgumentParser:
     ap = Parser(prog="python -m parallel.export", description=__doc__.splitlines()[0])
@@ -155,7 +154,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--overwrite", action="store_true", help="write over the files of an --out folder that already "
                     "holds some (refused without it)")
     ap.add_argument("--format", choices=["toolkit", "diffusers", "diffusers-lora", "opensora"], default="toolkit",
-                    help="toolkit: canonical names, weights and EMA; diffusers: a CogVideoXTransformer3DModel folder; "
+                    help="toolkit: canonical names, weights and EMA; diffusers: a folder of the family's diffusers "
+                    "class (CogVideoXTransformer3DModel, WanTransformer3DModel, LTX2VideoTransformer3DModel, ...); "
                     "diffusers-lora: the adapters of a model.lora run as pytorch_lora_weights.safetensors; opensora: "
                     f"OUT/{OPENSORA_NAME}, Open-Sora 2.0's checkpoint (HunyuanVideo family with its switches)")
     ap.add_argument("--merge-lora", action="store_true",

@@ -45,6 +45,13 @@ HunyuanVideo 1.5 I2V (models/hunyuanvideo15/siglip.py): the picture's SigLIP sta
 (`--image-encoder`: the pipeline folder's image_encoder/ and feature_extractor/, as its _get_image_embeds) or given
 (`--image-embeds`), become the image rows of the prompt's and the negative prompt's text rows alike.
 
+LTX-2 (a model of two streams, video and audio): its pipeline's own loop, both streams together (the sampler
+"ltx2": models/ltx2/sampling.py, equal to LTX2Pipeline(..., output_type="latent")); each --prompt-embeds and
+--negative-embeds file holds the connector's caption states of both, "text" and "audio_text" (guidance needs
+--negative-embeds); --noise holds "latents" and "audio" [B, A, C] (packed); without it prompt i's audio noise is
+drawn after its video noise; `--guidance` guides both; the output adds "audio" (a folder: "prompt<i>_audio"); no
+decoder (--vae, val.decoder: refused).
+
 Output (rank 0): `--out FILE.safetensors` writes {"latents": [B, C, T, H, W]}, and with a decoder (--vae DIR or
 val.decoder) the videos FILE/prompt<i>.{gif,mp4,txt} (FILE without the suffix). `--out DIR` (any other name)
 writes DIR/latents.safetensors ({"latents": [B, C, T, H, W], "prompt<i>": [C, T, H, W]}) and the videos
@@ -90,8 +97,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--guidance-2", dest="guidance_2", type=float, default=None,
                     help="a model of two experts (Wan 2.2 A14B): the low-noise expert's guidance scale (WanPipeline's "
                     "guidance_scale_2), --guidance the high-noise one's; default val.guidance_scale_2, else --guidance")
-    ap.add_argument("--sampler", choices=sorted(s for group in SAMPLERS.values() for s in group), default=None,
-                    help="default val.sampler, else the first the model's family offers for its objective")
+    ap.add_argument("--sampler", default=None, help=f"one of {', '.join(sorted(s for g in SAMPLERS.values() for s in g))} "
+                    "or a family's own (LTX-2: ltx2), fitting the model's objective (a misfit is refused, naming those "
+                    "that fit); default val.sampler, else the first the model's family offers for its objective")
     ap.add_argument("--seed", type=int, default=None, help="noise seed; default train.seed")
     ap.add_argument("--ema", action="store_true", help="a checkpoint's EMA weights instead of its weights")
     ap.add_argument("--vae", default=None, help="decoder for the videos and encoder of --image (a VAE folder of "
@@ -104,14 +112,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser().parse_args(argv)
 
 
-def _tensor(path: Path, load: bool = True):
-    """The file's tensor ("text" if present, else its only one): the tensor, or (load=False) its shape."""
+def _tensor(path: Path, load: bool = True, key: Optional[str] = None):
+    """The file's tensor (`key`; else "text" or "latents" if present, else its only one): the tensor, or
+    (load=False) its shape; with `key`, None when the file has no such tensor."""
     from safetensors import safe_open
     with safe_open(str(path), framework="pt") as f:
         keys = list(f.keys())
-        if "text" not in keys and len(keys) != 1:
+        if key is not None:
+            if key not in keys:
+                return None
+        elif "text" in keys or "latents" in keys:
+            key = "text" if "text" in keys else "latents"
+        elif len(keys) != 1:
             raise ValueError(f"{path}: expected one tensor, found {len(keys)} ({', '.join(keys[:5])})")
-        key = "text" if "text" in keys else keys[0]
+        else:
+            key = keys[0]
         return f.get_tensor(key).float() if load else tuple(f.get_slice(key).get_shape())
 
 
@@ -189,10 +204,13 @@ def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
                             f"{list(want)} ({rows} prompts, model.in_channels; T, H, W from data.num_frames, "
                             f"data.height, data.width)")
     problems += _check_image(args, cfg, rows, shapes)
+    stream = family(cfg.model).training_stream(cfg.model, cfg.data)
+    if stream is not None:
+        problems += _check_stream(args, cfg, stream, rows, guidance != 1, steps)
     uncond = Path(cfg.data.path) / UNCOND_FILE if cfg.data.path else None
     second = cfg.val.guidance_scale_2 if args.guidance_2 is None else args.guidance_2
     if (guidance != 1 or second not in (None, 1)) and not args.negative_embeds and not cfg.data.text_encoder and \
-            not (uncond and uncond.is_file()):
+            not (uncond and uncond.is_file()) and stream is None:          # a second stream: _check_stream's
         key = f"val.guidance_scale={guidance}" if args.guidance is None else f"--guidance {guidance}"
         if guidance == 1:
             key = f"val.guidance_scale_2={second}" if args.guidance_2 is None else f"--guidance-2 {second}"
@@ -209,6 +227,39 @@ def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
     except ValueError as e:
         problems.append(str(e))
     return problems + _check_weights(args, cfg, layout, ds or {})
+
+
+def _check_stream(args, cfg, stream, rows: int, guided: bool, steps: int) -> list[str]:
+    """A model of two streams (LTX-2: video and audio): each --prompt-embeds and --negative-embeds file holds the
+    second stream's caption "audio_text" beside "text" (as a prepared sample's text file), the unconditional one
+    given (guided), --noise holds its noise "audio" beside "latents", no decoder is asked for, and its sampler
+    takes the steps."""
+    from parallel.train.data import STREAM_KEYS
+
+    (_, noise_key), (_, text_key) = STREAM_KEYS
+    audio, caption = stream.shapes()
+    problems = [] if steps >= stream.min_steps else [
+        f"--steps={steps}: model {cfg.model.name}'s sampler takes {stream.min_steps} or more (LTX2Pipeline's schedule "
+        f"ends at its shift terminal: one step is 0 / 0)"]
+    for path in [p for p in args.prompt_embeds + [args.negative_embeds] if p and p.is_file()]:
+        shape = _tensor(path, load=False, key=text_key)
+        if shape is None or list(shape[-2:]) != list(caption):
+            problems.append(f"{path}: model {cfg.model.name} takes a second caption: \"{text_key}\" [L, D] = "
+                            f"{list(caption)} beside \"text\" (found {list(shape) if shape else 'none'}; "
+                            f"the connector's audio caption states, as a prepared sample's text file holds them)")
+    if guided and not args.negative_embeds:
+        problems.append(f"guidance needs the unconditional captions of both streams of model {cfg.model.name}: give "
+                        f"--negative-embeds (\"text\" and \"{text_key}\")")
+    if args.noise and args.noise.is_file():
+        shape = _tensor(args.noise, load=False, key=noise_key)
+        if shape != (rows, *audio):
+            problems.append(f"--noise {args.noise}: model {cfg.model.name} starts its second stream from \"{noise_key}"
+                            f"\" [B, A, C] = {[rows, *audio]} beside \"latents\" (found "
+                            f"{list(shape) if shape else 'none'}; A from data.num_frames and model.frame_rate)")
+    if args.vae or cfg.val.decoder:
+        problems.append(f"{'--vae' if args.vae else 'val.decoder'}: decoding model {cfg.model.name}'s latents is not "
+                        f"built (docs/models.md); leave it out: the latents of both streams are written")
+    return problems
 
 
 def _check_image(args, cfg, rows: int, shapes: dict) -> list[str]:
@@ -316,9 +367,14 @@ def _check_weights(args, cfg, layout, ds: dict) -> list[str]:
     return []
 
 
-def load_prompts(args, cfg):
-    """(labels, text [B, L, D], uncond [B, L, D] or None) from the captions and embedding files."""
+def load_prompts(args, cfg, second: Optional[str] = None):
+    """(labels, text [B, L, D], uncond [B, L, D] or None) from the captions and embedding files. second: the key of
+    a second stream's caption in the same files (LTX-2's "audio_text"): text and uncond are then (text, second)."""
     import torch
+
+    def batch(path, key=None):
+        t = _tensor(path, key=key)
+        return t[None] if t.dim() == 2 else t
 
     encoder = None
     if cfg.data.text_encoder:
@@ -328,36 +384,48 @@ def load_prompts(args, cfg):
                                      expected=family(cfg.model).formats.text_encoder, model=cfg.model)
     labels, texts = list(args.prompt), [encoder.encode(text).float()[None] for text in args.prompt]
     for path in args.prompt_embeds:
-        t = _tensor(path)
-        t = t[None] if t.dim() == 2 else t
+        t = batch(path)
         labels += [str(path)] if len(t) == 1 else [f"{path}[{j}]" for j in range(len(t))]
         texts.append(t)
     text = torch.cat(texts)
+    rows = len(text)
+    if second:          # no captions to encode (check_args): the files' rows in the same order
+        text = (text, torch.cat([batch(path, second) for path in args.prompt_embeds]))
     if _settings(args, cfg)[1] == 1:
         return labels, text, None
     uncond = _tensor(args.negative_embeds) if args.negative_embeds else \
         encoder.encode("").float() if encoder else _tensor(Path(cfg.data.path) / UNCOND_FILE)
     uncond = uncond[None] if uncond.dim() == 2 else uncond
-    return labels, text, uncond.expand(len(text), *uncond.shape[1:]).contiguous()
+    uncond = uncond.expand(rows, *uncond.shape[1:]).contiguous()
+    if second:
+        audio = batch(args.negative_embeds, second)
+        uncond = (uncond, audio.expand(rows, *audio.shape[1:]).contiguous())
+    return labels, text, uncond
 
 
 def write_outputs(out: Path, latents, labels: list[str], cfg, decoder: Optional[str]) -> list[Path]:
-    """The latents file and (folder form, or with a decoder) the videos; the paths written."""
+    """The latents file and (folder form, or with a decoder) the videos; the paths written. A model of two streams
+    (latents a pair: LTX-2's video and audio): the second as "audio" ([B, A, C]; "prompt<i>_audio" in a folder)
+    beside "latents"; the videos from the first."""
     from safetensors.torch import save_file
 
     from models.geometry import video_latent
     from parallel.validation.media import load_decoder, write_gif, write_mp4
 
-    written = []
+    written, audio = [], None
+    if isinstance(latents, tuple):
+        latents, audio = latents
+    tensors = {"latents": latents.contiguous(), **({} if audio is None else {"audio": audio.contiguous()})}
     if out.suffix == ".safetensors":
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"latents": latents.contiguous()}, str(out))
+        save_file(tensors, str(out))
         written.append(out)
         folder = out.with_suffix("") if decoder else None
     else:
         out.mkdir(parents=True, exist_ok=True)
-        save_file({"latents": latents.contiguous(), **{f"prompt{i}": v.clone() for i, v in enumerate(latents)}},
-                  str(out / "latents.safetensors"))
+        rows = {f"prompt{i}": v.clone() for i, v in enumerate(latents)}
+        rows.update({} if audio is None else {f"prompt{i}_audio": a.clone() for i, a in enumerate(audio)})
+        save_file({**tensors, **rows}, str(out / "latents.safetensors"))
         written.append(out / "latents.safetensors")
         folder = out
     if folder is not None:
@@ -374,9 +442,11 @@ def write_outputs(out: Path, latents, labels: list[str], cfg, decoder: Optional[
 
 
 def sample_videos(args, cfg, ds: dict, layout, env):
-    """The batch's latents [B, C, T, H, W] (every rank), written by rank 0 under args.out."""
+    """The batch's latents [B, C, T, H, W] (every rank), written by rank 0 under args.out; a model of two streams
+    (LTX-2): (video latents, audio latents [B, A, C])."""
     from models.diffusion import Objective
     from models.geometry import latent_shape
+    from parallel.train.data import STREAM_KEYS
     from parallel.train.sampling import sample_batch, sampling_model
 
     from models.registry import family
@@ -387,16 +457,20 @@ def sample_videos(args, cfg, ds: dict, layout, env):
     # val.guidance_scale_2 after.
     guidance = guidance_of(args, cfg, guidance)
     sampler = check_sampler(cfg.model.objective, sampler, family(cfg.model).sampling.samplers)
-    labels, text, uncond = load_prompts(args, cfg)
+    stream = family(cfg.model).training_stream(cfg.model, cfg.data)         # LTX-2's audio, or None
+    (_, noise_key), (_, text_key) = STREAM_KEYS
+    labels, text, uncond = load_prompts(args, cfg, text_key if stream else None)
     noise = _tensor(args.noise) if args.noise else None
-    first, extra = load_first_frames(args, cfg, len(text))
+    if stream is not None and noise is not None:
+        noise = (noise, _tensor(args.noise, key=noise_key))
+    first, extra = load_first_frames(args, cfg, len(labels))
     shape = (cfg.model.in_channels, *latent_shape(cfg.model, cfg.data))
     checkpoint = None if cfg.model.init_from else args.checkpoint
     with sampling_model(cfg, ds, layout, env, args.ema, checkpoint) as (forward, ctx):
         latents = sample_batch(forward, ctx, Objective.of(cfg.model), text, uncond, noise, shape, seed, steps,
                                sampler, guidance, cfg.val.use_dynamic_cfg, first,
                                family(cfg.model).training_condition(cfg.model, cfg.data), extra,
-                               progress=True)
+                               progress=True, stream=stream)
         if ctx.rank == 0:
             for path in write_outputs(args.out, latents, labels, cfg, args.vae or cfg.val.decoder):
                 print(f"wrote {path}", flush=True)

@@ -7,8 +7,10 @@
 Every rank loads its part of model.init_from into the layout (as sampling does) and predicts one
 deterministic random batch (--seed, --batch; the shapes of data.num_frames/height/width) at fp32; rank 0
 runs the class named in config.json (diffusers' CogVideoXTransformer3DModel, with the pipeline's rotary
-tables) on the same batch and prints `max relative difference X` = max |ours - theirs| / max |theirs|.
-Exit 0 below --tolerance (1e-4), 2 above it, 1 (refused, the reasons printed) when the input is unusable.
+tables) on the same batch and prints `max relative difference X` = max |ours - theirs| / max |theirs|. A model of
+several predictions (LTX-2: video and audio, each its own scale) prints one per prediction, by name, and names
+those apart. Exit 0 below --tolerance (1e-4), 2 above it (any prediction), 1 (refused, the reasons printed) when
+the input is unusable.
 
 `--checkpoint latest|N|stepN`: the toolkit's side reads that checkpoint of ckpt.dir (the layout and DeepSpeed
 JSON that wrote it) instead of model.init_from, which then names the reference only: the diffusers folder that
@@ -62,8 +64,9 @@ def relative_difference(ours, theirs) -> tuple[float, float]:
     return diff, diff / max(float(theirs.abs().max()), 1e-30)
 
 
-def verify(args, cfg, ds, layout, env) -> tuple[float, float]:
-    """(max abs, max relative difference), the same on every rank."""
+def verify(args, cfg, ds, layout, env) -> list[tuple[float, float]]:
+    """(max abs, max relative difference) of each prediction (the format's `predictions`: LTX-2's video and
+    audio), the same on every rank."""
     import torch
     import torch.distributed as dist
 
@@ -72,15 +75,28 @@ def verify(args, cfg, ds, layout, env) -> tuple[float, float]:
 
     fmt = released_format(cfg.model)
     inputs = fmt.example_inputs(cfg.model, cfg.data, args.batch, torch.Generator().manual_seed(args.seed))
+    several = len(fmt.predictions) > 1
     with sampling_model(cfg, ds, layout, env, checkpoint=args.checkpoint) as (forward, ctx):
-        ours = forward.predict(inputs, torch.empty(args.batch, cfg.model.in_channels, *inputs[0].shape[2:]))
-        result = torch.zeros(2, dtype=torch.float64)
+        ours = forward.predict(inputs, fmt.prediction_like(cfg.model, inputs))
+        result = torch.zeros(len(fmt.predictions), 2, dtype=torch.float64)
         if ctx.rank == 0:
-            result[:] = torch.tensor(relative_difference(ours.cpu(), fmt.reference(cfg.model.init_from, inputs)))
+            theirs = fmt.reference(cfg.model.init_from, inputs)
+            pairs = zip(ours, theirs) if several else [(ours, theirs)]
+            result[:] = torch.tensor([relative_difference(o.cpu(), t) for o, t in pairs])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(result, 0)
-    return float(result[0]), float(result[1])
+    return [(float(diff), float(rel)) for diff, rel in result]
 
+
+def report(names: tuple[str, ...], found: list[tuple[float, float]], tolerance: float) -> tuple[bool, str]:
+    """(all within tolerance, the line after the layout): each prediction's difference, named when there are
+    several, and the verdict naming those apart."""
+    several = len(names) > 1
+    parts = [f"{name + ' ' if several else ''}max relative difference {rel:.3e} (max abs {diff:.3e})"
+             for name, (diff, rel) in zip(names, found)]
+    apart = [name for name, (_, rel) in zip(names, found) if not rel < tolerance]
+    verdict = f"{'NOT equal' if apart else 'equal'} at --tolerance {tolerance:g}"
+    return not apart, "; ".join(parts) + f"; {verdict}" + (f" ({', '.join(apart)})" if apart and several else "")
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
@@ -106,12 +122,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if problems:
         return refused(parser().prog, problems) if env.rank == 0 else REFUSED
     ds = {k: v for k, v in ds.items() if k not in ("bf16", "fp16")}     # compare at fp32
-    diff, rel = verify(args, cfg, ds, layout, env)
-    passed = rel < args.tolerance
+    from parallel.weights.diffusers import released_format
+    found = verify(args, cfg, ds, layout, env)
+    passed, line = report(released_format(cfg.model).predictions, found, args.tolerance)
     if env.rank == 0:
-        print(f"{cfg.model.init_from} in tp {layout.tp_size} x pp {layout.pp_size} x sp "
-              f"{layout.sp_size}: max relative difference {rel:.3e} (max abs {diff:.3e}); "
-              f"{'equal' if passed else 'NOT equal'} at --tolerance {args.tolerance:g}", flush=True)
+        print(f"{cfg.model.init_from} in tp {layout.tp_size} x pp {layout.pp_size} x sp {layout.sp_size}: {line}",
+              flush=True)
     return 0 if passed else NOT_EQUAL
 
 

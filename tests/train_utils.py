@@ -30,17 +30,22 @@ def fp32_config(stage: int = 0, checkpointing: bool = True, optimizer: str = "Ad
     return ds
 
 
-def experiment(tp: int, pp: int, dp: int, extra=(), sp: int = 1, preset: str = "debug"):
-    """`preset` at a fixed global batch of 4 (micro-batch x 2 micro-steps x dp), so every layout sees the same data."""
+def experiment_overrides(tp: int, pp: int, dp: int, extra=(), sp: int = 1) -> list[str]:
+    """A fixed global batch of 4 (micro-batch x 2 micro-steps x dp), so every layout sees the same data."""
     mb = GLOBAL_BATCH // (2 * dp)
-    return load_config(preset, [f"parallel.tp_size={tp}", f"parallel.pp_size={pp}", f"parallel.sp_size={sp}",
-                                f"train.micro_batch_size={mb}", "train.grad_accum_steps=2", "train.warmup_steps=0",
-                                *extra])
+    return [f"parallel.tp_size={tp}", f"parallel.pp_size={pp}", f"parallel.sp_size={sp}", f"train.micro_batch_size={mb}",
+            "train.grad_accum_steps=2", "train.warmup_steps=0", *extra]
 
 
-def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp, preset, probe_step):
+def experiment(tp: int, pp: int, dp: int, extra=(), sp: int = 1, preset: str = "debug"):
+    """`preset` with experiment_overrides: every layout sees the same data."""
+    return load_config(preset, experiment_overrides(tp, pp, dp, extra, sp))
+
+
+def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp, preset, probe_step, save_to: Optional[str] = None):
     """Train `steps` steps; the losses, the full weights (and EMA) this rank holds, any replica drift, and
-    (probe_step > 0) what that step held, measured by parallel.train.probe.StepProbe."""
+    (probe_step > 0) what that step held, measured by parallel.train.probe.StepProbe. save_to: a checkpoint of
+    the last step written there as train.py writes one (what parallel.export, sample and verify read)."""
     import contextlib
 
     import deepspeed
@@ -68,6 +73,11 @@ def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp, preset, prob
         probe = measuring.result if measuring else probe
         if world_size == 1:                           # a reference: what Adam may make of round-off
             add_step_slack(slack, trainer, ctx, cfg.model.num_layers, lr)
+    if save_to:
+        from parallel.checkpoints import checkpoint
+        layout = {**ctx.dims.as_dict(), "zero_stage": ds.get("zero_optimization", {}).get("stage", 0),
+                  "global_batch": GLOBAL_BATCH}                       # Trainer's ckpt_layout
+        checkpoint.save(trainer, save_to, steps, 1, layout, checkpoint.model_signature(cfg.model))
     module = trainer.engine.module
     if ds.get("zero_optimization", {}).get("stage", 0) == 3:
         with deepspeed.zero.GatheredParameters(list(module.parameters())):

@@ -126,13 +126,10 @@ class LTX2Config(ModelConfig):
 
     def unsupported(self, run, purpose: str = "train") -> list[str]:
         """What the toolkit cannot do with this model yet (parallel/check.py's load_and_check refuses runs with it;
-        the planner plans it). Training from latents with both streams works (models/ltx2/training.py)."""
+        the planner plans it). Training from latents with both streams works (models/ltx2/training.py), and so do
+        parallel.export, parallel.verify and parallel.sample (both streams). `purpose` refuses nothing of its own."""
         why = "docs/models.md#ltx-2"
-        jobs = {"sample": "parallel.sample: sampling both streams",
-                "export": "parallel.export: writing diffusers' LTX2VideoTransformer3DModel folder",
-                "verify": "parallel.verify: comparing both streams (tests/distributed/test_ltx2_layouts.py compares "
-                          "them against diffusers)"}
-        problems = [f"model.family=ltx2 with {jobs[purpose]} is not built yet ({why})"] if purpose in jobs else []
+        problems = []
         if self.lora is not None:
             problems.append(f"model.lora with model.family=ltx2: adapters on LTX-2 (its audio layers, "
                             f"LTX2LoraLoaderMixin's names) are not built yet; leave model.lora out ({why})")

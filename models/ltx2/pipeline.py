@@ -7,8 +7,9 @@
   alone is refused until data preparation reads the buffers (with the audio VAE's, AutoencoderKLLTX2Audio).
 - Text: Gemma-3 hidden states through the pipeline's connector (LTX2TextConnectors): not encoded by the toolkit
   yet (`prepared=False`: `prepare_data --t5` and `data.text_encoder` refuse it by name).
-- Scheduler: flow matching; the pipelines' FlowMatchEulerDiscreteScheduler with its resolution-dependent shift is
-  not matched yet (no release scheduler check), so the family offers the toolkit's flow samplers only.
+- Scheduler: LTX2Pipeline's denoising loop, video and audio together (the sampler "ltx2", the family's own:
+  models/ltx2/sampling.py, which the audio stream's `sample` runs); the release's scheduler_config.json is not
+  read (its values are written there), so there is no release scheduler check.
 """
 from __future__ import annotations
 
@@ -43,4 +44,4 @@ class LTX2Latents:
 GEMMA3 = TextEncoderFormat(class_name="Gemma3ForConditionalGeneration", model_type="gemma3", masked=True,
                            clean=False, prepared=False)
 
-SAMPLING = Sampling(samplers={"flow_matching": ("flow_euler", "euler")}, scheduler=None)
+SAMPLING = Sampling(samplers={"flow_matching": ("ltx2",)}, scheduler=None)

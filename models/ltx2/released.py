@@ -82,6 +82,7 @@ class LTX2Diffusers(DiffusersFormat):
     """The `ReleasedFormat` (models/spec.py) of diffusers' LTX2VideoTransformer3DModel."""
 
     class_name = "LTX2VideoTransformer3DModel"
+    predictions = ("video", "audio")
 
     def check_config(self, m: LTX2Config, config: dict, path: str) -> list[str]:
         # perturbed_attn only changes the processor (STG guidance at sampling); the weights and forward are equal.
@@ -118,6 +119,10 @@ class LTX2Diffusers(DiffusersFormat):
         audio = torch.randn(batch, m.audio_tokens(data), m.audio_in_channels, generator=generator)
         atext = torch.randn(batch, m.max_text_len, m.audio_caption_dim, generator=generator)
         return latents, t, text, audio, atext, torch.randint(0, 1000, (batch,), generator=generator)
+
+    def prediction_like(self, m: LTX2Config, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """(video [B, C, T, H, W], audio [B, A, Ca]): the shapes of the latents and the audio latents."""
+        return torch.empty(inputs[0].shape), torch.empty(inputs[3].shape)
 
     def reference_call(self, model: torch.nn.Module, inputs: tuple, kwargs: dict):
         """diffusers' (video [B, C, T, H, W], audio [B, A, Ca]) as the pipelines call it (sigma = the video

@@ -29,15 +29,7 @@ import math
 import torch
 
 from models.diffusion import NUM_TRAIN_TIMESTEPS, PER_SAMPLE, mse_loss
-
-# LTX2Pipeline's calculate_shift arguments (its scheduler.config.get defaults)
-BASE_SEQ_LEN, MAX_SEQ_LEN, BASE_SHIFT, MAX_SHIFT = 1024, 4096, 0.95, 2.05
-
-
-def shift_mu(video_tokens: int) -> float:
-    """calculate_shift (diffusers' pipeline_ltx2.py): the line through (1024, 0.95) and (4096, 2.05)."""
-    m = (MAX_SHIFT - BASE_SHIFT) / (MAX_SEQ_LEN - BASE_SEQ_LEN)
-    return video_tokens * m + BASE_SHIFT - m * BASE_SEQ_LEN
+from models.ltx2.sampling import MIN_STEPS, sample, shift_mu
 
 
 def shifted_sigma(u: torch.Tensor, video_tokens: int) -> torch.Tensor:
@@ -63,7 +55,7 @@ class AudioStream:
     """FamilySpec.second_stream of LTX-2: the audio stream of a training batch. A sample carries, after its video
     latent and caption, its packed audio latents [A, audio_in_channels] and audio caption [L, audio_caption_dim]
     (`shapes`); the batch adds (a_t, audio caption, audio timesteps) to the inputs and the audio target to the
-    video's."""
+    video's. Sampling draws its noise after the video's, and steps both streams together (`sample`)."""
 
     def __init__(self, model, data):
         self.model, self.data = model, data
@@ -91,3 +83,19 @@ class AudioStream:
         """video_loss(video prediction, video target) (the video MSE, or this sp rank's share of it times sp) plus
         the whole audio MSE, once on every sp rank."""
         return video_loss(prediction[0], target[0]) + mse_loss(prediction[1], target[1])
+
+    # Sampling (parallel/train/sampling.py sample_batch): the stream's noise, the model's inputs at both streams,
+    # and the sampler that steps both (LTX2Pipeline's loop, models/ltx2/sampling.py).
+
+    def sampling_noise(self, generator: torch.Generator) -> torch.Tensor:
+        """The audio noise [1, A, Ca] of one sample, from its generator after its video noise."""
+        return torch.randn((1, *self.shapes()[0]), generator=generator)
+
+    @staticmethod
+    def sampling_inputs(x: tuple, t: torch.Tensor, text: tuple) -> tuple:
+        """EmbedStage's inputs at x = (video, audio) and captions (video, audio): both streams at t, as
+        LTX2Pipeline calls the transformer (audio_timestep = timestep)."""
+        return x[0], t, text[0], x[1], text[1], t
+
+    sample = staticmethod(sample)
+    min_steps = MIN_STEPS

@@ -3,6 +3,7 @@ the launcher's environment, process groups, datasets and batches, the DeepSpeed 
 and its check against a measured step (the plan itself: parallel/plan/memory.py run_plan, handed in by train.py)."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -171,6 +172,25 @@ def init_process_groups(timeout_s: int) -> None:
     deepspeed.init_distributed(dist_backend=accelerator.backend(), timeout=timeout)
     dist.barrier()                  # every rank has mapped its peers' shared-memory buffers: drop the names
     unlink_shm_buffer()
+
+
+@contextlib.contextmanager
+def layout_groups(cfg: ExperimentConfig, layout: Layout, env: LaunchEnv):
+    """The layout's ParallelContext, in process groups created here and destroyed on leaving, or in those already
+    up (a test's spawned ranks: DeepSpeed wraps their group, and they stay up). parallel.export and parallel.sample
+    run their body in it."""
+    owned = not dist.is_initialized()
+    if owned:
+        export_launch_env(env)
+        accelerator.set_device(env.local_rank)
+        init_process_groups(cfg.train.collective_timeout_s)
+    else:
+        deepspeed.init_distributed(dist_backend=accelerator.backend())
+    try:
+        yield ParallelContext.build(layout.dims)
+    finally:
+        if owned:
+            dist.destroy_process_group()
 
 
 def start_engine(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv, init_from: bool = True):

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional, Union
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -29,7 +28,7 @@ from parallel.distributed.seed import derive_seed, seed_all
 from parallel.distributed.topology import ParallelContext
 from parallel.checkpoints import checkpoint as ckpt
 from parallel.train.engine import build_trainer
-from parallel.train.run import checkpoint_layout, export_launch_env, init_process_groups
+from parallel.train.run import checkpoint_layout, layout_groups
 from parallel.validation.validate import StageForward, ema_weights, finish_sample, replica_items, replica_slice, \
     row_predictor
 from parallel.weights.diffusers import load_released
@@ -42,19 +41,10 @@ def sampling_model(cfg, ds: dict, layout, env, ema: bool = False,
     checkpoint of ckpt.dir (ema: its EMA); `checkpoint` a step (int) or "latest" (parallel.experiment.cli.LATEST): that
     checkpoint of ckpt.dir even with model.init_from set. The body runs in the layout's process groups, created
     here unless torch.distributed is already up (a test's ranks); one process with init_from needs none."""
-    owned, from_checkpoint = False, checkpoint is not None or not cfg.model.init_from
-    if layout.world_size > 1 or from_checkpoint:
-        if not dist.is_initialized():
-            export_launch_env(env)
-            accelerator.set_device(env.local_rank)
-            init_process_groups(cfg.train.collective_timeout_s)
-            owned = True
-        else:                       # torch.distributed is up (a test's ranks): DeepSpeed wraps its group
-            deepspeed.init_distributed(dist_backend=accelerator.backend())
-        ctx = ParallelContext.build(layout.dims)
-    else:
-        ctx = ParallelContext.single()
-    try:
+    from_checkpoint = checkpoint is not None or not cfg.model.init_from
+    groups = layout_groups(cfg, layout, env) if layout.world_size > 1 or from_checkpoint else \
+        contextlib.nullcontext(ParallelContext.single())
+    with groups as ctx:
         if not from_checkpoint:
             model = build_model(cfg, ds, ctx)
             load_released(model, ctx, cfg.model, cfg.model.init_from)
@@ -74,15 +64,19 @@ def sampling_model(cfg, ds: dict, layout, env, ema: bool = False,
             trainer.engine.module.eval()
             with ema_weights(trainer) if ema else contextlib.nullcontext():
                 yield StageForward(trainer.engine, ctx), ctx
-    finally:
-        if owned:
-            dist.destroy_process_group()
+
+def rows_of(z, r: range):
+    """Rows r of a tensor [B, ...], or of each of a tuple's (a family of two streams: LTX-2's video and audio); None
+    stays None."""
+    if z is None:
+        return None
+    return tuple(e[r.start:r.stop] for e in z) if isinstance(z, tuple) else z[r.start:r.stop]
 
 
-def sample_batch(forward: StageForward, ctx, objective: Objective, text: torch.Tensor, uncond: Optional[torch.Tensor],
-                 noise: Optional[torch.Tensor], shape: tuple[int, ...], seed: int, steps: int, sampler: Optional[str],
-                 guidance: float, dynamic: bool, first: Optional[torch.Tensor] = None, condition=None,
-                 extra: tuple = (), progress: bool = False) -> torch.Tensor:
+def sample_batch(forward: StageForward, ctx, objective: Objective, text, uncond, noise, shape: tuple[int, ...],
+                 seed: int, steps: int, sampler: Optional[str], guidance: float, dynamic: bool,
+                 first: Optional[torch.Tensor] = None, condition=None, extra: tuple = (), progress: bool = False,
+                 stream=None):
     """Latents [B, C, T, H, W] of the batch on every rank, from text and uncond [B, L, D] (uncond: None when
     guidance is 1); data-parallel replicas sample contiguous rows. Image-to-video: first [B, C, 1, H, W], the
     first frames' latents, and `condition` (the family's training_condition) that puts them on channels; `extra`
@@ -91,8 +85,12 @@ def sample_batch(forward: StageForward, ctx, objective: Objective, text: torch.T
     noise [B, C, T, H, W]: one generator (seed) for the whole batch, as the pipeline's; None: row i starts
     from noise drawn from (seed, i) of `shape` [C, T, H, W] and continues that generator (validation's rule).
     `progress`: rank 0 shows a bar of its denoising steps (one conditional prediction each) on stderr.
+
+    A family of two streams (`stream`, its training_stream: LTX-2's audio): text, uncond and noise are (video,
+    audio) pairs, so is the result (video latents, audio latents [B, A, Ca]); row i's audio noise is drawn after
+    its video noise, and `stream.sample` steps both (the family's own sampler, which `sampler` names).
     """
-    n, mine = len(text), {}
+    n, mine = len(text[0] if isinstance(text, tuple) else text), {}
     share = replica_slice(n, ctx.dp_rank, ctx.dp_size)
     items = [] if noise is not None else list(replica_items(n, forward, ctx))
     runs = (1 if len(share) or forward.lockstep else 0) if noise is not None else len(items)
@@ -100,31 +98,35 @@ def sample_batch(forward: StageForward, ctx, objective: Objective, text: torch.T
                disable=not (progress and ctx.rank == 0))
 
     def run(r: range, x, g, rows=None):
-        predict = row_predictor(forward, text[r.start:r.stop], None if uncond is None else uncond[r.start:r.stop],
-                                None if first is None else first[r.start:r.stop], condition,
-                                tuple(e[r.start:r.stop] for e in extra))
+        predict = row_predictor(forward, rows_of(text, r), rows_of(uncond, r), rows_of(first, r), condition,
+                                tuple(rows_of(e, r) for e in extra), stream)
 
         def counted(x_, t, cond):
             bar.update(int(cond))            # a step's conditional prediction comes once, its unconditional after
             return predict(x_, t, cond)
+        if stream is not None:
+            return stream.sample(counted, x, steps, guidance)
         out = sample(counted, x, objective, steps, sampler, guidance, use_dynamic_cfg=dynamic, generator=g, rows=rows)
         return out if first is None else finish_sample(condition, out, first[r.start:r.stop])
 
     if noise is not None:
         if len(share) or forward.lockstep:        # ZeRO-3: an idle replica joins every forward with row 0
             r = share if len(share) else range(1)
-            out = run(r, noise[r.start:r.stop], torch.Generator().manual_seed(seed), (r, n))
-            mine = {i: out[k] for k, i in enumerate(share)}
+            out = run(r, rows_of(noise, r), torch.Generator().manual_seed(seed), (r, n))
+            mine = {i: rows_of(out, range(k, k + 1)) for k, i in enumerate(share)}
     else:
         for i, counts in items:
             g = torch.Generator().manual_seed(derive_seed(seed, "sample", i))
-            out = run(range(i, i + 1), torch.randn((1, *shape), generator=g), g)
+            x = torch.randn((1, *shape), generator=g)
+            out = run(range(i, i + 1), x if stream is None else (x, stream.sampling_noise(g)), g)
             if counts:
-                mine[i] = out[0]
+                mine[i] = out
     if dist.is_initialized() and ctx.dims.world_size > 1:
         everyone = [None] * dist.get_world_size()
         head = ctx.tp_rank == 0 and ctx.pp_rank == 0 and ctx.sp_rank == 0
         dist.all_gather_object(everyone, mine if head else {})
         mine = {i: v for part in everyone for i, v in part.items()}
     bar.close()
-    return torch.stack([mine[i] for i in range(n)])
+    if stream is not None:
+        return tuple(torch.cat(z) for z in zip(*(mine[i] for i in range(n))))
+    return torch.cat([mine[i] for i in range(n)])

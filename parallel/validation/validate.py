@@ -78,11 +78,14 @@ class StageForward:
         return [m.embed, *m.blocks, m.final] if hasattr(m, "blocks") else stage_layers(m)
 
     @torch.no_grad()
-    def predict(self, inputs: tuple[torch.Tensor, ...], like: torch.Tensor) -> torch.Tensor:
-        """`like`: a tensor of the prediction's shape (the latents), for receiving the broadcast."""
+    def predict(self, inputs: tuple[torch.Tensor, ...], like):
+        """The prediction, fp32, on every rank: a tensor, or a tuple for a model of several (LTX-2: video, audio).
+        `like`: a tensor of the prediction's shape (the latents), or a tuple of them, one per prediction, for
+        receiving the broadcast."""
+        several = isinstance(like, tuple)
         grid = getattr(self.module, "step_grid", None)
         if grid is not None:                    # every stage: the sample's own shape (buckets)
-            grid.set_latent(like.shape[2:])
+            grid.set_latent((like[0] if several else like).shape[2:])
         h = tuple(x.to(self.device) for x in inputs) if self.prev is None else _recv(self.prev, self.device)
         layers = self._layers()
         for layer in layers:
@@ -91,14 +94,16 @@ class StageForward:
             h = layers[-1].assemble(h)          # sequence parallel: every sp rank's tokens
         else:
             _send(h, self.next)
-        if self.ctx.pp_size == 1:
-            return h.float()
-        # contiguous: a patch-1 unpatchify is a permuted view, which a broadcast would send in storage order
-        out = h.float().contiguous() if self.next is None else torch.empty(like.shape, dtype=torch.float32,
-                                                                           device=self.device)
-        dist.broadcast(out, self.last, group=self.ctx.pp_group)
-        return out
-
+        if self.next is None:
+            # contiguous: a patch-1 unpatchify is a permuted view, which a broadcast would send in storage order
+            out = tuple(t.float().contiguous() for t in (h if several else (h,)))
+        else:
+            out = tuple(torch.empty(t.shape, dtype=torch.float32, device=self.device)
+                        for t in (like if several else (like,)))
+        if self.ctx.pp_size > 1:
+            for t in out:
+                dist.broadcast(t, self.last, group=self.ctx.pp_group)
+        return out if several else out[0]
 
 def validation_noise(seed: int, index: int, timesteps: list[int], shape) -> torch.Tensor:
     """Noise of validation sample `index` at each timestep: from (seed, index) only."""
@@ -181,18 +186,23 @@ def validation_loss(forward: StageForward, dataset, objective: Objective, cfg: E
     return result
 
 
-def row_predictor(forward: StageForward, text: torch.Tensor, uncond, first=None, condition=None, extra=()):
+def row_predictor(forward: StageForward, text, uncond, first=None, condition=None, extra=(), stream=None):
     """predict(x, t, conditional) for models.sampling.sample on rows of a batch (validation and
     parallel.sample): text and uncond [B, L, D] (uncond None without guidance); image-to-video: first
     [B, C, 1, H, W] the first frame's latents (Wan: [B, C, T, H, W]), put on channels by
     `condition.sampling_input` for both calls, and `extra` the inputs after the text (Wan 2.1 I2V: the CLIP
     states [B, I, image_dim]), the same in both calls (as WanImageToVideoPipeline); a condition whose image states
-    travel as text rows (`condition.text_rows`: HunyuanVideo 1.5's SigLIP states) puts `extra` in text and uncond."""
+    travel as text rows (`condition.text_rows`: HunyuanVideo 1.5's SigLIP states) puts `extra` in text and uncond.
+    A family of two streams (`stream`, FamilySpec.second_stream: LTX-2's audio): x, text and uncond are (video,
+    audio) pairs, arranged as the model takes them by `stream.sampling_inputs`; the prediction a pair too."""
     rows = getattr(condition, "text_rows", None)
     if rows is not None and extra:         # both calls see the picture's states, as the pipeline's image_embeds
         text, uncond, extra = rows(text, *extra), None if uncond is None else rows(uncond, *extra), ()
 
     def predict(x, t, conditional):
+        if stream is not None:
+            inputs = stream.sampling_inputs(x, t, text if conditional else uncond)
+            return tuple(p.cpu() for p in forward.predict(inputs, x))
         inp = x if first is None else condition.sampling_input(x, first)
         return forward.predict((inp, t, text if conditional else uncond, *extra), x).cpu()
     return predict

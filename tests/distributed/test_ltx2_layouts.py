@@ -11,14 +11,22 @@ DeepSpeed's data axis does); one block's forward at tp 2 all-reduces what the bl
 Ulysses makes the all-to-alls the family's spec declares (FamilySpec.costs.attentions_per_layer). The same ranks train
 debug-ltx2 (both streams, synthetic data, fp32, activation checkpointing) at tp 2 x sp 2 and at tp 2 x pp 2 (the
 pipeline engine sends the stage tuple of both streams and takes the (video, audio) target): the losses on every
-rank and the final weights equal a one-process run's.
+rank and the final weights equal a one-process run's. The user's commands in the same ranks (their main(argv), as
+`deepspeed --module` runs them): `python -m parallel.export --format diffusers` of the tp 2 x pp 2 run's checkpoint
+writes a folder whose tensors are the trained weights bit for bit and from which diffusers' model predicts what the
+trained toolkit model predicts (video and audio); `python -m parallel.verify` holds that export to the checkpoint
+(`--checkpoint latest`, tp 2 x pp 2) and the LTX-2.3 release to diffusers at tp 2 x sp 2, both streams;
+`python -m parallel.sample` of that release at tp 2 x sp 2 samples what one process samples, video and audio.
 """
 import contextlib
+import json
+import types
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from tests.dist_utils import run_ranks
-from tests.train_utils import _train_rank, assert_matches, fp32_config, merge_ranks, train
+from tests.train_utils import _train_rank, assert_matches, experiment_overrides, fp32_config, merge_ranks, train
 from tests.released_utils import assert_grads_match, layout_model
 from tests.helpers import ltx2 as test_ltx2
 from tests.helpers.ltx2 import released  # noqa: F401  (fixture)
@@ -29,6 +37,7 @@ LAYOUTS = [(1, 1, 1, None), (2, 1, 1, None), (1, 2, 1, None), (2, 2, 1, None), (
 GRAD_LAYOUTS = [(2, 1, 1, None), (2, 1, 2, None), (2, 1, 2, 2)]
 VARIANTS = ["ltx2", "ltx2.3"]
 TRAIN_LAYOUTS = [(2, 1, 2), (2, 2, 1)]         # (tp, pp, sp) training debug-ltx2 on the 4 ranks; 2 steps
+EXPORT_LAYOUT = (2, 2, 1)                      # the one whose checkpoint is exported and verified
 # Under sp 2 the models also run other steps' grids (a bucket's StepGrid): (t, h, w), audio tokens. 45 video tokens
 # pad to 46 (23 a rank, 22 real on the second); 1 token leaves the second rank only padding (no key of its own).
 DEBUG = ((test_ltx2.FRAMES, test_ltx2.HEIGHT, test_ltx2.WIDTH), test_ltx2.AUDIO)
@@ -47,30 +56,16 @@ def loss(video, audio, shape=DEBUG):
 
 
 def _predict(model, ctx, inputs):
-    """Both predictions on every rank: the stages in order (pp 1), or each pipeline stage's layers with the stage
-    tuple sent to the next stage and the last stage's (video, audio) broadcast over the pipeline group."""
-    import torch.distributed as dist
+    """Both predictions on every rank (StageForward: pipeline stages send the stage tuple on, the last stage's
+    (video, audio) is broadcast over the pipeline group)."""
+    from models.ltx2.released import DIFFUSERS
+    from parallel.validation.validate import StageForward
 
-    from parallel.distributed.deepspeed.pipeline import stage_layers
-    from parallel.validation.validate import _recv, _send
-
-    if ctx.pp_size == 1:
-        return model.final.assemble(model.predict(inputs))
-    g, c = ctx.dims, ctx.coord
-    h = inputs if c.pp == 0 else _recv(g.rank(pp=c.pp - 1, dp=c.dp, tp=c.tp, sp=c.sp), torch.device("cpu"))
-    for layer in stage_layers(model):
-        h = layer(h)
-    last = g.rank(pp=ctx.pp_size - 1, dp=c.dp, tp=c.tp, sp=c.sp)
-    if c.pp < ctx.pp_size - 1:
-        _send(h, g.rank(pp=c.pp + 1, dp=c.dp, tp=c.tp, sp=c.sp))
-        h = tuple(torch.empty(s) for s in (inputs[0].shape, inputs[3].shape))
-    h = tuple(t.contiguous() for t in h)
-    for t in h:
-        dist.broadcast(t, last, group=ctx.pp_group)
-    return h
+    forward = StageForward(types.SimpleNamespace(module=model, device=torch.device("cpu")), ctx)
+    return forward.predict(inputs, DIFFUSERS.prediction_like(None, inputs))
 
 
-def _rank(rank, world_size, folders):
+def _rank(rank, world_size, folders, run):
     import deepspeed
 
     from parallel.distributed import accelerator
@@ -78,9 +73,35 @@ def _rank(rank, world_size, folders):
     deepspeed.init_distributed(dist_backend=accelerator.backend())
     out = {variant: _variant(world_size, variant, folder) for variant, folder in folders}
     for tp, pp, sp in TRAIN_LAYOUTS:
+        save = f"{run}/checkpoints" if (tp, pp, sp) == EXPORT_LAYOUT else None
         out[("train", tp, pp, sp)] = _train_rank(rank, world_size, tp, pp, 1, fp32_config(), 2, (), sp, "debug-ltx2",
-                                                 0)
-    return out
+                                                 0, save)
+    return {**out, **_commands(dict(folders)["ltx2.3"], run)}
+
+
+def _commands(release, run):
+    """parallel.export of the EXPORT_LAYOUT run's checkpoint as a diffusers folder; parallel.verify of that folder
+    against the checkpoint, and of the LTX-2.3 release at tp 2 x sp 2; parallel.sample of that release at tp 2 x sp
+    2 (`sample_args`, written to run/sample.safetensors): each command's exit status."""
+    from parallel import export, sample, verify
+
+    tp, pp, sp = EXPORT_LAYOUT
+    trained = ["--config", "debug-ltx2", "--deepspeed-config", f"{run}/ds.json", f"--set=ckpt.dir={run}/checkpoints",
+               *(f"--set={o}" for o in experiment_overrides(tp, pp, 1, (), sp))]
+    return {"export": export.main([*trained, "--format", "diffusers", "--out", f"{run}/export"]),
+            "verify export": verify.main([*trained, "--checkpoint", "latest", f"--set=model.init_from={run}/export"]),
+            "verify sp": verify.main(["--config", "debug-ltx2", "--set=parallel.tp_size=2", "--set=parallel.sp_size=2",
+                                      *(f"--set={o}" for o in test_ltx2.overrides(release, "ltx2.3"))]),
+            "sample sp": sample.main([*sample_args(release, run), "--set=parallel.tp_size=2", "--set=parallel.sp_size=2",
+                                      "--out", f"{run}/sample.safetensors"])}
+
+
+def sample_args(release, run) -> list[str]:
+    """parallel.sample of the LTX-2.3 release: two prompts of run/prompt.safetensors (video and audio captions), the
+    negative ones of run/negative.safetensors, noise of each prompt from (seed, i), 2 steps, guidance 3."""
+    return ["--config", "debug-ltx2", *(f"--set={o}" for o in test_ltx2.overrides(release, "ltx2.3")),
+            "--prompt-embeds", f"{run}/prompt.safetensors", "--negative-embeds", f"{run}/negative.safetensors",
+            "--steps", "2", "--guidance", "3", "--seed", "5"]
 
 
 @contextlib.contextmanager
@@ -145,13 +166,29 @@ def _variant(world_size, variant, folder):
     return out
 
 
-def test_ltx2_in_every_layout(released):
+def test_ltx2_in_every_layout(released, tmp_path):
     from parallel.experiment.config import load_config
 
-    results = run_ranks(_rank, 4, [(v, str(released[v][0])) for v in VARIANTS])
+    (tmp_path / "ds.json").write_text(json.dumps(fp32_config()))
+    g = torch.Generator().manual_seed(9)
+    for name, rows in (("prompt", 2), ("negative", 1)):
+        save_file({key: torch.randn(rows, 8, 16, generator=g) for key in ("text", "audio_text")},
+                  str(tmp_path / f"{name}.safetensors"))
+    results = run_ranks(_rank, 4, [(v, str(released[v][0])) for v in VARIANTS], str(tmp_path))
     reference = train(1, 1, 1, fp32_config(), steps=2, preset="debug-ltx2")
     for tp, pp, sp in TRAIN_LAYOUTS:
         assert_matches(merge_ranks([r[("train", tp, pp, sp)] for r in results]), reference)
+    for command in ("export", "verify export", "verify sp", "sample sp"):
+        assert [r[command] for r in results] == [0] * 4, command        # verify: 2 when a stream is apart
+    check_export(tmp_path / "export", merge_ranks([r[("train", *EXPORT_LAYOUT)] for r in results])["state"])
+    # parallel.sample at tp 2 x sp 2 samples what one process samples, video and audio (the pipeline's own loop
+    # against one process: tests/unit/test_ltx2_sampling.py)
+    from parallel import sample
+    assert sample.main([*sample_args(released["ltx2.3"][0], tmp_path), "--out", str(tmp_path / "one.safetensors")]) == 0
+    one, layout = (load_file(str(tmp_path / f"{n}.safetensors")) for n in ("one", "sample"))
+    assert one.keys() == layout.keys() == {"latents", "audio"}
+    for key, value in one.items():
+        torch.testing.assert_close(layout[key], value, msg=lambda m: f"sample {key} at tp 2 x sp 2: {m}")
     for variant in VARIANTS:
         folder, model = released[variant]
         want = test_ltx2.diffusers_forward(model, variant)
@@ -190,3 +227,29 @@ def test_ltx2_in_every_layout(released):
         attentions = [(s, s, d), (a, a, da), (s, text, d), (a, text, da), (s, a, d), (a, s, da)]
         expected = [n for q, k, w in attentions for n in (b * q, b * k, b * q * w)] + [b * s * d, b * a * da]
         assert results[0][variant]["block_all_reduces"] == expected
+
+
+def check_export(folder, state):
+    """The diffusers folder parallel.export wrote: diffusers' from_pretrained reads the trained weights bit for bit
+    (through the released name map), and its forward predicts what the trained toolkit model (one process, the
+    ranks' gathered weights) predicts, video and audio."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    from parallel.experiment.config import load_config
+    from parallel.model.build import build_model
+    from parallel.distributed.topology import ParallelContext
+    from parallel.weights.diffusers_export import to_diffusers
+
+    theirs = LTX2VideoTransformer3DModel.from_pretrained(folder).eval()
+    cfg = load_config("debug-ltx2")
+    want = {k: v for name, full in state.items() for k, v in to_diffusers(name, full, cfg.model).items()}
+    got = theirs.state_dict()
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    ours = build_model(cfg, {}, ParallelContext.single()).eval()
+    ours.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        predicted = ours.predict(test_ltx2.inputs())
+    for got, expected, stream in zip(predicted, test_ltx2.diffusers_forward(theirs), ("video", "audio")):
+        torch.testing.assert_close(got, expected, msg=lambda m: f"export {stream}: {m}")

@@ -1,10 +1,13 @@
 """The LTX-2 family against diffusers' LTX2VideoTransformer3DModel, in one process: a tiny random release
 (written by `save_pretrained` in several shards) loaded into the toolkit predicts what diffusers predicts, video and
 audio, for LTX-2.0 and for the LTX-2.3 flags (gated attention, cross-attention modulation), with split rotary
-positions and without the cross timesteps; the preset counts diffusers' parameters; wrong configs are refused by
-key; the checker lets training through and refuses what is not built by name, and the planner counts both streams (parameters, activations, a tp that does
-not divide the audio heads refused). tp, pp: tests/distributed/test_ltx2_layouts.py.
+positions and without the cross timesteps; python -m parallel.verify compares both and names the one apart; the
+preset counts diffusers' parameters; wrong configs are refused by key; the checker lets training, export, verify
+and sampling through and refuses what is not built by name, and the planner counts both streams (parameters,
+activations, a tp that does not divide the audio heads refused). tp, pp, sp: tests/distributed/test_ltx2_layouts.py.
 """
+import re
+
 import pytest
 import torch
 from diffusers import LTX2VideoTransformer3DModel
@@ -39,6 +42,34 @@ def test_reference_reads_the_folder(released):
     folder, model = released["ltx2"]
     for got, want in zip(DIFFUSERS.reference(str(folder), inputs()), diffusers_forward(model)):
         torch.testing.assert_close(got, want)
+
+
+def test_verify_compares_both_streams_and_names_the_one_apart(released, monkeypatch, capsys):
+    """python -m parallel.verify in one process (tp, pp, sp: tests/distributed/test_ltx2_layouts.py): video and
+    audio each equal diffusers'; a loader that misreads one audio tensor (what a wrong name map or slice would do;
+    perturbing the folder would change both sides alike) leaves the video equal and the audio NOT, named."""
+    from parallel import verify
+    from parallel.train import sampling
+
+    folder, _ = released["ltx2.3"]
+    argv = ["--config", "debug-ltx2", *(f"--set={o}" for o in overrides(folder, "ltx2.3"))]
+    assert verify.main(argv) == 0
+    line = capsys.readouterr().out.strip()
+    assert re.fullmatch(rf"{folder} in tp 1 x pp 1 x sp 1: video max relative difference \S+ \(max abs \S+\); audio "
+                        rf"max relative difference \S+ \(max abs \S+\); equal at --tolerance 0.0001", line), line
+    load = sampling.load_released
+
+    def misread(module, ctx, m, folder):
+        read = load(module, ctx, m, folder)
+        with torch.no_grad():
+            module.final.audio_proj_out.bias.add_(1e-2)               # one audio tensor, a small change
+        return read
+
+    monkeypatch.setattr(sampling, "load_released", misread)
+    assert verify.main(argv) == 2                                        # ran, found them apart
+    line = capsys.readouterr().out.strip()
+    video, audio = (float(x) for x in re.findall(r"max relative difference (\S+)", line))
+    assert video < 1e-5 and 1e-4 < audio < 1 and line.endswith("NOT equal at --tolerance 0.0001 (audio)"), line
 
 
 def test_the_preset_and_the_planner_count_the_parameters_diffusers_builds():
@@ -130,19 +161,16 @@ def test_wrong_config_is_refused_by_key(released):
 
 
 def test_what_is_not_built_is_refused_by_name_and_the_planner_plans_it(capsys):
-    """train.py's checks (load_and_check) let debug-ltx2 train and refuse, by name, what is not built: sampling,
-    export, parallel.verify, caption dropout, validation (tests/unit/test_ltx2_training.py trains); python -m
-    parallel.plan sizes the model with diffusers' parameter count."""
+    """train.py's checks (load_and_check) let debug-ltx2 train, export, verify and sample and refuse, by name, what is
+    not built: caption dropout, validation (tests/unit/test_ltx2_training.py trains); python -m parallel.plan sizes
+    the model with diffusers' parameter count."""
     from parallel.check import check, load_and_check
     from parallel.experiment.config import ConfigError
     from tests.helpers.plan import cli
 
-    assert load_and_check("debug-ltx2", [], None, None, device_check=False)[0].model.family == "ltx2"
-    for purpose, what in [("sample", "parallel.sample: sampling both streams"),
-                          ("export", "parallel.export: writing diffusers' LTX2VideoTransformer3DModel folder")]:
-        with pytest.raises(ConfigError) as refused:
-            load_and_check("debug-ltx2", [], None, None, device_check=False, purpose=purpose)
-        assert str(refused.value) == f"model.family=ltx2 with {what} is not built yet (docs/models.md#ltx-2)"
+    for purpose in ("train", "export", "verify", "sample"):
+        assert load_and_check("debug-ltx2", [], None, None, device_check=False, purpose=purpose)[0].model.family \
+            == "ltx2"
     with pytest.raises(ConfigError) as refused:
         load_and_check("debug-ltx2", ["data.caption_dropout=0.1", "val.every=2"], None, None, device_check=False)
     assert str(refused.value).splitlines() == [

@@ -1,0 +1,88 @@
+"""LTX-2 sampling against diffusers' LTX2Pipeline, in one process: `python -m parallel.sample` (its main) on the tiny
+LTX-2.3 release, from the noise and caption states the pipeline sees (its connectors' outputs for Gemma features),
+gives the pipeline's video and audio latents (output_type="latent"; its release scheduler, classifier-free guidance
+in x0 for both streams); what a two-stream sample needs is refused by name before any model loads. At tp 2 x sp 2:
+tests/distributed/test_ltx2_layouts.py."""
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from parallel.sample import main
+from tests.helpers.ltx2 import overrides, pipeline, released  # noqa: F401  (fixture)
+
+B, L, GEMMA = 2, 8, 32          # prompts, caption tokens, Gemma features (2 layers x 16)
+
+
+def _files(tmp_path, pipe):
+    """Prompt and negative files of the connector's (video, audio) caption states, the noise file; the Gemma
+    features and unpacked noise the pipeline takes."""
+    g = torch.Generator().manual_seed(5)
+    gemma, negative = torch.randn(B, L, GEMMA, generator=g), torch.randn(1, L, GEMMA, generator=g).expand(B, -1, -1)
+    video, audio = torch.randn(B, 8, 2, 4, 6, generator=g), torch.randn(B, 2, 9, 4, generator=g)   # [B, C, L, mel]
+    mask = torch.ones(2 * B, L, dtype=torch.long)
+    with torch.no_grad():
+        text, atext, _ = pipe.connectors(torch.cat([negative, gemma]), mask, padding_side="left")
+    save_file({"text": text[B:], "audio_text": atext[B:]}, str(tmp_path / "prompt.safetensors"))
+    save_file({"text": text[:B], "audio_text": atext[:B]}, str(tmp_path / "negative.safetensors"))
+    save_file({"latents": video, "audio": audio.transpose(1, 2).flatten(2)}, str(tmp_path / "noise.safetensors"))
+    return gemma, negative.contiguous(), video, audio
+
+
+def test_sample_command_equals_the_pipeline(released, tmp_path):
+    folder, model = released["ltx2.3"]
+    pipe = pipeline(model)
+    gemma, negative, video, audio = _files(tmp_path, pipe)
+    args = ["--config", "debug-ltx2", *(f"--set={o}" for o in overrides(folder, "ltx2.3")), "--prompt-embeds",
+            str(tmp_path / "prompt.safetensors"), "--noise", str(tmp_path / "noise.safetensors"), "--steps", "3"]
+    mask = torch.ones(B, L, dtype=torch.long)
+    for guidance in (1.0, 3.0):
+        out = tmp_path / f"g{guidance}.safetensors"
+        negative_args = ["--negative-embeds", str(tmp_path / "negative.safetensors")] if guidance > 1 else []
+        assert main([*args, *negative_args, "--guidance", str(guidance), "--out", str(out)]) == 0
+        got = load_file(str(out))
+        want_video, want_audio = pipe(
+            prompt_embeds=gemma, prompt_attention_mask=mask, negative_prompt_embeds=negative,
+            negative_prompt_attention_mask=mask, latents=video, audio_latents=audio, num_frames=9, frame_rate=24.0,
+            num_inference_steps=3, guidance_scale=guidance, audio_guidance_scale=guidance, stg_scale=0.0,
+            audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0,
+            audio_guidance_rescale=0.0, output_type="latent", return_dict=False)
+        torch.testing.assert_close(got["latents"], want_video, msg=lambda m: f"video at guidance {guidance}: {m}")
+        torch.testing.assert_close(got["audio"], want_audio.transpose(1, 2).flatten(2),
+                                   msg=lambda m: f"audio at guidance {guidance}: {m}")
+
+
+def test_what_two_streams_need_is_refused_by_name(released, tmp_path, capsys):
+    """A prompt file without the audio caption, guidance without negative captions, noise without the audio's, a
+    decoder and one step (the release's schedule is 0 / 0 there): each named, before any model loads."""
+    save_file({"text": torch.zeros(1, L, 16)}, str(tmp_path / "p.safetensors"))
+    save_file({"latents": torch.zeros(1, 8, 2, 4, 6)}, str(tmp_path / "n.safetensors"))
+    assert main(["--config", "debug-ltx2", "--set", f"model.init_from={released['ltx2'][0]}", "--prompt-embeds",
+                 str(tmp_path / "p.safetensors"), "--noise", str(tmp_path / "n.safetensors"), "--guidance", "3",
+                 "--vae", "vae/", "--steps", "1", "--out", "o"]) == 1
+    err = capsys.readouterr().err
+    for problem in [f'{tmp_path / "p.safetensors"}: model debug-ltx2 takes a second caption: "audio_text" [L, D] = '
+                    f'[8, 16] beside "text" (found none;',
+                    'guidance needs the unconditional captions of both streams of model debug-ltx2: give '
+                    '--negative-embeds ("text" and "audio_text")',
+                    f'--noise {tmp_path / "n.safetensors"}: model debug-ltx2 starts its second stream from "audio" [B, '
+                    f'A, C] = [1, 9, 8] beside "latents" (found none;',
+                    "--vae: decoding model debug-ltx2's latents is not built (docs/models.md); leave it out",
+                    "--steps=1: model debug-ltx2's sampler takes 2 or more"]:
+        assert problem in err, err
+
+
+@pytest.mark.parametrize("steps", [2, 4, 30])
+def test_the_schedule_is_the_release_scheduler(steps):
+    """ltx2_sigmas: FlowMatchEulerDiscreteScheduler of the release's config, as LTX2Pipeline sets it (calculate_shift
+    of the video tokens), bit for bit."""
+    import numpy as np
+    from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
+
+    from models.ltx2.sampling import ltx2_sigmas
+    from tests.helpers.ltx2 import release_scheduler
+
+    scheduler = release_scheduler()
+    for tokens in (48, 6144):
+        scheduler.set_timesteps(steps, sigmas=np.linspace(1.0, 1 / steps, steps),
+                                mu=calculate_shift(tokens, 1024, 4096, 0.95, 2.05))
+        assert torch.equal(ltx2_sigmas(steps, tokens), scheduler.sigmas)
