@@ -1,4 +1,5 @@
-"""Spawn gloo ranks in-process with torch.multiprocessing, so a benchmark (and the distributed tests:
+"""Start gloo ranks in-process with torch.multiprocessing (forked from a server that has imported torch and
+DeepSpeed once: PRELOAD), so a benchmark (and the distributed tests:
 tests.dist_utils imports it from here) needs no launcher.
 
 `run_ranks(fn, world_size, *args)` runs `fn(rank, world_size, *args)` in every rank with the
@@ -25,8 +26,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Ranks are forked from a server process that has imported these once (multiprocessing's forkserver), not
+# started afresh: a spawned rank spent seconds of CPU importing torch, DeepSpeed and dynamo (which torch
+# imports at the first optimizer or decomposition) before its first line of work. The server is started
+# at the first run_ranks of this process and only imports (as DataLoader workers are forked after torch's
+# import): no process group, no tensors, nothing a fork could copy half-done.
+PRELOAD = ["torch", "torch._dynamo", "deepspeed", "models.registry", "parallel.train.trainer"]
+mp.set_forkserver_preload(PRELOAD)
 
-def _entry(rank, world_size, rendezvous, fn, args, result_dir):
+
+def _entry(rank, world_size, rendezvous, fn, args, result_dir, environ, cwd):
+    # The caller's environment and folder at the call, as a spawned rank had them (a forked one starts with
+    # the server's, from when the server started)
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     for key in ("MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -56,8 +70,8 @@ def _entry(rank, world_size, rendezvous, fn, args, result_dir):
 def run_ranks(fn, world_size: int, *args, timeout: float = 300):
     with tempfile.TemporaryDirectory() as result_dir:
         rendezvous = os.path.join(result_dir, "rendezvous")       # a fresh file per run: torch's FileStore
-        ctx = mp.start_processes(_entry, args=(world_size, rendezvous, fn, args, result_dir),
-                                 nprocs=world_size, join=False, start_method="spawn")
+        ctx = mp.start_processes(_entry, nprocs=world_size, join=False, start_method="forkserver",
+                                 args=(world_size, rendezvous, fn, args, result_dir, dict(os.environ), os.getcwd()))
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=2):

@@ -8,12 +8,16 @@ documents' commands in one sandbox in order (and the figures of those commands),
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from tests.cli import doc_blocks
 from tests.cli.doc_blocks import DOCS, ROOT, blocks, matches, rule, substitute
@@ -22,27 +26,48 @@ from tests.dist_utils import free_port
 TIMEOUT = 600
 
 
+def suite_environment(cwd: Path) -> dict[str, str]:
+    """VDP_VENV=the suite's own environment when it is current for cwd's pyproject.toml and scripts/env.sh (their
+    stamp, as env.sh names it, is there): scripts/demo.sh in the sandbox then sets up nothing, where it would
+    install a second environment (minutes); that install is what .ci/run's own set-up has just done, and
+    tests/cli/test_install.py checks env.sh's choices. Another stamp (a checkout whose env.sh differs): none."""
+    recipe = (cwd / "pyproject.toml").read_bytes() + (cwd / "scripts" / "env.sh").read_bytes()
+    stamp = Path(sys.prefix) / f".installed-{hashlib.sha1(recipe).hexdigest()[:12]}"
+    return {"VDP_VENV": sys.prefix} if stamp.exists() else {}
+
+
 def _run(command: str, prefix: list[str], cwd: Path) -> tuple[int, str]:
-    env = {**os.environ, "PYTHONPATH": str(cwd), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": str(cwd), "PYTHONUNBUFFERED": "1", **suite_environment(cwd)}
     proc = subprocess.run(["bash", "-c", "\n".join([*prefix, command])], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=TIMEOUT)
     return proc.returncode, proc.stdout + proc.stderr
 
 
-_AS_WRITTEN: dict[str, tuple[int, str]] = {}
+_SHARED: list[Path] = []
+
+
+def share_answers_in(folder: Path) -> None:
+    """Where as_written keeps its answers (tests/cli/conftest.py: a folder of the whole pytest run)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _SHARED[:] = [folder]
 
 
 def as_written(command: str, prefix: tuple[str, ...] = ()) -> tuple[int, str]:
-    """A planner command from the repository root, exactly as written; one run for the same words (several
-    documents and figures quote one search)."""
-    key = " ".join([*prefix, command]).split()
-    key = " ".join(key)
-    if key not in _AS_WRITTEN:
-        _AS_WRITTEN[key] = _run(command, list(prefix), ROOT)
-    return _AS_WRITTEN[key]
+    """A planner command from the repository root, exactly as written; one run for the same words in the whole
+    session (several documents and figures quote one search, and pytest-xdist's workers share the answer through
+    a file beside their temporary folders: the first to ask runs it, the other waits for it)."""
+    key = " ".join(" ".join([*prefix, command]).split())
+    path = _SHARED[0] / f"as-written-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+    with FileLock(f"{path}.lock"):
+        if not path.exists():
+            code, output = _run(command, list(prefix), ROOT)
+            path.write_text(json.dumps({"command": key, "code": code, "output": output}))
+        found = json.loads(path.read_text())
+    return found["code"], found["output"]
 
 
 _DOC_RUNS: dict[str, dict[int, tuple[str, int, str]]] = {}
+_SANDBOX_RUNS: dict[str, tuple[int, str]] = {}
 
 
 def run_doc(doc: str, base: Path) -> dict[int, tuple[str, int, str]]:
@@ -63,7 +88,13 @@ def run_doc(doc: str, base: Path) -> dict[int, tuple[str, int, str]]:
             elif how == "as written":
                 results[command.line] = (how, *as_written(command.text, tuple(command.prefix)))
             else:
-                results[command.line] = (how, *_run(substitute(command.text, free_port()), command.prefix, base))
+                # The same words, their variables expanded, as a command an earlier document (or block) ran in this
+                # sandbox: a reader who follows both runs it once (a second export into the same folder would be
+                # refused), and so does the test: its result is the earlier one's.
+                words = " ".join(command.expanded().split())
+                if words not in _SANDBOX_RUNS:
+                    _SANDBOX_RUNS[words] = _run(substitute(command.text, free_port()), command.prefix, base)
+                results[command.line] = (how, *_SANDBOX_RUNS[words])
     _DOC_RUNS[doc] = results
     return results
 
