@@ -13,7 +13,13 @@ import os
 import socket
 import tempfile
 
-from bench.ranks import run_ranks  # noqa: F401  (every tier imports it from here)
+import torch.multiprocessing as mp
+
+from bench.ranks import PRELOAD, run_ranks  # noqa: F401  (every tier imports it from here)
+
+# The tests' ranks also import the oracles (diffusers' classes pull in peft, transformers and dynamo: seconds
+# of CPU for each rank): once, in the server the ranks are forked from. Absent packages are skipped.
+mp.set_forkserver_preload([*PRELOAD, "diffusers", "diffusers.models.transformers", "peft"])
 
 # Candidate launcher ports: below the kernel's ephemeral range, and below 29500 (torch's and DeepSpeed's
 # default MASTER_PORT, which a launcher started without a port takes).
