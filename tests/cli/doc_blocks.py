@@ -7,8 +7,9 @@ anything); `#` lines followed directly by a command are a heading for it.
 
 The rules, the first that matches wins (tests/cli/test_readme_commands.py runs them):
   NOT_HERE   an explicit list: the command cannot run on this machine; the reason names the test that covers it.
-  PLANNER    `python -m parallel.plan` and `python -m parallel.check` only size and check: run exactly as
-             written, with the real presets, unless they read a folder an earlier command made (data.path=,
+  PLANNER    `python -m parallel.plan` and `python -m parallel.check` only size and check: run as written
+             (the argv bash makes of the words, in this process as `python -m` runs a module: doc_runs.py),
+             with the real presets, unless they read a folder an earlier command made (data.path=,
              model.init_from=): then in the sandbox, against the tiny presets, as the commands that made it.
   SANDBOX    everything else runs in a copy of the repository whose released presets are tiny (same keys,
              sizes overridden: tests/cli/doc_sandbox.py) beside tiny random release folders of the released

@@ -2,7 +2,7 @@
 
 The blocks are read from the files (```bash fences, tests/cli/doc_blocks.py), so a new block is run without
 touching this file. How each command runs, in short (the rules in full: tests/cli/doc_blocks.py):
-  - planner commands (`parallel.plan`, `parallel.check`) exactly as written, with the real presets;
+  - planner commands (`parallel.plan`, `parallel.check`) as written, with the real presets, in-process (runpy);
   - everything else in a copy of the repository whose released presets are tiny (sizes overridden, same keys;
     tests/cli/doc_sandbox.py), beside tiny random folders of the released layout (`CogVideoX-5b/`,
     `Wan2.1-T2V-14B-Diffusers/`, `clips/`), one sandbox for all, the documents in order (README first);
