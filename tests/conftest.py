@@ -84,3 +84,24 @@ def pytest_collection_modifyitems(config, items):
             outside.add(item.path)
             item.warn(pytest.PytestWarning(f"{item.path.name} is in none of tests/{{{','.join(TIERS)}}}: "
                                            "move it to its tier (tests/conftest.py says which)"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the time went, by tier: the seconds each tier's tests took (setup, call and teardown, summed over the
+    xdist workers), the `docs` and `slow` tiers apart from the rest of their directory's (the default tier is
+    everything but those two: `-m "not docs and not slow"`)."""
+    seconds: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if not isinstance(report, pytest.TestReport):
+                continue
+            keywords = report.keywords
+            tier = "docs" if "docs" in keywords else "slow" if "slow" in keywords else \
+                next((name for name in TIERS if name in keywords), "other")
+            seconds[tier] = seconds.get(tier, 0.0) + report.duration
+    if seconds:
+        default = sum(s for tier, s in seconds.items() if tier not in ("docs", "slow"))
+        terminalreporter.write_line(
+            "test seconds by tier (summed over workers): " + ", ".join(f"{tier} {s:.0f}" for tier, s in
+                                                                       sorted(seconds.items()))
+            + f"; default tier {default:.0f}, all {sum(seconds.values()):.0f}")
