@@ -1,6 +1,6 @@
 """Spawn gloo ranks in-process, so distributed tests need no launcher (`run_ranks`, from bench/ranks.py: the
-benchmarks spawn theirs the same way, and bench/ imports nothing from tests/); and pick the ports that tests
-starting real launchers must pass them.
+benchmarks spawn theirs the same way, and bench/ imports nothing from tests/; `spawn_all`: several rank functions
+in one spawn); and pick the ports that tests starting real launchers must pass them.
 
 `free_port()` is for the tests that start launchers (deepspeed, torchrun, mpirun, pdsh, sshd) and so
 need a real port: see its docstring.
@@ -14,6 +14,28 @@ import socket
 import tempfile
 
 from bench.ranks import run_ranks  # noqa: F401  (every tier imports it from here)
+
+def _calls(rank, world_size, calls):
+    return [fn(rank, world_size, *args) for fn, args in calls]
+
+
+def spawn_all(calls: dict, seconds_each: float = 150) -> dict:
+    """Every call of `calls` (name -> (world size, rank function, its args after rank and world size)) in one
+    run_ranks spawn per world size, whose ranks make the calls in turn: name -> the function's results in rank
+    order. Starting ranks costs more than what a test does in them (4 ranks: about 20 s on 2 busy cores, for their
+    torch and DeepSpeed imports), so a module makes its calls together, in a module-scoped fixture (pytest-xdist's
+    --dist loadfile keeps a module on one worker). The functions must leave the default group as they found it."""
+    by_world: dict[int, list] = {}
+    for name, (world_size, fn, args) in calls.items():
+        by_world.setdefault(world_size, []).append((name, fn, tuple(args)))
+    out = {}
+    for world_size, named in sorted(by_world.items()):
+        results = run_ranks(_calls, world_size, [(fn, args) for _, fn, args in named],
+                            timeout=150 + seconds_each * len(named))
+        for i, (name, _, _) in enumerate(named):
+            out[name] = [r[i] for r in results]
+    return out
+
 
 # Candidate launcher ports: below the kernel's ephemeral range, and below 29500 (torch's and DeepSpeed's
 # default MASTER_PORT, which a launcher started without a port takes).

@@ -10,7 +10,7 @@ import torch
 
 from parallel.experiment.config import load_config
 from tests.adam_bound import add_step_slack
-from tests.dist_utils import run_ranks
+from tests.dist_utils import spawn_all
 
 ZERO0_FP32 = json.load(open("ds_configs/zero0_fp32.json"))
 GLOBAL_BATCH = 4
@@ -107,23 +107,14 @@ class Run(NamedTuple):
         return self.tp * self.pp * self.dp * self.sp
 
 
-def _train_runs(rank, world_size, runs):
-    return [_train_rank(rank, world_size, *run) for run in runs]
-
-
-def train_all(runs: dict) -> dict:
-    """`train` of every Run in `runs` (name -> Run), in one spawn per world size: its ranks train the runs in turn,
-    each in its own process groups and engine (starting ranks costs more than training a tiny model: about 20 s
-    for 4 ranks on 2 busy cores, against a few seconds a run). name -> train's result."""
-    by_world: dict[int, list] = {}
-    for name, run in runs.items():
-        by_world.setdefault(run.world_size, []).append((name, run._replace(extra=tuple(run.extra))))
-    out = {}
-    for world_size, named in by_world.items():
-        results = run_ranks(_train_runs, world_size, [run for _, run in named], timeout=150 + 150 * len(named))
-        for i, (name, _) in enumerate(named):
-            out[name] = _merged([r[i] for r in results])
-    return out
+def train_all(runs: dict, calls: Optional[dict] = None) -> dict:
+    """`train` of every Run in `runs` (name -> Run), and any more `calls` (name -> (world size, rank function,
+    args): tests.dist_utils.spawn_all's), in one spawn per world size: its ranks train the runs in turn, each in its
+    own process groups and engine. name -> train's result for a run, the ranks' results for a call."""
+    assert not set(runs) & set(calls or {}), set(runs) & set(calls)
+    spawned = spawn_all({**{name: (run.world_size, _train_rank, run._replace(extra=tuple(run.extra)))
+                            for name, run in runs.items()}, **(calls or {})})
+    return {name: _merged(results) if name in runs else results for name, results in spawned.items()}
 
 
 def train(tp: int, pp: int, dp: int, ds: dict, steps: int = 3, extra=(), sp: int = 1, preset: str = "debug",
