@@ -7,6 +7,7 @@ need a real port: see its docstring.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -14,6 +15,23 @@ import socket
 import tempfile
 
 from bench.ranks import run_ranks  # noqa: F401  (every tier imports it from here)
+
+@contextlib.contextmanager
+def count_all_to_alls():
+    """torch.distributed.all_to_all_single calls inside (DeepSpeed's Ulysses makes them): a list of their input
+    numels (parallel.distributed.comm.count_comm counts the toolkit's own collectives)."""
+    import torch.distributed as dist
+    calls, original = [], dist.all_to_all_single
+
+    def counted(output, input, *args, **kwargs):
+        calls.append(input.numel())
+        return original(output, input, *args, **kwargs)
+    dist.all_to_all_single = counted
+    try:
+        yield calls
+    finally:
+        dist.all_to_all_single = original
+
 
 def _calls(rank, world_size, calls):
     return [fn(rank, world_size, *args) for fn, args in calls]

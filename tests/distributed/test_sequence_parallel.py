@@ -10,6 +10,7 @@ Every rank function of this module runs in one spawn per world size (1, 2 and 4 
 import pytest
 import torch
 
+from tests.dist_utils import count_all_to_alls
 from tests.train_utils import Run, assert_matches, train_all
 from tests.helpers.sequence_parallel import sp_config
 from tests.helpers.validation import _check_reads, _sample_rank, _validate_rank
@@ -66,23 +67,7 @@ def test_validation_and_samples_with_sequence_parallel(spawned):
 
 
 def _rank(rank, world_size, preset):
-    import torch.distributed as dist
-
-    calls = []
-    original = dist.all_to_all_single
-
-    def counted(output, input, *args, **kwargs):
-        calls.append(input.numel())
-        return original(output, input, *args, **kwargs)
-    dist.all_to_all_single = counted
-    try:
-        return _count(preset, calls)
-    finally:
-        dist.all_to_all_single = original      # the spawn's next calls run uncounted
-
-
-def _count(preset, calls):
-    """_rank's numbers, with each all-to-all's input size appended to `calls`."""
+    """One micro-batch at sp 2, plain and recomputed, against one process; each all-to-all's input size counted."""
     import deepspeed
     import torch.distributed as dist
 
@@ -94,42 +79,43 @@ def _count(preset, calls):
     from parallel.train.run import build_dataset
     from parallel.distributed.topology import ParallelContext, ParallelDims
 
-    deepspeed.init_distributed(dist_backend=accelerator.backend())
-    cfg = load_config(preset, [f"train.micro_batch_size={B}", "parallel.sp_size=2"])
-    ctx = ParallelContext.build(ParallelDims(tp_size=1, sp_size=2, pp_size=1, dp_size=1))
-    inputs, target = next(DiffusionBatches(build_dataset(cfg), Objective("v_prediction"), seed=0, micro_batch=B,
-                                           grad_accum=1, dp_rank=0, dp_size=1))
-    serial = build_model(cfg, {}, ParallelContext.single())     # the layers follow the context: sp = 1
-    serial_loss = serial(inputs, target)
-    serial_loss.backward()
+    with count_all_to_alls() as calls:
+        deepspeed.init_distributed(dist_backend=accelerator.backend())
+        cfg = load_config(preset, [f"train.micro_batch_size={B}", "parallel.sp_size=2"])
+        ctx = ParallelContext.build(ParallelDims(tp_size=1, sp_size=2, pp_size=1, dp_size=1))
+        inputs, target = next(DiffusionBatches(build_dataset(cfg), Objective("v_prediction"), seed=0, micro_batch=B,
+                                               grad_accum=1, dp_rank=0, dp_size=1))
+        serial = build_model(cfg, {}, ParallelContext.single())     # the layers follow the context: sp = 1
+        serial_loss = serial(inputs, target)
+        serial_loss.backward()
 
-    deepspeed.checkpointing.configure(ctx, partition_activations=False)
-    out = {}
-    for name, (ds, fn) in {"plain": ({}, None),
-                           "recompute": ({"activation_checkpointing": {}}, deepspeed.checkpointing.checkpoint)}.items():
-        model = build_model(cfg, ds, ctx, fn)
-        calls.clear()
-        loss = model(inputs, target)
-        fwd = list(calls)
-        calls.clear()
-        loss.backward()
-        bwd = list(calls)
-        # The sp ranks' losses and gradients average to the serial ones (DeepSpeed averages over dp x sp).
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss, group=ctx.sp_group)
-        grads = {}
-        for n, p in model.named_parameters():
-            g = p.grad.clone()
-            dist.all_reduce(g, group=ctx.sp_group)
-            grads[n] = g / 2
-        out[name] = {"fwd": fwd, "bwd": bwd, "loss": mean_loss.item() / 2, "grads": grads}
-        if name == "plain":
-            with torch.no_grad():
-                out[name]["prediction"] = model.final.assemble(model.predict(inputs))
-    with torch.no_grad():
-        out["serial"] = {"loss": serial_loss.item(), "prediction": serial.predict(inputs),
-                         "grads": {n: p.grad for n, p in serial.named_parameters()}}
-    return out
+        deepspeed.checkpointing.configure(ctx, partition_activations=False)
+        out = {}
+        recompute = ({"activation_checkpointing": {}}, deepspeed.checkpointing.checkpoint)
+        for name, (ds, fn) in {"plain": ({}, None), "recompute": recompute}.items():
+            model = build_model(cfg, ds, ctx, fn)
+            calls.clear()
+            loss = model(inputs, target)
+            fwd = list(calls)
+            calls.clear()
+            loss.backward()
+            bwd = list(calls)
+            # The sp ranks' losses and gradients average to the serial ones (DeepSpeed averages over dp x sp).
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss, group=ctx.sp_group)
+            grads = {}
+            for n, p in model.named_parameters():
+                g = p.grad.clone()
+                dist.all_reduce(g, group=ctx.sp_group)
+                grads[n] = g / 2
+            out[name] = {"fwd": fwd, "bwd": bwd, "loss": mean_loss.item() / 2, "grads": grads}
+            if name == "plain":
+                with torch.no_grad():
+                    out[name]["prediction"] = model.final.assemble(model.predict(inputs))
+        with torch.no_grad():
+            out["serial"] = {"loss": serial_loss.item(), "prediction": serial.predict(inputs),
+                             "grads": {n: p.grad for n, p in serial.named_parameters()}}
+        return out
 
 
 @pytest.mark.parametrize("preset, tokens, attentions", [("debug", 8 + 48, 1), ("debug-stdit", 48, 2)])
