@@ -1,12 +1,13 @@
 """Spawn gloo ranks in-process, so distributed tests need no launcher (`run_ranks`, from bench/ranks.py: the
-benchmarks spawn theirs the same way, and bench/ imports nothing from tests/); and pick the ports that tests
-starting real launchers must pass them.
+benchmarks spawn theirs the same way, and bench/ imports nothing from tests/; `spawn_all`: several rank functions
+in one spawn); and pick the ports that tests starting real launchers must pass them.
 
 `free_port()` is for the tests that start launchers (deepspeed, torchrun, mpirun, pdsh, sshd) and so
 need a real port: see its docstring.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -20,6 +21,45 @@ from bench.ranks import PRELOAD, run_ranks  # noqa: F401  (every tier imports it
 # The tests' ranks also import the oracles (diffusers' classes pull in peft, transformers and dynamo: seconds
 # of CPU for each rank): once, in the server the ranks are forked from. Absent packages are skipped.
 mp.set_forkserver_preload([*PRELOAD, "diffusers", "diffusers.models.transformers", "peft"])
+
+@contextlib.contextmanager
+def count_all_to_alls():
+    """torch.distributed.all_to_all_single calls inside (DeepSpeed's Ulysses makes them): a list of their input
+    numels (parallel.distributed.comm.count_comm counts the toolkit's own collectives)."""
+    import torch.distributed as dist
+    calls, original = [], dist.all_to_all_single
+
+    def counted(output, input, *args, **kwargs):
+        calls.append(input.numel())
+        return original(output, input, *args, **kwargs)
+    dist.all_to_all_single = counted
+    try:
+        yield calls
+    finally:
+        dist.all_to_all_single = original
+
+
+def _calls(rank, world_size, calls):
+    return [fn(rank, world_size, *args) for fn, args in calls]
+
+
+def spawn_all(calls: dict, seconds_each: float = 150) -> dict:
+    """Every call of `calls` (name -> (world size, rank function, its args after rank and world size)) in one
+    run_ranks spawn per world size, whose ranks make the calls in turn: name -> the function's results in rank
+    order. Starting ranks costs more than what a test does in them (4 ranks: about 20 s on 2 busy cores, for their
+    torch and DeepSpeed imports), so a module makes its calls together, in a module-scoped fixture (pytest-xdist's
+    --dist loadfile keeps a module on one worker). The functions must leave the default group as they found it."""
+    by_world: dict[int, list] = {}
+    for name, (world_size, fn, args) in calls.items():
+        by_world.setdefault(world_size, []).append((name, fn, tuple(args)))
+    out = {}
+    for world_size, named in sorted(by_world.items()):
+        results = run_ranks(_calls, world_size, [(fn, args) for _, fn, args in named],
+                            timeout=150 + seconds_each * len(named))
+        for i, (name, _, _) in enumerate(named):
+            out[name] = [r[i] for r in results]
+    return out
+
 
 # Candidate launcher ports: below the kernel's ephemeral range, and below 29500 (torch's and DeepSpeed's
 # default MASTER_PORT, which a launcher started without a port takes).

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from parallel.experiment.config import load_config
 from tests.adam_bound import add_step_slack
-from tests.dist_utils import run_ranks
+from tests.dist_utils import spawn_all
 
 ZERO0_FP32 = json.load(open("ds_configs/zero0_fp32.json"))
 GLOBAL_BATCH = 4
@@ -90,12 +90,42 @@ def _train_rank(rank, world_size, tp, pp, dp, ds, steps, extra, sp, preset, prob
             "probe": probe, "slack": slack}
 
 
+class Run(NamedTuple):
+    """One `train` run: the layout, the DeepSpeed dict, and what `_train_rank` takes besides."""
+    tp: int
+    pp: int
+    dp: int
+    ds: dict
+    steps: int = 3
+    extra: tuple = ()
+    sp: int = 1
+    preset: str = "debug"
+    probe_step: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp * self.sp
+
+
+def train_all(runs: dict, calls: Optional[dict] = None) -> dict:
+    """`train` of every Run in `runs` (name -> Run), and any more `calls` (name -> (world size, rank function,
+    args): tests.dist_utils.spawn_all's), in one spawn per world size: its ranks train the runs in turn, each in its
+    own process groups and engine. name -> train's result for a run, the ranks' results for a call."""
+    assert not set(runs) & set(calls or {}), set(runs) & set(calls)
+    spawned = spawn_all({**{name: (run.world_size, _train_rank, run._replace(extra=tuple(run.extra)))
+                            for name, run in runs.items()}, **(calls or {})})
+    return {name: _merged(results) if name in runs else results for name, results in spawned.items()}
+
+
 def train(tp: int, pp: int, dp: int, ds: dict, steps: int = 3, extra=(), sp: int = 1, preset: str = "debug",
           probe_step: int = 0):
     """Per-step losses (rank 0's), the merged full fp32 weights (and EMA) of all ranks, any replica drift, and
     each rank's StepMeasurement of step `probe_step` (1-based; none when 0)."""
-    results = run_ranks(_train_rank, tp * pp * dp * sp, tp, pp, dp, ds, steps, tuple(extra), sp, preset,
-                        probe_step)
+    return train_all({"run": Run(tp, pp, dp, ds, steps, extra, sp, preset, probe_step)})["run"]
+
+
+def _merged(results: list[dict]) -> dict:
+    """One run of `_train_rank` from its ranks' results: merge_ranks', with the EMA, the slack and the probes."""
     ema: dict[str, torch.Tensor] = {}
     for r in results:
         ema.update(r["ema"])

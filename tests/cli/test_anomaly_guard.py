@@ -4,8 +4,13 @@ the other steps equal a run that never saw step K's batch (its batches go from K
 ZeRO-0 (the toolkit's skip of a torch optimizer) and ZeRO-2 (DeepSpeed's own overflow branch), and tp 2 x
 pp 2 with ZeRO-1 (the decision inside the pipeline engine's train_batch). action=rollback (dp 2, ZeRO-0)
 loads the checkpoint before the step, replays and skips that batch: the same losses. The step,
-its samples and the count are in the log and metrics.jsonl; action=stop ends the run there, exit status 1.
-Gradient accumulation 2: the decision sits between the last backward and the update."""
+its samples and the count are in the log and metrics.jsonl; action=stop ends the run there, with the status
+train.py exits with (1) and no checkpoint. Gradient accumulation 2: the decision sits between the last backward
+and the update.
+
+Two launches serve every check: one of 2 ranks runs the dp 2 runs one after another (each layout's poisoned run
+and its reference, then rollback and stop), one of 4 ranks the tp 2 x pp 2 pair. Each run is a whole Trainer.fit
+(its own engine, output folder and log section) in process groups the launch creates once."""
 import json
 import os
 import subprocess
@@ -19,9 +24,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 K, STEPS = 1, 4          # step index K (the second step, "step 2" in the log) is poisoned
 
 SCRIPT = '''
+import json
 import os
 import sys
-import torch
 import torch.distributed as dist
 from parallel.check import load_and_check
 from parallel.distributed.topology import read_launch_env
@@ -29,103 +34,147 @@ from parallel.plan.memory import run_plan
 from parallel.train.trainer import Trainer
 
 argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]       # the launcher's
-out, mode, ds, K, extra = argv[0], argv[1], argv[2], int(argv[3]), argv[4:]
+root, K, runs = argv[0], int(argv[1]), json.loads(argv[2])
 
 
 class Batches:
     """The run's batches; mode nan: rank 1's inputs of step K are NaN; drop: step K's batch never seen."""
 
-    def __init__(self, inner):
-        self.inner = inner
+    def __init__(self, inner, mode):
+        self.inner, self.mode = inner, mode
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def __next__(self):
-        if mode == "drop" and self.inner.step == K and self.inner.micro == 0:
+        if self.mode == "drop" and self.inner.step == K and self.inner.micro == 0:
             self.inner.step = K + 1
         step = self.inner.step
         (x, t, text), target = next(self.inner)
-        if mode == "nan" and step == K and dist.get_rank() == 1:
+        if self.mode == "nan" and step == K and dist.get_rank() == 1:
             x = x * float("nan")
         return (x, t, text), target
 
 
 class Poisoned(Trainer):
+    mode = None
+
     def start(self):
         super().start()
-        self.batches = Batches(self.batches)
+        self.batches = Batches(self.batches, self.mode)
 
 
-cfg, ds, layout = load_and_check("debug", [f"train.output_dir={out}", "train.warmup_steps=0",
-                                           "train.decay_steps=10", "train.check_replicas_every=0", *extra], ds,
-                                 int(os.environ["WORLD_SIZE"]))
-sys.exit(Poisoned(cfg, ds, layout, read_launch_env(), resume=False, planner=run_plan).fit())
+# One set of process groups for every run: Trainer.close() would destroy it after each.
+destroy, dist.destroy_process_group = dist.destroy_process_group, lambda *args, **kwargs: None
+for run in runs:
+    if int(os.environ["RANK"]) == 0:
+        print(f"=== run {run['name']}", file=sys.stderr, flush=True)
+    cfg, ds, layout = load_and_check("debug", [f"train.output_dir={root}/{run['name']}", "train.warmup_steps=0",
+                                               "train.decay_steps=10", "train.check_replicas_every=0", *run["sets"]],
+                                     run["ds"], int(os.environ["WORLD_SIZE"]))
+    Poisoned.mode = run["mode"]
+    status = Poisoned(cfg, ds, layout, read_launch_env(), resume=False, planner=run_plan).fit()
+    if int(os.environ["RANK"]) == 0:
+        with open(f"{root}/{run['name']}/status", "w") as f:
+            f.write(str(status))
+destroy()
 '''
-
-
-def launch(tmp_path, name, mode, ds, *extra, ranks=2):
-    out = tmp_path / name
-    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
-    p = subprocess.run([deepspeed, "--num_gpus", str(ranks), "--master_port", str(free_port()), str(tmp_path / "script.py"),
-                        str(out), mode, str(ds), str(K), *extra], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
-        if (out / "metrics.jsonl").exists() else []
-    return p, rows
-
 
 LAYOUTS = {"dp2-zero0": (2, 0, []), "dp2-zero2": (2, 2, []),           # ranks, ZeRO stage, sizes
            "tp2-pp2-zero1": (4, 1, ["parallel.tp_size=2", "parallel.pp_size=2"])}     # inside train_batch
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_a_nan_on_one_rank_is_skipped_everywhere_and_the_run_equals_one_without_that_batch(tmp_path, name):
-    ranks, stage, sizes = LAYOUTS[name]
-    (tmp_path / "script.py").write_text(SCRIPT)
-    ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
-    ds["optimizer"]["type"] = "FusedEmaAdam"       # the EMA must skip too
-    ds["zero_optimization"] = {"stage": stage}
-    (tmp_path / "ds.json").write_text(json.dumps(ds))
-    guard = ["train.anomaly={action: skip}", f"train.max_steps={STEPS}", *sizes]
-    p, skipped = launch(tmp_path, "skip", "nan", tmp_path / "ds.json", *guard, ranks=ranks)
+def launch(root, ranks, runs):
+    """One deepspeed launch of `ranks` running `runs` in turn (name, mode, ZeRO stage, --set overrides): each run's
+    (metrics.jsonl rows, fit's status, its part of the launch's stderr, its output folder) by name."""
+    root.mkdir()
+    (root / "script.py").write_text(SCRIPT)
+    specs = []
+    for name, mode, stage, sets in runs:
+        ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
+        ds["optimizer"]["type"] = "FusedEmaAdam"       # the EMA must skip too
+        ds["zero_optimization"] = {"stage": stage}
+        (root / f"{name}.json").write_text(json.dumps(ds))
+        specs.append({"name": name, "mode": mode, "ds": str(root / f"{name}.json"), "sets": sets})
+    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
+    p = subprocess.run([deepspeed, "--num_gpus", str(ranks), "--master_port", str(free_port()), str(root / "script.py"),
+                        str(root), str(K), json.dumps(specs)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    p_ref, never = launch(tmp_path, "never", "drop", tmp_path / "ds.json", f"train.max_steps={STEPS - 1}", *sizes,
-                          ranks=ranks)
-    assert p_ref.returncode == 0, (p_ref.stdout + p_ref.stderr)[-4000:]
+    logs = dict(part.split("\n", 1) for part in p.stderr.split("=== run ")[1:])
+    out = {}
+    for name, *_ in runs:
+        rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()] \
+            if (root / name / "metrics.jsonl").exists() else []
+        out[name] = rows, int((root / name / "status").read_text()), logs[name], root / name
+    return out
+
+
+def skip_and_never(layout):
+    """A layout's poisoned run (action skip) and its reference that never sees step K's batch."""
+    _, stage, sizes = LAYOUTS[layout]
+    return [(f"{layout}-skip", "nan", stage, ["train.anomaly={action: skip}", f"train.max_steps={STEPS}", *sizes]),
+            (f"{layout}-never", "drop", stage, [f"train.max_steps={STEPS - 1}", *sizes])]
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory):
+    """The 2-rank launch: both dp 2 layouts' pairs, then action=rollback and action=stop (ZeRO-0)."""
+    return launch(tmp_path_factory.mktemp("anomaly") / "dp2", 2, [
+        *skip_and_never("dp2-zero0"), *skip_and_never("dp2-zero2"),
+        ("rollback", "nan", 0, ["train.anomaly={action: rollback}", "ckpt.every=1", f"train.max_steps={STEPS}"]),
+        ("stop", "nan", 0, ["train.anomaly={action: stop}", f"train.max_steps={STEPS}"])])
+
+
+@pytest.fixture(scope="module")
+def tp2_pp2(tmp_path_factory):
+    """The 4-rank launch: tp 2 x pp 2's pair."""
+    return launch(tmp_path_factory.mktemp("anomaly") / "tp2pp2", 4, skip_and_never("tp2-pp2-zero1"))
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_nan_on_one_rank_is_skipped_everywhere_and_the_run_equals_one_without_that_batch(request, name):
+    runs = request.getfixturevalue("tp2_pp2" if name.startswith("tp2") else "dp2")
+    skipped, status, log, _ = runs[f"{name}-skip"]
+    never, status_ref, _, _ = runs[f"{name}-never"]
+    assert status == status_ref == 0, log[-3000:]
 
     assert [r["step"] for r in skipped] == list(range(1, STEPS + 1))
     bad = skipped[K]
-    said = "loss nan is not finite" + (" (ranks 2, 3)" if sizes else "")     # pipeline: the last stage judges
+    said = "loss nan is not finite" + (" (ranks 2, 3)" if LAYOUTS[name][2] else "")     # pipeline: the last stage judges
     assert bad["skipped"] == said and bad["anomalies"] == 1
     assert [r["anomalies"] for r in skipped] == [0] + [1] * (STEPS - 1)
     kept = [r["loss"] for i, r in enumerate(skipped) if i != K]
     assert kept == pytest.approx([r["loss"] for r in never], rel=1e-6, abs=0)
     assert [r["lr"] for i, r in enumerate(skipped) if i != K] == [r["lr"] for r in never]
-    lines = [line for line in p.stderr.splitlines() if line.startswith(f"step {K + 1}: {said}; ")]
-    assert len(lines) == 1 and "samples [" in lines[0] and "update skipped (1 skipped so far" in lines[0], \
-        p.stderr[-3000:]
+    lines = [line for line in log.splitlines() if line.startswith(f"step {K + 1}: {said}; ")]
+    assert len(lines) == 1 and "samples [" in lines[0] and "update skipped (1 skipped so far" in lines[0], log[-3000:]
 
-    if name == "dp2-zero0":      # action=rollback: back to step K's checkpoint, replayed, step K + 1 skipped
-        p, rolled = launch(tmp_path, "rollback", "nan", tmp_path / "ds.json", "train.anomaly={action: rollback}",
-                           "ckpt.every=1", f"train.max_steps={STEPS}")
-        assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-        assert [r["step"] for r in rolled] == [1, 2, 2, 3, 4] and rolled[2]["resumed_from"] == K
-        assert rolled[1]["skipped"] == "loss nan is not finite"
-        assert rolled[2]["skipped"] == "rolled back past it: loss nan is not finite"
-        assert f"step {K + 1}: rolled back to {tmp_path}/rollback/checkpoints/step{K}" in p.stderr
-        assert [r["loss"] for r in rolled if "skipped" not in r] == pytest.approx([r["loss"] for r in never],
-                                                                                   rel=1e-6, abs=0)
 
-    if name == "dp2-zero0":      # action=stop: ends at step K + 1, status 1, no checkpoint
-        p, rows = launch(tmp_path, "stop", "nan", tmp_path / "ds.json", "train.anomaly={action: stop}",
-                         f"train.max_steps={STEPS}")
-        assert p.returncode != 0 and [r["step"] for r in rows] == list(range(1, K + 1)), (p.stdout + p.stderr)[-3000:]
-        assert f"step {K + 1}: loss nan is not finite; samples [" in p.stderr
-        assert "stopping (train.anomaly)" in p.stderr and "Traceback" not in p.stderr
-        assert not (tmp_path / "stop" / "checkpoints").exists()
+def test_rollback_replays_from_the_checkpoint_before_the_bad_step(dp2):
+    """action=rollback (dp 2, ZeRO-0): back to step K's checkpoint, replayed, step K + 1 skipped: the losses of the
+    run that never saw that batch."""
+    rolled, status, log, folder = dp2["rollback"]
+    never = dp2["dp2-zero0-never"][0]
+    assert status == 0, log[-3000:]
+    assert [r["step"] for r in rolled] == [1, 2, 2, 3, 4] and rolled[2]["resumed_from"] == K
+    assert rolled[1]["skipped"] == "loss nan is not finite"
+    assert rolled[2]["skipped"] == "rolled back past it: loss nan is not finite"
+    assert f"step {K + 1}: rolled back to {folder}/checkpoints/step{K}" in log, log[-3000:]
+    assert [r["loss"] for r in rolled if "skipped" not in r] == pytest.approx([r["loss"] for r in never],
+                                                                               rel=1e-6, abs=0)
+
+
+def test_stop_ends_the_run_at_the_bad_step_without_a_checkpoint(dp2):
+    """action=stop (dp 2, ZeRO-0): the run ends at step K + 1 with status 1 (train.py's exit status), said on
+    stderr, no traceback, no checkpoint."""
+    rows, status, log, folder = dp2["stop"]
+    assert status == 1 and [r["step"] for r in rows] == list(range(1, K + 1)), log[-3000:]
+    assert f"step {K + 1}: loss nan is not finite; samples [" in log
+    assert "stopping (train.anomaly)" in log and "Traceback" not in log
+    assert not (folder / "checkpoints").exists()
 
 
 def write_latents(root, bad):

@@ -1,6 +1,8 @@
 """The DeepSpeed JSON through train.py as users run it: the JSON's scheduler is the lr logged and resumed,
 refusals (scheduler, precision, the key table) stop before any process group, and the keys handed to
-DeepSpeed show their effect (its progress line, state dump, timers, csv monitor)."""
+DeepSpeed show their effect (its progress line, state dump, timers, monitors, profilers).
+
+One run serves several checks (the fixtures below): seven processes and launches in all."""
 import json
 import math
 import os
@@ -11,111 +13,16 @@ import sys
 import pytest
 import torch
 
-from tests.helpers.ds_precision import fp16_json  # noqa: F401  (a fixture)
 from tests.helpers.train_cli import ROOT, train_py
 from tests.dist_utils import free_port
 
 
-def test_train_logs_warmup_lr_per_step(tmp_path):
-    """One process under train.py: metrics.jsonl's lr is WarmupLR's log warmup, as DeepSpeed defines it:
-    step k runs at min + (max - min) log(k - 1) / log(W) (step 1 at min), then max."""
-    ds = json.load(open("ds_configs/zero0_fp32.json"))
-    ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_type": "log"}}
-    (tmp_path / "ds.json").write_text(json.dumps(ds))
-    out = tmp_path / "run"
-    p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"), "--set", "train.max_steps=7",
-                 "--set", "train.warmup_steps=4", "--set", f"train.output_dir={out}",
-                 "--set", "train.memory_check=false")
-    assert p.returncode == 0, p.stderr[-3000:]
-    logged = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    low, high, w = 1e-4, 3e-3, 4
-    expected = [low] + [low + (high - low) * min(1.0, math.log(k - 1) / math.log(w)) for k in range(2, 8)]
-    assert logged == pytest.approx(expected, rel=1e-12)
-    assert logged[1] == pytest.approx(low) and logged[5:] == pytest.approx([high, high])
-
-
-def test_train_refuses_a_disagreeing_scheduler_before_any_process_group(tmp_path):
-    (tmp_path / "ds.json").write_text(json.dumps({"scheduler": {"type": "WarmupLR",
-                                                                "params": {"warmup_max_lr": 1e-3}}}))
-    out = tmp_path / "run"
-    p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"),
-                 "--set", f"train.output_dir={out}")
-    assert p.returncode == 1 and not out.exists()
-    assert (f"{tmp_path / 'ds.json'}: scheduler.params.warmup_max_lr=0.001 != train.lr=0.003; set --set "
-            f"train.lr=0.001 or remove scheduler.params.warmup_max_lr") in p.stderr
-    assert "deepspeed" not in p.stdout.lower()
-
-
-def test_resumed_run_continues_the_json_schedule_exactly(tmp_path):
-    """WarmupCosineLR, stopped after 3 steps and resumed to 6 (the checkpoint carries the schedule's position):
-    the lr and the loss of steps 4-6 equal one uninterrupted run's."""
-    ds = json.load(open("ds_configs/zero0_fp32.json"))
-    ds["scheduler"] = {"type": "WarmupCosineLR", "params": {"warmup_type": "linear", "warmup_min_ratio": 0.1}}
-    (tmp_path / "ds.json").write_text(json.dumps(ds))
-
-    def run(out, steps):
-        p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"), "--set",
-                     f"train.max_steps={steps}", "--set", "train.decay_steps=6", "--set", "train.warmup_steps=3",
-                     "--set", f"train.output_dir={out}", "--set", "train.memory_check=false")
-        assert p.returncode == 0, p.stderr[-3000:]
-        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-    whole = run(tmp_path / "whole", 6)
-    run(tmp_path / "parts", 3)
-    parts = run(tmp_path / "parts", 6)
-    assert [r["step"] for r in parts] == [1, 2, 3, 4, 5, 6]
-    assert [(r["lr"], r["loss"]) for r in parts] == [(r["lr"], r["loss"]) for r in whole]
-    assert len({r["lr"] for r in whole}) == 6
-
-
-def test_train_refuses_fp16_before_any_process_group(fp16_json, tmp_path):
-    out = tmp_path / "run"
-    p = train_py("--config", "debug", "--deepspeed_config", str(fp16_json), "--set", f"train.output_dir={out}")
-    assert p.returncode == 1 and not out.exists()
-    assert (f"{fp16_json}: fp16.enabled=true but the cpu accelerator on this machine has no fp16 (DeepSpeed's "
-            f"is_fp16_supported() is false); use bf16") in p.stderr
-    assert "Traceback" not in p.stderr and "init_distributed" not in p.stdout + p.stderr
-
-
-def test_engine_keys_reach_deepspeed(tmp_path):
-    """One process under train.py: DeepSpeed's progress line every steps_per_print steps (at log_level info),
-    its configuration dump, and its wall-clock timers once per step."""
-    ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
-    ds.update(steps_per_print=2, log_level="info", dump_state=True, wall_clock_breakdown=True)
-    (tmp_path / "ds.json").write_text(json.dumps(ds))
-    p = train_py("--config", "debug", "--deepspeed_config", str(tmp_path / "ds.json"), "--set", "train.max_steps=4",
-                 "--set", f"train.output_dir={tmp_path / 'run'}", "--set", "train.memory_check=false")
-    assert p.returncode == 0, p.stderr[-3000:]
-    progress = [line.split("[Rank 0] ")[1].split(",")[0] for line in p.stdout.splitlines() if "[Rank 0] step=" in line]
-    assert progress == ["step=0", "step=2", "step=4"]        # DeepSpeed also reports its step 0
-    assert p.stdout.count("DeepSpeedEngine configuration:") == 1
-    assert sum(1 for line in p.stdout.splitlines() if "time (ms) | fwd:" in line) == 4
-
-
-def test_train_refuses_table_keys_before_any_process_group(tmp_path):
-    """A refused key, a refused zero_optimization key and an unknown key, reported together by train.py."""
-    ds = json.load(open(os.path.join(ROOT, "ds_configs/zero2_bf16.json")))
-    ds.update(tensor_parallel={"autotp_size": 2}, wall_clock_breakdwn=True)
-    ds["zero_optimization"]["stage3_max_live_parameters"] = 10**8
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(ds))
-    out = tmp_path / "run"
-    p = train_py("--config", "debug", "--deepspeed_config", str(path), "--set", f"train.output_dir={out}")
-    assert p.returncode == 1 and not out.exists()
-    assert f'{path}: "tensor_parallel" is refused: DeepSpeed\'s AutoTP would re-shard the toolkit\'s ' \
-           f"tensor-parallel layers; use parallel.tp_size; remove it" in p.stderr
-    assert f"{path}: zero_optimization.stage3_max_live_parameters with zero_optimization.stage=2 is refused: only " \
-           f"ZeRO-3 reads it; remove it or use stage 3" in p.stderr
-    assert f'{path}: unknown DeepSpeed key "wall_clock_breakdwn" (did you mean "wall_clock_breakdown"?)' in p.stderr
-    assert "Traceback" not in p.stderr
-
-
-def _train_with(folder, sections: dict, steps: int = 3, sets=(), env=None, launched=False):
-    """train.py with DeepSpeed's `sections` on (a monitor's None: on, writing under folder/<section>), one process
-    or (`launched`) two ranks under torchrun, which leave without the interpreter's teardown (parallel.experiment.cli.run):
-    the completed process, the metrics.jsonl records and the figures they carry. One run serves every section's
-    test (the fixtures below): the monitors and profilers read the same steps side by side."""
-    ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
+def _train_with(folder, sections: dict, steps: int = 3, sets=(), env=None, base=None, launched=False):
+    """train.py with DeepSpeed's `sections` on (a monitor's None: on, writing under folder/<section>) over `base`
+    (ds_configs/zero0_fp32.json by default), one process or (`launched`) two ranks under the deepspeed launcher,
+    which leave without the interpreter's teardown (parallel.experiment.cli.run): the completed process, the
+    metrics.jsonl records and the figures they carry."""
+    ds = base or json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
     for section, value in sections.items():
         ds[section] = value or {"enabled": True, "output_path": str(folder / section), "job_name": "job"}
     (folder / "ds.json").write_text(json.dumps(ds))
@@ -124,12 +31,13 @@ def _train_with(folder, sections: dict, steps: int = 3, sets=(), env=None, launc
             f"train.max_steps={steps}", "--set", f"train.output_dir={out}", "--set", "train.memory_check=false",
             *(a for s in sets for a in ("--set", s)))
     if launched:
-        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        p = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), "train.py", *args],
-                           cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=300)
+        deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+        environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        p = subprocess.run([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), "train.py", *args],
+                           cwd=ROOT, env={**environ, **(env or {})}, capture_output=True, text=True, timeout=600)
     else:
         p = train_py(*args, env_extra=env)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     figures = sorted(k for k in records[0] if k != "step" and records[0][k] is not None)
     assert {"loss", "lr", "grad_norm", "step_time_s", "samples_per_s", "tokens_per_s"} <= set(figures)
@@ -137,22 +45,109 @@ def _train_with(folder, sections: dict, steps: int = 3, sets=(), env=None, launc
 
 
 @pytest.fixture(scope="module")
+def warmup_lr(tmp_path_factory):
+    """One process, 7 steps: WarmupLR's log warmup over 4 steps, with DeepSpeed's progress line, state dump and
+    timers on."""
+    folder = tmp_path_factory.mktemp("warmup_lr")
+    ds = json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
+    ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_type": "log"}}
+    ds.update(steps_per_print=2, log_level="info", dump_state=True, wall_clock_breakdown=True)
+    return _train_with(folder, {}, steps=7, sets=["train.warmup_steps=4"], base=ds)
+
+
+def test_train_logs_warmup_lr_per_step(warmup_lr):
+    """One process under train.py: metrics.jsonl's lr is WarmupLR's log warmup, as DeepSpeed defines it:
+    step k runs at min + (max - min) log(k - 1) / log(W) (step 1 at min), then max."""
+    _, records, _ = warmup_lr
+    logged = [r["lr"] for r in records]
+    low, high, w = 1e-4, 3e-3, 4
+    expected = [low] + [low + (high - low) * min(1.0, math.log(k - 1) / math.log(w)) for k in range(2, 8)]
+    assert logged == pytest.approx(expected, rel=1e-12)
+    assert logged[1] == pytest.approx(low) and logged[5:] == pytest.approx([high, high])
+
+
+def test_engine_keys_reach_deepspeed(warmup_lr):
+    """One process under train.py (the warmup run, 7 steps of 2 micro-batches): DeepSpeed's progress line every
+    steps_per_print steps (at log_level info), its configuration dump, and its wall-clock timers once per step."""
+    p, records, _ = warmup_lr
+    progress = [line.split("[Rank 0] ")[1].split(",")[0] for line in p.stdout.splitlines() if "[Rank 0] step=" in line]
+    assert progress == ["step=0", "step=2", "step=4", "step=6"]        # DeepSpeed also reports its step 0
+    assert p.stdout.count("DeepSpeedEngine configuration:") == 1
+    assert sum(1 for line in p.stdout.splitlines() if "time (ms) | fwd:" in line) == len(records) == 7
+
+
+def test_train_refuses_the_jsons_problems_together_before_any_process_group(tmp_path):
+    """One train.py run of a JSON with every kind of refusal: a scheduler key that disagrees with the experiment,
+    fp16 where the accelerator has none (this CPU machine), a key the key table refuses, a ZeRO-3 key at stage 2
+    and an unknown key: each reported by train.py, together, exit status 1, before any process group (DeepSpeed
+    never started: nothing of its in the output, no run folder)."""
+    from parallel.check import DeviceDtypes
+
+    ds = json.load(open(os.path.join(ROOT, "ds_configs/zero2_bf16.json")))
+    del ds["bf16"]
+    ds.update(tensor_parallel={"autotp_size": 2}, wall_clock_breakdwn=True, fp16={"enabled": True},
+              scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}})
+    ds["zero_optimization"]["stage3_max_live_parameters"] = 10**8
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    out = tmp_path / "run"
+    p = train_py("--config", "debug", "--deepspeed_config", str(path), "--set", f"train.output_dir={out}")
+    assert p.returncode == 1 and not out.exists()
+    fp16 = not DeviceDtypes.here().fp16
+    assert f"train.py refused ({4 + fp16} problems):" in p.stderr
+    assert (f"{path}: scheduler.params.warmup_max_lr=0.001 != train.lr=0.003; set --set "
+            f"train.lr=0.001 or remove scheduler.params.warmup_max_lr") in p.stderr
+    assert (f"{path}: fp16.enabled=true but the cpu accelerator on this machine has no fp16 (DeepSpeed's "
+            f"is_fp16_supported() is false); use bf16") in p.stderr or not fp16
+    assert f'{path}: "tensor_parallel" is refused: DeepSpeed\'s AutoTP would re-shard the toolkit\'s ' \
+           f"tensor-parallel layers; use parallel.tp_size; remove it" in p.stderr
+    assert f"{path}: zero_optimization.stage3_max_live_parameters with zero_optimization.stage=2 is refused: only " \
+           f"ZeRO-3 reads it; remove it or use stage 3" in p.stderr
+    assert f'{path}: unknown DeepSpeed key "wall_clock_breakdwn" (did you mean "wall_clock_breakdown"?)' in p.stderr
+    assert "Traceback" not in p.stderr and "init_distributed" not in p.stdout + p.stderr
+    assert "deepspeed" not in p.stdout.lower()
+
+
+@pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """One process, 3 steps of one micro-batch: the CSV monitor, the flops profiler (profile_step=2) and the comms
-    logger at once."""
+    """One process, 6 steps of one micro-batch under WarmupCosineLR: the CSV monitor, the flops profiler
+    (profile_step=2) and the comms logger at once; the uninterrupted run the resume test compares with."""
     folder = tmp_path_factory.mktemp("one_process")
     return folder, *_train_with(folder, {
+        "scheduler": COSINE,
         "csv_monitor": None,
         "flops_profiler": {"enabled": True, "profile_step": 2, "module_depth": 1, "top_modules": 1},
-        "comms_logger": {"enabled": True, "prof_all": True}}, sets=["train.grad_accum_steps=1"])
+        "comms_logger": {"enabled": True, "prof_all": True}}, steps=6, sets=COSINE_SETS)
+
+
+COSINE = {"type": "WarmupCosineLR", "params": {"warmup_type": "linear", "warmup_min_ratio": 0.1}}
+COSINE_SETS = ["train.grad_accum_steps=1", "train.decay_steps=6", "train.warmup_steps=3"]
+
+
+def test_resumed_run_continues_the_json_schedule_exactly(one_process, tmp_path):
+    """WarmupCosineLR, stopped after 3 steps and resumed to 6 (the checkpoint carries the schedule's position):
+    the lr and the loss of steps 4-6 equal one uninterrupted run's (one_process's: the monitors and profilers it
+    also carries do not touch the numbers)."""
+    _, _, whole, _ = one_process
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    run = lambda steps: _train_with(parts, {"scheduler": COSINE}, steps=steps, sets=COSINE_SETS)[1]
+    run(3)
+    resumed = run(6)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert [(r["lr"], r["loss"]) for r in resumed] == [(r["lr"], r["loss"]) for r in whole]
+    assert len({r["lr"] for r in whole}) == 6
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """Two ranks under torchrun, 3 steps: tensorboard and wandb (offline) at once."""
+    """Two ranks under the deepspeed launcher, 3 steps of CogVideo's zero2.yaml as shipped (bf16, ZeRO-2, its batch
+    keys 1 and 1: the experiment says so too): tensorboard and wandb (offline) at once."""
     folder = tmp_path_factory.mktemp("launched")
     return folder, *_train_with(folder, {"tensorboard": None, "wandb": {"enabled": True, "project": "vdp"}},
-                                env={"WANDB_MODE": "offline", "WANDB_DIR": str(folder)}, launched=True)
+                                sets=["train.micro_batch_size=1", "train.grad_accum_steps=1", "train.warmup_steps=2"],
+                                env={"WANDB_MODE": "offline", "WANDB_DIR": str(folder)},
+                                base=json.loads(COGVIDEO["zero2.yaml"]), launched=True)
 
 
 def test_csv_monitor_gets_every_figure_of_metrics_jsonl(one_process):
@@ -160,7 +155,7 @@ def test_csv_monitor_gets_every_figure_of_metrics_jsonl(one_process):
     for name in figures:
         csv = (folder / "csv_monitor" / "job" / f"train_{name}.csv").read_text()
         rows = [line.split(",") for line in csv.splitlines()[1:]]
-        assert [int(r[0]) for r in rows] == [1, 2, 3], name
+        assert [int(r[0]) for r in rows] == [r["step"] for r in records] == [1, 2, 3, 4, 5, 6], name
         assert [float(r[1]) for r in rows] == pytest.approx([r[name] for r in records], rel=1e-12), name
 
 
@@ -217,8 +212,8 @@ def _wandb_history(path) -> list[dict]:
 def test_wandb_gets_every_figure_of_metrics_jsonl(launched):
     """wandb offline (WANDB_MODE=offline), its run file read back: every figure of every step, with the step as
     its x-axis ("step"), equal to metrics.jsonl's (JSON both ways: exact). wandb drops a log whose step is below
-    the last it saw, and DeepSpeed logs Train/Samples/lr at the samples seen (4, 8, 12): figures logged at
-    steps 1, 2, 3 would all be lost (parallel/distributed/deepspeed/monitor.py write_monitor_events). Two
+    the last it saw, and DeepSpeed logs Train/Samples/lr at the samples seen (2, 4, 6 here): figures logged at
+    steps 1, 2, 3 would be lost (parallel/distributed/deepspeed/monitor.py write_monitor_events). Two
     launched ranks, which leave without the interpreter's teardown: the run file is whole only where the trainer
     ended the wandb run (close_monitors; without it no row reached the file)."""
     folder, p, records, figures = launched
@@ -272,7 +267,7 @@ def test_comms_logger_prints_its_summary_at_pp1(one_process):
             size, count = re.match(r"\s+([\d.]+ ?[KMGT]?B)\s+(\d+)\s", line).groups()
             rows.setdefault(op, {})[size] = int(count)
     grads = count_params(ActivationTracer(load_config("debug"), torch.float32))[0] * 4
-    assert rows["all_reduce"][convert_size(grads)] == len(records) == 3
+    assert rows["all_reduce"][convert_size(grads)] == len(records) == 6
     assert "broadcast" in rows       # the engine's initial parameter broadcast
 
 
@@ -358,23 +353,13 @@ def test_cogvideo_finetune_configs_pass_the_checker(tmp_path, capsys):
     assert "Traceback" not in err
 
 
-def test_cogvideo_zero2_trains_the_debug_model_under_the_deepspeed_launcher(tmp_path):
+def test_cogvideo_zero2_trains_the_debug_model_under_the_deepspeed_launcher(launched):
     """CogVideo's zero2.yaml as shipped (its batch keys are 1 and 1: the experiment says so too) trains the debug
-    model on 2 ranks under the deepspeed launcher: WarmupDecayLR filled from train.lr / train.warmup_steps /
-    train.max_steps runs DeepSpeed's log warmup (step k at log(k - 1) / log(2) of train.lr, from warmup_min_lr 0;
-    three steps, since the first two both run at 0)."""
-    path = _write(tmp_path, "zero2.yaml", COGVIDEO["zero2.yaml"])
-    out = tmp_path / "run"
-    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    p = subprocess.run([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), "train.py", "--config",
-                        "debug", "--deepspeed_config", path, "--set", "train.micro_batch_size=1", "--set",
-                        "train.grad_accum_steps=1", "--set", "train.max_steps=3", "--set", "train.warmup_steps=2",
-                        "--set", f"train.output_dir={out}", "--set", "train.memory_check=false"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    model on 2 ranks under the deepspeed launcher (the monitors' run): WarmupDecayLR filled from train.lr /
+    train.warmup_steps / train.max_steps runs DeepSpeed's log warmup (step k at log(k - 1) / log(2) of train.lr,
+    from warmup_min_lr 0; three steps, since the first two both run at 0)."""
+    _, p, records, _ = launched
     assert "ZeRO-2 bf16, global batch 2, 3 steps" in p.stdout       # train_batch_size "auto": 1 x 1 x dp 2
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [r["lr"] for r in records] == pytest.approx([0.0, 0.0, 3e-3], abs=1e-15)
     assert all(math.isfinite(r["loss"]) for r in records)
@@ -397,8 +382,11 @@ HF_AUTO = {    # the HF Trainer's DeepSpeed ZeRO-2 example: standard keys and "a
 
 def test_hf_auto_json_is_filled_and_a_plan_that_does_not_fit_is_refused_unless_allowed(tmp_path, capsys):
     """An HF Trainer DeepSpeed file of "auto" values: --check-only names what filled each; a run whose memory plan
-    does not fit train.device_memory is refused before DeepSpeed starts, naming the flag that starts it anyway;
-    with that flag it trains, at the filled lr (three steps: DeepSpeed's log warmup runs the first two at 0)."""
+    does not fit train.device_memory is refused before any process group (train.main in this process), naming the
+    flag that starts it anyway; with that flag train.py trains, at the filled lr (three steps: DeepSpeed's log
+    warmup runs the first two at 0)."""
+    import torch.distributed as dist
+
     import train
     path = _write(tmp_path, "hf.json", json.dumps(HF_AUTO))
     out = tmp_path / "run"
@@ -421,16 +409,16 @@ def test_hf_auto_json_is_filled_and_a_plan_that_does_not_fit_is_refused_unless_a
         f"gradient_accumulation_steps=2 (train.grad_accum_steps), gradient_clipping=1.0 (HF TrainingArguments' "
         f"max_grad_norm default, as ds_configs/ set it), train_batch_size=4 (train.micro_batch_size x "
         f"train.grad_accum_steps x dp = 2 x 2 x 1), train_micro_batch_size_per_gpu=2 (train.micro_batch_size)\n")
-    p = train_py(*args)
-    assert p.returncode == 1 and not out.exists(), p.stderr[-3000:]
-    refusal = p.stderr[p.stderr.index("train.py refused"):]
+    assert train.main(args) == 1
+    err = capsys.readouterr().err
+    assert not out.exists() and not dist.is_initialized(), err[-3000:]
+    refusal = err[err.index("train.py refused"):]
     assert re.fullmatch(
         r"train.py refused \(1 problem\):\n  - memory plan: the worst rank \(stage 0\) needs [\d.]+ \w+ "
         r"of train.device_memory=1MiB, short by [\d.]+ \w+: tp=1 pp=1 dp=1 ZeRO-2 bf16 does not fit; python -m "
         r"parallel.plan --world-size 1 --device-memory 1.0MiB --search \(with this run's --config, "
         r"--deepspeed-config and --set\) lists the layouts that do; or set --set train.allow_oversubscribe=true to "
         r"start anyway\n", refusal), refusal
-    assert "Traceback" not in p.stderr and "init_distributed" not in p.stdout + p.stderr
     p = train_py(*args, "--set", "train.allow_oversubscribe=true")
     assert p.returncode == 0, p.stderr[-3000:]
     assert re.search(r"memory plan: worst rank \(stage 0\) [\d.]+ \w+ of 1.0 MiB \(DOES NOT FIT;", p.stdout)

@@ -1,6 +1,6 @@
 """train.py under the deepspeed launcher: stopped by SIGTERM + resumed equals uninterrupted (losses,
-weights and EMA in the final checkpoint), a damaged checkpoint falls back to the previous one, and the export
-command."""
+weights and EMA in the final checkpoint), a damaged newest checkpoint is named and the previous one resumed (the
+same resume: four launches, one of them the export command), and the export command."""
 import json
 import os
 import shutil
@@ -76,7 +76,14 @@ def test_sigterm_and_resume_equal_one_uninterrupted_run(tmp_path, capsys):
     output = interrupted(parts, ranks, layout)
     stopped = len(metrics(parts))
     assert f"stopped by signal after step {stopped};" in output and 2 <= stopped < STEPS
+    # A damaged newer checkpoint beside the one the signal wrote (the uninterrupted run's last, a file cut short):
+    # named, skipped, and the one before it resumes; the save of that step sets it aside.
+    damaged = parts / "checkpoints" / f"step{STEPS}"
+    shutil.copytree(whole / "checkpoints" / f"step{STEPS}", damaged)
+    victim = next(damaged.glob("*optim_states.pt"))
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     p = launch(["train.py"], parts, ranks, layout, "--set", f"train.max_steps={STEPS}")
+    assert f"checkpoint {damaged} is damaged ({victim.name} has" in p.stderr
     assert f"resumed from {parts}/checkpoints/step{stopped} at step {stopped}" in p.stdout
     assert [r["step"] for r in metrics(parts)] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in metrics(parts)] == [r["loss"] for r in metrics(whole)]
@@ -85,16 +92,6 @@ def test_sigterm_and_resume_equal_one_uninterrupted_run(tmp_path, capsys):
     for k in final[0]:
         assert torch.equal(final[0][k], final[1][k]), k
 
-    # A damaged newest checkpoint: named, skipped, and the previous one resumes to the same result.
-    damaged = tmp_path / "damaged"
-    shutil.copytree(parts, damaged)
-    (damaged / "metrics.jsonl").write_text("")
-    victim = next((damaged / "checkpoints" / f"step{STEPS}").glob("*optim_states.pt"))
-    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    p = launch(["train.py"], damaged, ranks, layout, "--set", f"train.max_steps={STEPS}")
-    assert f"checkpoint {damaged}/checkpoints/step{STEPS} is damaged ({victim.name} has" in p.stderr
-    assert f"resumed from {damaged}/checkpoints/step{stopped} at step {stopped}" in p.stdout
-    assert [r["loss"] for r in metrics(damaged)] == [r["loss"] for r in metrics(whole)][stopped:]
     # Export: full fp32 weights and EMA (tp shards are gathered by the same full_state, tests/distributed/test_ema_layouts.py).
     # From another output_dir it is refused, naming ckpt.dir (was a traceback); the advice followed exports.
     from parallel.export import main as export_main

@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from tests.dist_utils import run_ranks
+from tests.dist_utils import count_all_to_alls, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Every tiny preset (a built-in family brings its configs/debug*.yaml), and the toy family's.
@@ -28,7 +28,6 @@ B = 2
 def _count_rank(rank, world_size):
     import deepspeed
     import torch
-    import torch.distributed as dist
 
     from models.registry import FAMILIES, family
     from parallel.model.build import build_model
@@ -37,14 +36,6 @@ def _count_rank(rank, world_size):
     from parallel.distributed.comm import count_comm
     from parallel.distributed.topology import ParallelContext, ParallelDims
     from parallel.train.run import training_batches
-
-    calls = []
-    original = dist.all_to_all_single
-
-    def counted(output, input, *args, **kwargs):
-        calls.append(input.numel())
-        return original(output, input, *args, **kwargs)
-    dist.all_to_all_single = counted
 
     deepspeed.init_distributed(dist_backend=accelerator.backend())
     ctx = ParallelContext.build(ParallelDims(tp_size=2, sp_size=2, pp_size=1, dp_size=1))
@@ -64,8 +55,7 @@ def _count_rank(rank, world_size):
         with torch.no_grad():
             h = model.embed(inputs)
             x = h[0]                                              # (B, S_pad / sp, H): this rank's tokens
-            calls.clear()
-            with count_comm() as comm:
+            with count_comm() as comm, count_all_to_alls() as calls:
                 for block in model.blocks:                        # every layer: a family's layers may differ
                     h = block(h)
         bsh = x.shape[0] * x.shape[1] * cfg.model.hidden_size

@@ -18,14 +18,13 @@ trained toolkit model predicts (video and audio); `python -m parallel.verify` ho
 (`--checkpoint latest`, tp 2 x pp 2) and the LTX-2.3 release to diffusers at tp 2 x sp 2, both streams;
 `python -m parallel.sample` of that release at tp 2 x sp 2 samples what one process samples, video and audio.
 """
-import contextlib
 import json
 import types
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.dist_utils import run_ranks
+from tests.dist_utils import count_all_to_alls, run_ranks
 from tests.train_utils import _train_rank, assert_matches, experiment_overrides, fp32_config, merge_ranks, train
 from tests.released_utils import assert_grads_match, layout_model
 from tests.helpers import ltx2 as test_ltx2
@@ -104,22 +103,6 @@ def sample_args(release, run) -> list[str]:
             "--steps", "2", "--guidance", "3", "--seed", "5"]
 
 
-@contextlib.contextmanager
-def _count_all_to_alls():
-    """torch.distributed.all_to_all_single calls (DeepSpeed's Ulysses makes them) inside: a list of numels."""
-    import torch.distributed as dist
-    calls, original = [], dist.all_to_all_single
-
-    def counted(output, input, *args, **kwargs):
-        calls.append(input.numel())
-        return original(output, input, *args, **kwargs)
-    dist.all_to_all_single = counted
-    try:
-        yield calls
-    finally:
-        dist.all_to_all_single = original
-
-
 def _grads(cfg, ctx, model, shape=DEBUG):
     """Full gradients of the training loss over both streams (SequenceLoss) at the step grid `shape`, as training
     takes them under sp: each rank's video share sp times, its whole audio once, the sp ranks' gradients averaged
@@ -158,7 +141,7 @@ def _variant(world_size, variant, folder):
                     model.blocks[0](model.embed(x))
                 out["block_all_reduces"] = counter.numels("all_reduce")
             if sp > 1 and tp == 2:
-                with _count_all_to_alls() as calls:
+                with count_all_to_alls() as calls:
                     model.blocks[0](model.embed(x))
                 out[("block_all_to_alls", ring)] = len(calls)
         if (tp, pp, sp, ring) in GRAD_LAYOUTS:               # under sp at 45 tokens: padded, and full chunks

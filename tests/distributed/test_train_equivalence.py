@@ -4,40 +4,18 @@ Three optimizer steps at a global batch of 4: per-step losses on every rank and 
 gathered to full tensors under canonical names, must equal the one-process run: the losses within fp32
 tolerance, the weights within fp32 tolerance plus the bound on what Adam makes of the gradients' round-off
 (tests/adam_bound.py; it matters only where a gradient cancels to near zero).
+
+Every run of this module is trained in one spawn per world size (1, 2 and 4 ranks: the `runs` fixture).
 """
 import pytest
 import torch
 
-from tests.train_utils import assert_matches, assert_weights_match, fp32_config, train
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return train(1, 1, 1, fp32_config())
-
+from tests.train_utils import Run, assert_matches, assert_weights_match, fp32_config, train_all
 
 # (tp, pp, dp, zero stage). ZeRO-2 at dp 2 is trained in tests/distributed/test_sequence_parallel.py (sp 2 x dp 2),
 # tests/distributed/test_ema_layouts.py and tests/cli/test_resume_cli.py; ZeRO-1 at dp 2 here with tp and with pp.
 LAYOUTS = [(2, 1, 1, 0), (1, 2, 1, 0), (1, 1, 2, 3), (2, 2, 1, 0), (2, 1, 2, 1), (1, 2, 2, 1)]
-
-
-@pytest.mark.parametrize("tp, pp, dp, stage", LAYOUTS, ids=[f"tp{t}-pp{p}-dp{d}-zero{z}" for t, p, d, z in LAYOUTS])
-def test_layout_matches_one_process(reference, tp, pp, dp, stage):
-    assert_matches(train(tp, pp, dp, fp32_config(stage)), reference)
-
-
-def test_reference_loss_moves(reference):
-    """Guards the comparisons above against a model that does not train at all."""
-    assert len(set(reference["losses"])) == 3
-
-
-def test_activation_checkpointing_changes_nothing(reference):
-    """Recomputation repeats the forward bit for bit; only the order in which temb's gradient is summed
-    over blocks differs, so later steps agree to fp32 round-off."""
-    off = train(1, 1, 1, fp32_config(checkpointing=False))
-    assert off["losses"][0] == reference["losses"][0]
-    torch.testing.assert_close(torch.tensor(off["losses"]), torch.tensor(reference["losses"]))
-    assert_weights_match(off["state"], reference)
+STDIT_LAYOUTS = [(2, 2, 1, 0), (1, 1, 2, 1)]      # tp 2 alone: tests/distributed/test_stdit_parallel.py and test_sequence_parallel.py
 
 
 def stdit_fp32_config(stage: int = 0) -> dict:
@@ -51,16 +29,39 @@ def stdit_fp32_config(stage: int = 0) -> dict:
 
 
 @pytest.fixture(scope="module")
-def stdit_reference():
-    return train(1, 1, 1, stdit_fp32_config(), preset="debug-stdit")
+def runs():
+    """The one-process references (debug with and without activation checkpointing, debug-stdit) and every layout."""
+    return train_all({
+        "reference": Run(1, 1, 1, fp32_config()),
+        "checkpointing off": Run(1, 1, 1, fp32_config(checkpointing=False)),
+        "stdit reference": Run(1, 1, 1, stdit_fp32_config(), preset="debug-stdit"),
+        **{layout: Run(*layout[:3], fp32_config(layout[3])) for layout in LAYOUTS},
+        **{("stdit", *layout): Run(*layout[:3], stdit_fp32_config(layout[3]), preset="debug-stdit")
+           for layout in STDIT_LAYOUTS}})
 
 
-STDIT_LAYOUTS = [(2, 2, 1, 0), (1, 1, 2, 1)]      # tp 2 alone: tests/distributed/test_stdit_parallel.py and test_sequence_parallel.py
+@pytest.mark.parametrize("tp, pp, dp, stage", LAYOUTS, ids=[f"tp{t}-pp{p}-dp{d}-zero{z}" for t, p, d, z in LAYOUTS])
+def test_layout_matches_one_process(runs, tp, pp, dp, stage):
+    assert_matches(runs[tp, pp, dp, stage], runs["reference"])
+
+
+def test_reference_loss_moves(runs):
+    """Guards the comparisons above against a model that does not train at all."""
+    assert len(set(runs["reference"]["losses"])) == 3
+
+
+def test_activation_checkpointing_changes_nothing(runs):
+    """Recomputation repeats the forward bit for bit; only the order in which temb's gradient is summed
+    over blocks differs, so later steps agree to fp32 round-off."""
+    off, reference = runs["checkpointing off"], runs["reference"]
+    assert off["losses"][0] == reference["losses"][0]
+    torch.testing.assert_close(torch.tensor(off["losses"]), torch.tensor(reference["losses"]))
+    assert_weights_match(off["state"], reference)
 
 
 @pytest.mark.parametrize("tp, pp, dp, stage", STDIT_LAYOUTS,
                          ids=[f"tp{t}-pp{p}-dp{d}-zero{z}" for t, p, d, z in STDIT_LAYOUTS])
-def test_stdit_layout_matches_one_process(stdit_reference, tp, pp, dp, stage):
+def test_stdit_layout_matches_one_process(runs, tp, pp, dp, stage):
     """The STDiT3-style family (four stage tensors x, t, t_mlp, y between pipeline stages, each layer a
     spatial and a temporal block, recomputed in backward): the same guarantee."""
-    assert_matches(train(tp, pp, dp, stdit_fp32_config(stage), preset="debug-stdit"), stdit_reference)
+    assert_matches(runs["stdit", tp, pp, dp, stage], runs["stdit reference"])
