@@ -23,7 +23,8 @@
 Wan 2.2 A14B (model.experts): `model.init_from` is the release folder. Both experts (train both): toolkit
 `<stage>.experts.0.<rest>` is `transformer/<released name>`, `<stage>.experts.1.<rest>` `transformer_2/<...>`
 (`folders`: the released name's prefix -> its subfolder); one expert alone: plain names read from that expert's
-subfolder. A Wan 2.1 folder, a missing transformer_2/ or another boundary_ratio is refused (`check_folder`).
+subfolder. A Wan 2.1 folder, a missing transformer_2/ or another boundary_ratio is refused (`check_folder`). Both
+experts are written with the pipeline's model_index.json beside them (`pipeline_index`: its boundary_ratio).
 
 Reading and writing the folders is parallel/weights/'s job, for every family.
 """
@@ -156,6 +157,15 @@ class WanDiffusers(DiffusersFormat):
         if both(m):
             return {f + "/": f for f in FOLDERS}
         return {"": FOLDERS[NAMES.index(m.experts.train)]}
+
+    def pipeline_index(self, m: WanConfig) -> dict | None:
+        """Both experts: the pipeline's model_index.json beside transformer/ and transformer_2/, with the
+        boundary_ratio between them (read back by `check_folder` and `reference`, and by diffusers'
+        from_pretrained, given the pipeline's other components); None for one transformer."""
+        if not both(m):
+            return None
+        return {"_class_name": "WanImageToVideoPipeline" if m.image_condition else "WanPipeline",
+                "boundary_ratio": m.experts.boundary_ratio, **{sub: ["diffusers", self.class_name] for sub in FOLDERS}}
 
     def check_folder(self, m: WanConfig, folder: Path) -> list[str]:
         """A Wan 2.2 A14B release folder for model.experts: transformer/ (and transformer_2/) with their

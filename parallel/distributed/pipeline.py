@@ -14,7 +14,8 @@ from deepspeed.pipe import LayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 
-from parallel.distributed.deepspeed.pipeline import ExplicitPipelineModule
+from parallel.distributed.deepspeed.pipeline import (ExplicitPipelineModule, set_checkpointable_layers,
+                                                     stage_layer_range, stage_layers)
 from parallel.distributed.seed import init_rng
 
 
@@ -112,6 +113,11 @@ class DiTPipeline(HostResident, ExplicitPipelineModule):
         super().__init__(layers=specs, topology=topology, loss_fn=loss_fn, parts=bounds,
                          activation_checkpoint_interval=checkpoint_every, checkpointable_layers=[block_class],
                          dynamic_shape=dynamic_shape, **extra)
+        # A block's spec may build another class (Wan 2.2 A14B: WanBlock builds an ExpertLayer of both experts'
+        # blocks), which DeepSpeed would not checkpoint: name the classes the blocks of this stage were built as.
+        built = {type(layer).__name__ for i, layer in zip(stage_layer_range(self), stage_layers(self))
+                 if 0 < i < len(specs) - 1}
+        set_checkpointable_layers(self, built | {block_class})
 
 
 _PIPE_NAME = re.compile(r"^(\d+)\.(.*)$")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -27,6 +29,7 @@ from parallel.weights.gather import format_shapes, model_tensors
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = WEIGHTS_NAME + ".index.json"
+PIPELINE_INDEX = "model_index.json"
 
 
 def released_format(m: ModelConfig) -> ReleasedFormat:
@@ -227,12 +230,23 @@ def load_released(module: nn.Module, ctx, m: ModelConfig, folder: str | Path) ->
     return read
 
 
-def diffusers_config(m: ModelConfig, data) -> dict:
-    """The config.json of the released class equal to this model."""
+def _diffusers_version() -> str:
     try:
         from importlib.metadata import version
-        diffusers_version = version("diffusers")
+        return version("diffusers")
     except Exception:                                     # the optional extra is not installed
-        diffusers_version = "0.30.0"
+        return "0.30.0"
+
+
+def diffusers_config(m: ModelConfig, data) -> dict:
+    """The config.json of the released class equal to this model."""
     fmt = released_format(m)
-    return {"_class_name": fmt.class_name, "_diffusers_version": diffusers_version, **fmt.config(m, data)}
+    return {"_class_name": fmt.class_name, "_diffusers_version": _diffusers_version(), **fmt.config(m, data)}
+
+
+def pipeline_index(m: ModelConfig) -> Optional[dict]:
+    """The model_index.json a folder of several transformers holds beside their subfolders (Wan 2.2 A14B: the
+    pipeline's boundary_ratio between transformer/ and transformer_2/), or None: the format's `pipeline_index`."""
+    fmt = released_format(m)
+    index = fmt.pipeline_index(m) if hasattr(fmt, "pipeline_index") else None
+    return None if index is None else {"_diffusers_version": _diffusers_version(), **index}

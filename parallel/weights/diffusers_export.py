@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from models.config import ModelConfig
-from parallel.weights.diffusers import (CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, diffusers_config, folders,
-                                        released_format, stored_name)
+from parallel.weights.diffusers import (CONFIG_NAME, INDEX_NAME, PIPELINE_INDEX, WEIGHTS_NAME, diffusers_config,
+                                        folders, pipeline_index, released_format, stored_name)
 from parallel.weights.gather import exporting, full_tensors
 
 
@@ -113,5 +113,9 @@ def export_diffusers(module: nn.Module, ctx, cfg, out: str | Path, value: Option
         for prefix, folder in subs.items():
             result += _name_shards(folder, [s for _, stage in sorted(p for p in parts if p is not None)
                                             for s in stage[prefix]], m, cfg.data)
+        index = pipeline_index(m)
+        if index is not None:          # several transformers: what routes between them, beside their folders
+            (out / PIPELINE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+            result.append(out / PIPELINE_INDEX)
     dist.barrier()
     return result

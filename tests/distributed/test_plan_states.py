@@ -19,7 +19,9 @@ from tests.helpers.plan import B, GiB, STATES, saved_bytes
 # dp = 2, EmaAdamW, tensor parallelism (ZeRO-0 fp32), a two-stage pipeline (BF16_Optimizer), and a
 # mid-size model (9.7M parameters: matrices above ZeRO-3's persistence threshold, vectors below), and
 # sequence parallelism (sp = 2: half the tokens per rank, ZeRO shards over the sp ranks), and 3D RoPE (the
-# 4 blocks share one table: the buffers line counts it once), and Wan 2.2 A14B's two experts, all with 2 ranks. tp = 2 x pp = 2 runs under train.py in tests/cli/test_resume_cli.py.
+# 4 blocks share one table: the buffers line counts it once), and Wan 2.2 A14B's two experts (also in a two-stage
+# pipeline, whose blocks are the experts' pairs: checkpointed as any block), all with 2 ranks. tp = 2 x pp = 2 runs
+# under train.py in tests/cli/test_resume_cli.py.
 MID = ["model.hidden_size=384", "model.num_heads=6", "model.head_dim=64", "model.time_embed_dim=128",
        "model.text_embed_dim=128"]
 CASES = [("zero0", "zero0_fp32", (1, 1, 2), "AdamW", []), ("zero1", "zero1_bf16", (1, 1, 2), "BF16_Optimizer", []),
@@ -34,9 +36,10 @@ CASES = [("zero0", "zero0_fp32", (1, 1, 2), "AdamW", []), ("zero1", "zero1_bf16"
          ("sp2 zero1", "zero1_bf16", (1, 1, 1), "BF16_Optimizer", ["parallel.sp_size=2"]),
          ("sp2 zero2", "zero2_bf16", (1, 1, 1), "DeepSpeedZeroOptimizer", ["parallel.sp_size=2"]),
          ("rope zero1", "zero1_bf16", (1, 1, 2), "BF16_Optimizer", ["model.pos_embed=rope3d"]),
-         ("wan22 zero2", "zero2_bf16", (1, 1, 2), "DeepSpeedZeroOptimizer", [])]
+         ("wan22 zero2", "zero2_bf16", (1, 1, 2), "DeepSpeedZeroOptimizer", []),
+         ("wan22 pp2 zero1", "zero1_bf16", (1, 2, 1), "BF16_Optimizer", [])]
 # Wan 2.2 A14B with both experts (each rank holds both; the optimizer's groups are per expert)
-PRESETS = {"wan22 zero2": "debug-wan22"}
+PRESETS = {"wan22 zero2": "debug-wan22", "wan22 pp2 zero1": "debug-wan22"}
 
 
 def ds_case(name: str, file: str) -> dict:

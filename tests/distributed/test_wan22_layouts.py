@@ -2,9 +2,12 @@
 tp 2 x pp 2 and at sp 2 x dp 2 equal one process (losses on every rank, both experts' weights), and every rank of
 every layout routes each sample of each step to the expert one process routes it to; a tiny random release
 (tests/unit/test_wan22_released.py) read at tp 2 x pp 2 and exported with --format diffusers's writer gives
-transformer/ and transformer_2/ that WanTransformer3DModel.from_pretrained reads back bit for bit. One spawn of 4
-gloo ranks.
+transformer/ and transformer_2/ that WanTransformer3DModel.from_pretrained reads back bit for bit, and beside them
+the pipeline's model_index.json (the boundary), with which python -m parallel.verify routes diffusers' rows. One
+spawn of 4 gloo ranks.
 """
+import json
+
 import torch
 
 from models.wan.experts import expert_of
@@ -104,6 +107,20 @@ def test_both_experts_train_alike_in_every_layout(tmp_path):
         assert ours.keys() == theirs.keys() and sum(len(load_file(str(f))) for f in files) == len(theirs)
         for name, want in theirs.items():
             assert torch.equal(ours[name], want), (sub, name)
+    # The boundary between them, as the release's model_index.json holds it: parallel.verify of the export (which
+    # reads it to route each row to diffusers' expert) passes.
+    from parallel import verify
+    from tests.helpers.wan22_released import BOUNDARY, overrides
+    index = json.loads((tmp_path / "export" / "model_index.json").read_text())
+    assert (index["_class_name"], index["boundary_ratio"]) == ("WanPipeline", BOUNDARY)
+    assert index["transformer"] == index["transformer_2"] == ["diffusers", "WanTransformer3DModel"]
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+    pipe = WanPipeline.from_pretrained(tmp_path / "export", vae=None, text_encoder=None, tokenizer=None,
+                                       scheduler=UniPCMultistepScheduler())      # the release's other components
+    assert pipe.config.boundary_ratio == BOUNDARY
+    for got, model in zip((pipe.transformer, pipe.transformer_2), models):
+        assert all(torch.equal(got.state_dict()[n], v) for n, v in model.state_dict().items())
+    assert verify.main(["--config", PRESET, *(f"--set={o}" for o in overrides(tmp_path / "export")), "--batch", "4"]) == 0
     reference = train(1, 1, 1, wan_fp32_config(), steps=STEPS, preset=PRESET)
     want = experts_by_position(1, 1, 1, 1)
     # Both experts train, and some micro-batch of 2 mixes them (the split-by-sample path).

@@ -251,6 +251,28 @@ def test_stage_layers_relies_on_forward_funcs():
     assert pipeline.stage_layers(module) == [abs, len]
 
 
+def test_checkpointable_layers_set_after_the_build_are_the_ones_read():
+    """set_checkpointable_layers after PipelineModule.__init__: DeepSpeed reads the names only when the engine
+    precomputes which segments it checkpoints; stage_layer_range is _build's [_local_start, _local_stop)."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    p = "set_checkpointable_layers"
+    check = source(member(p, PipelineModule, "_is_checkpointable"))
+    relies(p, "PipelineModule._is_checkpointable", "f.__class__.__name__ in self.checkpointable_layers" in check,
+           "a segment's layers are no longer matched by class name against checkpointable_layers")
+    relies(p, "PipelineModule.__init__", "_precompute_checkpointable_values" not in source(PipelineModule.__init__),
+           "__init__ now decides which segments to checkpoint, before the names are set")
+    relies(p, "PipelineEngine.__init__", "self.module._precompute_checkpointable_values()" in
+           source(PipelineEngine.__init__), "the engine no longer precomputes the segments' answers")
+    module = PipelineModule.__new__(PipelineModule)
+    torch.nn.Module.__init__(module)
+    module.activation_checkpoint_func, module.checkpointable_layers = checkpointing.checkpoint, ["Linear"]
+    pipeline.set_checkpointable_layers(module, {"ReLU", "Linear"})
+    assert module._is_checkpointable([torch.nn.ReLU(), torch.nn.Linear(1, 1)])
+    assert not module._is_checkpointable([torch.nn.Tanh()])
+    module._set_bounds(start=3, stop=5)
+    assert pipeline.stage_layer_range(module) == range(3, 5)
+
+
 def test_set_stage_bounds_gives_each_rank_its_stage_range():
     topo = PipeModelDataParallelTopology(num_pp=3, num_mp=2, num_dp=1)
     parts = [0, 2, 5, 9]

@@ -9,7 +9,15 @@ ExplicitPipelineModule(..., parts=)  (0.19.8)
     relies   _partition_layers(method), _set_bounds(start, stop), _topo.get_coord(rank).pipe, global_rank,
              parts (returned by partitions())
 stage_layers(module)  (read, 0.19.8)
-    the layers this stage built, in order: PipelineModule._build appends each to module.forward_funcs
+    the layers this stage built, in order: PipelineModule._build appends each to module.forward_funcs;
+    stage_layer_range(module): their indices in the layer list, [_local_start, _local_stop) (_set_bounds)
+set_checkpointable_layers(module, names)  (0.19.8)
+    does     module.checkpointable_layers = names, after the stage is built
+    why      DeepSpeed checkpoints a segment only when every layer's class name is in checkpointable_layers; a
+             layer spec may build another class than its own (Wan 2.2 A14B's WanBlock builds an ExpertLayer of
+             both experts' blocks), known only once built, and __init__ builds
+    relies   PipelineModule._is_checkpointable reads self.checkpointable_layers, first when the engine precomputes
+             each segment's answer (PipelineEngine.__init__: _precompute_checkpointable_values), after __init__
 """
 from __future__ import annotations
 
@@ -41,3 +49,13 @@ class ExplicitPipelineModule(PipelineModule):
 def stage_layers(module: PipelineModule) -> list:
     """The layers (modules and functions) this pipeline stage built, in order."""
     return list(module.forward_funcs)
+
+
+def stage_layer_range(module: PipelineModule) -> range:
+    """The indices in the layer list of the layers this stage built (stage_layers' order)."""
+    return range(module._local_start, module._local_stop)
+
+
+def set_checkpointable_layers(module: PipelineModule, names) -> None:
+    """Checkpoint the segments whose layers' classes are all named in `names`; after __init__ (see above)."""
+    module.checkpointable_layers = sorted(names)
