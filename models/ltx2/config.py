@@ -126,13 +126,10 @@ class LTX2Config(ModelConfig):
 
     def unsupported(self, run, purpose: str = "train") -> list[str]:
         """What the toolkit cannot do with this model yet (parallel/check.py's load_and_check refuses runs with it;
-        the planner plans it). Training from latents with both streams works (models/ltx2/training.py), and so do
-        parallel.export, parallel.verify and parallel.sample (both streams). `purpose` refuses nothing of its own."""
+        the planner plans it). Training from latents with both streams works (models/ltx2/training.py; LoRA too), and
+        so do parallel.export, parallel.verify and parallel.sample (both streams). `purpose` refuses nothing of its own."""
         why = "docs/models.md#ltx-2"
         problems = []
-        if self.lora is not None:
-            problems.append(f"model.lora with model.family=ltx2: adapters on LTX-2 (its audio layers, "
-                            f"LTX2LoraLoaderMixin's names) are not built yet; leave model.lora out ({why})")
         if run.data.caption_dropout > 0:
             problems.append(f"data.caption_dropout={run.data.caption_dropout} with model.family=ltx2: the audio "
                             f"caption's unconditional states are not stored yet; set --set data.caption_dropout=0 "
