@@ -50,7 +50,9 @@ LTX-2 (a model of two streams, video and audio): its pipeline's own loop, both s
 --negative-embeds file holds the connector's caption states of both, "text" and "audio_text" (guidance needs
 --negative-embeds); --noise holds "latents" and "audio" [B, A, C] (packed); without it prompt i's audio noise is
 drawn after its video noise; `--guidance` guides both; the output adds "audio" (a folder: "prompt<i>_audio"); no
-decoder (--vae, val.decoder: refused).
+decoder (--vae, val.decoder: refused). Its image-to-video (model.image_condition, equal to
+LTX2ImageToVideoPipeline(latents=..., output_type="latent") with the picture's latent in the latents' frame 0):
+`--image-latents` only (--image: refused), the picture's latent in frame 0 of every step's input and of the result.
 
 Output (rank 0): `--out FILE.safetensors` writes {"latents": [B, C, T, H, W]}, and with a decoder (--vae DIR or
 val.decoder) the videos FILE/prompt<i>.{gif,mp4,txt} (FILE without the suffix). `--out DIR` (any other name)
@@ -272,12 +274,17 @@ def _check_image(args, cfg, rows: int, shapes: dict) -> list[str]:
     if condition is None:
         return [f"{' and '.join(given)}: model {cfg.model.name} is text-to-video (its family's conditioning is off); "
                 "leave out the image"] if given else []
-    stored = condition.stored_shapes([cfg.model.in_channels, *latent_shape(cfg.model, cfg.data)])
+    # what the sampler takes (LTX-2: the picture's latent, which its training data does not store)
+    shapes_of = getattr(condition, "sampling_shapes", condition.stored_shapes)
+    stored = shapes_of([cfg.model.in_channels, *latent_shape(cfg.model, cfg.data)])
     want = stored["image"]
     label = "[C, 1, H, W]" if want[1] == 1 else "[C, T, H, W]"
     if len(given) != 1:
         return [f"model {cfg.model.name} is image-to-video: give the first frame, either --image PICTURE (with --vae) "
                 f"or --image-latents FILE {label}" + (", not both" if given else "")]
+    if args.image and not hasattr(condition, "encode_pictures"):      # LTX-2: its VAE's normalisation is not read
+        return [f"--image: encoding a picture for model {cfg.model.name} is not built (docs/models.md); give the "
+                f"picture's latent: --image-latents FILE {label}"]
     problems = _check_image_embeds(args, condition, rows, shapes, stored)
     if args.image:
         missing = [str(p) for p in args.image if not p.is_file()]

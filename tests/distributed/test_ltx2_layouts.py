@@ -4,7 +4,8 @@ One spawn: the tiny random releases of tests/unit/test_ltx2.py (LTX-2.0, and the
 cross-attention modulation) loaded at (tp, pp) = (1, 1), (2, 1), (1, 2), (2, 2) and at sp 2 (Ulysses; tp 2 x
 Ulysses 2 and tp 2 x ring 2: the video stream split, the audio stream whole on every rank) predict what diffusers
 predicts, video and audio, on every rank, under sp at the preset's 48 video tokens and at 45 (padded) and 1 (one
-rank holds only padding); at tp 2, and at tp 2 x sp 2 (Ulysses, ring; 45 tokens) the gradients of a loss
+rank holds only padding); so do they with image-to-video's timesteps (frame 0's tokens at 0, LTX2ImageToVideoPipeline's
+[B, S] timestep), under sp also with the first frame on one rank and split over both; at tp 2, and at tp 2 x sp 2 (Ulysses, ring; 45 tokens) the gradients of a loss
 over both streams equal diffusers' own (every q/k RMSNorm all-reduces its statistic across heads, forward and
 backward; under sp the video-to-audio partials merge across ranks, and the sp ranks' gradients are averaged as
 DeepSpeed's data axis does); one block's forward at tp 2 all-reduces what the block's docstring counts, and under
@@ -48,6 +49,16 @@ EXPORT_LAYOUT = (2, 2, 1)                      # the one whose checkpoint is exp
 # pad to 46 (23 a rank, 22 real on the second); 1 token leaves the second rank only padding (no key of its own).
 DEBUG = ((test_ltx2.FRAMES, test_ltx2.HEIGHT, test_ltx2.WIDTH), test_ltx2.AUDIO)
 ODD = [((3, 3, 5), 18), ((1, 1, 1), 1)]
+# Image-to-video under sp 2: 45 tokens (the first frame's 15 all on the first rank, none on the second) and one frame
+# of 15 (8 and 7 of it on the two ranks, then a padding row)
+I2V_ODD = [ODD[0], ((1, 3, 5), 4)]
+
+
+def i2v_inputs(shape=DEBUG):
+    """inputs() with the video timesteps per latent position, frame 0's at 0 (image-to-video)."""
+    from models.ltx2.image import token_timesteps
+    x = test_ltx2.inputs(*shape)
+    return (x[0], token_timesteps(x[1], shape[0]), *x[2:])
 
 
 def targets(shape=DEBUG):
@@ -162,9 +173,13 @@ def _variant(world_size, variant, folder):
         cfg, ctx, model = layout_model("debug-ltx2", overrides, folder, world_size, tp, pp, sp, ring)
         with torch.no_grad():
             out[("predict", tp, pp, sp, ring)] = _predict(model, ctx, x)
+            out[("i2v", tp, pp, sp, ring)] = _predict(model, ctx, i2v_inputs())
             for shape in ODD if sp > 1 else ():
                 model.step_grid.set(shape[0])
                 out[("predict", tp, pp, sp, ring, shape)] = _predict(model, ctx, test_ltx2.inputs(*shape))
+            for shape in I2V_ODD if sp > 1 else ():
+                model.step_grid.set(shape[0])
+                out[("i2v", tp, pp, sp, ring, shape)] = _predict(model, ctx, i2v_inputs(shape))
             model.step_grid.set(DEBUG[0])
             if (tp, pp, sp) == (2, 1, 1):
                 with count_comm() as counter:
@@ -212,14 +227,17 @@ def test_ltx2_in_every_layout(released, tmp_path):
         folder, model = released[variant]
         want = test_ltx2.diffusers_forward(model, variant)
         odd = {shape: test_ltx2.diffusers_forward(model, variant, test_ltx2.inputs(*shape)) for shape in ODD}
+        i2v = {shape: test_ltx2.diffusers_forward(model, variant, i2v_inputs(shape)) for shape in [DEBUG, *I2V_ODD]}
         for rank, out in enumerate(r[variant] for r in results):
             for tp, pp, sp, ring in LAYOUTS:
-                cases = [((), want)] + [((shape,), odd[shape]) for shape in ODD if sp > 1]
-                for key, expected_pair in cases:
-                    for got, expected, stream in zip(out[("predict", tp, pp, sp, ring, *key)], expected_pair,
+                cases = [(("predict",), want), (("i2v",), i2v[DEBUG])] + [(("predict", shape), odd[shape])
+                                                                          for shape in ODD if sp > 1]
+                cases += [(("i2v", shape), i2v[shape]) for shape in I2V_ODD if sp > 1]
+                for (kind, *key), expected_pair in cases:
+                    for got, expected, stream in zip(out[(kind, tp, pp, sp, ring, *key)], expected_pair,
                                                      ("video", "audio")):
-                        torch.testing.assert_close(got, expected, msg=lambda m: f"{variant} {stream} tp={tp} "
-                                                   f"pp={pp} sp={sp} ring={ring} {key} rank {rank}: {m}")
+                        torch.testing.assert_close(got, expected, msg=lambda m: f"{variant} {kind} {stream} "
+                                                   f"tp={tp} pp={pp} sp={sp} ring={ring} {key} rank {rank}: {m}")
 
         # tp 2, and tp 2 x sp 2 (Ulysses, ring) at 45 video tokens (padded): gradients equal diffusers' (names
         # through the released format's map).

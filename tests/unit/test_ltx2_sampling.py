@@ -86,3 +86,43 @@ def test_the_schedule_is_the_release_scheduler(steps):
         scheduler.set_timesteps(steps, sigmas=np.linspace(1.0, 1 / steps, steps),
                                 mu=calculate_shift(tokens, 1024, 4096, 0.95, 2.05))
         assert torch.equal(ltx2_sigmas(steps, tokens), scheduler.sigmas)
+
+
+def test_image_to_video_equals_the_pipeline(released, tmp_path, capsys):
+    """model.image_condition: --image-latents (one picture latent a row) gives LTX2ImageToVideoPipeline's video and
+    audio latents, the picture in frame 0 of the pipeline's latents (its conditioning mask and per-token timestep,
+    frames 1.. stepped), with guidance (both calls see the picture). --image is refused by name (encoding a picture
+    needs the VAE's normalisation, not read); a text-to-video model refuses --image-latents."""
+    from diffusers import LTX2ImageToVideoPipeline
+
+    folder, model = released["ltx2.3"]
+    pipe = pipeline(model)
+    i2v = LTX2ImageToVideoPipeline(**{k: v for k, v in pipe.components.items() if v is not None or k in (
+        "text_encoder", "tokenizer", "vocoder")})
+    gemma, negative, video, audio = _files(tmp_path, pipe)
+    image = torch.randn(B, 8, 1, 4, 6, generator=torch.Generator().manual_seed(6))
+    save_file({"image": image}, str(tmp_path / "image.safetensors"))
+    args = ["--config", "debug-ltx2", *(f"--set={o}" for o in overrides(folder, "ltx2.3")),
+            "--set=model.image_condition=true", "--prompt-embeds", str(tmp_path / "prompt.safetensors"), "--noise",
+            str(tmp_path / "noise.safetensors"), "--negative-embeds", str(tmp_path / "negative.safetensors"),
+            "--steps", "3", "--guidance", "3", "--out", str(tmp_path / "i2v.safetensors")]
+    assert main([*args, "--image-latents", str(tmp_path / "image.safetensors")]) == 0
+    got = load_file(str(tmp_path / "i2v.safetensors"))
+    mask = torch.ones(B, L, dtype=torch.long)
+    want_video, want_audio = i2v(
+        image=None, prompt_embeds=gemma, prompt_attention_mask=mask, negative_prompt_embeds=negative,
+        negative_prompt_attention_mask=mask, latents=torch.cat([image, video[:, :, 1:]], dim=2), audio_latents=audio,
+        num_frames=9, frame_rate=24.0, num_inference_steps=3, guidance_scale=3.0, audio_guidance_scale=3.0,
+        stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0,
+        audio_guidance_rescale=0.0, output_type="latent", return_dict=False)
+    assert torch.equal(got["latents"][:, :, :1], image)
+    torch.testing.assert_close(got["latents"], want_video, msg=lambda m: f"image-to-video video: {m}")
+    torch.testing.assert_close(got["audio"], want_audio.transpose(1, 2).flatten(2),
+                               msg=lambda m: f"image-to-video audio: {m}")
+    (tmp_path / "picture.png").write_bytes(b"")
+    assert main([*args, "--image", str(tmp_path / "picture.png")]) == 1
+    assert ("--image: encoding a picture for model debug-ltx2 is not built (docs/models.md); give the picture's latent: "
+            "--image-latents FILE [C, 1, H, W]") in capsys.readouterr().err
+    text_to_video = [a for a in args if a != "--set=model.image_condition=true"]
+    assert main([*text_to_video, "--image-latents", str(tmp_path / "image.safetensors")]) == 1
+    assert "--image-latents: model debug-ltx2 is text-to-video" in capsys.readouterr().err
