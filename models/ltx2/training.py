@@ -30,7 +30,7 @@ import torch
 
 from models.diffusion import NUM_TRAIN_TIMESTEPS, PER_SAMPLE, mse_loss
 from models.ltx2.image import token_timesteps
-from models.ltx2.sampling import MIN_STEPS, sample, shift_mu
+from models.ltx2.sampling import GUIDANCE_RESCALE, MIN_STEPS, sample, shift_mu
 
 
 def shifted_sigma(u: torch.Tensor, video_tokens: int) -> torch.Tensor:
@@ -106,3 +106,4 @@ class AudioStream:
 
     sample = staticmethod(sample)
     min_steps = MIN_STEPS
+    guidance_rescale = GUIDANCE_RESCALE          # parallel.sample's default --guidance-rescale (the pipeline's)
