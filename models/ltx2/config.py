@@ -129,8 +129,9 @@ class LTX2Config(ModelConfig):
 
     def unsupported(self, run, purpose: str = "train") -> list[str]:
         """What the toolkit cannot do with this model yet (parallel/check.py's load_and_check refuses runs with it;
-        the planner plans it). Training from latents with both streams works (models/ltx2/training.py; LoRA too), and
-        so do parallel.export, parallel.verify and parallel.sample (both streams). `purpose` refuses nothing of its own."""
+        the planner plans it). Training from latents with both streams works (models/ltx2/training.py; LoRA too),
+        and so do parallel.export, parallel.verify and parallel.sample (both streams). `purpose` refuses nothing of
+        its own."""
         why = "docs/models.md#ltx-2"
         problems = []
         if run.data.caption_dropout > 0:

@@ -20,12 +20,12 @@ A block, per stream (names as diffusers'; RMSNorm without weight; p_k = table_k 
     a = a + g_v2a * Attn(rms(a) (1 + ..) + ..  ->  rms(x) (1 + ..) + ..)        audio queries, video keys (v2a)
     x = x + g_mlp * FFN(rms(x) (1 + sc_mlp) + sh_mlp)                           GELU (tanh), 4 x width
 
-(a2v and v2a both read the streams as they were before either.) Image-to-video (LTX2ImageToVideoPipeline's
-per-token timestep: the clean first latent frame's h w tokens at 0, the rest at t) modulates the first frame's
-tokens with vmod's second row and the others with its first, segment by segment (no per-token copy of the rows). Both cross-stream attentions have the audio
+(a2v and v2a both read the streams as they were before either.) Both cross-stream attentions have the audio
 heads (Da = audio heads x audio head_dim) and turn q and k by time alone (models/ltx2/rope.py). Every attention
 normalises q and k over all its heads (RMS with weight); LTX-2.3's gated attention multiplies each head's output
-by 2 sigmoid(W_g h) before the output projection.
+by 2 sigmoid(W_g h) before the output projection. Image-to-video (LTX2ImageToVideoPipeline's per-token timestep:
+the clean first latent frame's h w tokens at 0, the rest at t) modulates the first frame's tokens with vmod's
+second row and the others with its first, segment by segment (no per-token copy of the rows).
 
 Tensor parallelism (ctx.tp_size = p): every q, k, v projection and gate is column-parallel (heads split p ways),
 every output projection row-parallel, the FFNs column- then row-parallel: 6 attentions + 2 FFNs, 8 all-reduces of

@@ -1,20 +1,20 @@
 """The LTX-2 family in 4 gloo ranks against diffusers' LTX2VideoTransformer3DModel.
 
 One spawn: the tiny random releases of tests/unit/test_ltx2.py (LTX-2.0, and the LTX-2.3 flags: gated attention,
-cross-attention modulation) loaded at (tp, pp) = (1, 1), (2, 1), (1, 2), (2, 2) and at sp 2 (Ulysses; tp 2 x
-Ulysses 2 and tp 2 x ring 2: the video stream split, the audio stream whole on every rank) predict what diffusers
-predicts, video and audio, on every rank, under sp at the preset's 48 video tokens and at 45 (padded) and 1 (one
-rank holds only padding); so do they with image-to-video's timesteps (frame 0's tokens at 0, LTX2ImageToVideoPipeline's
-[B, S] timestep), under sp also with the first frame on one rank and split over both; at tp 2, and at tp 2 x sp 2 (Ulysses, ring; 45 tokens) the gradients of a loss
-over both streams equal diffusers' own (every q/k RMSNorm all-reduces its statistic across heads, forward and
-backward; under sp the video-to-audio partials merge across ranks, and the sp ranks' gradients are averaged as
-DeepSpeed's data axis does); one block's forward at tp 2 all-reduces what the block's docstring counts, and under
-Ulysses makes the all-to-alls the family's spec declares (FamilySpec.costs.attentions_per_layer). The same ranks train
-debug-ltx2 (both streams, synthetic data, fp32, activation checkpointing) at tp 2 x sp 2 and at tp 2 x pp 2 (the
-pipeline engine sends the stage tuple of both streams and takes the (video, audio) target), and LoRA adapters on
-every attention (the cross-modal ones too) and an FFN layer of each stream at tp 2 x pp 2 (the frozen base's embed
-stage): the losses on every rank and the final weights equal a one-process run's (both one-process runs in one
-spawn). The user's commands in the same ranks (their main(argv), as
+cross-attention modulation) loaded at (tp, pp) = (1, 1), (2, 1), (1, 2), (2, 2) and at sp 2 (Ulysses; tp 2 x Ulysses 2
+and tp 2 x ring 2: the video stream split, the audio stream whole on every rank) predict what diffusers predicts,
+video and audio, on every rank, under sp at the preset's 48 video tokens and at 45 (padded) and 1 (one rank holds only
+padding); so do they with image-to-video's timesteps (frame 0's tokens at 0, LTX2ImageToVideoPipeline's [B, S]
+timestep), under sp also with the first frame on one rank and split over both; at tp 2, and at tp 2 x sp 2 (Ulysses,
+ring; 45 tokens) the gradients of a loss over both streams equal diffusers' own (every q/k RMSNorm all-reduces its
+statistic across heads, forward and backward; under sp the video-to-audio partials merge across ranks, and the sp
+ranks' gradients are averaged as DeepSpeed's data axis does); one block's forward at tp 2 all-reduces what the block's
+docstring counts, and under Ulysses makes the all-to-alls the family's spec declares
+(FamilySpec.costs.attentions_per_layer). The same ranks train debug-ltx2 (both streams, synthetic data, fp32,
+activation checkpointing) at tp 2 x sp 2 and at tp 2 x pp 2 (the pipeline engine sends the stage tuple of both streams
+and takes the (video, audio) target), and LoRA adapters on every attention (the cross-modal ones too) and an FFN layer
+of each stream at tp 2 x pp 2 (the frozen base's embed stage): the losses on every rank and the final weights equal a
+one-process run's (both one-process runs in one spawn). The user's commands in the same ranks (their main(argv), as
 `deepspeed --module` runs them): `python -m parallel.export --format diffusers` of the tp 2 x pp 2 run's checkpoint
 writes a folder whose tensors are the trained weights bit for bit and from which diffusers' model predicts what the
 trained toolkit model predicts (video and audio); `python -m parallel.verify` holds that export to the checkpoint

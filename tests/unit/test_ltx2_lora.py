@@ -26,7 +26,8 @@ ATTENTIONS = ["attn1", "audio_attn1", "attn2", "audio_attn2", "audio_to_video_at
 TRAINER = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "audio_ff.net.0.proj", "audio_ff.net.2"]
 # some parts of the fused layers: the video self-attention's q (of [q; k; v]), the audio's v, video-to-audio's k and
 # audio-to-video's v (of [k; v]); the audio caption cross-attention's output
-PARTS = ["attn1.to_q", "audio_attn1.to_v", "video_to_audio_attn.to_k", "audio_to_video_attn.to_v", "audio_attn2.to_out.0"]
+PARTS = ["attn1.to_q", "audio_attn1.to_v", "video_to_audio_attn.to_k", "audio_to_video_attn.to_v",
+         "audio_attn2.to_out.0"]
 CASES = {"ltx2": TRAINER, "ltx2.3": [*TRAINER, "to_gate_logits"], "parts": PARTS}
 
 

@@ -134,8 +134,8 @@ def test_image_to_video_equals_the_pipeline(released, tmp_path, capsys):
                                msg=lambda m: f"image-to-video audio: {m}")
     (tmp_path / "picture.png").write_bytes(b"")
     assert main([*args, "--image", str(tmp_path / "picture.png")]) == 1
-    assert ("--image: encoding a picture for model debug-ltx2 is not built (docs/models.md); give the picture's latent: "
-            "--image-latents FILE [C, 1, H, W]") in capsys.readouterr().err
+    assert ("--image: encoding a picture for model debug-ltx2 is not built (docs/models.md); give the picture's "
+            "latent: --image-latents FILE [C, 1, H, W]") in capsys.readouterr().err
     text_to_video = [a for a in args if a != "--set=model.image_condition=true"]
     assert main([*text_to_video, "--image-latents", str(tmp_path / "image.safetensors")]) == 1
     assert "--image-latents: model debug-ltx2 is text-to-video" in capsys.readouterr().err
