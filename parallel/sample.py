@@ -49,8 +49,12 @@ LTX-2 (a model of two streams, video and audio): its pipeline's own loop, both s
 "ltx2": models/ltx2/sampling.py, equal to LTX2Pipeline(..., output_type="latent")); each --prompt-embeds and
 --negative-embeds file holds the connector's caption states of both, "text" and "audio_text" (guidance needs
 --negative-embeds); --noise holds "latents" and "audio" [B, A, C] (packed); without it prompt i's audio noise is
-drawn after its video noise; `--guidance` guides both; the output adds "audio" (a folder: "prompt<i>_audio"); no
-decoder (--vae, val.decoder: refused).
+drawn after its video noise; `--guidance` guides the video and `--guidance-2` (val.guidance_scale_2, default
+--guidance) the audio (the pipeline's guidance_scale, audio_guidance_scale), `--guidance-rescale` both (its
+guidance_rescale and audio_guidance_rescale, default its 0.7); the output adds "audio" (a folder: "prompt<i>_audio");
+no decoder (--vae, val.decoder: refused). Its image-to-video (model.image_condition, equal to
+LTX2ImageToVideoPipeline(latents=..., output_type="latent") with the picture's latent in the latents' frame 0):
+`--image-latents` only (--image: refused), the picture's latent in frame 0 of every step's input and of the result.
 
 Output (rank 0): `--out FILE.safetensors` writes {"latents": [B, C, T, H, W]}, and with a decoder (--vae DIR or
 val.decoder) the videos FILE/prompt<i>.{gif,mp4,txt} (FILE without the suffix). `--out DIR` (any other name)
@@ -96,7 +100,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--guidance", type=float, default=None, help="guidance scale; default val.guidance_scale")
     ap.add_argument("--guidance-2", dest="guidance_2", type=float, default=None,
                     help="a model of two experts (Wan 2.2 A14B): the low-noise expert's guidance scale (WanPipeline's "
-                    "guidance_scale_2), --guidance the high-noise one's; default val.guidance_scale_2, else --guidance")
+                    "guidance_scale_2), --guidance the high-noise one's; LTX-2: the audio stream's (LTX2Pipeline's "
+                    "audio_guidance_scale), --guidance the video's; default val.guidance_scale_2, else --guidance")
+    ap.add_argument("--guidance-rescale", dest="guidance_rescale", type=float, default=None,
+                    help="LTX-2: both streams' guidance rescale (LTX2Pipeline's guidance_rescale and "
+                    "audio_guidance_rescale), default the pipeline's 0.7; 0 turns it off")
     ap.add_argument("--sampler", default=None, help=f"one of {', '.join(sorted(s for g in SAMPLERS.values() for s in g))} "
                     "or a family's own (LTX-2: ltx2), fitting the model's objective (a misfit is refused, naming those "
                     "that fit); default val.sampler, else the first the model's family offers for its objective")
@@ -205,10 +213,13 @@ def check_args(args, cfg, layout, ds: dict | None = None) -> list[str]:
                             f"data.height, data.width)")
     problems += _check_image(args, cfg, rows, shapes)
     stream = family(cfg.model).training_stream(cfg.model, cfg.data)
-    if stream is not None:
-        problems += _check_stream(args, cfg, stream, rows, guidance != 1, steps)
-    uncond = Path(cfg.data.path) / UNCOND_FILE if cfg.data.path else None
     second = cfg.val.guidance_scale_2 if args.guidance_2 is None else args.guidance_2
+    if stream is not None:
+        problems += _check_stream(args, cfg, stream, rows, guidance != 1 or second not in (None, 1), steps)
+    elif args.guidance_rescale is not None:
+        problems.append(f"--guidance-rescale {args.guidance_rescale}: model {cfg.model.name}'s sampler has no "
+                        f"guidance rescale (LTX-2's has); leave it out")
+    uncond = Path(cfg.data.path) / UNCOND_FILE if cfg.data.path else None
     if (guidance != 1 or second not in (None, 1)) and not args.negative_embeds and not cfg.data.text_encoder and \
             not (uncond and uncond.is_file()) and stream is None:          # a second stream: _check_stream's
         key = f"val.guidance_scale={guidance}" if args.guidance is None else f"--guidance {guidance}"
@@ -250,6 +261,8 @@ def _check_stream(args, cfg, stream, rows: int, guided: bool, steps: int) -> lis
     if guided and not args.negative_embeds:
         problems.append(f"guidance needs the unconditional captions of both streams of model {cfg.model.name}: give "
                         f"--negative-embeds (\"text\" and \"{text_key}\")")
+    if args.guidance_rescale is not None and not 0 <= args.guidance_rescale <= 1:
+        problems.append(f"--guidance-rescale {args.guidance_rescale}: give a number in [0, 1] (0: off)")
     if args.noise and args.noise.is_file():
         shape = _tensor(args.noise, load=False, key=noise_key)
         if shape != (rows, *audio):
@@ -272,12 +285,17 @@ def _check_image(args, cfg, rows: int, shapes: dict) -> list[str]:
     if condition is None:
         return [f"{' and '.join(given)}: model {cfg.model.name} is text-to-video (its family's conditioning is off); "
                 "leave out the image"] if given else []
-    stored = condition.stored_shapes([cfg.model.in_channels, *latent_shape(cfg.model, cfg.data)])
+    # what the sampler takes (LTX-2: the picture's latent, which its training data does not store)
+    shapes_of = getattr(condition, "sampling_shapes", condition.stored_shapes)
+    stored = shapes_of([cfg.model.in_channels, *latent_shape(cfg.model, cfg.data)])
     want = stored["image"]
     label = "[C, 1, H, W]" if want[1] == 1 else "[C, T, H, W]"
     if len(given) != 1:
         return [f"model {cfg.model.name} is image-to-video: give the first frame, either --image PICTURE (with --vae) "
                 f"or --image-latents FILE {label}" + (", not both" if given else "")]
+    if args.image and not hasattr(condition, "encode_pictures"):      # LTX-2: its VAE's normalisation is not read
+        return [f"--image: encoding a picture for model {cfg.model.name} is not built (docs/models.md); give the "
+                f"picture's latent: --image-latents FILE {label}"]
     problems = _check_image_embeds(args, condition, rows, shapes, stored)
     if args.image:
         missing = [str(p) for p in args.image if not p.is_file()]
@@ -467,10 +485,11 @@ def sample_videos(args, cfg, ds: dict, layout, env):
     shape = (cfg.model.in_channels, *latent_shape(cfg.model, cfg.data))
     checkpoint = None if cfg.model.init_from else args.checkpoint
     with sampling_model(cfg, ds, layout, env, args.ema, checkpoint) as (forward, ctx):
+        rescale = getattr(stream, "guidance_rescale", 0.0) if args.guidance_rescale is None else args.guidance_rescale
         latents = sample_batch(forward, ctx, Objective.of(cfg.model), text, uncond, noise, shape, seed, steps,
                                sampler, guidance, cfg.val.use_dynamic_cfg, first,
                                family(cfg.model).training_condition(cfg.model, cfg.data), extra,
-                               progress=True, stream=stream)
+                               progress=True, stream=stream, guidance_rescale=rescale)
         if ctx.rank == 0:
             for path in write_outputs(args.out, latents, labels, cfg, args.vae or cfg.val.decoder):
                 print(f"wrote {path}", flush=True)

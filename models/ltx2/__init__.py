@@ -2,8 +2,9 @@
 and a caption cross-attention, joined by audio-to-video and video-to-audio cross-attention in every block.
 
 The stage tuple carries both streams (models/ltx2/model.py); the last stage returns (video, audio) predictions.
-Training batches carry the audio stream and the loss counts both (models/ltx2/training.py); what is not built is
-refused by name (LTX2Config.unsupported).
+Training batches carry the audio stream and the loss counts both (models/ltx2/training.py); image-to-video is
+the same transformer with a clean first frame (models/ltx2/image.py); what is not built is refused by name
+(LTX2Config.unsupported).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import math
 
 from models.ltx2.config import LTX2Config
 from models.ltx2.embed import EmbedStage, FinalStage
+from models.ltx2.image import image_condition
 from models.ltx2.model import LTX2Block
 from models.ltx2.pipeline import GEMMA3, SAMPLING, LTX2Latents
 from models.ltx2.released import DIFFUSERS
@@ -56,5 +58,6 @@ SPEC = FamilySpec(
     formats=Formats(vae=LTX2Latents(), text_encoder=GEMMA3, released=DIFFUSERS),
     timesteps=LTX2Timesteps(),
     sampling=SAMPLING,
+    condition=image_condition,               # model.image_condition: the clean first frame (models/ltx2/image.py)
     second_stream=AudioStream,
 )

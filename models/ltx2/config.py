@@ -19,7 +19,7 @@ class LTX2Config(ModelConfig):
     """LTX-2: video and audio self-attention, a text cross-attention per stream, audio-to-video and video-to-audio
     cross-attention, AdaLN modulation of each, RMS q/k norm across heads; 3D rotary positions for video, 1D for
     audio. LTX-2.3: gated attention (`gated_attn`, `audio_gated_attn`) and cross-attention modulation
-    (`cross_attn_mod`, `audio_cross_attn_mod`)."""
+    (`cross_attn_mod`, `audio_cross_attn_mod`). Image-to-video: `image_condition` (models/ltx2/image.py)."""
 
     POS_EMBEDS: ClassVar[tuple[str, ...]] = ("rope_av",)       # the class's video (t, h, w) and audio (t) rotary
 
@@ -70,6 +70,9 @@ class LTX2Config(ModelConfig):
     cross_attn_mod: bool = Field(False, description="LTX-2.3: modulated text cross-attention (queries, gate) for "
                                  "video, and timestep-modulated caption keys and values")
     audio_cross_attn_mod: bool = False
+    image_condition: bool = Field(False, description="image-to-video (LTX2ImageToVideoPipeline; the same "
+                                  "transformer as text-to-video): the first latent frame is the clean picture "
+                                  "latent, its tokens at timestep 0, left out of the loss")
     prompt_embeddings: bool = Field(True, description="diffusers' use_prompt_embeddings: the transformer projects "
                                     "the caption (LTX-2.0); false: the connector did (LTX-2.3), text_embed_dim is "
                                     "then hidden_size for the video caption and audio_hidden_size for the audio's")
@@ -126,13 +129,11 @@ class LTX2Config(ModelConfig):
 
     def unsupported(self, run, purpose: str = "train") -> list[str]:
         """What the toolkit cannot do with this model yet (parallel/check.py's load_and_check refuses runs with it;
-        the planner plans it). Training from latents with both streams works (models/ltx2/training.py), and so do
-        parallel.export, parallel.verify and parallel.sample (both streams). `purpose` refuses nothing of its own."""
+        the planner plans it). Training from latents with both streams works (models/ltx2/training.py; LoRA too),
+        and so do parallel.export, parallel.verify and parallel.sample (both streams). `purpose` refuses nothing of
+        its own."""
         why = "docs/models.md#ltx-2"
         problems = []
-        if self.lora is not None:
-            problems.append(f"model.lora with model.family=ltx2: adapters on LTX-2 (its audio layers, "
-                            f"LTX2LoraLoaderMixin's names) are not built yet; leave model.lora out ({why})")
         if run.data.caption_dropout > 0:
             problems.append(f"data.caption_dropout={run.data.caption_dropout} with model.family=ltx2: the audio "
                             f"caption's unconditional states are not stored yet; set --set data.caption_dropout=0 "

@@ -4,7 +4,10 @@ predictions (models/ltx2/model.py lists the tuple). Module names are diffusers' 
 Inputs (as the pipelines call the transformer, in the toolkit's order):
 
     latents [B, C, T, H, W]   video latents (patch 1: one token per latent position)
-    t       [B]               video timesteps (the pipelines' `timestep`, 0..1000; also `sigma` for LTX-2.3)
+    t       [B]               video timesteps (the pipelines' `timestep`, 0..1000; also `sigma` for LTX-2.3), or
+            [B, T, H, W]      per latent position (image-to-video, LTX2ImageToVideoPipeline's timestep t (1 - mask)):
+                              latent frame 0's, then the one of every later frame (its last position's), which is
+                              also `sigma`; vmod then has a row for each (models/ltx2/model.py)
     text    [B, L, caption]   the connector's video caption states
     audio   [B, A, Ca]        packed audio latents (the pipelines' [B, C, frames, mel] -> [B, frames, C mel])
     atext   [B, L, caption]   the connector's audio caption states
@@ -26,8 +29,8 @@ from torch import nn
 from models.embeddings import timestep_embedding
 from models.geometry import patchify, unpatchify
 from models.ltx2.config import LTX2Config
-from models.ltx2.model import EPS, mod_rows
-from parallel.distributed.sequence import gather_sequence, sp_size_of, split_sequence
+from models.ltx2.model import EPS, first_frame_tokens, mod_rows, modulate
+from parallel.distributed.sequence import gather_sequence, local_range, sp_size_of, split_sequence
 
 
 class TimestepEmbedder(nn.Module):
@@ -96,25 +99,29 @@ class EmbedStage(nn.Module):
         m, dtype = self.cfg, self.proj_in.weight.dtype
         x = split_sequence(self.proj_in(patchify(latents.to(dtype), m)), self.ctx)     # (B, S/sp, D)
         a = self.audio_proj_in(audio.to(dtype))                                         # (B, A, Da)
-        vt, at_ = (at, t) if m.cross_timestep else (t, at)       # each stream's a2v/v2a modulation timestep
+        # image-to-video: the later frames' timestep (the pipeline's sigma) and the first frame's
+        steps = (t,) if t.dim() == 1 else (t.flatten(1)[:, -1], t.flatten(1)[:, 0])
         gate = m.cross_attn_timestep_scale_multiplier / m.timestep_scale_multiplier
-        vmod = self._rows(self.time_embed, self.av_cross_attn_video_scale_shift, self.av_cross_attn_video_a2v_gate,
-                          getattr(self, "prompt_adaln", None), t, vt, gate, dtype)
+        # each stream's a2v/v2a modulation timestep: the other stream's (model.cross_timestep), else its own
+        vmod = torch.cat([self._rows(self.time_embed, self.av_cross_attn_video_scale_shift,
+                                     self.av_cross_attn_video_a2v_gate, getattr(self, "prompt_adaln", None), v,
+                                     at if m.cross_timestep else v, steps[0], gate, dtype) for v in steps], dim=1)
         amod = self._rows(self.audio_time_embed, self.av_cross_attn_audio_scale_shift,
-                          self.av_cross_attn_audio_v2a_gate, getattr(self, "audio_prompt_adaln", None), at, at_, gate,
-                          dtype)
+                          self.av_cross_attn_audio_v2a_gate, getattr(self, "audio_prompt_adaln", None), at,
+                          steps[0] if m.cross_timestep else at, at, gate, dtype)
         y, ya = text.to(dtype), atext.to(dtype)
         if m.prompt_embeddings:
             y, ya = self.caption_projection(y), self.audio_caption_projection(ya)
         return x, a, vmod, amod, y, ya
 
     @staticmethod
-    def _rows(block, cross, gate, prompt, t, ct, scale, dtype):
-        """One stream's modulation rows [B, 1, M W] in mod_rows' order; the head's e last."""
+    def _rows(block, cross, gate, prompt, t, ct, sigma, scale, dtype):
+        """One stream's modulation rows [B, 1, M W] in mod_rows' order, at timesteps t (block, head), ct (a2v/v2a)
+        and sigma (LTX-2.3's caption: the pipelines pass the stream's timestep); the head's e last."""
         rows, e = block(t, dtype)
         parts = [rows, cross(ct, dtype)[0], gate(ct * scale, dtype)[0]]
         if prompt is not None:
-            parts.append(prompt(t, dtype)[0])           # LTX-2.3: the pipelines pass sigma = the stream's timestep
+            parts.append(prompt(sigma, dtype)[0])
         return torch.cat(parts + [e], dim=-1)
 
 
@@ -134,14 +141,16 @@ class FinalStage(nn.Module):
 
     def forward(self, inputs):
         x, a, vmod, amod = inputs[:4]
-        video = self._head(x, vmod[..., -x.shape[-1]:], self.scale_shift_table, self.proj_out)
+        start = local_range(math.prod(tuple(self.grid)), self.ctx)[0]
+        k = first_frame_tokens(self.grid, start, x.shape[1])     # image-to-video: the first frame's, here
+        video = self._head(x, vmod[..., -x.shape[-1]:], self.scale_shift_table, self.proj_out, k)
         audio = self._head(a, amod[..., -a.shape[-1]:], self.audio_scale_shift_table, self.audio_proj_out)
         return (unpatchify(video, self.cfg, self.grid) if sp_size_of(self.ctx) == 1 else video), audio
 
     @staticmethod
-    def _head(h, e, table, proj):
-        shift, scale = (table + e[:, :, None]).unbind(2)                              # (B, 1, W) each
-        return proj(F.layer_norm(h, (h.shape[-1],), eps=EPS) * (1 + scale) + shift)
+    def _head(h, e, table, proj, k: int = 0):
+        shift, scale = (table + e[:, :, None]).unbind(2)                 # (B, 1, W) each (image-to-video: 2)
+        return proj(modulate(F.layer_norm(h, (h.shape[-1],), eps=EPS), scale, shift, k))
 
     def assemble(self, out):
         """The full (video, audio) from forward's output on any sp rank (no gradient)."""

@@ -5,7 +5,9 @@ Between stages flow (models/ltx2/embed.py makes them; all receive gradients)
     x     [B, S, D]       video tokens (t, h, w order; patch 1)
     a     [B, A, Da]      audio tokens (latent frames)
     vmod  [B, 1, Mv D]    the video modulation rows, side by side: block AdaLN (6, or 9 with cross_attn_mod), a2v/v2a
-                          scale-shift (4), a2v gate (1), caption key/value scale-shift (2, LTX-2.3), head (1)
+                          scale-shift (4), a2v gate (1), caption key/value scale-shift (2, LTX-2.3), head (1);
+                          image-to-video [B, 2, Mv D]: the second the conditioned first latent frame's (its tokens'
+                          timestep 0), the first every later frame's (`modulate`, `gate`)
     amod  [B, 1, Ma Da]   the same for audio
     y     [B, L, D]       projected caption, video cross-attention keys and values
     ya    [B, L, Da]      projected caption, audio cross-attention keys and values
@@ -21,7 +23,9 @@ A block, per stream (names as diffusers'; RMSNorm without weight; p_k = table_k 
 (a2v and v2a both read the streams as they were before either.) Both cross-stream attentions have the audio
 heads (Da = audio heads x audio head_dim) and turn q and k by time alone (models/ltx2/rope.py). Every attention
 normalises q and k over all its heads (RMS with weight); LTX-2.3's gated attention multiplies each head's output
-by 2 sigmoid(W_g h) before the output projection.
+by 2 sigmoid(W_g h) before the output projection. Image-to-video (LTX2ImageToVideoPipeline's per-token timestep:
+the clean first latent frame's h w tokens at 0, the rest at t) modulates the first frame's tokens with vmod's
+second row and the others with its first, segment by segment (no per-token copy of the rows).
 
 Tensor parallelism (ctx.tp_size = p): every q, k, v projection and gate is column-parallel (heads split p ways),
 every output projection row-parallel, the FFNs column- then row-parallel: 6 attentions + 2 FFNs, 8 all-reduces of
@@ -189,8 +193,25 @@ def split_mod(mod: torch.Tensor, rows: dict[str, int]) -> dict[str, torch.Tensor
     return dict(zip(rows, parts))
 
 
-def modulate(h, scale, shift):
-    return h * (1 + scale) + shift
+def modulate(h, scale, shift, k: int = 0):
+    """h (1 + scale) + shift, the rows [B, 1, W] on every token of h [B, N, W]; image-to-video's [B, 2, W]: the
+    second on the first k tokens (this rank's of the conditioned first frame), the first on the rest."""
+    if scale.shape[1] == 1:
+        return h * (1 + scale) + shift
+    return torch.cat([h[:, :k] * (1 + scale[:, 1:]) + shift[:, 1:], h[:, k:] * (1 + scale[:, :1]) + shift[:, :1]], 1)
+
+
+def gate(h, g, k: int = 0):
+    """h g, the rows as `modulate`'s."""
+    if g.shape[1] == 1:
+        return h * g
+    return torch.cat([h[:, :k] * g[:, 1:], h[:, k:] * g[:, :1]], 1)
+
+
+def first_frame_tokens(grid, start: int, tokens: int) -> int:
+    """Of the tokens start..start+tokens (this sp rank's), how many are latent frame 0's (h w of the (t, h, w)
+    grid, patch 1): those image-to-video modulates as the conditioned frame."""
+    return min(max(math.prod(tuple(grid)[1:]) - start, 0), tokens)
 
 
 class LTX2Block(nn.Module):
@@ -224,24 +245,25 @@ class LTX2Block(nn.Module):
         y, ya = y_in, ya_in
         m, dev = self.cfg, x.device
         v, au = split_mod(vmod, mod_rows(m, False)), split_mod(amod, mod_rows(m, True))
-        vp = (self.scale_shift_table + v["block"]).unbind(2)                         # (B, 1, D) each
+        vp = (self.scale_shift_table + v["block"]).unbind(2)                 # (B, 1, D) each (image-to-video: 2)
         ap = (self.audio_scale_shift_table + au["block"]).unbind(2)
         grid, tokens = tuple(self.grid), a.shape[1]
         a_rope, cross = self._audio_rope.get((tokens,), dev), self._cross_rope.get((*grid, tokens), dev)
         video = math.prod(grid)
         start, stop = local_range(video, self.ctx)                  # this sp rank's video tokens (padding from S)
         cv_rope, ca_rope = rows(cross[:2], start, stop), cross[2:]
+        k = first_frame_tokens(grid, start, x.shape[1])          # image-to-video: the conditioned frame's, here
 
         # 1. self-attention
-        x = x + self.attn1(modulate(rms(x), vp[1], vp[0])) * vp[2]
+        x = x + gate(self.attn1(modulate(rms(x), vp[1], vp[0], k)), vp[2], k)
         a = a + self.audio_attn1(modulate(rms(a), ap[1], ap[0]), None, a_rope) * ap[2]
 
         # 2. caption cross-attention (LTX-2.3: queries and caption modulated, output gated)
         if m.cross_attn_adaln:
-            pv = (self.prompt_scale_shift_table + v["prompt"]).unbind(2)
+            pv = (self.prompt_scale_shift_table + v["prompt"][:, :1]).unbind(2)        # one timestep a sample
             pa = (self.audio_prompt_scale_shift_table + au["prompt"]).unbind(2)
             y, ya = modulate(y, pv[1], pv[0]), modulate(ya, pa[1], pa[0])
-        x = x + self._text(self.attn2, x, y, vp if m.cross_attn_mod else None)
+        x = x + self._text(self.attn2, x, y, vp if m.cross_attn_mod else None, k)
         a = a + self._text(self.audio_attn2, a, ya, ap if m.audio_cross_attn_mod else None)
 
         # 3. audio-to-video and video-to-audio (both from the streams before either)
@@ -250,20 +272,20 @@ class LTX2Block(nn.Module):
         ca = (self.audio_a2v_cross_attn_scale_shift_table[:4] + au["cross"]).unbind(2)
         a2v_gate = (self.video_a2v_cross_attn_scale_shift_table[4:] + v["gate"])[:, :, 0]
         v2a_gate = (self.audio_a2v_cross_attn_scale_shift_table[4:] + au["gate"])[:, :, 0]
-        x_new = x + a2v_gate * self.audio_to_video_attn(modulate(nx, cv[0], cv[1]), modulate(na, ca[0], ca[1]),
-                                                        cv_rope, ca_rope)
-        a = a + v2a_gate * self.video_to_audio_attn(modulate(na, ca[2], ca[3]), modulate(nx, cv[2], cv[3]),
+        x_new = x + gate(self.audio_to_video_attn(modulate(nx, cv[0], cv[1], k), modulate(na, ca[0], ca[1]),
+                                                  cv_rope, ca_rope), a2v_gate, k)
+        a = a + v2a_gate * self.video_to_audio_attn(modulate(na, ca[2], ca[3]), modulate(nx, cv[2], cv[3], k),
                                                     ca_rope, cv_rope, max(min(stop, video) - start, 0))
         x = x_new
 
         # 4. feed-forward
-        x = x + self.ff(modulate(rms(x), vp[4], vp[3])) * vp[5]
+        x = x + gate(self.ff(modulate(rms(x), vp[4], vp[3], k)), vp[5], k)
         a = a + self.audio_ff(modulate(rms(a), ap[4], ap[3])) * ap[5]
         return x, a, vmod, amod, y_in, ya_in          # the caption's modulation is this block's own
 
     @staticmethod
-    def _text(attn, h, c, p):
+    def _text(attn, h, c, p, k: int = 0):
         """Caption cross-attention of one stream; p: the block's modulation rows (LTX-2.3: queries at rows 6-8)."""
-        q = rms(h) if p is None else modulate(rms(h), p[7], p[6])
+        q = rms(h) if p is None else modulate(rms(h), p[7], p[6], k)
         out = attn(q, c)
-        return out if p is None else out * p[8]
+        return out if p is None else gate(out, p[8], k)

@@ -9,7 +9,8 @@
   yet (`prepared=False`: `prepare_data --t5` and `data.text_encoder` refuse it by name).
 - Scheduler: LTX2Pipeline's denoising loop, video and audio together (the sampler "ltx2", the family's own:
   models/ltx2/sampling.py, which the audio stream's `sample` runs); the release's scheduler_config.json is not
-  read (its values are written there), so there is no release scheduler check.
+  read (its values are written there), so there is no release scheduler check. Guidance: the video's scale and the
+  audio's (val.guidance_scale_2), as the pipeline's guidance_scale and audio_guidance_scale.
 """
 from __future__ import annotations
 
@@ -44,4 +45,11 @@ class LTX2Latents:
 GEMMA3 = TextEncoderFormat(class_name="Gemma3ForConditionalGeneration", model_type="gemma3", masked=True,
                            clean=False, prepared=False)
 
-SAMPLING = Sampling(samplers={"flow_matching": ("ltx2",)}, scheduler=None)
+
+def guidance(model, guidance_scale: float, guidance_scale_2: float) -> tuple[float, float]:
+    """(video, audio) guidance: guidance_scale and guidance_scale_2 (val.guidance_scale_2, parallel.sample's
+    --guidance-2), LTX2Pipeline's guidance_scale and audio_guidance_scale."""
+    return guidance_scale, guidance_scale_2
+
+
+SAMPLING = Sampling(samplers={"flow_matching": ("ltx2",)}, scheduler=None, guidance=guidance)

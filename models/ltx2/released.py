@@ -126,15 +126,18 @@ class LTX2Diffusers(DiffusersFormat):
 
     def reference_call(self, model: torch.nn.Module, inputs: tuple, kwargs: dict):
         """diffusers' (video [B, C, T, H, W], audio [B, A, Ca]) as the pipelines call it (sigma = the video
-        timesteps, audio_sigma = the audio ones), positions from the grid and config.json's frame rate."""
+        timesteps, audio_sigma = the audio ones), positions from the grid and config.json's frame rate. Video
+        timesteps per latent position [B, T, H, W] (image-to-video) go in as LTX2ImageToVideoPipeline passes them:
+        `timestep` [B, S], and sigma the later frames' (its t)."""
         latents, t, text, audio, atext, at = inputs
         b, c, frames, h, w = latents.shape
         fps = kwargs.pop("fps", 24.0)
         cross = kwargs.pop("use_cross_timestep", True)
+        t, sigma = (t, t) if t.dim() == 1 else (t.flatten(1), t.flatten(1)[:, -1])
         video, audio_out = model(
             hidden_states=latents.flatten(2).transpose(1, 2), audio_hidden_states=audio,
             encoder_hidden_states=text, audio_encoder_hidden_states=atext, timestep=t, audio_timestep=at,
-            sigma=t, audio_sigma=at, num_frames=frames, height=h, width=w, fps=fps,
+            sigma=sigma, audio_sigma=at, num_frames=frames, height=h, width=w, fps=fps,
             audio_num_frames=audio.shape[1], use_cross_timestep=cross, return_dict=False, **kwargs)
         return video.transpose(1, 2).reshape(b, -1, frames, h, w), audio_out
 

@@ -15,17 +15,21 @@ streams (`timestep`, `audio_timestep`, `sigma`). Each step, per stream, in the p
 
     x0 = x - s_i v                                                  the velocity v as x0 (convert_velocity_to_x0)
     x0 = x0_c + (g - 1) (x0_c - x0_u)                               classifier-free guidance (g > 1) in x0; else x0_c
+    x0 = r x0 std(x0_c) / std(x0) + (1 - r) x0                     guidance rescale (r > 0; std over each sample)
     v  = (x - x0) / s_i;   x <- x + (s_{i+1} - s_i) v               back to a velocity; the Euler step in fp32
 
-g is the stream's guidance scale (the pipeline's guidance_scale, audio_guidance_scale); the two calls (conditional,
-unconditional) see the stream's caption states or the negative prompt's. Not built (the pipeline's other terms,
-each off at its neutral value): guidance_rescale (0), spatio-temporal guidance (stg_scale 0), modality isolation
-(modality_scale 1), noise_scale (0: the noise given is the start).
+g is the stream's guidance scale (the pipeline's guidance_scale, audio_guidance_scale), r its guidance rescale
+(guidance_rescale, audio_guidance_rescale: rescale_noise_cfg, applied whenever r > 0); the two calls (conditional,
+unconditional) see the stream's caption states or the negative prompt's. Image-to-video (`first`): the video's
+latent frame 0 is the picture's at the start and after every step, as LTX2ImageToVideoPipeline steps frames 1..
+only (its x0, and so the rescale's std, sees the picture there). Not built (the pipeline's other terms, each off at
+its neutral value): spatio-temporal guidance (stg_scale 0), modality isolation (modality_scale 1), noise_scale (0:
+the noise given is the start).
 """
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -35,6 +39,7 @@ from models.diffusion import NUM_TRAIN_TIMESTEPS
 # LTX2Pipeline's calculate_shift arguments (its scheduler.config.get defaults, the release's values too)
 BASE_SEQ_LEN, MAX_SEQ_LEN, BASE_SHIFT, MAX_SHIFT = 1024, 4096, 0.95, 2.05
 SHIFT_TERMINAL = 0.1            # the release's scheduler_config.json
+GUIDANCE_RESCALE = 0.7          # LTX2Pipeline's guidance_rescale and audio_guidance_rescale defaults
 # One step has s_0 = 1, so 1 - s_0 = 0 and the stretch divides 0 by 0 (LTX2Pipeline's sigmas are NaN then).
 MIN_STEPS = 2
 
@@ -58,23 +63,31 @@ def ltx2_sigmas(steps: int, video_tokens: int) -> torch.Tensor:
     return torch.cat([torch.from_numpy(s).float(), torch.zeros(1)])
 
 
-def _guided(x: torch.Tensor, c: torch.Tensor, u, s: torch.Tensor, g: float) -> torch.Tensor:
+def rescaled(x0: torch.Tensor, x0_c: torch.Tensor, r: float) -> torch.Tensor:
+    """rescale_noise_cfg (diffusers): the guided x0 scaled to the conditional one's std per sample, mixed by r."""
+    dims = list(range(1, x0.dim()))
+    return r * (x0 * (x0_c.std(dim=dims, keepdim=True) / x0.std(dim=dims, keepdim=True))) + (1 - r) * x0
+
+
+def _guided(x: torch.Tensor, c: torch.Tensor, u, s: torch.Tensor, g: float, r: float) -> torch.Tensor:
     """The velocity the scheduler steps with: c (and u, the unconditional one, or None) through x0 and back."""
-    x0 = x - c * s
-    if u is not None:
-        x0 = x0 + (g - 1) * (x0 - (x - u * s))
-    return (x - x0) / s
+    x0_c = x - c * s
+    x0 = x0_c if u is None else x0_c + (g - 1) * (x0_c - (x - u * s))
+    return (x - (rescaled(x0, x0_c, r) if r > 0 else x0)) / s
 
 
 @torch.no_grad()
 def sample(predict: Callable, noise: tuple[torch.Tensor, torch.Tensor], steps: int,
-           guidance: float | tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+           guidance: float | tuple[float, float], rescale: float = 0.0,
+           first: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Integrate (video [B, C, T, H, W], audio [B, A, Ca]) from `noise` to clean latents, in fp32.
     predict(x, t [B] float32, conditional) -> the (video, audio) velocities at x = (video, audio); guidance: (video,
     audio) scales, or one for both, the unconditional call made when either is above 1 (the pipeline's
-    do_classifier_free_guidance)."""
+    do_classifier_free_guidance); rescale: both streams' guidance rescale; first [B, C, 1, H, W]: image-to-video's
+    picture latent, the video's frame 0 throughout."""
     guidance = guidance if isinstance(guidance, tuple) else (guidance, guidance)
-    x = tuple(z.float() for z in noise)
+    keep = (lambda v: v) if first is None else (lambda v: torch.cat([first.to(v), v[:, :, 1:]], dim=2))
+    x = (keep(noise[0].float()), noise[1].float())
     sigmas = ltx2_sigmas(steps, math.prod(x[0].shape[2:]))              # patch 1: T H W video tokens
     both = any(g > 1 for g in guidance)
     for i in range(steps):
@@ -82,5 +95,7 @@ def sample(predict: Callable, noise: tuple[torch.Tensor, torch.Tensor], steps: i
         t = (s * NUM_TRAIN_TIMESTEPS).expand(x[0].shape[0])
         c = tuple(p.float() for p in predict(x, t, True))
         u = tuple(p.float() for p in predict(x, t, False)) if both else (None, None)
-        x = tuple(z + (sigmas[i + 1] - s) * _guided(z, cz, uz, s, g) for z, cz, uz, g in zip(x, c, u, guidance))
+        x = tuple(z + (sigmas[i + 1] - s) * _guided(z, cz, uz, s, g, rescale)
+                  for z, cz, uz, g in zip(x, c, u, guidance))
+        x = (keep(x[0]), x[1])
     return x

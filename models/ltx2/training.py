@@ -29,7 +29,8 @@ import math
 import torch
 
 from models.diffusion import NUM_TRAIN_TIMESTEPS, PER_SAMPLE, mse_loss
-from models.ltx2.sampling import MIN_STEPS, sample, shift_mu
+from models.ltx2.image import token_timesteps
+from models.ltx2.sampling import GUIDANCE_RESCALE, MIN_STEPS, sample, shift_mu
 
 
 def shifted_sigma(u: torch.Tensor, video_tokens: int) -> torch.Tensor:
@@ -41,14 +42,18 @@ def shifted_sigma(u: torch.Tensor, video_tokens: int) -> torch.Tensor:
 class LTX2Timesteps:
     """FlowMatch's noise level of one sample (FamilySpec.timesteps): the toolkit's uniform draw t in [0, 1000)
     (PER_SAMPLE's) shifted at the sample's video tokens, a floating-point [1] (models/diffusion.py then noises at
-    it and the model sees 1000 s)."""
+    it and the model sees 1000 s); image-to-video (model.image_condition) [1, T, H, W], 0 on latent frame 0 (clean,
+    at timestep 0: models/ltx2/image.py)."""
 
-    per_token = False
+    @staticmethod
+    def per_token(model) -> bool:
+        return model.image_condition
 
     @staticmethod
     def draw(generator: torch.Generator, latent_shape, model) -> torch.Tensor:
         t = PER_SAMPLE.draw(generator, latent_shape, model)
-        return shifted_sigma(t / NUM_TRAIN_TIMESTEPS, math.prod(latent_shape[1:]))       # patch 1: T H W tokens
+        s = shifted_sigma(t / NUM_TRAIN_TIMESTEPS, math.prod(latent_shape[1:]))       # patch 1: T H W tokens
+        return token_timesteps(s, latent_shape[1:]) if model.image_condition else s
 
 
 class AudioStream:
@@ -72,8 +77,9 @@ class AudioStream:
     @staticmethod
     def batch(objective, sigmas: torch.Tensor, stored: list, noises: list) -> tuple[tuple, torch.Tensor]:
         """((a_t [B, A, Ca], audio caption [B, L, C], audio timesteps [B]), audio target [B, A, Ca]) at the
-        video's noise levels sigmas [B] (floating point)."""
+        video's noise levels sigmas [B] (floating point), or [B, T, H, W] (image-to-video: the later frames')."""
         a0, text = (torch.stack(z) for z in zip(*stored))
+        sigmas = sigmas if sigmas.dim() == 1 else sigmas.flatten(1)[:, -1]
         s = objective.flow_sigmas(sigmas).view(-1, 1, 1)
         e = torch.stack(noises)
         return ((1 - s) * a0 + s * e, text, objective.model_timesteps(sigmas)), e - a0
@@ -91,11 +97,13 @@ class AudioStream:
         """The audio noise [1, A, Ca] of one sample, from its generator after its video noise."""
         return torch.randn((1, *self.shapes()[0]), generator=generator)
 
-    @staticmethod
-    def sampling_inputs(x: tuple, t: torch.Tensor, text: tuple) -> tuple:
+    def sampling_inputs(self, x: tuple, t: torch.Tensor, text: tuple) -> tuple:
         """EmbedStage's inputs at x = (video, audio) and captions (video, audio): both streams at t, as
-        LTX2Pipeline calls the transformer (audio_timestep = timestep)."""
-        return x[0], t, text[0], x[1], text[1], t
+        LTX2Pipeline calls the transformer (audio_timestep = timestep); image-to-video the video's first frame at
+        0 (LTX2ImageToVideoPipeline's t (1 - mask))."""
+        video = token_timesteps(t, x[0].shape[2:]) if self.model.image_condition else t
+        return x[0], video, text[0], x[1], text[1], t
 
     sample = staticmethod(sample)
     min_steps = MIN_STEPS
+    guidance_rescale = GUIDANCE_RESCALE          # parallel.sample's default --guidance-rescale (the pipeline's)

@@ -203,7 +203,8 @@ class ValConfig(Section):
                                   "input is the data's unconditional embedding (T5 of the empty prompt)")
     guidance_scale_2: Optional[float] = Field(None, ge=0, description="a model of two experts (Wan 2.2 A14B): the "
                                               "low-noise expert's guidance (WanPipeline's guidance_scale_2); "
-                                              "guidance_scale is the high-noise one's; null: guidance_scale for both")
+                                              "guidance_scale is the high-noise one's; LTX-2: the audio stream's "
+                                              "(LTX2Pipeline's audio_guidance_scale); null: guidance_scale for both")
     use_dynamic_cfg: bool = Field(False, description="the guidance scale of CogVideoXPipeline's use_dynamic_cfg: "
                                   "1 + g (1 - cos(pi ((N - t) / N) ** 5)) / 2 at timestep t of N steps")
     formats: list[Literal["gif", "mp4"]] = Field(["gif"], min_length=1)

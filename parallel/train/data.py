@@ -369,7 +369,8 @@ class DiffusionBatches:
         if self.condition is not None:
             stored = [torch.stack(z) for z in zip(*stored)] if all(stored) else []
             x_t = self.condition(x_t, torch.stack(x0s), torch.tensor(keep), *stored)
-            x_t, *more = x_t if isinstance(x_t, tuple) else (x_t,)
+            x_t, *inputs = x_t if isinstance(x_t, tuple) else (x_t,)
+            more = (*inputs, *more)            # the condition's inputs, then a second stream's (LTX-2 I2V: none)
             texts = image_rows(self.condition, texts, stored)
         return (x_t, self.objective.model_timesteps(torch.cat(ts)), texts, *more), target
 

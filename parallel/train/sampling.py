@@ -76,7 +76,7 @@ def rows_of(z, r: range):
 def sample_batch(forward: StageForward, ctx, objective: Objective, text, uncond, noise, shape: tuple[int, ...],
                  seed: int, steps: int, sampler: Optional[str], guidance: float, dynamic: bool,
                  first: Optional[torch.Tensor] = None, condition=None, extra: tuple = (), progress: bool = False,
-                 stream=None):
+                 stream=None, guidance_rescale: float = 0.0):
     """Latents [B, C, T, H, W] of the batch on every rank, from text and uncond [B, L, D] (uncond: None when
     guidance is 1); data-parallel replicas sample contiguous rows. Image-to-video: first [B, C, 1, H, W], the
     first frames' latents, and `condition` (the family's training_condition) that puts them on channels; `extra`
@@ -88,7 +88,8 @@ def sample_batch(forward: StageForward, ctx, objective: Objective, text, uncond,
 
     A family of two streams (`stream`, its training_stream: LTX-2's audio): text, uncond and noise are (video,
     audio) pairs, so is the result (video latents, audio latents [B, A, Ca]); row i's audio noise is drawn after
-    its video noise, and `stream.sample` steps both (the family's own sampler, which `sampler` names).
+    its video noise, and `stream.sample` steps both (the family's own sampler, which `sampler` names) with
+    `guidance_rescale` (LTX-2's) and `first` (LTX-2's image-to-video: the video's frame 0 throughout).
     """
     n, mine = len(text[0] if isinstance(text, tuple) else text), {}
     share = replica_slice(n, ctx.dp_rank, ctx.dp_size)
@@ -105,8 +106,10 @@ def sample_batch(forward: StageForward, ctx, objective: Objective, text, uncond,
             bar.update(int(cond))            # a step's conditional prediction comes once, its unconditional after
             return predict(x_, t, cond)
         if stream is not None:
-            return stream.sample(counted, x, steps, guidance)
-        out = sample(counted, x, objective, steps, sampler, guidance, use_dynamic_cfg=dynamic, generator=g, rows=rows)
+            out = stream.sample(counted, x, steps, guidance, guidance_rescale, rows_of(first, r))
+        else:
+            out = sample(counted, x, objective, steps, sampler, guidance, use_dynamic_cfg=dynamic, generator=g,
+                         rows=rows)
         return out if first is None else finish_sample(condition, out, first[r.start:r.stop])
 
     if noise is not None:

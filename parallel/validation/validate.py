@@ -194,16 +194,17 @@ def row_predictor(forward: StageForward, text, uncond, first=None, condition=Non
     states [B, I, image_dim]), the same in both calls (as WanImageToVideoPipeline); a condition whose image states
     travel as text rows (`condition.text_rows`: HunyuanVideo 1.5's SigLIP states) puts `extra` in text and uncond.
     A family of two streams (`stream`, FamilySpec.second_stream: LTX-2's audio): x, text and uncond are (video,
-    audio) pairs, arranged as the model takes them by `stream.sampling_inputs`; the prediction a pair too."""
+    audio) pairs (the condition's sampling_input takes and gives the pair), arranged as the model takes them by
+    `stream.sampling_inputs`; the prediction a pair too."""
     rows = getattr(condition, "text_rows", None)
     if rows is not None and extra:         # both calls see the picture's states, as the pipeline's image_embeds
         text, uncond, extra = rows(text, *extra), None if uncond is None else rows(uncond, *extra), ()
 
     def predict(x, t, conditional):
-        if stream is not None:
-            inputs = stream.sampling_inputs(x, t, text if conditional else uncond)
-            return tuple(p.cpu() for p in forward.predict(inputs, x))
         inp = x if first is None else condition.sampling_input(x, first)
+        if stream is not None:
+            inputs = stream.sampling_inputs(inp, t, text if conditional else uncond)
+            return tuple(p.cpu() for p in forward.predict(inputs, x))
         return forward.predict((inp, t, text if conditional else uncond, *extra), x).cpu()
     return predict
 

@@ -1,17 +1,20 @@
 """The LTX-2 family in 4 gloo ranks against diffusers' LTX2VideoTransformer3DModel.
 
 One spawn: the tiny random releases of tests/unit/test_ltx2.py (LTX-2.0, and the LTX-2.3 flags: gated attention,
-cross-attention modulation) loaded at (tp, pp) = (1, 1), (2, 1), (1, 2), (2, 2) and at sp 2 (Ulysses; tp 2 x
-Ulysses 2 and tp 2 x ring 2: the video stream split, the audio stream whole on every rank) predict what diffusers
-predicts, video and audio, on every rank, under sp at the preset's 48 video tokens and at 45 (padded) and 1 (one
-rank holds only padding); at tp 2, and at tp 2 x sp 2 (Ulysses, ring; 45 tokens) the gradients of a loss
-over both streams equal diffusers' own (every q/k RMSNorm all-reduces its statistic across heads, forward and
-backward; under sp the video-to-audio partials merge across ranks, and the sp ranks' gradients are averaged as
-DeepSpeed's data axis does); one block's forward at tp 2 all-reduces what the block's docstring counts, and under
-Ulysses makes the all-to-alls the family's spec declares (FamilySpec.costs.attentions_per_layer). The same ranks train
-debug-ltx2 (both streams, synthetic data, fp32, activation checkpointing) at tp 2 x sp 2 and at tp 2 x pp 2 (the
-pipeline engine sends the stage tuple of both streams and takes the (video, audio) target): the losses on every
-rank and the final weights equal a one-process run's. The user's commands in the same ranks (their main(argv), as
+cross-attention modulation) loaded at (tp, pp) = (1, 1), (2, 1), (1, 2), (2, 2) and at sp 2 (Ulysses; tp 2 x Ulysses 2
+and tp 2 x ring 2: the video stream split, the audio stream whole on every rank) predict what diffusers predicts,
+video and audio, on every rank, under sp at the preset's 48 video tokens and at 45 (padded) and 1 (one rank holds only
+padding); so do they with image-to-video's timesteps (frame 0's tokens at 0, LTX2ImageToVideoPipeline's [B, S]
+timestep), under sp also with the first frame on one rank and split over both; at tp 2, and at tp 2 x sp 2 (Ulysses,
+ring; 45 tokens) the gradients of a loss over both streams equal diffusers' own (every q/k RMSNorm all-reduces its
+statistic across heads, forward and backward; under sp the video-to-audio partials merge across ranks, and the sp
+ranks' gradients are averaged as DeepSpeed's data axis does); one block's forward at tp 2 all-reduces what the block's
+docstring counts, and under Ulysses makes the all-to-alls the family's spec declares
+(FamilySpec.costs.attentions_per_layer). The same ranks train debug-ltx2 (both streams, synthetic data, fp32,
+activation checkpointing) at tp 2 x sp 2 and at tp 2 x pp 2 (the pipeline engine sends the stage tuple of both streams
+and takes the (video, audio) target), and LoRA adapters on every attention (the cross-modal ones too) and an FFN layer
+of each stream at tp 2 x pp 2 (the frozen base's embed stage): the losses on every rank and the final weights equal a
+one-process run's (both one-process runs in one spawn). The user's commands in the same ranks (their main(argv), as
 `deepspeed --module` runs them): `python -m parallel.export --format diffusers` of the tp 2 x pp 2 run's checkpoint
 writes a folder whose tensors are the trained weights bit for bit and from which diffusers' model predicts what the
 trained toolkit model predicts (video and audio); `python -m parallel.verify` holds that export to the checkpoint
@@ -25,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.dist_utils import count_all_to_alls, run_ranks
-from tests.train_utils import _train_rank, assert_matches, experiment_overrides, fp32_config, merge_ranks, train
+from tests.train_utils import _train_rank, assert_matches, experiment_overrides, fp32_config, merge_ranks
 from tests.released_utils import assert_grads_match, layout_model
 from tests.helpers import ltx2 as test_ltx2
 from tests.helpers.ltx2 import released  # noqa: F401  (fixture)
@@ -36,11 +39,25 @@ LAYOUTS = [(1, 1, 1, None), (2, 1, 1, None), (1, 2, 1, None), (2, 2, 1, None), (
 GRAD_LAYOUTS = [(2, 1, 1, None), (2, 1, 2, None), (2, 1, 2, 2)]
 VARIANTS = ["ltx2", "ltx2.3"]
 TRAIN_LAYOUTS = [(2, 1, 2), (2, 2, 1)]         # (tp, pp, sp) training debug-ltx2 on the 4 ranks; 2 steps
+# LoRA at tp 2 x pp 2 (both streams through the pipeline, the embed stage's outputs from a frozen base): ltx-trainer's
+# targets (every attention's q, k, v, out, the cross-modal ones too) and an FFN layer of each stream
+LORA = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[to_q,to_k,to_v,to_out.0,ff.net.2,"
+        "audio_ff.net.0.proj]")
 EXPORT_LAYOUT = (2, 2, 1)                      # the one whose checkpoint is exported and verified
 # Under sp 2 the models also run other steps' grids (a bucket's StepGrid): (t, h, w), audio tokens. 45 video tokens
 # pad to 46 (23 a rank, 22 real on the second); 1 token leaves the second rank only padding (no key of its own).
 DEBUG = ((test_ltx2.FRAMES, test_ltx2.HEIGHT, test_ltx2.WIDTH), test_ltx2.AUDIO)
 ODD = [((3, 3, 5), 18), ((1, 1, 1), 1)]
+# Image-to-video under sp 2: 45 tokens (the first frame's 15 all on the first rank, none on the second) and one frame
+# of 15 (8 and 7 of it on the two ranks, then a padding row)
+I2V_ODD = [ODD[0], ((1, 3, 5), 4)]
+
+
+def i2v_inputs(shape=DEBUG):
+    """inputs() with the video timesteps per latent position, frame 0's at 0 (image-to-video)."""
+    from models.ltx2.image import token_timesteps
+    x = test_ltx2.inputs(*shape)
+    return (x[0], token_timesteps(x[1], shape[0]), *x[2:])
 
 
 def targets(shape=DEBUG):
@@ -75,7 +92,14 @@ def _rank(rank, world_size, folders, run):
         save = f"{run}/checkpoints" if (tp, pp, sp) == EXPORT_LAYOUT else None
         out[("train", tp, pp, sp)] = _train_rank(rank, world_size, tp, pp, 1, fp32_config(), 2, (), sp, "debug-ltx2",
                                                  0, save)
+    out["lora"] = _train_rank(rank, world_size, 2, 2, 1, fp32_config(), 2, LORA, 1, "debug-ltx2", 0)
     return {**out, **_commands(dict(folders)["ltx2.3"], run)}
+
+
+def _references(rank, world_size):
+    """The one-process runs the layouts' training is held to, in one spawn: full fine-tuning and LoRA."""
+    runs = [_train_rank(rank, world_size, 1, 1, 1, fp32_config(), 2, extra, 1, "debug-ltx2", 0) for extra in ((), LORA)]
+    return [{**merge_ranks([r]), "slack": r["slack"]} for r in runs]
 
 
 def _commands(release, run):
@@ -132,9 +156,13 @@ def _variant(world_size, variant, folder):
         cfg, ctx, model = layout_model("debug-ltx2", overrides, folder, world_size, tp, pp, sp, ring)
         with torch.no_grad():
             out[("predict", tp, pp, sp, ring)] = _predict(model, ctx, x)
+            out[("i2v", tp, pp, sp, ring)] = _predict(model, ctx, i2v_inputs())
             for shape in ODD if sp > 1 else ():
                 model.step_grid.set(shape[0])
                 out[("predict", tp, pp, sp, ring, shape)] = _predict(model, ctx, test_ltx2.inputs(*shape))
+            for shape in I2V_ODD if sp > 1 else ():
+                model.step_grid.set(shape[0])
+                out[("i2v", tp, pp, sp, ring, shape)] = _predict(model, ctx, i2v_inputs(shape))
             model.step_grid.set(DEBUG[0])
             if (tp, pp, sp) == (2, 1, 1):
                 with count_comm() as counter:
@@ -158,9 +186,15 @@ def test_ltx2_in_every_layout(released, tmp_path):
         save_file({key: torch.randn(rows, 8, 16, generator=g) for key in ("text", "audio_text")},
                   str(tmp_path / f"{name}.safetensors"))
     results = run_ranks(_rank, 4, [(v, str(released[v][0])) for v in VARIANTS], str(tmp_path))
-    reference = train(1, 1, 1, fp32_config(), steps=2, preset="debug-ltx2")
+    reference, lora_reference = run_ranks(_references, 1)[0]
     for tp, pp, sp in TRAIN_LAYOUTS:
         assert_matches(merge_ranks([r[("train", tp, pp, sp)] for r in results]), reference)
+    assert_matches(merge_ranks([r["lora"] for r in results]), lora_reference)
+    adapted = {n.split(".", 2)[2] for n in lora_reference["state"] if n.endswith("lora_B")}
+    assert adapted == {f"{a}.{m}.lora_B" for a in ("attn1", "audio_attn1") for m in ("to_qkv", "to_out")} | {
+        f"{a}.{m}.lora_B" for a in ("attn2", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
+        for m in ("to_q", "to_kv", "to_out")} | {"ff.ff_out.lora_B", "audio_ff.ff_in.lora_B"}, adapted
+    assert all(lora_reference["state"][f"blocks.{i}.{n}"].abs().sum() > 0 for i in (0, 1) for n in adapted)
     for command in ("export", "verify export", "verify sp", "sample sp"):
         assert [r[command] for r in results] == [0] * 4, command        # verify: 2 when a stream is apart
     check_export(tmp_path / "export", merge_ranks([r[("train", *EXPORT_LAYOUT)] for r in results])["state"])
@@ -176,14 +210,17 @@ def test_ltx2_in_every_layout(released, tmp_path):
         folder, model = released[variant]
         want = test_ltx2.diffusers_forward(model, variant)
         odd = {shape: test_ltx2.diffusers_forward(model, variant, test_ltx2.inputs(*shape)) for shape in ODD}
+        i2v = {shape: test_ltx2.diffusers_forward(model, variant, i2v_inputs(shape)) for shape in [DEBUG, *I2V_ODD]}
         for rank, out in enumerate(r[variant] for r in results):
             for tp, pp, sp, ring in LAYOUTS:
-                cases = [((), want)] + [((shape,), odd[shape]) for shape in ODD if sp > 1]
-                for key, expected_pair in cases:
-                    for got, expected, stream in zip(out[("predict", tp, pp, sp, ring, *key)], expected_pair,
+                cases = [(("predict",), want), (("i2v",), i2v[DEBUG])] + [(("predict", shape), odd[shape])
+                                                                          for shape in ODD if sp > 1]
+                cases += [(("i2v", shape), i2v[shape]) for shape in I2V_ODD if sp > 1]
+                for (kind, *key), expected_pair in cases:
+                    for got, expected, stream in zip(out[(kind, tp, pp, sp, ring, *key)], expected_pair,
                                                      ("video", "audio")):
-                        torch.testing.assert_close(got, expected, msg=lambda m: f"{variant} {stream} tp={tp} "
-                                                   f"pp={pp} sp={sp} ring={ring} {key} rank {rank}: {m}")
+                        torch.testing.assert_close(got, expected, msg=lambda m: f"{variant} {kind} {stream} "
+                                                   f"tp={tp} pp={pp} sp={sp} ring={ring} {key} rank {rank}: {m}")
 
         # tp 2, and tp 2 x sp 2 (Ulysses, ring) at 45 video tokens (padded): gradients equal diffusers' (names
         # through the released format's map).

@@ -34,6 +34,16 @@ def test_forward_equals_diffusers(released, variant):
     assert video.shape == (B, 8, FRAMES, HEIGHT, WIDTH) and audio.shape == (B, AUDIO, 8)
     torch.testing.assert_close(video, want_video)
     torch.testing.assert_close(audio, want_audio)
+    # image-to-video: the video timesteps per latent position, frame 0's at 0 (LTX2ImageToVideoPipeline's [B, S]
+    # timestep, sigma its t): each frame's tokens modulated by their own, the later frames' prediction changed
+    from models.ltx2.image import token_timesteps
+    x = inputs()
+    x = (x[0], token_timesteps(x[1], (FRAMES, HEIGHT, WIDTH)), *x[2:])
+    with torch.no_grad():
+        per_token = ours.predict(x)
+    for got, want, before in zip(per_token, diffusers_forward(model, variant, x), (video, audio)):
+        torch.testing.assert_close(got, want)
+        assert not torch.allclose(got[:, :, 1:], before[:, :, 1:], atol=1e-3)
 
 
 def test_reference_reads_the_folder(released):

@@ -2,8 +2,11 @@
 is noised as LTX2Pipeline's scheduler and its audio copy do (FlowMatchEulerDiscreteScheduler's exponential time
 shift at calculate_shift of the video tokens; one sigma for both streams), and the toolkit's loss on it equals a
 hand-written reference: diffusers' LTX2VideoTransformer3DModel (a tiny random release) at that timestep, the
-video MSE plus the audio MSE (Lightricks' ltx-trainer). A prepared directory holds the audio beside the video.
+video MSE plus the audio MSE (Lightricks' ltx-trainer). Image-to-video (model.image_condition), as ltx-trainer's
+first_frame condition: the first latent frame clean, its tokens at timestep 0 (diffusers' [B, S] timestep), out of
+the video MSE. A prepared directory holds the audio beside the video.
 """
+import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
@@ -11,13 +14,14 @@ from safetensors.torch import save_file
 
 from parallel.distributed.seed import derive_seed
 from parallel.distributed.topology import ParallelContext
-from tests.helpers.ltx2 import overrides, release
+from tests.helpers.ltx2 import B, overrides, release
 from tests.released_utils import read_release, save_release
 
 
 def _reference_batch(cfg, batches):
     """The first micro-batch re-stated: each position's sample, its generator's video noise, uniform draw and audio
-    noise; sigma as the pipeline's scheduler shifts it; x_t, a_t and the targets as flow matching makes them."""
+    noise; sigma as the pipeline's scheduler shifts it; x_t, a_t and the targets as flow matching makes them;
+    image-to-video: frame 0 of x_t clean and its timestep 0 ([B, T, H, W])."""
     scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
                                                 base_image_seq_len=1024, max_image_seq_len=4096)
     rows = []
@@ -29,38 +33,45 @@ def _reference_batch(cfg, batches):
         ea = torch.randn(a0.shape, generator=g)
         mu = calculate_shift(x0[0].numel(), 1024, 4096, 0.95, 2.05)     # the packed video tokens (patch 1)
         s = scheduler.time_shift(mu, 1.0, u.double()).float()
-        rows.append((s * e + (1 - s) * x0, text, s * ea + (1 - s) * a0, atext, s * 1000, e - x0, ea - a0))
-    x_t, text, a_t, atext, t, v, va = (torch.cat(z) if z[0].dim() == 1 else torch.stack(z) for z in zip(*rows))
-    return (x_t, t, text, a_t, atext, t), (v, va)
+        x_t, t = s * e + (1 - s) * x0, (s * 1000).expand(x0.shape[1:]).clone()
+        if cfg.model.image_condition:
+            x_t[:, 0], t[0] = x0[:, 0], 0
+        rows.append((x_t, text, s * ea + (1 - s) * a0, atext, t, s * 1000, e - x0, ea - a0))
+    x_t, text, a_t, atext, t, at, v, va = (torch.cat(z) if z[0].dim() == 1 else torch.stack(z) for z in zip(*rows))
+    return (x_t, t if cfg.model.image_condition else at, text, a_t, atext, at), (v, va)
 
 
-def test_the_loss_is_the_release_objective_on_diffusers_model(tmp_path):
+@pytest.mark.parametrize("image", [False, True], ids=["t2v", "i2v"])
+def test_the_loss_is_the_release_objective_on_diffusers_model(tmp_path, image):
     from models.ltx2.released import DIFFUSERS
     from parallel.model.build import SequenceLoss
     from parallel.train.run import training_batches
 
     model = release()
     folder, _ = save_release(tmp_path, model, "40KB")
-    cfg, ours, _ = read_release("debug-ltx2", overrides(folder), folder)
+    cfg, ours, _ = read_release("debug-ltx2", [*overrides(folder), f"model.image_condition={str(image).lower()}"],
+                                folder)
     batches = training_batches(cfg, ParallelContext.single())
     inputs, target = next(batches)
     want_inputs, want_target = _reference_batch(cfg, batches)
     for got, want in zip((*inputs, *target), (*want_inputs, *want_target)):
         torch.testing.assert_close(got, want)
-    assert len(set(inputs[1].tolist())) == 2 and 0 < inputs[1].min() < inputs[1].max() < 1000
+    levels = inputs[5]                                                   # the audio's: one a sample
+    assert len(set(levels.tolist())) == 2 and 0 < levels.min() < levels.max() < 1000
+    assert inputs[1].shape == ((B, 2, 4, 6) if image else (B,))
 
     loss = SequenceLoss(cfg, ParallelContext.single())(ours.predict(inputs), target)
     with torch.no_grad():
         video, audio = DIFFUSERS.reference_call(model, want_inputs, {})
-    want = torch.nn.functional.mse_loss(video, want_target[0]) + torch.nn.functional.mse_loss(audio, want_target[1])
+    skip = 1 if image else 0                                             # the clean first frame: an input
+    want = torch.nn.functional.mse_loss(video[:, :, skip:], want_target[0][:, :, skip:]) + \
+        torch.nn.functional.mse_loss(audio, want_target[1])
     torch.testing.assert_close(loss, want)
 
 
 def test_a_prepared_sample_holds_the_audio_stream(tmp_path):
     """The latent file's "audio" and the text file's "audio_text" follow the video latent and caption; the checker
     (headers only) names a file without them, or with another audio length, and so does the reader."""
-    import pytest
-
     from parallel.experiment.config import load_config
     from parallel.train.data import DirectoryLatents, check_shapes
 

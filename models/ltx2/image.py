@@ -1,0 +1,69 @@
+"""LTX-2 image-to-video (model.image_condition): the first latent frame is the picture, as LTX2ImageToVideoPipeline
+(diffusers 0.42 `pipeline_ltx2_image2video.py`) conditions the same transformer that does text-to-video; LTX-2
+publishes no separate image-to-video weights. At denoising timestep t the pipeline builds
+
+    mask      [B, S]           1 on latent frame 0's h w tokens, 0 after
+    latents   image latent on frame 0, x_t after            (prepare_latents: init mask + noise (1 - mask))
+    timestep  t (1 - mask)     [B, S]: 0 on the first frame's tokens; audio_timestep and sigma stay t
+
+steps frames 1.. only (frame 0 stays the picture's latent) and returns it in frame 0. The toolkit's model takes the
+video timesteps per latent position [B, T, H, W] (models/ltx2/embed.py: frame 0's and the later frames' rows).
+
+Training as Lightricks' ltx-trainer trains it (the `first_frame` condition): the first frame's tokens clean and at
+timestep 0 (LTX2Timesteps draws the sample's level on the later frames only), left out of the video loss
+(`loss_skip_frames`: ltx-trainer's loss mask); the picture is the clip's own first latent frame (the causal VAE's
+frame 0 encodes the first picture frame alone, as the pipeline encodes the picture), so nothing is stored beside
+the latents. Every sample is conditioned (ltx-trainer at probability 1; its configs' 0.5, half the samples trained
+as text-to-video, is not offered: train `ltx2-t2v` for that).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def first_frame(x: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+    """x [B, C, T, H, W] with latent frame 0 replaced by image [B, C, 1, H, W]."""
+    return torch.cat([image.to(x.dtype), x[:, :, 1:]], dim=2)
+
+
+def token_timesteps(t: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+    """[B] -> [B, T, H, W]: t on every latent position but frame 0's, 0 there (the pipeline's t (1 - mask))."""
+    tokens = t.float().view(-1, 1, 1, 1).repeat(1, *grid)
+    tokens[:, 0] = 0
+    return tokens
+
+
+class FirstFrame:
+    """FamilySpec.condition of LTX-2 image-to-video. The latents are (video, audio) pairs in sampling."""
+
+    dropout = 0.0                # the picture is never dropped (the pipeline, ltx-trainer at probability 1)
+    image_encoder = False        # no image states
+    loss_skip_frames = 1         # latent frames the loss leaves out (parallel/model/build.py SequenceLoss)
+
+    def __init__(self, model, data):
+        self.model, self.data = model, data
+
+    def __call__(self, x_t: torch.Tensor, x0: torch.Tensor, keep: torch.Tensor, *stream) -> torch.Tensor:
+        """Training: x_t [B, C, T, H, W] with x0's first frame (already there: its noise level is 0). `stream`: the
+        audio stream's stored tensors (the condition stores none)."""
+        return first_frame(x_t, x0[:, :, :1])
+
+    def stored_shapes(self, latent: list[int]) -> dict[str, list[int]]:
+        """Nothing beside a sample's latent: its own first frame is the picture's."""
+        return {}
+
+    def sampling_shapes(self, latent: list[int]) -> dict[str, list[int]]:
+        """`python -m parallel.sample --image-latents`: the picture's latent [C, 1, H, W]."""
+        return {"image": [latent[0], 1, *latent[2:]]}
+
+    @staticmethod
+    def sampling_input(x: tuple, first: torch.Tensor) -> tuple:
+        """The transformer's latents at every step: (video with the picture latent in frame 0, audio)."""
+        return first_frame(x[0], first), x[1]
+
+    sampled = sampling_input     # the sampler's result with the picture latent in frame 0 (the pipeline's)
+
+
+def image_condition(model, data):
+    """FirstFrame for an image-to-video section, None for text-to-video."""
+    return FirstFrame(model, data) if model.image_condition else None
