@@ -59,15 +59,15 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{name}: {description}")
     config.addinivalue_line("markers", "docs: the documentation's commands and figures (tests/cli/test_readme_commands.py, "
                                        "test_doc_figures.py, test_doc_parameter_counts.py)")
-    config.addinivalue_line("markers", "slow: minutes of end-to-end commands (tests/cli/test_family_matrix.py); "
-                                       "-m 'not slow' leaves them out, .ci/run runs them")
+    config.addinivalue_line("markers", "slow: minutes of end-to-end commands (tests/cli/test_family_matrix.py, "
+                                       "test_family_matrix_2.py); -m 'not slow' leaves them out, .ci/run runs them")
 
 
 # Under pytest-xdist (scripts/test.sh runs `-n 2 --dist loadfile`) a test module is the unit a worker takes whole, so
 # its module and session fixtures are made once. The longest modules first: the one started last sets when the run
 # ends. The docs tier is three modules (tests/cli/doc_runs.py) so that two workers share it.
-LONGEST_FIRST = ("test_readme_commands.py", "test_doc_figures.py", "test_family_matrix.py", "test_netns_hosts.py",
-                 "test_doc_parameter_counts.py", "test_launchers.py", "test_anomaly_guard.py")
+LONGEST_FIRST = ("test_readme_commands.py", "test_doc_figures.py", "test_family_matrix.py", "test_family_matrix_2.py",
+                 "test_netns_hosts.py", "test_doc_parameter_counts.py", "test_launchers.py", "test_anomaly_guard.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,128 +1,49 @@
-"""Every family's debug preset through the user's commands, in every kind of layout.
+"""Every family's debug preset through the user's commands under the real launcher (tests/helpers/family_matrix.py
+`run_family`), here CogVideoX, STDiT, HunyuanVideo 1.5 and LTX-2; Wan 2.1, Wan 2.2 A14B, Wan 2.2 TI2V and
+HunyuanVideo in test_family_matrix_2.py (two modules: pytest-xdist's two workers take one each).
 
-For CogVideoX (`debug`), Wan 2.1 (`debug-wan`) and STDiT (`debug-stdit`), one process and then tp 2 x dp 2,
-tp 2 x pp 2, tp 2 x sp 2 and dp 2 with ZeRO-3 (fp32, global batch 4, 2 steps), each layout:
+Per family (fp32, global batch 4, 2 steps): `python train.py` in one process (the reference losses); in each of the
+family's layouts `python -m parallel.check` (in this process) accepts it, `deepspeed train.py` gives one process's
+losses and `python -m parallel.plan` (in this process) plans the activations train.py's memory check measured; then one
+layout's checkpoint samples (`deepspeed --module parallel.sample`) and one's exports (`deepspeed --module
+parallel.export`, diffusers where the family has a released format, else the toolkit's); in this process one process
+samples from the export what the layout sampled, and `python -m parallel.verify` finds diffusers' model loaded from
+it predicting as the toolkit's. The layouts (tp 2 x dp 2, tp 2 x pp 2, tp 2 x sp 2, dp 2 ZeRO-3) are the ones that
+exercise what is the family's own; each layout's mechanics for every family are checked with in-process ranks in
+tests/distributed/ (test_*_layouts.py).
 
-- `python -m parallel.check` and `train.py` agree: both accept (the checker runs the same checks, and the
-  memory plan is traced before any process group exists);
-- `deepspeed --num_gpus N train.py` gives the one-process run's per-step losses (fp32 tolerances);
-- `python -m parallel.plan` on the layout plans the activations train.py's own memory check predicted, and
-  that check measured them within 5% (memory_check.json);
-- `deepspeed --module parallel.sample` from the run's checkpoint equals the one-process run's sample (and
-  shows its progress: a bar of denoising steps; export one of tensors);
-- `deepspeed --module parallel.export`: a diffusers folder where the family has a released format, else the
-  toolkit's format (STDiT), whose tensors equal the one-process run's export in the same format (every layout:
-  sp ranks hold whole replicas, ZeRO-3 partitions; each must write one copy). From tp 2 x pp 2 (the layout
-  with the most gathering) also `python -m parallel.verify` of the diffusers folder (diffusers' own prediction
-  equals the toolkit's) and `python -m parallel.sample` from it (the checkpoint's sample).
+- CogVideoX (`debug`): text tokens in the sequence split by sp, and the diffusers export gathered over tp and pp:
+  trains at tp 2 x pp 2 and tp 2 x sp 2, samples at tp 2 x sp 2, exports at tp 2 x pp 2 (so the export's sample is
+  also the other layout's checkpoint's).
+- STDiT (`debug-stdit`): spatial and temporal attention re-split under sp, no released format (the toolkit's export,
+  sp ranks writing one copy): trains at tp 2 x sp 2 and tp 2 x dp 2, samples at tp 2 x dp 2 (data-parallel replicas
+  split the prompts), exports at tp 2 x sp 2.
+- HunyuanVideo 1.5 (`debug-hunyuan15`): 16 text rows (image, byT5, Qwen) in the joint sequence: tp 2 x sp 2.
+- LTX-2 (`debug-ltx2`): the audio stream beside the video (whole on every sp rank), its own sampler and two
+  captions per prompt: tp 2 x sp 2.
 
-`parallel.check` and `parallel.plan` run in-process (their main(argv), the argv a user types; they start no
-process group), the rest as subprocesses under the real launcher. Slow (debug-wan alone: 9.3 min wall, 4 CPU-minutes,
-on a 2-core machine shared with other work; the three side by side: 17-18 min): marked `slow`, `-m "not slow"` leaves it
-out; `.ci/run` runs it.
+Cost, measured one module at a time on the 2-core machine beside a full CI run (load 10-30): here 18 launches (4
+one-process, 14 of 4 ranks), 480 CPU-seconds (debug 139, debug-stdit 136, debug-hunyuan15 97, debug-ltx2 107), 18 min
+wall; with test_family_matrix_2.py 35 launches and 950 CPU-seconds for the eight families, where the matrix of three
+(CogVideoX, Wan 2.1, STDiT in all four layouts) took 51 launches and about 1,300 (debug-wan alone: 17 launches, 442
+CPU-seconds, 19 min wall; 351 s on the CI machine). Marked `slow`: `-m "not slow"` leaves it out; `.ci/run` runs it.
 """
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from parallel.experiment.config import load_config
-from tests.helpers.launchers import losses
-from tests.helpers.family_matrix import STEPS, experiment_args, in_process, launch, run_module, sample_args
+from tests.helpers.family_matrix import Runs, run_family
 
 pytestmark = pytest.mark.slow
 
-# name -> (processes, overrides, ZeRO stage); every layout at global batch 4 = micro-batch x 2 x dp.
-LAYOUTS = {
-    "tp2-dp2": (4, ["parallel.tp_size=2", "train.micro_batch_size=1"], 0),
-    "tp2-pp2": (4, ["parallel.tp_size=2", "parallel.pp_size=2", "train.micro_batch_size=2"], 0),
-    "tp2-sp2": (4, ["parallel.tp_size=2", "parallel.sp_size=2", "train.micro_batch_size=2"], 0),
-    "dp2-zero3": (2, ["train.micro_batch_size=1"], 3),
+FAMILIES = {
+    "debug": Runs(("tp2-pp2", "tp2-sp2"), sample="tp2-sp2", export="tp2-pp2"),
+    "debug-stdit": Runs(("tp2-sp2", "tp2-dp2"), sample="tp2-dp2", export="tp2-sp2"),
+    "debug-hunyuan15": Runs(("tp2-sp2",), sample="tp2-sp2", export="tp2-sp2"),
+    "debug-ltx2": Runs(("tp2-sp2",), sample="tp2-sp2", export="tp2-sp2"),
 }
-ONE = (1, ["train.micro_batch_size=2"], 0)
-EXPORT_LAYOUT = "tp2-pp2"
 
 
-def exported(folder) -> dict[str, torch.Tensor]:
-    """Every tensor of an export folder (model.safetensors, or a diffusers folder's shards)."""
-    names = ["model.safetensors"] if (folder / "model.safetensors").exists() else \
-        sorted(p.name for p in folder.glob("diffusion_pytorch_model*.safetensors"))
-    assert names, f"{folder}: nothing exported"
-    return {k: v for name in names for k, v in load_file(str(folder / name)).items()}
-
-
-def sampled(tmp_path, name) -> torch.Tensor:
-    return load_file(str(tmp_path / name / "sample.safetensors"))["latents"]
-
-
-@pytest.mark.parametrize("preset", ["debug", "debug-wan", "debug-stdit"])
-def test_family_in_every_layout_through_the_commands(preset, tmp_path):
-    from parallel.check import main as check_main
-    from parallel.plan.cli import main as plan_main
-
-    from models.registry import family
-
-    released = family(load_config(preset).model).formats.released is not None    # a diffusers format to export to
-
-    # One process: the reference losses and sample, and (toolkit format) the reference export.
-    one = experiment_args(preset, tmp_path, "one", ONE)
-    launch(tmp_path, "one", ONE, "train.py", *one, log_name="train")
-    reference = losses(tmp_path / "one")
-    assert len(reference) == STEPS and len(set(reference)) == STEPS
-    log = run_module(tmp_path, "one", ONE, "parallel.sample", *one, *sample_args(tmp_path, preset, "one"),
-                     log_name="sample")
-    assert "sampling: 100%" in log and "6/6" in log, log[-2000:]     # the bar: 2 prompts x 3 steps
-    want = sampled(tmp_path, "one")
-    fmt = ["--format", "diffusers"] if released else []
-    log = run_module(tmp_path, "one", ONE, "parallel.export", *one, *fmt, "--out", str(tmp_path / "one" / "export"),
-                     log_name="export")
-    assert "exporting: 100%" in log, log[-2000:]
-    theirs = exported(tmp_path / "one" / "export")
-
-    for name, layout in LAYOUTS.items():
-        args = experiment_args(preset, tmp_path, name, layout)
-        code, out = in_process(check_main, [*args, "--world-size", str(layout[0])])
-        assert code == 0, f"{name}: the checker refused what train.py is about to run:\n{out}"
-        launch(tmp_path, name, layout, "train.py", *args, log_name="train")
-        torch.testing.assert_close(torch.tensor(losses(tmp_path / name)), torch.tensor(reference),
-                                   msg=lambda m: f"{preset} {name} losses vs one process: {m}")
-
-        check = json.loads((tmp_path / name / "memory_check.json").read_text())
-        code, out = in_process(plan_main, [*args, "--devices", str(layout[0]), "--device-memory", "80GiB",
-                                           "--format", "json"])
-        assert code == 0, out
-        plan = json.loads(out)
-        for stage, measured in zip(plan["stages"], check["stages"]):
-            acts = measured["activations_per_micro_batch"]
-            assert stage["lines"]["activations"] // stage["micro_batches_in_flight"] == acts["predicted"], name
-            assert acts["measured"] == pytest.approx(acts["predicted"], rel=0.05), f"{preset} {name}: {acts}"
-            states = measured["model_states"]
-            assert states["measured"] == pytest.approx(states["predicted"], rel=0.01), f"{preset} {name}: {states}"
-
-        run_module(tmp_path, name, layout, "parallel.sample", *args, *sample_args(tmp_path, preset, name),
-                   log_name="sample")
-        torch.testing.assert_close(sampled(tmp_path, name), want, msg=lambda m: f"{preset} {name} sample: {m}")
-
-        export = tmp_path / name / "export"
-        run_module(tmp_path, name, layout, "parallel.export", *args, *fmt, "--out", str(export), log_name="export")
-        ours = exported(export)
-        assert ours.keys() == theirs.keys(), f"{preset} {name} export: {sorted(ours.keys() ^ theirs.keys())[:5]}"
-        # Adam's first steps divide by sqrt(v): a gradient within rounding of zero moves its weight by up to
-        # lr (3e-3) either way, so one element in thousands differs by ~1e-5 between layouts (the samples
-        # above agree at fp32 tolerances).
-        for key, value in theirs.items():
-            torch.testing.assert_close(ours[key], value, rtol=1e-3, atol=1e-4,
-                                       msg=lambda m: f"{preset} {name} export {key}: {m}")
-        if released and name == EXPORT_LAYOUT:
-            # diffusers' model loaded from the export predicts what the toolkit predicts from it ...
-            verify = launch(tmp_path, name, ONE, "-m", "parallel.verify", "--config", preset,
-                            "--set", f"model.init_from={export}", log_name="verify")
-            assert "max relative difference" in verify      # and exit 0: within --tolerance 1e-4
-            # ... and the export holds the checkpoint's weights: sampling from it gives the checkpoint's sample.
-            again = [*experiment_args(preset, tmp_path, "from-export", ONE), "--set", f"model.init_from={export}"]
-            run_module(tmp_path, "from-export", ONE, "parallel.sample", *again,
-                       *sample_args(tmp_path, preset, "from-export"), log_name="sample")
-            torch.testing.assert_close(sampled(tmp_path, "from-export"), sampled(tmp_path, name))
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_family_through_the_commands(preset, tmp_path):
+    run_family(preset, FAMILIES[preset], tmp_path)

@@ -2,7 +2,8 @@
 registered at run time by its experiment's `families:` list, through the user's commands at tp 2 x pp 2.
 
 - `python -m parallel.check` accepts the layout and `python -m parallel.plan` plans it (in-process, the argv a
-  user types); the plan's activations are what train.py's own memory check predicted, and measured within 5%;
+  user types); the plan's activations are what train.py's own memory check predicted, and measured within 5%
+  (the model states within 1%);
 - `deepspeed --num_gpus 4 train.py` (the real launcher: every spawned rank registers the family from the
   experiment) gives the one-process run's per-step losses (fp32 tolerances);
 - `deepspeed --module parallel.sample` from the tp 2 x pp 2 checkpoint, and `deepspeed --module parallel.export`
@@ -13,14 +14,14 @@ One spawn of each command; about 1.5 min on a busy 2-core machine.
 from __future__ import annotations
 
 import json
-import types
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from parallel.experiment.config import load_config
-from tests.helpers.family_matrix import experiment_args, in_process, launch, run_module, sample_args
+from tests.helpers.family_matrix import (check_plan, experiment_args, in_process, launch, run_module, sample_args,
+                                         sample_toolkit_export)
 from tests.helpers.launchers import losses
 from tests.helpers.family_registry import toy_registry
 
@@ -38,7 +39,6 @@ def _registry():
 
 def test_toy_family_is_checked_planned_trained_sampled_and_exported(tmp_path):
     from parallel.check import main as check_main
-    from parallel.plan.cli import main as plan_main
 
     # The family exists only once its experiment is read: its traits, as the training batches carry them.
     cfg = load_config(PRESET)
@@ -62,15 +62,8 @@ def test_toy_family_is_checked_planned_trained_sampled_and_exported(tmp_path):
     launch(tmp_path, "tp2-pp2", TP2_PP2, "train.py", *args, log_name="train")
     torch.testing.assert_close(torch.tensor(losses(tmp_path / "tp2-pp2")), torch.tensor(reference))
 
-    check = json.loads((tmp_path / "tp2-pp2" / "memory_check.json").read_text())
-    code, out = in_process(plan_main, [*args, "--world-size", "4", "--device-memory", "80GiB", "--format", "json"])
-    assert code == 0, out
-    plan = json.loads(out)
-    assert len(plan["stages"]) == len(check["stages"]) == 2
-    for stage, measured in zip(plan["stages"], check["stages"]):
-        acts = measured["activations_per_micro_batch"]
-        assert stage["lines"]["activations"] // stage["micro_batches_in_flight"] == acts["predicted"]
-        assert acts["measured"] == pytest.approx(acts["predicted"], rel=0.05), acts
+    check_plan(tmp_path / "tp2-pp2", args, TP2_PP2, "toy tp2-pp2")
+    assert len(json.loads((tmp_path / "tp2-pp2" / "memory_check.json").read_text())["stages"]) == 2
 
     run_module(tmp_path, "tp2-pp2", TP2_PP2, "parallel.sample", *args, *sample_args(tmp_path, PRESET, "tp2-pp2"),
                log_name="sample")
@@ -79,20 +72,5 @@ def test_toy_family_is_checked_planned_trained_sampled_and_exported(tmp_path):
     run_module(tmp_path, "tp2-pp2", TP2_PP2, "parallel.export", *args, "--out", str(export), log_name="export")
 
     # One process, the exported weights, the sampler parallel.sample used: the four ranks' sample.
-    from models.diffusion import Objective
-    from models.geometry import latent_shape
-    from models.sampling import check_sampler
-    from parallel.model.build import build_model
-    from parallel.train.sampling import sample_batch
-    from parallel.validation.validate import StageForward
-    cfg = load_config(PRESET, ["train.micro_batch_size=2"])
-    ctx = ParallelContext.single()
-    model = build_model(cfg, {}, ctx)
-    model.load_state_dict(load_file(str(export / "model.safetensors")), strict=True)
-    forward = StageForward(types.SimpleNamespace(module=model.eval(), device=torch.device("cpu")), ctx)
-    text = load_file(str(tmp_path / "prompt.safetensors"))["embeds"]
-    uncond = load_file(str(tmp_path / "negative.safetensors"))["embeds"].expand_as(text).contiguous()
-    sampler = check_sampler(cfg.model.objective, None, spec.sampling.samplers)
-    shape = (cfg.model.in_channels, *latent_shape(cfg.model, cfg.data))
-    mine = sample_batch(forward, ctx, Objective.of(cfg.model), text, uncond, None, shape, 5, 3, sampler, 3.0, False)
+    mine = sample_toolkit_export(PRESET, tmp_path, export, ["train.micro_batch_size=2"])
     torch.testing.assert_close(mine, sampled)
