@@ -1,15 +1,14 @@
 """DeepSpeed JSON keys handed to DeepSpeed, checked in spawned gloo ranks: gradient_clipping reaches the step,
 ZeRO-2 optimizer offload and ZeRO-3 optimizer + parameter offload to the CPU train like one process, and
-the planner's host-memory lines are what each offload run holds there."""
-import copy
+the planner's host-memory lines are what each offload run holds there. One spawn per world size (1 and 2
+ranks: the `spawned` fixture)."""
 import json
 import os
 
 import pytest
 
 from parallel.experiment.config import load_config
-from tests.dist_utils import run_ranks
-from tests.train_utils import assert_matches, fp32_config, train
+from tests.train_utils import Run, assert_matches, fp32_config, train_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,10 +37,35 @@ def _first_update(rank, world_size, clips):
     return out
 
 
-def test_gradient_clipping_reaches_the_step():
+def zero2_offload() -> dict:
+    ds = fp32_config(stage=2)
+    ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    return ds
+
+
+def zero3_offload() -> dict:
+    ds = fp32_config(stage=3)
+    ds["zero_optimization"].update(offload_optimizer={"device": "cpu", "pin_memory": False},
+                                   offload_param={"device": "cpu", "pin_memory": False},
+                                   stage3_param_persistence_threshold=1000)
+    return ds
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    """The one-process reference, both offload runs at dp 2 (their second step probed), the first update under
+    two clippings, and the ZeRO-2 offload's optimizer."""
+    return train_all({"reference": Run(1, 1, 1, fp32_config()),
+                      "zero2": Run(1, 1, 2, zero2_offload(), probe_step=2),
+                      "zero3": Run(1, 1, 2, zero3_offload(), probe_step=2)},
+                     {"clipping": (1, _first_update, ((1e9, 1e-12),)),
+                      "zero2 optimizer": (1, _offloaded, (zero2_offload(),))})
+
+
+def test_gradient_clipping_reaches_the_step(spawned):
     """Adam's first step moves a weight by lr g / (|g| + eps): about lr unclipped, and about lr x clip-scaled g /
     eps when the gradient is clipped to a norm of 1e-12 (eps 1e-8): DeepSpeed clips with the JSON's value."""
-    (lr, norm, free), (_, norm_clipped, clipped) = run_ranks(_first_update, 1, (1e9, 1e-12))[0]
+    (lr, norm, free), (_, norm_clipped, clipped) = spawned["clipping"][0]
     assert norm == pytest.approx(norm_clipped) and norm > 1e-3          # the norm reported is before clipping
     assert lr * 0.5 < free <= lr * 1.0001
     assert clipped < lr * 1e-3
@@ -77,7 +101,7 @@ def _held_on_host(run: dict) -> dict[str, int]:
     return {k: max(h[k] for h in held) for k in held[0]}
 
 
-def test_zero2_cpu_optimizer_offload_trains_like_one_process_and_holds_the_planned_host_memory():
+def test_zero2_cpu_optimizer_offload_trains_like_one_process_and_holds_the_planned_host_memory(spawned):
     """ZeRO-2 at dp 2 with the optimizer states and step on the CPU (DeepSpeed's offload_optimizer, running
     the toolkit's torch AdamW): per-step losses on both ranks and the final weights equal one process's.
     The planner's host lines are within 1% of what the worst rank keeps on its offload device at the peak of
@@ -85,18 +109,15 @@ def test_zero2_cpu_optimizer_offload_trains_like_one_process_and_holds_the_plann
     gradient, the lp partition copy, the two micro-batches' accumulated gradients and the staging buffer).
     This machine has no accelerator: "host" and "device" are one memory, so the test sums the buffers
     DeepSpeed places on its offload device."""
-    ds = fp32_config(stage=2)
-    ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
-    assert run_ranks(_offloaded, 1, copy.deepcopy(ds)) == [("DeepSpeedZeroOptimizer", True)]
-    reference = train(1, 1, 1, fp32_config())
-    run = train(1, 1, 2, copy.deepcopy(ds), probe_step=2)
-    assert_matches(run, reference)
-    planned = _host_lines(ds, 2)
+    assert spawned["zero2 optimizer"] == [("DeepSpeedZeroOptimizer", True)]
+    run = spawned["zero2"]
+    assert_matches(run, spawned["reference"])
+    planned = _host_lines(zero2_offload(), 2)
     assert planned.keys() == {"parameters", "gradients", "master_weights", "adam_moments"}
     assert _held_on_host(run) == pytest.approx(planned, rel=0.01)
 
 
-def test_zero3_cpu_offload_trains_like_one_process_and_holds_the_planned_host_memory():
+def test_zero3_cpu_offload_trains_like_one_process_and_holds_the_planned_host_memory(spawned):
     """ZeRO-3 at dp 2 (fp32) with offload_optimizer and offload_param on the CPU: per-step losses on both
     ranks and the final weights equal one process's. The planner's host lines (parameters, gradients,
     master weights, Adam moments) are within 1% of what each rank's DeepSpeedZeroOptimizer_Stage3 keeps on
@@ -105,12 +126,8 @@ def test_zero3_cpu_offload_trains_like_one_process_and_holds_the_planned_host_me
     "host" and "device" are one memory, so the test sums the buffers DeepSpeed places on its offload device.
     Persistence threshold 1000: the debug model's matrices are partitioned, its vectors stay whole on every
     rank (device memory, not offloaded)."""
-    ds = fp32_config(stage=3)
-    ds["zero_optimization"].update(offload_optimizer={"device": "cpu", "pin_memory": False},
-                                   offload_param={"device": "cpu", "pin_memory": False},
-                                   stage3_param_persistence_threshold=1000)
-    run = train(1, 1, 2, copy.deepcopy(ds), probe_step=2)
-    assert_matches(run, train(1, 1, 1, fp32_config()))
-    planned = _host_lines(ds, 2)
+    run = spawned["zero3"]
+    assert_matches(run, spawned["reference"])
+    planned = _host_lines(zero3_offload(), 2)
     assert planned.keys() == {"parameters", "gradients", "master_weights", "adam_moments"}
     assert _held_on_host(run) == pytest.approx(planned, rel=0.01)

@@ -13,9 +13,8 @@ from pathlib import Path
 import torch
 
 from parallel.experiment.config import load_config
-from tests.dist_utils import run_ranks
 from tests.released_utils import assert_export_reads_back, assert_grads_match, layout_model
-from tests.train_utils import assert_matches, merge_ranks, train
+from tests.train_utils import Run, assert_matches, merge_ranks, train_all
 from models.hunyuanvideo.released import DIFFUSERS  # noqa: F401
 from tests.helpers.hunyuanvideo import diffusers_forward, inputs, overrides, released  # noqa: F401
 from tests.helpers.hunyuanvideo_layouts import hunyuan_fp32_config
@@ -71,9 +70,10 @@ def _rank(rank, world_size, folder, export_dir):
 
 def test_hunyuanvideo_in_every_layout(released, tmp_path):
     folder, model = released
-    reference = train(1, 1, 1, hunyuan_fp32_config(), preset="debug-hunyuan")
-    lora_reference = train(1, 1, 1, hunyuan_fp32_config(), extra=LORA, preset="debug-hunyuan")
-    results = run_ranks(_rank, 4, str(folder), str(tmp_path / "export"))
+    spawned = train_all({"reference": Run(1, 1, 1, hunyuan_fp32_config(), preset="debug-hunyuan"),
+                         "lora": Run(1, 1, 1, hunyuan_fp32_config(), extra=LORA, preset="debug-hunyuan")},
+                        {"layouts": (4, _rank, (str(folder), str(tmp_path / "export")))})
+    reference, lora_reference, results = spawned["reference"], spawned["lora"], spawned["layouts"]
 
     # Prediction: every layout, every rank, equals diffusers.
     want = diffusers_forward(model, *inputs())

@@ -1,19 +1,25 @@
 """Caption dropout in training: dp 2 and tp 2 drop the same samples as one process, so they train the same
-weights (tests/unit/test_release_dropout.py checks the batches themselves)."""
+weights (tests/unit/test_release_dropout.py checks the batches themselves). One spawn per world size (1 and 2
+ranks: the `runs` fixture)."""
 import pytest
 
-from tests.train_utils import assert_matches, fp32_config, train
+from tests.train_utils import Run, assert_matches, fp32_config, train_all
+
+DROPOUT = ("data.caption_dropout=0.5",)
+LAYOUTS = [(1, 2), (2, 1)]        # (tp, dp)
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return train(1, 1, 1, fp32_config(), extra=["data.caption_dropout=0.5"])
+def runs():
+    """One process with and without dropout, and every layout with it."""
+    return train_all({"reference": Run(1, 1, 1, fp32_config(), extra=DROPOUT), "no dropout": Run(1, 1, 1, fp32_config()),
+                      **{(tp, dp): Run(tp, 1, dp, fp32_config(), extra=DROPOUT) for tp, dp in LAYOUTS}})
 
 
-@pytest.mark.parametrize("tp, dp", [(1, 2), (2, 1)])
-def test_dropout_training_in_every_layout_equals_one_process(reference, tp, dp):
-    assert_matches(train(tp, 1, dp, fp32_config(), extra=["data.caption_dropout=0.5"]), reference)
+@pytest.mark.parametrize("tp, dp", LAYOUTS)
+def test_dropout_training_in_every_layout_equals_one_process(runs, tp, dp):
+    assert_matches(runs[tp, dp], runs["reference"])
 
 
-def test_dropout_changes_what_is_trained(reference):
-    assert train(1, 1, 1, fp32_config())["losses"] != reference["losses"]
+def test_dropout_changes_what_is_trained(runs):
+    assert runs["no dropout"]["losses"] != runs["reference"]["losses"]

@@ -3,15 +3,14 @@
 Both families at 12 heads (divisible by 3 and 4) on 5 frames of 80 x 80 pixels: 2 latent frames of
 5 x 5 patches, 50 video tokens. CogVideoX's sequence is 8 text + 50 video = 58 tokens (padded to 60 at
 sp 3 and sp 4), STDiT's the 50 video tokens (padded to 51 at sp 3, 52 at sp 4). One spawn per world
-size runs every case against the same process's serial model; two training runs through DeepSpeed's
-engine (the sp ranks as its data axis) train to one process's losses and weights.
+size (1, 3 and 4 ranks: the `spawned` fixture) runs every case against the same process's serial model, and
+trains through DeepSpeed's engine (the sp ranks as its data axis) to one process's losses and weights.
 """
 import pytest
 import torch
 
-from tests.dist_utils import run_ranks
 from tests.helpers.sequence_parallel import sp_config
-from tests.train_utils import assert_matches, train
+from tests.train_utils import Run, assert_matches, train_all
 
 B = 2
 SHAPE = ("model.num_heads=12", "model.head_dim=16", "model.hidden_size=192",
@@ -67,12 +66,25 @@ def _rank(rank, world_size):
     return out
 
 
+# (preset, sp, ZeRO stage): DeepSpeed averages the padded ranks' losses and gradients (ZeRO-2 shards over them).
+TRAINED = [("debug", 3, 0), ("debug-stdit", 4, 2)]
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    """Every case at sp 3 and sp 4; each TRAINED run and its one-process reference."""
+    return train_all({**{(preset, sp, stage): Run(1, 1, 1, sp_config(stage), sp=sp, extra=SHAPE, preset=preset)
+                         for preset, sp, stage in TRAINED},
+                      **{preset: Run(1, 1, 1, sp_config(), extra=SHAPE, preset=preset) for preset, _, _ in TRAINED}},
+                     {("cases", sp): (sp, _rank, ()) for sp in (3, 4)})
+
+
 @pytest.mark.parametrize("sp", [3, 4])
-def test_padded_sequence_matches_one_process(sp):
+def test_padded_sequence_matches_one_process(spawned, sp):
     """sp 3 and sp 4 on 58 (CogVideoX, with and without 3D RoPE) and 50 (STDiT) tokens: each rank holds
     S_pad / sp rows; the assembled prediction, the sp ranks' mean loss and mean parameter gradients equal
     one process's, with and without activation recomputation."""
-    results = run_ranks(_rank, sp)
+    results = spawned["cases", sp]
     for name, (_, _, tokens) in CASES.items():
         assert tokens % sp, "the case must need padding"
         for r in results:
@@ -88,11 +100,6 @@ def test_padded_sequence_matches_one_process(sp):
                     torch.testing.assert_close(got["grads"][n], grad, msg=lambda m: f"{name} {run} {n}: {m}")
 
 
-# (preset, sp, ZeRO stage): DeepSpeed averages the padded ranks' losses and gradients (ZeRO-2 shards over them).
-TRAINED = [("debug", 3, 0), ("debug-stdit", 4, 2)]
-
-
 @pytest.mark.parametrize("preset, sp, stage", TRAINED, ids=[f"{p}-sp{s}-zero{z}" for p, s, z in TRAINED])
-def test_padded_sequence_trains_like_one_process(preset, sp, stage):
-    reference = train(1, 1, 1, sp_config(), extra=SHAPE, preset=preset)
-    assert_matches(train(1, 1, 1, sp_config(stage), sp=sp, extra=SHAPE, preset=preset), reference)
+def test_padded_sequence_trains_like_one_process(spawned, preset, sp, stage):
+    assert_matches(spawned[preset, sp, stage], spawned[preset])

@@ -1,11 +1,17 @@
 """The STDiT3-style family (`debug-stdit`) in gloo ranks: tp = 2 against tp = 1 with its all-reduces
 counted, and validation and sampling through a pipeline equal to one process (which tokens each
-attention mixes: tests/unit/test_stdit.py)."""
+attention mixes: tests/unit/test_stdit.py). Both rank functions in one spawn of 2 ranks (the `spawned` fixture)."""
+import pytest
 import torch
 
 from parallel.experiment.config import load_config
-from tests.dist_utils import run_ranks
+from tests.dist_utils import spawn_all
 from tests.helpers.stdit import B, S
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    return spawn_all({"tp": (2, _tp_rank, ()), "pipeline": (2, _pipeline_rank, ())})
 
 
 def _tp_rank(rank, world_size):
@@ -47,12 +53,12 @@ def _tp_rank(rank, world_size):
     return out
 
 
-def test_tp2_equals_tp1_and_counts_its_all_reduces():
+def test_tp2_equals_tp1_and_counts_its_all_reduces(spawned):
     """tp = 2 gives the one-process loss and (gathered) gradients, with and without recomputation.
     Per layer (a spatial and a temporal block), forward: 3 row-parallel outputs per block (self-attention,
     cross-attention, MLP) reduce b x S x H; backward: the inputs of the 4 column-parallel layers (QKV,
     cross Q and MLP-in on x, cross KV on the text y, b x L x H) and the q/k RMSNorm weights (2 x head_dim)."""
-    results = run_ranks(_tp_rank, 2)
+    results = spawned["tp"]
     layers, hid, d, text = 4, 64, 16, 8
     bsh, blh = B * S * hid, B * text * hid
     per_block_bwd = [("all_reduce", bsh)] * 3 + [("all_reduce", blh), ("all_reduce", 2 * d)]
@@ -97,7 +103,7 @@ def _pipeline_rank(rank, world_size):
     return _validate(cfg, build_trainer(cfg, fp32_config(), ctx).engine, ctx)
 
 
-def test_validation_and_sampling_through_a_pipeline_equal_one_process():
+def test_validation_and_sampling_through_a_pipeline_equal_one_process(spawned):
     """StageForward sends the four stage tensors between pipeline stages: pp = 2 gives the bits of the
     one-process model (built here, same seed), on both stages."""
     from parallel.model.build import layer_specs
@@ -110,7 +116,7 @@ def test_validation_and_sampling_through_a_pipeline_equal_one_process():
     engine = type("Engine", (), {"module": model, "device": torch.device("cpu")})()
     one = _validate(cfg, engine, ParallelContext.single())
     assert sorted(one["latents"]) == [0, 1] and one["latents"][0].shape == (4, 3, 8, 8)
-    for r in run_ranks(_pipeline_rank, 2):
+    for r in spawned["pipeline"]:
         assert r["loss"] == one["loss"]
         for i, latent in one["latents"].items():
             assert torch.equal(r["latents"][i], latent)

@@ -1,5 +1,6 @@
 """Validation equals serial validation: 7 samples at world sizes 1, 2 and 3, with a pipeline and under
-ZeRO-3, give the same bits; fewer samples than replicas finishes; the EMA weights are the ones used."""
+ZeRO-3, give the same bits; fewer samples than replicas finishes; the EMA weights are the ones used.
+Every rank function of this module runs in one spawn per world size (1 to 4 ranks: the `spawned` fixture)."""
 from __future__ import annotations
 
 import json
@@ -7,15 +8,32 @@ import json
 import pytest
 import torch
 
-from tests.dist_utils import run_ranks
+from tests.dist_utils import spawn_all
 from tests.train_utils import fp32_config
 from tests.helpers.validation import VAL, _check_reads, _sample_rank, _validate_rank
 
+FEWER = ["val.num_samples=2", "train.micro_batch_size=1"]      # 2 samples on 4 ranks
+
 
 @pytest.fixture(scope="module")
-def serial():
-    (one,) = run_ranks(_validate_rank, 1, [((1, 1, 1), 0)], [])
-    return one[0]["result"]
+def spawned(tmp_path_factory):
+    """Validation at 1, 2, 3 and 4 ranks (7 samples, and 2), with the EMA at tp 2 x pp 2, and sample videos at 1
+    and 2 ranks (written under `folder`)."""
+    folder = tmp_path_factory.mktemp("samples")
+    return {"folder": folder, **spawn_all({
+        "serial": (1, _validate_rank, ([((1, 1, 1), 0)], [])),
+        "world 2": (2, _validate_rank, ([((1, 1, 2), 0), ((1, 2, 1), 0), ((1, 1, 2), 3)], [])),
+        "world 3": (3, _validate_rank, ([((1, 1, 3), 1)], ["train.micro_batch_size=1"])),
+        "fewer one": (1, _validate_rank, ([((1, 1, 1), 0)], FEWER)),
+        "fewer four": (4, _validate_rank, ([((1, 2, 2), 0), ((1, 1, 4), 0)], FEWER)),
+        "ema": (4, _ema_rank, (2, 2, 1, 1)),                  # tp, pp, dp, ZeRO stage
+        "sample one": (1, _sample_rank, ([((1, 1, 1), 0)], str(folder))),
+        "sample two": (2, _sample_rank, ([((1, 1, 2), 0), ((1, 1, 2), 3)], str(folder)))})}
+
+
+@pytest.fixture(scope="module")
+def serial(spawned):
+    return spawned["serial"][0][0]["result"]
 
 
 def _check(results, serial, n, lockstep=False):
@@ -26,22 +44,20 @@ def _check(results, serial, n, lockstep=False):
     _check_reads(results, n, lockstep)
 
 
-def test_world_sizes_2_and_3_pipeline_and_zero3_equal_one_process(serial):
+def test_world_sizes_2_and_3_pipeline_and_zero3_equal_one_process(spawned, serial):
     assert set(serial) == {"val_loss", "val_loss_t50", "val_loss_t400", "val_loss_t950"}
     assert serial["val_loss"] == pytest.approx(sum(serial[f"val_loss_t{t}"] for t in (50, 400, 950)) / 3, rel=1e-12)
-    by_rank = run_ranks(_validate_rank, 2, [((1, 1, 2), 0), ((1, 2, 1), 0), ((1, 1, 2), 3)], [])
+    by_rank = spawned["world 2"]
     for k in range(3):                  # dp 2 ZeRO-0, pp 2, dp 2 ZeRO-3
         _check([r[k] for r in by_rank], serial, 7, lockstep=k == 2)
-    by_rank = run_ranks(_validate_rank, 3, [((1, 1, 3), 1)], ["train.micro_batch_size=1"])
+    by_rank = spawned["world 3"]
     _check([r[0] for r in by_rank], serial, 7)
     assert sorted(len(r[0]["read"]) for r in by_rank) == [2, 2, 3]       # 7 over 3: no padding
 
 
-def test_fewer_samples_than_replicas_finishes():
+def test_fewer_samples_than_replicas_finishes(spawned):
     """2 samples on 4 ranks (pp 2 x dp 2, and dp 4): replicas without a sample still join the gathers."""
-    extra = ["val.num_samples=2", "train.micro_batch_size=1"]
-    (one,) = run_ranks(_validate_rank, 1, [((1, 1, 1), 0)], extra)
-    by_rank = run_ranks(_validate_rank, 4, [((1, 2, 2), 0), ((1, 1, 4), 0)], extra, timeout=240)
+    (one,), by_rank = spawned["fewer one"], spawned["fewer four"]
     for k in range(2):
         _check([r[k] for r in by_rank], one[0]["result"], 2)
 
@@ -94,10 +110,10 @@ def _serial_from_weights(weights: dict) -> dict:
                            Objective(cfg.model.objective), cfg, ParallelContext.single())
 
 
-def test_validation_with_ema_weights(tp=2, pp=2, dp=1, stage=1):
-    """val.use_ema: the loss is the one-process model's loss with the consolidated EMA loaded (which
-    differs from the raw weights' loss), and the raw weights are back in place afterwards."""
-    results = run_ranks(_ema_rank, tp * pp * dp, tp, pp, dp, stage)
+def test_validation_with_ema_weights(spawned):
+    """val.use_ema at tp 2 x pp 2 (ZeRO-1): the loss is the one-process model's loss with the consolidated EMA
+    loaded (which differs from the raw weights' loss), and the raw weights are back in place afterwards."""
+    results = spawned["ema"]
     assert all(r["raw_kept"] for r in results)
     merged = {key: {k: v for r in results for k, v in r[key].items()} for key in ("ema", "raw")}   # all stages
     expected, raw = _serial_from_weights(merged["ema"]), _serial_from_weights(merged["raw"])
@@ -107,13 +123,12 @@ def test_validation_with_ema_weights(tp=2, pp=2, dp=1, stage=1):
     print(json.dumps({"ema": expected["val_loss"], "raw": raw["val_loss"]}))
 
 
-def test_sample_videos_equal_across_world_sizes(tmp_path):
+def test_sample_videos_equal_across_world_sizes(spawned):
     """3 prompts, 4 DDIM steps: the decoded videos of 1 process, dp 2 (prompts split 1 + 2) and dp 2
     under ZeRO-3 are identical arrays; GIF, MP4, labels and index.html are written."""
     from PIL import Image
 
-    (one,) = run_ranks(_sample_rank, 1, [((1, 1, 1), 0)], str(tmp_path))
-    two = run_ranks(_sample_rank, 2, [((1, 1, 2), 0), ((1, 1, 2), 3)], str(tmp_path))
+    (one,), two, tmp_path = spawned["sample one"], spawned["sample two"], spawned["folder"]
     reference = one[0]
     assert sorted(reference) == [0, 1, 2] and two[1] == [{}, {}]       # only the logging rank decodes
     for frames in two[0]:

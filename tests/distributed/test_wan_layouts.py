@@ -14,9 +14,8 @@ from pathlib import Path
 import torch
 
 from parallel.experiment.config import load_config
-from tests.dist_utils import run_ranks
 from tests.released_utils import assert_export_reads_back, assert_grads_match, layout_model
-from tests.train_utils import assert_matches, merge_ranks, train
+from tests.train_utils import Run, assert_matches, merge_ranks, train_all
 from tests.helpers import wan as test_wan, wan22_ti2v as test_wan22_ti2v, wan_i2v as test_wan_i2v
 from tests.helpers.wan import released  # noqa: F401  (fixture)
 from tests.helpers.wan22_ti2v import released_ti2v  # noqa: F401  (fixture)
@@ -82,14 +81,16 @@ def test_wan_in_every_layout(released, released_i2v, released_ti2v, tmp_path):
     loss), from one spawn."""
     variants = [("debug-wan", released, tmp_path / "export"), ("debug-wan-i2v", released_i2v, tmp_path / "export_i2v"),
                 ("debug-wan22-ti2v", released_ti2v, tmp_path / "export_ti2v")]
-    results = run_ranks(_rank, 4, [(preset, str(folder), str(export)) for preset, (folder, _), export in variants])
+    spawned = train_all({preset: Run(1, 1, 1, wan_fp32_config(), preset=preset) for preset, _, _ in variants},
+                        {"layouts": (4, _rank, ([(preset, str(folder), str(export))
+                                                 for preset, (folder, _), export in variants],))})
     for preset, (folder, model), export in variants:
-        check_variant(preset, folder, model, export, [r[preset] for r in results])
+        check_variant(preset, folder, model, export, [r[preset] for r in spawned["layouts"]], spawned[preset])
 
 
-def check_variant(preset, folder, model, exported, results):
+def check_variant(preset, folder, model, exported, results, reference):
+    """One variant's layouts (`results`, by rank) against diffusers and its one-process training `reference`."""
     unit = VARIANTS[preset]
-    reference = train(1, 1, 1, wan_fp32_config(), preset=preset)
 
     # Prediction: every layout, every rank, equals diffusers.
     want = unit.diffusers_forward(model, *unit.inputs())
