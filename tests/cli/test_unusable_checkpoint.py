@@ -22,7 +22,7 @@ def contents(folder):
     return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
 
 
-def test_an_only_checkpoint_that_cannot_be_continued_is_refused_and_kept(tmp_path):
+def test_an_only_checkpoint_that_cannot_be_continued_is_refused_and_kept(tmp_path, capsys):
     out = tmp_path / "run"
     assert train_py(out).returncode == 0
     ckpt = out / "checkpoints"
@@ -43,15 +43,19 @@ def test_an_only_checkpoint_that_cannot_be_continued_is_refused_and_kept(tmp_pat
     assert p.returncode == 0, p.stderr[-3000:]
     assert (tmp_path / "fresh" / "step4").is_dir() and contents(ckpt) == written
 
-    # Damaged (a copy cut short): every complete checkpoint is, so none is resumed and none overwritten.
+    # Damaged (a copy cut short): every complete checkpoint is, so none is resumed and none overwritten. A refusal
+    # before any process group, as above: train.py's main in this process.
+    import torch.distributed as dist
+    import train
     victim = next((ckpt / "step2").glob("*model_states.pt"))
     victim.write_bytes(victim.read_bytes()[:100])
     damaged = contents(ckpt)
-    p = train_py(out, "--set", "train.max_steps=4")
-    assert p.returncode == 1
+    assert train.main(["--config", "debug", "--deepspeed_config", "ds_configs/zero0_fp32.json", "--set",
+                       f"train.output_dir={out}", "--set", "train.max_steps=4"]) == 1
+    assert not dist.is_initialized()
     assert (f"{ckpt} (ckpt.dir) has no checkpoint this run can continue: {ckpt}/step2 is damaged ({victim.name} "
             f"has 100 bytes, {len(written[f'step2/{victim.name}'])} were written). Starting from step 0 would "
-            f"overwrite it, so nothing was started. Put the files back whole") in p.stderr
+            f"overwrite it, so nothing was started. Put the files back whole") in capsys.readouterr().err
     assert contents(ckpt) == damaged
     shutil.move(ckpt / "step2", tmp_path / "step2")           # the advice: move it out of ckpt.dir
     p = train_py(out, "--set", "train.max_steps=4")

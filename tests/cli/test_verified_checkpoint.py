@@ -122,8 +122,10 @@ def test_a_flipped_byte_is_named_the_previous_checkpoint_resumes_and_nothing_is_
     assert not (ckpt / "step3" / "layout_free").exists() and (ckpt / "step3.replaced" / "layout_free").is_dir()
     assert rows(out)[-1]["loss"] == whole[2]["loss"]       # step 3's loss is computed before its update
     assert "note: --resume is now --checkpoint (the old spelling still works)" in p.stderr
-    p = train_py(out, "--checkpoint", "7", "--set", "train.max_steps=3")
-    assert p.returncode == 1 and p.stderr.splitlines()[-2:] == [
+    import train           # a refusal before any process group: train.py's main in this process
+    assert train.main(["--config", "debug", "--deepspeed_config", "ds_configs/zero0_fp32.json", "--set",
+                       f"train.output_dir={out}", "--checkpoint", "7", "--set", "train.max_steps=3"]) == 1
+    assert capsys.readouterr().err.splitlines()[-2:] == [
         "train.py refused (1 problem):",
         f"  - --checkpoint 7: {ckpt}/step7 is not a complete checkpoint (ckpt.dir {ckpt} holds step2, step3); name "
         f"one of those, or --checkpoint latest for the newest usable"]
