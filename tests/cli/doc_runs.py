@@ -15,6 +15,7 @@ import json
 import os
 import re
 import runpy
+import shlex
 import subprocess
 import sys
 import traceback
@@ -138,8 +139,9 @@ def run_doc(doc: str, base: Path) -> dict[int, tuple[str, int, str]]:
             else:
                 # The same words, their variables expanded, as a command an earlier document (or block) ran in this
                 # sandbox: a reader who follows both runs it once (a second export into the same folder would be
-                # refused), and so does the test: its result is the earlier one's.
-                words = " ".join(command.expanded().split())
+                # refused), and so does the test: its result is the earlier one's. Words as the shell splits them:
+                # a trailing `# -> ...` comment is not part of the command.
+                words = " ".join(shlex.split(command.expanded(), comments=True))
                 if words not in _SANDBOX_RUNS:
                     _SANDBOX_RUNS[words] = _run(substitute(command.text, free_port()), command.prefix, base)
                 results[command.line] = (how, *_SANDBOX_RUNS[words])
