@@ -245,7 +245,7 @@ def _check_stream(args, cfg, stream, rows: int, guided: bool, steps: int) -> lis
     second stream's caption "audio_text" beside "text" (as a prepared sample's text file), the unconditional one
     given (guided), --noise holds its noise "audio" beside "latents", no decoder is asked for, and its sampler
     takes the steps."""
-    from parallel.train.data import STREAM_KEYS
+    from parallel.experiment.manifest import STREAM_KEYS
 
     (_, noise_key), (_, text_key) = STREAM_KEYS
     audio, caption = stream.shapes()
@@ -464,7 +464,7 @@ def sample_videos(args, cfg, ds: dict, layout, env):
     (LTX-2): (video latents, audio latents [B, A, C])."""
     from models.diffusion import Objective
     from models.geometry import latent_shape
-    from parallel.train.data import STREAM_KEYS
+    from parallel.experiment.manifest import STREAM_KEYS
     from parallel.train.sampling import sample_batch, sampling_model
 
     from models.registry import family

@@ -52,6 +52,11 @@ class FirstFrame:
         """Nothing beside a sample's latent: its own first frame is the picture's."""
         return {}
 
+    @staticmethod
+    def stored_tensors(*_) -> dict:
+        """What data preparation stores beside the latent: nothing (its own first frame is the picture's)."""
+        return {}
+
     def sampling_shapes(self, latent: list[int]) -> dict[str, list[int]]:
         """`python -m parallel.sample --image-latents`: the picture's latent [C, 1, H, W]."""
         return {"image": [latent[0], 1, *latent[2:]]}
