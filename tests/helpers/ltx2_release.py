@@ -1,6 +1,7 @@
 """The fixtures of tests/unit/test_ltx2_prepare.py: a tiny random LTX-2 diffusers release folder with what data
 preparation reads (vae/, audio_vae/, text_encoder/, tokenizer/, connectors/), and clips with sound tracks written
-with PyAV (a test module imports no other test module)."""
+with PyAV; `video_vae` (also tests/unit/test_ltx2_sampling.py's --image; a test module imports no other test
+module)."""
 import av
 import numpy as np
 import pytest
@@ -88,16 +89,11 @@ def _statistics(vae, channels: int) -> None:
     vae.latents_std.copy_(torch.rand(channels, generator=g) + 0.5)
 
 
-@pytest.fixture(scope="module")
-def ltx2_release(tmp_path_factory):
-    """A release folder: vae/ (32 x spatial, 8 x temporal, 8 channels, scaling_factor 0.5), audio_vae/ (stereo
-    16-bin mel -> 2 channels x 4 bins: 8 packed, 4 x in time), text_encoder/ (Gemma-3: 1 layer of 16 + its
-    embeddings), tokenizer/, connectors/ (LTX-2.0's: both streams 16 wide, 4 registers); every normalisation
-    buffer random."""
-    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
-    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+def video_vae():
+    """AutoencoderKLLTX2Video of debug-ltx2's factors (32 x spatial, 8 x temporal, 8 channels), scaling_factor 0.5,
+    random latents_mean / latents_std buffers."""
+    from diffusers import AutoencoderKLLTX2Video
 
-    root = tmp_path_factory.mktemp("ltx2_release")
     torch.manual_seed(0)
     vae = AutoencoderKLLTX2Video(
         in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 8, 8), decoder_block_out_channels=(8,),
@@ -105,10 +101,24 @@ def ltx2_release(tmp_path_factory):
         decoder_spatio_temporal_scaling=(True,), decoder_inject_noise=(False, False),
         downsample_type=("spatiotemporal",) * 3, upsample_residual=(False,), upsample_factor=(1,),
         timestep_conditioning=False, scaling_factor=0.5)
+    _statistics(vae, 8)
+    return vae.eval()
+
+
+@pytest.fixture(scope="module")
+def ltx2_release(tmp_path_factory):
+    """A release folder: vae/ (32 x spatial, 8 x temporal, 8 channels, scaling_factor 0.5), audio_vae/ (stereo
+    16-bin mel -> 2 channels x 4 bins: 8 packed, 4 x in time), text_encoder/ (Gemma-3: 1 layer of 16 + its
+    embeddings), tokenizer/, connectors/ (LTX-2.0's: both streams 16 wide, 4 registers); every normalisation
+    buffer random."""
+    from diffusers import AutoencoderKLLTX2Audio
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    root = tmp_path_factory.mktemp("ltx2_release")
+    vae = video_vae()
     audio_vae = AutoencoderKLLTX2Audio(base_channels=8, ch_mult=(1, 2, 4), num_res_blocks=1, resolution=32,
                                        latent_channels=2, mel_bins=16)
-    for module, channels in ((vae, 8), (audio_vae, 8)):
-        _statistics(module, channels)
+    _statistics(audio_vae, 8)
     connectors = LTX2TextConnectors(
         caption_channels=16, text_proj_in_factor=2, video_connector_num_attention_heads=4,
         video_connector_attention_head_dim=4, video_connector_num_layers=1, video_connector_num_learnable_registers=4,
