@@ -71,7 +71,8 @@ def parser() -> argparse.ArgumentParser:
                     "folder (AutoencoderKLLTX2Audio); default: audio_vae/ beside --vae")
     ap.add_argument("--out", required=True, type=Path, help="output folder (data.path for training)")
     ap.add_argument("--fps", type=float, help="take a clip at this frame rate from the start of each video; "
-                    "default: data.num_frames frames spread over the whole video")
+                    "default: data.num_frames frames spread over the whole video (a model with an audio stream, "
+                    "LTX-2: model.frame_rate)")
     ap.add_argument("--posterior", choices=["sample", "mode"], default="sample",
                     help="sample: a draw from the VAE posterior seeded by (train.seed, video), as CogVideoX "
                     "and finetrainers' Wan train; mode: its mean")
@@ -302,7 +303,10 @@ class ClipEncoder:
         wave = read_audio(self.args.videos / rel, data.num_frames / self.args.fps, self.stream.sample_rate)
         generator = torch.Generator().manual_seed(derive_seed(self.seed, "audio", rel)) \
             if self.args.posterior == "sample" else None
-        return self.stream.encode(wave, stream.tokens(), generator).to(self.store).contiguous()
+        try:
+            return self.stream.encode(wave, stream.tokens(), generator).to(self.store).contiguous()
+        except RuntimeError as e:                    # the audio VAE against model.audio_*: every clip alike
+            raise RuntimeError(f"{rel}: {e} (model.audio_scale_factor, model.frame_rate)") from None
 
     def write_unconditional(self) -> None:
         """uncond.safetensors: the text encoder on the empty prompt, the default negative prompt of CogVideoX's
