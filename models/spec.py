@@ -112,7 +112,9 @@ class DiffusersFormat:
 
 class LatentFormat(Protocol):
     """A VAE folder class (diffusers' `_class_name`) and how its release normalises latents for training
-    (models/vae.py reads and writes through it; models/shared/pipeline.py, models/wan/pipeline.py)."""
+    (models/vae.py reads and writes through it; models/shared/pipeline.py, models/wan/pipeline.py). A format whose
+    statistics are the VAE module's buffers, not config.json's keys, names them in an optional `buffers` tuple
+    (LTX-2's latents_mean / latents_std): models/vae.py hands them over in `config` beside its keys."""
 
     class_name: str                    # `_class_name` of the VAE folder's config.json
     release: str                       # where a user finds such a folder, for messages

@@ -94,6 +94,13 @@ def _format(vae):
     return _formats()[type(vae).__name__]
 
 
+def statistics(vae) -> dict:
+    """What the VAE's LatentFormat normalises with: its config, and the buffers the format names (`buffers`: LTX-2's
+    latents_mean / latents_std, which config.json does not hold); the config itself for a format that names none."""
+    names = getattr(_format(vae), "buffers", ())
+    return {**vae.config, **{name: getattr(vae, name) for name in names}} if names else vae.config
+
+
 @torch.no_grad()
 def encode(vae, frames: np.ndarray, generator: torch.Generator | None = None, augment=None) -> torch.Tensor:
     """uint8 frames [T, H, W, 3] -> normalised latent [C, T', H', W'] fp32 on the CPU.
@@ -106,14 +113,14 @@ def encode(vae, frames: np.ndarray, generator: torch.Generator | None = None, au
     x = (augment(x) if augment is not None else x).to(param.device, param.dtype)
     dist = vae.encode(x).latent_dist
     z = dist.sample(generator) if generator is not None else dist.mode()      # (1, C, T', H', W')
-    return _format(vae).normalise(z.float(), vae.config)[0].cpu()
+    return _format(vae).normalise(z.float(), statistics(vae))[0].cpu()
 
 
 @torch.no_grad()
 def decode(vae, latent: torch.Tensor) -> torch.Tensor:
     """Normalised latent [C, T', H', W'] -> frames [T, H, W, 3], floats in [0, 1] on the CPU."""
     param = next(vae.parameters())
-    z = _format(vae).denormalise(latent[None].to(param.device, torch.float32), vae.config)
+    z = _format(vae).denormalise(latent[None].to(param.device, torch.float32), statistics(vae))
     x = vae.decode(z.to(param.dtype)).sample[0].float()                        # (3, T, H, W) in [-1, 1]
     return ((x.permute(1, 2, 3, 0) + 1.0) / 2.0).clamp(0.0, 1.0).cpu()
 

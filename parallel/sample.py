@@ -52,9 +52,10 @@ LTX-2 (a model of two streams, video and audio): its pipeline's own loop, both s
 drawn after its video noise; `--guidance` guides the video and `--guidance-2` (val.guidance_scale_2, default
 --guidance) the audio (the pipeline's guidance_scale, audio_guidance_scale), `--guidance-rescale` both (its
 guidance_rescale and audio_guidance_rescale, default its 0.7); the output adds "audio" (a folder: "prompt<i>_audio");
-no decoder (--vae, val.decoder: refused). Its image-to-video (model.image_condition, equal to
-LTX2ImageToVideoPipeline(latents=..., output_type="latent") with the picture's latent in the latents' frame 0):
-`--image-latents` only (--image: refused), the picture's latent in frame 0 of every step's input and of the result.
+no decoder (val.decoder, and --vae but as --image's encoder: refused). Its image-to-video (model.image_condition,
+equal to LTX2ImageToVideoPipeline(latents=..., output_type="latent") with the picture's latent in the latents' frame
+0): `--image-latents`, or `--image` with `--vae` (the picture encoded and normalised as that pipeline does:
+models/ltx2/image.py), the picture's latent in frame 0 of every step's input and of the result.
 
 Output (rank 0): `--out FILE.safetensors` writes {"latents": [B, C, T, H, W]}, and with a decoder (--vae DIR or
 val.decoder) the videos FILE/prompt<i>.{gif,mp4,txt} (FILE without the suffix). `--out DIR` (any other name)
@@ -245,7 +246,7 @@ def _check_stream(args, cfg, stream, rows: int, guided: bool, steps: int) -> lis
     second stream's caption "audio_text" beside "text" (as a prepared sample's text file), the unconditional one
     given (guided), --noise holds its noise "audio" beside "latents", no decoder is asked for, and its sampler
     takes the steps."""
-    from parallel.train.data import STREAM_KEYS
+    from parallel.experiment.manifest import STREAM_KEYS
 
     (_, noise_key), (_, text_key) = STREAM_KEYS
     audio, caption = stream.shapes()
@@ -269,9 +270,9 @@ def _check_stream(args, cfg, stream, rows: int, guided: bool, steps: int) -> lis
             problems.append(f"--noise {args.noise}: model {cfg.model.name} starts its second stream from \"{noise_key}"
                             f"\" [B, A, C] = {[rows, *audio]} beside \"latents\" (found "
                             f"{list(shape) if shape else 'none'}; A from data.num_frames and model.frame_rate)")
-    if args.vae or cfg.val.decoder:
-        problems.append(f"{'--vae' if args.vae else 'val.decoder'}: decoding model {cfg.model.name}'s latents is not "
-                        f"built (docs/models.md); leave it out: the latents of both streams are written")
+    if (args.vae and not args.image) or cfg.val.decoder:           # --vae with --image: the picture's encoder only
+        problems.append(f"{'val.decoder' if cfg.val.decoder else '--vae'}: decoding model {cfg.model.name}'s latents is "
+                        f"not built (docs/models.md); leave it out: the latents of both streams are written")
     return problems
 
 
@@ -293,7 +294,7 @@ def _check_image(args, cfg, rows: int, shapes: dict) -> list[str]:
     if len(given) != 1:
         return [f"model {cfg.model.name} is image-to-video: give the first frame, either --image PICTURE (with --vae) "
                 f"or --image-latents FILE {label}" + (", not both" if given else "")]
-    if args.image and not hasattr(condition, "encode_pictures"):      # LTX-2: its VAE's normalisation is not read
+    if args.image and not hasattr(condition, "encode_pictures"):
         return [f"--image: encoding a picture for model {cfg.model.name} is not built (docs/models.md); give the "
                 f"picture's latent: --image-latents FILE {label}"]
     problems = _check_image_embeds(args, condition, rows, shapes, stored)
@@ -464,7 +465,7 @@ def sample_videos(args, cfg, ds: dict, layout, env):
     (LTX-2): (video latents, audio latents [B, A, C])."""
     from models.diffusion import Objective
     from models.geometry import latent_shape
-    from parallel.train.data import STREAM_KEYS
+    from parallel.experiment.manifest import STREAM_KEYS
     from parallel.train.sampling import sample_batch, sampling_model
 
     from models.registry import family
@@ -491,7 +492,8 @@ def sample_videos(args, cfg, ds: dict, layout, env):
                                family(cfg.model).training_condition(cfg.model, cfg.data), extra,
                                progress=True, stream=stream, guidance_rescale=rescale)
         if ctx.rank == 0:
-            for path in write_outputs(args.out, latents, labels, cfg, args.vae or cfg.val.decoder):
+            decoder = None if stream is not None else args.vae or cfg.val.decoder     # LTX-2: --vae encodes --image
+            for path in write_outputs(args.out, latents, labels, cfg, decoder):
                 print(f"wrote {path}", flush=True)
     return latents
 

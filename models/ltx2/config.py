@@ -135,9 +135,13 @@ class LTX2Config(ModelConfig):
         why = "docs/models.md#ltx-2"
         problems = []
         if run.data.caption_dropout > 0:
-            problems.append(f"data.caption_dropout={run.data.caption_dropout} with model.family=ltx2: the audio "
-                            f"caption's unconditional states are not stored yet; set --set data.caption_dropout=0 "
-                            f"({why})")
+            problems.append(f"data.caption_dropout={run.data.caption_dropout} with model.family=ltx2: the training "
+                            f"batches do not drop the audio caption yet; set --set data.caption_dropout=0 ({why})")
+        if run.data.text_encoder:
+            problems.append(f"data.text_encoder={run.data.text_encoder} with model.family=ltx2: LTX-2's captions are "
+                            f"two connector states (video, audio) that the toolkit encodes in data preparation only; "
+                            f"prepare them (python -m parallel.prepare_data --t5 <release folder>) and unset "
+                            f"data.text_encoder ({why})")
         if run.val.every:
             problems.append(f"val.every={run.val.every} with model.family=ltx2: validation sees the video stream "
                             f"only; set --set val.every=0 ({why})")

@@ -52,6 +52,11 @@ class FirstFrame:
         """Nothing beside a sample's latent: its own first frame is the picture's."""
         return {}
 
+    @staticmethod
+    def stored_tensors(*_) -> dict:
+        """What data preparation stores beside the latent: nothing (its own first frame is the picture's)."""
+        return {}
+
     def sampling_shapes(self, latent: list[int]) -> dict[str, list[int]]:
         """`python -m parallel.sample --image-latents`: the picture's latent [C, 1, H, W]."""
         return {"image": [latent[0], 1, *latent[2:]]}
@@ -62,6 +67,29 @@ class FirstFrame:
         return first_frame(x[0], first), x[1]
 
     sampled = sampling_input     # the sampler's result with the picture latent in frame 0 (the pipeline's)
+
+    @staticmethod
+    def encode_pictures(vae, pictures: list, height: int, width: int) -> torch.Tensor:
+        """`python -m parallel.sample --image`: the module's `encode_pictures`."""
+        return encode_pictures(vae, pictures, height, width)
+
+
+@torch.no_grad()
+def encode_pictures(vae, pictures: list, height: int, width: int) -> torch.Tensor:
+    """Pictures (PIL images) -> their latents [N, C, 1, H', W'] fp32, as LTX2ImageToVideoPipeline.prepare_latents
+    encodes its `image`: VideoProcessor.preprocess (bilinear resize to height x width, [-1, 1]), one frame through
+    the VAE, the posterior's mode, (z - latents_mean) / latents_std with the VAE's buffers (that pipeline passes no
+    scaling_factor: 1, the release's)."""
+    from diffusers.video_processor import VideoProcessor
+
+    from models.ltx2.pipeline import LTX2Latents
+
+    param = next(vae.parameters())
+    x = VideoProcessor(vae_scale_factor=vae.spatial_compression_ratio, resample="bilinear").preprocess(
+        pictures, height=height, width=width)
+    z = vae.encode(x.unsqueeze(2).to(param.device, param.dtype)).latent_dist.mode().float()
+    buffers = {name: getattr(vae, name) for name in LTX2Latents.buffers}        # scaling_factor: 1 (the pipeline's)
+    return LTX2Latents.normalise(z, buffers).cpu()
 
 
 def image_condition(model, data):

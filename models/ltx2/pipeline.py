@@ -1,12 +1,15 @@
 """What LTX-2's released pipelines (LTX2Pipeline, LTX2ImageToVideoPipeline, diffusers 0.42) feed the transformer
-(FamilySpec.formats.vae, text_encoder, FamilySpec.sampling), as far as the toolkit has it.
+(FamilySpec.formats.vae, text_encoder, FamilySpec.sampling), and how data preparation makes it.
 
 - VAE `AutoencoderKLLTX2Video`: compression as the class computes it (the release: 8 x temporal, 32 x spatial,
   128 channels). The pipelines normalise latents per channel with the VAE's `latents_mean` / `latents_std`
-  *buffers* ((z - mean) x scaling_factor / std), which config.json does not hold: normalising from the config
-  alone is refused until data preparation reads the buffers (with the audio VAE's, AutoencoderKLLTX2Audio).
-- Text: Gemma-3 hidden states through the pipeline's connector (LTX2TextConnectors): not encoded by the toolkit
-  yet (`prepared=False`: `prepare_data --t5` and `data.text_encoder` refuse it by name).
+  *buffers* ((z - mean) x scaling_factor / std), which config.json does not hold: models/vae.py hands them over
+  from the loaded VAE (`buffers`); normalising from config.json alone is refused by name.
+- Audio (`AutoencoderKLLTX2Audio`, the release's audio_vae/): the clip's sound track as a log-mel spectrogram,
+  encoded, packed and normalised as the pipeline's audio latents (models/ltx2/audio.py).
+- Text: Gemma-3 hidden states through the pipeline's connector (LTX2TextConnectors), a caption state for each
+  stream (models/ltx2/captions.py; `prepare_data --t5 <release folder>`). Encoding while training
+  (`data.text_encoder`) is refused by name (LTX2Config.unsupported): prepare the captions.
 - Scheduler: LTX2Pipeline's denoising loop, video and audio together (the sampler "ltx2", the family's own:
   models/ltx2/sampling.py, which the audio stream's `sample` runs); the release's scheduler_config.json is not
   read (its values are written there), so there is no release scheduler check. Guidance: the video's scale and the
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from models.ltx2.captions import caption_encoder
 from models.spec import Sampling, TextEncoderFormat
 
 
@@ -34,16 +38,34 @@ class LTX2Latents:
         return (config.get("temporal_compression_ratio") or config.get("patch_size_t", 1) * steps,
                 config.get("spatial_compression_ratio") or config.get("patch_size", 4) * steps)
 
+    buffers = ("latents_mean", "latents_std")     # what models/vae.py hands over beside the VAE's config
+
     @staticmethod
     def normalise(z: torch.Tensor, config) -> torch.Tensor:
-        raise NotImplementedError("LTX-2 latents are normalised with AutoencoderKLLTX2Video's latents_mean / "
-                                  "latents_std buffers, which the toolkit does not read yet (docs/models.md#ltx-2)")
+        """LTX2Pipeline._normalize_latents: (z - mean) x scaling_factor / std, per channel."""
+        mean, std, scale = latent_statistics(z, config)
+        return (z - mean) * scale / std
 
-    denormalise = normalise
+    @staticmethod
+    def denormalise(z: torch.Tensor, config) -> torch.Tensor:
+        """LTX2Pipeline._denormalize_latents: z x std / scaling_factor + mean."""
+        mean, std, scale = latent_statistics(z, config)
+        return z * std / scale + mean
+
+
+def latent_statistics(z: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(mean, std) [1, C, 1, 1, 1] and scaling_factor: the loaded VAE's buffers (models/vae.py `statistics`), never
+    config.json's defaults."""
+    if "latents_mean" not in config:
+        raise NotImplementedError("LTX-2 latents are normalised with AutoencoderKLLTX2Video's latents_mean / "
+                                  "latents_std buffers, which its config.json does not hold: load the VAE "
+                                  "(models.vae.load_vae) and normalise with models.vae.encode (docs/models.md#ltx-2)")
+    mean, std = (config[k].view(1, -1, 1, 1, 1).to(z.device, z.dtype) for k in LTX2Latents.buffers)
+    return mean, std, config.get("scaling_factor", 1.0)
 
 
 GEMMA3 = TextEncoderFormat(class_name="Gemma3ForConditionalGeneration", model_type="gemma3", masked=True,
-                           clean=False, prepared=False)
+                           clean=False, prepared=False, encoder=caption_encoder)
 
 
 def guidance(model, guidance_scale: float, guidance_scale_2: float) -> tuple[float, float]:

@@ -29,6 +29,7 @@ import math
 import torch
 
 from models.diffusion import NUM_TRAIN_TIMESTEPS, PER_SAMPLE, mse_loss
+from models.ltx2.audio import AudioEncoder, audio_vae_problems
 from models.ltx2.image import token_timesteps
 from models.ltx2.sampling import GUIDANCE_RESCALE, MIN_STEPS, sample, shift_mu
 
@@ -107,3 +108,17 @@ class AudioStream:
     sample = staticmethod(sample)
     min_steps = MIN_STEPS
     guidance_rescale = GUIDANCE_RESCALE          # parallel.sample's default --guidance-rescale (the pipeline's)
+
+    # Data preparation (parallel/prepare_data/audio.py): the clip, taken at the stream's frame rate, and its sound
+    # track encoded by the release's audio VAE (models/ltx2/audio.py) into the sample's "audio".
+
+    @property
+    def frame_rate(self) -> float:
+        return self.model.frame_rate
+
+    def tokens(self) -> int:
+        """The clip's audio tokens A (LTX2Config.audio_tokens)."""
+        return self.shapes()[0][0]
+
+    source_problems = staticmethod(audio_vae_problems)    # (folder, model) -> what keeps it from the model
+    load_source = staticmethod(AudioEncoder)               # (folder, device) -> .sample_rate, .encode(wave, A, g)

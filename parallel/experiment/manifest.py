@@ -2,7 +2,8 @@
 its lines, and its buckets (the samples of each shape, parallel/experiment/shapes.py) checked against the model.
 
 A line is {"latent": file, "text": file} (or "caption": str where a text encoder will encode it), with
-"shape": [frames, height, width] in pixels when the dataset holds several shapes.
+"shape": [frames, height, width] in pixels when the dataset holds several shapes. A family with a second stream
+(LTX-2's audio) stores its tensors in the same two files (STREAM_KEYS).
 """
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from typing import Optional
 
 from parallel.experiment.shapes import (Shape, format_shape, parse_shape, preset_bucket_problems, shape_configs,
                                         shape_problems)
+
+# A second stream's tensors (FamilySpec.second_stream: LTX-2's audio), by the file of the manifest line they sit in:
+# the latent file's "audio" (packed audio latents), the text file's "audio_text" (the audio caption states).
+STREAM_KEYS = (("latent", "audio"), ("text", "audio_text"))
 
 
 def read_manifest(root: Path, captions: bool = False, key: str = "data.path") -> tuple[list, list, list[int], list]:

@@ -9,7 +9,9 @@ then a VAE latent [C, T, H, W] (models.vae: the VAE class the model's family nam
 latents/<video>.safetensors and, with --t5, its caption's embedding by the family's T5 or UMT5 encoder
 (models.text_encoder) [model.max_text_len, model.text_embed_dim] in text/<video>.safetensors, and once the empty
 prompt's, uncond.safetensors (caption dropout's and guidance's unconditional input); without --t5 the
-manifest keeps the caption for training to encode (data.text_encoder). manifest.jsonl lists the prepared
+manifest keeps the caption for training to encode (data.text_encoder). A model with an audio stream (LTX-2) also
+stores, in the same two files, the clip's sound track encoded by its audio VAE (--audio-vae, parallel.prepare_data.
+audio) and the caption's audio states (its encoder's "audio_text"). manifest.jsonl lists the prepared
 videos in captions order, skipped.jsonl the unusable ones with the reason, prepare.json the settings.
 
 Rank r of WORLD_SIZE takes videos r, r + WORLD_SIZE, ... . A video is done when its latent file exists
@@ -37,8 +39,10 @@ from models.registry import family, text_encoder_formats, vae_formats
 from models.text_encoder import check_encoder_folder, encoder_class
 from parallel.experiment.cli import CONFIG_HELP, REFUSED, Parser, add_experiment_args, refused
 from parallel.experiment.units import DTYPES
+from parallel.prepare_data.audio import read_audio, stream_problems
 from parallel.prepare_data.captions import InputError, read_captions, video_files
 from parallel.experiment.config import UNCOND_FILE, ConfigError, load_config
+from parallel.experiment.manifest import STREAM_KEYS
 from parallel.experiment.shapes import choose_bucket, format_shape, resolve_buckets, shape_problems
 from parallel.prepare_data.frames import VideoError, probe, read_clip
 from parallel.distributed.seed import derive_seed
@@ -63,9 +67,12 @@ def parser() -> argparse.ArgumentParser:
                     "I2V's CLIP vision encoder folder (CLIPVisionModel with preprocessor_config.json; for a release: "
                     "image_encoder/ with the files of image_processor/ copied in); HunyuanVideo 1.5 I2V's SigLIP: "
                     "the pipeline folder (image_encoder/, feature_extractor/)")
+    ap.add_argument("--audio-vae", type=Path, help="a model with an audio stream (LTX-2): the release's audio VAE "
+                    "folder (AutoencoderKLLTX2Audio); default: audio_vae/ beside --vae")
     ap.add_argument("--out", required=True, type=Path, help="output folder (data.path for training)")
     ap.add_argument("--fps", type=float, help="take a clip at this frame rate from the start of each video; "
-                    "default: data.num_frames frames spread over the whole video")
+                    "default: data.num_frames frames spread over the whole video (a model with an audio stream, "
+                    "LTX-2: model.frame_rate)")
     ap.add_argument("--posterior", choices=["sample", "mode"], default="sample",
                     help="sample: a draw from the VAE posterior seeded by (train.seed, video), as CogVideoX "
                     "and finetrainers' Wan train; mode: its mean")
@@ -91,6 +98,7 @@ def settings(args, cfg, vae_config: dict) -> dict:
             "posterior": args.posterior, "seed": cfg.train.seed, "dtype": args.dtype,
             "t5": str(args.t5.resolve()) if args.t5 else None, "max_text_len": cfg.model.max_text_len,
             **({"image_encoder": str(args.image_encoder.resolve())} if getattr(args, "image_encoder", None) else {}),
+            **({"audio_vae": str(Path(args.audio_vae).resolve())} if getattr(args, "audio_vae", None) else {}),
             "buckets": [format_shape(b) for b in args.bucket_list] or None}
 
 
@@ -162,6 +170,7 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
         problems += (condition.image_encoder_problems(args.image_encoder) if needs_encoder else
                      [f"--image-encoder={args.image_encoder}: model {cfg.model.name} has no image cross-attention; "
                       f"leave --image-encoder out"])
+    problems += stream_problems(args, cfg)             # LTX-2's audio: the clip at its frame rate, the audio VAE
     if args.limit is not None and args.limit < 0:
         problems.append(f"--limit={args.limit}: give a number >= 0")
     stamp = args.out / "prepare.json"
@@ -251,6 +260,9 @@ class ClipEncoder:
         self.args, self.data, self.seed, self.tag = args, cfg.data, cfg.train.seed, tag
         self.store, self.model, self.buckets = DTYPES[args.dtype], cfg.model, args.bucket_list
         self.condition = family(cfg.model).training_condition(cfg.model, cfg.data)
+        self.stream = None                     # a second stream's source (LTX-2's audio VAE)
+        if getattr(args, "audio_vae", None):
+            self.stream = family(cfg.model).training_stream(cfg.model, cfg.data).load_source(args.audio_vae, device)
         self.image_encoder = None
         if getattr(args, "image_encoder", None):
             self.image_encoder = self.condition.load_image_encoder(args.image_encoder, device, self.vae.dtype)
@@ -273,14 +285,28 @@ class ClipEncoder:
             noise = torch.Generator().manual_seed(derive_seed(self.seed, "image", rel))
             stored = self.condition.stored_tensors(encode, self.vae, frames, generator, noise, self.image_encoder)
             tensors.update({name: value.to(self.store).contiguous() for name, value in stored.items()})
+        if self.stream is not None:           # the clip's sound track: the second stream's latents
+            tensors[STREAM_KEYS[0][1]] = self.stream_latents(rel, data)
         if tuple(latent.shape) != self.expected:
             raise RuntimeError(f"{rel}: the VAE gave a latent of shape {list(latent.shape)}, the model expects "
                                f"{list(self.expected)} (data.num_frames/height/width, model.vae_scale_*)")
         latent_path, text_path = outputs(rel, self.t5 is not None)
         if self.t5 is not None:
-            text = self.t5.encode(caption).to(self.store).contiguous()
-            write_atomic(args.out, text_path, lambda p: save_file({"text": text}, str(p), meta), self.tag)
+            text = text_tensors(self.t5, caption, self.store)
+            write_atomic(args.out, text_path, lambda p: save_file(text, str(p), meta), self.tag)
         write_atomic(args.out, latent_path, lambda p: save_file(tensors, str(p), meta), self.tag)
+
+    def stream_latents(self, rel: str, data) -> torch.Tensor:
+        """The clip's sound track (its num_frames / fps seconds) as the second stream's latents [A, C], a posterior
+        draw seeded by (train.seed, "audio", video) or its mode (--posterior)."""
+        stream = family(self.model).training_stream(self.model, data)
+        wave = read_audio(self.args.videos / rel, data.num_frames / self.args.fps, self.stream.sample_rate)
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, "audio", rel)) \
+            if self.args.posterior == "sample" else None
+        try:
+            return self.stream.encode(wave, stream.tokens(), generator).to(self.store).contiguous()
+        except RuntimeError as e:                    # the audio VAE against model.audio_*: every clip alike
+            raise RuntimeError(f"{rel}: {e} (model.audio_scale_factor, model.frame_rate)") from None
 
     def write_unconditional(self) -> None:
         """uncond.safetensors: the text encoder on the empty prompt, the default negative prompt of CogVideoX's
@@ -288,9 +314,16 @@ class ClipEncoder:
         write_unconditional(self.args.out, self.t5, self.store, self.tag)
 
 
+def text_tensors(encoder, caption: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """{"text": [L, D]} of the caption, and a second stream's caption states beside it where the family's encoder
+    gives them by name (LTX-2's {"text", "audio_text"})."""
+    out = encoder.encode(caption)
+    return {k: v.to(dtype).contiguous() for k, v in (out if isinstance(out, dict) else {"text": out}).items()}
+
+
 def write_unconditional(out: Path, t5, dtype: torch.dtype, tag: str) -> None:
-    text = t5.encode("").to(dtype).contiguous()
-    write_atomic(out, UNCOND_FILE, lambda p: save_file({"text": text}, str(p), {"caption": ""}), tag)
+    text = text_tensors(t5, "", dtype)
+    write_atomic(out, UNCOND_FILE, lambda p: save_file(text, str(p), {"caption": ""}), tag)
 
 
 def prepare(args, cfg, env) -> dict:

@@ -20,7 +20,7 @@ import torch
 from models.diffusion import PER_SAMPLE, Objective
 from models.spec import image_rows
 from parallel.experiment.config import UNCOND_FILE
-from parallel.experiment.manifest import read_manifest
+from parallel.experiment.manifest import STREAM_KEYS, read_manifest
 from parallel.experiment.shapes import bucket_data, format_shape
 from parallel.train.buckets import BucketSchedule
 from parallel.distributed.seed import derive_seed
@@ -246,11 +246,6 @@ def stream_problems(items, lines, shapes, model, data) -> list[str]:
                 problems.append(f"{f}: {key} shape {stored_shape(f, key)} != expected {list(want)} (manifest.jsonl:"
                                 f"{n}; model.audio_in_channels, the clip's audio tokens, model.max_text_len)")
     return problems
-
-
-# A second stream's tensors (FamilySpec.second_stream: LTX-2's audio), by the file of the manifest line they sit in:
-# the latent file's "audio" (packed audio latents), the text file's "audio_text" (the audio caption states).
-STREAM_KEYS = (("latent", "audio"), ("text", "audio_text"))
 
 
 class DirectoryLatents:

@@ -184,8 +184,8 @@ def test_what_is_not_built_is_refused_by_name_and_the_planner_plans_it(capsys):
     with pytest.raises(ConfigError) as refused:
         load_and_check("debug-ltx2", ["data.caption_dropout=0.1", "val.every=2"], None, None, device_check=False)
     assert str(refused.value).splitlines() == [
-        "data.caption_dropout=0.1 with model.family=ltx2: the audio caption's unconditional states are not stored "
-        "yet; set --set data.caption_dropout=0 (docs/models.md#ltx-2)",
+        "data.caption_dropout=0.1 with model.family=ltx2: the training batches do not drop the audio caption yet; "
+        "set --set data.caption_dropout=0 (docs/models.md#ltx-2)",
         "val.every=2 with model.family=ltx2: validation sees the video stream only; set --set val.every=0 "
         "(docs/models.md#ltx-2)"]
     assert check(load_config("debug-ltx2"))[1] == []

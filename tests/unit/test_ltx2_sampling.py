@@ -2,8 +2,10 @@
 LTX-2.3 release, from the noise and caption states the pipeline sees (its connectors' outputs for Gemma features),
 gives the pipeline's video and audio latents (output_type="latent"; its release scheduler, classifier-free guidance
 in x0 for both streams, each stream's own scale, the guidance rescale), and LTX2ImageToVideoPipeline's from a
-picture's latent; what a two-stream sample needs is refused by name before any model loads. At tp 2 x sp 2:
+picture's latent, and from a picture encoded with --vae as that pipeline encodes it; what a two-stream sample needs
+is refused by name before any model loads. At tp 2 x sp 2:
 tests/distributed/test_ltx2_layouts.py."""
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -104,22 +106,34 @@ def test_the_schedule_is_the_release_scheduler(steps):
 def test_image_to_video_equals_the_pipeline(released, tmp_path, capsys):
     """model.image_condition: --image-latents (one picture latent a row) gives LTX2ImageToVideoPipeline's video and
     audio latents, the picture in frame 0 of the pipeline's latents (its conditioning mask and per-token timestep,
-    frames 1.. stepped), with guidance (both calls see the picture). --image is refused by name (encoding a picture
-    needs the VAE's normalisation, not read); a text-to-video model refuses --image-latents."""
+    frames 1.. stepped), with guidance (both calls see the picture); the picture latent is the one the pipeline's
+    prepare_latents encodes (its video processor, the VAE's mode, normalised with the buffers), and --image with
+    --vae gives the same run. --image without --vae is refused; a text-to-video model refuses --image-latents."""
     from diffusers import LTX2ImageToVideoPipeline
+    from diffusers.pipelines.ltx2.pipeline_ltx2_image2video import retrieve_latents
+    from PIL import Image
+
+    from tests.helpers.ltx2_release import video_vae
 
     folder, model = released["ltx2.3"]
     pipe = pipeline(model)
     i2v = LTX2ImageToVideoPipeline(**{k: v for k, v in pipe.components.items() if v is not None or k in (
         "text_encoder", "tokenizer", "vocoder")})
     gemma, negative, video, audio = _files(tmp_path, pipe)
-    image = torch.randn(B, 8, 1, 4, 6, generator=torch.Generator().manual_seed(6))
+    vae = video_vae()                                    # debug-ltx2's factors, random normalisation buffers
+    vae.save_pretrained(tmp_path / "vae")
+    picture = Image.fromarray(np.random.default_rng(0).integers(0, 256, (100, 150, 3), dtype=np.uint8))
+    picture.save(tmp_path / "picture.png")
+    with torch.no_grad():
+        x = i2v.video_processor.preprocess(picture, height=128, width=192).unsqueeze(2)
+        image = i2v._normalize_latents(retrieve_latents(vae.encode(x), None, "argmax"), vae.latents_mean,
+                                       vae.latents_std).expand(B, -1, -1, -1, -1).contiguous()
     save_file({"image": image}, str(tmp_path / "image.safetensors"))
     args = ["--config", "debug-ltx2", *(f"--set={o}" for o in overrides(folder, "ltx2.3")),
             "--set=model.image_condition=true", "--prompt-embeds", str(tmp_path / "prompt.safetensors"), "--noise",
             str(tmp_path / "noise.safetensors"), "--negative-embeds", str(tmp_path / "negative.safetensors"),
-            "--steps", "3", "--guidance", "3", "--out", str(tmp_path / "i2v.safetensors")]
-    assert main([*args, "--image-latents", str(tmp_path / "image.safetensors")]) == 0
+            "--steps", "3", "--guidance", "3", "--out"]
+    assert main([*args, str(tmp_path / "i2v.safetensors"), "--image-latents", str(tmp_path / "image.safetensors")]) == 0
     got = load_file(str(tmp_path / "i2v.safetensors"))
     mask = torch.ones(B, L, dtype=torch.long)
     want_video, want_audio = i2v(
@@ -132,10 +146,14 @@ def test_image_to_video_equals_the_pipeline(released, tmp_path, capsys):
     torch.testing.assert_close(got["latents"], want_video, msg=lambda m: f"image-to-video video: {m}")
     torch.testing.assert_close(got["audio"], want_audio.transpose(1, 2).flatten(2),
                                msg=lambda m: f"image-to-video audio: {m}")
-    (tmp_path / "picture.png").write_bytes(b"")
-    assert main([*args, "--image", str(tmp_path / "picture.png")]) == 1
-    assert ("--image: encoding a picture for model debug-ltx2 is not built (docs/models.md); give the picture's "
-            "latent: --image-latents FILE [C, 1, H, W]") in capsys.readouterr().err
+    picture_args = ["--image", str(tmp_path / "picture.png")]
+    assert main([*args, str(tmp_path / "picture.safetensors"), *picture_args, "--vae", str(tmp_path / "vae")]) == 0
+    encoded = load_file(str(tmp_path / "picture.safetensors"))
+    for key in ("latents", "audio"):
+        torch.testing.assert_close(encoded[key], got[key], msg=lambda m: f"--image {key}: {m}")
+    assert main([*args, str(tmp_path / "picture.safetensors"), *picture_args]) == 1
+    assert "--image needs the VAE that encodes it: --vae <the vae/ folder of an LTX-2" in capsys.readouterr().err
     text_to_video = [a for a in args if a != "--set=model.image_condition=true"]
-    assert main([*text_to_video, "--image-latents", str(tmp_path / "image.safetensors")]) == 1
+    assert main([*text_to_video, str(tmp_path / "t2v.safetensors"), "--image-latents",
+                 str(tmp_path / "image.safetensors")]) == 1
     assert "--image-latents: model debug-ltx2 is text-to-video" in capsys.readouterr().err
