@@ -129,14 +129,11 @@ class LTX2Config(ModelConfig):
 
     def unsupported(self, run, purpose: str = "train") -> list[str]:
         """What the toolkit cannot do with this model yet (parallel/check.py's load_and_check refuses runs with it;
-        the planner plans it). Training from latents with both streams works (models/ltx2/training.py; LoRA too),
-        and so do parallel.export, parallel.verify and parallel.sample (both streams). `purpose` refuses nothing of
+        the planner plans it). Training from latents with both streams works (models/ltx2/training.py; LoRA too;
+        caption dropout drops both streams' captions: parallel/train/data.py), and so do parallel.export, parallel.verify and parallel.sample (both streams). `purpose` refuses nothing of
         its own."""
         why = "docs/models.md#ltx-2"
         problems = []
-        if run.data.caption_dropout > 0:
-            problems.append(f"data.caption_dropout={run.data.caption_dropout} with model.family=ltx2: the training "
-                            f"batches do not drop the audio caption yet; set --set data.caption_dropout=0 ({why})")
         if run.data.text_encoder:
             problems.append(f"data.text_encoder={run.data.text_encoder} with model.family=ltx2: LTX-2's captions are "
                             f"two connector states (video, audio) that the toolkit encodes in data preparation only; "

@@ -92,3 +92,63 @@ def test_a_prepared_sample_holds_the_audio_stream(tmp_path):
         assert torch.equal(got, want)
     with pytest.raises(ValueError, match=f'^{tmp_path / "b.safetensors"}: no "audio" tensor'):
         data[1]
+
+
+def _prepared_folder(root, n: int):
+    """n samples of debug-ltx2's shapes, each caption pair its own, and uncond.safetensors with both streams'."""
+    g = torch.Generator().manual_seed(11)
+    lines = []
+    for i in range(n):
+        save_file({"latent": torch.randn(8, 2, 4, 6, generator=g), "audio": torch.randn(9, 8, generator=g)},
+                  str(root / f"{i}.safetensors"))
+        save_file({"text": torch.randn(8, 16, generator=g), "audio_text": torch.randn(8, 16, generator=g)},
+                  str(root / f"{i}_text.safetensors"))
+        lines.append(f'{{"latent": "{i}.safetensors", "text": "{i}_text.safetensors"}}\n')
+    (root / "manifest.jsonl").write_text("".join(lines))
+    save_file({"text": torch.full((8, 16), 0.25), "audio_text": torch.full((8, 16), -0.5)},
+              str(root / "uncond.safetensors"))
+
+
+def test_caption_dropout_gives_both_streams_the_empty_prompt_in_the_drawn_samples(tmp_path):
+    """data.caption_dropout=p: the samples whose rand(seed, "caption_dropout", step, position) < p train on
+    uncond.safetensors' "text" and "audio_text" (one draw for both streams: one caption makes both states), the others
+    on their own; everything else in the batch is the batch without dropout; dp 2's ranks drop the same positions.
+    The checker names an uncond.safetensors without the audio caption."""
+    import types
+
+    from parallel.experiment.config import load_config
+    from parallel.train.data import check_shapes
+    from parallel.train.run import training_batches
+
+    _prepared_folder(tmp_path, 4)
+    sets = ["data.kind=directory", f"data.path={tmp_path}", "train.micro_batch_size=4"]
+    cfg, off = (load_config("debug-ltx2", [*sets, f"data.caption_dropout={p}"]) for p in (0.5, 0))
+    uncond = {"text": torch.full((8, 16), 0.25), "audio_text": torch.full((8, 16), -0.5)}
+    dropped = []
+    for step in range(2):
+        (inputs, target), (plain, plain_target) = (training_batches(c, ParallelContext.single()).micro_batch(step, 0)
+                                                   for c in (cfg, off))
+        for j in range(4):
+            g = torch.Generator().manual_seed(derive_seed(cfg.train.seed, "caption_dropout", step, 4 * step + j))
+            drop = float(torch.rand(1, generator=g)) < 0.5
+            dropped.append(drop)
+            for k, key in ((2, "text"), (4, "audio_text")):
+                assert torch.equal(inputs[k][j], uncond[key] if drop else plain[k][j]), (step, j, key)
+                assert drop or not torch.equal(plain[k][j], uncond[key])
+        for k in (0, 1, 3, 5):
+            assert torch.equal(inputs[k], plain[k])
+        assert all(torch.equal(a, b) for a, b in zip(target, plain_target))
+        # dp 2: each rank's two positions of the step, the same draw
+        ranks = [training_batches(load_config("debug-ltx2", [*sets, "data.caption_dropout=0.5",
+                                                             "train.micro_batch_size=2"]),
+                                  types.SimpleNamespace(dp_rank=r, dp_size=2)).micro_batch(step, 0)[0] for r in (0, 1)]
+        for k in range(6):
+            assert torch.equal(torch.cat([r[k] for r in ranks]), inputs[k])
+    assert 0 < sum(dropped) < len(dropped)
+
+    save_file({"text": uncond["text"]}, str(tmp_path / "uncond.safetensors"))
+    assert check_shapes(tmp_path, cfg.model, cfg.data) == [
+        f'{tmp_path / "uncond.safetensors"}: no "audio_text" tensor: a model with a second stream (LTX-2\'s audio) '
+        'trains on samples whose latent .safetensors also holds "audio" [audio tokens, model.audio_in_channels] and '
+        'whose text .safetensors also holds "audio_text" [model.max_text_len, its caption width] (the empty '
+        "prompt's, which python -m parallel.prepare_data --t5 writes for both streams)"]
