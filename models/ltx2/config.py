@@ -73,6 +73,10 @@ class LTX2Config(ModelConfig):
     image_condition: bool = Field(False, description="image-to-video (LTX2ImageToVideoPipeline; the same "
                                   "transformer as text-to-video): the first latent frame is the clean picture "
                                   "latent, its tokens at timestep 0, left out of the loss")
+    image_dropout: float = Field(0.0, ge=0, le=1, description="image-to-video training: probability that a sample "
+                                 "is trained as text-to-video (its first frame noised, at the sample's timestep and "
+                                 "in the loss): 1 - the `probability` of ltx-trainer's first_frame condition (its "
+                                 "default 1: 0 here; its i2v_lora.yaml 0.5, the ltx2-i2v preset's)")
     prompt_embeddings: bool = Field(True, description="diffusers' use_prompt_embeddings: the transformer projects "
                                     "the caption (LTX-2.0); false: the connector did (LTX-2.3), text_embed_dim is "
                                     "then hidden_size for the video caption and audio_hidden_size for the audio's")

@@ -313,7 +313,9 @@ class DirectoryLatents:
 
 class DiffusionBatches:
     """Infinite iterator of this rank's micro-batches: ((x_t, t, text, *more), target), grad_accum per step; with a
-    second stream (LTX-2's audio) more is its (a_t, caption, timesteps) and target the pair (video's, its)."""
+    second stream (LTX-2's audio) more is its (a_t, caption, timesteps) and target the pair (video's, its); with a
+    condition drawn per sample whose frames are inputs (LTX-2's model.image_dropout > 0) the target ends with the
+    samples kept [B] bool, the loss's mask."""
 
     def __init__(self, dataset, objective: Objective, *, seed: int, micro_batch: int, grad_accum: int,
                  dp_rank: int, dp_size: int, start_step: int = 0, caption_dropout: float = 0.0, condition=None,
@@ -374,18 +376,24 @@ class DiffusionBatches:
                             >= self.condition.dropout)
             x0s.append(x0)
             texts.append(text)
-        x_t, target = self.objective.noised(torch.stack(x0s), torch.stack(noises), torch.cat(ts))
+        t, keep = torch.cat(ts), torch.tensor(keep, dtype=torch.bool)
+        if hasattr(self.condition, "timesteps"):      # LTX-2 I2V: the kept samples' frame 0 at timestep 0
+            t = self.condition.timesteps(t, keep)
+        x_t, target = self.objective.noised(torch.stack(x0s), torch.stack(noises), t)
         more, texts = (), torch.stack(texts)     # more: the condition's inputs after the text (Wan 2.1 I2V: CLIP)
         if self.stream is not None:              # (a_t, its caption, its timesteps); the target (video, audio)
-            more, second = self.stream.batch(self.objective, torch.cat(ts), stored, stream_noises)
+            more, second = self.stream.batch(self.objective, t, stored, stream_noises)
             target = (target, second)
         if self.condition is not None:
             stored = [torch.stack(z) for z in zip(*stored)] if all(stored) else []
-            x_t = self.condition(x_t, torch.stack(x0s), torch.tensor(keep), *stored)
+            x_t = self.condition(x_t, torch.stack(x0s), keep, *stored)
             x_t, *inputs = x_t if isinstance(x_t, tuple) else (x_t,)
             more = (*inputs, *more)            # the condition's inputs, then a second stream's (LTX-2 I2V: none)
             texts = image_rows(self.condition, texts, stored)
-        return (x_t, self.objective.model_timesteps(torch.cat(ts)), texts, *more), target
+            if getattr(self.condition, "loss_skip_frames", 0) and self.condition.dropout > 0:
+                # the samples whose first frames are inputs, last in the target: the loss's mask (SequenceLoss)
+                target = (*(target if isinstance(target, tuple) else (target,)), keep)
+        return (x_t, self.objective.model_timesteps(t), texts, *more), target
 
     def __iter__(self):
         return self
