@@ -4,7 +4,9 @@ shift at calculate_shift of the video tokens; one sigma for both streams), and t
 hand-written reference: diffusers' LTX2VideoTransformer3DModel (a tiny random release) at that timestep, the
 video MSE plus the audio MSE (Lightricks' ltx-trainer). Image-to-video (model.image_condition), as ltx-trainer's
 first_frame condition: the first latent frame clean, its tokens at timestep 0 (diffusers' [B, S] timestep), out of
-the video MSE. A prepared directory holds the audio beside the video.
+the video MSE; with model.image_dropout the samples not drawn are text-to-video ones and the loss is ltx-trainer's
+masked per-sample mean. A prepared directory holds the audio beside the video; caption dropout gives a dropped
+sample both streams' captions of the empty prompt.
 """
 import pytest
 import torch
