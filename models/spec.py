@@ -278,7 +278,9 @@ class FamilySpec:
     timesteps: TimestepSampling               # per sample or per token (models/diffusion.py)
     sampling: Sampling                        # its samplers and its release's scheduler
     # (model, data) -> None, or a training-input hook: (x_t, x0, keep [B] bool) -> the first stage's latents
-    # (image-to-video: x_t with the image latents on channels), its `.dropout` the probability of keep False.
+    # (image-to-video: x_t with the image latents on channels), its `.dropout` the probability of keep False; an
+    # optional `timesteps(t, keep)` sets the drawn timesteps before the batch is noised (LTX-2: frame 0 at 0 where
+    # kept), and with `loss_skip_frames` and `.dropout` > 0 the batch's target ends with keep (the loss's mask).
     # None: text-to-video.
     condition: Optional[Callable] = None
     # Transformers chosen by timestep, highest noise first (empty: one transformer); see `expert`.

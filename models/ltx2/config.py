@@ -73,6 +73,10 @@ class LTX2Config(ModelConfig):
     image_condition: bool = Field(False, description="image-to-video (LTX2ImageToVideoPipeline; the same "
                                   "transformer as text-to-video): the first latent frame is the clean picture "
                                   "latent, its tokens at timestep 0, left out of the loss")
+    image_dropout: float = Field(0.0, ge=0, le=1, description="image-to-video training: probability that a sample "
+                                 "is trained as text-to-video (its first frame noised, at the sample's timestep and "
+                                 "in the loss): 1 - the `probability` of ltx-trainer's first_frame condition (its "
+                                 "default 1: 0 here; its i2v_lora.yaml 0.5, the ltx2-i2v preset's)")
     prompt_embeddings: bool = Field(True, description="diffusers' use_prompt_embeddings: the transformer projects "
                                     "the caption (LTX-2.0); false: the connector did (LTX-2.3), text_embed_dim is "
                                     "then hidden_size for the video caption and audio_hidden_size for the audio's")
@@ -129,14 +133,11 @@ class LTX2Config(ModelConfig):
 
     def unsupported(self, run, purpose: str = "train") -> list[str]:
         """What the toolkit cannot do with this model yet (parallel/check.py's load_and_check refuses runs with it;
-        the planner plans it). Training from latents with both streams works (models/ltx2/training.py; LoRA too),
-        and so do parallel.export, parallel.verify and parallel.sample (both streams). `purpose` refuses nothing of
+        the planner plans it). Training from latents with both streams works (models/ltx2/training.py; LoRA too;
+        caption dropout drops both streams' captions: parallel/train/data.py), and so do parallel.export, parallel.verify and parallel.sample (both streams). `purpose` refuses nothing of
         its own."""
         why = "docs/models.md#ltx-2"
         problems = []
-        if run.data.caption_dropout > 0:
-            problems.append(f"data.caption_dropout={run.data.caption_dropout} with model.family=ltx2: the training "
-                            f"batches do not drop the audio caption yet; set --set data.caption_dropout=0 ({why})")
         if run.data.text_encoder:
             problems.append(f"data.text_encoder={run.data.text_encoder} with model.family=ltx2: LTX-2's captions are "
                             f"two connector states (video, audio) that the toolkit encodes in data preparation only; "

@@ -9,12 +9,16 @@ publishes no separate image-to-video weights. At denoising timestep t the pipeli
 steps frames 1.. only (frame 0 stays the picture's latent) and returns it in frame 0. The toolkit's model takes the
 video timesteps per latent position [B, T, H, W] (models/ltx2/embed.py: frame 0's and the later frames' rows).
 
-Training as Lightricks' ltx-trainer trains it (the `first_frame` condition): the first frame's tokens clean and at
-timestep 0 (LTX2Timesteps draws the sample's level on the later frames only), left out of the video loss
+Training as Lightricks' ltx-trainer trains it (the `first_frame` condition, `flexible.py`
+`_apply_intrinsic_condition`): in a conditioned sample the first frame's tokens are clean and at timestep 0
+(`timesteps`: LTX2Timesteps draws the sample's level on every position) and left out of the video loss
 (`loss_skip_frames`: ltx-trainer's loss mask); the picture is the clip's own first latent frame (the causal VAE's
 frame 0 encodes the first picture frame alone, as the pipeline encodes the picture), so nothing is stored beside
-the latents. Every sample is conditioned (ltx-trainer at probability 1; its configs' 0.5, half the samples trained
-as text-to-video, is not offered: train `ltx2-t2v` for that).
+the latents. Which samples are conditioned: each with probability 1 - model.image_dropout, drawn per sample as
+ltx-trainer draws its `probability` (a Bernoulli per batch element), here from (seed, step, global position) like
+every condition's dropout (parallel/train/data.py), so every layout conditions the same samples; the others train
+as text-to-video (every frame noised, at their timestep, in the loss). The video loss is then ltx-trainer's: each
+sample's mean over the elements its mask keeps, averaged over the batch (SequenceLoss with the batch's `keep`).
 """
 from __future__ import annotations
 
@@ -36,17 +40,25 @@ def token_timesteps(t: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor
 class FirstFrame:
     """FamilySpec.condition of LTX-2 image-to-video. The latents are (video, audio) pairs in sampling."""
 
-    dropout = 0.0                # the picture is never dropped (the pipeline, ltx-trainer at probability 1)
     image_encoder = False        # no image states
     loss_skip_frames = 1         # latent frames the loss leaves out (parallel/model/build.py SequenceLoss)
 
     def __init__(self, model, data):
         self.model, self.data = model, data
+        self.dropout = model.image_dropout      # probability of a sample trained as text-to-video (keep False)
 
     def __call__(self, x_t: torch.Tensor, x0: torch.Tensor, keep: torch.Tensor, *stream) -> torch.Tensor:
-        """Training: x_t [B, C, T, H, W] with x0's first frame (already there: its noise level is 0). `stream`: the
-        audio stream's stored tensors (the condition stores none)."""
-        return first_frame(x_t, x0[:, :, :1])
+        """Training: x_t [B, C, T, H, W] with x0's first frame in the samples kept (already there: `timesteps` put
+        their frame 0 at noise level 0). `stream`: the audio stream's stored tensors (the condition stores none)."""
+        return torch.where(keep.view(-1, 1, 1, 1, 1), first_frame(x_t, x0[:, :, :1]), x_t)
+
+    @staticmethod
+    def timesteps(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Training: the drawn levels t [B, T, H, W] with latent frame 0 at 0 in the samples kept [B] (ltx-trainer's
+        `(1 - mask) * timesteps`), before the batch is noised."""
+        t = t.clone()
+        t[keep, 0] = 0
+        return t
 
     def stored_shapes(self, latent: list[int]) -> dict[str, list[int]]:
         """Nothing beside a sample's latent: its own first frame is the picture's."""

@@ -43,8 +43,8 @@ def shifted_sigma(u: torch.Tensor, video_tokens: int) -> torch.Tensor:
 class LTX2Timesteps:
     """FlowMatch's noise level of one sample (FamilySpec.timesteps): the toolkit's uniform draw t in [0, 1000)
     (PER_SAMPLE's) shifted at the sample's video tokens, a floating-point [1] (models/diffusion.py then noises at
-    it and the model sees 1000 s); image-to-video (model.image_condition) [1, T, H, W], 0 on latent frame 0 (clean,
-    at timestep 0: models/ltx2/image.py)."""
+    it and the model sees 1000 s); image-to-video (model.image_condition) that level on every latent position [1, T,
+    H, W] (the condition puts frame 0 at 0 in the samples it conditions: models/ltx2/image.py `timesteps`)."""
 
     @staticmethod
     def per_token(model) -> bool:
@@ -54,7 +54,7 @@ class LTX2Timesteps:
     def draw(generator: torch.Generator, latent_shape, model) -> torch.Tensor:
         t = PER_SAMPLE.draw(generator, latent_shape, model)
         s = shifted_sigma(t / NUM_TRAIN_TIMESTEPS, math.prod(latent_shape[1:]))       # patch 1: T H W tokens
-        return token_timesteps(s, latent_shape[1:]) if model.image_condition else s
+        return s.view(1, 1, 1, 1).repeat(1, *latent_shape[1:]) if model.image_condition else s
 
 
 class AudioStream:
@@ -87,9 +87,9 @@ class AudioStream:
 
     @staticmethod
     def loss(video_loss, prediction: tuple, target: tuple, sp: int) -> torch.Tensor:
-        """video_loss(video prediction, video target) (the video MSE, or this sp rank's share of it times sp) plus
-        the whole audio MSE, once on every sp rank."""
-        return video_loss(prediction[0], target[0]) + mse_loss(prediction[1], target[1])
+        """video_loss(video prediction, video target[, the samples whose first frame is an input]) (the video MSE, or
+        this sp rank's share of it times sp) plus the whole audio MSE, once on every sp rank."""
+        return video_loss(prediction[0], target[0], *target[2:]) + mse_loss(prediction[1], target[1])
 
     # Sampling (parallel/train/sampling.py sample_batch): the stream's noise, the model's inputs at both streams,
     # and the sampler that steps both (LTX2Pipeline's loop, models/ltx2/sampling.py).

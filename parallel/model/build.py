@@ -45,8 +45,11 @@ class SequenceLoss:
     gradient). The sum of its squared errors over the global element count, times sp, averages over
     the sp ranks (DeepSpeed's data axis) to the serial loss, and so do the gradients. Latent frames the family's
     condition marks as inputs (`loss_skip_frames`: Wan 2.2 TI2V's clean first frame) are left out, as rows of
-    every sp layout and from the element count. A family with a second stream (LTX-2's audio, whole on every sp
-    rank) adds that stream's loss (FamilySpec.second_stream), counted once on every sp rank.
+    every sp layout and from the element count; where the condition is drawn per sample (LTX-2's
+    model.image_dropout), only from the samples the batch's `keep` [B] (last in the target) marks, and the video loss
+    is each sample's mean over its own elements, averaged over the batch (ltx-trainer's masked loss; the plain mean
+    when every sample keeps). A family with a second stream (LTX-2's audio, whole on every sp rank) adds that
+    stream's loss (FamilySpec.second_stream), counted once on every sp rank.
     """
 
     def __init__(self, cfg: ExperimentConfig, ctx, grid: Optional[StepGrid] = None):
@@ -60,22 +63,45 @@ class SequenceLoss:
         self.stream = family(cfg.model).training_stream(cfg.model, cfg.data)
 
     def __call__(self, prediction, target) -> torch.Tensor:
-        if self.stream is not None:        # prediction and target: (video, second stream) pairs
+        if self.stream is not None:        # prediction and target: (video, second stream[, keep]) tuples
             return self.stream.loss(self.video, prediction, target, self.sp)
-        return self.video(prediction, target)
+        return self.video(prediction, *target) if isinstance(target, tuple) else self.video(prediction, target)
 
-    def video(self, prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.sp == 1:
-            return mse_loss(prediction[:, :, self.clean:], target[:, :, self.clean:])
+    def _local(self) -> tuple[int, int, int]:
+        """(local text rows, first, last): the prediction rows after the text rows hold video tokens [first, last)."""
         total = self.prefix + math.prod(self.grid)
         start, stop = local_range(total, self.ctx)
         stop = max(min(stop, total), start)                                 # padding rows from total on
         skip = min(max(self.prefix - start, 0), stop - start)               # local text rows
-        first, last = start + skip - self.prefix, stop - self.prefix        # video tokens held here
+        return skip, start + skip - self.prefix, stop - self.prefix
+
+    def video(self, prediction: torch.Tensor, target: torch.Tensor, keep=None) -> torch.Tensor:
+        if keep is not None:
+            return self._per_sample(prediction, target, keep)
+        if self.sp == 1:
+            return mse_loss(prediction[:, :, self.clean:], target[:, :, self.clean:])
+        skip, first, last = self._local()
         clean = self.clean // self.model.patch_size_t * math.prod(self.grid.value[1:])    # clean frames' tokens
         skip, first = skip + min(max(clean - first, 0), last - first), max(first, min(clean, last))
         err = prediction[:, skip:skip + last - first].float() - patchify(target, self.model)[:, first:last].float()
         return err.square().sum() * (self.sp / target[:, :, self.clean:].numel())
+
+    def _per_sample(self, prediction: torch.Tensor, target: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """(1 / B) sum_b (squared errors of sample b outside its inputs) / (its element count outside them), the
+        inputs the first self.clean latent frames where keep[b]; under sp this rank's tokens' share, times sp."""
+        if self.sp == 1:          # per latent frame: [B, T]
+            err = (prediction.float() - target.float()).square().sum((1, 3, 4))
+            inputs = torch.arange(err.shape[1], device=err.device) < self.clean
+        else:                     # per video token held here: [B, last - first]
+            skip, first, last = self._local()
+            err = (prediction[:, skip:skip + last - first].float() -
+                   patchify(target, self.model)[:, first:last].float()).square().sum(-1)
+            clean = self.clean // self.model.patch_size_t * math.prod(self.grid.value[1:])
+            inputs = torch.arange(first, last, device=err.device) < clean
+        kept = keep.to(err.device, torch.float32)
+        weight = 1 - kept[:, None] * inputs.float()
+        count = target[0].numel() - kept * target[0, :, :self.clean].numel()
+        return ((err * weight).sum(1) / count).mean() * self.sp
 
 
 def blocks_per_stage(cfg: ExperimentConfig) -> list[int]:

@@ -8,7 +8,9 @@ A directory dataset of several shapes (buckets) draws each step's bucket from (s
 bucket on its own (parallel/train/buckets.py); noise, timesteps and dropout still key on s*G + j. A sample's
 timesteps are its family's draw (FamilySpec.timesteps: one per sample, or one per token) from its noise generator.
 Caption dropout (data.caption_dropout = p) is decided the same way: position j of step s trains on the
-dataset's unconditional text embedding (T5 of the empty prompt) when rand(seed, step, s*G + j) < p.
+dataset's unconditional text embedding (T5 of the empty prompt) when rand(seed, step, s*G + j) < p; with a second
+stream (LTX-2's audio) that one draw gives both streams their captions of the empty prompt (one caption makes both
+states, as the pipeline's negative prompt does).
 """
 from __future__ import annotations
 
@@ -60,6 +62,10 @@ class SyntheticLatents:
     def unconditional(self) -> torch.Tensor:
         """The empty prompt's embedding [S_txt, D]: a table of its own, from the seed."""
         return torch.randn(self.text_len, self.text_dim, generator=_generator(self.seed, "unconditional"))
+
+    def stream_unconditional(self) -> torch.Tensor:
+        """The empty prompt's second-stream caption (LTX-2's audio caption): a table of its own, from the seed."""
+        return torch.randn(self.stream_shapes[1], generator=_generator(self.seed, "stream unconditional"))
 
     def latent_shape(self, i: int) -> tuple[int, int, int]:
         return tuple(self.shape)
@@ -205,7 +211,10 @@ def check_shapes(root: str | Path, model, data, key: str = "data.path", captions
             continue
         if shape != want:
             problems.append(f"{f}: {what} shape {shape} != expected {want} ({where}; {why})")
-    problems += stream_problems(items, lines, shapes, model, data)          # LTX-2's audio beside the video
+    # LTX-2's audio beside the video, and its caption of the empty prompt beside uncond.safetensors' "text"
+    uncond = [((None, root / UNCOND_FILE), "the empty prompt's, which python -m parallel.prepare_data --t5 writes "
+               "for both streams", None)] if (root / UNCOND_FILE).is_file() else []
+    problems += stream_problems([*zip(items, (f"manifest.jsonl:{n}" for n in lines), shapes), *uncond], model, data)
     if len(problems) > MAX_SHAPE_PROBLEMS:
         rest = len(problems) - MAX_SHAPE_PROBLEMS
         problems = problems[:MAX_SHAPE_PROBLEMS] + [f"{key}={root}: {rest} more file{'s' if rest > 1 else ''} "
@@ -229,22 +238,23 @@ def stream_tensor(path: Path, key: str) -> torch.Tensor:
     raise ValueError(_no_stream_tensor(path, key))
 
 
-def stream_problems(items, lines, shapes, model, data) -> list[str]:
-    """A second stream's tensors (STREAM_KEYS) of every manifest line: there, and of the shapes the family's hook
-    gives for the line's clip (headers only); [] for a family of one stream."""
+def stream_problems(rows, model, data) -> list[str]:
+    """A second stream's tensors (STREAM_KEYS) of every row ((latent, text) files, where they are listed, the clip's
+    shape or None: manifest lines, and uncond.safetensors as a text file): there, and of the shapes the family's hook
+    gives for the row's clip (headers only); [] for a family of one stream."""
     from models.registry import family
 
     problems = []
-    for (latent, text), n, shape in zip(items, lines, shapes):
+    for (latent, text), where, shape in rows:
         stream = family(model).training_stream(model, bucket_data(data, shape))
         for (_, key), f, want in zip(STREAM_KEYS, (latent, text), stream.shapes() if stream else ()):
             if not isinstance(f, Path):
                 continue
             if f.suffix != ".safetensors" or not _holds(f, key):
-                problems.append(f"{_no_stream_tensor(f, key)} (manifest.jsonl:{n})")
+                problems.append(f"{_no_stream_tensor(f, key)} ({where})")
             elif stored_shape(f, key) != list(want):
-                problems.append(f"{f}: {key} shape {stored_shape(f, key)} != expected {list(want)} (manifest.jsonl:"
-                                f"{n}; model.audio_in_channels, the clip's audio tokens, model.max_text_len)")
+                problems.append(f"{f}: {key} shape {stored_shape(f, key)} != expected {list(want)} ({where}; "
+                                f"model.audio_in_channels, the clip's audio tokens, model.max_text_len)")
     return problems
 
 
@@ -285,6 +295,10 @@ class DirectoryLatents:
                                 f"that caption dropout and guidance use; python -m parallel.prepare_data --t5 writes "
                                 f"it, or set data.text_encoder to encode it")
 
+    def stream_unconditional(self) -> torch.Tensor:
+        """uncond.safetensors' second-stream caption (STREAM_KEYS: LTX-2's "audio_text"), named when absent."""
+        return stream_tensor(self.root / UNCOND_FILE, STREAM_KEYS[1][1]).float()
+
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         latent, text = self.items[i]
         embedding = self.text_encoder.encode(text) if isinstance(text, str) else _load_tensor(text, "text")
@@ -299,7 +313,9 @@ class DirectoryLatents:
 
 class DiffusionBatches:
     """Infinite iterator of this rank's micro-batches: ((x_t, t, text, *more), target), grad_accum per step; with a
-    second stream (LTX-2's audio) more is its (a_t, caption, timesteps) and target the pair (video's, its)."""
+    second stream (LTX-2's audio) more is its (a_t, caption, timesteps) and target the pair (video's, its); with a
+    condition drawn per sample whose frames are inputs (LTX-2's model.image_dropout > 0) the target ends with the
+    samples kept [B] bool, the loss's mask."""
 
     def __init__(self, dataset, objective: Objective, *, seed: int, micro_batch: int, grad_accum: int,
                  dp_rank: int, dp_size: int, start_step: int = 0, caption_dropout: float = 0.0, condition=None,
@@ -311,6 +327,8 @@ class DiffusionBatches:
         self.caption_dropout = caption_dropout
         # Loaded once, at start-up: a missing file is named before the first step.
         self.uncond = dataset.unconditional() if caption_dropout > 0 else None
+        # a second stream's caption of the empty prompt (LTX-2's audio caption): a dropped sample gets both
+        self.stream_uncond = dataset.stream_unconditional() if caption_dropout > 0 and stream is not None else None
         self.mb, self.accum, self.dp_rank, self.dp_size = micro_batch, grad_accum, dp_rank, dp_size
         self.global_batch = micro_batch * grad_accum * dp_size
         self.step, self.micro = start_step, 0
@@ -343,9 +361,11 @@ class DiffusionBatches:
         x0s, texts, noises, ts, keep, stored, stream_noises = [], [], [], [], [], [], []
         for pos in range(first, first + self.mb):
             x0, text, *extra = self.dataset[self.sample_index(pos)]       # extra: I2V image latents (, CLIP states)
-            stored.append(extra)
             if self.dropped(step, pos):
                 text = self.uncond.to(text.dtype)
+                if self.stream is not None:   # the same draw drops the second stream's caption (extra: its latents, caption)
+                    extra[1] = self.stream_uncond.to(extra[1].dtype)
+            stored.append(extra)
             g = _generator(self.seed, "noise", pos)
             noises.append(torch.randn(x0.shape, generator=g))
             ts.append(self.timesteps.draw(g, tuple(x0.shape), self.model))        # [1] or [1, T, H, W]
@@ -356,18 +376,24 @@ class DiffusionBatches:
                             >= self.condition.dropout)
             x0s.append(x0)
             texts.append(text)
-        x_t, target = self.objective.noised(torch.stack(x0s), torch.stack(noises), torch.cat(ts))
+        t, keep = torch.cat(ts), torch.tensor(keep, dtype=torch.bool)
+        if hasattr(self.condition, "timesteps"):      # LTX-2 I2V: the kept samples' frame 0 at timestep 0
+            t = self.condition.timesteps(t, keep)
+        x_t, target = self.objective.noised(torch.stack(x0s), torch.stack(noises), t)
         more, texts = (), torch.stack(texts)     # more: the condition's inputs after the text (Wan 2.1 I2V: CLIP)
         if self.stream is not None:              # (a_t, its caption, its timesteps); the target (video, audio)
-            more, second = self.stream.batch(self.objective, torch.cat(ts), stored, stream_noises)
+            more, second = self.stream.batch(self.objective, t, stored, stream_noises)
             target = (target, second)
         if self.condition is not None:
             stored = [torch.stack(z) for z in zip(*stored)] if all(stored) else []
-            x_t = self.condition(x_t, torch.stack(x0s), torch.tensor(keep), *stored)
+            x_t = self.condition(x_t, torch.stack(x0s), keep, *stored)
             x_t, *inputs = x_t if isinstance(x_t, tuple) else (x_t,)
             more = (*inputs, *more)            # the condition's inputs, then a second stream's (LTX-2 I2V: none)
             texts = image_rows(self.condition, texts, stored)
-        return (x_t, self.objective.model_timesteps(torch.cat(ts)), texts, *more), target
+            if getattr(self.condition, "loss_skip_frames", 0) and self.condition.dropout > 0:
+                # the samples whose first frames are inputs, last in the target: the loss's mask (SequenceLoss)
+                target = (*(target if isinstance(target, tuple) else (target,)), keep)
+        return (x_t, self.objective.model_timesteps(t), texts, *more), target
 
     def __iter__(self):
         return self

@@ -20,11 +20,16 @@ tests/distributed/ (test_*_layouts.py).
   split the prompts), exports at tp 2 x sp 2.
 - HunyuanVideo 1.5 (`debug-hunyuan15`): 16 text rows (image, byT5, Qwen) in the joint sequence: tp 2 x sp 2.
 - LTX-2 (`debug-ltx2`): the audio stream beside the video (whole on every sp rank), its own sampler and two
-  captions per prompt: tp 2 x sp 2.
+  captions per prompt: tp 2 x sp 2. It starts where a user starts: `python -m parallel.prepare_data` on the tiny
+  random release and clips of tests/helpers/ltx2_release.py (at the release's sizes) writes the folder every run
+  trains from (`data.kind=directory`: video and audio latents, both caption states), and parallel.sample takes two
+  of its caption files as the prompts and its uncond.safetensors as the negative prompt.
 
-Cost, measured one module at a time on the 2-core machine beside a full CI run (load 10-30): here 18 launches (4
-one-process, 14 of 4 ranks), 480 CPU-seconds (debug 139, debug-stdit 136, debug-hunyuan15 97, debug-ltx2 107), 18 min
-wall; with test_family_matrix_2.py 35 launches and 950 CPU-seconds for the eight families, where the matrix of three
+Cost, measured one module at a time on the 2-core machine beside a full CI run (load 10-30): here 19 launches (5
+one-process, 14 of 4 ranks), 481 CPU-seconds (debug 139, debug-stdit 136, debug-hunyuan15 97, debug-ltx2 109: its
+prepare_data launch and the release it reads, about 15 s wall, paid for by training at the release's 64 x 96 rather
+than 128 x 192: 108.7 CPU-seconds before, 109.4 after, 118 and 122 s in pytest), 18 min wall; with
+test_family_matrix_2.py 36 launches and 951 CPU-seconds for the eight families, where the matrix of three
 (CogVideoX, Wan 2.1, STDiT in all four layouts) took 51 launches and about 1,300 (debug-wan alone: 17 launches, 442
 CPU-seconds, 19 min wall; 351 s on the CI machine). Marked `slow`: `-m "not slow"` leaves it out; `.ci/run` runs it.
 """
@@ -33,6 +38,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.family_matrix import Runs, run_family
+from tests.helpers.ltx2_release import matrix_data
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +46,7 @@ FAMILIES = {
     "debug": Runs(("tp2-pp2", "tp2-sp2"), sample="tp2-sp2", export="tp2-pp2"),
     "debug-stdit": Runs(("tp2-sp2", "tp2-dp2"), sample="tp2-dp2", export="tp2-sp2"),
     "debug-hunyuan15": Runs(("tp2-sp2",), sample="tp2-sp2", export="tp2-sp2"),
-    "debug-ltx2": Runs(("tp2-sp2",), sample="tp2-sp2", export="tp2-sp2"),
+    "debug-ltx2": Runs(("tp2-sp2",), sample="tp2-sp2", export="tp2-sp2", data=matrix_data),
 }
 
 

@@ -13,8 +13,10 @@ docstring counts, and under Ulysses makes the all-to-alls the family's spec decl
 (FamilySpec.costs.attentions_per_layer). The same ranks train debug-ltx2 (both streams, synthetic data, fp32,
 activation checkpointing) at tp 2 x sp 2 and at tp 2 x pp 2 (the pipeline engine sends the stage tuple of both streams
 and takes the (video, audio) target), and LoRA adapters on every attention (the cross-modal ones too) and an FFN layer
-of each stream at tp 2 x pp 2 (the frozen base's embed stage): the losses on every rank and the final weights equal a
-one-process run's (both one-process runs in one spawn). The user's commands in the same ranks (their main(argv), as
+of each stream at tp 2 x pp 2 (the frozen base's embed stage); the tp 2 x sp 2 run and the LoRA run as image-to-video
+with model.image_dropout 0.5 (some samples conditioned on their first frame, the others text-to-video: the per-sample
+loss mask split over the sp ranks, and carried in the target through the pipeline): the losses on every rank and the
+final weights equal a one-process run's (the three one-process runs in one spawn). The user's commands in the same ranks (their main(argv), as
 `deepspeed --module` runs them): `python -m parallel.export --format diffusers` of the tp 2 x pp 2 run's checkpoint
 writes a folder whose tensors are the trained weights bit for bit and from which diffusers' model predicts what the
 trained toolkit model predicts (video and audio); `python -m parallel.verify` holds that export to the checkpoint
@@ -38,7 +40,9 @@ LAYOUTS = [(1, 1, 1, None), (2, 1, 1, None), (1, 2, 1, None), (2, 2, 1, None), (
            (2, 1, 2, 2)]
 GRAD_LAYOUTS = [(2, 1, 1, None), (2, 1, 2, None), (2, 1, 2, 2)]
 VARIANTS = ["ltx2", "ltx2.3"]
-TRAIN_LAYOUTS = [(2, 1, 2), (2, 2, 1)]         # (tp, pp, sp) training debug-ltx2 on the 4 ranks; 2 steps
+# image-to-video, half the samples trained as text-to-video (ltx-trainer's i2v_lora.yaml)
+I2V = ("model.image_condition=true", "model.image_dropout=0.5")
+TRAIN_LAYOUTS = {(2, 1, 2): I2V, (2, 2, 1): ()}     # (tp, pp, sp) training debug-ltx2 on the 4 ranks, 2 steps: extras
 # LoRA at tp 2 x pp 2 (both streams through the pipeline, the embed stage's outputs from a frozen base): ltx-trainer's
 # targets (every attention's q, k, v, out, the cross-modal ones too) and an FFN layer of each stream
 LORA = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[to_q,to_k,to_v,to_out.0,ff.net.2,"
@@ -88,18 +92,20 @@ def _rank(rank, world_size, folders, run):
 
     deepspeed.init_distributed(dist_backend=accelerator.backend())
     out = {variant: _variant(world_size, variant, folder) for variant, folder in folders}
-    for tp, pp, sp in TRAIN_LAYOUTS:
+    for (tp, pp, sp), extra in TRAIN_LAYOUTS.items():
         save = f"{run}/checkpoints" if (tp, pp, sp) == EXPORT_LAYOUT else None
-        out[("train", tp, pp, sp)] = _train_rank(rank, world_size, tp, pp, 1, fp32_config(), 2, (), sp, "debug-ltx2",
-                                                 0, save)
-    out["lora"] = _train_rank(rank, world_size, 2, 2, 1, fp32_config(), 2, LORA, 1, "debug-ltx2", 0)
+        out[("train", tp, pp, sp)] = _train_rank(rank, world_size, tp, pp, 1, fp32_config(), 2, extra, sp,
+                                                 "debug-ltx2", 0, save)
+    out["lora"] = _train_rank(rank, world_size, 2, 2, 1, fp32_config(), 2, LORA + I2V, 1, "debug-ltx2", 0)
     return {**out, **_commands(dict(folders)["ltx2.3"], run)}
 
 
 def _references(rank, world_size):
-    """The one-process runs the layouts' training is held to, in one spawn: full fine-tuning and LoRA."""
-    runs = [_train_rank(rank, world_size, 1, 1, 1, fp32_config(), 2, extra, 1, "debug-ltx2", 0) for extra in ((), LORA)]
-    return [{**merge_ranks([r]), "slack": r["slack"]} for r in runs]
+    """The one-process runs the layouts' training is held to, in one spawn: full fine-tuning (text- and
+    image-to-video) and LoRA (image-to-video)."""
+    runs = [_train_rank(rank, world_size, 1, 1, 1, fp32_config(), 2, extra, 1, "debug-ltx2", 0)
+            for extra in ((), I2V, LORA + I2V)]
+    return {extra: {**merge_ranks([r]), "slack": r["slack"]} for extra, r in zip(((), I2V, "lora"), runs)}
 
 
 def _commands(release, run):
@@ -186,9 +192,10 @@ def test_ltx2_in_every_layout(released, tmp_path):
         save_file({key: torch.randn(rows, 8, 16, generator=g) for key in ("text", "audio_text")},
                   str(tmp_path / f"{name}.safetensors"))
     results = run_ranks(_rank, 4, [(v, str(released[v][0])) for v in VARIANTS], str(tmp_path))
-    reference, lora_reference = run_ranks(_references, 1)[0]
-    for tp, pp, sp in TRAIN_LAYOUTS:
-        assert_matches(merge_ranks([r[("train", tp, pp, sp)] for r in results]), reference)
+    references = run_ranks(_references, 1)[0]
+    for (tp, pp, sp), extra in TRAIN_LAYOUTS.items():
+        assert_matches(merge_ranks([r[("train", tp, pp, sp)] for r in results]), references[extra])
+    lora_reference = references["lora"]
     assert_matches(merge_ranks([r["lora"] for r in results]), lora_reference)
     adapted = {n.split(".", 2)[2] for n in lora_reference["state"] if n.endswith("lora_B")}
     assert adapted == {f"{a}.{m}.lora_B" for a in ("attn1", "audio_attn1") for m in ("to_qkv", "to_out")} | {

@@ -11,7 +11,7 @@ import math
 import os
 import sys
 import types
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import pytest
 import torch
@@ -37,12 +37,27 @@ LAYOUTS = {
 ONE = (1, ["train.micro_batch_size=2"], 0)
 
 
+class Prepared(NamedTuple):
+    """A family's training data as the user makes it: `python -m parallel.prepare_data`'s arguments, the overrides
+    that train from its folder (data.kind=directory, data.path, and any the release's sizes need), and the prepared
+    caption files parallel.sample takes as its prompts and negative prompt; `says`: a line of its log (what it
+    prepared and skipped)."""
+    argv: list[str]
+    sets: list[str]
+    prompts: list
+    negative: object
+    says: str
+
+
 class Runs(NamedTuple):
     """What the matrix runs of one family: the layouts trained (each against one process), the one whose
-    checkpoint `parallel.sample` samples, the one whose checkpoint `parallel.export` exports (both among train)."""
+    checkpoint `parallel.sample` samples, the one whose checkpoint `parallel.export` exports (both among train);
+    `data`: tmp_path -> Prepared, the data the runs train from (None: the preset's synthetic data, and random
+    prompts)."""
     train: tuple[str, ...]
     sample: str
     export: str
+    data: Optional[Callable[..., Prepared]] = None
 
 
 def replicas(layout) -> int:
@@ -61,12 +76,13 @@ def ds_config(tmp_path, stage: int) -> str:
     return str(path)
 
 
-def experiment_args(preset, tmp_path, name, layout) -> list[str]:
+def experiment_args(preset, tmp_path, name, layout, sets=()) -> list[str]:
+    """The commands' experiment flags of one layout; `sets`: the data's overrides (Prepared.sets)."""
     _, overrides, stage = layout
     args = ["--config", preset, "--deepspeed_config", ds_config(tmp_path, stage),
             "--set", "train.grad_accum_steps=2", "--set", f"train.max_steps={STEPS}", "--set", "train.warmup_steps=0",
             "--set", f"train.output_dir={tmp_path / name}"]
-    for o in overrides:
+    for o in [*overrides, *sets]:
         args += ["--set", o]
     return args
 
@@ -100,15 +116,15 @@ def in_process(main, argv) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-def sample_args(tmp_path, preset, name) -> list[str]:
+def sample_args(tmp_path, preset, name, data: Optional[Prepared] = None) -> list[str]:
     """parallel.sample's flags for two random prompts (and zeros as the negative one) of the preset's model, written
     once under tmp_path: the second stream's captions beside them (LTX-2's "audio_text"), an image-to-video model's
-    first-frame latents (Wan 2.2 TI2V)."""
+    first-frame latents (Wan 2.2 TI2V); with `data`, its prepared captions and negative prompt instead."""
     from models.geometry import latent_shape
     from models.registry import family
     from parallel.train.data import STREAM_KEYS
 
-    cfg = load_config(preset)
+    cfg = load_config(preset, data.sets if data else [])
     m, spec = cfg.model, family(cfg.model)
     embeds, negative, image = (tmp_path / f"{f}.safetensors" for f in ("prompt", "negative", "image"))
     condition = spec.training_condition(m, cfg.data)
@@ -121,7 +137,10 @@ def sample_args(tmp_path, preset, name) -> list[str]:
         if condition is not None:
             shape = condition.stored_shapes([m.in_channels, *latent_shape(m, cfg.data)])["image"]
             save_file({"image": torch.randn(shape, generator=g)}, str(image))
-    return ["--prompt-embeds", str(embeds), "--negative-embeds", str(negative),
+    prompts = [embeds]
+    if data is not None:
+        prompts, negative = data.prompts, data.negative
+    return [*(a for f in prompts for a in ("--prompt-embeds", str(f))), "--negative-embeds", str(negative),
             *(["--image-latents", str(image)] if condition is not None else []),
             *(a for k, v in SAMPLING.items() for a in (f"--{k}", str(v))),
             "--out", str(tmp_path / name / "sample.safetensors")]
@@ -187,26 +206,32 @@ def check_plan(run, args, layout, label) -> None:
 
 
 def run_family(preset, runs: Runs, tmp_path) -> None:
-    """One family's debug preset through the commands: one process trains (the reference losses); each layout of
-    runs.train is accepted by the checker, trains to those losses and measures the plan's activations; runs.sample's
-    checkpoint samples (parallel.sample) and runs.export's exports (parallel.export: diffusers where the family has
-    a released format, else the toolkit's); in this process, one process samples from the export what the layout
-    sampled (the export holds the checkpoint's weights) and, released, `parallel.verify` finds diffusers' model
-    loaded from it predicting as the toolkit's."""
+    """One family's debug preset through the commands: with runs.data, `python -m parallel.prepare_data` first
+    writes the folder every run trains from (else synthetic data); one process trains (the reference losses); each
+    layout of runs.train is accepted by the checker, trains to those losses and measures the plan's activations;
+    runs.sample's checkpoint samples (parallel.sample) and runs.export's exports (parallel.export: diffusers where
+    the family has a released format, else the toolkit's); in this process, one process samples from the export
+    what the layout sampled (the export holds the checkpoint's weights) and, released, `parallel.verify` finds
+    diffusers' model loaded from it predicting as the toolkit's."""
     from parallel import sample, verify
     from parallel.check import main as check_main
 
     from models.registry import family
 
+    data = runs.data(tmp_path) if runs.data else None
+    sets = data.sets if data else []
+    if data is not None:
+        log = run_module(tmp_path, "prepare", ONE, "parallel.prepare_data", *data.argv, log_name="prepare")
+        assert data.says in log, log[-2000:]
     released = family(load_config(preset).model).formats.released is not None    # a diffusers format to export to
-    one = experiment_args(preset, tmp_path, "one", ONE)
+    one = experiment_args(preset, tmp_path, "one", ONE, sets)
     launch(tmp_path, "one", ONE, "train.py", *one, log_name="train")
     reference = losses(tmp_path / "one")
     assert len(reference) == STEPS and len(set(reference)) == STEPS
 
     for name in runs.train:
         layout = LAYOUTS[name]
-        args = experiment_args(preset, tmp_path, name, layout)
+        args = experiment_args(preset, tmp_path, name, layout, sets)
         code, out = in_process(check_main, [*args, "--world-size", str(layout[0])])
         assert code == 0, f"{preset} {name}: the checker refused what train.py is about to run:\n{out}"
         launch(tmp_path, name, layout, "train.py", *args, log_name="train")
@@ -215,15 +240,15 @@ def run_family(preset, runs: Runs, tmp_path) -> None:
         check_plan(tmp_path / name, args, layout, f"{preset} {name}")
 
     name, layout = runs.sample, LAYOUTS[runs.sample]
-    log = run_module(tmp_path, name, layout, "parallel.sample", *experiment_args(preset, tmp_path, name, layout),
-                     *sample_args(tmp_path, preset, name), log_name="sample")
+    log = run_module(tmp_path, name, layout, "parallel.sample", *experiment_args(preset, tmp_path, name, layout, sets),
+                     *sample_args(tmp_path, preset, name, data), log_name="sample")
     steps = SAMPLING["steps"] * 2 // replicas(layout)        # rank 0's bar: its share of the 2 prompts x 3 steps
     assert "sampling: 100%" in log and f"{steps}/{steps}" in log, log[-2000:]
     want = sampled(tmp_path, name)
 
     name, layout = runs.export, LAYOUTS[runs.export]
     export = tmp_path / name / "export"
-    log = run_module(tmp_path, name, layout, "parallel.export", *experiment_args(preset, tmp_path, name, layout),
+    log = run_module(tmp_path, name, layout, "parallel.export", *experiment_args(preset, tmp_path, name, layout, sets),
                      *(["--format", "diffusers"] if released else []), "--out", str(export), log_name="export")
     assert "exporting: 100%" in log, log[-2000:]
     # The export holds the checkpoint's weights: one process samples from it what the layout sampled from its
@@ -231,18 +256,19 @@ def run_family(preset, runs: Runs, tmp_path) -> None:
     # fp32 rounding: Adam's first steps divide by sqrt(v), and a gradient within rounding of zero moves its weight
     # by up to lr either way; the samples agree at fp32 tolerances).
     if released:
-        again = [*experiment_args(preset, tmp_path, "from-export", ONE), "--set", f"model.init_from={export}",
-                 *sample_args(tmp_path, preset, "from-export")]
+        again = [*experiment_args(preset, tmp_path, "from-export", ONE, sets), "--set", f"model.init_from={export}",
+                 *sample_args(tmp_path, preset, "from-export", data)]
         code, out = in_process(sample.main, again)
         assert code == 0, out
         got = sampled(tmp_path, "from-export")
     else:
-        got = {"latents": sample_toolkit_export(preset, tmp_path, export)}
+        got = {"latents": sample_toolkit_export(preset, tmp_path, export, sets)}
     assert got.keys() == want.keys(), f"{preset}: {sorted(got)} vs {sorted(want)}"
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, msg=lambda m: f"{preset} {key} sampled from the export: {m}")
     if released:
         # diffusers' model loaded from the export predicts what the toolkit predicts from it (exit 0: within
         # --tolerance 1e-4)
-        code, out = in_process(verify.main, ["--config", preset, "--set", f"model.init_from={export}"])
+        code, out = in_process(verify.main, ["--config", preset, "--set", f"model.init_from={export}",
+                                             *(a for o in sets for a in ("--set", o))])
         assert code == 0 and "max relative difference" in out, out

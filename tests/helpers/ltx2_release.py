@@ -1,7 +1,8 @@
 """The fixtures of tests/unit/test_ltx2_prepare.py: a tiny random LTX-2 diffusers release folder with what data
 preparation reads (vae/, audio_vae/, text_encoder/, tokenizer/, connectors/), and clips with sound tracks written
-with PyAV; `video_vae` (also tests/unit/test_ltx2_sampling.py's --image; a test module imports no other test
-module)."""
+with PyAV; `prepare_argv` (`python -m parallel.prepare_data`'s arguments on them) and `matrix_data` (the family
+matrix's LTX-2 data: tests/helpers/family_matrix.py); `video_vae` (also tests/unit/test_ltx2_sampling.py's
+--image; a test module imports no other test module)."""
 import av
 import numpy as np
 import pytest
@@ -46,16 +47,21 @@ def write_clip(path, frames: np.ndarray, sound) -> None:
             container.mux(audio.encode())
 
 
-@pytest.fixture(scope="module")
-def clips(tmp_path_factory):
-    """(folder with the clips and captions.csv, {name: uint8 frames [T, H, W, 3]})."""
-    root = tmp_path_factory.mktemp("clips")
+def write_clips(root):
+    """The clips and captions.csv in `root`; {name: uint8 frames [T, H, W, 3]}."""
     rng, frames = np.random.default_rng(0), {}
     for name, (n, sound) in CLIPS.items():
         frames[name] = rng.integers(0, 256, (n, HEIGHT, WIDTH, 3), dtype=np.uint8)
         write_clip(root / name, frames[name], sound)
     (root / "captions.csv").write_text("video,caption\n" + "".join(f"{v},{c}\n" for v, c in CAPTIONS.items()))
-    return root, frames
+    return frames
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    """(folder with the clips and captions.csv, {name: uint8 frames [T, H, W, 3]})."""
+    root = tmp_path_factory.mktemp("clips")
+    return root, write_clips(root)
 
 
 def _tokenizer(path) -> None:
@@ -105,16 +111,14 @@ def video_vae():
     return vae.eval()
 
 
-@pytest.fixture(scope="module")
-def ltx2_release(tmp_path_factory):
-    """A release folder: vae/ (32 x spatial, 8 x temporal, 8 channels, scaling_factor 0.5), audio_vae/ (stereo
+def write_release(root):
+    """A release folder at `root`: vae/ (32 x spatial, 8 x temporal, 8 channels, scaling_factor 0.5), audio_vae/ (stereo
     16-bin mel -> 2 channels x 4 bins: 8 packed, 4 x in time), text_encoder/ (Gemma-3: 1 layer of 16 + its
     embeddings), tokenizer/, connectors/ (LTX-2.0's: both streams 16 wide, 4 registers); every normalisation
     buffer random."""
     from diffusers import AutoencoderKLLTX2Audio
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
 
-    root = tmp_path_factory.mktemp("ltx2_release")
     vae = video_vae()
     audio_vae = AutoencoderKLLTX2Audio(base_channels=8, ch_mult=(1, 2, 4), num_res_blocks=1, resolution=32,
                                        latent_channels=2, mel_bins=16)
@@ -129,3 +133,33 @@ def ltx2_release(tmp_path_factory):
         module.save_pretrained(root / name)
     _tokenizer(root / "tokenizer")
     return root
+
+
+@pytest.fixture(scope="module")
+def ltx2_release(tmp_path_factory):
+    """`write_release`'s folder."""
+    return write_release(tmp_path_factory.mktemp("ltx2_release"))
+
+
+def prepare_argv(clips_root, release, out) -> list[str]:
+    """`python -m parallel.prepare_data`'s arguments: debug-ltx2 at the release's sizes (SETS) on the clips and
+    their captions.csv, with the release's VAEs and caption encoder."""
+    return ["--config", "debug-ltx2", *(a for s in SETS for a in ("--set", s)), "--videos", str(clips_root),
+            "--captions", str(clips_root / "captions.csv"), "--vae", str(release / "vae"), "--t5", str(release),
+            "--out", str(out)]
+
+
+def matrix_data(tmp_path):
+    """The family matrix's LTX-2 data (tests/helpers/family_matrix.py `Prepared`): the clips and the release
+    written under tmp_path; prepare_data's arguments writing tmp_path/data, the overrides that train from it (SETS,
+    data.kind=directory), two prepared captions as the prompts (a.mkv's, b.mkv's: both streams' states) and
+    uncond.safetensors as the negative prompt; the silent clip skipped."""
+    from tests.helpers.family_matrix import Prepared
+
+    root, release, out = tmp_path / "clips", tmp_path / "release", tmp_path / "data"
+    root.mkdir()
+    write_clips(root)
+    write_release(release)
+    return Prepared(prepare_argv(root, release, out), [*SETS, "data.kind=directory", f"data.path={out}"],
+                    [out / "text" / f"{v}.safetensors" for v in ("a.mkv", "b.mkv")], out / "uncond.safetensors",
+                    "rank 0 of 1: 2 prepared, 1 skipped")

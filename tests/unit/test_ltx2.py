@@ -172,8 +172,8 @@ def test_wrong_config_is_refused_by_key(released):
 
 def test_what_is_not_built_is_refused_by_name_and_the_planner_plans_it(capsys):
     """train.py's checks (load_and_check) let debug-ltx2 train, export, verify and sample and refuse, by name, what is
-    not built: caption dropout, validation (tests/unit/test_ltx2_training.py trains); python -m parallel.plan sizes
-    the model with diffusers' parameter count."""
+    not built: validation (tests/unit/test_ltx2_training.py trains; caption dropout trains too); python -m
+    parallel.plan sizes the model with diffusers' parameter count."""
     from parallel.check import check, load_and_check
     from parallel.experiment.config import ConfigError
     from tests.helpers.plan import cli
@@ -184,8 +184,6 @@ def test_what_is_not_built_is_refused_by_name_and_the_planner_plans_it(capsys):
     with pytest.raises(ConfigError) as refused:
         load_and_check("debug-ltx2", ["data.caption_dropout=0.1", "val.every=2"], None, None, device_check=False)
     assert str(refused.value).splitlines() == [
-        "data.caption_dropout=0.1 with model.family=ltx2: the training batches do not drop the audio caption yet; "
-        "set --set data.caption_dropout=0 (docs/models.md#ltx-2)",
         "val.every=2 with model.family=ltx2: validation sees the video stream only; set --set val.every=0 "
         "(docs/models.md#ltx-2)"]
     assert check(load_config("debug-ltx2"))[1] == []

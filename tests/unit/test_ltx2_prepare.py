@@ -24,16 +24,14 @@ from models.ltx2.audio import N_FFT, hz_to_mel, log_mel, mel_filterbank, mel_to_
 from parallel.distributed.seed import derive_seed
 from parallel.prepare_data.audio import read_audio
 from parallel.prepare_data.prepare import main
-from tests.helpers.ltx2_release import CAPTIONS, FPS, SETS, clips, ltx2_release, tone  # noqa: F401  (fixtures)
+from tests.helpers.ltx2_release import (CAPTIONS, FPS, SETS, clips, ltx2_release, prepare_argv,  # noqa: F401  (fixtures)
+                                        tone)
 
 AUDIO = 9                      # 9 frames at 24 fps: round(0.375 s x 25) audio tokens
 
 
 def _prepare(clips, release, out, *extra) -> int:
-    root, _ = clips
-    return main(["--config", "debug-ltx2", *(a for s in SETS for a in ("--set", s)), "--videos", str(root),
-                 "--captions", str(root / "captions.csv"), "--vae", str(release / "vae"), "--t5", str(release),
-                 "--out", str(out), *extra])
+    return main([*prepare_argv(clips[0], release, out), *extra])
 
 
 @pytest.fixture(scope="module")

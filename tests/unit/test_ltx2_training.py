@@ -4,7 +4,9 @@ shift at calculate_shift of the video tokens; one sigma for both streams), and t
 hand-written reference: diffusers' LTX2VideoTransformer3DModel (a tiny random release) at that timestep, the
 video MSE plus the audio MSE (Lightricks' ltx-trainer). Image-to-video (model.image_condition), as ltx-trainer's
 first_frame condition: the first latent frame clean, its tokens at timestep 0 (diffusers' [B, S] timestep), out of
-the video MSE. A prepared directory holds the audio beside the video.
+the video MSE; with model.image_dropout the samples not drawn are text-to-video ones and the loss is ltx-trainer's
+masked per-sample mean. A prepared directory holds the audio beside the video; caption dropout gives a dropped
+sample both streams' captions of the empty prompt.
 """
 import pytest
 import torch
@@ -18,13 +20,15 @@ from tests.helpers.ltx2 import B, overrides, release
 from tests.released_utils import read_release, save_release
 
 
-def _reference_batch(cfg, batches):
+def _reference_batch(cfg, batches, keep=None):
     """The first micro-batch re-stated: each position's sample, its generator's video noise, uniform draw and audio
     noise; sigma as the pipeline's scheduler shifts it; x_t, a_t and the targets as flow matching makes them;
-    image-to-video: frame 0 of x_t clean and its timestep 0 ([B, T, H, W])."""
+    image-to-video: the timesteps [B, T, H, W], frame 0 of x_t clean and its timestep 0 in the samples `keep`
+    conditions (default: every one)."""
     scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
                                                 base_image_seq_len=1024, max_image_seq_len=4096)
     rows = []
+    keep = [cfg.model.image_condition] * cfg.train.micro_batch_size if keep is None else keep
     for pos in range(cfg.train.micro_batch_size):
         x0, text, a0, atext = batches.dataset[batches.sample_index(pos)]
         g = torch.Generator().manual_seed(derive_seed(cfg.train.seed, "noise", pos))
@@ -34,7 +38,7 @@ def _reference_batch(cfg, batches):
         mu = calculate_shift(x0[0].numel(), 1024, 4096, 0.95, 2.05)     # the packed video tokens (patch 1)
         s = scheduler.time_shift(mu, 1.0, u.double()).float()
         x_t, t = s * e + (1 - s) * x0, (s * 1000).expand(x0.shape[1:]).clone()
-        if cfg.model.image_condition:
+        if keep[pos]:
             x_t[:, 0], t[0] = x0[:, 0], 0
         rows.append((x_t, text, s * ea + (1 - s) * a0, atext, t, s * 1000, e - x0, ea - a0))
     x_t, text, a_t, atext, t, at, v, va = (torch.cat(z) if z[0].dim() == 1 else torch.stack(z) for z in zip(*rows))
@@ -92,3 +96,106 @@ def test_a_prepared_sample_holds_the_audio_stream(tmp_path):
         assert torch.equal(got, want)
     with pytest.raises(ValueError, match=f'^{tmp_path / "b.safetensors"}: no "audio" tensor'):
         data[1]
+
+
+def _prepared_folder(root, n: int):
+    """n samples of debug-ltx2's shapes, each caption pair its own, and uncond.safetensors with both streams'."""
+    g = torch.Generator().manual_seed(11)
+    lines = []
+    for i in range(n):
+        save_file({"latent": torch.randn(8, 2, 4, 6, generator=g), "audio": torch.randn(9, 8, generator=g)},
+                  str(root / f"{i}.safetensors"))
+        save_file({"text": torch.randn(8, 16, generator=g), "audio_text": torch.randn(8, 16, generator=g)},
+                  str(root / f"{i}_text.safetensors"))
+        lines.append(f'{{"latent": "{i}.safetensors", "text": "{i}_text.safetensors"}}\n')
+    (root / "manifest.jsonl").write_text("".join(lines))
+    save_file({"text": torch.full((8, 16), 0.25), "audio_text": torch.full((8, 16), -0.5)},
+              str(root / "uncond.safetensors"))
+
+
+def test_caption_dropout_gives_both_streams_the_empty_prompt_in_the_drawn_samples(tmp_path):
+    """data.caption_dropout=p: the samples whose rand(seed, "caption_dropout", step, position) < p train on
+    uncond.safetensors' "text" and "audio_text" (one draw for both streams: one caption makes both states), the others
+    on their own; everything else in the batch is the batch without dropout; dp 2's ranks drop the same positions.
+    The checker names an uncond.safetensors without the audio caption."""
+    import types
+
+    from parallel.experiment.config import load_config
+    from parallel.train.data import check_shapes
+    from parallel.train.run import training_batches
+
+    _prepared_folder(tmp_path, 4)
+    sets = ["data.kind=directory", f"data.path={tmp_path}", "train.micro_batch_size=4"]
+    cfg, off = (load_config("debug-ltx2", [*sets, f"data.caption_dropout={p}"]) for p in (0.5, 0))
+    uncond = {"text": torch.full((8, 16), 0.25), "audio_text": torch.full((8, 16), -0.5)}
+    dropped = []
+    for step in range(2):
+        (inputs, target), (plain, plain_target) = (training_batches(c, ParallelContext.single()).micro_batch(step, 0)
+                                                   for c in (cfg, off))
+        for j in range(4):
+            g = torch.Generator().manual_seed(derive_seed(cfg.train.seed, "caption_dropout", step, 4 * step + j))
+            drop = float(torch.rand(1, generator=g)) < 0.5
+            dropped.append(drop)
+            for k, key in ((2, "text"), (4, "audio_text")):
+                assert torch.equal(inputs[k][j], uncond[key] if drop else plain[k][j]), (step, j, key)
+                assert drop or not torch.equal(plain[k][j], uncond[key])
+        for k in (0, 1, 3, 5):
+            assert torch.equal(inputs[k], plain[k])
+        assert all(torch.equal(a, b) for a, b in zip(target, plain_target))
+        # dp 2: each rank's two positions of the step, the same draw
+        ranks = [training_batches(load_config("debug-ltx2", [*sets, "data.caption_dropout=0.5",
+                                                             "train.micro_batch_size=2"]),
+                                  types.SimpleNamespace(dp_rank=r, dp_size=2)).micro_batch(step, 0)[0] for r in (0, 1)]
+        for k in range(6):
+            assert torch.equal(torch.cat([r[k] for r in ranks]), inputs[k])
+    assert 0 < sum(dropped) < len(dropped)
+
+    save_file({"text": uncond["text"]}, str(tmp_path / "uncond.safetensors"))
+    assert check_shapes(tmp_path, cfg.model, cfg.data) == [
+        f'{tmp_path / "uncond.safetensors"}: no "audio_text" tensor: a model with a second stream (LTX-2\'s audio) '
+        'trains on samples whose latent .safetensors also holds "audio" [audio tokens, model.audio_in_channels] and '
+        'whose text .safetensors also holds "audio_text" [model.max_text_len, its caption width] (the empty '
+        "prompt's, which python -m parallel.prepare_data --t5 writes for both streams)"]
+
+
+def test_image_dropout_trains_the_samples_not_drawn_as_text_to_video(tmp_path):
+    """model.image_dropout=p (1 - ltx-trainer's first_frame `probability`, drawn per sample): the samples whose
+    rand(seed, "condition_dropout", step, position) >= p are conditioned as above (frame 0 clean, its tokens at
+    timestep 0, out of the loss), the others are text-to-video samples (every frame noised at their level, timestep
+    t on every token, in the loss); the target carries which. The loss is ltx-trainer's masked one, each sample's
+    video MSE over what its mask keeps, averaged over the batch, plus the audio MSE, with diffusers' model by hand;
+    under sp (3 ranks: the first frame on one rank and split; 5: padding) the ranks' shares average to it."""
+    import types
+
+    from models.geometry import patchify
+    from models.ltx2.released import DIFFUSERS
+    from parallel.model.build import SequenceLoss
+    from parallel.train.run import training_batches
+
+    model = release()
+    folder, _ = save_release(tmp_path, model, "40KB")
+    cfg, ours, _ = read_release("debug-ltx2", [*overrides(folder), "model.image_condition=true",
+                                               "model.image_dropout=0.5", "train.micro_batch_size=4"], folder)
+    batches = training_batches(cfg, ParallelContext.single())
+    inputs, target = next(batches)
+    keep = [float(torch.rand(1, generator=torch.Generator().manual_seed(
+        derive_seed(cfg.train.seed, "condition_dropout", 0, pos)))) >= 0.5 for pos in range(4)]
+    assert 0 < sum(keep) < 4
+    want_inputs, want_target = _reference_batch(cfg, batches, keep)
+    assert torch.equal(target[2], torch.tensor(keep))
+    for got, want in zip((*inputs, *target[:2]), (*want_inputs, *want_target)):
+        torch.testing.assert_close(got, want)
+    assert [bool((inputs[1][j, 0] == 0).all()) for j in range(4)] == keep       # t2v samples: frame 0 at t too
+
+    loss = SequenceLoss(cfg, ParallelContext.single())(prediction := ours.predict(inputs), target)
+    with torch.no_grad():
+        video, audio = DIFFUSERS.reference_call(model, want_inputs, {})
+    per_sample = [(video[j] - want_target[0][j])[:, int(keep[j]):].square().mean() for j in range(4)]
+    torch.testing.assert_close(loss, torch.stack(per_sample).mean() + torch.nn.functional.mse_loss(audio,
+                                                                                                  want_target[1]))
+    tokens = patchify(prediction[0], cfg.model)                       # [B, 48, C]: what the sp ranks hold
+    for sp in (3, 5):
+        padded = torch.nn.functional.pad(tokens, (0, 0, 0, -tokens.shape[1] % sp))
+        shares = [SequenceLoss(cfg, types.SimpleNamespace(sp_size=sp, sp_rank=r))(
+            (padded.chunk(sp, 1)[r], prediction[1]), target) for r in range(sp)]
+        torch.testing.assert_close(torch.stack(shares).mean(), loss)
