@@ -14,7 +14,8 @@ The rules, the first that matches wins (tests/cli/test_readme_commands.py runs t
   SANDBOX    everything else runs in a copy of the repository whose released presets are tiny (same keys,
              sizes overridden: tests/cli/doc_sandbox.py) beside tiny random release folders of the released
              layout (`CogVideoX-5b/`, `Wan2.1-T2V-14B-Diffusers/`, clips), with three substitutions: a process
-             count above 4 (`--num_gpus 8`, `--nproc_per_node 8`) becomes 4, what a 2-core CPU can run; clip
+             count (`--num_gpus 8`, `--nproc_per_node 8`) becomes the fewest processes, at least 2, that hold
+             the command's layout (tp x sp x pp of its config and --set; 4 at most), what a 2-core CPU can run; clip
              sizes in pixels (`--buckets 49x480x720,...`) become the tiny preset's (`--buckets preset`); and
              `deepspeed`/`torchrun` get a free `--master_port` (other jobs share this machine).
 """
@@ -144,11 +145,12 @@ def rule(command: Command, block: Block) -> tuple[str, str]:
     return "sandbox", ""
 
 
-def substitute(text: str, port: int) -> str:
-    """More processes than MAX_PROCS become MAX_PROCS; clip sizes given in pixels (`--buckets 49x480x720,...`)
-    become the tiny preset's (`--buckets preset`); a launcher gets a free rendezvous port (the default,
-    29500, is shared with every other job on this machine)."""
-    text = PROCS.sub(lambda m: f"{m.group(1)}{m.group(2)}{min(int(m.group(3)), MAX_PROCS)}", text)
+def substitute(text: str, port: int, procs: int = MAX_PROCS) -> str:
+    """More processes than `procs` (at most MAX_PROCS: doc_runs.processes, the fewest the command's layout
+    holds) become `procs`; clip sizes given in pixels (`--buckets 49x480x720,...`) become the tiny preset's
+    (`--buckets preset`); a launcher gets a free rendezvous port (the default, 29500, is shared with every other
+    job on this machine)."""
+    text = PROCS.sub(lambda m: f"{m.group(1)}{m.group(2)}{min(int(m.group(3)), procs, MAX_PROCS)}", text)
     text = re.sub(r"--buckets \d+x\d+x\d+(,\d+x\d+x\d+)*", "--buckets preset", text)    # the tiny preset's sizes
     return re.sub(r"^(deepspeed|torchrun) ", rf"\1 --master_port {port} ", text)
 

@@ -26,7 +26,7 @@ import pytest
 from filelock import FileLock
 
 from tests.cli import doc_blocks
-from tests.cli.doc_blocks import DOCS, ROOT, blocks, matches, rule, substitute
+from tests.cli.doc_blocks import DOCS, MAX_PROCS, ROOT, blocks, matches, rule, substitute
 from tests.dist_utils import free_port
 
 TIMEOUT = 600
@@ -115,6 +115,26 @@ def as_written(command: str, prefix: tuple[str, ...] = ()) -> tuple[int, str]:
     return found["code"], found["output"]
 
 
+def processes(words: str, base: Path) -> int:
+    """The fewest processes, at least 2 (data parallelism where the layout is one rank), that hold a command's layout:
+    tp x sp x pp (x dp where set) of its --config (the sandbox's tiny preset) with its --set overrides. Every rank imports torch,
+    DeepSpeed and the toolkit (about 5 CPU-seconds on this machine), and the commands' subjects here are the
+    commands, not data parallelism at 4 (tests/distributed/test_train_equivalence.py). MAX_PROCS where the command
+    names no config or its config does not load (the command then says why itself)."""
+    argv = words.split()
+    if "--config" not in argv:
+        return MAX_PROCS
+    name = argv[argv.index("--config") + 1]
+    path = base / name if (base / name).exists() else base / "configs" / f"{name}.yaml"
+    sets = [argv[i + 1] for i, word in enumerate(argv[:-1]) if word == "--set"]
+    try:
+        from parallel.experiment.config import load_config
+        p = load_config(str(path), sets).parallel
+    except Exception:                       # noqa: BLE001  (the command itself reports a config it refuses)
+        return MAX_PROCS
+    return min(MAX_PROCS, max(2, p.tp_size * p.sp_size * p.pp_size * (p.dp_size or 1)))
+
+
 _DOC_RUNS: dict[str, dict[int, tuple[str, int, str]]] = {}
 _SANDBOX_RUNS: dict[str, tuple[int, str]] = {}
 
@@ -143,7 +163,8 @@ def run_doc(doc: str, base: Path) -> dict[int, tuple[str, int, str]]:
                 # a trailing `# -> ...` comment is not part of the command.
                 words = " ".join(shlex.split(command.expanded(), comments=True))
                 if words not in _SANDBOX_RUNS:
-                    _SANDBOX_RUNS[words] = _run(substitute(command.text, free_port()), command.prefix, base)
+                    _SANDBOX_RUNS[words] = _run(substitute(command.text, free_port(), processes(words, base)),
+                                                command.prefix, base)
                 results[command.line] = (how, *_SANDBOX_RUNS[words])
     _DOC_RUNS[doc] = results
     return results

@@ -1,6 +1,6 @@
 """A copy of the repository in which the documentation's commands run on a CPU: the released presets made tiny
-(same keys and families, sizes overridden; sequence parallelism above MAX_PROCS ranks capped there, as the
-process counts are) and tiny random folders of the released layout beside them.
+(same keys and families, sizes overridden; sequence parallelism above 2 ranks capped there, as the process counts
+are: tests/cli/doc_runs.py processes) and tiny random folders of the released layout beside them.
 
     configs/<released preset>.yaml   the preset with SIZES (by family) overridden; debug presets unchanged,
                                      so are the stdit presets (no released folder; no command trains them)
@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from tests.cli.doc_blocks import MAX_PROCS, ROOT
+from tests.cli.doc_blocks import ROOT
+
+SANDBOX_SP = 2                      # a preset's sequence parallelism here: the fewest ranks that split
 
 # Sizes only. Videos 9 x 32 x 32; the tiny CogVideoX VAE downsamples 2 x 2 x 2, the tiny Wan VAE 4 x 8 x 8.
 SIZES = {
@@ -55,9 +57,10 @@ def tiny_preset(path: Path) -> None:
     for key, value in {**SIZES[tree["model"]["family"]], **STEPS}.items():
         section, name = key.split(".")
         tree.setdefault(section, {})[name] = value
-    # `--num_gpus 8` runs on MAX_PROCS ranks here: a preset's sp 8 (Wan 2.2) becomes what they hold
-    if (tree.get("parallel") or {}).get("sp_size", 1) > MAX_PROCS:
-        tree["parallel"]["sp_size"] = MAX_PROCS
+    # `--num_gpus 8` runs on the fewest ranks that hold the layout here (doc_runs.processes): a preset's sp 8
+    # (Wan 2.2) becomes SANDBOX_SP, sequence parallelism still
+    if (tree.get("parallel") or {}).get("sp_size", 1) > SANDBOX_SP:
+        tree["parallel"]["sp_size"] = SANDBOX_SP
     if tree["model"].get("patch_size_t"):
         # CogVideoX 1.5's rotary table is sample_height x sample_width latents at most ("slice" grid, max_size):
         # it must hold the largest bucket (48 px / 2 = 24 latents), as the release's 300 holds 1360 / 8.
