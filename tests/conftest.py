@@ -1,7 +1,7 @@
 """The tests, in three tiers: one directory each, every test module in exactly one of them.
 
 tests/unit/         One process: no process group, no subprocess. Configs, the checker, models on CPU or
-                    the meta device, the planner and the CLIs' main() called in-process. About 1.5 min.
+                    the meta device, the planner and the CLIs' main() called in-process.
                         python -m pytest tests/unit            (or anywhere: -m unit)
 tests/distributed/  2-4 gloo ranks spawned in-process by tests.dist_utils.run_ranks (they meet through a
                     file, no port), often through tests.train_utils.train. Minutes.
@@ -15,8 +15,11 @@ All of them: bash scripts/test.sh (python -m pytest -n 2 --dist loadfile: two py
 test module whole, the longest first: see pytest_collection_modifyitems).
 One test: add -k (and -n 0 for one process).
 A second tier inside cli, marked `docs`: every command of README.md and docs/*.md run as written
-(tests/cli/test_readme_commands.py: about 45 min for the commands and 12 for the figures and searches on a
-busy 2-core machine, measured 2026-11-24). Skip it while iterating: -m "not docs".
+(tests/cli/test_readme_commands.py, test_doc_figures.py, test_doc_parameter_counts.py). A third, marked `slow`:
+the family x layout matrix (test_family_matrix*.py). Skip both while iterating: -m "not docs and not slow", the
+default tier. A run ends with each tier's test seconds (pytest_terminal_summary); on the 2-core CI machine, busy
+with other work, 2026-11-28 (two workers, seconds summed over both): unit 292, distributed 1003, cli 1716, docs
+1196, slow 896; the default tier 3012 (about 25 min of the two workers), the whole run 43 min of pytest.
 
 A new test goes to the first tier that fits: unit unless it needs ranks (distributed) or a separate process
 (cli). A module whose tests span tiers is split along test functions; what the parts share (helpers,

@@ -43,7 +43,10 @@ def suite_environment(cwd: Path) -> dict[str, str]:
 
 
 def _run(command: str, prefix: list[str], cwd: Path) -> tuple[int, str]:
-    env = {**os.environ, "PYTHONPATH": str(cwd), "PYTHONUNBUFFERED": "1", **suite_environment(cwd)}
+    # MASTER_PORT: a script's own launcher (scripts/demo.sh) rendezvouses on a free port, not on 29500, which
+    # another job on this machine may hold (a second suite's demo did)
+    env = {**os.environ, "PYTHONPATH": str(cwd), "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(free_port()),
+           **suite_environment(cwd)}
     proc = subprocess.run(["bash", "-c", "\n".join([*prefix, command])], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=TIMEOUT)
     return proc.returncode, proc.stdout + proc.stderr
