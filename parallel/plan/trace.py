@@ -224,6 +224,7 @@ class ActivationTracer:
         self.cfg, self.dtype = cfg, dtype
         self._modules: dict = {}
         self._traces: dict = {}
+        self._embedded: dict = {}            # (tp, b, sp) -> the embed stage's outputs' (shape, dtype)
 
     def _module(self, kind: str, tp: int, sp: int = 1, granularity: Optional[str] = None, offload: bool = False,
                 swapped: bool = False):
@@ -254,19 +255,25 @@ class ActivationTracer:
             self._modules[key] = (module, ctx, moved)
         return self._modules[key]
 
-    def _inputs(self, kind: str, tp: int, b: int, sp: int = 1):
+    def _inputs(self, kind: str, tp: int, b: int, sp: int = 1, cached: bool = True):
         """Meta tensors of the stage's input; a block's and final's are the embed stage's outputs, as leaves
-        (with sp, one sp rank's part of the sequence)."""
+        (with sp, one sp rank's part of the sequence). `cached`: the embed stage runs once per (tp, b, sp), its
+        outputs' shapes kept (a search traces a block at several recompute options: HunyuanVideo 1.5's embed
+        stage, its token refiner, was half of a search's time); False runs it again (recompute_fraction counts
+        FLOPs around this call)."""
         m = self.cfg.model
         raw = (torch.empty(b, m.transformer_in_channels, *latent_shape(m, self.cfg.data)),
                torch.zeros(b, dtype=torch.long), torch.empty(b, m.max_text_len, m.text_embed_dim),
                *(torch.empty(b, *shape) for shape in m.clip_input_shapes(self.cfg.data)))
         if kind == "embed":
             return raw
-        embed, *_ = self._module("embed", tp, sp)
-        with torch.no_grad():
-            out = embed(raw)
-        return tuple(torch.empty(t.shape, dtype=t.dtype, requires_grad=t.is_floating_point()) for t in out)
+        if not cached or (tp, b, sp) not in self._embedded:
+            embed, *_ = self._module("embed", tp, sp)
+            with torch.no_grad():
+                out = embed(raw)
+            self._embedded[(tp, b, sp)] = tuple((t.shape, t.dtype) for t in out)
+        return tuple(torch.empty(shape, dtype=dtype, requires_grad=dtype.is_floating_point)
+                     for shape, dtype in self._embedded[(tp, b, sp)])
 
     def _trace(self, kind: str, tp: int, b: int, sp: int = 1, granularity: Optional[str] = None,
                compression: Optional[str] = None, offload: bool = False, swapped: bool = False) -> StageTrace:
@@ -372,7 +379,7 @@ class ActivationTracer:
             for g in (None, granularity):
                 module, *_ = self._module("block", tp, sp, g)
                 with torch.device("meta"), FlopCounterMode(display=False) as count:
-                    out = module(self._inputs("block", tp, 1, sp))[0]
+                    out = module(self._inputs("block", tp, 1, sp, cached=False))[0]
                     forward = count.get_total_flops()
                     out.sum().backward()
                 totals.append((forward, count.get_total_flops()))
