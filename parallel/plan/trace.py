@@ -255,19 +255,18 @@ class ActivationTracer:
             self._modules[key] = (module, ctx, moved)
         return self._modules[key]
 
-    def _inputs(self, kind: str, tp: int, b: int, sp: int = 1, cached: bool = True):
+    def _inputs(self, kind: str, tp: int, b: int, sp: int = 1):
         """Meta tensors of the stage's input; a block's and final's are the embed stage's outputs, as leaves
-        (with sp, one sp rank's part of the sequence). `cached`: the embed stage runs once per (tp, b, sp), its
-        outputs' shapes kept (a search traces a block at several recompute options: HunyuanVideo 1.5's embed
-        stage, its token refiner, was half of a search's time); False runs it again (recompute_fraction counts
-        FLOPs around this call)."""
+        (with sp, one sp rank's part of the sequence). The embed stage runs once per (tp, b, sp), its outputs'
+        shapes kept: a search traces a block at several recompute options (HunyuanVideo 1.5's embed stage, its
+        token refiner, was half of a search's time)."""
         m = self.cfg.model
         raw = (torch.empty(b, m.transformer_in_channels, *latent_shape(m, self.cfg.data)),
                torch.zeros(b, dtype=torch.long), torch.empty(b, m.max_text_len, m.text_embed_dim),
                *(torch.empty(b, *shape) for shape in m.clip_input_shapes(self.cfg.data)))
         if kind == "embed":
             return raw
-        if not cached or (tp, b, sp) not in self._embedded:
+        if (tp, b, sp) not in self._embedded:
             embed, *_ = self._module("embed", tp, sp)
             with torch.no_grad():
                 out = embed(raw)
@@ -378,8 +377,10 @@ class ActivationTracer:
             totals = []
             for g in (None, granularity):
                 module, *_ = self._module("block", tp, sp, g)
+                with torch.device("meta"):
+                    inputs = self._inputs("block", tp, 1, sp)         # the embed stage's FLOPs not counted
                 with torch.device("meta"), FlopCounterMode(display=False) as count:
-                    out = module(self._inputs("block", tp, 1, sp, cached=False))[0]
+                    out = module(inputs)[0]
                     forward = count.get_total_flops()
                     out.sum().backward()
                 totals.append((forward, count.get_total_flops()))
