@@ -27,6 +27,7 @@ import time
 import traceback
 import types
 
+import torch
 import torch.multiprocessing as mp
 
 from tests.dist_utils import free_port
@@ -57,6 +58,8 @@ def _command(argv, environ, cwd, out_path, err_path):
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
+    if environ.get("OMP_NUM_THREADS", "").isdigit():       # torch reads it at its import, as a fresh process would
+        torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
     code = 0
     try:
         if argv[0] == "-c":
