@@ -1,16 +1,20 @@
-"""Every family's debug preset through the user's commands under the real launcher (tests/helpers/family_matrix.py
-`run_family`), here CogVideoX, STDiT, HunyuanVideo 1.5 and LTX-2; Wan 2.1, Wan 2.2 A14B, Wan 2.2 TI2V and
-HunyuanVideo in test_family_matrix_2.py (two modules: pytest-xdist's two workers take one each).
+"""Every family's debug preset through the user's commands (tests/helpers/family_matrix.py `run_family`), here
+CogVideoX, STDiT, HunyuanVideo 1.5 and LTX-2; Wan 2.1, Wan 2.2 A14B, Wan 2.2 TI2V and HunyuanVideo in
+test_family_matrix_2.py (two modules: pytest-xdist's two workers take one each).
 
 Per family (fp32, global batch 4, 2 steps): `python train.py` in one process (the reference losses); in each of the
-family's layouts `python -m parallel.check` (in this process) accepts it, `deepspeed train.py` gives one process's
-losses and `python -m parallel.plan` (in this process) plans the activations train.py's memory check measured; then one
-layout's checkpoint samples (`deepspeed --module parallel.sample`) and one's exports (`deepspeed --module
-parallel.export`, diffusers where the family has a released format, else the toolkit's); in this process one process
-samples from the export what the layout sampled, and `python -m parallel.verify` finds diffusers' model loaded from
-it predicting as the toolkit's. The layouts (tp 2 x dp 2, tp 2 x pp 2, tp 2 x sp 2, dp 2 ZeRO-3) are the ones that
-exercise what is the family's own; each layout's mechanics for every family are checked with in-process ranks in
-tests/distributed/ (test_*_layouts.py).
+family's layouts `python -m parallel.check` (in this process) accepts it, `train.py` in the layout's processes gives
+one process's losses and `python -m parallel.plan` (in this process) plans the activations train.py's memory check
+measured; then one layout's checkpoint samples (`python -m parallel.sample` in its processes) and one's exports
+(`python -m parallel.export`, diffusers where the family has a released format, else the toolkit's); in this process
+one process samples from the export what the layout sampled, and `python -m parallel.verify` finds diffusers' model
+loaded from it predicting as the toolkit's. The first layout trains under the real launcher (`deepspeed --num_gpus
+4 train.py`: fresh interpreters that import the family as a user's do); the other commands run in processes forked
+with torchrun's environment from the tests' server that has imported torch and DeepSpeed
+(tests/helpers/commands.py: a fresh interpreter spends about 7 CPU-seconds on imports, more than these commands'
+work). The layouts (tp 2 x dp 2, tp 2 x pp 2, tp 2 x sp 2, dp 2 ZeRO-3) are the ones that exercise what is the
+family's own; each layout's mechanics for every family are checked with in-process ranks in tests/distributed/
+(test_*_layouts.py).
 
 - CogVideoX (`debug`): text tokens in the sequence split by sp, and the diffusers export gathered over tp and pp:
   trains at tp 2 x pp 2 and tp 2 x sp 2, samples at tp 2 x sp 2, exports at tp 2 x pp 2 (so the export's sample is
@@ -25,13 +29,10 @@ tests/distributed/ (test_*_layouts.py).
   trains from (`data.kind=directory`: video and audio latents, both caption states), and parallel.sample takes two
   of its caption files as the prompts and its uncond.safetensors as the negative prompt.
 
-Cost, measured one module at a time on the 2-core machine beside a full CI run (load 10-30): here 19 launches (5
-one-process, 14 of 4 ranks), 481 CPU-seconds (debug 139, debug-stdit 136, debug-hunyuan15 97, debug-ltx2 109: its
-prepare_data launch and the release it reads, about 15 s wall, paid for by training at the release's 64 x 96 rather
-than 128 x 192: 108.7 CPU-seconds before, 109.4 after, 118 and 122 s in pytest), 18 min wall; with
-test_family_matrix_2.py 36 launches and 951 CPU-seconds for the eight families, where the matrix of three
-(CogVideoX, Wan 2.1, STDiT in all four layouts) took 51 launches and about 1,300 (debug-wan alone: 17 launches, 442
-CPU-seconds, 19 min wall; 351 s on the CI machine). Marked `slow`: `-m "not slow"` leaves it out; `.ci/run` runs it.
+Cost, measured one module at a time on the 2-core machine beside other work (2026-11-28): here 19 commands, 4
+of them under the launcher, 216 CPU-seconds and 297 s wall (debug 84 s, debug-hunyuan15 78, debug-stdit 64,
+debug-ltx2 64); with test_family_matrix_2.py 403 CPU-seconds for the eight families, where every command in a fresh
+interpreter (each layout under the launcher) took 951. Marked `slow`: `-m "not slow"` leaves it out; `.ci/run` runs it.
 """
 from __future__ import annotations
 

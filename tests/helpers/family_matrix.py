@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from parallel.experiment.config import load_config
+from tests.helpers.commands import run_command
 from tests.helpers.launchers import finish, losses, run_env, start
 from tests.dist_utils import free_port
 
@@ -87,10 +88,17 @@ def experiment_args(preset, tmp_path, name, layout, sets=()) -> list[str]:
     return args
 
 
-def launch(tmp_path, name, layout, *command, log_name):
-    """`deepspeed --num_gpus N <command>` (N = 1: plain `python <command>`); its log, asserting exit 0."""
+def launch(tmp_path, name, layout, *command, log_name, launcher=False):
+    """`python <command>` in the layout's N processes, forked with torchrun's environment (tests/helpers/commands.py:
+    no interpreter starts afresh), or with `launcher`, `deepspeed --num_gpus N <command>` (N = 1: plain `python
+    <command>`); its log, asserting exit 0."""
     n = layout[0]
     log = tmp_path / f"{name}.{log_name}.log"
+    if not launcher:
+        p = run_command(command, ranks=n, env=run_env(), timeout=300)
+        log.write_text(p.stdout + p.stderr)
+        assert p.returncode == 0, f"{' '.join(command)} in {n} forked processes\n{(p.stdout + p.stderr)[-4000:]}"
+        return p.stdout + p.stderr
     if n == 1:
         cmd = [sys.executable, *command]
     else:
@@ -101,11 +109,11 @@ def launch(tmp_path, name, layout, *command, log_name):
     return text
 
 
-def run_module(tmp_path, name, layout, mod, *args, log_name):
-    """`python -m mod` for one process, `deepspeed --module mod` for more (the same argv after it)."""
-    if layout[0] == 1:
-        return launch(tmp_path, name, layout, "-m", mod, *args, log_name=log_name)
-    return launch(tmp_path, name, layout, "--module", mod, *args, log_name=log_name)
+def run_module(tmp_path, name, layout, mod, *args, log_name, launcher=False):
+    """`python -m mod` (forked, see launch); with `launcher`, `deepspeed --module mod` for more than one process."""
+    if layout[0] == 1 or not launcher:
+        return launch(tmp_path, name, layout, "-m", mod, *args, log_name=log_name, launcher=launcher)
+    return launch(tmp_path, name, layout, "--module", mod, *args, log_name=log_name, launcher=True)
 
 
 def in_process(main, argv) -> tuple[int, str]:
@@ -229,12 +237,12 @@ def run_family(preset, runs: Runs, tmp_path) -> None:
     reference = losses(tmp_path / "one")
     assert len(reference) == STEPS and len(set(reference)) == STEPS
 
-    for name in runs.train:
+    for i, name in enumerate(runs.train):
         layout = LAYOUTS[name]
         args = experiment_args(preset, tmp_path, name, layout, sets)
         code, out = in_process(check_main, [*args, "--world-size", str(layout[0])])
         assert code == 0, f"{preset} {name}: the checker refused what train.py is about to run:\n{out}"
-        launch(tmp_path, name, layout, "train.py", *args, log_name="train")
+        launch(tmp_path, name, layout, "train.py", *args, log_name="train", launcher=i == 0)
         torch.testing.assert_close(torch.tensor(losses(tmp_path / name)), torch.tensor(reference),
                                    msg=lambda m: f"{preset} {name} losses vs one process: {m}")
         check_plan(tmp_path / name, args, layout, f"{preset} {name}")
