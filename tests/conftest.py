@@ -14,12 +14,16 @@ tests/cli/          Real commands as subprocesses: train.py, launch.sh and the d
 All of them: bash scripts/test.sh (python -m pytest -n 2 --dist loadfile: two pytest-xdist workers, each taking a
 test module whole, the longest first: see pytest_collection_modifyitems).
 One test: add -k (and -n 0 for one process).
-A second tier inside cli, marked `docs`: every command of README.md and docs/*.md run as written
-(tests/cli/test_readme_commands.py, test_doc_figures.py, test_doc_parameter_counts.py). A third, marked `slow`:
-the family x layout matrix (test_family_matrix*.py). Skip both while iterating: -m "not docs and not slow", the
-default tier. A run ends with each tier's test seconds (pytest_terminal_summary); on the 2-core CI machine, busy
-with other work, 2026-11-28 (two workers, seconds summed over both): unit 292, distributed 1003, cli 1716, docs
-1196, slow 896; the default tier 3012 (about 25 min of the two workers), the whole run 43 min of pytest.
+Commands whose subject is not the launcher run in processes forked from the tests' server that has imported torch
+and DeepSpeed (tests/helpers/commands.py run_command: a fresh interpreter spends about 7 CPU-seconds importing them).
+Three more tiers inside cli, each a marker: `docs`, every command of README.md and docs/*.md run as written
+(tests/cli/test_readme_commands.py, test_doc_figures.py, test_doc_parameter_counts.py); `slow`, the family x layout
+matrix (test_family_matrix*.py); `cluster`, the real launchers (deepspeed, torchrun, pdsh over ssh, mpirun, Slurm,
+launch.sh) on one host and on namespace hosts with their own addresses, signals and lost nodes
+(test_launchers.py, test_netns_hosts.py, test_slurm.py, test_lost_node.py, test_hang.py, test_resume_cli.py,
+test_launch.py). Skip the three while iterating: -m "not docs and not slow and not cluster", the default tier;
+.ci/run runs them all. A run ends with each tier's test seconds (pytest_terminal_summary); on the 2-core CI
+machine, 2026-11-28 (two workers, seconds summed over both): see `issues show 39`'s latest note for the figures.
 
 A new test goes to the first tier that fits: unit unless it needs ranks (distributed) or a separate process
 (cli). A module whose tests span tiers is split along test functions; what the parts share (helpers,
@@ -54,6 +58,7 @@ if not os.environ.get("PATH", "").startswith(_bin + os.pathsep):
 TIERS = {"unit": "one process, no process group, no subprocess (tests/unit)",
          "distributed": "gloo ranks spawned in-process by tests.dist_utils.run_ranks (tests/distributed)",
          "cli": "real commands and launchers as subprocesses (tests/cli)"}
+OWN_TIERS = ("docs", "slow", "cluster")      # markers inside tests/cli/, each left out of the default tier
 HERE = pathlib.Path(__file__).resolve().parent
 
 
@@ -64,6 +69,8 @@ def pytest_configure(config):
                                        "test_doc_figures.py, test_doc_parameter_counts.py)")
     config.addinivalue_line("markers", "slow: minutes of end-to-end commands (tests/cli/test_family_matrix.py, "
                                        "test_family_matrix_2.py); -m 'not slow' leaves them out, .ci/run runs them")
+    config.addinivalue_line("markers", "cluster: the real launchers, signals and hosts (tests/cli/test_launchers.py, "
+                                       "test_netns_hosts.py, ...); -m 'not cluster' leaves them out, .ci/run runs them")
 
 
 # Under pytest-xdist (scripts/test.sh runs `-n 2 --dist loadfile`) a test module is the unit a worker takes whole, so
@@ -91,19 +98,19 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_terminal_summary(terminalreporter):
     """Where the time went, by tier: the seconds each tier's tests took (setup, call and teardown, summed over the
-    xdist workers), the `docs` and `slow` tiers apart from the rest of their directory's (the default tier is
-    everything but those two: `-m "not docs and not slow"`)."""
+    xdist workers), the marked tiers (OWN_TIERS) apart from the rest of their directory's (the default tier is
+    everything but those: `-m "not docs and not slow and not cluster"`)."""
     seconds: dict[str, float] = {}
     for reports in terminalreporter.stats.values():
         for report in reports:
             if not isinstance(report, pytest.TestReport):
                 continue
             keywords = report.keywords
-            tier = "docs" if "docs" in keywords else "slow" if "slow" in keywords else \
+            tier = next((name for name in OWN_TIERS if name in keywords), None) or \
                 next((name for name in TIERS if name in keywords), "other")
             seconds[tier] = seconds.get(tier, 0.0) + report.duration
     if seconds:
-        default = sum(s for tier, s in seconds.items() if tier not in ("docs", "slow"))
+        default = sum(s for tier, s in seconds.items() if tier not in OWN_TIERS)
         terminalreporter.write_line(
             "test seconds by tier (summed over workers): " + ", ".join(f"{tier} {s:.0f}" for tier, s in
                                                                        sorted(seconds.items()))

@@ -9,8 +9,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from parallel.train.watchdog import HUNG_RANK_EXIT
 from tests.dist_utils import free_port
+
+pytestmark = pytest.mark.cluster       # tests/conftest.py: the real launchers, signals and hosts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 K, TIMEOUT = 2, 8        # a timeout of a few seconds, with room for start-up on a loaded machine

@@ -7,6 +7,8 @@ import pytest
 
 from parallel.distributed.hostfile import parse_hostfile
 
+pytestmark = pytest.mark.cluster       # tests/conftest.py: the real launchers, signals and hosts
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGS = ["train.py", "--config", "debug", "--deepspeed_config", "ds_configs/zero1_bf16.json"]
 

@@ -18,6 +18,8 @@ import pytest
 from tests.dist_utils import free_port
 from tests.helpers.launchers import LAYOUT, ROOT, finish, kill_marked, losses, marked_alive, run_env, start, train_args
 
+pytestmark = pytest.mark.cluster       # tests/conftest.py: the real launchers, signals and hosts
+
 
 def environ(p: psutil.Process) -> dict:
     try:

@@ -10,8 +10,12 @@ The survivors' collectives fail on the broken connections, so rank 0 names the s
 """
 
 
+import pytest
+
 from tests.helpers.launchers import run_env, start
 from tests.helpers.lost_node import lose_node_then_rerun
+
+pytestmark = pytest.mark.cluster       # tests/conftest.py: the real launchers, signals and hosts
 
 
 def test_lost_node_names_ranks_and_checkpoint_then_rerun_resumes(tmp_path):

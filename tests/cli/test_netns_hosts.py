@@ -23,6 +23,8 @@ from tests.helpers.lost_node import lose_node_then_rerun, rows
 from tests.helpers.slurm import run_sbatch, slurm_cluster
 from tests.dist_utils import free_port
 
+pytestmark = pytest.mark.cluster       # tests/conftest.py: the real launchers, signals and hosts
+
 VENV_BIN = os.path.dirname(sys.executable)
 
 

@@ -10,10 +10,13 @@ import sys
 import time
 
 import psutil
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.helpers.resume_cli import ROOT, STEPS, clean_env, command, metrics
+
+pytestmark = pytest.mark.cluster       # tests/conftest.py: the real launchers, signals and hosts
 
 
 def launch(*cmd_args):

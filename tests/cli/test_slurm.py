@@ -19,6 +19,8 @@ import pytest
 from tests.helpers.launchers import losses
 from tests.helpers.slurm import run_sbatch, slurm_cluster
 
+pytestmark = pytest.mark.cluster       # tests/conftest.py: the real launchers, signals and hosts
+
 NODES = ("vdp-n0", "vdp-n1")
 
 
