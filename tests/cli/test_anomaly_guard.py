@@ -1,4 +1,4 @@
-"""train.anomaly under the deepspeed launcher: a NaN injected into one rank's input at step K is skipped on
+"""train.anomaly in a distributed run: a NaN injected into one rank's input at step K is skipped on
 every rank (no optimizer update: weights, Adam, EMA and the LR schedule as they were), and the losses of
 the other steps equal a run that never saw step K's batch (its batches go from K-1 to K+1): dp 2 with
 ZeRO-0 (the toolkit's skip of a torch optimizer) and ZeRO-2 (DeepSpeed's own overflow branch), and tp 2 x
@@ -10,17 +10,16 @@ and the update.
 
 Two launches serve every check: one of 2 ranks runs the dp 2 runs one after another (each layout's poisoned run
 and its reference, then rollback and stop), one of 4 ranks the tp 2 x pp 2 pair. Each run is a whole Trainer.fit
-(its own engine, output folder and log section) in process groups the launch creates once."""
+(its own engine, output folder and log section) in process groups the launch creates once. The ranks are forked
+with torchrun's environment by tests/helpers/commands.py; the real launchers are tested in test_launchers.py and
+test_netns_hosts.py."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.dist_utils import free_port
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers.commands import ROOT, run_command
+from tests.helpers.train_cli import train_py
 K, STEPS = 1, 4          # step index K (the second step, "step 2" in the log) is poisoned
 
 SCRIPT = '''
@@ -33,8 +32,7 @@ from parallel.distributed.topology import read_launch_env
 from parallel.plan.memory import run_plan
 from parallel.train.trainer import Trainer
 
-argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]       # the launcher's
-root, K, runs = argv[0], int(argv[1]), json.loads(argv[2])
+root, K, runs = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 
 
 class Batches:
@@ -67,8 +65,7 @@ class Poisoned(Trainer):
 # One set of process groups for every run: Trainer.close() would destroy it after each.
 destroy, dist.destroy_process_group = dist.destroy_process_group, lambda *args, **kwargs: None
 for run in runs:
-    if int(os.environ["RANK"]) == 0:
-        print(f"=== run {run['name']}", file=sys.stderr, flush=True)
+    print(f"=== run {run['name']}", file=sys.stderr, flush=True)      # every rank: its stderr comes whole, in turn
     cfg, ds, layout = load_and_check("debug", [f"train.output_dir={root}/{run['name']}", "train.warmup_steps=0",
                                                "train.decay_steps=10", "train.check_replicas_every=0", *run["sets"]],
                                      run["ds"], int(os.environ["WORLD_SIZE"]))
@@ -85,7 +82,7 @@ LAYOUTS = {"dp2-zero0": (2, 0, []), "dp2-zero2": (2, 2, []),           # ranks, 
 
 
 def launch(root, ranks, runs):
-    """One deepspeed launch of `ranks` running `runs` in turn (name, mode, ZeRO stage, --set overrides): each run's
+    """One launch of `ranks` running `runs` in turn (name, mode, ZeRO stage, --set overrides): each run's
     (metrics.jsonl rows, fit's status, its part of the launch's stderr, its output folder) by name."""
     root.mkdir()
     (root / "script.py").write_text(SCRIPT)
@@ -96,14 +93,12 @@ def launch(root, ranks, runs):
         ds["zero_optimization"] = {"stage": stage}
         (root / f"{name}.json").write_text(json.dumps(ds))
         specs.append({"name": name, "mode": mode, "ds": str(root / f"{name}.json"), "sets": sets})
-    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
-    p = subprocess.run([deepspeed, "--num_gpus", str(ranks), "--master_port", str(free_port()), str(root / "script.py"),
-                        str(root), str(K), json.dumps(specs)], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
+    p = run_command([root / "script.py", root, K, json.dumps(specs)], ranks=ranks, timeout=600)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    logs = dict(part.split("\n", 1) for part in p.stderr.split("=== run ")[1:])
+    logs = {}                # every rank's part of each run's section, in rank order
+    for part in p.stderr.split("=== run ")[1:]:
+        name, text = part.split("\n", 1)
+        logs[name] = logs.get(name, "") + text
     out = {}
     for name, *_ in runs:
         rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()] \
@@ -197,15 +192,12 @@ def test_a_bad_latent_file_is_skipped_and_counted_or_stops_naming_the_file(tmp_p
     data = tmp_path / "data"
     data.mkdir()
     write_latents(data, bad=2)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
 
     def train(out, *args):
-        return subprocess.run([sys.executable, "train.py", "--config", "debug", "--deepspeed_config",
-                               "ds_configs/zero0_fp32.json", "--set", "data.kind=directory", "--set",
-                               f"data.path={data}", "--set", "train.micro_batch_size=1", "--set",
-                               "train.grad_accum_steps=1", "--set", "train.max_steps=4", "--set",
-                               f"train.output_dir={out}", *args], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=300)
+        return train_py("--config", "debug", "--deepspeed_config", "ds_configs/zero0_fp32.json", "--set",
+                        "data.kind=directory", "--set", f"data.path={data}", "--set", "train.micro_batch_size=1",
+                        "--set", "train.grad_accum_steps=1", "--set", "train.max_steps=4", "--set",
+                        f"train.output_dir={out}", *args)
 
     p = train(tmp_path / "skip", "--set", "train.anomaly={bad_samples: skip}")
     assert p.returncode == 0, p.stderr[-3000:]

@@ -1,7 +1,8 @@
-"""train.py under the deepspeed launcher on a checkpoint filesystem too small for a second checkpoint (a
-real tmpfs; CI runs as root): the first save's predicted size is within 5 % of what it writes (+1.9 % here),
-the run stops with the figures and the checkpoint to resume from, the rerun
-after space is freed resumes there, and the metrics read back show each step once."""
+"""train.py in 2 ranks on a checkpoint filesystem too small for a second checkpoint (a real tmpfs; CI runs as
+root): the first save's predicted size is within 5 % of what it writes (+1.9 % here), the run stops with the
+figures and the checkpoint to resume from, the rerun after space is freed resumes there, and the metrics read back
+show each step once. The ranks are forked with torchrun's environment by tests/helpers/commands.py; the real
+launchers are tested in test_launchers.py and test_netns_hosts.py."""
 import json
 import os
 import shutil
@@ -9,17 +10,19 @@ import subprocess
 
 from parallel.checkpoints.checkpoint import MARKER, folder_bytes
 from parallel.validation.media import latest_rows
-from tests.helpers.resume_cli import ROOT, clean_env, command, metrics
+from tests.helpers.commands import ROOT, run_command
+from tests.helpers.resume_cli import STEPS, metrics
 
 SIZE_MIB = 12         # the debug model's checkpoint (DeepSpeed's files + the layout-free copy) is ~7.4 MiB:
                       # the first fits, a second does not
 
 
 def train(out, ckpt_dir):
-    cmd = command(["train.py"], out, 2, ["--set", "parallel.tp_size=1"], "--set", "train.max_steps=6",
-                  "--set", "ckpt.every=3", "--set", f"ckpt.dir={ckpt_dir}")
-    return subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300,
-                          check=False)
+    """tests/helpers/resume_cli.command's train.py run, in 2 ranks."""
+    return run_command(["train.py", "--config", "debug", "--deepspeed_config", out / "ds.json", "--set",
+                        "parallel.tp_size=1", "--set", "train.warmup_steps=0", "--set", f"train.decay_steps={STEPS}",
+                        "--set", f"train.output_dir={out}", "--set", "train.max_steps=6", "--set", "ckpt.every=3",
+                        "--set", f"ckpt.dir={ckpt_dir}"], ranks=2)
 
 
 def test_a_full_disk_stops_with_the_figures_and_the_rerun_resumes(tmp_path):

@@ -2,20 +2,14 @@
 refused before anything starts, naming the folder, what is wrong and what would work, and the checkpoint's
 bytes are left as they were (a silent start from step 0 would overwrite them with its first save); the
 advice, followed, trains."""
-import os
 import shutil
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers.train_cli import train_py as _train_py
 
 
 def train_py(out, *args):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    return subprocess.run([sys.executable, "train.py", "--config", "debug", "--deepspeed_config",
-                           "ds_configs/zero0_fp32.json", "--set", "train.max_steps=2", "--set",
-                           f"train.output_dir={out}", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return _train_py("--config", "debug", "--deepspeed_config", "ds_configs/zero0_fp32.json", "--set",
+                     "train.max_steps=2", "--set", f"train.output_dir={out}", *args)
 
 
 def contents(folder):

@@ -8,27 +8,19 @@ read and writes over an existing folder only with --overwrite; verify --checkpoi
 checkpoint; a changed schedule is said in one line; ckpt.layout_free=false writes DeepSpeed's files only;
 ckpt.keep prunes to the newest."""
 import json
-import os
-import subprocess
-import sys
 import zlib
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def train_env():
-    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+from tests.helpers.commands import run_command
+from tests.helpers.train_cli import train_py as _train_py
 
 
 def train_py(out, *args):
-    return subprocess.run([sys.executable, "train.py", "--config", "debug", "--deepspeed_config",
-                           "ds_configs/zero0_fp32.json", "--set", "train.output_dir=" + str(out), "--set",
-                           "train.decay_steps=10", "--set", "ckpt.every=1", *args], cwd=ROOT, env=train_env(),
-                          capture_output=True, text=True, timeout=300)
+    return _train_py("--config", "debug", "--deepspeed_config", "ds_configs/zero0_fp32.json", "--set",
+                     "train.output_dir=" + str(out), "--set", "train.decay_steps=10", "--set", "ckpt.every=1", *args)
 
 
 def rows(out):
@@ -78,28 +70,24 @@ def test_a_flipped_byte_is_named_the_previous_checkpoint_resumes_and_nothing_is_
         f"names are left), or give another --out",
         f"  - --checkpoint 4: {ckpt}/step4 is not a complete checkpoint (ckpt.dir {ckpt} holds step2, step3); name "
         f"one of those, or --checkpoint latest for the newest usable"]
-    p = subprocess.run([sys.executable, "-m", "parallel.export", *base, "--checkpoint", "latest", "--overwrite",
-                        "--format", "diffusers", "--out", str(tmp_path / "export")], cwd=ROOT, env=train_env(),
-                       capture_output=True, text=True, timeout=300)
+    p = run_command(["-m", "parallel.export", *base, "--checkpoint", "latest", "--overwrite", "--format", "diffusers",
+                     "--out", tmp_path / "export"])
     assert p.returncode == 0 and damaged in p.stderr, p.stderr[-3000:]
     assert f"weights: {ckpt}/step2 (step 2)\n" in p.stdout and (tmp_path / "export" / "notes.txt").is_file()
     with safe_open(tmp_path / "export" / "diffusion_pytorch_model.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt", "step": "2", "checkpoint": f"{ckpt}/step2", "weights": "model"}
     # verify --checkpoint 2: the export predicts in diffusers what step2 predicts in the toolkit
-    p = subprocess.run([sys.executable, "-m", "parallel.verify", *base, "--checkpoint", "step2", "--set",
-                        f"model.init_from={tmp_path / 'export'}"], cwd=ROOT, env=train_env(), capture_output=True,
-                       text=True, timeout=300)
+    p = run_command(["-m", "parallel.verify", *base, "--checkpoint", "step2", "--set",
+                     f"model.init_from={tmp_path / 'export'}"])
     assert p.returncode == 0 and "equal at --tolerance 0.0001" in p.stdout, p.stderr[-3000:]
     assert f"weights: {ckpt}/step2 (step 2)\n" in p.stdout
     assert sample_main([*base, "--checkpoint", "9", "--prompt-embeds", "p.safetensors", "--out", "s"]) == 1
     assert (f"  - --checkpoint 9: {ckpt}/step9 is not a complete checkpoint (ckpt.dir {ckpt} holds step2, step3); "
             f"name one of those, or --checkpoint latest for the newest usable") in capsys.readouterr().err
     save_file({"embeds": torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(7))}, tmp_path / "p.safetensors")
-    p = subprocess.run([sys.executable, "-m", "parallel.sample", "--config", "debug", "--deepspeed_config",
-                        "ds_configs/zero0_fp32.json", "--set", "train.output_dir=" + str(out), "--prompt-embeds",
-                        str(tmp_path / "p.safetensors"), "--steps", "1", "--guidance", "1", "--out",
-                        str(tmp_path / "sample.safetensors")], cwd=ROOT, env=train_env(), capture_output=True,
-                       text=True, timeout=300)
+    p = run_command(["-m", "parallel.sample", "--config", "debug", "--deepspeed_config", "ds_configs/zero0_fp32.json",
+                     "--set", "train.output_dir=" + str(out), "--prompt-embeds", tmp_path / "p.safetensors", "--steps",
+                     "1", "--guidance", "1", "--out", tmp_path / "sample.safetensors"])
     assert p.returncode == 0 and damaged in p.stderr, p.stderr[-3000:]
     assert f"weights: {ckpt}/step2 (step 2)" in p.stdout, p.stdout[-2000:]
     p = train_py(out, "--set", "train.max_steps=3", "--set", "ckpt.keep=2")
