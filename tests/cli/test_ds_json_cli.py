@@ -2,25 +2,25 @@
 refusals (scheduler, precision, the key table) stop before any process group, and the keys handed to
 DeepSpeed show their effect (its progress line, state dump, timers, monitors, profilers).
 
-One run serves several checks (the fixtures below): seven processes and launches in all."""
+One run serves several checks (the fixtures below): seven runs of train.py in all, one of them on two ranks (forked
+with torchrun's environment by tests/helpers/commands.py; the real launchers are tested in test_launchers.py /
+test_netns_hosts.py)."""
 import json
 import math
 import os
 import re
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from tests.helpers.commands import run_command
 from tests.helpers.train_cli import ROOT, train_py
-from tests.dist_utils import free_port
 
 
 def _train_with(folder, sections: dict, steps: int = 3, sets=(), env=None, base=None, launched=False):
     """train.py with DeepSpeed's `sections` on (a monitor's None: on, writing under folder/<section>) over `base`
-    (ds_configs/zero0_fp32.json by default), one process or (`launched`) two ranks under the deepspeed launcher,
-    which leave without the interpreter's teardown (parallel.experiment.cli.run): the completed process, the
+    (ds_configs/zero0_fp32.json by default), one process or (`launched`) two ranks with torchrun's environment
+    (forked by tests/helpers/commands.py: their output is rank 0's, then rank 1's), which leave without the
+    interpreter's teardown (WORLD_SIZE 2: parallel.experiment.cli.run's os._exit): the completed process, the
     metrics.jsonl records and the figures they carry."""
     ds = base or json.load(open(os.path.join(ROOT, "ds_configs/zero0_fp32.json")))
     for section, value in sections.items():
@@ -30,13 +30,7 @@ def _train_with(folder, sections: dict, steps: int = 3, sets=(), env=None, base=
     args = ("--config", "debug", "--deepspeed_config", str(folder / "ds.json"), "--set",
             f"train.max_steps={steps}", "--set", f"train.output_dir={out}", "--set", "train.memory_check=false",
             *(a for s in sets for a in ("--set", s)))
-    if launched:
-        deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-        environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-        p = subprocess.run([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), "train.py", *args],
-                           cwd=ROOT, env={**environ, **(env or {})}, capture_output=True, text=True, timeout=600)
-    else:
-        p = train_py(*args, env_extra=env)
+    p = run_command(["train.py", *args], ranks=2 if launched else 1, env_extra=env, timeout=600 if launched else 300)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     figures = sorted(k for k in records[0] if k != "step" and records[0][k] is not None)
@@ -141,7 +135,7 @@ def test_resumed_run_continues_the_json_schedule_exactly(one_process, tmp_path):
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """Two ranks under the deepspeed launcher, 3 steps of CogVideo's zero2.yaml as shipped (bf16, ZeRO-2, its batch
+    """Two ranks (torchrun's environment), 3 steps of CogVideo's zero2.yaml as shipped (bf16, ZeRO-2, its batch
     keys 1 and 1: the experiment says so too): tensorboard and wandb (offline) at once."""
     folder = tmp_path_factory.mktemp("launched")
     return folder, *_train_with(folder, {"tensorboard": None, "wandb": {"enabled": True, "project": "vdp"}},
@@ -353,11 +347,11 @@ def test_cogvideo_finetune_configs_pass_the_checker(tmp_path, capsys):
     assert "Traceback" not in err
 
 
-def test_cogvideo_zero2_trains_the_debug_model_under_the_deepspeed_launcher(launched):
+def test_cogvideo_zero2_trains_the_debug_model_on_two_ranks(launched):
     """CogVideo's zero2.yaml as shipped (its batch keys are 1 and 1: the experiment says so too) trains the debug
-    model on 2 ranks under the deepspeed launcher (the monitors' run): WarmupDecayLR filled from train.lr /
-    train.warmup_steps / train.max_steps runs DeepSpeed's log warmup (step k at log(k - 1) / log(2) of train.lr,
-    from warmup_min_lr 0; three steps, since the first two both run at 0)."""
+    model on 2 ranks (the monitors' run): WarmupDecayLR filled from train.lr / train.warmup_steps /
+    train.max_steps runs DeepSpeed's log warmup (step k at log(k - 1) / log(2) of train.lr, from warmup_min_lr 0;
+    three steps, since the first two both run at 0)."""
     _, p, records, _ = launched
     assert "ZeRO-2 bf16, global batch 2, 3 steps" in p.stdout       # train_batch_size "auto": 1 x 1 x dp 2
     assert [r["step"] for r in records] == [1, 2, 3]

@@ -1,5 +1,6 @@
-"""`python -m parallel.plan.cli` as users run it, in a fresh process (split from tests/unit/test_plan.py, which
-calls the same CLI in-process)."""
+"""`python -m parallel.plan.cli` as users run it (split from tests/unit/test_plan.py, which calls the same CLI's
+main in-process): the command forked by tests/helpers/commands.py, and once in a fresh process, where DeepSpeed's
+first import happens."""
 from __future__ import annotations
 
 import json
@@ -9,13 +10,15 @@ import sys
 
 import pytest
 
+from tests.helpers.commands import run_command
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_cli_stdout_is_only_the_report():
     """As users pipe it: a fresh process, `--format json` on stdout, DeepSpeed's log lines elsewhere."""
-    import subprocess
-    import sys
+    # A subprocess, not run_command: parallel/plan/cli.py points DeepSpeed's logger at stderr at DeepSpeed's first
+    # import, which in a forked command happened earlier, in the server
     proc = subprocess.run([sys.executable, "-m", "parallel.plan", "--config", "debug", "--deepspeed_config",
                            "ds_configs/zero1_bf16.json", "--world-size", "2", "--device-memory", "4GiB",
                            "--device-profile", "cpu", "--format", "json"], capture_output=True, text=True, timeout=120)
@@ -30,10 +33,9 @@ def test_png_bars_are_the_report_totals(tmp_path):
 
     out = tmp_path / "plan.json"
     png = tmp_path / "plan.png"
-    code = subprocess.run([sys.executable, "-m", "parallel.plan", "--config", "configs/debug.yaml",
-                           "--deepspeed_config", "ds_configs/zero1_bf16.json", "--world-size", "4",
-                           "--device-memory", "4GiB", "--set", "parallel.pp_size=2", "--set", "parallel.tp_size=2",
-                           "--format", "json", "--png", str(png)], cwd=ROOT, capture_output=True, text=True)
+    code = run_command(["-m", "parallel.plan", "--config", "configs/debug.yaml", "--deepspeed_config",
+                        "ds_configs/zero1_bf16.json", "--world-size", "4", "--device-memory", "4GiB", "--set",
+                        "parallel.pp_size=2", "--set", "parallel.tp_size=2", "--format", "json", "--png", str(png)])
     assert code.returncode == 0, code.stderr[-2000:]
     report = json.loads(code.stdout)
     out.write_text(code.stdout)

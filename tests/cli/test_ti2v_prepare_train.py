@@ -1,6 +1,7 @@
 """Wan 2.2 TI2V-5B as a user runs it, on the tiny preset: `python -m parallel.prepare_data` (its main, the same
 argv) on generated videos with a tiny AutoencoderKLWan of the 2.2 kind (patch_size 2, 16 x 16 spatial) and a tiny
-UMT5, then `train.py` on the prepared folder for 2 steps from a tiny released transformer:
+UMT5, then `train.py` (as `python` runs it, forked by tests/helpers/commands.py) on the prepared folder for 2 steps
+from a tiny released transformer:
 
   - each clip's stored latent is the VAE's (posterior mode, normalised) of its 9 frames, and the picture latent
     stored beside it the VAE's of the first frame alone (what WanImageToVideoPipeline conditions on);
@@ -9,9 +10,6 @@ UMT5, then `train.py` on the prepared folder for 2 steps from a tiny released tr
     diffusers' WanTransformer3DModel with the first frame out of the loss.
 """
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,11 +18,11 @@ from safetensors.torch import load_file
 from parallel.experiment.config import load_config
 from parallel.prepare_data.frames import frame_indices
 from parallel.prepare_data.prepare import main
+from tests.helpers.commands import run_command
 from tests.helpers.prepare_data import lines, videos  # noqa: F401  (fixture: generated clips)
 from tests.helpers.prepare_data_wan import umt5_dir  # noqa: F401  (fixture: tiny UMT5, d_model 32)
 from tests.helpers.wan22_ti2v import PRESET, released_ti2v, vae_and_picture  # noqa: F401  (fixtures)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # 9 x 32 x 32 pixels -> latents [8, 3, 2, 2] (16 x 16 spatial, 4 x temporal) -> 3 tokens of 2 x 2 patches
 SETS = ["data.height=32", "data.width=32"]
 
@@ -69,12 +67,9 @@ def test_prepared_clips_train_as_the_one_process_model(videos, ti2v_vae_dir, umt
         torch.testing.assert_close(stored["image"], picture)
 
     run = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     train = ["--set", "data.kind=directory", "--set", f"data.path={out}", "--set", f"model.init_from={released_ti2v[0]}",
              "--set", "train.max_steps=2", "--set", "train.grad_accum_steps=1", "--set", f"train.output_dir={run}"]
-    p = subprocess.run([sys.executable, "train.py", "--config", PRESET, "--deepspeed_config",
-                        "ds_configs/zero0_fp32.json", *sets, *train], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
+    p = run_command(["train.py", "--config", PRESET, "--deepspeed_config", "ds_configs/zero0_fp32.json", *sets, *train])
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 2

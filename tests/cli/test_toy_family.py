@@ -6,10 +6,13 @@ registered at run time by its experiment's `families:` list, through the user's 
   (the model states within 1%);
 - `deepspeed --num_gpus 4 train.py` (the real launcher: every spawned rank registers the family from the
   experiment) gives the one-process run's per-step losses (fp32 tolerances);
-- `deepspeed --module parallel.sample` from the tp 2 x pp 2 checkpoint, and `deepspeed --module parallel.export`
-  of it (the toolkit format: the family has no released one): a one-process model loaded from the export
-  samples, in this process, what the four ranks sampled from the checkpoint.
-One spawn of each command; about 1.5 min on a busy 2-core machine.
+- `python -m parallel.sample` on 4 ranks from the tp 2 x pp 2 checkpoint, and `python -m parallel.export` of it
+  (the toolkit format: the family has no released one): a one-process model loaded from the export samples, in
+  this process, what the four ranks sampled from the checkpoint.
+That train is the module's one real launch; the one-process train, the sample and the export are forked with
+torchrun's environment by tests/helpers/commands.py (each rank still reads the experiment and registers the
+family itself; the real launchers are tested in test_launchers.py / test_netns_hosts.py).
+One run of each command; about 1.5 min on a busy 2-core machine.
 """
 from __future__ import annotations
 
@@ -20,14 +23,23 @@ import torch
 from safetensors.torch import load_file
 
 from parallel.experiment.config import load_config
-from tests.helpers.family_matrix import (check_plan, experiment_args, in_process, launch, run_module, sample_args,
+from tests.helpers.commands import run_command
+from tests.helpers.family_matrix import (check_plan, experiment_args, in_process, launch, sample_args,
                                          sample_toolkit_export)
-from tests.helpers.launchers import losses
+from tests.helpers.launchers import losses, run_env
 from tests.helpers.family_registry import toy_registry
 
 PRESET = "tests/toy_family/debug-toy.yaml"
 ONE = (1, ["train.micro_batch_size=2"], 0)
 TP2_PP2 = (4, ["parallel.tp_size=2", "parallel.pp_size=2", "train.micro_batch_size=2"], 0)
+
+
+def forked(tmp_path, name, layout, *argv, log_name):
+    """`python *argv` on the layout's ranks, forked (tests/helpers/commands.py); its log, asserting exit 0."""
+    p = run_command(argv, ranks=layout[0], env=run_env())
+    log = tmp_path / f"{name}.{log_name}.log"
+    log.write_text(p.stdout + p.stderr)
+    assert p.returncode == 0, f"{' '.join(p.args)}\n{log.read_text()[-4000:]}"
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +64,7 @@ def test_toy_family_is_checked_planned_trained_sampled_and_exported(tmp_path):
     assert len(t.unique()) > 2 and spec.expert(t).unique().tolist() == [0, 1]    # ... spread over both experts
 
     one = experiment_args(PRESET, tmp_path, "one", ONE)
-    launch(tmp_path, "one", ONE, "train.py", *one, log_name="train")
+    forked(tmp_path, "one", ONE, "train.py", *one, log_name="train")
     reference = losses(tmp_path / "one")
     assert len(reference) == 2 and len(set(reference)) == 2
 
@@ -65,11 +77,11 @@ def test_toy_family_is_checked_planned_trained_sampled_and_exported(tmp_path):
     check_plan(tmp_path / "tp2-pp2", args, TP2_PP2, "toy tp2-pp2")
     assert len(json.loads((tmp_path / "tp2-pp2" / "memory_check.json").read_text())["stages"]) == 2
 
-    run_module(tmp_path, "tp2-pp2", TP2_PP2, "parallel.sample", *args, *sample_args(tmp_path, PRESET, "tp2-pp2"),
-               log_name="sample")
+    forked(tmp_path, "tp2-pp2", TP2_PP2, "-m", "parallel.sample", *args, *sample_args(tmp_path, PRESET, "tp2-pp2"),
+           log_name="sample")
     sampled = load_file(str(tmp_path / "tp2-pp2" / "sample.safetensors"))["latents"]
     export = tmp_path / "tp2-pp2" / "export"
-    run_module(tmp_path, "tp2-pp2", TP2_PP2, "parallel.export", *args, "--out", str(export), log_name="export")
+    forked(tmp_path, "tp2-pp2", TP2_PP2, "-m", "parallel.export", *args, "--out", str(export), log_name="export")
 
     # One process, the exported weights, the sampler parallel.sample used: the four ranks' sample.
     mine = sample_toolkit_export(PRESET, tmp_path, export, ["train.micro_batch_size=2"])

@@ -1,14 +1,12 @@
 """The Trainer's extension point: a subclass that overrides `step` (here a test objective, three times the
 model's loss) is what the loop runs; metrics.jsonl holds the losses the override computed, and its first
-one is three times the first loss of train.py's own run (same weights, same batch)."""
+one is three times the first loss of train.py's own run (same weights, same batch). Both commands run as
+`python` would, forked by tests/helpers/commands.py."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers.commands import run_command
 
 SCRIPT = '''
 import json, sys
@@ -47,9 +45,7 @@ sys.exit(status)
 
 
 def run(args, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])    # the script's imports
-    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = run_command(args)           # from the repository root, on the tests' sys.path: the script's imports
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
 
 
