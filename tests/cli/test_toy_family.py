@@ -23,23 +23,14 @@ import torch
 from safetensors.torch import load_file
 
 from parallel.experiment.config import load_config
-from tests.helpers.commands import run_command
 from tests.helpers.family_matrix import (check_plan, experiment_args, in_process, launch, sample_args,
                                          sample_toolkit_export)
-from tests.helpers.launchers import losses, run_env
+from tests.helpers.launchers import losses
 from tests.helpers.family_registry import toy_registry
 
 PRESET = "tests/toy_family/debug-toy.yaml"
 ONE = (1, ["train.micro_batch_size=2"], 0)
 TP2_PP2 = (4, ["parallel.tp_size=2", "parallel.pp_size=2", "train.micro_batch_size=2"], 0)
-
-
-def forked(tmp_path, name, layout, *argv, log_name):
-    """`python *argv` on the layout's ranks, forked (tests/helpers/commands.py); its log, asserting exit 0."""
-    p = run_command(argv, ranks=layout[0], env=run_env())
-    log = tmp_path / f"{name}.{log_name}.log"
-    log.write_text(p.stdout + p.stderr)
-    assert p.returncode == 0, f"{' '.join(p.args)}\n{log.read_text()[-4000:]}"
 
 
 @pytest.fixture(autouse=True)
@@ -64,24 +55,24 @@ def test_toy_family_is_checked_planned_trained_sampled_and_exported(tmp_path):
     assert len(t.unique()) > 2 and spec.expert(t).unique().tolist() == [0, 1]    # ... spread over both experts
 
     one = experiment_args(PRESET, tmp_path, "one", ONE)
-    forked(tmp_path, "one", ONE, "train.py", *one, log_name="train")
+    launch(tmp_path, "one", ONE, "train.py", *one, log_name="train")
     reference = losses(tmp_path / "one")
     assert len(reference) == 2 and len(set(reference)) == 2
 
     args = experiment_args(PRESET, tmp_path, "tp2-pp2", TP2_PP2)
     code, out = in_process(check_main, [*args, "--world-size", "4"])
     assert code == 0, f"the checker refused what train.py is about to run:\n{out}"
-    launch(tmp_path, "tp2-pp2", TP2_PP2, "train.py", *args, log_name="train")
+    launch(tmp_path, "tp2-pp2", TP2_PP2, "train.py", *args, log_name="train", launcher=True)
     torch.testing.assert_close(torch.tensor(losses(tmp_path / "tp2-pp2")), torch.tensor(reference))
 
     check_plan(tmp_path / "tp2-pp2", args, TP2_PP2, "toy tp2-pp2")
     assert len(json.loads((tmp_path / "tp2-pp2" / "memory_check.json").read_text())["stages"]) == 2
 
-    forked(tmp_path, "tp2-pp2", TP2_PP2, "-m", "parallel.sample", *args, *sample_args(tmp_path, PRESET, "tp2-pp2"),
+    launch(tmp_path, "tp2-pp2", TP2_PP2, "-m", "parallel.sample", *args, *sample_args(tmp_path, PRESET, "tp2-pp2"),
            log_name="sample")
     sampled = load_file(str(tmp_path / "tp2-pp2" / "sample.safetensors"))["latents"]
     export = tmp_path / "tp2-pp2" / "export"
-    forked(tmp_path, "tp2-pp2", TP2_PP2, "-m", "parallel.export", *args, "--out", str(export), log_name="export")
+    launch(tmp_path, "tp2-pp2", TP2_PP2, "-m", "parallel.export", *args, "--out", str(export), log_name="export")
 
     # One process, the exported weights, the sampler parallel.sample used: the four ranks' sample.
     mine = sample_toolkit_export(PRESET, tmp_path, export, ["train.micro_batch_size=2"])
