@@ -7,9 +7,9 @@ command's first line (3 of them torch, 2.6 dynamo), more than most tests' comman
 SystemExit's code, an uncaught exception's traceback on stderr and status 1, the atexit handlers), with the
 caller's environment and folder at the call and the file descriptors 1 and 2 of every rank captured, and returns
 a subprocess.CompletedProcess. With ranks > 1, each rank gets what torchrun gives its ranks (RANK, LOCAL_RANK,
-WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: a port from tests.dist_utils.free_port): the command
-makes its process group itself, through env://, as under a launcher; the status is the first failing rank's, the
-output every rank's in rank order, as a launcher prints them (not interleaved).
+WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: a port from tests.dist_utils.free_port; OMP_NUM_THREADS=1
+unless set): the command makes its process group itself, through env://, as under a launcher; the status is the
+first failing rank's, the output every rank's in rank order, as a launcher prints them (not interleaved).
 
 What stays a subprocess: a launcher itself (tests/cli/test_launchers.py, test_netns_hosts.py, test_slurm.py), a
 signal sent to a command (test_resume_cli.py, test_hang.py), and a command whose environment changes what the
@@ -117,6 +117,7 @@ def run_command(argv, ranks: int = 1, env: dict | None = None, cwd: str = ROOT, 
             if ranks > 1:
                 rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
                                 LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+                rank_env.setdefault("OMP_NUM_THREADS", "1")         # torchrun's, where the caller set none
             p = ctx.Process(target=_command, args=(argv, rank_env, str(cwd), os.path.join(folder, f"{rank}.out"),
                                                    os.path.join(folder, f"{rank}.err")))
             p.start()
