@@ -3,9 +3,9 @@ from the tests' server that has imported torch, DeepSpeed, dynamo and the oracle
 forkserver), not in a fresh interpreter: a fresh one spends about 7 CPU-seconds importing them before the
 command's first line (3 of them torch, 2.6 dynamo), more than most tests' commands do after it.
 
-`run_command(argv, ranks=N)` runs the script, module or -c program as `python` would (`__main__`, sys.argv, sys.path[0],
-SystemExit's code, an uncaught exception's traceback on stderr and status 1, the atexit handlers), with the
-caller's environment and folder at the call and the file descriptors 1 and 2 of every rank captured, and returns
+`run_command(argv, ranks=N)` runs the script, module or -c program as `python` would (`__main__`, sys.argv,
+sys.path[0], SystemExit's code, an uncaught exception's traceback on stderr and status 1, the atexit handlers), with
+the caller's environment and folder at the call and the file descriptors 1 and 2 of every rank captured, and returns
 a subprocess.CompletedProcess. With ranks > 1, each rank gets what torchrun gives its ranks (RANK, LOCAL_RANK,
 WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: a port from tests.dist_utils.free_port; OMP_NUM_THREADS=1
 unless set): the command makes its process group itself, through env://, as under a launcher; the status is the
