@@ -23,8 +23,9 @@ launch.sh) on one host and on namespace hosts with their own addresses, signals 
 (test_launchers.py, test_netns_hosts.py, test_slurm.py, test_lost_node.py, test_hang.py, test_resume_cli.py,
 test_launch.py). Skip the three while iterating: -m "not docs and not slow and not cluster", the default tier;
 .ci/run runs them all. A run ends with each tier's test seconds (pytest_terminal_summary); on the 2-core CI
-machine, 2026-11-28 (two workers, seconds summed over both): unit 388, distributed 754, cli 469, cluster 842, docs
-1254, slow 428; the default tier 1611 (about 13 min of the two workers), the whole run 35 min of pytest.
+machine, 2026-11-28 (two workers, seconds summed over both, OMP_NUM_THREADS=1 as scripts/test.sh sets it): unit 140,
+distributed 630, cli 354, cluster 653, docs 774, slow 307; the default tier 1125 (about 9.5 min of the two workers),
+the whole run 24 min of pytest (.ci/run on a fresh clone, set-up included: 29 min).
 
 A new test goes to the first tier that fits: unit unless it needs ranks (distributed) or a separate process
 (cli). A module whose tests span tiers is split along test functions; what the parts share (helpers,
