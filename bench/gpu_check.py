@@ -14,9 +14,19 @@ one process), through the commands a user types:
 Then `debug` in fp32 (a small video): 4 steps against 2 + resumed 2, bitwise; and ring attention's flash
 kernels against SDPA in bf16 and fp16 (tests/unit/test_ring_kernels.py).
 
-It prints one table and writes it, with the card and the date, into bench/report.md's "GPU check" section
-(--no-report: print only). --tiny runs the same commands on the debug presets (CPU works: the test suite
-runs it so the script itself is known to work where no GPU is lent). Exit 1 if any command failed.
+The quick checks run first (ring kernels, then the fp32 debug preset through every command), then the release
+presets, so a run cut short has checked the most. A lent device gives a session 15 minutes and one command 10:
+--budget (seconds, default 540) bounds the whole run. A command is given what is left of it and stopped there
+("TIMED OUT"); one that the budget no longer holds is not started ("NOT RUN (budget)"), and each command's
+seconds are printed as it ends, for planning the next run.
+
+Each row is printed as it is measured. The table is written, with the card and the date, into bench/report.md's
+"GPU check" section (--no-report: print only) and, with --out DIR (default $OUT, the device tool's folder that
+comes back), as DIR/gpu-check.md with the commands' logs in DIR/gpu-check-logs.tar.gz. Back here,
+`bash scripts/gpu-check.sh --write-report gpu-check.md` puts a returned table into bench/report.md.
+--tiny runs the same commands on the debug presets (CPU works: the test suite runs it so the script itself is
+known to work where no GPU is lent). Exit 1 if any command failed, 2 if none failed but the budget left some
+unchecked.
 """
 from __future__ import annotations
 
@@ -28,6 +38,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -37,13 +48,47 @@ TINY = ["debug", "debug-wan"]
 BEGIN, END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
 
 
-def run(cmd: list[str], log: Path) -> tuple[int, str, float]:
-    """(exit code, output, seconds) of one command, its output kept in `log`."""
+class Budget:
+    """The run's deadline. A command starts only while `floor` seconds are left (a train.py process needs its
+    imports, its model and a step before it measures anything) and is stopped when the budget ends."""
+
+    def __init__(self, seconds: float, floor: float):
+        self.end, self.floor = time.monotonic() + seconds, floor
+        self.short = False          # something was not checked for want of time
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def allows(self) -> bool:
+        if self.left() < self.floor:
+            self.short = True
+            return False
+        return True
+
+
+BUDGET = Budget(float("inf"), 0.0)      # main() sets the run's
+
+
+def run(cmd: list[str], log: Path) -> tuple[int | None, str, float]:
+    """(exit code, output, seconds) of one command, its output kept in `log`; code None: not started (the
+    budget no longer holds it) or stopped at the budget's end."""
+    if not BUDGET.allows():
+        log.write_text("not run: the time budget (--budget) was spent\n")
+        return None, "NOT RUN (budget)", 0.0
     tic = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    output = p.stdout + p.stderr
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(BUDGET.left(), 1.0))
+        code, output = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        BUDGET.short = True
+        code = None
+        output = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                         for x in (e.stdout, e.stderr)) + "\nTIMED OUT at the end of the time budget (--budget)"
+    seconds = time.perf_counter() - tic
     log.write_text(output)
-    return p.returncode, output, time.perf_counter() - tic
+    print(f"[gpu-check] {log.stem}: {'exit ' + str(code) if code is not None else output.splitlines()[-1]} "
+          f"after {seconds:.0f} s ({BUDGET.left():.0f} s of the budget left)", flush=True)
+    return code, output, seconds
 
 
 def metrics(out: Path) -> list[dict]:
@@ -66,10 +111,16 @@ def peak() -> tuple[str, float | None]:
 class Check:
     """One preset's commands and what they measured: `rows` of (what, measured, compared with, verdict)."""
 
-    def __init__(self, preset: str, work: Path, ds: str, embeds: Path):
+    def __init__(self, preset: str, work: Path, ds: str, embeds: Path, label: str | None = None):
         self.preset, self.work, self.ds, self.embeds = preset, work / preset, ds, embeds
+        self.label = label or preset          # the rows' first word
         self.rows: list[tuple[str, str, str, str]] = []
         self.failed = False
+
+    def add(self, *row: str) -> None:
+        """A row of the table, printed at once (a run cut short has said what it measured)."""
+        self.rows.append(row)
+        print(" | ".join(row), flush=True)
 
     def experiment(self, out: Path, *extra: str) -> list[str]:
         """One schedule for every run (decay over 4 steps); a checkpoint at the end only, without the layout-free
@@ -81,11 +132,15 @@ class Check:
                 "--set", "ckpt.layout_free=false", "--set", "ckpt.keep=1", *extra]
 
     def command(self, name: str, cmd: list[str]) -> str | None:
-        code, output, seconds = run(cmd, self.work / f"{name}.log")
+        code, output, seconds = run(cmd, self.work / f"{name.replace(' ', '-')}.log")
+        if code is None and seconds == 0.0:
+            self.add(f"{self.label} {name}", "-", "-", "NOT RUN (budget)")
+            return None
         if code != 0:
-            self.failed = True
-            tail = " | ".join(output.strip().splitlines()[-3:])[-300:]
-            self.rows.append((f"{self.preset} {name}", f"exit {code} after {seconds:.0f} s", tail, "FAILED"))
+            self.failed |= code is not None        # stopped by the budget: unchecked, not failed
+            tail = " ".join(output.strip().splitlines()[-3:])[-300:].replace("|", "/")
+            verdict = "FAILED" if code is not None else "TIMED OUT (budget)"
+            self.add(f"{self.label} {name}", f"exit {code} after {seconds:.0f} s", tail, verdict)
             return None
         return output
 
@@ -98,18 +153,18 @@ class Check:
         times = [m["step_time_s"] for m in steps[1:]] or [steps[0]["step_time_s"]]     # step 1 warms up
         step = sorted(times)[len(times) // 2]
         mfu = f"{flops / step / peak_flops:.1%} MFU" if peak_flops else "no peak known"
-        self.rows.append((f"{self.preset} train step", f"{step:.3f} s", mfu, "ok"))
+        self.add(f"{self.label} train step", f"{step:.3f} s", mfu, "ok")
         check = json.loads((whole / "memory_check.json").read_text())
         for stage in check["stages"]:
             peak_row = stage.get("device_peak")
             if peak_row:
                 p, m = peak_row["predicted"], peak_row["measured"]
-                self.rows.append((f"{self.preset} device peak", f"{m / 2**30:.2f} GiB measured",
-                                  f"plan {p / 2**30:.2f} GiB", f"plan / measured {p / m:.3f}"))
+                self.add(f"{self.label} device peak", f"{m / 2**30:.2f} GiB measured",
+                         f"plan {p / 2**30:.2f} GiB", f"plan / measured {p / m:.3f}")
             for key in ("model_states", "activations_per_micro_batch"):
                 p, m = stage[key]["predicted"], stage[key]["measured"]
-                self.rows.append((f"{self.preset} {key.replace('_', ' ')}", f"{m:,} B", f"plan {p:,} B",
-                                  f"{m / p:.4f}"))
+                self.add(f"{self.label} {key.replace('_', ' ')}", f"{m:,} B", f"plan {p:,} B",
+                         f"{m / p:.4f}")
         return True
 
     def resume(self, bitwise: bool) -> None:
@@ -132,8 +187,8 @@ class Check:
         if not resumed or diff != diff or (bitwise and got != want):
             self.failed = True
             verdict += " FAILED"
-        self.rows.append((f"{self.preset} resume 2 -> 4", " ".join(f"{x:.6f}" for x in got),
-                          "uninterrupted " + " ".join(f"{x:.6f}" for x in want), verdict))
+        self.add(f"{self.label} resume 2 -> 4", " ".join(f"{x:.6f}" for x in got),
+                 "uninterrupted " + " ".join(f"{x:.6f}" for x in want), verdict)
 
     def sample_export_verify(self) -> None:
         whole = self.work / "whole"
@@ -144,8 +199,8 @@ class Check:
             latents = load_file(str(self.work / "sample.safetensors"))["latents"]
             finite = bool(latents.isfinite().all())
             self.failed |= not finite
-            self.rows.append((f"{self.preset} sample 2 steps", f"latents {list(latents.shape)}",
-                              "finite" if finite else "NOT finite", "ok" if finite else "FAILED"))
+            self.add(f"{self.label} sample 2 steps", f"latents {list(latents.shape)}",
+                     "finite" if finite else "NOT finite", "ok" if finite else "FAILED")
         export = self.work / "diffusers"
         if self.command("export", [sys.executable, "-m", "parallel.export", *self.experiment(whole),
                                    "--format", "diffusers", "--out", str(export)]) is None:
@@ -154,8 +209,8 @@ class Check:
                                          "--set", f"model.init_from={export}", "--tolerance", "1e-2"])
         if output is not None:
             found = re.search(r"max relative difference ([0-9.eE+-]+)", output)
-            self.rows.append((f"{self.preset} export -> diffusers", found.group(0) if found else "?",
-                              "diffusers' model from the export, fp32", "ok"))
+            self.add(f"{self.label} export -> diffusers", found.group(0) if found else "?",
+                              "diffusers' model from the export, fp32", "ok")
         shutil.rmtree(export, ignore_errors=True)
         shutil.rmtree(whole / "checkpoints", ignore_errors=True)       # the disk for the resume's two
 
@@ -174,12 +229,15 @@ def embeds_for(presets: list[str], work: Path) -> dict[str, Path]:
     return files
 
 
-def ring_rows() -> list[tuple[str, str, str, str]]:
+def ring_rows(work: Path) -> list[tuple[str, str, str, str]]:
     code, output, _ = run([sys.executable, "-m", "pytest", "-q", "-rs", "tests/unit/test_ring_kernels.py", "-k",
-                           "16_bit"], ROOT / "bench" / "out" / "gpu-check-ring.log")
+                           "16_bit"], work / "ring.log")
     summary = output.strip().splitlines()[-1] if output.strip() else "?"
-    return [("ring attention flash fwd/bwd vs SDPA (bf16, fp16)", summary, "tests/unit/test_ring_kernels.py",
-             "ok" if code == 0 and "skipped" not in summary else ("NOT RUN (no CUDA)" if code == 0 else "FAILED"))]
+    verdict = "NOT RUN (budget)" if output == "NOT RUN (budget)" else "TIMED OUT (budget)" if code is None else \
+        "ok" if code == 0 and "skipped" not in summary else "NOT RUN (no CUDA)" if code == 0 else "FAILED"
+    row = ("ring attention flash fwd/bwd vs SDPA (bf16, fp16)", summary, "tests/unit/test_ring_kernels.py", verdict)
+    print(" | ".join(row), flush=True)
+    return [row]
 
 
 def table(rows, card: str, date: str, command: str) -> str:
@@ -199,21 +257,49 @@ def write_report(text: str, report: Path) -> None:
     report.write_text(new)
 
 
+def keep(out: Path, text: str, work: Path) -> None:
+    """The table and the commands' logs in `out` (the device tool brings back a few files from $OUT)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu-check.md").write_text(text)
+    with tarfile.open(out / "gpu-check-logs.tar.gz", "w:gz") as tar:
+        for f in sorted(work.rglob("*")):
+            if f.suffix in (".log", ".jsonl") or f.name == "memory_check.json":
+                tar.add(f, arcname=str(f.relative_to(work)))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bash scripts/gpu-check.sh", description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="the debug presets (runs on CPU): the script's own check")
     ap.add_argument("--presets", default=None, help=f"comma-separated; default {','.join(RELEASE)} "
                                                     f"({','.join(TINY)} with --tiny)")
     ap.add_argument("--work", type=Path, default=ROOT / "bench" / "out" / "gpu-check", help="scratch folder (emptied)")
+    ap.add_argument("--budget", type=float, default=540.0, metavar="SECONDS",
+                    help="the whole run's time; commands it no longer holds are not run (default 540)")
+    ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
+                    help="also write gpu-check.md and gpu-check-logs.tar.gz here (default $OUT, when set)")
     ap.add_argument("--no-report", action="store_true", help="print the table only")
+    ap.add_argument("--write-report", type=Path, metavar="TABLE",
+                    help="put a table a device run wrote (its gpu-check.md) into bench/report.md, and stop")
     args = ap.parse_args(argv)
+    if args.write_report:
+        write_report(args.write_report.read_text(), ROOT / "bench" / "report.md")
+        print(f"bench/report.md: the GPU check section is {args.write_report}'s table")
+        return 0
+    global BUDGET
+    BUDGET = Budget(args.budget, floor=20.0)
     presets = args.presets.split(",") if args.presets else (TINY if args.tiny else RELEASE)
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
-    (ROOT / "bench" / "out").mkdir(exist_ok=True)
     card, peak_flops = peak()
     embeds = embeds_for([*presets, "debug"], args.work)
-    rows, failed = [], False
+    # the quick checks first: a run the budget cuts short has checked the kernels and bitwise resume
+    rows = ring_rows(args.work)
+    small = Check("debug", args.work / "fp32", "zero0_fp32", embeds["debug"], label="fp32 debug")
+    small.work.mkdir(parents=True)
+    if small.train(step_flops("debug"), peak_flops):
+        small.resume(bitwise=True)
+    rows += [r for r in small.rows if "resume" in r[0] or r[3].startswith(("FAILED", "TIMED OUT", "NOT RUN"))]
+    failed = small.failed or rows[0][3] == "FAILED"
     for preset in presets:
         (args.work / preset).mkdir()
         check = Check(preset, args.work, "zero1_bf16", embeds[preset])
@@ -222,20 +308,14 @@ def main(argv=None) -> int:
             check.resume(bitwise=False)
         rows += check.rows
         failed |= check.failed
-        print("\n".join(" | ".join(r) for r in check.rows), flush=True)
-    small = Check("debug", args.work / "fp32", "zero0_fp32", embeds["debug"])
-    small.work.mkdir(parents=True)
-    if small.train(step_flops("debug"), peak_flops):
-        small.resume(bitwise=True)
-    rows += [(f"fp32 {r[0]}", *r[1:]) for r in small.rows if "resume" in r[0] or r[3] == "FAILED"]
-    failed |= small.failed
-    rows += ring_rows()
     date = datetime.date.today().isoformat()
     text = table(rows, card, date, "bash scripts/gpu-check.sh" + (" --tiny" if args.tiny else ""))
-    print("\n" + text)
+    print("\n" + text, flush=True)
     if not args.no_report:
         write_report(text, ROOT / "bench" / "report.md")
-    return 1 if failed else 0
+    if args.out is not None:
+        keep(args.out, text, args.work)
+    return 1 if failed else 2 if BUDGET.short else 0
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 # diffusers and verify it, ring attention's flash kernels, the plan's device peak and each step's MFU; one table,
 # also written into bench/report.md's "GPU check" section (bench/gpu_check.py says what each row is).
 #
-#   bash scripts/gpu-check.sh                 # on the GPU machine (about 8 minutes on one H100/H200)
+#   bash scripts/gpu-check.sh                 # on the GPU machine (--budget 540 s by default; never timed on one)
 #   bash scripts/gpu-check.sh --tiny          # the same commands on the debug presets (CPU works)
 #   bash scripts/gpu-check.sh --pack          # here: bench/out/carry.tar.gz, what a bare device image lacks
+#   bash scripts/gpu-check.sh --write-report gpu-check.md   # here: a device run's table into bench/report.md
 #
 # Python: the project's .venv where it exists (scripts/env.sh), else the machine's python3 with
 # bench/out/carry/ (unpacked from --pack's carry.tar.gz: DeepSpeed, diffusers, peft and their pure-Python
