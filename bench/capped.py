@@ -9,8 +9,8 @@ process, no checkpoint written):
   capped    the layout `parallel.plan --search --device-memory 24GiB` finds: train.offload_activations=true,
             train.block_swap=33, train.device_memory=24GiB, and the allocator capped at 24 GiB
             (parallel/distributed/accelerator.py cap_memory: set_per_process_memory_fraction(24 GiB / total))
-  uncapped  the same LoRA without offload or swap (planned at about 57 GiB: the device's own memory), for the
-            step time the offload costs
+  uncapped  the same LoRA without offload or swap (59.1 GiB planned: it fits the device's own 80 GB or more),
+            for the step time the offload and the swap cost
 
 Rows, for each run: the step time (median of the steps after the first), the plan's device peak against the
 allocator's (memory_check.json, which train.py writes at step 2; the reserved peak beside it: what the cap counts),
@@ -18,7 +18,7 @@ the model states against the plan, the host's resident memory after the steps ag
 (pinned swapped blocks and offloaded checkpoint inputs), the seconds to the first step; then capped / uncapped.
 
 Time on one H100/H200 (an estimate, printed at the start): each run builds the 14.4B-parameter model on the host
-(fp32, initialised serially by torch: 1-2 minutes), then 3 steps of about 18.5 s planned (the search's step time,
+(fp32, initialised serially by torch; the capped run also pins 34 GiB: 1-2 minutes), then 3 steps of about 18.5 s planned (the search's step time,
 h100-80gb profile at 40% of peak): about 5 minutes for both. The capped run goes first; its rows are printed, and
 copied under $OUT, as soon as it ends. --frames fewer than 81 shortens each step (not the build).
 
