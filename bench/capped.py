@@ -1,5 +1,6 @@
-"""`python -m bench.capped` (`bash scripts/gpu-check.sh --capped`): Wan 2.1 14B LoRA on one GPU capped at 24 GiB,
-against its memory plan and against the same LoRA uncapped.
+"""`python -m bench.capped` (`bash scripts/gpu-check.sh --capped`): Wan 14B LoRA capped at 24 GiB vs plan and uncapped.
+
+Wan 2.1 14B LoRA on one GPU capped at 24 GiB, against its memory plan and against the same LoRA uncapped.
 
 Issue 40's device check of docs/training.md's "14B LoRA on one 24 GiB GPU": wan2.1-t2v-14b with rank-32 adapters at
 81 x 480 x 832 (32,760 tokens), ds_configs/zero1_bf16.json (bf16, block recompute), synthetic data, one process; two
