@@ -246,14 +246,18 @@ def table(rows, card: str, date: str, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(text: str, report: Path) -> None:
-    section = f"{BEGIN}\n{text}{END}"
+HEADING = "## GPU check\n\n`bash scripts/gpu-check.sh` on a lent GPU (bench/gpu_check.py says what each row is)."
+
+
+def write_report(text: str, report: Path, begin: str = BEGIN, end: str = END, heading: str = HEADING) -> None:
+    """`text` between the markers `begin` and `end` of `report`, replacing what was there; a section of its own
+    (`heading`, then the markers) at the end where the markers are missing."""
+    section = f"{begin}\n{text}{end}"
     old = report.read_text() if report.exists() else ""
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + section + old[old.index(END) + len(END):]
+    if begin in old and end in old:
+        new = old[:old.index(begin)] + section + old[old.index(end) + len(end):]
     else:
-        new = old.rstrip("\n") + "\n\n## GPU check\n\n`bash scripts/gpu-check.sh` on a lent GPU (bench/gpu_check.py says what each row " \
-              "is).\n\n" + section + "\n"
+        new = old.rstrip("\n") + "\n\n" + heading + "\n\n" + section + "\n"
     report.write_text(new)
 
 

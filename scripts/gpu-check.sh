@@ -6,6 +6,8 @@
 #   bash scripts/gpu-check.sh                 # on the GPU machine (--budget 540 s by default; never timed on one)
 #   bash scripts/gpu-check.sh --tiny          # the same commands on the debug presets (CPU works)
 #   bash scripts/gpu-check.sh --pack          # here: bench/out/carry.tar.gz, what a bare device image lacks
+#   bash scripts/gpu-check.sh --capped        # Wan 14B LoRA capped at 24 GiB vs its plan and uncapped
+#                                             # (bench/capped.py, about 5 minutes; --capped --tiny on CPU)
 #   bash scripts/gpu-check.sh --write-report gpu-check.md   # here: a device run's table into bench/report.md
 #
 # Python: the project's .venv where it exists (scripts/env.sh), else the machine's python3 with
@@ -15,7 +17,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CARRY="$ROOT/bench/out/carry"
 if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
-  sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0
+  sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0
 fi
 if [ "${1:-}" = "--pack" ]; then
   source "$ROOT/scripts/env.sh"
@@ -43,4 +45,8 @@ else
   export PYTHONPATH="$ROOT:$CARRY${PYTHONPATH:+:$PYTHONPATH}"
 fi
 cd "$ROOT"
+if [ "${1:-}" = "--capped" ]; then
+  shift
+  exec "$(command -v python || command -v python3)" -m bench.capped "$@"
+fi
 exec "$(command -v python || command -v python3)" -m bench.gpu_check "$@"

@@ -100,6 +100,31 @@ def peak_allocated() -> int | None:
     return None if name() == "cpu" else int(get_accelerator().max_memory_allocated())
 
 
+def peak_reserved() -> int | None:
+    """The caching allocator's peak reserved bytes (what a cap_memory limit counts: allocated plus cached blocks);
+    None on CPU."""
+    return None if name() == "cpu" else int(get_accelerator().max_memory_reserved())
+
+
+def cap_memory(limit: int, local_rank: int = 0) -> bool:
+    """Limit this process's allocator on its device to `limit` bytes, as a smaller card would (bench/capped.py runs a
+    24 GiB plan on an 80 GB card): the fraction limit / total_memory that the device module's
+    set_per_process_memory_fraction takes (torch.cuda; torch.npu and torch.xpu have it too; DeepSpeed's accelerator
+    only for MPS). Past it an allocation fails with out-of-memory after the cache is freed, counting reserved
+    bytes (peak_reserved), not only allocated ones. True when capped; False, and nothing changed, on CPU (the host
+    has no per-process allocator limit) or a device module without the call."""
+    if name() == "cpu":
+        return False
+    setter = getattr(getattr(torch, name(), None), "set_per_process_memory_fraction", None)
+    if setter is None:
+        return False
+    total = total_memory(local_rank)
+    if not 0 < limit <= total:
+        raise ValueError(f"a memory cap of {limit:,} bytes on a {name()} device of {total:,}: give 1 to {total:,}")
+    setter(limit / total, local_rank)
+    return True
+
+
 def reset_peak_memory() -> None:
     if name() != "cpu":
         get_accelerator().reset_peak_memory_stats()

@@ -47,3 +47,27 @@ def test_every_backend_carries_cpu_and_device_tensors(name):
                               else accelerator.BACKENDS[name])
     if name != "cpu":
         assert carried.get(name, carried["cpu"]) == accelerator.BACKENDS[name]
+
+
+class _Device:
+    """A device module's memory-fraction call, recorded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def set_per_process_memory_fraction(self, fraction, device):
+        self.calls.append((fraction, device))
+
+
+def test_cap_memory_sets_the_fraction_of_the_device_and_refuses_nothing_on_cpu(monkeypatch):
+    assert accelerator.cap_memory(24 * 2**30) is False           # this CPU machine: no allocator to cap
+    device = _Device()
+    monkeypatch.setattr(accelerator, "get_accelerator", lambda: _Fake("cuda"))
+    monkeypatch.setattr(accelerator, "total_memory", lambda local_rank=0: 80 * 2**30)
+    monkeypatch.setattr(accelerator.torch, "cuda", device)
+    assert accelerator.cap_memory(24 * 2**30, local_rank=1) is True
+    assert device.calls == [(0.3, 1)]
+    with pytest.raises(ValueError, match="give 1 to 85,899,345,920"):
+        accelerator.cap_memory(81 * 2**30)
+    monkeypatch.setattr(accelerator.torch, "cuda", object())
+    assert accelerator.cap_memory(24 * 2**30) is False           # a device module without the call
