@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from tests.dist_utils import free_port
+from tests.helpers.launch_env import without_launcher_vars
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,8 +25,7 @@ def train_args(out, *extra, steps=3):
 
 
 def run_env(**extra):
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("SLURM_", "OMPI_"))}
+    env = {k: v for k, v in without_launcher_vars().items() if not k.startswith(("SLURM_", "OMPI_"))}
     env.update(OMP_NUM_THREADS="1", **extra)
     return env
 
