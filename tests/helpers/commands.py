@@ -11,7 +11,7 @@ WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: a port from tests.dist_u
 unless set): the command makes its process group itself, through env://, as under a launcher; the status is the
 first failing rank's, the output every rank's in rank order, as a launcher prints them (not interleaved).
 
-What stays a subprocess: a launcher itself (tests/cli/test_launchers.py, test_netns_hosts.py, test_slurm.py), a
+What stays a subprocess: a launcher itself (tests/cli/test_launchers.py, test_netns_hosts.py), a
 signal sent to a command (test_resume_cli.py, test_hang.py), and a command whose environment changes what the
 server imported (DS_ACCELERATOR; test_nccl_double.py's sitecustomize on PYTHONPATH: deepspeed picks its accelerator
 once, at its import): run_command refuses those."""

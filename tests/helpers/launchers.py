@@ -1,4 +1,4 @@
-"""The helpers and fixtures of tests/cli/test_launchers.py that other test modules use too: `LAYOUT`, `ROOT`,
+"""The helpers and fixtures of the launcher tests (tests/cli/test_launchers.py, test_netns_hosts.py): `LAYOUT`, `ROOT`,
 `finish`, `kill_marked`, `losses`, `marked_alive`, `reference_losses`, `run_env`, `start`, `train_args` (a test
 module imports no other test module)."""
 import glob
@@ -65,7 +65,7 @@ def losses(out):
 
 def reference_losses(tmp_path_factory):
     """Per-step losses of the direct `deepspeed --num_gpus 4 train.py ...` run (the session fixture
-    `reference` of tests/cli/conftest.py, shared with tests/cli/test_slurm.py). It leaves no shared-memory
+    `reference` of tests/cli/conftest.py, shared by the launcher tests). It leaves no shared-memory
     all-reduce buffer behind (DeepSpeed's CPU all-reduce creates one per rank: 4 x 69 MB of RAM a run)."""
     out = tmp_path_factory.mktemp("reference") / "run"
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
