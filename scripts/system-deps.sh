@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # System tools the launcher tests drive for real: sshd and pdsh (deepspeed --hostfile), mpirun (Open MPI),
-# slurmctld/slurmd/sbatch and munged (tests/cli/test_slurm.py starts its own cluster; no system service is used).
+# slurmctld/slurmd/sbatch and munged (tests/helpers/slurm.py starts its own cluster; no system service is used).
 # Sourced by scripts/test.sh. As root, installs what is missing (apt, quietly); otherwise names what to install.
 # Prints nothing when everything is present.
 _vdp_missing=()

@@ -19,13 +19,16 @@ and DeepSpeed (tests/helpers/commands.py run_command: a fresh interpreter spends
 Three more tiers inside cli, each a marker: `docs`, every command of README.md and docs/*.md run as written
 (tests/cli/test_readme_commands.py, test_doc_figures.py, test_doc_parameter_counts.py); `slow`, the family x layout
 matrix (test_family_matrix*.py); `cluster`, the real launchers (deepspeed, torchrun, pdsh over ssh, mpirun, Slurm,
-launch.sh) on one host and on namespace hosts with their own addresses, signals and lost nodes
-(test_launchers.py, test_netns_hosts.py, test_slurm.py, test_lost_node.py, test_hang.py, test_resume_cli.py,
-test_launch.py). Skip the three while iterating: -m "not docs and not slow and not cluster", the default tier;
-.ci/run runs them all. A run ends with each tier's test seconds (pytest_terminal_summary); on the 2-core CI
-machine, 2026-11-28 (two workers, seconds summed over both, OMP_NUM_THREADS=1 as scripts/test.sh sets it): unit 140,
-distributed 630, cli 354, cluster 653, docs 774, slow 307; the default tier 1125 (about 9.5 min of the two workers),
-the whole run 24 min of pytest (.ci/run on a fresh clone, set-up included: 29 min).
+launch.sh) on one host and across two hosts (namespace hosts with their own addresses, else loopback), signals and
+lost nodes (test_launchers.py, test_netns_hosts.py, test_hang.py, test_resume_cli.py, test_launch.py). Skip the
+three while iterating: -m "not docs and not slow and not cluster", the default tier; .ci/run runs them all. A run
+ends with each tier's test seconds (pytest_terminal_summary); on the 2-core CI machine, 2026-11-28 (two workers,
+seconds summed over both, OMP_NUM_THREADS=1 as scripts/test.sh sets it): unit 140, distributed 630, cli 354, cluster
+653, docs 774, slow 307; the default tier 1125 (about 9.5 min of the two workers), the whole run 24 min of pytest
+(.ci/run on a fresh clone, set-up included: 29 min). Since then each launcher that spans hosts runs once, in
+test_netns_hosts.py (namespace hosts, loopback where none can be made): test_lost_node.py, test_slurm.py and
+test_launchers.py's pdsh, Open MPI and two-node torchrun runs are gone, five launcher runs (about 200 of the cluster
+tier's worker-s by the 2026-11-28 figures, estimated, not yet measured by a whole run).
 
 A new test goes to the first tier that fits: unit unless it needs ranks (distributed) or a separate process
 (cli). A module whose tests span tiers is split along test functions; what the parts share (helpers,

@@ -43,13 +43,14 @@ NOT_HERE = {
     "prepare_data ...": "an abbreviation (`...` for the flags of the command above it), not a command",
     "python -m parallel.plan ...": "an abbreviation (`...` for the flags above); tests/cli/test_plan_cli.py and "
                                    "tests/unit/test_plan*.py run --format json/markdown and --png",
-    "deepspeed --hostfile hosts ": "a cluster's hostfile; tests/cli/test_launchers.py runs a hostfile on this host",
+    "deepspeed --hostfile hosts ": "a cluster's hostfile; tests/cli/test_netns_hosts.py runs one across two hosts",
     "--hostfile hosts8": "an 8-GPU cluster's hostfile and a placeholder c.yaml; the layout change it shows: "
-                         "tests/distributed/test_relayout.py, the launcher: tests/cli/test_launchers.py",
+                         "tests/distributed/test_relayout.py, the launcher: tests/cli/test_netns_hosts.py",
     "--hostfile hosts4": "a 4-GPU cluster's hostfile and a placeholder c.yaml; tests/distributed/test_relayout.py",
     "runs/demo-...": "what scripts/demo.sh runs (README.md's first block runs the script)",
     "--device npu": "needs Ascend NPUs; tests/cli/test_launch.py checks the command launch.sh runs for them",
-    "#SBATCH": "a Slurm batch script; tests/cli/test_slurm.py submits it to a two-node Slurm cluster",
+    "#SBATCH": "a Slurm batch script; tests/cli/test_netns_hosts.py::test_slurm_sbatch submits it to a two-node "
+               "Slurm cluster",
     "--config run.yaml": "placeholders (run.yaml, ds.json, p.safetensors): tests/distributed/test_sample_layouts.py "
                          "samples in every layout against CogVideoXPipeline",
 }

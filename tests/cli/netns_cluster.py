@@ -15,7 +15,8 @@ namespace) and execs sshd. Why each piece (DESIGN.md, "Test hosts as network nam
 - /dev/shm: DeepSpeed's CPU all-reduce names its buffers by port, the same on both nodes.
 `Cluster.run(i, cmd)` starts a command on node i (nsenter into its namespaces). `cluster()` tears everything
 down by PID and name (sshd, namespaces, the veth with them), also when the test failed. `unavailable()` says
-why no cluster can be made here (not root, tools missing, no `ip netns`), for a skip.
+why no cluster can be made here (not root, tools missing, no `ip netns`), for the fallback to loopback
+(tests/cli/loopback_hosts.py) or a skip.
 
 Several clusters may be up at once on one machine (two CI jobs, or a test beside a developer's): the
 namespaces are named per cluster, vdp-<pid>-<k>-n<i> (this process's k-th cluster), and so is the veth pair,
@@ -59,6 +60,12 @@ class Cluster:
     nodes: list[Node]
     path: str              # a PATH entry whose `ssh` reaches the nodes (also from inside them)
     procs: list[subprocess.Popen] = field(default_factory=list)
+    own_addresses = True   # each node its own address and hostname (tests/cli/loopback_hosts.py: both this machine)
+
+    @property
+    def master(self) -> str:
+        """What node 0 is reached at, for --master-addr: its hostname (each node's /etc/hosts resolves it)."""
+        return self.nodes[0].name
 
     def hostfile(self, slots: int) -> Path:
         path = self.dir / f"hosts{slots}"

@@ -1,14 +1,21 @@
-"""Launchers across hosts with their own addresses: two network-namespace nodes (tests/cli/netns_cluster.py,
-vdp-node0 = 10.231.0.1, vdp-node1 = 10.231.0.2), 2 ranks each, PP2 x TP2 trained to the per-step losses of
-`deepspeed --num_gpus 4 train.py` on one host (the `reference` fixture), bit for bit. Every launcher starts on
-vdp-node0, as a user starts it on the first node; pdsh, mpirun's orted, torchrun's agents and Slurm's slurmd reach
-vdp-node1 over the veth link. And a lost node (tests/cli/test_lost_node.py's scenario) across them, an elastic run
-that loses vdp-node1 and takes it back, and a second cluster beside the first. Skipped with the reason where
-namespaces cannot be made (not root, no `ip netns`).
+"""Each launcher that spans hosts, run once: two nodes, 2 ranks each, PP2 x TP2 trained to the per-step losses of
+`deepspeed --num_gpus 4 train.py` on one host (the `reference` fixture), bit for bit, and the commands launch.sh
+prints. Every launcher starts on node 0, as a user starts it on the first node; pdsh, mpirun's orted, torchrun's
+agents and Slurm's slurmd reach node 1. Also `deepspeed --no_ssh` on each node, a refused layout stopping both
+nodes, a lost node (tests/helpers/lost_node.py's scenario), an elastic run that loses node 1 and takes it back, and
+a second cluster beside the first.
+
+The `hosts` are two network-namespace nodes with their own addresses (tests/cli/netns_cluster.py, vdp-node0 =
+10.231.0.1, vdp-node1 = 10.231.0.2, over a veth link) where the machine can make them (root, `ip netns`: CI); else,
+or with VDP_LOOPBACK_HOSTS=1, two names of this machine, localhost and 127.0.0.1, with an sshd on loopback
+(tests/cli/loopback_hosts.py): the same runs and checks, less those that need hosts with their own addresses
+(`hosts.own_addresses`). The tests that exist only across namespaces (the elastic run, DeepSpeed's own address
+lookup, two clusters) skip on loopback, with the reason.
 """
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,7 +23,7 @@ import time
 import psutil
 import pytest
 
-from tests.cli import netns_cluster
+from tests.cli import loopback_hosts, netns_cluster
 from parallel.checkpoints.checkpoint import complete_steps
 from tests.helpers.launchers import LAYOUT, ROOT, finish, kill_marked, losses, run_env, train_args
 from tests.helpers.lost_node import lose_node_then_rerun, rows
@@ -30,13 +37,23 @@ VENV_BIN = os.path.dirname(sys.executable)
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
-    why = netns_cluster.unavailable()
-    if why:
-        pytest.skip(f"no namespace cluster: {why}")
-    with netns_cluster.cluster(tmp_path_factory.mktemp("netns")) as c:
-        yield c
-    if os.path.exists(os.path.join(ROOT, ".deepspeed_env")):       # launch.sh's, for the pdsh runs
-        os.remove(os.path.join(ROOT, ".deepspeed_env"))
+    why = "VDP_LOOPBACK_HOSTS=1" if os.environ.get("VDP_LOOPBACK_HOSTS") == "1" else netns_cluster.unavailable()
+    try:
+        if why:
+            with loopback_hosts.cluster(tmp_path_factory.mktemp("loopback"), why) as c:
+                yield c
+        else:
+            with netns_cluster.cluster(tmp_path_factory.mktemp("netns")) as c:
+                yield c
+    finally:
+        if os.path.exists(os.path.join(ROOT, ".deepspeed_env")):       # launch.sh's, for the pdsh runs
+            os.remove(os.path.join(ROOT, ".deepspeed_env"))
+
+
+def needs_own_addresses(hosts) -> None:
+    """For a test that exists only across hosts with their own addresses: skipped on loopback, with the reason."""
+    if not hosts.own_addresses:
+        pytest.skip(f"no namespace cluster: {hosts.why}")
 
 
 def node_env(c, **extra):
@@ -65,6 +82,7 @@ def test_two_clusters_at_once(hosts, tmp_path):
     """A second cluster beside the module's, as another CI job on this machine makes one: its namespaces and veth
     pair named apart, the same hostnames, subnet and sshd port; from each cluster's vdp-node0, ssh vdp-node1
     reaches that cluster's node (its network namespace), the first cluster's also after the second is removed."""
+    needs_own_addresses(hosts)
     with netns_cluster.cluster(tmp_path) as other:
         assert {n.netns for n in other.nodes}.isdisjoint(n.netns for n in hosts.nodes)
         for c in (other, hosts):
@@ -79,6 +97,7 @@ def test_two_clusters_at_once(hosts, tmp_path):
 def test_deepspeed_pdsh(reference, hosts, tmp_path):
     """`deepspeed --hostfile` as DeepSpeed documents it: no --master_addr (it asks `ssh vdp-node0 hostname -I`),
     the remote ranks' environment from a .deepspeed_env file (DS_ENV_FILE)."""
+    needs_own_addresses(hosts)
     out, ds_env = tmp_path / "run", tmp_path / "deepspeed_env"
     ds_env.write_text(f"PATH={VENV_BIN}:{os.environ['PATH']}\nPYTHONPATH={ROOT}\nOMP_NUM_THREADS=1\n"
                       + "".join(f"{v}={os.environ[v]}\n" for v in ("TORCH_EXTENSIONS_DIR",) if v in os.environ))
@@ -92,59 +111,101 @@ def test_deepspeed_pdsh(reference, hosts, tmp_path):
 
 
 def test_launch_sh_hostfile(reference, hosts, tmp_path):
-    """`launch.sh --hostfile` on the first node: DeepSpeed over pdsh, the master left to DeepSpeed (never
-    127.0.0.1); the dry run names it."""
+    """`launch.sh --hostfile` on the first node: DeepSpeed over pdsh, the remote ranks on this venv's Python (from
+    .deepspeed_env's PATH); across hosts with their own addresses the master is left to DeepSpeed (never
+    127.0.0.1), on loopback every host is this machine: 127.0.0.1. The dry run names it."""
+    (n0, n1), own = hosts.nodes, hosts.own_addresses
     out, hostfile, port = tmp_path / "run", hosts.hostfile(2), free_port()
     launch = ["bash", "launch.sh", "--hostfile", str(hostfile), "--master-port", str(port)]
     log = on_nodes(hosts, tmp_path, {0: [*launch, "--dry-run", "--", *train_args(out, *LAYOUT)]}, out,
                    node_env(hosts))
-    assert f"launch.sh: vdp-node1: ranks 2-3, master <vdp-node0's address>:{port}\n" in log
+    master = f"<{n0.name}'s address>" if own else "127.0.0.1"
+    assert f"launch.sh: {n1.name}: ranks 2-3, master {master}:{port}\n" in log
     log = on_nodes(hosts, tmp_path, {0: [*launch, "--", *train_args(out, *LAYOUT)]}, out, node_env(hosts))
-    assert f"+ deepspeed --hostfile {hostfile} --master_port {port} train.py " in log
-    assert "Using IP address of 10.231.0.1 for node vdp-node0" in log
-    assert "127.0.0.1" not in log.split("cmd = pdsh", 1)[1].split("\n", 1)[0]
+    given = "" if own else "--master_addr 127.0.0.1 "
+    assert f"+ deepspeed --hostfile {hostfile} {given}--master_port {port} train.py " in log
+    assert f"cmd = pdsh -S -f 1024 -w {n0.name},{n1.name} " in log
+    assert f"export PATH={VENV_BIN}:" in log
+    if own:
+        assert f"Using IP address of {n0.addr} for node {n0.name}" in log
+        assert "127.0.0.1" not in log.split("cmd = pdsh", 1)[1].split("\n", 1)[0]
     assert losses(out) == reference
 
 
 def test_launch_sh_openmpi(reference, hosts, tmp_path):
-    """Open MPI over ssh: every rank gets MASTER_ADDR = the first host's address."""
-    out = tmp_path / "run"
-    cmd = ["bash", "launch.sh", "--launcher", "openmpi", "--hostfile", str(hosts.hostfile(2)),
+    """Open MPI over ssh: every rank gets MASTER_ADDR = the first host's address. On loopback one hostfile line
+    of 4 slots (Open MPI takes localhost and 127.0.0.1 for one host and stops with an internal error)."""
+    out, hostfile = tmp_path / "run", hosts.hostfile(2)
+    if not hosts.own_addresses:
+        hostfile = tmp_path / "hosts"
+        hostfile.write_text(f"{hosts.nodes[0].name} slots=4\n")
+    cmd = ["bash", "launch.sh", "--launcher", "openmpi", "--hostfile", str(hostfile),
            "--master-port", str(free_port()), "--", *train_args(out, *LAYOUT)]
     log = on_nodes(hosts, tmp_path, {0: cmd}, out, node_env(hosts))
-    assert "+ MASTER_ADDR=10.231.0.1 MASTER_PORT=" in log and " mpirun -np 4 " in log
+    assert f"+ MASTER_ADDR={hosts.nodes[0].addr} MASTER_PORT=" in log and " mpirun -np 4 " in log
     assert losses(out) == reference
 
 
-def test_torchrun_two_nodes(reference, hosts, tmp_path):
-    """torchrun on each node (its own command), the rendezvous at vdp-node0 by name."""
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed --no_ssh"])
+def test_two_node_launchers(reference, hosts, tmp_path, launcher):
+    """A node launcher on each node (its own command, node 0 hosts the rendezvous): torchrun, the master named
+    (vdp-node0, or 127.0.0.1 on loopback), and DeepSpeed's --no_ssh, the master the first host's address as
+    launch.sh resolves it."""
     out, port = tmp_path / "run", str(free_port())
-    cmds = {i: ["bash", "launch.sh", "--launcher", "torchrun", "--nnodes", "2", "--nproc", "2", "--node-rank", str(i),
-                "--master-addr", "vdp-node0", "--master-port", port, "--", *train_args(out, *LAYOUT)] for i in (0, 1)}
-    log = on_nodes(hosts, tmp_path, cmds, out, node_env(hosts))
-    assert "--node_rank 1 --master_addr vdp-node0 " in log
+    node_args = {"torchrun": ["--launcher", "torchrun", "--nnodes", "2", "--nproc", "2", "--master-addr", hosts.master],
+                 "deepspeed --no_ssh": ["--hostfile", str(hosts.hostfile(2))]}[launcher]
+    cmds = {i: ["bash", "launch.sh", *node_args, "--node-rank", str(i), "--master-port", port, "--",
+                *train_args(out, *LAYOUT)] for i in (0, 1)}
+    on_nodes(hosts, tmp_path, cmds, out, node_env(hosts))
+    command = (tmp_path / "node1.log").read_text().splitlines()[0]
+    assert command.startswith(f"+ {launcher.split()[0]} ") and ("--no_ssh " in command) == ("no_ssh" in launcher)
+    if launcher == "torchrun":
+        assert f"--node_rank 1 --master_addr {hosts.master} " in command
+    else:
+        assert f"--master_addr {hosts.nodes[0].addr} --master_port {port} --no_ssh --node_rank 1 " in command
     assert losses(out) == reference
+
+
+def test_refused_layout_stops_every_node_with_exit_code_1(hosts, tmp_path):
+    """World size 2 with tp 2 x pp 2, torchrun on two nodes: every rank stops before any collective; each says why."""
+    out, port = tmp_path / "run", str(free_port())
+    procs = [hosts.run(r, ["bash", "launch.sh", "--launcher", "torchrun", "--nnodes", "2", "--nproc", "1",
+                           "--node-rank", str(r), "--master-addr", hosts.master, "--master-port", port, "--",
+                           *train_args(out, *LAYOUT)], ROOT, node_env(hosts), tmp_path / f"node{r}.log")
+             for r in (0, 1)]
+    assert finish(procs, str(out), timeout=120) == [1, 1]
+    for r in (0, 1):
+        log = (tmp_path / f"node{r}.log").read_text()
+        assert log.count("world size 2 is not divisible by parallel.tp_size x parallel.pp_size = 2 x 2 = 4") == 1
+    assert not out.exists()
 
 
 def test_lost_node(hosts, tmp_path):
-    """tests/cli/test_lost_node.py's scenario across the two nodes: vdp-node1's launcher and ranks killed after a
-    checkpoint; node 0's ranks name ranks 2, 3 on vdp-node1 and the checkpoint; the rerun on vdp-node0 resumes."""
+    """tests/helpers/lost_node.py's scenario across the two nodes: node 1's launcher and ranks killed after a
+    checkpoint; node 0's ranks name ranks 2, 3 on node 1's host and the checkpoint; the rerun on node 0 resumes."""
     env = node_env(hosts)
     log0 = lose_node_then_rerun(tmp_path, lambda node, cmd, log: hosts.run(node, cmd, ROOT, env, log),
-                                master="vdp-node0")
-    assert "rank 0: lost rank(s) 2, 3 (host vdp-node1)" in log0
+                                master=hosts.master)
+    host = hosts.nodes[1].name if hosts.own_addresses else socket.gethostname()     # loopback: this machine's
+    assert f"rank 0: lost rank(s) 2, 3 (host {host})" in log0
 
 
 def test_slurm_sbatch(reference, hosts, tmp_path):
-    """tests/cli/test_slurm.py's cluster with slurmctld and slurmd on vdp-node0 and a slurmd on vdp-node1 (NodeAddr
-    their own addresses; munged here, its socket on the shared file system): docs/multi-node.md's sbatch
-    script gets MASTER_ADDR = vdp-node0's NodeAddr and trains across both."""
-    addrs = {n.name: n.addr for n in hosts.nodes}
-    wrap = lambda where, cmd: hosts.command(1 if where == "vdp-node1" else 0, cmd, ROOT)
-    with slurm_cluster(tmp_path / "slurm", addrs, ("vdp-node0", "10.231.0.1"), wrap) as env:
+    """tests/helpers/slurm.py's cluster, slurmctld and a slurmd on node 0 and a slurmd on node 1 (NodeAddr their
+    addresses; munged here, its socket on the shared file system): docs/multi-node.md's sbatch script gets
+    MASTER_ADDR = node 0's NodeAddr and trains across both. On loopback the Slurm nodes are vdp-n0, vdp-n1 (node
+    names that need not resolve, each its own NodeHostname: Debian's slurm refuses two nodes with one), both
+    NodeAddr 127.0.0.1, the controller this machine."""
+    if hosts.own_addresses:
+        names, ctld = [n.name for n in hosts.nodes], (hosts.nodes[0].name, hosts.nodes[0].addr)
+    else:
+        names, ctld = ["vdp-n0", "vdp-n1"], (os.uname().nodename, "127.0.0.1")
+    addrs = {name: n.addr for name, n in zip(names, hosts.nodes)}
+    wrap = lambda where, cmd: hosts.command(1 if where == names[1] else 0, cmd, ROOT)
+    with slurm_cluster(tmp_path / "slurm", addrs, ctld, wrap) as env:
         text, port = run_sbatch(tmp_path, {**node_env(hosts), **env}, wrap)
-    assert f"+ MASTER_ADDR=10.231.0.1 MASTER_PORT={port} srun --kill-on-bad-exit=1 " in text, text[-3000:]
-    assert "nodes vdp-node[0-1], 4 tasks" in text, text[-3000:]
+    assert f"+ MASTER_ADDR={hosts.nodes[0].addr} MASTER_PORT={port} srun --kill-on-bad-exit=1 " in text, text[-3000:]
+    assert f"nodes {names[0][:-1]}[0-1], 4 tasks" in text, text[-3000:]
     assert losses(tmp_path / "run") == reference
 
 
@@ -167,6 +228,7 @@ def test_elastic_restart_without_a_human(hosts, tmp_path):
     copy of step 2, at dp 2 (one node, 4 ranks) from a copy of step k (train.decay_steps fixed, so that a shorter
     run by hand has the same schedule). Prints the time from the kill to the first step on vdp-node0 and from
     vdp-node1's start to the first step on both."""
+    needs_own_addresses(hosts)
     # the horizon only bounds the run (stopped by signal): steps at dp 1 while vdp-node1 starts, at dp 2 for 11 s
     out, hand, port, horizon, compared = tmp_path / "run", tmp_path / "hand", str(free_port()), 500, 4
     args = lambda o, steps: train_args(o, "--set", "parallel.tp_size=2", "--set", "ckpt.every=2",

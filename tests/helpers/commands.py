@@ -11,7 +11,7 @@ WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: a port from tests.dist_u
 unless set): the command makes its process group itself, through env://, as under a launcher; the status is the
 first failing rank's, the output every rank's in rank order, as a launcher prints them (not interleaved).
 
-What stays a subprocess: a launcher itself (tests/cli/test_launchers.py, test_netns_hosts.py, test_slurm.py), a
+What stays a subprocess: a launcher itself (tests/cli/test_launchers.py, test_netns_hosts.py), a
 signal sent to a command (test_resume_cli.py, test_hang.py), and a command whose environment changes what the
 server imported (DS_ACCELERATOR; test_nccl_double.py's sitecustomize on PYTHONPATH: deepspeed picks its accelerator
 once, at its import): run_command refuses those."""
@@ -31,6 +31,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.dist_utils import free_port
+from tests.helpers.launch_env import without_launcher_vars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # What the server imported read these when it imported: a command that changes them needs a fresh interpreter
@@ -98,9 +99,7 @@ def run_command(argv, ranks: int = 1, env: dict | None = None, cwd: str = ROOT, 
     CompletedProcess (args, returncode, stdout, stderr text). `env`: the whole environment (default: this
     process's, without a launcher's variables), `env_extra` added to it."""
     argv = [str(a) for a in argv]
-    environ = dict(env) if env is not None else \
-        {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                                          "MASTER_ADDR", "MASTER_PORT")}
+    environ = dict(env) if env is not None else without_launcher_vars()
     environ.update(env_extra or {})
     changed = [k for k in IMPORT_TIME if environ.get(k) != os.environ.get(k)]
     changed += [f"PYTHONPATH's {p}" for p in environ.get("PYTHONPATH", "").split(os.pathsep)

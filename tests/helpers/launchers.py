@@ -1,4 +1,4 @@
-"""The helpers and fixtures of tests/cli/test_launchers.py that other test modules use too: `LAYOUT`, `ROOT`,
+"""The helpers and fixtures of the launcher tests (tests/cli/test_launchers.py, test_netns_hosts.py): `LAYOUT`, `ROOT`,
 `finish`, `kill_marked`, `losses`, `marked_alive`, `reference_losses`, `run_env`, `start`, `train_args` (a test
 module imports no other test module)."""
 import glob
@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from tests.dist_utils import free_port
+from tests.helpers.launch_env import without_launcher_vars
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,8 +25,7 @@ def train_args(out, *extra, steps=3):
 
 
 def run_env(**extra):
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("SLURM_", "OMPI_"))}
+    env = {k: v for k, v in without_launcher_vars().items() if not k.startswith(("SLURM_", "OMPI_"))}
     env.update(OMP_NUM_THREADS="1", **extra)
     return env
 
@@ -65,7 +65,7 @@ def losses(out):
 
 def reference_losses(tmp_path_factory):
     """Per-step losses of the direct `deepspeed --num_gpus 4 train.py ...` run (the session fixture
-    `reference` of tests/cli/conftest.py, shared with tests/cli/test_slurm.py). It leaves no shared-memory
+    `reference` of tests/cli/conftest.py, shared by the launcher tests). It leaves no shared-memory
     all-reduce buffer behind (DeepSpeed's CPU all-reduce creates one per rank: 4 x 69 MB of RAM a run)."""
     out = tmp_path_factory.mktemp("reference") / "run"
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")

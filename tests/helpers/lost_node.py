@@ -1,5 +1,12 @@
-"""The helpers and fixtures of tests/cli/test_lost_node.py that other test modules use too: `lose_node_then_rerun`,
-`rows` (a test module imports no other test module)."""
+"""A lost node, the scenario `lose_node_then_rerun` (tests/cli/test_netns_hosts.py::test_lost_node runs it on two
+hosts, namespace ones or loopback), and `rows`. Two torchrun nodes train TP2 x DP2 (node 1 holds ranks 2 and 3, the
+second data-parallel replica); after a checkpoint node 1's launcher and ranks are killed at once (kill -9, as a
+machine that dies). Every surviving process must be gone within 60 s, each surviving rank naming the lost ranks
+and the last complete checkpoint; the same training command on the node that remains (dp 1) resumes there, keeps
+the global batch by accumulating twice as many micro-batches, and repeats the steps the lost run had trained after
+the checkpoint with its losses.
+The survivors' collectives fail on the broken connections, so rank 0 names the silent ranks after 5 s
+(parallel/distributed/heartbeat.py); train.collective_timeout_s=20 bounds the silent-machine case at 10 s."""
 import json
 import signal
 import time

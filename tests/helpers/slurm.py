@@ -1,5 +1,15 @@
-"""The helpers and fixtures of tests/cli/test_slurm.py that other test modules use too: `run_sbatch`,
-`slurm_cluster` (a test module imports no other test module)."""
+"""Slurm for real, for tests/cli/test_netns_hosts.py::test_slurm_sbatch: `slurm_cluster`, a two-node Slurm cluster
+(munged, slurmctld, two slurmd), and `run_sbatch`, the sbatch script of docs/multi-node.md running launch.sh -> srun
+-> train.py.
+
+The cluster lives in the caller's temp dir: its own munge key and socket, slurm.conf with ports from free_port,
+state, spool and logs under the same dir; the daemons run in the foreground (-D / -F) as children of the test (or
+of `wrap`'s nsenter, on namespace hosts) and are stopped on exit. Two nodes on one host (the loopback fallback):
+Debian's slurm is built without multiple-slurmd support (two nodes with one NodeHostname are refused), so each node
+has its own name and NodeHostname, `slurmd -N <name>` tells each daemon which it is, and both have
+NodeAddr=127.0.0.1 and their own Port. The node names need not resolve; launch.sh takes MASTER_ADDR from the first
+node's NodeAddr. gVisor-style sandboxes have no cgroups: proctrack/linuxproc and task/none need none.
+Slurm, munge: scripts/system-deps.sh installs them (as root)."""
 import contextlib
 import getpass
 import os
