@@ -1,26 +1,22 @@
-"""What train.py's step does outside its transformer blocks, counted on CPU, not timed (issue #42: the step
-should run at the speed of its blocks).
+"""What train.py's step does outside its transformer blocks, counted on CPU, not timed (issue #42; on a device
+bench/step_phases.py times it).
 
     python -m bench.step_bytes --config cogvideox-5b --deepspeed-config zero1_bf16 --set model.num_layers=2 \
-        --set data.num_frames=9 --set data.height=64 --set data.width=64
+        --set model.hidden_size=256 --set model.num_heads=4 --set model.max_text_len=16 \
+        --set data.num_frames=9 --set data.height=64 --set data.width=64          # about a minute on CPU
 
-One process builds the engine train.py builds (`start_engine`'s build_trainer on the preset's synthetic data) and
-runs `TrainingEngine.train_step` plus the loop's StopSignal check. After --warmup steps, one step is counted under
-a TorchDispatchMode, per phase:
+The 5B's structure (its non-block layers, two blocks) at a width CPU bf16 matmuls can run: the engine train.py
+builds (`start_engine`, synthetic data); after --warmup steps one `train_step` and the loop's StopSignal check
+are counted, per phase, under a TorchDispatchMode:
 
-    ops     aten kernels (views, allocations and copies of a tensor onto itself left out)
-    syncs   host reads of device values (`.item()`, `float()`, `bool()`, `.cpu()`, `.tolist()`) and device
-            synchronisations (DeepSpeed's throughput timer): each one stops the host queueing work ahead
-    B/param bytes each kernel reads and writes (every tensor argument it reads, every one it writes, its
-            outputs), over the trainable parameter count: a device-independent measure of memory traffic
+    ops        aten calls that run a kernel (views, allocations, copies of a tensor onto itself left out)
+    syncs      host reads of tensor values (`.item()`, `float()`, `.cpu()`, ...), device synchronisations
+    bytes      what each kernel reads and writes (arguments read, mutated ones written, fresh outputs), over
+               the trainable parameter count: memory traffic, device-independent
+    MFLOP      matmul and attention FLOPs (torch's flop counter): the blocks' recomputation shows
 
-The phases: forward and backward outside the blocks (patch embedding, text projection, time embedding, loss,
-the output head), the blocks themselves (for scale), the gradient accumulation after each backward (DeepSpeed's
-bf16 -> fp32 copy and its reduction), the boundary step (gradient norm, clipping, AdamW, EMA, the bf16 copy-back,
-clearing) and the rest (data to the device, the loss's host copy, the stop signal). The floor column is what the
-step's bytes cannot go below: fused AdamW on fp32 master weights 28 and the bf16 copy-back 6, a gradient norm 4,
-an EMA 12, fp32 accumulation of bf16 gradients 10 per micro-batch. Bytes/param hardly depends on the model's
-size; per-tensor kernels scale with the number of parameter tensors, printed beside the table.
+The floor is what bytes/param cannot go below: fused AdamW on fp32 master weights 28, the bf16 copy-back 6, the
+gradient norm 4 (with clipping), an EMA 12, fp32 accumulation of bf16 gradients 10 per micro-batch.
 """
 from __future__ import annotations
 
@@ -41,17 +37,19 @@ READ_ONLY = {("_fused_adamw_", "grads"), ("_fused_adam_", "grads")}    # marked 
 FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_", "resize_", "lift_fresh"}
 HOST_READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
               torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.numpy}
-PHASES = ("data (host)", "forward outside blocks", "backward outside blocks", "blocks", "gradient accumulation",
-          "boundary step", "rest")
+PHASES = ("data (host)", "forward outside blocks", "backward outside blocks", "blocks", "gradient accumulation", "boundary step", "rest")
 
 
 def nbytes(value) -> int:
     return sum(t.nbytes for t in tree_leaves(value) if isinstance(t, torch.Tensor))
 
 
+def same_data(a, b) -> bool:
+    return (a.data_ptr(), a.dtype, a.shape, a.stride()) == (b.data_ptr(), b.dtype, b.shape, b.stride())
+
+
 def kernel_bytes(func, args, kwargs, out) -> int:
-    """Bytes read and written: arguments read, mutated ones written too (write-only ops: written only),
-    fresh outputs written."""
+    """Arguments read (not those of write-only ops), mutated ones written, fresh outputs written."""
     schema, total = func._schema, 0
     values = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
     for a, v in zip(schema.arguments, values):
@@ -63,19 +61,13 @@ def kernel_bytes(func, args, kwargs, out) -> int:
     return total + nbytes(fresh)
 
 
-def same_data(a, b) -> bool:
-    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
-            and a.stride() == b.stride())
-
-
 class Counts(TorchDispatchMode):
-    """Kernels, bytes and syncs per phase: `outer` is set by the wrappers of `phases`, and the phase is
-    "blocks" while a block's forward (or recomputation) or backward runs."""
+    """Kernels, bytes and FLOPs per phase: `outer` as `phases` sets it, "blocks" while a block runs."""
 
     def __init__(self):
         super().__init__()
         self.outer, self.depth, self.backward_blocks = "rest", 0, set()
-        self.ops, self.bytes, self.syncs, self.flops, self.by_op = (defaultdict(int) for _ in range(5))
+        self.ops, self.bytes, self.syncs, self.flops = (defaultdict(int) for _ in range(4))
 
     @property
     def phase(self) -> str:
@@ -85,18 +77,16 @@ class Counts(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        if func.is_view or name in FREE or (name == "copy_" and same_data(args[0], args[1])):
+        if func.is_view or name in FREE or (name == "copy_" and same_data(*args[:2])):
             return out
         self.ops[self.phase] += 1
-        moved = kernel_bytes(func, args, kwargs, out)
-        self.bytes[self.phase] += moved
-        self.by_op[self.phase, name] += moved
+        self.bytes[self.phase] += kernel_bytes(func, args, kwargs, out)
         if func.overloadpacket in flop_registry:
             self.flops[self.phase] += flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
         return out
 
 
-class HostReads(TorchFunctionMode):
+class HostReads(TorchFunctionMode):             # Tensor methods are seen here even where they dispatch nothing
     def __init__(self, counts: Counts):
         super().__init__()
         self.counts = counts
@@ -104,7 +94,6 @@ class HostReads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in HOST_READS:
             self.counts.syncs[self.counts.phase] += 1
-            self.counts.by_op[self.counts.phase, func.__name__] += 0
         return func(*args, **(kwargs or {}))
 
 
@@ -139,13 +128,10 @@ def phases(counts: Counts, trainer, batches, blocks):
     wrap(get_accelerator(), "synchronize")
     wrap(CheckpointFunction, "backward", depth=1)       # recomputation and backward of checkpointed blocks
 
-    def enter(*_):
-        counts.depth += 1
-
-    def leave(*_):
-        counts.depth -= 1
+    def depth(by: int):
+        return lambda *_: setattr(counts, "depth", counts.depth + by)
     for block in blocks:
-        handles += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave),
+        handles += [block.register_forward_pre_hook(depth(1)), block.register_forward_hook(depth(-1)),
                     block.register_full_backward_pre_hook(lambda m, *_: counts.backward_blocks.add(m)),
                     block.register_full_backward_hook(lambda m, *_: counts.backward_blocks.discard(m))]
     try:
@@ -153,11 +139,8 @@ def phases(counts: Counts, trainer, batches, blocks):
     finally:
         for h in handles:
             h.remove()
-        for owner, name, original in reversed(saved):
-            if original is None:
-                delattr(owner, name)                 # the instance's attribute: back to the class's method
-            else:
-                setattr(owner, name, original)
+        for owner, name, original in reversed(saved):       # an instance's attribute: back to its class's
+            delattr(owner, name) if original is None else setattr(owner, name, original)
 
 
 def measure(args) -> dict:
@@ -170,8 +153,7 @@ def measure(args) -> dict:
 
     cfg, ds, layout = load_and_check(args.config, [f"train.output_dir={args.out}", *args.overrides],
                                      args.deepspeed_config, 1)
-    env = read_launch_env()
-    ctx, trainer = start_engine(cfg, ds, layout, env)
+    ctx, trainer = start_engine(cfg, ds, layout, env := read_launch_env())
     batches, stop = training_batches(cfg, ctx), StopSignal(accelerator.device(env.local_rank))
     for _ in range(args.warmup):
         trainer.train_step(batches)
@@ -179,19 +161,16 @@ def measure(args) -> dict:
     with phases(counts, trainer, batches, transformer_blocks(trainer.engine.module)), HostReads(counts), counts:
         trainer.train_step(batches)
         stop.requested()
-    params = [p for p in trainer.engine.module.parameters() if p.requires_grad]
-    return {"counts": counts, "params": sum(p.numel() for p in params), "tensors": len(params),
+    params = [p for p in trainer.engine.module.parameters() if p.requires_grad]      # per-tensor kernels scale
+    return {"counts": counts, "params": sum(p.numel() for p in params), "tensors": len(params),    # with these
             "micro": cfg.train.grad_accum_steps, "ema": "ema" in str(ds.get("optimizer", {}).get("type", "")).lower(),
             "clip": float(ds.get("gradient_clipping", 0.0))}
 
 
-def floors(r: dict) -> dict:
-    step = 28 + 6 + 4 * bool(r["clip"]) + 12 * r["ema"]        # AdamW + copy-back, the norm, the EMA
-    return {"gradient accumulation": 10 * r["micro"], "boundary step": step}
-
-
-def render(r: dict, command: str, detail: bool = False) -> str:
-    c, n, floor = r["counts"], r["params"], floors(r)
+def render(r: dict, command: str) -> str:
+    c, n = r["counts"], r["params"]
+    floor = {"gradient accumulation": 10 * r["micro"],          # AdamW + copy-back, the norm, the EMA:
+             "boundary step": 28 + 6 + 4 * bool(r["clip"]) + 12 * r["ema"]}
     lines = [f"`{command}`: {n:,} trainable parameters in {r['tensors']} tensors, {r['micro']} micro-batch(es)",
              "", "| phase | ops | host syncs | bytes/param | floor | MFLOP |", "|---|---|---|---|---|---|"]
     for p in PHASES:
@@ -201,10 +180,6 @@ def render(r: dict, command: str, detail: bool = False) -> str:
     lines.append(f"| outside the blocks | {sum(c.ops[p] for p in outside)} | {sum(c.syncs[p] for p in outside)} | "
                  f"{sum(c.bytes[p] for p in outside) / n:.2f} | {sum(floor.values())} | "
                  f"{sum(c.flops[p] for p in outside) / 1e6:.1f} |")
-    if detail:
-        lines += ["", "| phase | op | bytes/param |", "|---|---|---|"]
-        lines += [f"| {p} | {op} | {b / n:.2f} |" for (p, op), b in sorted(c.by_op.items(), key=lambda kv: -kv[1])
-                  if p != "blocks" and b >= n * 0.5]
     return "\n".join(lines) + "\n"
 
 
@@ -213,11 +188,10 @@ def main(argv=None) -> int:
     ap = Parser(prog="python -m bench.step_bytes", description=__doc__.splitlines()[0])
     add_experiment_args(ap)
     ap.add_argument("--warmup", type=int, default=2, help="steps before the counted one (Adam state exists)")
-    ap.add_argument("--detail", action="store_true", help="also the ops that move half a byte/param or more")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "step_bytes"))
     args = ap.parse_args(argv)
     command = "python -m bench.step_bytes " + " ".join(sys.argv[1:] if argv is None else argv)
-    print(render(measure(args), command, args.detail))
+    print(render(measure(args), command))
     return 0
 
 
