@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.distributed import accelerator
+from parallel.distributed.deepspeed.bf16 import lighter_bf16_step
 from parallel.distributed.deepspeed.checkpoint import use_weights_only_checkpoints, written_checksums
 from parallel.distributed.deepspeed.clipping import clip_with_replica_norm
 from parallel.distributed.deepspeed.skip import before_pipeline_update, guard_pipeline_updates, skipped_update
@@ -97,27 +98,31 @@ class TrainingEngine:
             if reason is not None:
                 return StepResult(loss=loss, grad_norm=None, lr=lr, skipped=reason, expert_lrs=expert_lrs)
         else:
-            total, accum = torch.zeros((), dtype=torch.float64), self.cfg.train.grad_accum_steps
+            device, accum = self.engine.device, self.cfg.train.grad_accum_steps
+            total = torch.zeros((), dtype=torch.float64, device=device)     # on the device: no host read per micro-batch
             for micro in range(accum):
                 inputs, target = next(batches)
-                device = self.engine.device
                 target = tuple(y.to(device) for y in target) if isinstance(target, tuple) else target.to(device)
                 loss = self.engine(tuple(x.to(device) for x in inputs), target)
                 self.engine.backward(loss)
                 if micro < accum - 1:       # not the boundary: no update; the last step() is below
                     self.engine.step()
-                total += loss.detach().double().cpu()
+                total += loss.detach().double()
             total /= accum
             if self.ctx.data_size > 1:       # dp replicas' losses, and sp ranks' shares (SequenceLoss)
                 dist.all_reduce(total, group=self.ctx.data_group)
                 total /= self.ctx.data_size
-            loss = float(total)
             if self.experts:
                 self._skip_idle_experts()
-            skipped = self._guarded_update(loss, guard)
-            if skipped is not None:
-                return StepResult(loss=loss, grad_norm=self.engine.get_global_grad_norm(), lr=lr, skipped=skipped,
-                                  expert_lrs=expert_lrs)
+            if guard is None:           # the update queued before the loss is read: no host wait in between
+                self.engine.step()
+                loss = float(total)
+            else:
+                loss = float(total)
+                skipped = self._guarded_update(loss, guard)
+                if skipped is not None:
+                    return StepResult(loss=loss, grad_norm=self.engine.get_global_grad_norm(), lr=lr,
+                                      skipped=skipped, expert_lrs=expert_lrs)
         norm = self.engine.get_global_grad_norm()
         return StepResult(loss=loss, grad_norm=None if norm is None else float(norm), lr=lr,
                           expert_lrs=expert_lrs)
@@ -226,6 +231,7 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
                                            config=ds_final, mpu=mpu)
     use_weights_only_checkpoints(engine)
     clip_with_replica_norm(engine, lambda params: grad_norm(params, ctx))
+    lighter_bf16_step(engine)       # BF16_Optimizer: the same numbers, fewer bytes and kernels per step
     return TrainingEngine(engine, cfg, ctx, optimizer)
 
 

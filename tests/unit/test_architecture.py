@@ -384,7 +384,8 @@ DEEPSPEED_PREFIXES = ("_z3_", "_hp_", "_ds_")
 # swapped weights in host memory (parallel/distributed/pipeline.py HostResident).
 OTHER_PRIVATE = {"_cdata", "_base", "_foreach_mul_", "_foreach_add_", "_scaled_dot_product_flash_attention_for_cpu",
                  "_exit", "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_flash_attention_backward", "_apply"}
+                 "_scaled_dot_product_flash_attention_backward", "_apply",
+                 "_schema"}      # an aten op's schema: which arguments it writes (bench/step_bytes.py counts bytes)
 
 
 def _private_reads(text: str, where: str) -> list[str]:

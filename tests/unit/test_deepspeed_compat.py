@@ -21,7 +21,7 @@ from deepspeed.runtime.zero import partition_parameters
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from parallel.distributed.deepspeed import accounting, checkpoint, clipping, pipeline, version, zero3
+from parallel.distributed.deepspeed import accounting, bf16, checkpoint, clipping, pipeline, version, zero3
 from parallel.distributed.deepspeed import monitor as ds_monitor
 from parallel.distributed.deepspeed import optimizer as ds_optimizer
 from parallel.distributed.deepspeed import shm as ds_shm
@@ -158,6 +158,57 @@ def test_clip_relies_on_engine_clip_fp32_gradients_and_global_grad_norm():
            PipelineEngine._take_model_step is DeepSpeedEngine._take_model_step
            and PipelineEngine.clip_fp32_gradients is DeepSpeedEngine.clip_fp32_gradients,
            "the pipeline engine now overrides the step or the clipping")
+
+
+def test_lighter_bf16_step_relies_on_the_bf16_optimizer_paths():
+    p = "lighter_bf16_step"
+    accumulate = source(member(p, BF16_Optimizer, "_update_hp_grad"))
+    relies(p, "BF16_Optimizer._update_hp_grad", appears_in_order(
+        accumulate, "hp_grad = self.fp32_groups_gradients[group_idx][param_idx]",
+        "hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype).view(hp_grad.shape))", "lp._hp_grad = hp_grad",
+        "self.fp32_groups_has_gradients[group_idx][param_idx] = True", "lp.grad.zero_()"),
+           "the accumulation into the fp32 gradients changed")
+    update = source(member(p, BF16_Optimizer, "update_hp_grads"))
+    relies(p, "BF16_Optimizer.update_hp_grads", params(BF16_Optimizer.update_hp_grads) == ["self", "clear_lp_grads"]
+           and "self._update_hp_grad(lp, i, j, clear_lp_grads)" in update, "it no longer loops over _update_hp_grad")
+    step = source(member(p, BF16_Optimizer, "step"))
+    relies(p, "BF16_Optimizer.step", appears_in_order(
+        step, "is_invalid_grad_norm(all_groups_norm)", "clip_tensors_by_global_norm(input_tensors=self.get_grads_for_norm"
+        "(for_clipping=True)", "self.optimizer.step()", "self.update_lp_params()")
+           and step.rstrip().endswith("self.clear_hp_grads()"), "its clipping or its clearing moved")
+    grads = source(member(p, BF16_Optimizer, "get_grads_for_norm"))
+    relies(p, "BF16_Optimizer.get_grads_for_norm", "all_grads_for_clip.append(self.fp32_groups_gradients[i][j])" in grads,
+           "the gradients it clips are no longer views of fp32_groups_gradients")
+    split = source(member(p, BF16_Optimizer, "_setup_for_real_optimizer"))
+    relies(p, "BF16_Optimizer._setup_for_real_optimizer", appears_in_order(
+        split, "fp32_flat_buffer = torch.zeros_like(", "self.fp32_groups_gradients_flat.append(fp32_flat_buffer)",
+        "self._split_flat_tensor(flat_tensor=self.fp32_groups_gradients_flat[i]"),
+           "the fp32 gradients are no longer views of one zeroed flat buffer per group")
+    zero = source(member(p, BF16_Optimizer, "zero_grad"))
+    relies(p, "BF16_Optimizer.zero_grad", appears_in_order(zero, "self.clear_lp_grads(set_to_none)",
+                                                             "self.clear_hp_grads()"), "it clears something else")
+    hook = source(member(p, BF16_Optimizer, "create_grad_acc_hooks"))
+    relies(p, "BF16_Optimizer.create_grad_acc_hooks", "self.accumulate_hp_grads_and_remove_lp(param, i, j)" in hook,
+           "the hooks no longer call the method by name")
+    for name in ("backward_prologue", "clear_hp_grads", "clear_lp_grads"):
+        member(p, BF16_Optimizer, name)
+    copy = source(member(p, DeepSpeedEngine, "allreduce_and_copy"))
+    relies(p, "DeepSpeedEngine.allreduce_and_copy", params(DeepSpeedEngine.allreduce_and_copy) ==
+           ["self", "small_bucket", "dp_group", "dp_world_size"] and appears_in_order(
+               copy, "self.allreduce_bucket(small_bucket, dp_group, dp_world_size)", "buf.copy_(synced)"),
+           "the bucket's reduction and copy-back changed")
+    bucket = source(member(p, DeepSpeedEngine, "allreduce_bucket"))
+    relies(p, "DeepSpeedEngine.allreduce_bucket", appears_in_order(
+        bucket, "tensor = self.flatten(bucket)", "tensor.to(self.communication_data_type)",
+        "if not self.gradient_average:", "elif self.postscale_gradients():",
+        "if self.gradient_predivide_factor() != dp_world_size:", "tensor_to_allreduce.mul_(1. / dp_world_size)",
+        "tensor.copy_(tensor_to_allreduce)"), "its casts or scalings changed")
+
+
+def test_lighter_bf16_step_leaves_other_optimizers_alone():
+    engine = types.SimpleNamespace(optimizer=torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1))
+    assert bf16.lighter_bf16_step(engine) is False
+    assert vars(engine).keys() == {"optimizer"}
 
 
 def test_clip_with_replica_norm_clips_as_deepspeed_and_records_the_norm():
