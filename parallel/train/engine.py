@@ -98,27 +98,22 @@ class TrainingEngine:
             if reason is not None:
                 return StepResult(loss=loss, grad_norm=None, lr=lr, skipped=reason, expert_lrs=expert_lrs)
         else:
-            device, accum = self.engine.device, self.cfg.train.grad_accum_steps
-            total = torch.zeros((), dtype=torch.float64, device=device)     # on the device: no host read per micro-batch
-            for micro in range(accum):
+            device, losses = self.engine.device, []
+            for micro in range(self.cfg.train.grad_accum_steps):
                 inputs, target = next(batches)
                 target = tuple(y.to(device) for y in target) if isinstance(target, tuple) else target.to(device)
                 loss = self.engine(tuple(x.to(device) for x in inputs), target)
                 self.engine.backward(loss)
-                if micro < accum - 1:       # not the boundary: no update; the last step() is below
+                if micro < self.cfg.train.grad_accum_steps - 1:    # not the boundary: no update; the last is below
                     self.engine.step()
-                total += loss.detach().double()
-            total /= accum
-            if self.ctx.data_size > 1:       # dp replicas' losses, and sp ranks' shares (SequenceLoss)
-                dist.all_reduce(total, group=self.ctx.data_group)
-                total /= self.ctx.data_size
+                losses.append(loss.detach())          # read once, after the last backward: no host wait per micro-batch
             if self.experts:
                 self._skip_idle_experts()
             if guard is None:           # the update queued before the loss is read: no host wait in between
                 self.engine.step()
-                loss = float(total)
+                loss = self._mean_loss(losses)
             else:
-                loss = float(total)
+                loss = self._mean_loss(losses)
                 skipped = self._guarded_update(loss, guard)
                 if skipped is not None:
                     return StepResult(loss=loss, grad_norm=self.engine.get_global_grad_norm(), lr=lr,
@@ -126,6 +121,20 @@ class TrainingEngine:
         norm = self.engine.get_global_grad_norm()
         return StepResult(loss=loss, grad_norm=None if norm is None else float(norm), lr=lr,
                           expert_lrs=expert_lrs)
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> float:
+        """The global batch's loss from this rank's micro-batch losses (device scalars, read in one copy): summed
+        in float64 on the host in micro-batch order, averaged, then over the dp replicas and the sp ranks' shares
+        (SequenceLoss) through the group's host-side (gloo) backend: the figures do not depend on the device's
+        float64 support."""
+        total = torch.zeros((), dtype=torch.float64)
+        for value in torch.stack(losses).double().cpu():
+            total += value
+        total /= len(losses)
+        if self.ctx.data_size > 1:
+            dist.all_reduce(total, group=self.ctx.data_group)
+            total /= self.ctx.data_size
+        return float(total)
 
     def _guarded_update(self, loss: float, guard) -> Optional[str]:
         """The boundary step(): applied, or (the guard's verdict, the same on every rank) skipped; the reason."""
