@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.cli.netns_cluster import Cluster, Node
+from tests.cli.netns_cluster import Cluster, Node, _keys_and_configs
 from tests.dist_utils import free_port
 
 
@@ -39,10 +39,8 @@ class LoopbackCluster(Cluster):
 
 
 def _configs(d: Path, port: int) -> None:
-    (d / "bin").mkdir(parents=True)
-    for key in ("host_key", "client_key"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)], check=True, timeout=30)
-    (d / "authorized_keys").write_text((d / "client_key.pub").read_text())
+    """The namespace cluster's keys and ssh wrapper for an sshd at 127.0.0.1:`port`, and that sshd's config."""
+    _keys_and_configs(d, port)
     (d / "sshd_config").write_text(textwrap.dedent(f"""\
         ListenAddress 127.0.0.1:{port}
         HostKey {d}/host_key
@@ -54,18 +52,6 @@ def _configs(d: Path, port: int) -> None:
         KbdInteractiveAuthentication no
         PermitRootLogin prohibit-password
         """))
-    (d / "ssh_config").write_text(textwrap.dedent(f"""\
-        Host *
-          Port {port}
-          IdentityFile {d}/client_key
-          IdentitiesOnly yes
-          BatchMode yes
-          StrictHostKeyChecking no
-          UserKnownHostsFile /dev/null
-          LogLevel ERROR
-        """))
-    (d / "bin" / "ssh").write_text(f'#!/bin/sh\nexec /usr/bin/ssh -F {d}/ssh_config "$@"\n')
-    (d / "bin" / "ssh").chmod(0o755)
 
 
 @contextlib.contextmanager

@@ -121,13 +121,16 @@ def _sh(*cmd: str) -> None:
         raise RuntimeError(f"{' '.join(cmd)}: {p.stderr.strip()}")
 
 
-def _keys_and_configs(d: Path) -> None:
+def _keys_and_configs(d: Path, port: int = 22) -> None:
+    """Host and client keys in `d`, an ssh_config for every host at `port`, and `d/bin/ssh` that uses it (DeepSpeed's
+    plain `ssh HOST hostname` does not see pdsh's options)."""
     (d / "bin").mkdir(parents=True)
     for key in ("host_key", "client_key"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)], check=True, timeout=30)
     (d / "authorized_keys").write_text((d / "client_key.pub").read_text())
     (d / "ssh_config").write_text(textwrap.dedent(f"""\
         Host *
+          Port {port}
           IdentityFile {d}/client_key
           IdentitiesOnly yes
           BatchMode yes
