@@ -61,7 +61,7 @@ def checkpoint_tensors(folder):
     return found
 
 
-# dp 2 x ZeRO-2. tp 2 x pp 2 stopped and resumed under a real launcher is tests/cli/test_netns_hosts.py::test_lost_node's
+# dp 2 x ZeRO-2. tp 2 x dp 2 stopped and resumed under a real launcher is tests/cli/test_netns_hosts.py::test_lost_node's
 # rerun (its losses bit for bit); resume at another layout is tests/distributed/test_relayout.py.
 RANKS, STAGE, LAYOUT = 2, 2, ["--set", "parallel.tp_size=1"]
 
