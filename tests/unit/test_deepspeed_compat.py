@@ -192,17 +192,6 @@ def test_lighter_bf16_step_relies_on_the_bf16_optimizer_paths():
            "the hooks no longer call the method by name")
     for name in ("backward_prologue", "clear_hp_grads", "clear_lp_grads"):
         member(p, BF16_Optimizer, name)
-    copy = source(member(p, DeepSpeedEngine, "allreduce_and_copy"))
-    relies(p, "DeepSpeedEngine.allreduce_and_copy", params(DeepSpeedEngine.allreduce_and_copy) ==
-           ["self", "small_bucket", "dp_group", "dp_world_size"] and appears_in_order(
-               copy, "self.allreduce_bucket(small_bucket, dp_group, dp_world_size)", "buf.copy_(synced)"),
-           "the bucket's reduction and copy-back changed")
-    bucket = source(member(p, DeepSpeedEngine, "allreduce_bucket"))
-    relies(p, "DeepSpeedEngine.allreduce_bucket", appears_in_order(
-        bucket, "tensor = self.flatten(bucket)", "tensor.to(self.communication_data_type)",
-        "if not self.gradient_average:", "elif self.postscale_gradients():",
-        "if self.gradient_predivide_factor() != dp_world_size:", "tensor_to_allreduce.mul_(1. / dp_world_size)",
-        "tensor.copy_(tensor_to_allreduce)"), "its casts or scalings changed")
 
 
 def test_lighter_bf16_step_leaves_other_optimizers_alone():

@@ -10,8 +10,8 @@ engine set-up when the installed major.minor differs.
     zero3.py        ZeRO-3 parameter attributes (ds_id, ds_shape, ds_tensor): partitioned? full shape? local part?
     checkpoint.py   use_weights_only_checkpoints: checkpoints loaded with torch.load(weights_only=True)
     clipping.py     clip_with_replica_norm: fp32 ZeRO-0 clipping with the whole replica's norm, kept
-    bf16.py         lighter_bf16_step: BF16_Optimizer's accumulation, clipping, clearing and one-rank
-                    reduction with the same numbers, fewer bytes and kernels
+    bf16.py         lighter_bf16_step: BF16_Optimizer's accumulation, clipping and clearing with the same
+                    numbers, fewer bytes and kernels
     optimizer.py    relink_optimizer_fragments, zero_holds_master, engine_optimizers
     pipeline.py     ExplicitPipelineModule: an explicit per-stage split through PipelineModule's private hook
     monitor.py      write_monitor_events: the toolkit's figures to DeepSpeed's monitors, wandb by its own step

@@ -2,7 +2,7 @@
 numbers and fewer bytes and kernels (issue #42: train.py's step at the speed of its blocks).
 
 lighter_bf16_step(engine)  (0.19.8)
-    does     on an engine whose optimizer is BF16_Optimizer, four same-number changes (bench/step_bytes.py
+    does     on an engine whose optimizer is BF16_Optimizer, three same-number changes (bench/step_bytes.py
              counts them; bytes per trainable parameter per step):
              1. update_hp_grads adds each bf16 gradient into its fp32 buffer in one mixed-dtype add
                 (hp += lp.grad, 10 B) rather than a converted copy and an add (18 B, two kernels); the
@@ -11,37 +11,32 @@ lighter_bf16_step(engine)  (0.19.8)
                 parameter's view of it: the views cover the buffer, and the rest of it (padding,
                 parameters without a gradient) is zero, which the finite positive coefficient keeps zero
              3. zero_grad after step() does not zero the fp32 gradients step() has just zeroed (4 B)
-             4. at a data-parallel size of 1 the gradient "all-reduce" keeps its one effect, rounding the
-                fp32 gradients to the communication dtype and back, in place (12 B), without the flatten,
-                the copies around the collective and the collective (32 B)
     why      DeepSpeed's loops launch two kernels per parameter for the accumulation and one for the
-             clipping, zero the fp32 gradients twice per step, and reduce over one rank through a full
-             fp32 copy of every gradient (and a bf16 one: the rounding to bf16 is DeepSpeed's
-             communication_data_type default with bf16, kept here, so the numbers are unchanged)
+             clipping, and zero the fp32 gradients twice per step
+    not done at a data-parallel size of 1 the engine still "all-reduces" over one rank through a full fp32
+             copy of every gradient and a bf16 one (32 B; its only effect, the rounding to bf16, is 12 B in
+             place): the planner counts that copy (parallel/plan/memory.py zero_buckets, checked against the
+             engine by tests/distributed/test_plan_states.py), so removing it waits for the planner to follow
     relies   BF16_Optimizer: bf16_groups, fp32_groups_gradients (views of fp32_groups_gradients_flat),
              fp32_groups_has_gradients, immediate_grad_update, autoep_folding_tp_group, update_hp_grads
              (clear_lp_grads), get_grads_for_norm(for_clipping=True) read by step() for clipping only,
              clear_hp_grads, clear_lp_grads, zero_grad(set_to_none), backward_prologue,
-             accumulate_hp_grads_and_remove_lp (the immediate_grad_update hooks call it by name); DeepSpeedEngine:
-             allreduce_and_copy(small_bucket, dp_group, dp_world_size) over allreduce_bucket,
-             communication_data_type, gradient_average, postscale_gradients, gradient_predivide_factor
+             accumulate_hp_grads_and_remove_lp (the immediate_grad_update hooks call it by name)
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
 
 def lighter_bf16_step(engine) -> bool:
-    """Install the four changes on the engine's BF16_Optimizer; False (nothing done) for another optimizer."""
+    """Install the three changes on the engine's BF16_Optimizer; False (nothing done) for another optimizer."""
     opt = engine.optimizer
     if not isinstance(opt, BF16_Optimizer) or not opt.using_real_optimizer:
         return False
     _accumulate_in_one_add(opt)
     _clip_flat_buffers(opt)
     _zero_fp32_gradients_once(opt)
-    _round_trip_at_one_rank(engine)
     return True
 
 
@@ -99,20 +94,3 @@ def _zero_fp32_gradients_once(opt) -> None:
         if not state["clean"]:
             opt.clear_hp_grads()
     opt.zero_grad = zero_grad
-
-
-def _round_trip_at_one_rank(engine) -> None:
-    original = engine.allreduce_and_copy
-
-    @torch.no_grad()
-    def allreduce_and_copy(small_bucket, dp_group, dp_world_size=None):
-        plain = engine.gradient_predivide_factor() == 1.0 or not engine.postscale_gradients()
-        if dist.get_world_size(group=dp_group) != 1 or dp_world_size not in (None, 1) or not plain:
-            return original(small_bucket, dp_group, dp_world_size)
-        # one rank: the all-reduce is the identity and the scalings multiply by 1 (exact); what is left
-        # is allreduce_bucket's cast to the communication dtype and back
-        dtype = engine.communication_data_type
-        for buf in small_bucket:
-            if buf.dtype != dtype:
-                buf.copy_(buf.to(dtype))
-    engine.allreduce_and_copy = allreduce_and_copy
