@@ -140,7 +140,8 @@ class Check:
             self.failed |= code is not None        # stopped by the budget: unchecked, not failed
             tail = " ".join(output.strip().splitlines()[-3:])[-300:].replace("|", "/")
             verdict = "FAILED" if code is not None else "TIMED OUT (budget)"
-            self.add(f"{self.label} {name}", f"exit {code} after {seconds:.0f} s", tail, verdict)
+            ended = f"exit {code}" if code is not None else "stopped"
+            self.add(f"{self.label} {name}", f"{ended} after {seconds:.0f} s", tail, verdict)
             return None
         return output
 
