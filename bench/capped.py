@@ -168,8 +168,9 @@ def main(argv=None, runner=None) -> int:
             new = run_rows(name, results[name])
         else:
             failed = True
-            tail = " | ".join(output.strip().splitlines()[-3:])[-300:]
-            new = [(f"{name} run", f"exit {code} after {seconds:.0f} s", tail, "FAILED")]
+            tail = " ".join(output.strip().splitlines()[-3:])[-300:].replace("|", "/")   # one table cell
+            ended = f"exit {code}" if code is not None else "not run or stopped (gpu_check's budget)"
+            new = [(f"{name} run", f"{ended} after {seconds:.0f} s", tail, "FAILED")]
         if len(results) == 2:
             new.append(compare_row(results["capped"], results["uncapped"]))
         print("\n".join(" | ".join(r) for r in new), flush=True)
