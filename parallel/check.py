@@ -38,6 +38,7 @@ class DeviceDtypes:
     fp16: bool
     bf16: bool
     quantizer: bool = True        # DeepSpeed's QuantizerBuilder kernels (ZeRO++ quantisation): CUDA, Ascend
+    capability: Optional[tuple[int, int]] = None     # a CUDA device's compute capability (float8 needs 8.9+)
 
     @classmethod
     def here(cls) -> "DeviceDtypes":
@@ -48,7 +49,8 @@ class DeviceDtypes:
         # each accelerator's op_builder package has its own NotImplementedBuilder class (cpu, hpu, xpu, mlu...)
         builder = get_accelerator().create_op_builder("QuantizerBuilder")
         quantizer = builder is not None and type(builder).__name__ != "NotImplementedBuilder"
-        return cls(accelerator.name(), accelerator.is_fp16_supported(), accelerator.is_bf16_supported(), quantizer)
+        return cls(accelerator.name(), accelerator.is_fp16_supported(), accelerator.is_bf16_supported(), quantizer,
+                   accelerator.compute_capability())
 
 
 def _fmt(sizes: list[int]) -> str:
@@ -279,6 +281,44 @@ def _check_block_swap(cfg: ExperimentConfig, ds: dict, src: str) -> list[str]:
     return problems
 
 
+FLOAT8_CAPABILITY = (8, 9)        # CUDA devices with float8 tensor cores: Ada (L40S, RTX 4090), Hopper (H100, H200)
+FLOAT8_DEVICES = "a CUDA device of compute capability 8.9 or above (H100, H200, L40S, RTX 4090)"
+
+
+def _check_float8(cfg: ExperimentConfig, device: Optional[DeviceDtypes]) -> list[str]:
+    """train.float8: what the float8 layers are not combined with, and (with `device`, emulation off) a device with
+    float8 tensor cores. torchao itself is load_and_check's (the run's environment)."""
+    t = cfg.train
+    if t.float8 is None:
+        return []
+    key, problems = f"train.float8={t.float8}", []
+    if cfg.model.lora is not None:
+        problems.append(f"{key} with model.lora: LoRA trains adapters beside a frozen base (model.lora.base_dtype=fp8 "
+                        f"already stores that base in float8), and the float8 layers are for full fine-tuning; "
+                        f"set train.float8=null with model.lora, or drop model.lora to train every weight in float8")
+    if t.compile:
+        problems.append(f"{key} with train.compile=true is not verified yet (each float8 layer all-reduces its amaxes "
+                        f"inside an autograd Function, which dynamo would trace into the block's graph); set "
+                        f"train.compile=false, or train.float8=null to compile")
+    if device is None or t.float8_emulate:
+        return problems
+    emulate = "--set train.float8_emulate=true for a slow emulated check of the same casts"
+    cap = device.capability
+    if device.name == "cuda" and cap is not None and cap >= FLOAT8_CAPABILITY:
+        return problems
+    if device.name == "cuda":
+        have = f"compute capability {cap[0]}.{cap[1]}" if cap else "an unknown compute capability"
+        why = f"a CUDA device of {have}, which has no float8 tensor cores (torch._scaled_mm needs 8.9+)"
+    elif device.name == "cpu":
+        why = "the cpu accelerator, which has no float8 matmul units"
+    elif device.name == "npu":
+        why = "the npu accelerator: torchao's float8 gemm (torch._scaled_mm) is CUDA's, Ascend NPUs have none"
+    else:
+        why = f"the {device.name} accelerator, which torchao's float8 training does not support"
+    problems.append(f"{key} on {why}; set {emulate}, or run on {FLOAT8_DEVICES}")
+    return problems
+
+
 def _check_device(ds: dict, src: str, device: DeviceDtypes) -> list[str]:
     """bf16 / fp16 against what the accelerator supports: DeepSpeed would otherwise fail inside initialize."""
     fp32 = "fp32 (drop the section, e.g. ds_configs/zero0_fp32.json)"
@@ -301,6 +341,17 @@ def _check_device(ds: dict, src: str, device: DeviceDtypes) -> list[str]:
                             f"has them for CUDA and Ascend NPUs): run it there, or remove it and use "
                             f"communication_data_type=\"bf16\" (half of fp32's gradient bytes on any device)")
     return problems
+
+
+def check_torchao(cfg: ExperimentConfig) -> list[str]:
+    """train.float8's torchao, importable by this environment (torch imported with it)."""
+    from parallel.distributed.float8 import TORCHAO_PIN, torchao_problem
+    why = torchao_problem()
+    if why is None:
+        return []
+    return [f"train.float8={cfg.train.float8} needs torchao's float8 training, which this environment cannot import "
+            f"({why}); pip install {TORCHAO_PIN} (the version the toolkit is tested with; also pip install "
+            f"'video-dit-parallel[float8]'), or set train.float8=null"]
 
 
 def check_unconditional(cfg: ExperimentConfig) -> list[str]:
@@ -480,6 +531,7 @@ def check(cfg: ExperimentConfig, ds: Optional[dict[str, Any]] = None, ds_source:
     problems += _check_offload(cfg, ds, ds_source) + _check_block_swap(cfg, ds, ds_source)
     if device is not None:
         problems += _check_device(ds, ds_source, device)
+    problems += _check_float8(cfg, device)
     if cfg.train.compile:             # torch imported only for a compiled run
         from parallel.distributed.compile import compile_problems
         problems += compile_problems(True, cfg.train.compile_backend, cpu=device is None or device.name == "cpu")
@@ -559,8 +611,9 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
     if cfg is None:
         raise ConfigError("\n".join(problems))
     src = deepspeed_config or "deepspeed config"
-    device = DeviceDtypes.here() if device_check and dsc.precision(dsc.fill_auto(ds, cfg, src).ds) != "fp32" \
-        else None
+    float8_device = cfg.train.float8 is not None and not cfg.train.float8_emulate
+    device = DeviceDtypes.here() if device_check and (float8_device or dsc.precision(dsc.fill_auto(ds, cfg, src).ds)
+                                                      != "fp32") else None
     layout, found = check(cfg, ds, src, world_size, device)
     ds = dsc.fill_auto(ds, cfg, src, layout.dp_size).ds        # what the run reads: "auto" filled (check says how)
     # What the family cannot run yet (LTX-2: sampling, export); `check` alone, the planner's verdict on a layout,
@@ -573,6 +626,8 @@ def load_and_check(config: str, overrides: list[str], deepspeed_config: Optional
         from parallel.weights.diffusers import check_released
         from parallel.weights.scheduler import check_scheduler
         problems += check_released(cfg.model, cfg.model.init_from) + check_scheduler(cfg.model, cfg.model.init_from)
+    if cfg.train.float8 is not None:          # torchao, imported only for a float8 run
+        problems += check_torchao(cfg)
     if cfg.model.lora is not None:            # targets against the model built on the meta device
         from parallel.model.lora_check import check_lora
         problems += check_lora(cfg.model)

@@ -72,6 +72,15 @@ def is_fp16_supported() -> bool:
     return bool(get_accelerator().is_fp16_supported())
 
 
+def compute_capability(local_rank: int = 0) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device (9.0 H100/H200, 8.9 L40S/RTX 4090, 8.0 A100): what decides float8 tensor
+    cores (train.float8); None on any other accelerator, which has no such number."""
+    if name() != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(local_rank)
+    return int(major), int(minor)
+
+
 def synchronize() -> None:
     get_accelerator().synchronize()
 

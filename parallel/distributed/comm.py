@@ -7,7 +7,8 @@ The four Megatron regions, for a tp group of size p and a tensor x:
     gather_from_tp  forward: all-gather(x, -1) backward: split(grad, -1)[tp_rank]
     scatter_to_tp   forward: split(x, -1)[r]   backward: all-gather(grad, -1)
 
-Every collective goes through `_all_reduce` / `_all_gather`, so `count_comm()` sees all of them.
+Every collective goes through `_all_reduce` / `_all_gather` (and float8's `all_reduce_max`), so `count_comm()` sees
+all of them.
 With p == 1 they are identities and communicate nothing. A context with p > 1 and no tp_group is a planning
 context (parallel/plan/trace.py builds the model at the layout's tp size on the meta device): there each
 region returns what the collective would, in shape (an all-reduce its input, an all-gather p copies along
@@ -60,6 +61,15 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     _record("all_reduce", x)
     x = x.contiguous()
     dist.all_reduce(x, group=group)
+    return x
+
+
+def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
+    """The elementwise MAX of `x` over `group`, in place on a contiguous copy (float8 amaxes, parallel/distributed/
+    float8.py); counted as "all_reduce_max"."""
+    _record("all_reduce_max", x)
+    x = x.contiguous()
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
     return x
 
 

@@ -36,6 +36,10 @@ fp32 buffer `weight_scale` = amax|W_i| / 448 of this rank's shard W_i (each tp r
 tp = p quantises differently from tp = 1); the forward uses W_i ~ fp8(W_i / s) s, dequantised to the input's
 dtype (no fp8 matmul). Buffers: no gradient, no optimizer state, not cast by DeepSpeed (it casts parameters).
 
+Float8 (`float8`, train.float8): x W^T through torchao's float8 casts and gemm, each per-tensor scale over the full
+tensor (its amax all-reduced over the ranks holding the other shards: parallel/distributed/float8.py), so tp = p
+quantises as tp = 1 does; parallel/model/float8.py picks the layers.
+
 Block swap (`host_base`, train.block_swap): the frozen W (or fp8 W and scale) in host memory, `base_linear`
 fetching it for each use (parallel/distributed/block_swap.py).
 """
@@ -114,6 +118,7 @@ class _Lora(nn.Module):
         self.register_parameter("lora_B", None)
         self.register_buffer("weight_scale", None)
         self.host_base = None     # block swap: (BlockSwap, block, layer) while the base lives in host memory
+        self.float8 = None        # train.float8: a Float8Matmul (parallel/distributed/float8.py) for x W^T
 
     def quantise_base(self) -> None:
         """The frozen weight as fp8 + one scale (module docstring); call after the adapters and weights exist."""
@@ -140,6 +145,8 @@ class _Lora(nn.Module):
         if self.host_base is not None:
             swap, block, layer = self.host_base
             return swap.linear(x, bias, block, layer)
+        if self.float8 is not None:
+            return self.float8.linear(x, self.weight, bias, self.ctx, isinstance(self, ColumnParallelLinear))
         return F.linear(x, self.base_weight(x.dtype), bias)
 
     def _lora_setup(self, rank: int, alpha: float, dropout: float, a: torch.Tensor, b: torch.Tensor) -> None:

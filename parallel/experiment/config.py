@@ -148,6 +148,16 @@ class TrainConfig(Section):
                             "the next block's ahead on a side stream; needs model.lora; 0 = off")
     anomaly: Optional[AnomalyConfig] = Field(None, description="skip or stop on a non-finite or spiking loss "
                                              "or gradient norm, or an unreadable sample; null = off")
+    float8: Optional[Literal["tensorwise"]] = Field(
+        None, description="the blocks' tensor-parallel linear layers (local in and out features multiples of 16) "
+        "multiply in float8: torchao's tensorwise recipe (e4m3 inputs and weights, e5m2 gradients, one scale per "
+        "tensor over the full, unsharded tensor, so every tp/sp layout quantises alike; parallel/distributed/"
+        "float8.py); needs torchao (pip install torchao==0.18.0) and a device with float8 tensor cores (CUDA "
+        "compute capability 8.9+: H100, H200, L40S, RTX 4090); embed and final layers stay in the run's precision; "
+        "null = off")
+    float8_emulate: bool = Field(False, description="with train.float8: torchao's emulate mode, the same casts with "
+                                 "the matmuls dequantised to fp32 (any device, CPU included; slow): a numerical "
+                                 "check, not a speed-up")
 
     @field_validator("device_memory")
     @classmethod
@@ -163,6 +173,9 @@ class TrainConfig(Section):
             raise ValueError(f"train.min_lr={self.min_lr} is above train.lr={self.lr} (the schedule decays from "
                              f"train.lr to train.min_lr); set --set train.min_lr={self.lr / 10:g} (a tenth of "
                              f"train.lr) or any value up to train.lr, or raise train.lr")
+        if self.float8_emulate and self.float8 is None:
+            raise ValueError("train.float8_emulate=true with train.float8=null emulates nothing; set --set "
+                             "train.float8=tensorwise (or drop train.float8_emulate)")
         return self
 
 

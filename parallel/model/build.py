@@ -166,6 +166,9 @@ def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Ca
     apply_recompute(model, cfg, offload=offload)    # train.recompute / train.activation_compression (parallel/model/recompute.py)
     if offload is not None:                       # each micro-batch's forward starts its own sequence of copies
         model.forward = offload.chain(model.forward)
+    if cfg.train.float8 is not None:              # float8 matmuls in the blocks (parallel/model/float8.py)
+        from parallel.model.float8 import apply_float8
+        model.float8_layers = apply_float8(model, cfg)
     if cfg.model.lora is not None:                # frozen base + adapters (parallel/model/lora.py)
         from parallel.model.lora import apply_lora
         apply_lora(model, cfg.model, cfg.train.seed)
