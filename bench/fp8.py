@@ -5,8 +5,8 @@
 
 One process, ds_configs/zero1_bf16.json, the same initial weights (train.seed) and batches: the model trained
 `steps` steps in bf16, then again with train.float8=tensorwise. The model (not --tiny): configs/debug.yaml widened so
-the blocks' gemms are large enough for float8 to matter (hidden 1536, 12 heads x 128, 8 blocks, FFN 6144: about
-230M parameters; 17 frames at 256 x 256: 1,280 video tokens a sample, micro-batch 2); every block linear is a
+the blocks' gemms are large enough for float8 to matter (hidden 1536, 12 heads x 128, 8 blocks, FFN 6144: 231,780,432
+parameters; 17 frames at 256 x 256: 1,288 tokens a sample, 1,280 of them video; micro-batch 2); every block linear is a
 multiple of 16. Rows: median step time (after 10 warm-up steps) and the ratio, the device's peak allocated memory
 and the ratio (none on CPU), and the loss curves' difference: the mean of the last 20 steps of each, and the
 largest per-step difference. --out DIR writes fp8.md (the table) and fp8.json (every step's loss and time).
