@@ -296,10 +296,6 @@ def _check_float8(cfg: ExperimentConfig, device: Optional[DeviceDtypes]) -> list
         problems.append(f"{key} with model.lora: LoRA trains adapters beside a frozen base (model.lora.base_dtype=fp8 "
                         f"already stores that base in float8), and the float8 layers are for full fine-tuning; "
                         f"set train.float8=null with model.lora, or drop model.lora to train every weight in float8")
-    if t.compile:
-        problems.append(f"{key} with train.compile=true is not verified yet (each float8 layer all-reduces its amaxes "
-                        f"inside an autograd Function, which dynamo would trace into the block's graph); set "
-                        f"train.compile=false, or train.float8=null to compile")
     if device is None or t.float8_emulate:
         return problems
     emulate = "--set train.float8_emulate=true for a slow emulated check of the same casts"

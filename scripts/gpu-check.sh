@@ -11,7 +11,7 @@
 #   bash scripts/gpu-check.sh --write-report gpu-check.md   # here: a device run's table into bench/report.md
 #
 # Python: the project's .venv where it exists (scripts/env.sh), else the machine's python3 with
-# bench/out/carry/ (unpacked from --pack's carry.tar.gz: DeepSpeed, diffusers, peft and their pure-Python
+# bench/out/carry/ (unpacked from --pack's carry.tar.gz: DeepSpeed, diffusers, peft, torchao and their pure-Python
 # dependencies, and pydantic_core built for the device's Python) on its path.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,7 +23,7 @@ if [ "${1:-}" = "--pack" ]; then
   source "$ROOT/scripts/env.sh"
   SITE="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   rm -rf "$CARRY"; mkdir -p "$CARRY"
-  for pkg in deepspeed diffusers peft hjson pydantic annotated_types typing_inspection msgpack ninja py_cpuinfo; do
+  for pkg in deepspeed diffusers peft torchao hjson pydantic annotated_types typing_inspection msgpack ninja py_cpuinfo; do
     [ -e "$SITE/$pkg" ] && cp -r "$SITE/$pkg" "$CARRY/"
   done
   cp "$SITE"/typing_extensions.py "$CARRY/" 2>/dev/null || true

@@ -44,10 +44,14 @@ def test_bench_fp8_tiny_prints_and_writes_its_table(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     table = (tmp_path / "fp8.md").read_text()
     assert table.strip() in p.stdout
-    rows = [line for line in table.splitlines() if line.startswith("| ")]
-    assert [r.split(" | ")[0] for r in rows[1:]] == ["| step time (median after 3 steps)", "| device peak allocated",
-                                                     "| loss, mean of the last 6 steps",
-                                                     "| largest per-step loss difference"]
+    rows = {r.split(" | ")[0].lstrip("| "): r.split(" | ")[1:] for r in table.splitlines() if r.startswith("| ")}
     r = json.loads((tmp_path / "fp8.json").read_text())
     assert len(r["bf16"]["losses"]) == len(r["float8"]["losses"]) == 6 and r["float8"]["float8_layers"] == 16
     assert r["bf16"]["losses"][0] != r["float8"]["losses"][0]
+    # the table's figures are the runs' (fp8.json): the largest per-step difference, each pair's
+    for suffix in ("", " compiled"):
+        worst = max(abs(a - b) for a, b in zip(r["bf16" + suffix]["losses"], r["float8" + suffix]["losses"]))
+        assert rows[f"largest per-step loss difference{suffix}"][0] == f"{worst:.2e}"
+    # compiled with aot_eager (--tiny): the same kernels, so the same losses as eager, bitwise
+    assert r["float8 compiled"]["losses"] == r["float8"]["losses"]
+    assert r["bf16 compiled"]["losses"] == r["bf16"]["losses"]

@@ -74,6 +74,7 @@ def runs():
         "fp8_bf16": Run(1, 1, 1, BF16, CURVE_STEPS, FLOAT8),
         "tp1": Run(1, 1, 1, ds, 3, FLOAT8),
         "tp2": Run(2, 1, 1, ds, 3, FLOAT8),
+        "tp2_compiled": Run(2, 1, 1, ds, 3, (*FLOAT8, "train.compile=true", "train.compile_backend=aot_eager")),
         "sp2": Run(1, 1, 1, ds, 3, FLOAT8, sp=2),
         "plain_tp1": Run(1, 1, 1, ds, 3),
     }, calls={"pair": (2, _pair, ()), "pair_unreduced": (2, _pair, (False,)),
@@ -107,6 +108,13 @@ def test_float8_at_tp2_and_sp2_trains_as_one_process(runs):
     assert not torch.isclose(unreduced[0], want[0], rtol=1.3e-6, atol=1e-5), (unreduced[0], want[0])
     # and float8 is not fp32: the unquantised run's losses are others
     assert (want - _losses(runs["plain_tp1"])).abs().max() > 10 * LATER_BOUND
+
+
+def test_compiled_float8_blocks_train_as_eager_ones(runs):
+    """train.compile: dynamo traces the float8 Function and its amax all-reduces into each block's graph;
+    aot_eager runs the same kernels, so the losses are eager's at tp 2 (float8's own layout noise aside)."""
+    for got, want in zip(runs["tp2_compiled"]["all_losses"], runs["tp2"]["all_losses"]):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1.3e-6, atol=1e-7)
 
 
 def test_float8_bf16_trains_near_bf16(runs):

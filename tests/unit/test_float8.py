@@ -124,15 +124,40 @@ def test_float8_on_this_cpu_is_refused_before_launch_and_emulation_passes():
     assert cfg.train.float8 == "tensorwise" and cfg.train.float8_emulate
 
 
-def test_float8_with_lora_or_compile_is_refused():
+def test_float8_with_lora_is_refused_and_with_compile_is_not():
     lora = load_config("debug", FLOAT8 + ["model.lora.rank=4"])
     assert _check_float8(lora, None) == [
         "train.float8=tensorwise with model.lora: LoRA trains adapters beside a frozen base (model.lora.base_dtype=fp8 "
         "already stores that base in float8), and the float8 layers are for full fine-tuning; set train.float8=null "
         "with model.lora, or drop model.lora to train every weight in float8"]
-    compiled = load_config("debug", FLOAT8 + ["train.compile=true"])
-    assert _check_float8(compiled, None)[0].startswith("train.float8=tensorwise with train.compile=true is not "
-                                                       "verified yet")
+    assert _check_float8(load_config("debug", FLOAT8 + ["train.compile=true"]), None) == []
+
+
+def test_a_compiled_float8_pair_is_the_eager_one():
+    """torch.compile (aot_eager: the same kernels) traces the float8 Function without a graph break; output and
+    gradients equal eager's bitwise (tests/distributed/test_float8_layouts.py: the same at tp 2 through train.py)."""
+    from torch._dynamo.utils import counters
+    ctx, spec = ParallelContext.single(), Float8Matmul.build("tensorwise", emulate=True)
+    torch.manual_seed(1)
+    up, down = ColumnParallelLinear(32, 64, ctx=ctx), RowParallelLinear(64, 32, ctx=ctx)
+    up.float8 = down.float8 = spec
+
+    def pair(x):
+        return down(nn.functional.gelu(up(x)))
+
+    torch._dynamo.reset()
+    counters.clear()
+    results = []
+    for fn in (pair, torch.compile(pair, backend="aot_eager")):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        y = fn(x)
+        y.square().sum().backward()
+        results.append((y.detach(), x.grad, up.weight.grad.clone(), down.weight.grad.clone()))
+        up.weight.grad = down.weight.grad = None
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    assert not counters["graph_break"]
+    torch._dynamo.reset()
 
 
 def test_a_missing_torchao_is_refused_with_the_install_command(monkeypatch):
