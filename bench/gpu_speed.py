@@ -22,7 +22,7 @@ Time on one H100/H200 (an estimate: nothing here has run on a device yet; printe
 imports torch and DeepSpeed (~10 s). phases builds the 5B (5.6B parameters, fp32, initialised serially on the host:
 ~45 s; a 14.4B model took 1-2 minutes), DeepSpeed's engine (~15 s), then 1 + 3 + 3 steps at 3.59 s (train.py's
 step on an H200) and a profiled step with its trace written: ~2 minutes. peer-cogvideox builds 4 blocks twice and
-writes/reads 2 GB (~30 s), times them (~15 s), then compiles one block class with inductor on a cold cache (a no-grad
+writes/reads 2 GB (30 s on this project's 2-core CPU host; Wan's 2 blocks 42 s), times them (~15 s), then compiles one block class with inductor on a cold cache (a no-grad
 graph and a training graph: 1-2 minutes): ~2.5 minutes. compiled: the 5B again (~1 minute), its compile (2-3
 minutes cold; less if peer-cogvideox's graphs are in inductor's cache), 7 steps: ~3.5 minutes. peer-wan: ~2.5
 minutes. About 10.5 minutes in all against one command's 10: the default --budget 540 s ends after `compiled`
