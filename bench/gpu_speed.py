@@ -18,15 +18,20 @@ asked-for figures first so that a run the budget cuts short has measured them:
   peer-wan     the same as peer-cogvideox for Wan 2.1 14B: 2 blocks at 81 x 480 x 832 (32,760 tokens)
   fp8          `python -m bench.fp8` (bench/fp8.py, its own table) where that file exists
 
-Time on one H100/H200 (an estimate: nothing here has run on a device yet; printed at the start): each process
-imports torch and DeepSpeed (~10 s). phases builds the 5B (5.6B parameters, fp32, initialised serially on the host:
-~45 s; a 14.4B model took 1-2 minutes), DeepSpeed's engine (~15 s), then 1 + 3 + 3 steps at 3.59 s (train.py's
-step on an H200) and a profiled step with its trace written: ~2 minutes. peer-cogvideox builds 4 blocks twice and
-writes/reads 2 GB (30 s on this project's 2-core CPU host; Wan's 2 blocks 42 s), times them (~15 s), then compiles one block class with inductor on a cold cache (a no-grad
-graph and a training graph: 1-2 minutes): ~2.5 minutes. compiled: the 5B again (~1 minute), its compile (2-3
-minutes cold; less if peer-cogvideox's graphs are in inductor's cache), 7 steps: ~3.5 minutes. peer-wan: ~2.5
-minutes. About 10.5 minutes in all against one command's 10: the default --budget 540 s ends after `compiled`
-most likely, and peer-wan and fp8 then read NOT RUN (budget); `--only peer-wan,fp8` in a second command runs them.
+Time on one H100/H200 (an estimate: nothing here has run on a device yet; the sums are printed at the start):
+  every process imports torch and DeepSpeed                                                     ~10 s each
+  phases          the 5B built on the host (fp32, initialised serially; bench/capped.py estimates 1-2
+                  minutes for the 14.4B) ~45 s, DeepSpeed's engine ~15 s, 1 + 3 + 3 steps at train.py's
+                  3.59 s (H200) ~25 s, a profiled step and its trace written ~20 s                ~2 minutes
+  peer-cogvideox  4 blocks built twice, 2 GB written and read (30 s on this project's 2-core CPU
+                  host), timed ~15 s, one block class compiled by inductor on a cold cache (a no-grad
+                  and a training graph) 1-2 minutes                                              ~2.5 minutes
+  compiled        the 5B again ~1 minute, its compile 2-3 minutes cold (less where peer-cogvideox's
+                  graphs are in inductor's cache), 2 + 3 + 3 steps                               ~3.5 minutes
+  peer-wan        as peer-cogvideox (Wan's 2 blocks built in 42 s here)                          ~2.5 minutes
+About 10.5 minutes in all, against one command's 10: the default --budget 540 s (a command starts only with 60 s of
+it left) most likely ends after `compiled`, in the order above, and peer-wan and fp8 then read NOT RUN (budget);
+`--only peer-wan,fp8 --budget 200` right after, while the machine is still warm, runs them.
 
 Rows: what, measured, compared with, verdict (bench/gpu_check.py's shape), each printed as measured, each command's
 seconds printed as it ends; the table goes with the card and the date into bench/report.md's "GPU speed" section
@@ -193,22 +198,28 @@ class Speed:
             self.add([(name, "-", "-", "NOT RUN (bench/fp8.py not present)")])
             return
         output = self.command(name, cmd)
-        if name.startswith("peer"):
-            r = self.result(name)          # written before the compile: a compile stopped leaves the eager rows
-            if r is not None:
-                self.add(peer_rows(name, r))
-        elif name == "fp8":
-            if output is not None:
-                self.extra = output[output.find("|"):] if "|" in output else output
-                self.add([("fp8", "bench/fp8.py's table", "below this table", "ok")])
-        elif output is not None:
-            r = self.result(name)
-            label = "phases " + config
-            if name == "phases":
-                trace = self.work / "phases" / "trace" / "step.json.gz"
-                self.add(phase_rows(label, r, recompute_factor(config), trace if trace.exists() else None))
-            else:
-                self.add(compiled_rows(r, self.results.get("phases")))
+        try:
+            self.add(self.rows_of(name, output, config))
+        except Exception as e:         # the rows of what ran, never the run: the table and $OUT still come back
+            self.failed = True
+            self.add([(f"{name} rows", "-", f"{type(e).__name__}: {e}"[:300].replace("|", "/"), "FAILED")])
+
+    def rows_of(self, name: str, output: str | None, config: str) -> list[tuple[str, ...]]:
+        """What the command wrote, as rows (none where it wrote nothing: its row says why)."""
+        r = self.result(name)
+        if name.startswith("peer"):        # written before the compile: a compile stopped leaves the eager rows
+            return peer_rows(name, r) if r is not None else []
+        if output is None:
+            return []
+        if name == "fp8":
+            self.extra = output[output.find("|"):] if "|" in output else output
+            return [("fp8", "bench/fp8.py's table", "below this table", "ok")]
+        if r is None:
+            raise FileNotFoundError(f"{name} exited 0 without {self.work / name / 'result.json'}")
+        if name == "phases":
+            trace = self.work / "phases" / "trace" / "step.json.gz"
+            return phase_rows(f"phases {config}", r, recompute_factor(config), trace if trace.exists() else None)
+        return compiled_rows(r, self.results.get("phases"))
 
 
 def keep(out: Path, text: str, work: Path) -> None:
@@ -246,23 +257,23 @@ def main(argv=None, execute=device_run.subprocess_run) -> int:
     budget = Budget(args.budget, floor=5.0 if args.tiny else 60.0)
     if not args.tiny:
         print("estimate on one H100/H200 (bench/gpu_speed.py): phases ~2, peer-cogvideox ~2.5, compiled ~3.5, "
-              f"peer-wan ~2.5 minutes; the budget is {args.budget:.0f} s", flush=True)
+              f"peer-wan ~2.5 minutes (~10.5 in all); the budget is {args.budget:.0f} s", flush=True)
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
     card, _ = peak()
     found = commands(args.tiny, args.work)
     speed = Speed(args.work, budget, execute, args.tiny)
-    for name in args.only.split(",") if args.only else NAMES:
-        speed.run(name, found.get(name), "debug" if args.tiny else "cogvideox-5b")
     typed = "bash scripts/gpu-check.sh --speed" + (" --tiny" if args.tiny else "") + \
             (f" --only {args.only}" if args.only else "")
-    text = table(speed.rows, card, datetime.date.today().isoformat(), typed) + \
-        (f"\nbench/fp8.py:\n\n{speed.extra.rstrip()}\n" if speed.extra else "")
+    for name in args.only.split(",") if args.only else NAMES:
+        speed.run(name, found.get(name), "debug" if args.tiny else "cogvideox-5b")
+        text = table(speed.rows, card, datetime.date.today().isoformat(), typed) + \
+            (f"\nbench/fp8.py:\n\n{speed.extra.rstrip()}\n" if speed.extra else "")
+        if not args.no_report:
+            device_run.write_report(text, report, BEGIN, END, HEADING)
+        if args.out is not None:       # after each command: a run stopped from outside has left what it measured
+            keep(args.out, text, args.work)
     print("\n" + text, flush=True)
-    if not args.no_report:
-        device_run.write_report(text, report, BEGIN, END, HEADING)
-    if args.out is not None:
-        keep(args.out, text, args.work)
     return 1 if speed.failed else 2 if budget.short else 0
 
 

@@ -73,3 +73,22 @@ def test_a_spent_budget_runs_nothing_and_says_so(tmp_path, capsys):
     _, rows = table_rows(capsys.readouterr().out)
     for name in ("phases", "peer-cogvideox", "compiled", "peer-wan"):
         assert rows[name] == ["-", "-", "NOT RUN (budget)"]
+
+
+def test_a_failed_command_ends_only_its_rows(tmp_path, capsys):
+    """Each command fails (an out-of-memory, say): every later one still runs, each row says which failed and how."""
+    import subprocess
+    ran = []
+
+    def failing(cmd, timeout):
+        ran.append(cmd[2])
+        return subprocess.CompletedProcess(cmd, 1, "", "torch.OutOfMemoryError: CUDA out of memory | tried 9 GiB")
+    out = tmp_path / "out"
+    assert gpu_speed.main(["--tiny", "--no-report", "--work", str(tmp_path / "work"), "--out", str(out)],
+                          execute=failing) == 1
+    _, rows = table_rows(capsys.readouterr().out)
+    assert ran == ["bench.step_phases", "bench.peer_release", "bench.step_phases", "bench.peer_release"] + \
+        (["bench.fp8"] if (gpu_speed.ROOT / "bench" / "fp8.py").exists() else [])
+    for name in ("phases", "peer-cogvideox", "compiled", "peer-wan"):
+        assert rows[name][1:] == ["torch.OutOfMemoryError: CUDA out of memory / tried 9 GiB", "FAILED"]
+    assert (out / "gpu-speed.md").exists()
