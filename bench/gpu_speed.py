@@ -225,6 +225,7 @@ class Speed:
 def keep(out: Path, text: str, work: Path) -> None:
     """The table, the commands' result.json, the trace where small, and the logs (gzip) in `out`."""
     copies = [(work / name / "result.json", f"{name}.json") for name in NAMES]
+    copies += [(work / "fp8" / "fp8.json", "fp8.json"), (work / "fp8" / "fp8.md", "fp8.md")]     # bench/fp8.py's own
     trace = work / "phases" / "trace" / "step.json.gz"
     if trace.exists() and trace.stat().st_size <= TRACE_KEEP:
         copies.append((trace, "phases-step.json.gz"))

@@ -23,7 +23,10 @@ def table_rows(printed: str) -> tuple[str, dict]:
 
 def test_gpu_speed_rows_carry_what_its_commands_measured(tmp_path, capsys):
     work, out = tmp_path / "work", tmp_path / "out"
-    assert gpu_speed.main(["--tiny", "--no-report", "--work", str(work), "--out", str(out)], execute=forked) == 0
+    # fp8 (bench/fp8.py's own test times it) left out for the suite's time; the failing test below sees it started
+    only = "phases,peer-cogvideox,compiled,peer-wan"
+    assert gpu_speed.main(["--tiny", "--only", only, "--no-report", "--work", str(work), "--out", str(out)],
+                          execute=forked) == 0
     table, rows = table_rows(capsys.readouterr().out)
     phases = json.loads((work / "phases" / "result.json").read_text())
     assert rows["phases debug whole step"][0] == f"{phases['step_s']:.3f} s"
@@ -53,10 +56,9 @@ def test_gpu_speed_rows_carry_what_its_commands_measured(tmp_path, capsys):
         assert f"compile {c['compile_s']:.1f} s" in rows[f"{label} compiled blocks (aot_eager) train step"][1]
         assert c["blocks_compiled"] == 4 and c["graph_breaks"] == 0    # rotary included (test_rope_compile.py)
         assert json.loads((out / f"{name}.json").read_text()) == r
-    if not (gpu_speed.ROOT / "bench" / "fp8.py").exists():
-        assert rows["fp8"][2] == "NOT RUN (bench/fp8.py not present)"
     written = (out / "gpu-speed.md").read_text()
-    assert written.endswith(table) and written.splitlines()[0].endswith("`bash scripts/gpu-check.sh --speed --tiny`")
+    assert written.endswith(table) and written.splitlines()[0].endswith(f"`bash scripts/gpu-check.sh --speed --tiny "
+                                                                        f"--only {only}`")
     with tarfile.open(out / "gpu-speed-logs.tar.gz") as tar:
         assert {"phases.log", "peer-cogvideox.log", "compiled.log", "peer-wan.log"} <= set(tar.getnames())
 
@@ -91,4 +93,6 @@ def test_a_failed_command_ends_only_its_rows(tmp_path, capsys):
         (["bench.fp8"] if (gpu_speed.ROOT / "bench" / "fp8.py").exists() else [])
     for name in ("phases", "peer-cogvideox", "compiled", "peer-wan"):
         assert rows[name][1:] == ["torch.OutOfMemoryError: CUDA out of memory / tried 9 GiB", "FAILED"]
+    if not (gpu_speed.ROOT / "bench" / "fp8.py").exists():
+        assert rows["fp8"] == ["-", "-", "NOT RUN (bench/fp8.py not present)"]
     assert (out / "gpu-speed.md").exists()
