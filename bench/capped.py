@@ -36,10 +36,11 @@ import datetime
 import json
 import os
 import shutil
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench import device_run
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- capped:begin -->", "<!-- capped:end -->"
@@ -78,10 +79,9 @@ def command(case: Case, run: str, out: Path, steps: int, cap: str, frames: int |
 
 def measure(out: Path) -> dict:
     """What one finished run wrote: metrics.jsonl's step times, memory_check.json's stage, the launcher's stats."""
-    from bench.gpu_check import metrics
-    times = [m["step_time_s"] for m in metrics(out)]
+    times = [m["step_time_s"] for m in device_run.metrics(out)]
     check = json.loads((out / "memory_check.json").read_text())
-    return {"step_times": times, "step_s": statistics.median(times[1:] or times),     # step 1 warms up
+    return {"step_times": times, "step_s": device_run.median(times[1:] or times),     # step 1 warms up
             "memory": check["stages"][0], **json.loads((out / "stats.json").read_text())}
 
 
@@ -121,22 +121,17 @@ def export(work: Path, text: str, report: Path | None) -> None:
     out = os.environ.get("OUT")
     if not out:
         return
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "capped.md").write_text(text)
     files = [(work / "capped.json", "capped.json")]
     files += [(work / f"{run}.log", f"{run}.log") for run in RUNS]
     files += [(work / run / "memory_check.json", f"{run}-memory_check.json") for run in RUNS]
     files += [(report, "report.md")] if report else []
-    for src, name in files:
-        if src.exists():
-            shutil.copy(src, out / name)
+    device_run.keep(Path(out), "capped.md", text, copies=files)
 
 
 def main(argv=None, runner=None) -> int:
-    """`runner(cmd, log) -> (exit code, output, seconds)`: bench/gpu_check.py's `run` (a subprocess) unless given
+    """`runner(cmd, log) -> (exit code, output, seconds)`: device_run.run (a subprocess, no budget) unless given
     (a test forks the commands from its preloaded server)."""
-    from bench.gpu_check import peak, run, table, write_report
+    from bench.device_run import Budget, peak, run, table, tail_cell, write_report
 
     ap = argparse.ArgumentParser(prog="bash scripts/gpu-check.sh --capped", description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="configs/debug-wan.yaml (runs on CPU): the script's own check")
@@ -146,7 +141,7 @@ def main(argv=None, runner=None) -> int:
     ap.add_argument("--work", type=Path, default=ROOT / "bench" / "out" / "capped", help="scratch folder (emptied)")
     ap.add_argument("--no-report", action="store_true", help="print the table only")
     args = ap.parse_args(argv)
-    runner = runner or run
+    runner = runner or (lambda cmd, log: run(cmd, log, Budget(float("inf"), 0.0), "capped"))
     case = TINY if args.tiny else RELEASE
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
@@ -168,8 +163,8 @@ def main(argv=None, runner=None) -> int:
             new = run_rows(name, results[name])
         else:
             failed = True
-            tail = " ".join(output.strip().splitlines()[-3:])[-300:].replace("|", "/")   # one table cell
-            ended = f"exit {code}" if code is not None else "not run or stopped (gpu_check's budget)"
+            tail = tail_cell(output)
+            ended = f"exit {code}" if code is not None else "not run or stopped (a budget)"
             new = [(f"{name} run", f"{ended} after {seconds:.0f} s", tail, "FAILED")]
         if len(results) == 2:
             new.append(compare_row(results["capped"], results["uncapped"]))

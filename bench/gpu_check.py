@@ -36,11 +36,11 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
-import tarfile
-import time
 from pathlib import Path
+
+from bench import device_run
+from bench.device_run import Budget, median, metrics, peak, table, tail_cell
 
 ROOT = Path(__file__).resolve().parent.parent
 RELEASE = ["cogvideox-2b", "wan2.1-t2v-1.3b"]
@@ -48,64 +48,18 @@ TINY = ["debug", "debug-wan"]
 BEGIN, END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
 
 
-class Budget:
-    """The run's deadline. A command starts only while `floor` seconds are left (a train.py process needs its
-    imports, its model and a step before it measures anything) and is stopped when the budget ends."""
-
-    def __init__(self, seconds: float, floor: float):
-        self.end, self.floor = time.monotonic() + seconds, floor
-        self.short = False          # something was not checked for want of time
-
-    def left(self) -> float:
-        return self.end - time.monotonic()
-
-    def allows(self) -> bool:
-        if self.left() < self.floor:
-            self.short = True
-            return False
-        return True
-
-
 BUDGET = Budget(float("inf"), 0.0)      # main() sets the run's
 
 
 def run(cmd: list[str], log: Path) -> tuple[int | None, str, float]:
-    """(exit code, output, seconds) of one command, its output kept in `log`; code None: not started (the
-    budget no longer holds it) or stopped at the budget's end."""
-    if not BUDGET.allows():
-        log.write_text("not run: the time budget (--budget) was spent\n")
-        return None, "NOT RUN (budget)", 0.0
-    tic = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(BUDGET.left(), 1.0))
-        code, output = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        BUDGET.short = True
-        code = None
-        output = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-                         for x in (e.stdout, e.stderr)) + "\nTIMED OUT at the end of the time budget (--budget)"
-    seconds = time.perf_counter() - tic
-    log.write_text(output)
-    print(f"[gpu-check] {log.stem}: {'exit ' + str(code) if code is not None else output.splitlines()[-1]} "
-          f"after {seconds:.0f} s ({BUDGET.left():.0f} s of the budget left)", flush=True)
-    return code, output, seconds
-
-
-def metrics(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if '"loss"' in line] if path.exists() else []
+    """device_run.run under this run's BUDGET: (exit code, output, seconds), the output kept in `log`."""
+    return device_run.run(cmd, log, BUDGET, "gpu-check")
 
 
 def step_flops(preset: str) -> float:
     from bench.__main__ import step_flops as flops
     from parallel.experiment.config import load_config
     return flops(load_config(preset))
-
-
-def peak() -> tuple[str, float | None]:
-    from bench.device import device_and_dtype, peak_flops
-    found = peak_flops(*device_and_dtype())
-    return found["name"], found["flops"]
 
 
 class Check:
@@ -138,7 +92,7 @@ class Check:
             return None
         if code != 0:
             self.failed |= code is not None        # stopped by the budget: unchecked, not failed
-            tail = " ".join(output.strip().splitlines()[-3:])[-300:].replace("|", "/")
+            tail = tail_cell(output)
             verdict = "FAILED" if code is not None else "TIMED OUT (budget)"
             ended = f"exit {code}" if code is not None else "stopped"
             self.add(f"{self.label} {name}", f"{ended} after {seconds:.0f} s", tail, verdict)
@@ -152,7 +106,7 @@ class Check:
             return False
         steps = metrics(whole)
         times = [m["step_time_s"] for m in steps[1:]] or [steps[0]["step_time_s"]]     # step 1 warms up
-        step = sorted(times)[len(times) // 2]
+        step = median(times)
         mfu = f"{flops / step / peak_flops:.1%} MFU" if peak_flops else "no peak known"
         self.add(f"{self.label} train step", f"{step:.3f} s", mfu, "ok")
         check = json.loads((whole / "memory_check.json").read_text())
@@ -241,35 +195,19 @@ def ring_rows(work: Path) -> list[tuple[str, str, str, str]]:
     return [row]
 
 
-def table(rows, card: str, date: str, command: str) -> str:
-    lines = [f"{card}, {date}: `{command}`", "", "| what | measured | compared with | verdict |", "|---|---|---|---|"]
-    lines += [f"| {' | '.join(r)} |" for r in rows]
-    return "\n".join(lines) + "\n"
-
-
 HEADING = "## GPU check\n\n`bash scripts/gpu-check.sh` on a lent GPU (bench/gpu_check.py says what each row is)."
 
 
-def write_report(text: str, report: Path, begin: str = BEGIN, end: str = END, heading: str = HEADING) -> None:
-    """`text` between the markers `begin` and `end` of `report`, replacing what was there; a section of its own
-    (`heading`, then the markers) at the end where the markers are missing."""
-    section = f"{begin}\n{text}{end}"
-    old = report.read_text() if report.exists() else ""
-    if begin in old and end in old:
-        new = old[:old.index(begin)] + section + old[old.index(end) + len(end):]
-    else:
-        new = old.rstrip("\n") + "\n\n" + heading + "\n\n" + section + "\n"
-    report.write_text(new)
+def write_report(text: str, report: Path) -> None:
+    """`text` as bench/report.md's "GPU check" section (device_run.write_report between BEGIN and END)."""
+    device_run.write_report(text, report, BEGIN, END, HEADING)
 
 
 def keep(out: Path, text: str, work: Path) -> None:
     """The table and the commands' logs in `out` (the device tool brings back a few files from $OUT)."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu-check.md").write_text(text)
-    with tarfile.open(out / "gpu-check-logs.tar.gz", "w:gz") as tar:
-        for f in sorted(work.rglob("*")):
-            if f.suffix in (".log", ".jsonl") or f.name == "memory_check.json":
-                tar.add(f, arcname=str(f.relative_to(work)))
+    logs = [(f, str(f.relative_to(work))) for f in sorted(work.rglob("*"))
+            if f.suffix in (".log", ".jsonl") or f.name == "memory_check.json"]
+    device_run.keep(out, "gpu-check.md", text, tarball="gpu-check-logs.tar.gz", packed=logs)
 
 
 def main(argv=None) -> int:

@@ -33,6 +33,12 @@ from bench import profile
 # (heads, head_dim, latent frames, latent height = width): mid 4 x 64 = 256 hidden at 4 x 10 x 10 = 400
 # video tokens (CogVideoX adds 16 text tokens: 416); wide 8 x 64 = 512 hidden at 4 x 16 x 16 = 1,024 (+16).
 SIZES = {"mid": (4, 64, 4, 20), "wide": (8, 64, 4, 32)}
+# The release size (bench/peer_release.py, not in `run`'s rows): a PRESETS row's release preset at its own geometry,
+# with a few blocks: CogVideoX-5B, 4 blocks at 49 x 480 x 720 (17,550 video + 226 text = 17,776 tokens); Wan 2.1 14B,
+# 2 blocks at its 480p size 81 x 480 x 832 (32,760 tokens; the preset's 720p is 75,600).
+RELEASE = {"debug": ("cogvideox-5b", ("model.num_layers=4",)),
+           "debug-wan": ("wan2.1-t2v-14b", ("model.num_layers=2", "parallel.sp_size=1", "data.height=480",
+                                            "data.width=832"))}
 LAYERS, CHANNELS, TEXT_LEN, TEXT_DIM, BATCH = 4, 16, 16, 128, 1
 # The models compared: a preset (configs/<name>.yaml) and the overrides that make it the released architecture
 # the row stands for, on top of the size's (_overrides). `{latent}`, `{hidden}`, ... take the size's values.
@@ -56,6 +62,9 @@ class Pair:
     fmt: object              # the family's ReleasedFormat (models/spec.py): diffusers' call convention
     peer_kwargs: dict        # extra diffusers arguments (CogVideoX's rotary tables, as its pipeline makes them)
     tokens: int              # the sequence the layers see (text tokens included where they join it)
+    hidden: int = 0
+    heads: int = 0
+    layer_class: type = None  # the toolkit's block class (what train.compile compiles)
 
     def run_toolkit(self):
         return self.toolkit.predict(self.inputs)
@@ -64,8 +73,12 @@ class Pair:
         return self.fmt.reference_call(self.peer, self.inputs, self.peer_kwargs)
 
 
-def _overrides(preset: str, size: str, folder: str) -> list[str]:
-    """The size's overrides (generic model and data keys) and the preset's own (PRESETS)."""
+def _overrides(preset: str, size: str, folder: str) -> tuple[str, list[str]]:
+    """The config to load and its overrides: at SIZES, the size's (generic model and data keys) and the preset's own
+    (PRESETS); at "release", RELEASE's preset and its block count."""
+    if size == "release":
+        config, keys = RELEASE[preset]
+        return config, [*keys, f"train.micro_batch_size={BATCH}", f"model.init_from={folder}"]
     heads, head_dim, frames, latent = SIZES[size]
     hid = heads * head_dim
     common = [f"model.num_layers={LAYERS}", f"model.hidden_size={hid}", f"model.num_heads={heads}",
@@ -73,8 +86,8 @@ def _overrides(preset: str, size: str, folder: str) -> list[str]:
               f"model.max_text_len={TEXT_LEN}", f"data.num_frames={(frames - 1) * 4 + 1}",
               f"data.height={latent * 8}", f"data.width={latent * 8}", f"train.micro_batch_size={BATCH}",
               f"model.init_from={folder}"]
-    return common + [o.format(latent=latent, hidden=hid, ffn=4 * hid, heads=heads, frames=frames)
-                     for o in PRESETS[preset]]
+    return preset, common + [o.format(latent=latent, hidden=hid, ffn=4 * hid, heads=heads, frames=frames)
+                             for o in PRESETS[preset]]
 
 
 def build_pair(preset: str, size: str, device: torch.device, dtype: torch.dtype) -> Pair:
@@ -91,7 +104,7 @@ def build_pair(preset: str, size: str, device: torch.device, dtype: torch.dtype)
     from parallel.weights.diffusers import load_released, released_format
 
     with tempfile.TemporaryDirectory() as folder:
-        cfg = load_config(preset, _overrides(preset, size, folder))
+        cfg = load_config(*_overrides(preset, size, folder))
         fmt = released_format(cfg.model)
         torch.manual_seed(0)
         peer = getattr(diffusers, fmt.class_name).from_config(fmt.config(cfg.model, cfg.data))
@@ -100,7 +113,8 @@ def build_pair(preset: str, size: str, device: torch.device, dtype: torch.dtype)
                 p.add_(0.02 * torch.randn_like(p))
         peer.save_pretrained(folder)
         ctx = ParallelContext.single()
-        toolkit = SequentialDiT(layer_specs(cfg, ctx))
+        specs = layer_specs(cfg, ctx)
+        toolkit = SequentialDiT(specs)
         read = load_released(toolkit, ctx, cfg.model, folder)
     name = family(cfg.model).name
     if read != sum(p.numel() for p in peer.parameters()):
@@ -110,7 +124,7 @@ def build_pair(preset: str, size: str, device: torch.device, dtype: torch.dtype)
     inputs = tuple(x.to(device, dtype if x.is_floating_point() and x.dim() > 1 else None) for x in inputs)
     peer, toolkit = peer.to(device, dtype), toolkit.to(device, dtype)
     return Pair(name, size, peer, toolkit, inputs, fmt, fmt.reference_kwargs(peer, inputs),
-                sequence_tokens(cfg.model, cfg.data))
+                sequence_tokens(cfg.model, cfg.data), cfg.model.hidden_size, cfg.model.num_heads, specs[1].typename)
 
 
 def saved_bytes(run, model: torch.nn.Module) -> int:
@@ -135,14 +149,11 @@ def step_flops(pair: Pair) -> int:
     return counter.get_total_flops()
 
 
-def measure(pair: Pair, blocks: int, per_block: int, sync) -> dict:
-    """Alternating blocks of `per_block` steps, toolkit then diffusers, the first block a warm-up."""
-    with torch.no_grad():
-        diff = (pair.run_toolkit().float() - pair.run_peer().float()).abs().max().item()
-    runs = {"toolkit": (pair.run_toolkit, pair.toolkit), "diffusers": (pair.run_peer, pair.peer)}
-    saved = {k: saved_bytes(run, model) for k, (run, model) in runs.items()}
-    flops = step_flops(pair)
-    target = torch.randn_like(pair.run_toolkit().detach())
+def alternate(runs: dict, target, blocks: int, per_block: int, sync, first: dict | None = None):
+    """Times of `runs` ({name: (predict, model)}) in alternating blocks of `per_block` steps, the first block a
+    warm-up: ({("train" or "forward", name): [seconds]}, the train step function). A train step is forward + MSE +
+    backward + AdamW (foreach); forward the prediction under no_grad. `first` gets each (what, name)'s first call's
+    seconds (a compiled model's compile is in it)."""
     opts = {k: torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True) for k, (_, model) in runs.items()}
 
     def train_step(name):
@@ -159,21 +170,34 @@ def measure(pair: Pair, blocks: int, per_block: int, sync) -> dict:
     for block in range(blocks + 1):
         for what, fn in (("train", train_step), ("forward", forward)):
             for name in runs:
-                for _ in range(per_block):
+                for i in range(per_block):
                     sync()
                     tic = time.perf_counter()
                     fn(name)
                     sync()
                     if block:
                         times[what, name].append(time.perf_counter() - tic)
+                    elif first is not None and i == 0:
+                        first[what, name] = time.perf_counter() - tic
+    return times, train_step
+
+
+def measure(pair: Pair, blocks: int, per_block: int, sync) -> dict:
+    """Alternating blocks of `per_block` steps, toolkit then diffusers, the first block a warm-up."""
+    with torch.no_grad():
+        diff = (pair.run_toolkit().float() - pair.run_peer().float()).abs().max().item()
+    runs = {"toolkit": (pair.run_toolkit, pair.toolkit), "diffusers": (pair.run_peer, pair.peer)}
+    saved = {k: saved_bytes(run, model) for k, (run, model) in runs.items()}
+    flops = step_flops(pair)
+    target = torch.randn_like(pair.run_toolkit().detach())
+    times, train_step = alternate(runs, target, blocks, per_block, sync)
     med = {f"{what}_{k}_s": statistics.median(v) for (what, k), v in times.items()}
     # the ratio: median of toolkit / diffusers over steps adjacent in time, so load that changes over minutes
     # (other jobs on the machine) cancels within each pair
     paired = {what: statistics.median(a / b for a, b in zip(times[what, "toolkit"], times[what, "diffusers"]))
               for what in ("train", "forward")}
     table = {name: profile.step_table(lambda n=name: train_step(n), sync, steps=1) for name in runs}
-    heads, head_dim, _, _ = SIZES[pair.size]
-    return {"family": pair.family, "size": pair.size, "hidden": heads * head_dim, "heads": heads,
+    return {"family": pair.family, "size": pair.size, "hidden": pair.hidden, "heads": pair.heads,
             "tokens": pair.tokens, "max_abs_diff": diff, **med, "steps_each": len(times["train", "toolkit"]),
             "train_ratio": paired["train"], "forward_ratio": paired["forward"],
             "saved_toolkit_bytes": saved["toolkit"], "saved_diffusers_bytes": saved["diffusers"],

@@ -12,6 +12,7 @@ step train.py runs (`TrainingEngine.train_step`). Two passes of --steps steps ea
    inside the step). Each phase's share of the step, and the step's MFU.
 2. blocks: the same steps with every transformer block's forward and backward timed by hooks (synchronised);
    the blocks' share is what a blocks-only step (bench/peer.py) would take, the rest is outside the blocks.
+The warm-up steps' seconds are kept too (result.json "warmup_s"): with train.compile=true the first ones compile.
 With --trace DIR one more step is profiled (torch.profiler, the device's activities) and its trace written as
 DIR/step.json.gz (a few MB at release size: one step only).
 
@@ -115,9 +116,12 @@ def measure(args) -> dict:
     trainer = build_trainer(cfg, ds, ctx)
     batches = training_batches(cfg, ctx)
     sync = accelerator.synchronize
+    warmup = []                     # each warm-up step's seconds: a compiled model's compile is in the first
     for _ in range(args.warmup):
+        tic = time.perf_counter()
         trainer.train_step(batches)
-    sync()
+        sync()
+        warmup.append(time.perf_counter() - tic)
 
     walls, phases = [], Phases(trainer.engine, sync)
     with phases:
@@ -150,7 +154,7 @@ def measure(args) -> dict:
     peak = peak_flops(*device_and_dtype())
     flops = step_flops(cfg) * cfg.train.grad_accum_steps
     return {"config": args.config, "deepspeed_config": Path(args.deepspeed_config).stem, "overrides": args.overrides,
-            "device": peak["name"], "step_s": step, "phases_s": per_step,
+            "device": peak["name"], "step_s": step, "warmup_s": warmup, "phases_s": per_step,
             "mfu": flops / step / peak["flops"] if peak["flops"] else None,
             "blocks_s": blocks.get("blocks", 0.0) / args.steps, "hooked_step_s": statistics.median(hooked)}
 

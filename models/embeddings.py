@@ -152,7 +152,9 @@ def apply_rope_complex(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     Works on strided views (a head slice of a fused QKV output) whose pairs are adjacent; returns a contiguous
     [B, heads, S, D] in x's dtype (computed in fp32)."""
     dtype, x = x.dtype, x.float()
-    if x.stride(-1) != 1 or x.storage_offset() % 2 or any(s % 2 for s in x.stride()[:-1]):
+    if torch.compiler.is_compiling():
+        x = x.contiguous()      # dynamo cannot trace storage_offset() (a graph break a block); the compiler lays it out
+    elif x.stride(-1) != 1 or x.storage_offset() % 2 or any(s % 2 for s in x.stride()[:-1]):
         x = x.contiguous()
     out = torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * freqs)   # (B, n, S, D/2, 2)
     return out.flatten(-2).to(dtype)

@@ -8,6 +8,8 @@
 #   bash scripts/gpu-check.sh --pack          # here: bench/out/carry.tar.gz, what a bare device image lacks
 #   bash scripts/gpu-check.sh --capped        # Wan 14B LoRA capped at 24 GiB vs its plan and uncapped
 #                                             # (bench/capped.py, about 5 minutes; --capped --tiny on CPU)
+#   bash scripts/gpu-check.sh --speed         # issue 42: train.py's 5B step by phase, its blocks against diffusers',
+#                                             # compiled blocks (bench/gpu_speed.py, --budget 540 s; --speed --tiny on CPU)
 #   bash scripts/gpu-check.sh --write-report gpu-check.md   # here: a device run's table into bench/report.md
 #
 # Python: the project's .venv where it exists (scripts/env.sh), else the machine's python3 with
@@ -17,7 +19,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CARRY="$ROOT/bench/out/carry"
 if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
-  sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0
+  sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0
 fi
 if [ "${1:-}" = "--pack" ]; then
   source "$ROOT/scripts/env.sh"
@@ -48,5 +50,9 @@ cd "$ROOT"
 if [ "${1:-}" = "--capped" ]; then
   shift
   exec "$(command -v python || command -v python3)" -m bench.capped "$@"
+fi
+if [ "${1:-}" = "--speed" ]; then
+  shift
+  exec "$(command -v python || command -v python3)" -m bench.gpu_speed "$@"
 fi
 exec "$(command -v python || command -v python3)" -m bench.gpu_check "$@"
