@@ -16,9 +16,10 @@ test module whole, the longest first: see pytest_collection_modifyitems).
 One test: add -k (and -n 0 for one process).
 Commands whose subject is not the launcher run in processes forked from the tests' server that has imported torch
 and DeepSpeed (tests/helpers/commands.py run_command: a fresh interpreter spends about 7 CPU-seconds importing them).
-Three more tiers inside cli, each a marker: `docs`, every command of README.md and docs/*.md run as written
-(tests/cli/test_readme_commands.py, test_doc_figures.py, test_doc_parameter_counts.py); `slow`, the family x layout
-matrix (test_family_matrix*.py); `cluster`, the real launchers (deepspeed, torchrun, pdsh over ssh, mpirun, Slurm,
+Three more tiers, each a marker, mostly inside cli: `docs`, every command of README.md and docs/*.md run as written
+(tests/cli/test_readme_commands.py, test_doc_figures.py, test_doc_parameter_counts.py); `slow`, minutes of end-to-end
+runs: the family x layout matrix (test_family_matrix*.py), the device scripts' --tiny runs (test_gpu_check.py,
+test_gpu_speed.py) and float8's (test_float8_cli.py, tests/distributed/test_float8_layouts.py); `cluster`, the real launchers (deepspeed, torchrun, pdsh over ssh, mpirun, Slurm,
 launch.sh) on one host and across two hosts (namespace hosts with their own addresses, else loopback), signals and
 lost nodes (test_launchers.py, test_netns_hosts.py, test_hang.py, test_resume_cli.py, test_launch.py). Skip the
 three while iterating: -m "not docs and not slow and not cluster", the default tier; .ci/run runs them all. A run
@@ -73,7 +74,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "docs: the documentation's commands and figures (tests/cli/test_readme_commands.py, "
                                        "test_doc_figures.py, test_doc_parameter_counts.py)")
     config.addinivalue_line("markers", "slow: minutes of end-to-end commands (tests/cli/test_family_matrix.py, "
-                                       "test_family_matrix_2.py); -m 'not slow' leaves them out, .ci/run runs them")
+                                       "test_family_matrix_2.py, the device scripts' --tiny runs, float8's); "
+                                       "-m 'not slow' leaves them out, .ci/run runs them")
     config.addinivalue_line("markers", "cluster: the real launchers, signals and hosts (tests/cli/test_launchers.py, "
                                        "test_netns_hosts.py, ...); -m 'not cluster' leaves them out, .ci/run runs them")
 

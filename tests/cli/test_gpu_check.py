@@ -11,6 +11,7 @@ import sys
 import tarfile
 import time
 
+import pytest
 import torch
 
 from bench import gpu_check
@@ -27,6 +28,7 @@ def script(*args, timeout=900):
     return p, table, rows
 
 
+@pytest.mark.slow        # a --tiny run of every command: minutes of CPU (the budget tests below stay quick)
 def test_gpu_check_script_runs_its_commands(tmp_path):
     p, table, rows = script("--tiny", "--presets", "debug", "--no-report", "--budget", "3000",
                             "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"))

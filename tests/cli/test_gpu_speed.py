@@ -6,6 +6,8 @@ the trace and the logs. A spent budget runs nothing and says so. The device figu
 import json
 import tarfile
 
+import pytest
+
 from bench import gpu_speed
 from tests.helpers.commands import run_command
 
@@ -21,6 +23,7 @@ def table_rows(printed: str) -> tuple[str, dict]:
     return table, {r[0]: r[1:] for r in (line.strip("| ").split(" | ") for line in table.splitlines()[2:] if line)}
 
 
+@pytest.mark.slow        # a --tiny run of every command: minutes of CPU (the budget tests below stay quick)
 def test_gpu_speed_rows_carry_what_its_commands_measured(tmp_path, capsys):
     work, out = tmp_path / "work", tmp_path / "out"
     # fp8 (bench/fp8.py's own test times it) left out for the suite's time; the failing test below sees it started
