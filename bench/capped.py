@@ -24,8 +24,10 @@ h100-80gb profile at 40% of peak): about 5 minutes for both. The capped run goes
 copied under $OUT, as soon as it ends. --frames fewer than 81 shortens each step (not the build).
 
 It prints one table and writes it, with the card and the date, into bench/report.md's "14B LoRA capped at 24 GiB"
-section (--no-report: print only); with $OUT set (a lent device's output folder) the table, the results as JSON,
-each run's log and memory_check.json and bench/report.md are copied there (7 files). --tiny runs the same two
+section (--no-report: print only); with --out DIR (default $OUT, a lent device's output folder) the table
+(capped.md), the results as JSON, each run's log and memory_check.json and bench/report.md are copied there (7
+files); back here, `bash scripts/gpu-check.sh --capped --write-report capped.md` puts that table into
+bench/report.md. --tiny runs the same two
 commands on configs/debug-wan.yaml (LoRA rank 4, block_swap=3): on CPU, where cap_memory returns False and
 there is no device peak, the test suite runs it (tests/cli/test_capped.py). Exit 1 if a run failed.
 """
@@ -116,16 +118,15 @@ def compare_row(capped: dict, uncapped: dict) -> tuple[str, str, str, str]:
     return ("capped / uncapped step time", f"{a / b:.3f}x", f"{a:.3f} s / {b:.3f} s", "ok")
 
 
-def export(work: Path, text: str, report: Path | None) -> None:
-    """The table, results and logs under $OUT (a lent device's output folder), when it is set."""
-    out = os.environ.get("OUT")
-    if not out:
+def export(out: Path | None, work: Path, text: str, report: Path | None) -> None:
+    """The table, results and logs under `out` (--out, default $OUT: a lent device's output folder), when set."""
+    if out is None:
         return
     files = [(work / "capped.json", "capped.json")]
     files += [(work / f"{run}.log", f"{run}.log") for run in RUNS]
     files += [(work / run / "memory_check.json", f"{run}-memory_check.json") for run in RUNS]
     files += [(report, "report.md")] if report else []
-    device_run.keep(Path(out), "capped.md", text, copies=files)
+    device_run.keep(out, "capped.md", text, copies=files)
 
 
 def main(argv=None, runner=None) -> int:
@@ -138,9 +139,12 @@ def main(argv=None, runner=None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="steps a run (the memory check is at step 2; default 3)")
     ap.add_argument("--frames", type=int, default=None, help="data.num_frames (default the recipe's 81)")
     ap.add_argument("--cap", default="24GiB", help="the capped run's device memory (default 24GiB)")
-    ap.add_argument("--work", type=Path, default=ROOT / "bench" / "out" / "capped", help="scratch folder (emptied)")
-    ap.add_argument("--no-report", action="store_true", help="print the table only")
+    device_run.add_run_args(ap, "capped", ROOT / "bench" / "out" / "capped", budget=False)
     args = ap.parse_args(argv)
+    if args.write_report:
+        write_report(args.write_report.read_text(), ROOT / "bench" / "report.md", BEGIN, END, HEADING)
+        print(f"bench/report.md: the 14B LoRA capped section is {args.write_report}'s table")
+        return 0
     runner = runner or (lambda cmd, log: run(cmd, log, Budget(float("inf"), 0.0), "capped"))
     case = TINY if args.tiny else RELEASE
     shutil.rmtree(args.work, ignore_errors=True)
@@ -174,7 +178,7 @@ def main(argv=None, runner=None) -> int:
         text = table(rows, card, date, typed)
         if report:
             write_report(text, report, BEGIN, END, HEADING)
-        export(args.work, text, report)
+        export(args.out, args.work, text, report)
     print("\n" + text)
     return 1 if failed else 0
 

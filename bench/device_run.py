@@ -37,6 +37,21 @@ class Budget:
         return True
 
 
+def add_run_args(ap, name: str, work: Path, budget: bool = True) -> None:
+    """The options every device script takes (`name`: gpu-check, gpu-speed, ...; its table is `name`.md): --work,
+    --budget, --out (default $OUT, the device tool's folder that comes back), --no-report and --write-report."""
+    import os
+    ap.add_argument("--work", type=Path, default=work, help="scratch folder (emptied)")
+    if budget:
+        ap.add_argument("--budget", type=float, default=540.0, metavar="SECONDS",
+                        help="the whole run's time; commands it no longer holds are not run (default 540)")
+    ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
+                    help=f"also write {name}.md and the commands' logs here (default $OUT, when set)")
+    ap.add_argument("--no-report", action="store_true", help="print the table only")
+    ap.add_argument("--write-report", type=Path, metavar="TABLE",
+                    help=f"put a table a device run wrote (its {name}.md) into bench/report.md, and stop")
+
+
 def subprocess_run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     """A command in a fresh process in the repository root, its output captured (TimeoutExpired at `timeout`)."""
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)

@@ -215,14 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="the debug presets (runs on CPU): the script's own check")
     ap.add_argument("--presets", default=None, help=f"comma-separated; default {','.join(RELEASE)} "
                                                     f"({','.join(TINY)} with --tiny)")
-    ap.add_argument("--work", type=Path, default=ROOT / "bench" / "out" / "gpu-check", help="scratch folder (emptied)")
-    ap.add_argument("--budget", type=float, default=540.0, metavar="SECONDS",
-                    help="the whole run's time; commands it no longer holds are not run (default 540)")
-    ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
-                    help="also write gpu-check.md and gpu-check-logs.tar.gz here (default $OUT, when set)")
-    ap.add_argument("--no-report", action="store_true", help="print the table only")
-    ap.add_argument("--write-report", type=Path, metavar="TABLE",
-                    help="put a table a device run wrote (its gpu-check.md) into bench/report.md, and stop")
+    device_run.add_run_args(ap, "gpu-check", ROOT / "bench" / "out" / "gpu-check")
     args = ap.parse_args(argv)
     if args.write_report:
         write_report(args.write_report.read_text(), ROOT / "bench" / "report.md")

@@ -238,14 +238,7 @@ def main(argv=None, execute=device_run.subprocess_run) -> int:
     ap = argparse.ArgumentParser(prog="bash scripts/gpu-check.sh --speed", description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="the debug presets (runs on CPU): the script's own check")
     ap.add_argument("--only", default=None, help=f"comma-separated, of {','.join(NAMES)} (default all, in that order)")
-    ap.add_argument("--budget", type=float, default=540.0, metavar="SECONDS",
-                    help="the whole run's time; commands it no longer holds are not run (default 540)")
-    ap.add_argument("--work", type=Path, default=ROOT / "bench" / "out" / "gpu-speed", help="scratch folder (emptied)")
-    ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
-                    help="also write gpu-speed.md, the results and gpu-speed-logs.tar.gz here (default $OUT)")
-    ap.add_argument("--no-report", action="store_true", help="print the table only")
-    ap.add_argument("--write-report", type=Path, metavar="TABLE",
-                    help="put a table a device run wrote (its gpu-speed.md) into bench/report.md, and stop")
+    device_run.add_run_args(ap, "gpu-speed", ROOT / "bench" / "out" / "gpu-speed")
     args = ap.parse_args(argv)
     unknown = set(args.only.split(",")) - set(NAMES) if args.only else set()
     if unknown:

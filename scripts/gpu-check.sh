@@ -11,6 +11,7 @@
 #   bash scripts/gpu-check.sh --speed         # issue 42: train.py's 5B step by phase, its blocks against diffusers',
 #                                             # compiled blocks (bench/gpu_speed.py, --budget 540 s; --speed --tiny on CPU)
 #   bash scripts/gpu-check.sh --write-report gpu-check.md   # here: a device run's table into bench/report.md
+#                                             # (--capped --write-report capped.md, --speed --write-report gpu-speed.md)
 #
 # Python: the project's .venv where it exists (scripts/env.sh), else the machine's python3 with
 # bench/out/carry/ (unpacked from --pack's carry.tar.gz: DeepSpeed, diffusers, peft, torchao and their pure-Python
@@ -19,7 +20,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CARRY="$ROOT/bench/out/carry"
 if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
-  sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0
+  sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0
 fi
 if [ "${1:-}" = "--pack" ]; then
   source "$ROOT/scripts/env.sh"

@@ -50,3 +50,16 @@ def test_capped_bench_reports_what_its_runs_measured(tmp_path, monkeypatch, caps
     assert sorted(p.name for p in out.iterdir()) == ["capped-memory_check.json", "capped.json", "capped.log",
                                                      "capped.md", "uncapped-memory_check.json", "uncapped.log"]
     assert (out / "capped.md").read_text().endswith(table.rstrip("\n") + "\n")
+
+
+def test_a_returned_table_goes_into_its_own_section(tmp_path, monkeypatch, capsys):
+    """--write-report: what a device run left in $OUT (capped.md) replaces the section between capped's markers of
+    bench/report.md here, and nothing else of the report."""
+    (tmp_path / "bench").mkdir()
+    report = tmp_path / "bench" / "report.md"
+    report.write_text(f"# Report\n\n{capped.BEGIN}\nNot run yet.\n{capped.END}\n\n## After\n")
+    returned = tmp_path / "capped.md"
+    returned.write_text("H200, 2026-12-02: `bash scripts/gpu-check.sh --capped`\n\n| what |\n")
+    monkeypatch.setattr(capped, "ROOT", tmp_path)
+    assert capped.main(["--write-report", str(returned)]) == 0
+    assert report.read_text() == f"# Report\n\n{capped.BEGIN}\n{returned.read_text()}{capped.END}\n\n## After\n"
