@@ -29,9 +29,11 @@ Time on one H100/H200 (an estimate: nothing here has run on a device yet; the su
   compiled        the 5B again ~1 minute, its compile 2-3 minutes cold (less where peer-cogvideox's
                   graphs are in inductor's cache), 2 + 3 + 3 steps                               ~3.5 minutes
   peer-wan        as peer-cogvideox (Wan's 2 blocks built in 42 s here)                          ~2.5 minutes
-About 10.5 minutes in all, against one command's 10: the default --budget 540 s (a command starts only with 60 s of
+  fp8             bench/fp8.py: a 232M-parameter model trained 200 steps four times (bf16, float8, both
+                  compiled: two inductor compiles of its block class) from the same weights             ~3 minutes
+About 13.5 minutes in all, against one command's 10: the default --budget 540 s (a command starts only with 60 s of
 it left) most likely ends after `compiled`, in the order above, and peer-wan and fp8 then read NOT RUN (budget);
-`--only peer-wan,fp8 --budget 200` right after, while the machine is still warm, runs them.
+`--only peer-wan,fp8 --budget 400` next, while the machine is still warm (or in the next lent session), runs them.
 
 Rows: what, measured, compared with, verdict (bench/gpu_check.py's shape), each printed as measured, each command's
 seconds printed as it ends; the table goes with the card and the date into bench/report.md's "GPU speed" section
@@ -251,7 +253,7 @@ def main(argv=None, execute=device_run.subprocess_run) -> int:
     budget = Budget(args.budget, floor=5.0 if args.tiny else 60.0)
     if not args.tiny:
         print("estimate on one H100/H200 (bench/gpu_speed.py): phases ~2, peer-cogvideox ~2.5, compiled ~3.5, "
-              f"peer-wan ~2.5 minutes (~10.5 in all); the budget is {args.budget:.0f} s", flush=True)
+              f"peer-wan ~2.5, fp8 ~3 minutes (~13.5 in all); the budget is {args.budget:.0f} s", flush=True)
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
     card, _ = peak()
