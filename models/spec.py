@@ -69,9 +69,10 @@ class ReleasedFormat(Protocol):
         """The released model's prediction [B, C, T, H, W] on the toolkit's `inputs` (its own layout and call
         convention inside); grad-able: no no_grad, no dtype change (the bench trains through it)."""
 
-    def reference(self, folder: str, inputs: tuple):
+    def reference(self, folder: str, inputs: tuple, place: Optional[Callable[[nn.Module], torch.device]] = None):
         """The released prediction [B, C, T, H, W] (a tuple where there are several `predictions`) at fp32 under
-        no_grad: reference_model, then reference_call with reference_kwargs (parallel/verify.py's oracle)."""
+        no_grad, on the host: reference_model, then reference_call with reference_kwargs (parallel/verify.py's
+        oracle); `place(model)` is the device it computes on (default the host's), given the loaded model."""
 
 
 class DiffusersFormat:
@@ -104,10 +105,18 @@ class DiffusersFormat:
     def reference_kwargs(self, model: nn.Module, inputs: tuple) -> dict:
         return {}
 
-    def reference(self, folder: str, inputs: tuple) -> torch.Tensor:
-        model = self.reference_model(folder)
+    def reference(self, folder: str, inputs: tuple, place=None) -> torch.Tensor:
+        model, inputs = placed(self.reference_model(folder), inputs, place)
         with torch.no_grad():
-            return self.reference_call(model, inputs, self.reference_kwargs(model, inputs)).float()
+            return self.reference_call(model, inputs, self.reference_kwargs(model, inputs)).float().cpu()
+
+
+def placed(model: nn.Module, inputs: tuple, place) -> tuple[nn.Module, tuple]:
+    """The model and the tensors of `inputs` on `place(model)`'s device (FamilyFormat.reference), or as they are."""
+    if place is None:
+        return model, inputs
+    device = place(model)
+    return model.to(device), tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
 
 
 class LatentFormat(Protocol):

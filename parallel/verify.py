@@ -64,6 +64,27 @@ def relative_difference(ours, theirs) -> tuple[float, float]:
     return diff, diff / max(float(theirs.abs().max()), 1e-30)
 
 
+def reference_place(local_rank: int):
+    """Where rank 0 computes the released model's prediction: on its device where the device's free memory holds
+    the model (fp32, loaded on the host) beside the toolkit's, with a quarter more and 4 GiB for the forward's
+    activations; else on the host (minutes at release size, but no out-of-memory)."""
+    import torch
+
+    from parallel.distributed import accelerator
+
+    def place(model):
+        need = sum(p.numel() * p.element_size() for p in model.parameters()) * 5 // 4 + 4 * 2**30
+        free = accelerator.free_memory(local_rank)
+        if free is not None and free >= need:
+            return accelerator.device(local_rank)
+        if free is not None:
+            print(f"the released model's prediction on the host: it needs about {need / 2**30:.1f} GiB on the "
+                  f"device, {free / 2**30:.1f} GiB is free", flush=True)
+        return torch.device("cpu")
+
+    return place
+
+
 def verify(args, cfg, ds, layout, env) -> list[tuple[float, float]]:
     """(max abs, max relative difference) of each prediction (the format's `predictions`: LTX-2's video and
     audio), the same on every rank."""
@@ -80,7 +101,7 @@ def verify(args, cfg, ds, layout, env) -> list[tuple[float, float]]:
         ours = forward.predict(inputs, fmt.prediction_like(cfg.model, inputs))
         result = torch.zeros(len(fmt.predictions), 2, dtype=torch.float64)
         if ctx.rank == 0:
-            theirs = fmt.reference(cfg.model.init_from, inputs)
+            theirs = fmt.reference(cfg.model.init_from, inputs, reference_place(env.local_rank))
             pairs = zip(ours, theirs) if several else [(ours, theirs)]
             result[:] = torch.tensor([relative_difference(o.cpu(), t) for o, t in pairs])
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -18,7 +18,7 @@ import torch
 
 from models.geometry import latent_shape
 from models.ltx2.config import LTX2Config
-from models.spec import DiffusersFormat, config_problems
+from models.spec import DiffusersFormat, config_problems, placed
 
 _FUSED = {"to_qkv": ("to_q", "to_k", "to_v"), "to_kv": ("to_k", "to_v")}
 _RENAMED = {"to_out": "to_out.0", "ff_in": "net.0.proj", "ff_out": "net.2"}
@@ -141,11 +141,12 @@ class LTX2Diffusers(DiffusersFormat):
             audio_num_frames=audio.shape[1], use_cross_timestep=cross, return_dict=False, **kwargs)
         return video.transpose(1, 2).reshape(b, -1, frames, h, w), audio_out
 
-    def reference(self, folder: str, inputs: tuple):
-        """(video, audio) at fp32 under no_grad (DiffusersFormat's, for a model of two outputs)."""
-        model = self.reference_model(folder)
+    def reference(self, folder: str, inputs: tuple, place=None):
+        """(video, audio) at fp32 under no_grad, on the host (DiffusersFormat's, for a model of two outputs)."""
+        model, inputs = placed(self.reference_model(folder), inputs, place)
         with torch.no_grad():
-            return tuple(o.float() for o in self.reference_call(model, inputs, self.reference_kwargs(model, inputs)))
+            return tuple(o.float().cpu() for o in
+                         self.reference_call(model, inputs, self.reference_kwargs(model, inputs)))
 
 
 DIFFUSERS = LTX2Diffusers()

@@ -229,14 +229,14 @@ class WanDiffusers(DiffusersFormat):
         rows = shape[0] // len(sources)
         return {s: (rows, *shape[1:]) for s in sources}
 
-    def reference(self, folder: str, inputs: tuple) -> torch.Tensor:
+    def reference(self, folder: str, inputs: tuple, place=None) -> torch.Tensor:
         """diffusers' prediction; a Wan 2.2 A14B release folder: each row by the transformer its timestep picks
         (t >= model_index.json's boundary_ratio x 1000: transformer/, else transformer_2/), as WanPipeline."""
         root = Path(folder)
         if not (root / FOLDERS[1]).is_dir():
-            return super().reference(folder, inputs)
+            return super().reference(folder, inputs, place)
         ratio = json.loads((root / "model_index.json").read_text())["boundary_ratio"]
-        high, low = (super(WanDiffusers, self).reference(str(root / sub), inputs) for sub in FOLDERS)
+        high, low = (super(WanDiffusers, self).reference(str(root / sub), inputs, place) for sub in FOLDERS)
         return torch.where((inputs[1] >= ratio * 1000).view(-1, 1, 1, 1, 1), high, low)
 
     def example_inputs(self, m: WanConfig, data, batch: int, generator) -> tuple:

@@ -72,6 +72,15 @@ def is_fp16_supported() -> bool:
     return bool(get_accelerator().is_fp16_supported())
 
 
+def free_memory(local_rank: int = 0) -> int | None:
+    """Bytes free on the device now (the device module's mem_get_info: torch.cuda, torch.npu); None on CPU and on an
+    accelerator without the call."""
+    module = getattr(torch, name(), None)
+    if name() == "cpu" or not hasattr(module, "mem_get_info"):
+        return None
+    return int(module.mem_get_info(local_rank)[0])
+
+
 def compute_capability(local_rank: int = 0) -> tuple[int, int] | None:
     """(major, minor) of a CUDA device (9.0 H100/H200, 8.9 L40S/RTX 4090, 8.0 A100): what decides float8 tensor
     cores (train.float8); None on any other accelerator, which has no such number."""

@@ -71,3 +71,19 @@ def test_cap_memory_sets_the_fraction_of_the_device_and_refuses_nothing_on_cpu(m
         accelerator.cap_memory(81 * 2**30)
     monkeypatch.setattr(accelerator.torch, "cuda", object())
     assert accelerator.cap_memory(24 * 2**30) is False           # a device module without the call
+
+
+def test_free_memory_is_the_device_modules_and_none_on_cpu(monkeypatch):
+    assert accelerator.free_memory() is None                     # this CPU machine
+    asked = []
+
+    class Cuda:
+        def mem_get_info(self, index):
+            asked.append(index)
+            return 7 * 2**30, 80 * 2**30                          # (free, total), as torch.cuda.mem_get_info
+
+    monkeypatch.setattr(accelerator, "get_accelerator", lambda: _Fake("cuda"))
+    monkeypatch.setattr(accelerator.torch, "cuda", Cuda())
+    assert accelerator.free_memory(local_rank=3) == 7 * 2**30 and asked == [3]
+    monkeypatch.setattr(accelerator.torch, "cuda", object())
+    assert accelerator.free_memory() is None                     # a device module without the call

@@ -37,6 +37,32 @@ def test_reference_and_the_verify_command(released, capsys):
     assert "equal at --tolerance" in capsys.readouterr().out
 
 
+def test_the_reference_computes_where_verify_places_it(released, monkeypatch, capsys):
+    """parallel.verify's oracle on the device its free memory allows (the model, a quarter more and 4 GiB), else on
+    the host: the loaded model goes to `place(model)` with the inputs, and the prediction comes back to the host."""
+    from models.wan.released import DIFFUSERS
+    from parallel import verify
+    from parallel.distributed import accelerator
+    folder, model = released
+    seen = []
+
+    def place(m):
+        seen.append(sum(p.numel() for p in m.parameters()))
+        return torch.device("cpu")
+
+    torch.testing.assert_close(DIFFUSERS.reference(str(folder), inputs(), place), diffusers_forward(model, *inputs()))
+    assert seen == [sum(p.numel() for p in model.parameters())]
+    need = seen[0] * 4 * 5 // 4 + 4 * 2**30                       # fp32
+    monkeypatch.setattr(accelerator, "device", lambda local_rank=0: torch.device("meta"))   # a stand-in device
+    monkeypatch.setattr(accelerator, "free_memory", lambda local_rank=0: need)
+    assert verify.reference_place(0)(model) == torch.device("meta")
+    monkeypatch.setattr(accelerator, "free_memory", lambda local_rank=0: need - 1)
+    assert verify.reference_place(0)(model) == torch.device("cpu")
+    assert "the released model's prediction on the host: it needs about" in capsys.readouterr().out
+    monkeypatch.setattr(accelerator, "free_memory", lambda local_rank=0: None)              # CPU
+    assert verify.reference_place(0)(model) == torch.device("cpu")
+
+
 @pytest.mark.parametrize("preset, heads, ffn, layers", [("wan2.1-t2v-1.3b", 12, 8960, 30),
                                                         ("wan2.1-t2v-14b", 40, 13824, 40)])
 def test_presets_count_the_parameters_diffusers_builds(preset, heads, ffn, layers):
