@@ -10,7 +10,8 @@ step train.py runs (`TrainingEngine.train_step`). Two passes of --steps steps ea
    optimizer's fp32 copies, clipping and the gradient norm, AdamW, EMA) timed with the device synchronised
    at each boundary; "rest" is the step's wall time minus the three (data, the loss's host copy, logging
    inside the step). Each phase's share of the step, and the step's MFU.
-2. blocks: the same steps with every transformer block's forward and backward timed by hooks (synchronised);
+2. blocks: the same steps with every transformer block's forward and backward timed (synchronised; `block_timer`
+   says how: a checkpointed block's backward is DeepSpeed's CheckpointFunction.backward, recomputation included);
    the blocks' share is what a blocks-only step (bench/peer.py) would take, the rest is outside the blocks.
 The warm-up steps' seconds are kept too (result.json "warmup_s"): with train.compile=true the first ones compile.
 With --trace DIR one more step is profiled (torch.profiler, the device's activities) and its trace written as
@@ -60,30 +61,75 @@ class Phases:
 
 @contextlib.contextmanager
 def block_timer(blocks, sync, seconds: dict):
-    """Every block's forward and backward time (synchronised hooks) added to seconds['blocks']."""
-    start, handles = {}, []
+    """Every transformer block's forward and backward time, synchronised, added to seconds['blocks'].
 
-    def before(key):
-        def hook(*_):
+    Forward: the block's forward pre- and post-hooks. Backward of a checkpointed segment: DeepSpeed's
+    CheckpointFunction.backward, timed whole (its recomputed forward included; the block hooks inside it add
+    nothing more). Backward of a block kept whole: from the gradient of its output hidden states to that of its
+    input's (tensor hooks on the first tensor of the tuple it takes and returns). nn.Module's full backward hooks
+    cannot do it: a block takes one tuple, so they see no tensor argument and fire before the block's backward
+    runs (torch warns "Full backward hook is firing when gradients are computed with respect to module outputs
+    since no inputs require gradients")."""
+    import torch
+    from deepspeed.runtime.activation_checkpointing.checkpointing import CheckpointFunction
+
+    inside, started, spans, handles = [0], {}, [], []
+
+    def add(s: float) -> None:
+        seconds["blocks"] = seconds.get("blocks", 0.0) + s
+
+    def first(value):
+        """The hidden states: the first tensor of a block's tuple."""
+        while isinstance(value, (tuple, list)) and value:
+            value = value[0]
+        return value if isinstance(value, torch.Tensor) else None
+
+    def stamp(span: list, end: bool):
+        def hook(grad):
             sync()
-            start[key] = time.perf_counter()
+            span[end] = time.perf_counter()
         return hook
 
-    def after(key):
-        def hook(*_):
+    def before(module, args):
+        if not inside[0]:
             sync()
-            seconds["blocks"] = seconds.get("blocks", 0.0) + time.perf_counter() - start.pop(key)
-        return hook
+            started[id(module)] = time.perf_counter()
 
-    for i, block in enumerate(blocks):
-        handles += [block.register_forward_pre_hook(before(("f", i))), block.register_forward_hook(after(("f", i))),
-                    block.register_full_backward_pre_hook(before(("b", i))),
-                    block.register_full_backward_hook(after(("b", i)))]
+    def after(module, args, output):
+        if inside[0]:
+            return
+        sync()
+        add(time.perf_counter() - started.pop(id(module)))
+        x, y = first(args), first(output)
+        if torch.is_grad_enabled() and x is not None and y is not None and x.requires_grad and y.requires_grad:
+            span = [None, None]
+            spans.append(span)
+            y.register_hook(stamp(span, False))
+            x.register_hook(stamp(span, True))
+
+    original = vars(CheckpointFunction)["backward"]
+
+    def timed_backward(ctx, *grads):
+        sync()
+        tic = time.perf_counter()
+        inside[0] += 1
+        try:
+            return original.__func__(ctx, *grads)
+        finally:
+            inside[0] -= 1
+            sync()
+            add(time.perf_counter() - tic)
+
+    CheckpointFunction.backward = staticmethod(timed_backward)
+    for block in blocks:
+        handles += [block.register_forward_pre_hook(before), block.register_forward_hook(after)]
     try:
         yield
     finally:
+        CheckpointFunction.backward = original
         for h in handles:
             h.remove()
+        add(sum(end - begin for begin, end in spans if begin is not None and end is not None))
 
 
 def transformer_blocks(module) -> list:
