@@ -70,15 +70,20 @@ class Float8Matmul:
 
     @classmethod
     def build(cls, recipe: str = "tensorwise", emulate: bool = False) -> "Float8Matmul":
-        """As torchao's Float8Linear builds them (float8_linear.py), for `recipe` (tensorwise only)."""
+        """As torchao's Float8Linear builds them (float8_linear.py), for `recipe` (tensorwise only), but for the
+        weight-gradient gemm's inner dimension, padded with zeros to a multiple of 16 (torchao's pad_inner_dim,
+        the same sums): it is the token count (dW = dY^T X), which CUDA's torch._scaled_mm needs to be one (Wan at
+        81 x 480 x 832 has 32,760 tokens) and the layer filter cannot choose; the other two are the layer's in
+        and out features, multiples of 16 by that filter (parallel/model/float8.py)."""
         import dataclasses
 
         from torchao.float8 import Float8LinearConfig, LinearMMConfig, ScaledMMConfig
         if recipe not in RECIPES:
             raise ValueError(f"float8 recipe {recipe!r}: the tensor-parallel layers implement {', '.join(RECIPES)}")
         c = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
-        mm = LinearMMConfig(*(ScaledMMConfig(emulate, g.use_fast_accum, False, c.pad_inner_dim) for g in
-                              (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)))
+        mm = LinearMMConfig(*(ScaledMMConfig(emulate, g.use_fast_accum, False, pad) for g, pad in
+                              ((c.gemm_config_output, c.pad_inner_dim), (c.gemm_config_grad_input, c.pad_inner_dim),
+                               (c.gemm_config_grad_weight, True))))
         return cls(c, mm)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], ctx,

@@ -16,14 +16,14 @@ from parallel.experiment.config import ConfigError, load_config
 FLOAT8 = ["train.float8=tensorwise", "train.float8_emulate=true"]
 
 
-def torchao_linear(weight: torch.Tensor, bias: torch.Tensor) -> nn.Module:
-    """torchao's Float8Linear (tensorwise, emulated) holding copies of `weight` and `bias`."""
+def torchao_linear(weight: torch.Tensor, bias: torch.Tensor, emulate: bool = True) -> nn.Module:
+    """torchao's Float8Linear (tensorwise; emulated by default) holding copies of `weight` and `bias`."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
     ref = nn.Linear(weight.shape[1], weight.shape[0], dtype=weight.dtype)
     ref.weight.data.copy_(weight)
     ref.bias.data.copy_(bias)
-    ref = convert_to_float8_training(nn.Sequential(ref), config=Float8LinearConfig(emulate=True))[0]
+    ref = convert_to_float8_training(nn.Sequential(ref), config=Float8LinearConfig(emulate=emulate))[0]
     assert isinstance(ref, Float8Linear)
     return ref
 
@@ -49,6 +49,24 @@ def test_the_float8_layer_at_tp1_is_torchaos_float8linear_bitwise(cls, dtype):
     # and it is float8: the unquantised layer's output is another (by far more than the dtype's round-off)
     plain = nn.functional.linear(x.float(), ours.weight.float(), ours.bias.float())
     assert (y1.float() - plain).abs().max() > 1e-2
+
+
+def test_a_token_count_off_16_is_padded_in_the_weight_gradient_only():
+    """CUDA's torch._scaled_mm needs its inner dimension a multiple of 16: the weight gradient's is the token count,
+    so its gemm pads (zeros: the same sums), the other two do not need to. On CPU's _scaled_mm (no emulation) and
+    emulated, 2 x 13 tokens give torchao's Float8Linear's numbers (its own config does not pad)."""
+    spec = Float8Matmul.build("tensorwise")
+    assert [g.pad_inner_dim for g in (spec.mm_config.output, spec.mm_config.grad_input,
+                                       spec.mm_config.grad_weight)] == [False, False, True]
+    for emulate in (False, True):
+        torch.manual_seed(0)
+        ours = ColumnParallelLinear(64, 48, ctx=ParallelContext.single(), dtype=torch.bfloat16)
+        ours.float8 = Float8Matmul.build("tensorwise", emulate=emulate)
+        ref = torchao_linear(ours.weight.detach(), ours.bias.detach(), emulate=emulate)
+        x = torch.randn(2, 13, 64, dtype=torch.bfloat16)
+        (ours(x) * 2).sum().backward()
+        (ref(x) * 2).sum().backward()
+        torch.testing.assert_close(ours.weight.grad, ref.weight.grad, rtol=0, atol=0)
 
 
 def test_a_recomputed_float8_pair_gives_the_same_numbers():
