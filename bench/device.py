@@ -11,10 +11,11 @@ import time
 import torch
 
 # Dense (no sparsity) bf16 tensor-core peaks, FLOP/s, from the vendors' datasheets: NVIDIA A100 datasheet (312
-# TFLOPS), H100 datasheet (SXM 989.4, PCIe 756, NVL 835), H200 datasheet (989), L40S datasheet (362), A10 (125),
+# TFLOPS), H100 datasheet (SXM 989.4, PCIe 756, NVL 835), H200 datasheet (SXM 989, NVL 835), L40S datasheet (362), A10 (125),
 # Huawei Ascend 910B: ~313 TFLOPS fp16/bf16 as commonly cited from Huawei's Atlas 800T A2 material (approximate).
 # Matched in order, first hit wins: a substring of the product name (lower case).
-PEAK_BF16 = [("h100 pcie", 756e12), ("h100 nvl", 835e12), ("h100", 989e12), ("h200", 989e12), ("h800", 989e12),
+PEAK_BF16 = [("h100 pcie", 756e12), ("h100 nvl", 835e12), ("h100", 989e12), ("h200 nvl", 835e12),
+             ("h200", 989e12), ("h800", 989e12),
              ("a100", 312e12), ("a800", 312e12), ("l40s", 362e12), ("a10", 125e12), ("910b", 313e12)]
 
 

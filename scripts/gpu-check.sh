@@ -26,7 +26,7 @@ if [ "${1:-}" = "--pack" ]; then
   source "$ROOT/scripts/env.sh"
   SITE="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   rm -rf "$CARRY"; mkdir -p "$CARRY"
-  for pkg in deepspeed diffusers peft torchao hjson pydantic annotated_types typing_inspection msgpack ninja py_cpuinfo; do
+  for pkg in deepspeed diffusers peft torchao hjson pydantic annotated_types typing_inspection msgpack ninja cpuinfo; do
     [ -e "$SITE/$pkg" ] && cp -r "$SITE/$pkg" "$CARRY/"
   done
   cp "$SITE"/typing_extensions.py "$CARRY/" 2>/dev/null || true
@@ -43,17 +43,22 @@ if [ "${1:-}" = "--pack" ]; then
 fi
 if [ -d "$ROOT/.venv" ] || ! python3 -c "import torch" 2>/dev/null; then
   source "$ROOT/scripts/env.sh"
-else
+  PY=python
+else                                  # the machine's python3, the one that has torch (a bare device image)
   [ -d "$CARRY" ] || [ ! -f "$CARRY.tar.gz" ] || tar xzf "$CARRY.tar.gz" -C "$ROOT/bench/out"
   export PYTHONPATH="$ROOT:$CARRY${PYTHONPATH:+:$PYTHONPATH}"
+  PY=python3
 fi
+# CUDA's device count through NVML, not a CUDA context: bench/ranks.py forks ranks from a server, and a process
+# with a CUDA context cannot fork one that uses CUDA (DeepSpeed sets it too, but only once it is imported)
+export PYTORCH_NVML_BASED_CUDA_CHECK=1
 cd "$ROOT"
 if [ "${1:-}" = "--capped" ]; then
   shift
-  exec "$(command -v python || command -v python3)" -m bench.capped "$@"
+  exec "$PY" -m bench.capped "$@"
 fi
 if [ "${1:-}" = "--speed" ]; then
   shift
-  exec "$(command -v python || command -v python3)" -m bench.gpu_speed "$@"
+  exec "$PY" -m bench.gpu_speed "$@"
 fi
-exec "$(command -v python || command -v python3)" -m bench.gpu_check "$@"
+exec "$PY" -m bench.gpu_check "$@"
