@@ -72,3 +72,20 @@ def test_a_returned_table_replaces_the_report_section(tmp_path):
     gpu_check.write_report("H200, 2026-12-01: `bash scripts/gpu-check.sh`\n\n| what |\n", report)
     assert report.read_text() == (f"# Report\n\n{gpu_check.BEGIN}\nH200, 2026-12-01: `bash scripts/gpu-check.sh`\n\n"
                                   f"| what |\n{gpu_check.END}\n\n## After\n")
+
+
+def test_a_resume_without_disk_for_a_second_checkpoint_is_not_run(tmp_path, monkeypatch, capsys):
+    """The resume publishes step 4 beside step 2: without room for one more checkpoint of step 2's size (and 1 GiB)
+    on the disk its row says so, unchecked, not failed."""
+    checkpoints = tmp_path / "resumed" / "checkpoints" / "step2"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "model.bin").write_bytes(b"0" * 3000)
+    check = gpu_check.Check("debug", tmp_path, "zero1_bf16", tmp_path / "embeds.safetensors")
+    usage = lambda free: (lambda path: type("Usage", (), {"free": free})())
+    monkeypatch.setattr(gpu_check.shutil, "disk_usage", usage(3000 + 2**30))
+    assert check.disk_holds_another(checkpoints.parent) and not check.rows
+    monkeypatch.setattr(gpu_check.shutil, "disk_usage", usage(3000 + 2**30 - 1))
+    assert not check.disk_holds_another(checkpoints.parent)
+    assert check.rows == [("debug resume 2 -> 4", "1.0 GiB free on the disk",
+                           "the resume writes another 0.0 GiB checkpoint beside step 2's", "NOT RUN (disk)")]
+    assert check.unchecked and not check.failed
