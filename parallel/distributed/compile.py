@@ -18,6 +18,7 @@ its parameter-gathering hooks (36 breaks a step for the 2-block debug model).
 """
 from __future__ import annotations
 
+import os
 import shutil
 import types
 
@@ -34,7 +35,8 @@ def _torch_version() -> tuple[int, int]:
 
 def compile_problems(enabled: bool, backend: str, src: str = "train.compile", cpu: bool = True) -> list[str]:
     """What stops `train.compile: true` here, each naming the key and what would work (empty: it can run).
-    `cpu`: the accelerator is the CPU, where inductor compiles generated C++."""
+    `cpu`: the accelerator is the CPU, where inductor compiles generated C++; elsewhere it generates Triton kernels,
+    whose launchers Triton builds with a C compiler (the CC variable, else cc, gcc or clang)."""
     if not enabled:
         return []
     problems = []
@@ -45,6 +47,11 @@ def compile_problems(enabled: bool, backend: str, src: str = "train.compile", cp
     if backend == "inductor" and cpu and shutil.which("g++") is None and shutil.which("c++") is None:
         problems.append(f"{src}=true with train.compile_backend=inductor needs a C++ compiler on this CPU host "
                         f"(inductor generates C++); install g++ or set train.compile_backend=aot_eager")
+    if backend == "inductor" and not cpu and not os.environ.get("CC") and \
+            not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
+        problems.append(f"{src}=true with train.compile_backend=inductor needs a C compiler on this host (Triton "
+                        f"builds each kernel's launcher with one: $CC, cc, gcc or clang); install gcc or set "
+                        f"train.compile_backend=aot_eager")
     return problems
 
 

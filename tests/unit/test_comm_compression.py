@@ -85,7 +85,13 @@ def test_compile_is_refused_where_it_cannot_work(monkeypatch):
         "train.compile=true with train.compile_backend=inductor needs a C++ compiler on this CPU host (inductor "
         "generates C++); install g++ or set train.compile_backend=aot_eager"]
     assert check(load_config("debug", ["train.compile=true", "train.compile_backend=aot_eager"]), {}, "c.json")[1] == []
-    assert check(cfg, {}, "c.json", device=GPU)[1] == []           # inductor compiles Triton there, not C++
+    # on a GPU inductor generates Triton, whose launchers need a C compiler
+    monkeypatch.delenv("CC", raising=False)
+    assert check(cfg, {}, "c.json", device=GPU)[1] == [
+        "train.compile=true with train.compile_backend=inductor needs a C compiler on this host (Triton builds each "
+        "kernel's launcher with one: $CC, cc, gcc or clang); install gcc or set train.compile_backend=aot_eager"]
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/gcc" if name == "gcc" else None)
+    assert check(cfg, {}, "c.json", device=GPU)[1] == []
 
 
 def test_compile_with_activation_compression_is_refused_and_the_advice_works():
