@@ -175,7 +175,7 @@ def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Ca
     return model
 
 
-def apply_block_swap(model: nn.Module, cfg: ExperimentConfig) -> Optional[BlockSwap]:
+def apply_block_swap(model: nn.Module, cfg: ExperimentConfig, dtype: Optional[torch.dtype] = None) -> Optional[BlockSwap]:
     """train.block_swap = N: the frozen base of this stage's last N blocks in host memory, fetched for each use
     (parallel/distributed/block_swap.py); None when 0. After the weights are loaded and the fp8 base made, before
     deepspeed.initialize (whose `.to(device)` then leaves them on the host).
@@ -185,7 +185,7 @@ def apply_block_swap(model: nn.Module, cfg: ExperimentConfig) -> Optional[BlockS
     n = cfg.train.block_swap
     if not n:
         return None
-    swap = BlockSwap([block for _, block in layers_of(model, cfg)][-n:])
+    swap = BlockSwap([block for _, block in layers_of(model, cfg)][-n:], dtype=dtype)    # dtype: the run's
     model.forward = swap.chain(model.forward)
     model.host_swap = swap            # the stage module's .to(device) leaves them on the host (HostResident)
     return swap

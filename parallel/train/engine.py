@@ -199,6 +199,16 @@ class TrainingEngine:
         return int(client["step"])
 
 
+def swap_dtype(ds: dict) -> Optional[torch.dtype]:
+    """The dtype DeepSpeed will cast the parameters to (bf16, fp16), for block swap to pin its host copies in at
+    once; None (pinned as they are, converted at DeepSpeed's cast) for fp32, or where the JSON's data_types choose
+    a parameter dtype or modules kept in fp32 themselves."""
+    types = ds.get("data_types") or {}
+    if "param_dtype" in types or types.get("keep_in_fp32_modules"):
+        return None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dsc.precision(ds))
+
+
 def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
                   model: Optional[torch.nn.Module] = None) -> TrainingEngine:
     """Configure activation checkpointing, build the model for the layout, and initialise DeepSpeed.
@@ -231,7 +241,7 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
     if cfg.model.lora is not None and cfg.model.lora.base_dtype:     # fp8 base: after loading, before DeepSpeed
         from parallel.model.lora import apply_fp8_base
         apply_fp8_base(model, cfg.model)
-    apply_block_swap(model, cfg)          # train.block_swap: swapped blocks' base in host memory, before DeepSpeed
+    apply_block_swap(model, cfg, swap_dtype(ds_final))   # train.block_swap: swapped bases in host memory, before DeepSpeed
     optimizer = build_optimizer(model, ds, cfg.train)
     factor = schedule_factor(ds, cfg.train)
     schedule = lambda opt: build_schedule(opt, factor)

@@ -175,6 +175,33 @@ def test_to_leaves_swapped_weights_on_the_host_and_a_loaded_state_dict_is_used()
     assert torch.equal(model(inputs, target), reference(inputs, target))
 
 
+def test_a_bf16_run_pins_its_swapped_weights_once_in_bf16(monkeypatch):
+    """With the run's dtype (bf16: build_trainer's swap_dtype) the swapped parameters are pinned in it at once, as
+    DeepSpeed's cast (params only) rounds them, and that cast then keeps those very copies: no fp32 pinned copy is
+    made, and none lives beside the bf16 ones."""
+    from parallel.distributed.seed import seed_all
+    from parallel.train.engine import swap_dtype
+    bf16 = {"bf16": {"enabled": True}}
+    assert swap_dtype(bf16) == torch.bfloat16 and swap_dtype({}) is None
+    assert swap_dtype({**bf16, "data_types": {"keep_in_fp32_modules": ["attn"]}}) is None   # DeepSpeed's choice
+    pinned = []
+    copy = swap_module.accelerator.host_copy
+    monkeypatch.setattr(swap_module.accelerator, "host_copy", lambda t: pinned.append(t.dtype) or copy(t))
+    cfg = load_config("debug", ["model.lora.rank=4", f"train.block_swap={SWAP}"])
+    seed_all(0)
+    model = build_model(cfg, fp32_config(0, False), ParallelContext.single(), None)
+    from parallel.model.recompute import layers_of
+    full = [t.detach().clone() for _, block in layers_of(model, cfg)[-SWAP:]       # fp32, before the swap
+            for layer in swap_module.base_layers(block) for _, t in swap_module.moved_tensors(layer)]
+    apply_block_swap(model, cfg, swap_dtype(bf16))
+    held = _swapped(model)
+    assert set(pinned) == {torch.bfloat16} and len(pinned) == len(held)
+    assert all(torch.equal(t, f.to(torch.bfloat16)) for t, f in zip(held, full))      # DeepSpeed's rounding
+    storages = [t.untyped_storage().data_ptr() for t in held]
+    model._apply(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)     # the engine's cast
+    assert [t.untyped_storage().data_ptr() for t in _swapped(model)] == storages and len(pinned) == len(held)
+
+
 @pytest.mark.parametrize("preset, keys, ds, expected", [
     ("debug", [], {}, r"train.block_swap=2 without model.lora: full fine-tuning trains"),
     ("debug", ["model.lora.rank=4"], {"zero_optimization": {"stage": 3}},
