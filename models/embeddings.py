@@ -153,8 +153,14 @@ def apply_rope_complex(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     [B, heads, S, D] in x's dtype (computed in fp32)."""
     dtype, x = x.dtype, x.float()
     if torch.compiler.is_compiling():
-        x = x.contiguous()      # dynamo cannot trace storage_offset() (a graph break a block); the compiler lays it out
-    elif x.stride(-1) != 1 or x.storage_offset() % 2 or any(s % 2 for s in x.stride()[:-1]):
+        # the same products as real pairs: inductor generates no code for complex operators (it calls eager kernels
+        # for them, unfused, and its backward's view_as_complex needs a layout the compiler need not give); as
+        # pairs the rotation fuses with what surrounds it (the q/k norm, the casts). Dynamo cannot trace the
+        # storage_offset() check below either (a graph break a block).
+        x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)                                    # (B, n, S, D/2) each
+        cos, sin = freqs.real, freqs.imag
+        return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).flatten(-2).to(dtype)
+    if x.stride(-1) != 1 or x.storage_offset() % 2 or any(s % 2 for s in x.stride()[:-1]):
         x = x.contiguous()
     out = torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * freqs)   # (B, n, S, D/2, 2)
     return out.flatten(-2).to(dtype)
