@@ -9,6 +9,7 @@ bench/report.md, and `keep` leaves the table, files and logs under $OUT for the 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -40,7 +41,6 @@ class Budget:
 def add_run_args(ap, name: str, work: Path, budget: bool = True) -> None:
     """The options every device script takes (`name`: gpu-check, gpu-speed, ...; its table is `name`.md): --work,
     --budget, --out (default $OUT, the device tool's folder that comes back), --no-report and --write-report."""
-    import os
     ap.add_argument("--work", type=Path, default=work, help="scratch folder (emptied)")
     if budget:
         ap.add_argument("--budget", type=float, default=540.0, metavar="SECONDS",
@@ -83,6 +83,18 @@ def run(cmd: list[str], log: Path, budget: Budget, tag: str, execute=subprocess_
 def tail_cell(output: str) -> str:
     """A failed command's last lines as one table cell (a '|' would split the markdown row)."""
     return " ".join(output.strip().splitlines()[-3:])[-300:].replace("|", "/")
+
+
+def unfinished_row(what: str, code: int | None, output: str, seconds: float) -> tuple[str, str, str, str] | None:
+    """The table row of a command `run` gave back unfinished (None where it exited 0): not started for the budget,
+    stopped at its end, or failed with its last lines."""
+    if code == 0:
+        return None
+    if code is None and seconds == 0.0:
+        return what, "-", "-", "NOT RUN (budget)"
+    if code is None:
+        return what, f"stopped after {seconds:.0f} s", tail_cell(output), "TIMED OUT (budget)"
+    return what, f"exit {code} after {seconds:.0f} s", tail_cell(output), "FAILED"
 
 
 def median(values) -> float:

@@ -40,7 +40,7 @@ import sys
 from pathlib import Path
 
 from bench import device_run
-from bench.device_run import Budget, median, metrics, peak, table, tail_cell
+from bench.device_run import Budget, median, metrics, peak, table
 
 ROOT = Path(__file__).resolve().parent.parent
 RELEASE = ["cogvideox-2b", "wan2.1-t2v-1.3b"]
@@ -88,17 +88,12 @@ class Check:
 
     def command(self, name: str, cmd: list[str]) -> str | None:
         code, output, seconds = run(cmd, self.work / f"{name.replace(' ', '-')}.log")
-        if code is None and seconds == 0.0:
-            self.add(f"{self.label} {name}", "-", "-", "NOT RUN (budget)")
-            return None
-        if code != 0:
-            self.failed |= code is not None        # stopped by the budget: unchecked, not failed
-            tail = tail_cell(output)
-            verdict = "FAILED" if code is not None else "TIMED OUT (budget)"
-            ended = f"exit {code}" if code is not None else "stopped"
-            self.add(f"{self.label} {name}", f"{ended} after {seconds:.0f} s", tail, verdict)
-            return None
-        return output
+        row = device_run.unfinished_row(f"{self.label} {name}", code, output, seconds)
+        if row is None:
+            return output
+        self.failed |= code is not None            # stopped by the budget: unchecked, not failed
+        self.add(*row)
+        return None
 
     def train(self, flops: float, peak_flops: float | None) -> bool:
         whole = self.work / "whole"

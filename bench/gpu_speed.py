@@ -16,7 +16,7 @@ asked-for figures first so that a run the budget cuts short has measured them:
   compiled     phases again with `--set train.compile=true`: the compiled / eager step ratio (against phases' step)
                and the compile time (the first two steps' excess over the compiled median)
   peer-wan     the same as peer-cogvideox for Wan 2.1 14B: 2 blocks at 81 x 480 x 832 (32,760 tokens)
-  fp8          `python -m bench.fp8` (bench/fp8.py, its own table) where that file exists
+  fp8          `python -m bench.fp8` (bench/fp8.py, its own table)
 
 Time on one H100/H200 (an estimate: nothing here has run on a device yet; the sums are printed at the start):
   every process imports torch and DeepSpeed                                                     ~10 s each
@@ -53,7 +53,7 @@ import sys
 from pathlib import Path
 
 from bench import device_run
-from bench.device_run import Budget, peak, table, tail_cell
+from bench.device_run import Budget, peak, table
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- gpu-speed:begin -->", "<!-- gpu-speed:end -->"
@@ -64,12 +64,12 @@ NAMES = ("phases", "peer-cogvideox", "compiled", "peer-wan", "fp8")
 
 
 def commands(tiny: bool, work: Path) -> dict[str, list[str]]:
-    """Each name's command; fp8 only where bench/fp8.py exists."""
+    """Each name's command."""
     py = sys.executable
     config, backend, size = ("debug", "aot_eager", "mid") if tiny else ("cogvideox-5b", "inductor", "release")
     phases = [py, "-m", "bench.step_phases", "--config", config, "--deepspeed-config", "zero1_bf16", "--steps",
               "1" if tiny else "3"]
-    found = {
+    return {
         "phases": [*phases, "--warmup", "1", "--trace", str(work / "phases" / "trace"), "--out", str(work / "phases")],
         "peer-cogvideox": [py, "-m", "bench.peer_release", "--preset", "debug", "--size", size, "--compile",
                            backend, "--blocks", "1" if tiny else "3", "--out", str(work / "peer-cogvideox")],
@@ -77,11 +77,8 @@ def commands(tiny: bool, work: Path) -> dict[str, list[str]]:
                      f"train.compile_backend={backend}", "--out", str(work / "compiled")],
         "peer-wan": [py, "-m", "bench.peer_release", "--preset", "debug-wan", "--size", size, "--compile", backend,
                      "--blocks", "1" if tiny else "3", "--out", str(work / "peer-wan")],
+        "fp8": [py, "-m", "bench.fp8", *(["--tiny"] if tiny else []), "--out", str(work / "fp8")],
     }
-    # ---- fp8: bench/fp8.py (issue 42's FP8 item, written on another branch); its command, once it exists ----
-    if (ROOT / "bench" / "fp8.py").exists():
-        found["fp8"] = [py, "-m", "bench.fp8", *(["--tiny"] if tiny else []), "--out", str(work / "fp8")]
-    return found
 
 
 def recompute_factor(config: str) -> float:
@@ -98,10 +95,10 @@ def recompute_factor(config: str) -> float:
     from parallel.plan.trace import sequence_length
 
     cfg = load_config(config)
+    specs = layer_specs(cfg, ParallelContext.single())
     with torch.device("meta"):
-        model = SequentialDiT(layer_specs(cfg, ParallelContext.single()))
-    blocks = sum(count_parameters(m, matrices_only=True) for m in model.modules()
-                 if isinstance(m, layer_specs(cfg, ParallelContext.single())[1].typename))
+        model = SequentialDiT(specs)
+    blocks = sum(count_parameters(m, matrices_only=True) for m in model.modules() if isinstance(m, specs[1].typename))
     seq, m = sequence_length(cfg), cfg.model
     forward = cfg.train.micro_batch_size * (2 * blocks * seq + 4 * m.num_layers * seq ** 2 * m.hidden_size)
     return 1 + forward / step_flops(cfg)
@@ -165,8 +162,8 @@ def peer_rows(name: str, r: dict) -> list[tuple[str, ...]]:
 class Speed:
     """The run: each command under the budget, its rows from what it wrote."""
 
-    def __init__(self, work: Path, budget: Budget, execute, tiny: bool):
-        self.work, self.budget, self.execute, self.tiny = work, budget, execute, tiny
+    def __init__(self, work: Path, budget: Budget, execute):
+        self.work, self.budget, self.execute = work, budget, execute
         self.rows: list[tuple[str, ...]] = []
         self.results: dict[str, dict] = {}
         self.extra, self.failed = "", False
@@ -179,14 +176,11 @@ class Speed:
     def command(self, name: str, cmd: list[str]) -> str | None:
         """Runs it; its output, or None after adding the row that says why there is none."""
         code, output, seconds = device_run.run(cmd, self.work / f"{name}.log", self.budget, "gpu-speed", self.execute)
-        if code == 0:
+        row = device_run.unfinished_row(name, code, output, seconds)
+        if row is None:
             return output
-        if code is None and seconds == 0.0:
-            self.add([(name, "-", "-", "NOT RUN (budget)")])
-        else:
-            self.failed |= code is not None
-            self.add([(name, f"{f'exit {code}' if code is not None else 'stopped'} after {seconds:.0f} s",
-                       tail_cell(output), "FAILED" if code is not None else "TIMED OUT (budget)")])
+        self.failed |= code is not None
+        self.add([row])
         return None
 
     def result(self, name: str) -> dict | None:
@@ -195,10 +189,7 @@ class Speed:
             self.results[name] = json.loads(path.read_text())
         return self.results.get(name)
 
-    def run(self, name: str, cmd: list[str] | None, config: str) -> None:
-        if cmd is None:
-            self.add([(name, "-", "-", "NOT RUN (bench/fp8.py not present)")])
-            return
+    def run(self, name: str, cmd: list[str], config: str) -> None:
         output = self.command(name, cmd)
         try:
             self.add(self.rows_of(name, output, config))
@@ -258,11 +249,11 @@ def main(argv=None, execute=device_run.subprocess_run) -> int:
     args.work.mkdir(parents=True)
     card, _ = peak()
     found = commands(args.tiny, args.work)
-    speed = Speed(args.work, budget, execute, args.tiny)
+    speed = Speed(args.work, budget, execute)
     typed = "bash scripts/gpu-check.sh --speed" + (" --tiny" if args.tiny else "") + \
             (f" --only {args.only}" if args.only else "")
     for name in args.only.split(",") if args.only else NAMES:
-        speed.run(name, found.get(name), "debug" if args.tiny else "cogvideox-5b")
+        speed.run(name, found[name], "debug" if args.tiny else "cogvideox-5b")
         text = table(speed.rows, card, datetime.date.today().isoformat(), typed) + \
             (f"\nbench/fp8.py:\n\n{speed.extra.rstrip()}\n" if speed.extra else "")
         if not args.no_report:
