@@ -25,7 +25,7 @@ import pytest
 
 from tests.cli import doc_blocks
 from tests.cli.doc_blocks import DOCS, blocks, matches, rule
-from tests.cli.doc_runs import check_figure, check_output_block, figures, needs_sandbox, output_block_params, run_doc
+from tests.cli.doc_runs import check_figure, figures, needs_sandbox, run_doc
 
 # The programs a documented command may start with; another one fails test_every_command_has_a_rule.
 PROGRAMS = re.compile(r"^(python -m (parallel\.\w+|bench|models)|deepspeed|torchrun|cp|bash scripts/\w+\.sh|"
@@ -82,15 +82,9 @@ def test_doc_commands_run_and_print_what_they_quote(doc, sandbox_base, tmp_path_
 
 
 
-# The figures and output blocks of commands run in the sandbox; the others are test_doc_figures.py's and
-# test_doc_parameter_counts.py's (another xdist worker's meanwhile).
+# The figures of commands run in the sandbox; the others are test_doc_figures.py's and test_doc_parameter_counts.py's
+# (another xdist worker's meanwhile), and so is every output block (no documented one needs the sandbox).
 @pytest.mark.docs
 @pytest.mark.parametrize("doc, pattern, source, extract", figures(needs_sandbox))
 def test_quoted_figures_are_what_the_commands_print(doc, pattern, source, extract, sandbox_base):
     check_figure(doc, pattern, source, extract, lambda: sandbox_base)
-
-
-@pytest.mark.docs
-@pytest.mark.parametrize("doc, line, lines", output_block_params(needs_sandbox))
-def test_output_blocks_are_what_the_commands_print(doc, line, lines, sandbox_base):
-    check_output_block(doc, line, lines, lambda: sandbox_base)
