@@ -30,10 +30,12 @@ def compiled_row(pair, backend: str, blocks: int, sync) -> dict:
     import torch
 
     from bench.peer import alternate
+    from models.geometry import position_caches
     from parallel.distributed.compile import compile_layers, compile_stats
 
     model = pair.toolkit
-    count = compile_layers(model, pair.layer_class, backend)       # sets each block's forward (an instance attribute)
+    # sets each block's forward (an instance attribute), which builds the block's position tables first, as train.py's
+    count = compile_layers(model, pair.layer_class, backend, tables=position_caches)
     layers = [m for m in model.modules() if isinstance(m, pair.layer_class)]
     forwards = [b.forward for b in layers]
 

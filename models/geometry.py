@@ -113,12 +113,19 @@ class PositionCache:
     53,040 video tokens 25 MiB, not 1 GiB).
 
     `table` is a module-level function with its fixed arguments bound by `functools.partial`
-    (`partial(rope_3d, head_dim, base=base)`); `get(grid)` calls `table(*grid)`. The sharing key is the
+    (`partial(rope_3d, head_dim, base=base)`); `get(key)` calls `table(*key)`. The sharing key is the
     function and its bound arguments, so two caches share a table exactly when they would compute it.
+
+    `grid` (a block's: the StepGrid its steps read) and `key` (the grid's (t, h, w) -> the key its block asks
+    `get` for; the grid itself by default) let `warm` build the step's table before a compiled block runs
+    (parallel/distributed/compile.py). Inside a compiled block, a table built by the block's own first call would be
+    a guard failure of the next: dynamo guards on the `tables` lookup, which misses in the first trace and hits
+    after, so every step shape would compile its graph twice. A key `warm` gets wrong costs that recompilation and
+    an unused table, never a wrong number: `get` is given the block's own key.
     """
 
-    def __init__(self, table: functools.partial):
-        self.fn = table
+    def __init__(self, table: functools.partial, grid=None, key=tuple):
+        self.fn, self.grid, self.key = table, grid, key
         self.ident = (table.func.__module__, table.func.__qualname__, table.args, tuple(sorted(table.keywords.items())))
         self.tables = {}
 
@@ -133,3 +140,19 @@ class PositionCache:
                     else value.to(device)
             self.tables[(key, device)] = _SHARED_TABLES[shared]
         return self.tables[(key, device)]
+
+    def warm(self, device) -> None:
+        """The table of the grid's current step on `device`, built now (eager) if it is not yet."""
+        if self.grid is not None:
+            self.get(self.key(tuple(self.grid)), device)
+
+
+def frames_key(grid: tuple[int, int, int]) -> tuple[int]:
+    """The PositionCache key of a table of the t latent frames alone (STDiT's temporal rotary)."""
+    return (grid[0],)
+
+
+def position_caches(module: torch.nn.Module) -> list[PositionCache]:
+    """The PositionCaches of `module` and its submodules that `warm` can build (those given their grid)."""
+    return [value for m in module.modules() for value in vars(m).values()
+            if isinstance(value, PositionCache) and value.grid is not None]

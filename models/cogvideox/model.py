@@ -132,7 +132,7 @@ class Attention(nn.Module):
         base = (cfg.sample_height // cfg.patch_size, cfg.sample_width // cfg.patch_size)
         # complex rotations for text + video tokens, text rows 1 + 0i: one multiply rotates the whole sequence
         self._rope = PositionCache(functools.partial(rope_3d_complex, self.head_dim, base=base, grid=cfg.rope_grid,
-                                                     lead=self.n_txt)) if cfg.pos_embed == "rope3d" else None
+                                                     lead=self.n_txt), grid) if cfg.pos_embed == "rope3d" else None
         self.core = SequenceAttention(ctx=ctx, tokens=self.tokens, prepare=self._prepare)
 
     def tokens(self) -> int:

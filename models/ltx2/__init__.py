@@ -27,7 +27,7 @@ def attention_pairs(m: LTX2Config, grid: tuple[int, int, int]) -> int:
     video-to-audio A S. A: the audio tokens of the clip the grid's t latent frames come from ((t - 1) x
     vae_scale_temporal + 1 frames, the pipelines' 8k + 1)."""
     s, text = math.prod(grid), m.max_text_len
-    a = m.audio_tokens_of((grid[0] - 1) * m.vae_scale_temporal + 1)
+    a = m.audio_tokens_at(grid[0])
     return round(s * s + s * text + (2 * s * a + a * a + a * text) * m.audio_hidden_size / m.hidden_size)
 
 

@@ -110,6 +110,11 @@ class LTX2Config(ModelConfig):
         """Audio latent frames of a data.num_frames clip, as LTX2Pipeline: round(seconds x latents a second)."""
         return self.audio_tokens_of(data.num_frames)
 
+    def audio_tokens_at(self, latent_frames: int) -> int:
+        """Audio tokens of the clip whose video latent has `latent_frames` frames ((t - 1) x vae_scale_temporal + 1
+        video frames, the pipelines' 8k + 1): a step's audio length from its token grid."""
+        return self.audio_tokens_of((latent_frames - 1) * self.vae_scale_temporal + 1)
+
     def audio_tokens_of(self, frames: int) -> int:
         """round(frames / frame_rate x audio_sampling_rate / audio_hop_length / audio_scale_factor): LTX2Pipeline's
         audio_num_frames (AutoencoderKLLTX2Audio: 16 kHz, mel hop 160, 4 x temporal compression: 25 a second)."""

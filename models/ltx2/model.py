@@ -134,7 +134,7 @@ class VideoSelfAttention(Attention):
     def __init__(self, cfg: LTX2Config, grid, ctx):
         super().__init__(cfg.hidden_size, cfg.hidden_size, cfg.num_heads, cfg.head_dim, ctx, cfg.gated_attn, True)
         self.grid = grid
-        self._rope = PositionCache(functools.partial(video_rope, RopeParams.of(cfg)))
+        self._rope = PositionCache(functools.partial(video_rope, RopeParams.of(cfg)), grid)
         self.core = SequenceAttention(ctx=ctx, tokens=self.tokens, prepare=self._prepare)
 
     def tokens(self) -> int:
@@ -237,8 +237,11 @@ class LTX2Block(nn.Module):
         self.video_a2v_cross_attn_scale_shift_table = nn.Parameter(torch.randn(5, d))
         self.audio_a2v_cross_attn_scale_shift_table = nn.Parameter(torch.randn(5, da))
         m = RopeParams.of(cfg)
-        self._audio_rope = PositionCache(functools.partial(audio_rope, m))
-        self._cross_rope = PositionCache(functools.partial(cross_ropes, m))
+        # keyed by the audio stream's length, a.shape[1]: for `warm`, the clip's (LTX2Config.audio_tokens_at)
+        self._audio_rope = PositionCache(functools.partial(audio_rope, m), grid,
+                                         lambda g: (cfg.audio_tokens_at(g[0]),))
+        self._cross_rope = PositionCache(functools.partial(cross_ropes, m), grid,
+                                         lambda g: (*g, cfg.audio_tokens_at(g[0])))
 
     def forward(self, inputs):
         x, a, vmod, amod, y_in, ya_in = inputs

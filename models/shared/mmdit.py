@@ -82,7 +82,7 @@ class JointAttention(nn.Module):
             self.norm_added_q = nn.Parameter(torch.ones(self.head_dim))
             self.norm_added_k = nn.Parameter(torch.ones(self.head_dim))
         self._rope = PositionCache(functools.partial(hunyuan_rope, tuple(cfg.rope_axes_dim), cfg.rope_theta,
-                                                     cfg.max_text_len))
+                                                     cfg.max_text_len), grid)
         self.core = SequenceAttention(ctx=ctx, tokens=self.tokens, prepare=self._prepare)
 
     def tokens(self) -> int:

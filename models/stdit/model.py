@@ -43,7 +43,7 @@ from einops import rearrange
 from torch import nn
 
 from models.embeddings import apply_rope, rope_1d, sincos_2d, timestep_embedding
-from models.geometry import PositionCache, patchify, unpatchify
+from models.geometry import PositionCache, frames_key, patchify, unpatchify
 from models.stdit.config import STDiTConfig
 from parallel.distributed.comm import copy_to_tp
 from parallel.distributed.layers import ColumnParallelLinear, RowParallelLinear
@@ -107,7 +107,8 @@ class SelfAttention(nn.Module):
         # Shared by all heads, so each tp rank's gradient is a partial sum: all-reduced by copy_to_tp.
         self.q_norm_weight = nn.Parameter(torch.ones(self.head_dim))
         self.k_norm_weight = nn.Parameter(torch.ones(self.head_dim))
-        self._rope = PositionCache(functools.partial(rope_1d, self.head_dim)) if temporal else None
+        self._rope = PositionCache(functools.partial(rope_1d, self.head_dim), grid, frames_key) if temporal \
+            else None
         self.core = SequenceAttention(self._attend, ctx, tokens=self.tokens, chunk=self._ring)
 
     def tokens(self) -> int:
@@ -149,7 +150,7 @@ class SelfAttention(nn.Module):
         q = F.rms_norm(q, (self.head_dim,), norm[0], eps=1e-6)
         k = F.rms_norm(k, (self.head_dim,), norm[1], eps=1e-6)
         if self._rope is not None:
-            cos, sin = self._rope.get((self.grid.value[0],), q.device)            # (T, d)
+            cos, sin = self._rope.get(frames_key(self.grid), q.device)            # (T, d)
             cos, sin = cos[first:first + frames], sin[first:first + frames]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return rearrange(attention(q, k, v), back, b=batch)

@@ -122,7 +122,7 @@ class SelfAttention(nn.Module):
         self.to_qkv = ColumnParallelLinear(hid, [hid, hid, hid], ctx=ctx)
         self.norm_q, self.norm_k = HeadsRMSNorm(hid, ctx), HeadsRMSNorm(hid, ctx)
         self.to_out = RowParallelLinear(hid, hid, ctx=ctx)
-        self._rope = PositionCache(functools.partial(wan_rope_complex, self.head_dim))
+        self._rope = PositionCache(functools.partial(wan_rope_complex, self.head_dim), grid)
         self.core = SequenceAttention(ctx=ctx, tokens=self.tokens, prepare=self._prepare)
 
     def tokens(self) -> int:

@@ -55,7 +55,7 @@ def compile_problems(enabled: bool, backend: str, src: str = "train.compile", cp
     return problems
 
 
-RECOMPILE_LIMIT = 64      # graphs of one block class: 2 x (buckets + 1) for up to 31 buckets
+RECOMPILE_LIMIT = 64      # graphs of one block class: 2 (checkpointed) x its variants x step shapes (buckets)
 
 
 def _canonical(t: torch.Tensor) -> torch.Tensor:
@@ -64,13 +64,17 @@ def _canonical(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(t.shape)
 
 
-def compile_layers(model: nn.Module, layer_class: type, backend: str = "inductor") -> int:
+def compile_layers(model: nn.Module, layer_class: type, backend: str = "inductor", tables=None) -> int:
     """Compile every `layer_class` instance of `model` in place; returns how many.
 
     One compiled function per class, called with the block as an argument (its parameters become graph
     inputs). The stage tuple gets row-major strides first: dynamo guards on strides, and under sequence
     parallelism the first block's x is a view of the full sequence ([B, S/sp, H] with S's strides) while
     the next blocks' are not, which would compile the same graph twice.
+
+    `tables(block)`: what the block reads that must be built eagerly before each compiled call, each with a
+    `warm(device)` (parallel/model/build.py passes models.geometry.position_caches: a table the trace built itself
+    would compile each step shape twice).
     """
     # One graph per step shape (buckets: each bucket's sequence length; dynamic=False keeps every graph static)
     # and two per shape under activation checkpointing (the no-grad forward, the recomputation): past dynamo's
@@ -78,14 +82,20 @@ def compile_layers(model: nn.Module, layer_class: type, backend: str = "inductor
     import torch._dynamo.config as dynamo_config
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
     compiled = torch.compile(layer_class.forward, backend=backend, dynamic=False)
-
-    def forward(self, inputs):
-        return compiled(self, tuple(_canonical(t) if isinstance(t, torch.Tensor) else t for t in inputs))
-
     blocks = [m for m in model.modules() if isinstance(m, layer_class)]
     for block in blocks:
-        block.forward = types.MethodType(forward, block)
+        block.forward = types.MethodType(_compiled_forward(compiled, tables(block) if tables else []), block)
     return len(blocks)
+
+
+def _compiled_forward(compiled, caches: list):
+    """A block's forward through `compiled`, after each of `caches` is warmed on the inputs' device."""
+    def forward(self, inputs):
+        device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
+        for cache in caches:
+            cache.warm(device)
+        return compiled(self, tuple(_canonical(t) if isinstance(t, torch.Tensor) else t for t in inputs))
+    return forward
 
 
 def compile_stats(reset: bool = False) -> dict:

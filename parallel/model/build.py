@@ -15,7 +15,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 
 from models.diffusion import mse_loss
-from models.geometry import StepGrid, patchify, token_grid
+from models.geometry import StepGrid, patchify, position_caches, token_grid
 from models.registry import family, sequence_tokens
 from parallel.experiment.config import ExperimentConfig
 from parallel.distributed.block_swap import BlockSwap
@@ -160,7 +160,7 @@ def build_model(cfg: ExperimentConfig, ds: dict, ctx, checkpoint_fn: Optional[Ca
                             dynamic_shape=cfg.data.kind == "directory")
     model.step_grid = grid            # the training loop sets each step's bucket here (parallel/train/engine.py)
     if cfg.train.compile:                         # regional: one graph per block class (parallel/distributed/compile.py)
-        compile_layers(model, specs[1].typename, cfg.train.compile_backend)
+        compile_layers(model, specs[1].typename, cfg.train.compile_backend, tables=position_caches)
     # after compiling: a checkpointed or compressed block wraps the compiled forward (compile_layers sets
     # every block's forward to the shared compiled one, which would drop wrappers set before it)
     apply_recompute(model, cfg, offload=offload)    # train.recompute / train.activation_compression (parallel/model/recompute.py)

@@ -115,3 +115,51 @@ def _communication_bytes_match_the_plan(result, eager):
     # a lossy reduction: bf16 gradients move the losses by about 1e-4 relative, fp32 ones not at all
     torch.testing.assert_close(torch.tensor(result["grads_fp32"]["losses"]), eager, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.tensor(result["grads_bf16"]["losses"]), eager, rtol=1e-3, atol=1e-4)
+
+
+# Every family whose blocks read a position table (models.geometry.PositionCache; Wan 2.2's blocks are Wan's), at 2
+# blocks, with its block variants (HunyuanVideo's dual- and single-stream blocks: one class, two graphs); debug is
+# CogVideoX with 3D rotary.
+ROTARY = {"debug": (1, ["model.pos_embed=rope3d", "model.sample_width=12"]), "debug-wan": (1, []),
+          "debug-hunyuan": (2, ["model.num_dual_layers=1"]), "debug-hunyuan15": (1, []), "debug-ltx2": (1, []),
+          "debug-stdit": (1, [])}
+
+
+def _family_rank(rank, world_size, presets):
+    """Per preset: eager and aot_eager losses over 2 checkpointed steps, and dynamo's counters."""
+    import torch._dynamo
+
+    from parallel.distributed.compile import compile_stats
+    from parallel.distributed.seed import seed_all
+    from parallel.distributed.topology import ParallelContext, ParallelDims
+    from parallel.train.engine import build_trainer
+    from parallel.train.run import training_batches
+
+    out = {}
+    for preset, sets in presets.items():
+        for backend in (None, "aot_eager"):
+            torch._dynamo.reset()
+            cfg = experiment(1, 1, 1, [LAYERS, *sets, *(["train.compile=true", f"train.compile_backend={backend}"]
+                                                         if backend else [])], preset=preset)
+            seed_all(cfg.train.seed)
+            compile_stats(reset=True)
+            ctx = ParallelContext.build(ParallelDims())
+            trainer = build_trainer(cfg, fp32_config(0, True), ctx)
+            batches = training_batches(cfg, ctx)
+            out[preset, backend] = {"losses": [trainer.train_step(batches).loss for _ in range(2)],
+                                    **compile_stats(reset=True)}
+    return out
+
+
+def test_every_rotary_family_compiles_each_block_variant_once():
+    """The position tables are built before the compiled block runs (PositionCache.warm): built inside the first
+    trace, the table lookup that missed there hits in the next call, a guard failure, and every step shape compiled
+    a graph twice (checkpointed rope3d: 3 graphs before, 2 now). Checkpointed, a variant has two graphs:
+    DeepSpeed's no-grad forward and the recomputation with grad. The losses are eager's (aot_eager: the same ops)."""
+    result = run_ranks(_family_rank, 1, {p: sets for p, (_, sets) in ROTARY.items()})[0]
+    for preset, (variants, _) in ROTARY.items():
+        eager, compiled = result[preset, None], result[preset, "aot_eager"]
+        assert len(set(eager["losses"])) == 2, (preset, "the reference does not train")
+        torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-6,
+                                   atol=1e-7, msg=lambda m: f"{preset}: {m}")
+        assert (compiled["graphs"], compiled["graph_breaks"]) == (2 * variants, 0), (preset, compiled)
