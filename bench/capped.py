@@ -132,7 +132,7 @@ def export(out: Path | None, work: Path, text: str, report: Path | None) -> None
 def main(argv=None, runner=None) -> int:
     """`runner(cmd, log) -> (exit code, output, seconds)`: device_run.run (a subprocess, no budget) unless given
     (a test forks the commands from its preloaded server)."""
-    from bench.device_run import Budget, peak, run, table, tail_cell, write_report
+    from bench.device_run import Budget, peak, run, table, unfinished_row, write_report
 
     ap = argparse.ArgumentParser(prog="bash scripts/gpu-check.sh --capped", description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="configs/debug-wan.yaml (runs on CPU): the script's own check")
@@ -167,9 +167,7 @@ def main(argv=None, runner=None) -> int:
             new = run_rows(name, results[name])
         else:
             failed = True
-            tail = tail_cell(output)
-            ended = f"exit {code}" if code is not None else "not run or stopped (a budget)"
-            new = [(f"{name} run", f"{ended} after {seconds:.0f} s", tail, "FAILED")]
+            new = [unfinished_row(f"{name} run", code, output, seconds)]
         if len(results) == 2:
             new.append(compare_row(results["capped"], results["uncapped"]))
         print("\n".join(" | ".join(r) for r in new), flush=True)

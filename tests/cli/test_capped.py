@@ -63,3 +63,14 @@ def test_a_returned_table_goes_into_its_own_section(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(capped, "ROOT", tmp_path)
     assert capped.main(["--write-report", str(returned)]) == 0
     assert report.read_text() == f"# Report\n\n{capped.BEGIN}\n{returned.read_text()}{capped.END}\n\n## After\n"
+
+
+def test_a_run_that_did_not_finish_is_a_row_of_its_own(tmp_path, capsys):
+    """A failed run and a stopped one read as gpu_check's and gpu_speed's do (device_run.unfinished_row): the exit,
+    the seconds and the last lines, FAILED; stopped, TIMED OUT (budget). The exit status says it."""
+    ends = iter([(3, "Traceback\nRuntimeError: CUDA out of memory", 41.0), (None, "step 2", 600.0)])
+    assert capped.main(["--tiny", "--no-report", "--work", str(tmp_path / "work"),
+                        "--out", str(tmp_path / "out")], runner=lambda cmd, log: next(ends)) == 1
+    rows = [r.strip("| ").split(" | ") for r in capsys.readouterr().out.splitlines() if r.startswith("| ") and " run |" in r]
+    assert rows == [["capped run", "exit 3 after 41 s", "Traceback RuntimeError: CUDA out of memory", "FAILED"],
+                    ["uncapped run", "stopped after 600 s", "step 2", "TIMED OUT (budget)"]]
