@@ -101,3 +101,35 @@ def assert_export_reads_back(exported: Path, model: torch.nn.Module) -> None:
     assert again.state_dict().keys() == original.keys()
     for name, value in again.state_dict().items():
         assert torch.equal(value, original[name]), name
+
+
+def write_release(model: torch.nn.Module, cfg, folder: Path) -> Path:
+    """A one-process toolkit model (tp = pp = 1) as the diffusers folder model.init_from reads: each transformer's
+    tensors under their released names in one file with its config.json (Wan 2.2 A14B: transformer/ and
+    transformer_2/), and the pipeline's model_index.json where the family has one; the adapters are left out, as
+    parallel.export writes the base. (export_diffusers writes the same from any layout, in process groups.)"""
+    from safetensors.torch import save_file
+
+    from parallel.distributed.topology import ParallelContext
+    from parallel.model.lora import is_adapter
+    from parallel.weights.diffusers import (CONFIG_NAME, PIPELINE_INDEX, WEIGHTS_NAME, diffusers_config, folders,
+                                            pipeline_index, stored_name)
+    from parallel.weights.diffusers_export import to_diffusers
+    from parallel.weights.gather import full_tensors
+
+    m, subs = cfg.model, folders(cfg.model)
+    files: dict[str, dict[str, torch.Tensor]] = {prefix: {} for prefix in subs}
+    for name, full in full_tensors(model, ParallelContext.single(), m.num_layers):
+        if not is_adapter(name):
+            for source, t in to_diffusers(name, full, m).items():
+                stored = stored_name(source)
+                files[source[:len(source) - len(stored)]][stored] = t.clone()
+    for prefix, sub in subs.items():
+        out = folder / sub if sub and prefix else folder
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(files[prefix], str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+        (out / CONFIG_NAME).write_text(json.dumps(diffusers_config(m, cfg.data)))
+    index = pipeline_index(m)
+    if index is not None:
+        (folder / PIPELINE_INDEX).write_text(json.dumps(index))
+    return folder

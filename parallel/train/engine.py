@@ -6,6 +6,7 @@ pipeline partitioning flags), `build_trainer` calls `deepspeed.initialize` for t
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from parallel.distributed.deepspeed.checkpoint import use_weights_only_checkpoin
 from parallel.distributed.deepspeed.clipping import clip_with_replica_norm
 from parallel.distributed.deepspeed.skip import before_pipeline_update, guard_pipeline_updates, skipped_update
 from parallel.distributed.deepspeed.version import check_deepspeed_version
+from parallel.distributed.layers import skip_init
 from parallel.experiment import ds_config as dsc
 from parallel.experiment.config import ExperimentConfig
 from parallel.train.experts import clear_routed, idle_experts
@@ -213,9 +215,10 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
                   model: Optional[torch.nn.Module] = None) -> TrainingEngine:
     """Configure activation checkpointing, build the model for the layout, and initialise DeepSpeed.
 
-    With model.init_from (and init_from=True; a run resuming a checkpoint passes False) every rank reads
-    its part of the released weights into the built model before deepspeed.initialize, when parameters
-    are still whole local tensors under every ZeRO stage (ZeRO-3 partitions them in initialize); then
+    With model.init_from (and init_from=True; a run resuming a checkpoint passes False) the model is built
+    without the random init of its tensor-parallel layers (skip_init) and every rank reads its part of the
+    released weights into it before deepspeed.initialize, when parameters are still whole local tensors under
+    every ZeRO stage (ZeRO-3 partitions them in initialize); then
     model.lora.init_from's adapters the same way. With model.lora the base is frozen (requires_grad False)
     and the optimizer, its EMA and DeepSpeed's master weights hold the adapters only; with model.lora.base_dtype
     its tensor-parallel linear weights then become fp8 buffers (parallel/model/lora.py apply_fp8_base), and with
@@ -230,9 +233,14 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
     if checkpoint_interval(ds_final, cfg.model.num_layers):
         deepspeed.checkpointing.configure(ctx, deepspeed_config=copy.deepcopy(ds_final))
         checkpoint_fn = deepspeed.checkpointing.checkpoint
+    released = init_from and bool(cfg.model.init_from)
     if model is None:
-        model = build_model(cfg, ds_final, ctx, checkpoint_fn)
-    if init_from and cfg.model.init_from:
+        # model.init_from overwrites every parameter and buffer but the adapters (load_released refuses a release
+        # missing any, before reading), so the tensor-parallel layers skip their random init; the global RNG is
+        # unchanged (each stage is built in its own forked stream: parallel/distributed/seed.py init_rng)
+        with skip_init() if released else contextlib.nullcontext():
+            model = build_model(cfg, ds_final, ctx, checkpoint_fn)
+    if released:
         from parallel.weights.diffusers import load_released
         load_released(model, ctx, cfg.model, cfg.model.init_from)
     if init_from and cfg.model.lora is not None and cfg.model.lora.init_from:

@@ -1,11 +1,11 @@
 """Sampling a batch in any layout: the model with released weights or a checkpoint, and the batch's latents.
 
-`sampling_model` builds this rank's part of the layout and reads `model.init_from` (every rank its slices,
-fp32, no DeepSpeed engine: ZeRO and precision settings do not apply) or, without it, the newest checkpoint
-through the trainer (the layout and engine that wrote it; the EMA swapped in as validation does with
-val.use_ema). `sample_batch` runs the sampler through `StageForward` (pipeline stages exchange activations;
-tp and sp as in validation) with data-parallel replicas on contiguous rows, and gathers the rows on every
-rank. Used by `python -m parallel.sample`.
+`sampling_model` builds this rank's part of the layout (without the random init that model.init_from overwrites:
+skip_init) and reads `model.init_from` (every rank its slices, fp32, no DeepSpeed engine: ZeRO and precision
+settings do not apply) or, without it, the newest checkpoint through the trainer (the layout and engine that wrote
+it; the EMA swapped in as validation does with val.use_ema). `sample_batch` runs the sampler through `StageForward`
+(pipeline stages exchange activations; tp and sp as in validation) with data-parallel replicas on contiguous rows,
+and gathers the rows on every rank. Used by `python -m parallel.sample`.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from models.diffusion import Objective
 from models.sampling import sample
 from parallel.model.build import build_model
 from parallel.distributed import accelerator
+from parallel.distributed.layers import skip_init
 from parallel.distributed.seed import derive_seed, seed_all
 from parallel.distributed.topology import ParallelContext
 from parallel.checkpoints import checkpoint as ckpt
@@ -46,7 +47,8 @@ def sampling_model(cfg, ds: dict, layout, env, ema: bool = False,
         contextlib.nullcontext(ParallelContext.single())
     with groups as ctx:
         if not from_checkpoint:
-            model = build_model(cfg, ds, ctx)
+            with skip_init():             # every tensor-parallel weight is read next (build_trainer says why)
+                model = build_model(cfg, ds, ctx)
             load_released(model, ctx, cfg.model, cfg.model.init_from)
             device = accelerator.device(env.local_rank)
             model.to(device).eval()
