@@ -8,16 +8,18 @@ already knows how its shards sit in the full tensors (parallel/distributed/layer
 
 What is written (`step{N}/layout_free/`, listed in the checkpoint's marker like every other file, so the
 copy is published atomically and damage-checked with the rest):
-    rank{R:05d}.safetensors  tensors `{canonical name}::{kind}`, kind = param (the fp32 master weight) or
-                             an optimizer state key (exp_avg, exp_avg_sq, ema, ...), each the full
-                             tensor-parallel shard of rank R's tp rank: ZeRO partitions are gathered over
-                             the data-parallel group first (DeepSpeed's safe_get_full_* accessors), and the
-                             shards of one (stage, tp rank) are spread over its data-parallel ranks,
-                             parameter i written by data rank i mod (dp x sp), so every rank writes a part
-                             and none holds more than its own tp shard. Replicated parameters are written
-                             by tp rank 0 only. The header's `index` says, per name, how the shard sits in
-                             the full tensor: partition dim, the full sizes of its fused parts along it
-                             ([q, k, v] or one), tp size and rank.
+    rank{R:05d}.safetensors  tensors `{canonical name}::{kind}`, kind = param (the fp32 master weight; a frozen
+                             parameter in fp32; a buffer in its own dtype) or an optimizer state key
+                             (exp_avg, exp_avg_sq, ema, ...), each the full tensor-parallel shard of rank R's
+                             tp rank: ZeRO partitions are gathered over the data-parallel group first
+                             (DeepSpeed's safe_get_full_* accessors), and the shards of one (stage, tp
+                             rank) are spread over its data-parallel ranks, tensor i written by data rank
+                             i mod (dp x sp), so every rank writes a part and none holds more than its own
+                             tp shard. Replicated parameters and buffers are written by tp rank 0 only (a
+                             replicated buffer whose bytes differ between the tp ranks by each of them,
+                             and read back at that tp size only). The header's `index` says, per name, how
+                             the shard sits in the full tensor: partition dim, the full sizes of its fused
+                             parts along it ([q, k, v] or one), tp size and rank.
     state.json               (rank 0) step, optimizer step count, the LR schedule's position, the global
                              sample index (step x global batch), the layout and the state keys; a model
                              of several experts: each expert's step count (an expert sits out a step
@@ -25,11 +27,21 @@ copy is published atomically and damage-checked with the rest):
                              moments and its EMA at its weights.
 
 Reading at another layout (`load`): each rank builds its model and DeepSpeed engine for the new layout,
-reads every file's header, and for each of its parameters reads only the slices of the old shards that
-overlap its own shard (safetensors' partial reads), part by part:
+reads every file's header, and for each of its parameters and buffers reads only the slices of the old shards
+that overlap its own shard (safetensors' partial reads), part by part:
 
     shard r of a part of full size n (tp size p) holds [r n/p, (r+1) n/p) of it, parts concatenated in
     order, so new shard r' of part k is the union of its overlaps with old shards r = 0..p_old-1.
+
+Buffers are part of the state too: the frozen base of a LoRA run with model.lora.base_dtype (each tensor-parallel
+layer's fp8 `weight`, split like the weight it replaced, and its `weight_scale`, one fp32 scale over the full weight,
+so the same on every tp rank: parallel/distributed/layers.py), and a family's stored tables (CogVideoX's norm_k_bias,
+the 5B-I2V's pos_embedding), which model.init_from fills and a resume, not reading it, would otherwise leave at their
+initial values. The fp8 shards are re-cut for the new tp like any split tensor and keep the scale, so the base is
+the one the run trained against, bit for bit; the tensor-parallel marks of a buffer come from its layer
+(layers.tp_marks: a device move re-makes buffers without attributes). A frozen base kept as parameters (LoRA
+without base_dtype, block swap's host-resident weights, which are read and written in host memory, their device
+copies dropped) is restored as every parameter is.
 
 It then hands the tensors to DeepSpeed: the module weight (gathered and re-partitioned under ZeRO-3), the
 fp32 master and each optimizer state through safe_set_full_fp32_param / safe_set_full_optimizer_state
@@ -37,11 +49,16 @@ fp32 master and each optimizer state through safe_set_full_fp32_param / safe_set
 The step count of every optimizer state, the LR schedule (last_epoch, hence the learning rate) and the
 engine's step and sample counters are set from state.json.
 
-Random state: nothing to carry. The data order, each sample's noise and timestep and caption dropout are
-drawn from (seed, step, global sample position) (parallel/train/data.py), the models have no dropout, and
-no training step draws from a process's global RNG, so the continuation sees what the uninterrupted run
-would. The global batch must stay the same across the change (it fixes the sample positions of a step
-and the meaning of `step` for the schedule); parallel.checkpoints.checkpoint.find_resume refuses otherwise.
+Random state: nothing to carry but LoRA's dropout. The data order, each sample's noise and timestep and caption
+dropout are drawn from (seed, step, global sample position) (parallel/train/data.py), the models themselves have no
+dropout, and no other training step draws from a process's global RNG, so the continuation sees what the
+uninterrupted run would. model.lora.dropout > 0 draws the adapters' input masks from each rank's generators: a
+resume at the same layout restores them (parallel/checkpoints/rng.py), one here does not (the masks' shapes and
+owners change with the layout), so it continues the uninterrupted run in distribution, not number for number
+(docs/lora.md has the measured difference).
+
+The global batch must stay the same across the change (it fixes the sample positions of a step and the meaning of
+`step` for the schedule); parallel.checkpoints.checkpoint.find_resume refuses otherwise.
 """
 from __future__ import annotations
 
@@ -57,6 +74,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
 
 from parallel.distributed.deepspeed.optimizer import relink_optimizer_fragments, zero_holds_master
 from parallel.distributed.deepspeed.zero3 import full_shape, is_partitioned
+from parallel.distributed.layers import TP_MARKS, marked_buffers
 from parallel.distributed.pipeline import canonical_name
 from parallel.model.build import expert_of_parameter
 
@@ -101,32 +119,56 @@ def local_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
     return tuple(full_shape(param))
 
 
-def slicing_of(param: torch.nn.Parameter, tp_size: int, tp_rank: int) -> Slicing:
-    """A parameter's Slicing from the marks parallel/distributed/layers.py sets (tensor_model_parallel,
-    partition_dim, tp_parts = the local sizes of the fused parts)."""
-    if not getattr(param, "tensor_model_parallel", False):
+def slicing_of(param: torch.Tensor, tp_size: int, tp_rank: int, marks: Optional[dict] = None) -> Slicing:
+    """A tensor's Slicing from the marks parallel/distributed/layers.py sets (tensor_model_parallel,
+    partition_dim, tp_parts = the local sizes of the fused parts): the tensor's own, or `marks` (a buffer's,
+    layers.tp_marks)."""
+    marks = {k: getattr(param, k) for k in TP_MARKS if hasattr(param, k)} if marks is None else marks
+    if not marks.get("tensor_model_parallel", False):
         return Slicing(None, (), tp_size, tp_rank)
-    dim = param.partition_dim
-    local = getattr(param, "tp_parts", None) or [local_shape(param)[dim]]
+    dim = marks["partition_dim"]
+    local = marks.get("tp_parts") or [local_shape(param)[dim]]
     return Slicing(dim, tuple(n * tp_size for n in local), tp_size, tp_rank)
+
+
+def module_tensors(module: torch.nn.Module):
+    """(name, tensor, tp marks or None for its own, trained) of every parameter and buffer: what the copy holds."""
+    for name, p in module.named_parameters():
+        yield name, p, None, p.requires_grad
+    for name, b, marks in marked_buffers(module):
+        yield name, b, marks, False
 
 
 Reader = Callable[[Optional[int], int, int], torch.Tensor]     # (dim, start, length) -> slice; dim None: all
 
 
 def assemble(target: Slicing, shape: tuple[int, ...], pieces: list[tuple[Slicing, Reader]]) -> torch.Tensor:
-    """The tensor of `shape` that `target` describes, from stored shards (their Slicing and a reader of
-    slices along their dim). A whole stored tensor is sliced directly; split ones are overlapped part by part."""
+    """The tensor of `shape` that `target` describes, in the stored dtype, from stored shards (their Slicing and a
+    reader of slices along their dim). A whole stored tensor is sliced directly; split ones are overlapped part by
+    part. Several whole ones (a replicated tensor that differed between the tp ranks, each writing its own): the one
+    of target's tp rank, at the tp size they were written at only."""
     whole = [read for s, read in pieces if s.whole]
     split = [(s, read) for s, read in pieces if not s.whole]
+    if len(whole) > 1:
+        whole = [read for s, read in pieces if (s.tp_size, s.tp_rank) == (target.tp_size, target.tp_rank)]
+        if len(whole) != 1:
+            sizes = sorted({s.tp_size for s, _ in pieces})
+            raise ValueError(f"it differs between the tp ranks that wrote it at tp {sizes[0]} (an fp8 base scaled per "
+                             f"tp shard, by a run started before the scale spanned the full weight), so it is read "
+                             f"back at that tp only: resume at parallel.tp_size={sizes[0]}, not {target.tp_size}")
     dim = target.dim if not target.whole else (split[0][0].dim if split else None)
     if dim is None or (target.whole and whole):
         return whole[0](None, 0, 0).reshape(shape)
     wanted = target.intervals() if not target.whole else [(0, shape[dim], 0)]
-    out = torch.empty(shape, dtype=torch.float32)
+    out = None
+
+    def put(local: int, piece: torch.Tensor) -> None:
+        nonlocal out
+        out = torch.empty(shape, dtype=piece.dtype) if out is None else out
+        out.narrow(dim, local, piece.shape[dim]).copy_(piece)
     if whole:
         for start, n, local in wanted:
-            out.narrow(dim, local, n).copy_(whole[0](dim, start, n))
+            put(local, whole[0](dim, start, n))
         return out
     filled = 0
     for start, n, local in wanted:
@@ -134,7 +176,7 @@ def assemble(target: Slicing, shape: tuple[int, ...], pieces: list[tuple[Slicing
             for o_start, o_n, o_local in old.intervals():
                 a, b = max(start, o_start), min(start + n, o_start + o_n)
                 if a < b:
-                    out.narrow(dim, local + a - start, b - a).copy_(read(dim, o_local + a - o_start, b - a))
+                    put(local + a - start, read(dim, o_local + a - o_start, b - a))
                     filled += b - a
     if filled != shape[dim]:
         raise ValueError(f"the stored shards cover {filled} of {shape[dim]} entries along dim {dim}")
@@ -203,11 +245,27 @@ def _supported(engine, optimizer) -> bool:
 
 
 def _frozen_value(param) -> torch.Tensor:
+    """A frozen parameter in fp32 (gathered under ZeRO-3), a buffer in its own dtype (the fp8 base's codes)."""
     if is_partitioned(param):
         import deepspeed
         with deepspeed.zero.GatheredParameters([param]):
             return param.detach().float().cpu().clone()
-    return param.detach().float().cpu()
+    return param.detach().float().cpu() if isinstance(param, torch.nn.Parameter) else param.detach().cpu()
+
+
+def _differing_buffers(module: torch.nn.Module, ctx) -> set[str]:
+    """The replicated buffers whose bytes differ between the ranks of this tp group, which each tp rank then writes
+    (the same set on every rank of the group). None should: an fp8 base whose scales a toolkit before this one took
+    per tp shard (a run started then and resumed at its layout since) is the case this keeps from being read back
+    with one rank's scale at another tp."""
+    if ctx.tp_size == 1:
+        return set()
+    import zlib
+    mine = {name: zlib.crc32(b.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            for name, b, marks in marked_buffers(module) if not marks.get("tensor_model_parallel")}
+    everyone = [None] * ctx.tp_size
+    dist.all_gather_object(everyone, mine, group=ctx.tp_group)
+    return {name for name, crc in mine.items() if any(other.get(name) != crc for other in everyone)}
 
 
 @torch.no_grad()
@@ -221,14 +279,17 @@ def collect(trainer) -> Optional[dict]:
     relink_optimizer_fragments(engine.optimizer)
     keys = _state_keys(optimizer)
     experts = _expert_steps(optimizer, trainer.experts)
+    differ = _differing_buffers(engine.module, ctx)
     tensors, index = {}, {}
-    for i, (name, p) in enumerate(engine.module.named_parameters()):
-        slicing = slicing_of(p, ctx.tp_size, ctx.tp_rank)
-        mine = i % ctx.data_size == ctx.data_rank and (slicing.dim is not None or ctx.tp_rank == 0)
+    for i, (name, p, marks, trained) in enumerate(module_tensors(engine.module)):
+        slicing = slicing_of(p, ctx.tp_size, ctx.tp_rank, marks)
+        mine = i % ctx.data_size == ctx.data_rank and (slicing.dim is not None or ctx.tp_rank == 0 or name in differ)
         canonical = canonical_name(name, trainer.cfg.model.num_layers)
+        if not (mine or trained or is_partitioned(p)):       # no collective to join: nothing to copy off the device
+            continue
         unstepped = experts.get(str(expert_of_parameter(name))) == 0
-        for key in [None, *keys] if p.requires_grad else [None]:
-            value = _frozen_value(p) if not p.requires_grad else _unstepped_value(p, optimizer, key) \
+        for key in [None, *keys] if trained else [None]:
+            value = _frozen_value(p) if not trained else _unstepped_value(p, optimizer, key) \
                 if unstepped and key is not None else _full_value(p, optimizer, key)
             if mine:
                 tensors[f"{canonical}::{key or PARAM}"] = value.contiguous()
@@ -296,7 +357,10 @@ class Stored:
                 return sl[tuple([slice(None)] * dim + [slice(start, start + n)])]
             return read
         pieces = [(s, reader(self.files[path], f"{name}::{key}")) for path, s in self.shards[name]]
-        return assemble(target, shape, pieces)
+        try:
+            return assemble(target, shape, pieces)
+        except ValueError as e:
+            raise ValueError(f"{self.folder}: {name}: {e}") from e
 
 
 def _step_tensor(n: int, param, group: dict) -> torch.Tensor:
@@ -329,16 +393,16 @@ def load(trainer, folder: Path) -> int:
     keys = state["state_keys"]
     _ensure_state(optimizer, keys, state["optimizer_step"], state.get("expert_steps"))
     relink_optimizer_fragments(engine.optimizer)
-    for name, p in engine.module.named_parameters():
+    for name, p, marks, trained in module_tensors(engine.module):
         canonical = canonical_name(name, trainer.cfg.model.num_layers)
-        target, shape = slicing_of(p, ctx.tp_size, ctx.tp_rank), local_shape(p)
-        weight = stored.read(canonical, PARAM, target, shape)
+        target, shape = slicing_of(p, ctx.tp_size, ctx.tp_rank, marks), local_shape(p)
+        weight = _read_value(stored, canonical, p, target, shape)
         if is_partitioned(p):                   # ZeRO-3: every data rank writes the same full shard
             with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
                 p.data.copy_(weight.to(p.dtype))
         else:
             p.data.copy_(weight.to(p.dtype))
-        if not p.requires_grad:
+        if not trained:
             continue
         zero = zero_holds_master(p)
         if zero:
@@ -357,6 +421,30 @@ def load(trainer, folder: Path) -> int:
         for group, lr in zip(scheduler.optimizer.param_groups, lrs):
             group["lr"] = lr
         scheduler.load_state_dict({**scheduler.state_dict(), "_last_lr": lrs})
+    swap = getattr(engine.module, "host_swap", None)       # train.block_swap: its host tensors were written
+    if swap is not None:
+        swap.forget_copies()
     engine.global_steps = state["step"]
     engine.global_samples = state["global_samples"]
     return int(state["step"])
+
+
+def _read_value(stored: Stored, canonical: str, t: torch.Tensor, target: Slicing, shape) -> torch.Tensor:
+    """The stored value of parameter or buffer `t`, refused where it cannot be this model's: a buffer a copy does
+    not hold, or a stored dtype other than the one written for it (fp32 for a parameter, a buffer's own), which a
+    run of another model.lora.base_dtype than the saved one would meet (fp8 codes read as weights, or the reverse)."""
+    from parallel.checkpoints.checkpoint import describe
+
+    param = isinstance(t, torch.nn.Parameter)
+    if canonical not in stored.shards and not param:
+        raise ValueError(f"{stored.folder}: no stored {canonical}, a buffer of this model: the copy was written by a "
+                         f"toolkit that kept parameters only, or for another model.lora.base_dtype. Resume it at "
+                         f"{describe(stored.state['layout'])}, whose DeepSpeed files hold it; that run's next "
+                         f"checkpoint resumes anywhere")
+    value = stored.read(canonical, PARAM, target, shape)
+    want = torch.float32 if param else t.dtype
+    if value.dtype != want:
+        raise ValueError(f"{stored.folder}: {canonical} is stored as {value.dtype}, this model holds it as a "
+                         f"{t.dtype} {'parameter' if param else 'buffer'} (another model.lora.base_dtype than the "
+                         f"run that wrote it?)")
+    return value

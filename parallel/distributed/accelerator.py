@@ -94,6 +94,18 @@ def synchronize() -> None:
     get_accelerator().synchronize()
 
 
+def rng_state() -> torch.Tensor | None:
+    """The current device's default generator state (a CPU uint8 tensor); None on CPU, whose generator is torch's
+    own (torch.get_rng_state)."""
+    return None if name() == "cpu" else get_accelerator().get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor) -> None:
+    """Set the current device's default generator to `state` (rng_state's); nothing on CPU."""
+    if name() != "cpu":
+        get_accelerator().set_rng_state(state)
+
+
 def profiler_activities() -> list:
     """The torch.profiler activities that time this device: CPU, plus CUDA on CUDA (device kernel times).
     On NPU (and any other device) CPU only: torch_npu has its own profiler (torch_npu.profiler), which

@@ -185,9 +185,13 @@ class BlockSwap:
             return forward(*args, **kwargs)
         return run
 
-    def _loaded(self, module, incompatible_keys) -> None:
-        """A state dict was loaded into a swapped layer: its host tensors changed, the device copies are stale."""
+    def forget_copies(self) -> None:
+        """The host tensors were written (a checkpoint read into them): the device copies are stale, dropped."""
         self._copies, self._current = {}, None
+
+    def _loaded(self, module, incompatible_keys) -> None:
+        """A state dict was loaded into a swapped layer (DeepSpeed's own checkpoint load)."""
+        self.forget_copies()
 
     def keep_on_host(self, fn: Callable, apply: Callable, module: nn.Module) -> nn.Module:
         """`module._apply(fn)` (`apply`: torch's) with the moved tensors held out of it: each stands in as an empty

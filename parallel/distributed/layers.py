@@ -32,9 +32,12 @@ adapters start as peft's (A kaiming-uniform a=sqrt(5), B zero), drawn full from 
 so every layout starts from the tp = 1 adapters.
 
 fp8 base (`quantise_base`, model.lora.base_dtype): the frozen W becomes a float8_e4m3fn buffer `weight` and an
-fp32 buffer `weight_scale` = amax|W_i| / 448 of this rank's shard W_i (each tp rank scales its own shard, so
-tp = p quantises differently from tp = 1); the forward uses W_i ~ fp8(W_i / s) s, dequantised to the input's
-dtype (no fp8 matmul). Buffers: no gradient, no optimizer state, not cast by DeepSpeed (it casts parameters).
+fp32 buffer `weight_scale` s = amax|W| / 448 over the full, unsharded W (the shards' amax all-reduced, MAX, over the
+tp group), so rank i holds W8_i = fp8(W_i / s), the slice of tp = 1's W8, and every tp rank the same s: tp = p
+quantises as tp = 1 does, and a checkpoint's fp8 shards re-cut for another tp keep their scale
+(parallel/checkpoints/relayout.py). The forward uses W_i ~ W8_i s, dequantised to the input's dtype (no fp8 matmul).
+Buffers: no gradient, no optimizer state, not cast by DeepSpeed (it casts parameters); a device move re-makes them
+without the tensor-parallel marks, so the layer keeps the weight's (`tp_marks`).
 
 Float8 (`float8`, train.float8): x W^T through torchao's float8 casts and gemm, each per-tensor scale over the full
 tensor (its amax all-reduced over the ranks holding the other shards: parallel/distributed/float8.py), so tp = p
@@ -60,11 +63,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.distributed.comm import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from parallel.distributed.comm import all_reduce_max, copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 
 InitFn = Callable[[torch.Tensor], None]
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max                                   # 448
+TP_MARKS = ("tensor_model_parallel", "partition_dim", "tp_parts")   # how a tensor's shard sits in the full one
 
 # Inside skip_init: what each skipped W and b gets instead of its init (nothing, or a test's fill); None outside.
 _SKIPPED: ContextVar[Optional[InitFn]] = ContextVar("skip_init", default=None)
@@ -83,9 +87,10 @@ def skip_init(fill: Optional[float] = None):
         _SKIPPED.reset(token)
 
 
-def quantise_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8(w / s), s) with one fp32 scale s = amax|w| / 448 (1 for an all-zero w)."""
-    amax = w.detach().abs().amax().float()
+def quantise_fp8(w: torch.Tensor, amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8(w / s), s) with one fp32 scale s = amax / 448 (1 for an all-zero w); `amax`: amax|w| unless given (the
+    full tensor's, where w is a shard of it)."""
+    amax = w.detach().abs().amax().float() if amax is None else amax
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     return (w.detach().float() / scale).to(FP8), scale
 
@@ -108,6 +113,22 @@ def _default_bias_init(bias: torch.Tensor, fan_in: int) -> None:
 def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> None:
     param.tensor_model_parallel = True
     param.partition_dim = partition_dim
+
+
+def tp_marks(module: nn.Module, leaf: str) -> dict:
+    """The tensor-parallel marks (TP_MARKS) of `module`'s tensor `leaf`: the tensor's own, else those the layer
+    recorded for it (the fp8 base's `weight`, a buffer that a device move re-makes without attributes); {} for a
+    replicated tensor."""
+    t = getattr(module, leaf)
+    return {k: getattr(t, k) for k in TP_MARKS if hasattr(t, k)} or getattr(module, "buffer_marks", {}).get(leaf, {})
+
+
+def marked_buffers(module: nn.Module):
+    """(dotted name, buffer, tp_marks) of every buffer (the fp8 base's weight and scale, a family's stored tables), in
+    named_buffers' order."""
+    for prefix, owner in module.named_modules():
+        for leaf, b in owner.named_buffers(recurse=False):
+            yield f"{prefix}.{leaf}" if prefix else leaf, b, tp_marks(owner, leaf)
 
 
 def _divide(n: int, p: int, what: str) -> int:
@@ -155,15 +176,21 @@ class _Lora(nn.Module):
         self.float8 = None        # train.float8: a Float8Matmul (parallel/distributed/float8.py) for x W^T
 
     def quantise_base(self) -> None:
-        """The frozen weight as fp8 + one scale (module docstring); call after the adapters and weights exist."""
+        """The frozen weight as fp8 + one scale over the full weight (module docstring): a MAX all-reduce of one fp32
+        scalar over the tp group where the weight is split, so every tp rank calls it, layer by layer in the same
+        order. After the adapters and weights exist."""
         w = self.weight
         if w.requires_grad:
             raise ValueError("an fp8 base must be frozen (model.lora freezes it)")
-        attrs = {k: getattr(w, k) for k in ("tensor_model_parallel", "partition_dim", "tp_parts") if hasattr(w, k)}
-        w8, scale = quantise_fp8(w)
+        attrs = {k: getattr(w, k) for k in TP_MARKS if hasattr(w, k)}
+        amax = w.detach().abs().amax().float()
+        if attrs.get("tensor_model_parallel") and self.ctx.tp_size > 1 and self.ctx.tp_group is not None:
+            amax = all_reduce_max(amax, self.ctx.tp_group)       # (none in a planning context: no process group)
+        w8, scale = quantise_fp8(w, amax)
         del self.weight
         self.register_buffer("weight", w8)
         self.register_buffer("weight_scale", scale)
+        self.buffer_marks = {"weight": attrs}
         for k, v in attrs.items():
             setattr(self.weight, k, v)
 

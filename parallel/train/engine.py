@@ -164,10 +164,11 @@ class TrainingEngine:
         DeepSpeed's (parallel/distributed/deepspeed/checkpoint.py) and its part of the layout-free copy.
 
         Beside it every rank writes its part of the layout-free copy (parallel/checkpoints/relayout.py) that a
-        resume on another layout reads. Publishing it (marker, `latest`) is parallel.checkpoints.checkpoint.save's
-        job, once every rank has written.
+        resume on another layout reads, and its generator states (parallel/checkpoints/rng.py: LoRA's dropout masks)
+        that a resume at this layout restores. Publishing it (marker, `latest`) is
+        parallel.checkpoints.checkpoint.save's job, once every rank has written.
         """
-        from parallel.checkpoints import relayout
+        from parallel.checkpoints import relayout, rng
 
         # its collectives before any disk write that could fail; ckpt.layout_free=false: DeepSpeed's files only
         part = relayout.collect(self) if self.cfg.ckpt.layout_free else None
@@ -181,6 +182,7 @@ class TrainingEngine:
                    if p.is_relative_to(folder)}
         if part is not None:
             written.update(relayout.write(part, folder, step, self.layout()))
+        written.update(rng.write(folder))
         return written
 
     def layout(self) -> dict:
@@ -189,8 +191,9 @@ class TrainingEngine:
 
     def load(self, directory, tag=None) -> int:
         """Restore everything `save` wrote (the newest tag by default); returns the step to continue from.
-        A checkpoint written at another layout is read from its layout-free copy."""
-        from parallel.checkpoints import checkpoint, relayout
+        A checkpoint written at another layout is read from its layout-free copy (the generator states then stay as
+        seeded: parallel/checkpoints/rng.py)."""
+        from parallel.checkpoints import checkpoint, relayout, rng
 
         saved = checkpoint.saved_layout(Path(directory) / tag) if tag else None
         if saved is not None and not checkpoint.same_layout(saved, self.layout()):
@@ -198,6 +201,7 @@ class TrainingEngine:
         path, client = self.engine.load_checkpoint(str(directory), tag=tag)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {directory}")
+        rng.restore(Path(directory) / tag if tag else Path(path).parent)      # path: a file of step{N}/
         return int(client["step"])
 
 

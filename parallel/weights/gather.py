@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from parallel.distributed.comm import gather_shards
+from parallel.distributed.layers import marked_buffers
 from parallel.distributed.pipeline import canonical_name
 
 
@@ -42,7 +43,7 @@ def format_shapes(m, shapes: Callable) -> dict[str, tuple[int, ...]]:
 def full_tensors(module: nn.Module, ctx, num_blocks: int, value: Optional[Callable] = None, zero3: bool = False
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's parameters (or `value(param)`, e.g. their EMA: parallel.weights.ema.full_ema) and buffers as
-    full fp32 CPU tensors with canonical names, one at a time.
+    full fp32 CPU tensors with canonical names, one at a time (the fp8 base's weight: its fp8 codes, as fp32).
 
     Tensor-parallel shards are gathered over the tp group, so every rank of it calls. `zero3`: each
     parameter is gathered from its ZeRO-3 partitions while it is read (a `value` gathers by itself).
@@ -57,8 +58,11 @@ def full_tensors(module: nn.Module, ctx, num_blocks: int, value: Optional[Callab
         if getattr(p, "tensor_model_parallel", False) and ctx.tp_size > 1:
             t = gather_shards(t, ctx, p.partition_dim, getattr(p, "tp_parts", None))
         yield canonical_name(name, num_blocks), t.cpu().clone()
-    for name, b in module.named_buffers():                # replicated, never sharded
-        yield canonical_name(name, num_blocks), b.detach().float().cpu().clone()
+    for name, b, marks in marked_buffers(module):         # replicated, but the fp8 base's weights (layers.tp_marks)
+        t = b.detach().float()
+        if marks.get("tensor_model_parallel") and ctx.tp_size > 1:
+            t = gather_shards(t, ctx, marks["partition_dim"], marks.get("tp_parts"))
+        yield canonical_name(name, num_blocks), t.cpu().clone()
 
 
 def exporting(tensors: Iterator[tuple[str, torch.Tensor]], module: nn.Module, show: bool

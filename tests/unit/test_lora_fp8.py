@@ -8,6 +8,8 @@ fp8 + one fp32 scale each (parallel/distributed/layers.py quantise_base, paralle
   quantise-dequantise predicts (fp32); adapters stay trainable parameters, the fp8 weights are buffers; a model
   loading its state dict (as a checkpoint resumes) predicts the same, bit for bit.
 * base_dtype without LoRA is refused, naming the key and what works.
+* A device move, which re-makes the fp8 buffers without attributes, leaves the weight's tp split readable from its
+  layer (layers.tp_marks), as the layout-free checkpoint copy reads it.
 * The planner's parameter bytes with the fp8 base equal what the built model holds.
 """
 import pytest
@@ -16,7 +18,7 @@ import torch
 from parallel.model.build import build_model
 from parallel.check import load_and_check
 from parallel.experiment.config import ConfigError, load_config
-from parallel.distributed.layers import FP8, ColumnParallelLinear, RowParallelLinear
+from parallel.distributed.layers import FP8, ColumnParallelLinear, RowParallelLinear, marked_buffers, tp_marks
 from parallel.distributed.topology import ParallelContext
 from parallel.model.lora import apply_fp8_base, tp_linears
 
@@ -128,3 +130,18 @@ def test_an_export_of_the_fp8_base_is_refused_pointing_at_the_adapters(fmt, tmp_
     assert err.startswith("python -m parallel.export refused (") and f"\n  - --format {fmt[1]}" in err
     assert "model.lora.base_dtype=float8_e4m3fn" in err
     assert "--format diffusers-lora writes the adapters" in err
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_fp8_weight_keeps_its_tp_marks_through_a_device_move(kind):
+    """deepspeed.initialize's .to(device) re-makes buffers without their attributes; the layer's record keeps the fp8
+    weight's split (layers.tp_marks), which the layout-free copy and the full-tensor gather read."""
+    ctx = ParallelContext.single(tp_size=2)
+    layer = ColumnParallelLinear(24, [16, 16], ctx=ctx) if kind == "column" else RowParallelLinear([16, 16], 24, ctx=ctx)
+    layer.weight.requires_grad_(False)
+    want = {"tensor_model_parallel": True, "partition_dim": 0 if kind == "column" else 1, "tp_parts": [8, 8]}
+    layer.quantise_base()
+    layer.to("meta")                                     # every buffer a new tensor, as a move to the device makes
+    assert not hasattr(layer.weight, "partition_dim")
+    assert tp_marks(layer, "weight") == want and tp_marks(layer, "weight_scale") == {}
+    assert [(n, m) for n, _, m in marked_buffers(layer)] == [("weight_scale", {}), ("weight", want)]

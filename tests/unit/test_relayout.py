@@ -59,6 +59,28 @@ def test_replicated_tensor_is_read_whole():
     torch.testing.assert_close(assemble(Slicing(None, (), 4, 3), tuple(FULL.shape), pieces), FULL)
 
 
+@pytest.mark.parametrize("old_tp, new_tp", [(1, 2), (2, 1), (2, 4)])
+def test_fp8_shards_are_re_cut_in_their_own_dtype(old_tp, new_tp):
+    """The fp8 base's codes (a buffer, stored in its dtype) move between tp sizes byte for byte: no float32 copy."""
+    codes = (FULL / FULL.abs().max() * 400).to(torch.float8_e4m3fn)
+    pieces = [(Slicing(0, tuple(PARTS), old_tp, r), reader(ColumnParallelLinear._shard(
+        codes, PARTS, [n // old_tp for n in PARTS], r, None, None, None))) for r in range(old_tp)]
+    for r in range(new_tp):
+        local = [n // new_tp for n in PARTS]
+        want = ColumnParallelLinear._shard(codes, PARTS, local, r, None, None, None)
+        got = assemble(Slicing(0, tuple(PARTS), new_tp, r), tuple(want.shape), pieces)
+        assert got.dtype == torch.float8_e4m3fn and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_replicated_tensor_that_differed_between_tp_ranks_is_read_at_that_tp_only():
+    """Written by each tp rank (an fp8 scale taken per shard): each rank of the same tp size reads its own, another tp
+    size is refused, naming the tp to resume at."""
+    pieces = [(Slicing(None, (), 2, r), reader(torch.tensor(float(r + 1)))) for r in range(2)]
+    assert [assemble(Slicing(None, (), 2, r), (), pieces).item() for r in range(2)] == [1.0, 2.0]
+    with pytest.raises(ValueError, match=r"differs between the tp ranks .* resume at parallel.tp_size=2, not 1"):
+        assemble(Slicing(None, (), 1, 0), (), pieces)
+
+
 def test_missing_shard_is_named():
     pieces = stored(column_shard, 2, 0, PARTS)[:1]               # tp rank 1's file lost
     with pytest.raises(ValueError, match="cover 12 of 24 entries along dim 0"):
