@@ -1,4 +1,4 @@
-"""Autograd functions that move activations across the tensor-parallel group, and a counter for them.
+"""The differentiable regions that move activations across the tensor-parallel group, and a counter for them.
 
 The four Megatron regions, for a tp group of size p and a tensor x:
 
@@ -7,8 +7,16 @@ The four Megatron regions, for a tp group of size p and a tensor x:
     gather_from_tp  forward: all-gather(x, -1) backward: split(grad, -1)[tp_rank]
     scatter_to_tp   forward: split(x, -1)[r]   backward: all-gather(grad, -1)
 
-Every collective goes through `_all_reduce` / `_all_gather` (and float8's `all_reduce_max`), so `count_comm()` sees
-all of them.
+Every collective is recorded (`_record`: `_all_reduce`, `_all_gather_last`, reduce_from_tp's `vdp::all_reduce` and
+float8's `all_reduce_max`), so `count_comm()` sees all of them.
+
+No forward returns a tensor that a collective wrote in place, or one that another step of the forward also
+returned (`.contiguous()` of a contiguous tensor is that tensor): torch 2.11's dynamo adds an autograd Function's
+intermediates to its compiled forward's outputs, and when one is the returned tensor under another name the
+backward gets zeros for it (pytorch/pytorch#180642, fixed in 2.12; compiled tp 2 and Ulysses runs trained to other
+losses, tests/distributed/test_compile_layouts.py). So reduce_from_tp is one operator, `vdp::all_reduce` (a new
+tensor, its identity backward declared with it), and a split is always a copy.
+
 With p == 1 they are identities and communicate nothing. A context with p > 1 and no tp_group is a planning
 context (parallel/plan/trace.py builds the model at the layout's tp size on the meta device): there each
 region returns what the collective would, in shape (an all-reduce its input, an all-gather p copies along
@@ -22,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 
 @dataclass
@@ -64,6 +73,24 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
+@torch.library.custom_op("vdp::all_reduce", mutates_args=())
+def _summed(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """x summed over the group, in a new contiguous tensor. An operator, so dynamo records one call instead of
+    tracing an in-place all-reduce (module docstring); the group by name, as an operator takes no group object."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=c10d._resolve_process_group(group_name))
+    return out
+
+
+@_summed.register_fake
+def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# reduce_from_tp's backward: every rank's output is the same sum, so each input's gradient is the output's
+_summed.register_autograd(lambda ctx, grad: (grad, None))
+
+
 def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
     """The elementwise MAX of `x` over `group`, in place on a contiguous copy (float8 amaxes, parallel/distributed/
     float8.py); counted as "all_reduce_max"."""
@@ -82,7 +109,8 @@ def _all_gather_last(x: torch.Tensor, group, size: int) -> torch.Tensor:
 
 
 def _split_last(x: torch.Tensor, size: int, rank: int) -> torch.Tensor:
-    return x.chunk(size, dim=-1)[rank].contiguous()
+    """This rank's slice of the last dim, always a copy (a contiguous slice's `.contiguous()` would be the slice)."""
+    return x.chunk(size, dim=-1)[rank].clone(memory_format=torch.contiguous_format)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -94,16 +122,6 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_reduce(grad, ctx.group), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 class _GatherFromTP(torch.autograd.Function):
@@ -141,7 +159,8 @@ def copy_to_tp(x: torch.Tensor, ctx) -> torch.Tensor:
 def reduce_from_tp(x: torch.Tensor, ctx) -> torch.Tensor:
     if ctx.tp_size == 1 or _planning(ctx):
         return x
-    return _ReduceFromTP.apply(x, ctx.tp_group)
+    _record("all_reduce", x)
+    return _summed(x, ctx.tp_group.group_name)
 
 
 def gather_from_tp(x: torch.Tensor, ctx) -> torch.Tensor:

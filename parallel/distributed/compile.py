@@ -9,12 +9,14 @@ the recomputation with grad. Everything around the blocks (embedding, final laye
 recomputation wrapper) stays eager, so checkpointing, ZeRO's hooks and the pipeline schedule see
 ordinary modules.
 
-Inside a block, the tensor-parallel collectives (parallel/distributed/comm.py: dist.all_reduce in an
-autograd.Function) and the Ulysses all-to-alls are traced or graph-broken by dynamo as it decides;
-`compile_stats()` reports graphs and breaks so the bench and the tests can say which. Measured here
-(tests/distributed/test_compile_layouts.py): no graph break at tp 2 (the gloo all-reduces are traced
-into the graph), sp 2, pp 2, ZeRO 1 and 2; ZeRO-3 trains to the same losses but breaks the graph at
-its parameter-gathering hooks (36 breaks a step for the 2-block debug model).
+Inside a block, the tensor-parallel collectives (parallel/distributed/comm.py: the all-reduce one operator,
+the rest autograd Functions around torch.distributed calls) and the Ulysses all-to-alls are traced or
+graph-broken by dynamo as it decides; `compile_stats()` reports graphs and breaks so the bench and the tests
+can say which. Measured here (tests/distributed/test_compile_layouts.py): no graph break at tp 2 (the
+collectives are in the graph), sp 2, pp 2, ZeRO 1 and 2; ZeRO-3 trains to the same losses but breaks the graph
+at its parameter-gathering hooks (36 breaks a step for the 2-block debug model). An autograd Function's forward
+must not return a tensor it also holds under another name, which torch 2.11 compiles to a zero gradient
+(comm.py's docstring; parallel/distributed/deepspeed/ulysses.py for DeepSpeed's all-to-all).
 """
 from __future__ import annotations
 

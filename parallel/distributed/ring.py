@@ -188,7 +188,7 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < ring.size:
                 moving.wait()
                 kv = nxt
-        out = out.to(q.dtype)
+        out = out.to(q.dtype, copy=True)     # a new tensor at fp32 too: torch 2.11 (parallel/distributed/comm.py)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.lengths, ctx.scale, ctx.bwd, ctx.keys = ring, lengths, scale, bwd, keys
         return out

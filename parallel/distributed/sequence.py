@@ -151,6 +151,9 @@ class SequenceAttention(nn.Module):
                 self.ring, inner = Ring(ctx.ring_group), self._ring_chunk
             if self.ulysses_size > 1:
                 from deepspeed.sequence.layer import DistributedAttention
+
+                from parallel.distributed.deepspeed.ulysses import traceable_ulysses
+                traceable_ulysses()                  # a compiled block's Ulysses output keeps its gradient
                 self.ulysses = DistributedAttention(inner, ctx.ulysses_group, scatter_idx=2, gather_idx=1)
 
     def _real(self) -> int:

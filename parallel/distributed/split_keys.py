@@ -60,7 +60,9 @@ class _SplitKeysAttention(torch.autograd.Function):
             lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         if group is not None:
             o, lse = _merge(o, lse, group, size)
-        out = o.to(q.dtype)
+        # a copy also at fp32: torch 2.11's compiler loses the gradient of a returned tensor that another name in
+        # the forward holds (parallel/distributed/comm.py's docstring), as o.to(fp32) would be o
+        out = o.to(q.dtype, copy=True)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.real, ctx.group, ctx.scale, ctx.bwd = real, group, scale, bwd
         return out

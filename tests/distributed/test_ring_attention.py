@@ -8,8 +8,14 @@ Ulysses degree above 1 divides. Key masks (`keep`, HunyuanVideo's text mask) ove
 the full attention's attn_mask: random, with one batch row's first chunk all masked and the other row's second
 (that chunk contributes nothing to the row: no NaN). One spawn per world size runs all of its cases. Each
 rank's isend bytes are checked against the planner's ring traffic.
+
+Compiled (aot_eager, as train.compile's blocks call them) at 2 ranks: Ulysses 2 and ring 2 through
+`SequenceAttention`, and LTX-2's keys split over the sp ranks (parallel/distributed/split_keys.py, eager too),
+against full attention: torch 2.11 compiled Ulysses' all-to-all and the split keys' fp32 output to zero
+gradients before them (parallel/distributed/comm.py's docstring).
 """
 import torch
+import torch.distributed as dist
 
 from tests.dist_utils import run_ranks
 
@@ -37,9 +43,10 @@ def _keep(tokens: int, chunk: int, g) -> torch.Tensor:
     return keep
 
 
-def _case(ctx, tokens: int, heads: int, masked: bool, seed: int, sent: list) -> None:
-    """This rank's chunk through SequenceAttention equals full attention's rows; padded rows give zeros; the bytes
-    this rank sends around the ring are the planner's count (parallel.plan.search.ring_traffic)."""
+def _case(ctx, tokens: int, heads: int, masked: bool, seed: int, sent: list, compiled: bool = False) -> None:
+    """This rank's chunk through SequenceAttention (compiled: under torch.compile) equals full attention's rows;
+    padded rows give zeros; the bytes an eager rank sends around the ring are the planner's count
+    (parallel.plan.search.ring_traffic)."""
     from parallel.distributed.sequence import SequenceAttention, local_range, padded_length, split_sequence
     from parallel.plan.search import ring_traffic
 
@@ -52,14 +59,16 @@ def _case(ctx, tokens: int, heads: int, masked: bool, seed: int, sent: list) -> 
 
     mine = [split_sequence(t, ctx).detach().clone().requires_grad_() for t in (q, k, v)]
     sent.clear()
-    out = SequenceAttention(ctx=ctx, tokens=tokens, prepare=_prepare)(*mine, *keep)
+    attention = SequenceAttention(ctx=ctx, tokens=tokens, prepare=_prepare)
+    out = (torch.compile(attention, backend="aot_eager") if compiled else attention)(*mine, *keep)
     out.backward(split_sequence(dout, ctx))
     chunk = B * padded_length(tokens, ctx.sp_size) // ctx.sp_size * heads * D * 4     # b S/sp H/tp, fp32
-    assert sum(sent) == sum(ring_traffic(chunk, ctx.ring_size, 4)), (sent, ring_traffic(chunk, ctx.ring_size, 4))
+    if not compiled:                    # the counter wraps the eager calls (dynamo traces the compiled ones)
+        assert sum(sent) == sum(ring_traffic(chunk, ctx.ring_size, 4)), (sent, ring_traffic(chunk, ctx.ring_size, 4))
     start, stop = local_range(tokens, ctx)
     real = max(min(stop, tokens) - start, 0)
     label = (f"{tokens} tokens, {heads} heads, ulysses {ctx.ulysses_size} x ring {ctx.ring_size}, rank {ctx.rank}"
-             f"{', key mask' if masked else ''}")
+             f"{', key mask' if masked else ''}{', compiled' if compiled else ''}")
     torch.testing.assert_close(out[:, :real], ref[:, start:start + real], msg=lambda m: f"{label}: output {m}")
     assert not out[:, real:].any(), label
     for name, got, want in zip("qkv", mine, full):
@@ -68,7 +77,40 @@ def _case(ctx, tokens: int, heads: int, masked: bool, seed: int, sent: list) -> 
         assert not got.grad[:, real:].any(), label
 
 
-def _rank(rank, world_size, cases):
+def _split_keys_case(ctx, compiled: bool) -> None:
+    """Audio queries whole on every rank over video keys split across the sp ranks (7 tokens: chunks of 4 and 3 real
+    keys): the output equals full attention's; each rank's loss takes 1/sp of the output's, so the ranks' dK, dV
+    rows and their dQ summed over the ranks are full attention's gradients."""
+    from parallel.distributed.sequence import local_range, split_sequence
+    from parallel.distributed.split_keys import split_keys_attention
+
+    tokens, audio, heads = 7, 3, 2
+    g = torch.Generator().manual_seed(17)
+    q, dout = (torch.randn(B, audio, heads, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, tokens, heads, D, generator=g) for _ in range(2))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in full)).transpose(1, 2)
+    ref.backward(dout)
+
+    start, stop = local_range(tokens, ctx)
+    real = max(min(stop, tokens) - start, 0)
+    mine = [q.clone().requires_grad_(), *(split_sequence(t, ctx).detach().clone().requires_grad_() for t in (k, v))]
+
+    def attend(q, k, v):
+        return split_keys_attention(q, k, v, real, ctx)
+    out = (torch.compile(attend, backend="aot_eager") if compiled else attend)(*mine)
+    out.backward(dout / ctx.sp_size)
+    dq = mine[0].grad.clone()
+    dist.all_reduce(dq, group=ctx.sp_group)
+    label = f"split keys, rank {ctx.rank}{', compiled' if compiled else ''}"
+    torch.testing.assert_close(out, ref, msg=lambda m: f"{label}: output {m}")
+    torch.testing.assert_close(dq, full[0].grad, msg=lambda m: f"{label}: dq summed over the ranks {m}")
+    for name, got, want in zip("kv", mine[1:], full[1:]):
+        torch.testing.assert_close(got.grad[:, :real], want.grad[:, start:start + real],
+                                   msg=lambda m: f"{label}: d{name} {m}")
+
+
+def _rank(rank, world_size, cases, split_keys=()):
     import deepspeed
     import torch.distributed as dist
 
@@ -82,14 +124,17 @@ def _rank(rank, world_size, cases):
         sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
         return batch(ops)
     dist.batch_isend_irecv = counted
-    for ring, tokens, heads, masked in cases:
+    for ring, tokens, heads, masked, *compiled in cases:
         ctx = ParallelContext.build(ParallelDims(sp_size=world_size, ring_size=ring))
-        _case(ctx, tokens, heads, masked, seed=tokens * 10 + heads, sent=sent)
+        _case(ctx, tokens, heads, masked, seed=tokens * 10 + heads, sent=sent, compiled=bool(compiled))
+    for compiled in split_keys:
+        _split_keys_case(ParallelContext.build(ParallelDims(sp_size=world_size)), compiled)
     return True
 
 
-def test_ring_2_matches_full_attention():
-    assert all(run_ranks(_rank, 2, [(2, 7, 2, False), (2, 8, 1, False), (2, 7, 2, True)]))
+def test_ring_2_matches_full_attention_also_compiled_with_ulysses_2_and_split_keys():
+    assert all(run_ranks(_rank, 2, [(2, 7, 2, False), (2, 8, 1, False), (2, 7, 2, True), (1, 7, 2, False, True),
+                                    (2, 7, 2, True, True)], (False, True)))
 
 
 def test_ring_4_and_ulysses_2_by_ring_2_match_full_attention():

@@ -382,9 +382,11 @@ DEEPSPEED_PREFIXES = ("_z3_", "_hp_", "_ds_")
 # attention ops that return the log-sum-exp ring attention merges by (parallel/distributed/ring.py).
 # _apply: torch's nn.Module._apply, which .to() and the casts call; block swap's stage modules override it to keep their
 # swapped weights in host memory (parallel/distributed/pipeline.py HostResident).
+# _resolve_process_group: a process group from its name, as torch's functional collectives find theirs; the toolkit's
+# all-reduce operator is given the name, as an operator's arguments cannot hold a group (parallel/distributed/comm.py).
 OTHER_PRIVATE = {"_cdata", "_base", "_foreach_mul_", "_foreach_add_", "_scaled_dot_product_flash_attention_for_cpu",
                  "_exit", "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_flash_attention_backward", "_apply",
+                 "_scaled_dot_product_flash_attention_backward", "_apply", "_resolve_process_group",
                  "_schema"}      # an aten op's schema: which arguments it writes (bench/step_bytes.py counts bytes)
 
 

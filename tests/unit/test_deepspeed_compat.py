@@ -25,6 +25,7 @@ from parallel.distributed.deepspeed import accounting, bf16, checkpoint, clippin
 from parallel.distributed.deepspeed import monitor as ds_monitor
 from parallel.distributed.deepspeed import optimizer as ds_optimizer
 from parallel.distributed.deepspeed import shm as ds_shm
+from parallel.distributed.deepspeed import ulysses
 
 
 def relies(patch: str, symbol: str, ok: bool, detail: str) -> None:
@@ -509,3 +510,39 @@ def test_before_pipeline_update_runs_first_on_every_rank():
     before_pipeline_update(engine, lambda: calls.append("first"))
     engine._take_model_step({"lr": 1})
     assert calls == ["first", ("step", {"lr": 1})]
+
+
+# -- traceable_ulysses ------------------------------------------------------------------------------------
+
+def test_traceable_ulysses_relies_on_single_all_to_all_calling_post_all2all():
+    from deepspeed.sequence import layer
+    p = "traceable_ulysses"
+    post = member(p, layer, "post_all2all")
+    relies(p, "deepspeed.sequence.layer.post_all2all", params(post) == ["permute_idx", "res_shape"] and appears_in_order(
+        source(post), "input = input.permute(permute_idx).contiguous()", "output = input.reshape(res_shape).contiguous()",
+        "return output"), "its layout step changed")
+    exchange = source(member(p, layer, "single_all_to_all"))
+    relies(p, "deepspeed.sequence.layer.single_all_to_all", appears_in_order(
+        exchange, "post_all2all_fun = post_all2all(post_all2all_permute_idx, post_all2all_res_shape)",
+        "res = post_all2all_fun(output)", "return res"), "it no longer returns post_all2all's result")
+
+
+@pytest.mark.parametrize("batch", [1, 2])           # batch 1: the permute is contiguous already
+@pytest.mark.parametrize("scatter_idx, gather_idx", [(2, 1), (1, 2)])    # q, k, v in; the output back
+def test_traceable_ulysses_gives_deepspeeds_values_and_layout(monkeypatch, batch, scatter_idx, gather_idx):
+    """The patched layout step returns what DeepSpeed's does (values, shape, strides), without its last call,
+    which returned its input; installed once however often it is asked for."""
+    from deepspeed.sequence import layer
+    original = layer.post_all2all
+    monkeypatch.setattr(layer, "post_all2all", original)          # DeepSpeed's again after the test
+    ulysses.traceable_ulysses()
+    ulysses.traceable_ulysses()
+    assert layer.post_all2all is ulysses._post_all2all
+    sp, tokens, heads, d = 2, 6, 4, 3
+    shape = (batch, tokens // sp, heads, d) if scatter_idx == 2 else (batch, tokens, heads // sp, d)
+    x = torch.randn(shape)
+    pre_permute, pre_shape, permute, res_shape = layer._generate_layout_params(scatter_idx, 0, sp, x)
+    exchanged = layer.pre_all2all_fun(pre_permute, pre_shape, x)    # the all-to-all's layout (its values: any)
+    want, got = original(permute, res_shape)(exchanged), layer.post_all2all(permute, res_shape)(exchanged)
+    assert torch.equal(got, want) and got.shape == want.shape and got.stride() == want.stride() and got.is_contiguous()
+

@@ -16,6 +16,8 @@ engine set-up when the installed major.minor differs.
     pipeline.py     ExplicitPipelineModule: an explicit per-stage split through PipelineModule's private hook
     monitor.py      write_monitor_events: the toolkit's figures to DeepSpeed's monitors, wandb by its own step
     shm.py          unlink_shm_buffer: the CPU shared-memory all-reduce buffer's name removed
+    ulysses.py      traceable_ulysses: Ulysses' all-to-all output without the no-op copy at which torch 2.11's
+                    compiler loses its gradient
     skip.py         skipped_update: a step without an update, as DeepSpeed skips an fp16 overflow;
                     before_pipeline_update: a call at the start of the pipeline engine's update
     accounting.py   read, not patched: names the planner's probe measures through (checkpointed inputs,
