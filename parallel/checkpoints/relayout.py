@@ -74,7 +74,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
 
 from parallel.distributed.deepspeed.optimizer import relink_optimizer_fragments, zero_holds_master
 from parallel.distributed.deepspeed.zero3 import full_shape, is_partitioned
-from parallel.distributed.layers import TP_MARKS, marked_buffers
+from parallel.distributed.layers import marked_buffers, own_marks
 from parallel.distributed.pipeline import canonical_name
 from parallel.model.build import expert_of_parameter
 
@@ -123,7 +123,7 @@ def slicing_of(param: torch.Tensor, tp_size: int, tp_rank: int, marks: Optional[
     """A tensor's Slicing from the marks parallel/distributed/layers.py sets (tensor_model_parallel,
     partition_dim, tp_parts = the local sizes of the fused parts): the tensor's own, or `marks` (a buffer's,
     layers.tp_marks)."""
-    marks = {k: getattr(param, k) for k in TP_MARKS if hasattr(param, k)} if marks is None else marks
+    marks = own_marks(param) if marks is None else marks
     if not marks.get("tensor_model_parallel", False):
         return Slicing(None, (), tp_size, tp_rank)
     dim = marks["partition_dim"]

@@ -115,12 +115,16 @@ def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> None:
     param.partition_dim = partition_dim
 
 
+def own_marks(t: torch.Tensor) -> dict:
+    """The tensor-parallel marks (TP_MARKS) set on `t` itself; {} for a replicated tensor or a re-made buffer."""
+    return {k: getattr(t, k) for k in TP_MARKS if hasattr(t, k)}
+
+
 def tp_marks(module: nn.Module, leaf: str) -> dict:
     """The tensor-parallel marks (TP_MARKS) of `module`'s tensor `leaf`: the tensor's own, else those the layer
     recorded for it (the fp8 base's `weight`, a buffer that a device move re-makes without attributes); {} for a
     replicated tensor."""
-    t = getattr(module, leaf)
-    return {k: getattr(t, k) for k in TP_MARKS if hasattr(t, k)} or getattr(module, "buffer_marks", {}).get(leaf, {})
+    return own_marks(getattr(module, leaf)) or getattr(module, "buffer_marks", {}).get(leaf, {})
 
 
 def marked_buffers(module: nn.Module):
@@ -182,7 +186,7 @@ class _Lora(nn.Module):
         w = self.weight
         if w.requires_grad:
             raise ValueError("an fp8 base must be frozen (model.lora freezes it)")
-        attrs = {k: getattr(w, k) for k in TP_MARKS if hasattr(w, k)}
+        attrs = own_marks(w)
         amax = w.detach().abs().amax().float()
         if attrs.get("tensor_model_parallel") and self.ctx.tp_size > 1 and self.ctx.tp_group is not None:
             amax = all_reduce_max(amax, self.ctx.tp_group)       # (none in a planning context: no process group)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from parallel.distributed.comm import gather_shards
-from parallel.distributed.layers import marked_buffers
+from parallel.distributed.layers import marked_buffers, own_marks
 from parallel.distributed.pipeline import canonical_name
 
 
@@ -55,14 +55,16 @@ def full_tensors(module: nn.Module, ctx, num_blocks: int, value: Optional[Callab
                 t = p.detach().float().clone()
         else:
             t = (p if value is None else value(p)).detach().float()
-        if getattr(p, "tensor_model_parallel", False) and ctx.tp_size > 1:
-            t = gather_shards(t, ctx, p.partition_dim, getattr(p, "tp_parts", None))
-        yield canonical_name(name, num_blocks), t.cpu().clone()
+        yield canonical_name(name, num_blocks), _full(t, own_marks(p), ctx)
     for name, b, marks in marked_buffers(module):         # replicated, but the fp8 base's weights (layers.tp_marks)
-        t = b.detach().float()
-        if marks.get("tensor_model_parallel") and ctx.tp_size > 1:
-            t = gather_shards(t, ctx, marks["partition_dim"], marks.get("tp_parts"))
-        yield canonical_name(name, num_blocks), t.cpu().clone()
+        yield canonical_name(name, num_blocks), _full(b.detach().float(), marks, ctx)
+
+
+def _full(t: torch.Tensor, marks: dict, ctx) -> torch.Tensor:
+    """`t` whole on the host: a tensor-parallel shard (its TP_MARKS) gathered over the tp group first."""
+    if marks.get("tensor_model_parallel") and ctx.tp_size > 1:
+        t = gather_shards(t, ctx, marks["partition_dim"], marks.get("tp_parts"))
+    return t.cpu().clone()
 
 
 def exporting(tensors: Iterator[tuple[str, torch.Tensor]], module: nn.Module, show: bool
