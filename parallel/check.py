@@ -489,7 +489,8 @@ def check_resume(cfg: ExperimentConfig, layout: Layout, step: Optional[int] = No
     from parallel.checkpoints.checkpoint import find_resume, model_signature
     saved = {**layout.as_dict(), "zero_stage": layout.zero_stage, "global_batch": layout.global_batch}
     try:
-        find_resume(Path(cfg.ckpt_dir), saved, quiet=True, model=model_signature(cfg.model), step=step)
+        find_resume(Path(cfg.ckpt_dir), saved, quiet=True, model=model_signature(cfg.model), step=step,
+                    release=cfg.model.init_from)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

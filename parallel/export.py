@@ -36,7 +36,7 @@ from parallel.experiment.units import DTYPES
 OPENSORA_NAME = "Open_Sora_v2.safetensors"        # --format opensora: the name Open-Sora's configs load
 
 
-def checkpoint_problems(cfg, layout, step: int | None, quiet: bool = False) -> list[str]:
+def checkpoint_problems(cfg, layout, step: int | None, quiet: bool = False, fmt: str = "toolkit") -> list[str]:
     """The checkpoint export reads (ckpt.dir's step{step}, or with None the newest usable one), found by its
     marker and file sizes before any process group exists: the problems, or [] when there is one. quiet: no
     report of a damaged one skipped (export() makes it)."""
@@ -45,7 +45,8 @@ def checkpoint_problems(cfg, layout, step: int | None, quiet: bool = False) -> l
 
     try:
         tag = checkpoint.find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout),
-                                     model=checkpoint.model_signature(cfg.model), step=step, quiet=quiet)
+                                     model=checkpoint.model_signature(cfg.model), step=step, quiet=quiet,
+                                     release=_release(cfg, fmt))
     except ValueError as e:
         return [str(e)]
     return [] if tag else [
@@ -69,37 +70,44 @@ def out_problems(out: Path, overwrite: bool) -> list[str]:
 def export(cfg, ds, layout, env, out: Path, step: int | None = None, fmt: str = "toolkit", ema: bool = False,
            max_shard_bytes: int = 5 * 10**9, dtype: str = "fp32", merge_lora: bool = False) -> list[Path]:
     """Export ckpt.dir's step{step} (None: the newest usable checkpoint) to `out`; the paths written (rank 0)."""
+    from parallel.checkpoints import checkpoint, lora_base
     from parallel.distributed.seed import seed_all
     from parallel.train.engine import build_trainer
-    from parallel.train.run import layout_groups
+    from parallel.train.run import checkpoint_layout, layout_groups
 
-    found = checkpoint_problems(cfg, layout, step)
+    found = checkpoint_problems(cfg, layout, step, fmt=fmt)
     if found:             # before any process group: the refusal is all the command prints
         raise ConfigError("\n".join(found))
     with layout_groups(cfg, layout, env) as ctx:
+        # every file's CRC-32, read by the ranks together, before any weight is loaded: a damaged newest checkpoint
+        # is named and the previous one read; a damaged --checkpoint N is refused
+        release = _release(cfg, fmt)
+        try:
+            tag = checkpoint.verified_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout),
+                                             checkpoint.model_signature(cfg.model), step=step, release=release)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         seed_all(cfg.train.seed)
-        trainer = build_trainer(cfg, ds, ctx, init_from=False)
-        return _export_checkpoint(cfg, layout, ctx, trainer, out, step, fmt, ema, max_shard_bytes, dtype, merge_lora)
+        base = lora_base.source(Path(cfg.ckpt_dir) / tag, cfg.model.init_from) if release is not False else None
+        trainer = build_trainer(cfg, ds, ctx, init_from=False, base=base)
+        return _export_checkpoint(cfg, layout, ctx, trainer, out, tag, fmt, ema, max_shard_bytes, dtype, merge_lora)
 
 
-def _export_checkpoint(cfg, layout, ctx, trainer, out: Path, step, fmt, ema, max_shard_bytes, dtype,
+def _release(cfg, fmt: str):
+    """find_resume's `release` for an export: model.init_from (the train command's), or False for the adapters
+    alone (--format diffusers-lora), which a checkpoint without its LoRA base exports without reading the base."""
+    return False if fmt == "diffusers-lora" else cfg.model.init_from
+
+
+def _export_checkpoint(cfg, layout, ctx, trainer, out: Path, tag: str, fmt, ema, max_shard_bytes, dtype,
                        merge_lora) -> list[Path]:
     import deepspeed
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from parallel.checkpoints import checkpoint
     from parallel.weights.ema import full_ema, has_ema
     from parallel.weights.gather import exporting, full_tensors
-    from parallel.train.run import checkpoint_layout
 
-    # every file's CRC-32, read by the ranks together, before any weight is loaded: a damaged newest checkpoint
-    # is named and the previous one read; a damaged --checkpoint N is refused
-    try:
-        tag = checkpoint.verified_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout),
-                                         checkpoint.model_signature(cfg.model), step=step)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
     step = trainer.load(cfg.ckpt_dir, tag)
     if dist.get_rank() == 0:
         print(f"weights: {cfg.ckpt_dir}/{tag} (step {step}){', EMA' if ema else ''}", flush=True)
@@ -195,7 +203,8 @@ def main(argv=None) -> int:
         problems.append("--ema selects the weights of --format diffusers; the toolkit format writes ema.safetensors "
                         "next to model.safetensors anyway")
     step = None if args.checkpoint == LATEST else args.checkpoint
-    problems += out_problems(Path(args.out), args.overwrite) + checkpoint_problems(cfg, layout, step, quiet=True)
+    problems += out_problems(Path(args.out), args.overwrite)
+    problems += checkpoint_problems(cfg, layout, step, quiet=True, fmt=args.format)
     if problems:
         return refused(prog, problems)
     try:

@@ -373,7 +373,7 @@ def _check_weights(args, cfg, layout, ds: dict) -> list[str]:
     from parallel.train.run import checkpoint_layout
     try:
         tag = find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout), model=model_signature(cfg.model),
-                          step=None if args.checkpoint == LATEST else args.checkpoint, quiet=True)
+                          step=None if args.checkpoint == LATEST else args.checkpoint, quiet=True, release=None)
     except ValueError as e:
         return [str(e)]
     if tag is None:

@@ -52,7 +52,7 @@ def checkpoint_problems(cfg, layout, step) -> list[str]:
     from parallel.train.run import checkpoint_layout
     try:
         tag = find_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout), quiet=True, model=model_signature(cfg.model),
-                          step=step)
+                          step=step, release=None)
     except ValueError as e:
         return [str(e)]
     return [] if tag else [f"--checkpoint latest: {cfg.ckpt_dir} (ckpt.dir) has no complete checkpoint"]

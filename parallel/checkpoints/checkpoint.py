@@ -18,7 +18,9 @@ deleted; a save that fails half-way deletes none. A complete checkpoint is never
 existing complete step{N} (a run started again with --checkpoint none, or past a damaged step{N}) first moves it
 aside to step{N}.damaged or step{N}.replaced, and says so. When none can be continued (all damaged, or the
 newest written for another model: the marker records the model keys that fix the parameters), resuming is
-refused rather than started from step 0, whose first save would overwrite them.
+refused rather than started from step 0, whose first save would overwrite them. A LoRA run from model.init_from leaves
+its frozen base out and records the release's files instead (parallel/checkpoints/lora_base.py): find_resume and
+verified_resume refuse a checkpoint whose release is missing or changed.
 
 Disk space: before each save rank 0 compares the filesystem's free bytes with the newest complete
 checkpoint's size, or before the first one with its predicted size (predicted_bytes, recorded in the marker
@@ -40,9 +42,10 @@ from typing import Optional
 import torch.distributed as dist
 
 from parallel.checkpoints import checksums as _checksums
+from parallel.checkpoints import lora_base
 from parallel.experiment.units import format_size
 
-MARKER = "complete.json"
+MARKER = _checksums.MARKER
 _TAG = re.compile(r"^step(\d+)$")
 
 
@@ -63,17 +66,23 @@ def folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
 
 
-def predicted_bytes(params: int, trainable: int, precision: str, ema: bool, layout_free: bool = True) -> int:
+def predicted_bytes(params: int, trainable: int, precision: str, ema: bool, layout_free: bool = True,
+                    buffer_bytes: int = 0, base: bool = True) -> int:
     """A checkpoint's bytes before any exists, for a model of `params` parameters (`trainable` of them
-    trained; tensor-parallel copies of replicated ones counted as DeepSpeed writes them, once per slice):
+    trained; tensor-parallel copies of replicated ones counted as DeepSpeed writes them, once per slice) and
+    `buffer_bytes` of buffers (the fp8 base's codes and scales, stored tables):
 
-        DeepSpeed's module weights     params x (4 fp32, 2 bf16/fp16)
+        DeepSpeed's module weights     params x (4 fp32, 2 bf16/fp16) + buffers
         its optimizer states           trainable x (8 Adam moments + 4 EMA + 4 fp32 master when mixed)
-        the layout-free copy           trainable x (4 fp32 master + 8 moments + 4 EMA)
+        the layout-free copy           trainable x (4 fp32 master + 8 moments + 4 EMA) + frozen x 4 + buffers
 
-    the small files (LR schedule, markers, pickling) left out: a few KiB."""
+    `base` False (a LoRA run's checkpoints without the frozen base: parallel/checkpoints/lora_base.py): the frozen
+    parameters and the buffers in neither. The small files (LR schedule, markers, generator states, pickling) left
+    out: a few KiB."""
     mixed, e = precision != "fp32", 4 * ema
-    return params * (2 if mixed else 4) + trainable * (8 + e + 4 * mixed) + trainable * (12 + e) * layout_free
+    frozen, buffers = (params - trainable, buffer_bytes) if base else (0, 0)
+    return ((trainable + frozen) * (2 if mixed else 4) + buffers + trainable * (8 + e + 4 * mixed)
+            + (trainable * (12 + e) + frozen * 4 + buffers) * layout_free)
 
 
 def space_problem(directory: Path, step: int, free: int, failure: str = "",
@@ -222,14 +231,16 @@ def damage(folder: Path, checksums: bool = False) -> Optional[str]:
 
 
 def verified_resume(directory: Path, layout: dict, model: Optional[dict] = None, step: Optional[int] = None,
-                    quiet: bool = False) -> Optional[str]:
+                    quiet: bool = False, release: Optional[str] | bool = None, check_release: bool = True
+                    ) -> Optional[str]:
     """find_resume with every file's checksum checked, by all ranks together (a share each: process groups
     must exist): a checkpoint whose bytes changed is reported (rank 0) and the previous one tried, as for a
-    wrong size; the same tag, or the same ValueError, on every rank."""
+    wrong size; the same tag, or the same ValueError, on every rank. A checkpoint without its LoRA base also has
+    the release's files checked (`check_release`: a rollback, whose base is in memory already, skips them)."""
     known: dict[str, str] = {}
     rank, world = dist.get_rank(), dist.get_world_size()
     while True:
-        tag = find_resume(directory, layout, quiet=True, model=model, step=step, known=known)
+        tag = find_resume(directory, layout, quiet=True, model=model, step=step, known=known, release=release)
         if tag is None:
             return None
         files = json.loads((Path(directory) / tag / MARKER).read_text()).get("files", {})
@@ -237,6 +248,11 @@ def verified_resume(directory: Path, layout: dict, model: Optional[dict] = None,
         dist.all_gather_object(found, _checksums.mismatch(Path(directory) / tag, files, rank, world))
         problem = next((f for f in found if f), None)
         if problem is None:
+            base = lora_base.verified_problem(Path(directory) / tag, release) \
+                if check_release and release is not False else None
+            if base:
+                raise _unusable(Path(directory), [tag], *lora_base.refusal(directory, tag, base),
+                                "global_batch" in layout)
             return tag
         known[tag] = problem
         if rank == 0 and not quiet:
@@ -323,7 +339,8 @@ def _unusable(directory: Path, tags: list[str], what: str, fix: str, training: b
 
 
 def find_resume(directory: Path, layout: dict, quiet: bool = False, model: Optional[dict] = None,
-                step: Optional[int] = None, known: Optional[dict] = None) -> Optional[str]:
+                step: Optional[int] = None, known: Optional[dict] = None, release: Optional[str] | bool = None
+                ) -> Optional[str]:
     """Tag of the newest complete, undamaged checkpoint, or None. A damaged one is reported (stderr, every
     rank) and skipped. One written at another layout is resumed through its layout-free copy
     (parallel/checkpoints/relayout.py); one without that copy (written before it existed, or fp16 ZeRO-0) is
@@ -333,7 +350,10 @@ def find_resume(directory: Path, layout: dict, quiet: bool = False, model: Optio
     was written for another model, it is refused (ValueError) rather than trained over from step 0.
     quiet: no damage report (parallel/check.py looks before train.py's run, which reports it).
     step: that checkpoint and no other (--checkpoint N); known: {tag: problem} of damage found
-    otherwise (verified_resume's checksums)."""
+    otherwise (verified_resume's checksums). release: where the base of a checkpoint holding a LoRA run's adapters
+    without it is read from (model.init_from; None: the release the run read; False: not read, an export of the
+    adapters alone): refused when a file the base was read from is missing there or of another size
+    (parallel/checkpoints/lora_base.py; verified_resume checks the bytes)."""
     directory, training, known = Path(directory), "global_batch" in layout, known or {}
     steps = complete_steps(directory)
     if step is not None:
@@ -361,6 +381,9 @@ def find_resume(directory: Path, layout: dict, quiet: bool = False, model: Optio
     if other:
         raise _unusable(directory, [tag], f"{directory}/{tag} was written for another model ({other})",
                         f"Set those keys back to {'resume' if training else 'read'} it", training)
+    base = lora_base.problem(directory / tag, release) if release is not False else None
+    if base:
+        raise _unusable(directory, [tag], *lora_base.refusal(directory, tag, base), training)
     saved = saved_layout(directory / tag)
     if not same_layout(saved, layout) and not (directory / tag / "layout_free" / "state.json").is_file():
         raise ValueError(

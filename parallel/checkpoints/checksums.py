@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 BLOCK = 16 << 20
+MARKER = "complete.json"           # a checkpoint folder's marker: its layout and every file's [bytes, crc32]
 
 
 def file_crc32(path: Path, block: int = BLOCK) -> str:

@@ -41,7 +41,9 @@ initial values. The fp8 shards are re-cut for the new tp like any split tensor a
 the one the run trained against, bit for bit; the tensor-parallel marks of a buffer come from its layer
 (layers.tp_marks: a device move re-makes buffers without attributes). A frozen base kept as parameters (LoRA
 without base_dtype, block swap's host-resident weights, which are read and written in host memory, their device
-copies dropped) is restored as every parameter is.
+copies dropped) is restored as every parameter is. A LoRA run whose checkpoints leave the base in its release
+(parallel/checkpoints/lora_base.py) writes its trained tensors only (state.json: "lora_base": "release"), and a resume
+keeps the base build_trainer read from the release.
 
 It then hands the tensors to DeepSpeed: the module weight (gathered and re-partitioned under ZeRO-3), the
 fp32 master and each optimizer state through safe_set_full_fp32_param / safe_set_full_optimizer_state
@@ -269,19 +271,20 @@ def _differing_buffers(module: torch.nn.Module, ctx) -> set[str]:
 
 
 @torch.no_grad()
-def collect(trainer) -> Optional[dict]:
+def collect(trainer, base: bool = True) -> Optional[dict]:
     """This rank's part of the layout-free copy, gathered in memory (every collective is here, none in
     `write`, so a rank whose disk write fails leaves no other rank waiting in one); None where the
-    optimizer is not supported (every rank agrees)."""
+    optimizer is not supported (every rank agrees). `base` False: the trained tensors only, a LoRA run's frozen
+    base left in its release (parallel/checkpoints/lora_base.py)."""
     engine, optimizer, ctx = trainer.engine, trainer.optimizer, trainer.ctx
     if not _supported(engine, optimizer):
         return None
     relink_optimizer_fragments(engine.optimizer)
     keys = _state_keys(optimizer)
     experts = _expert_steps(optimizer, trainer.experts)
-    differ = _differing_buffers(engine.module, ctx)
+    differ = _differing_buffers(engine.module, ctx) if base else set()
     tensors, index = {}, {}
-    for i, (name, p, marks, trained) in enumerate(module_tensors(engine.module)):
+    for i, (name, p, marks, trained) in enumerate(t for t in module_tensors(engine.module) if base or t[3]):
         slicing = slicing_of(p, ctx.tp_size, ctx.tp_rank, marks)
         mine = i % ctx.data_size == ctx.data_rank and (slicing.dim is not None or ctx.tp_rank == 0 or name in differ)
         canonical = canonical_name(name, trainer.cfg.model.num_layers)
@@ -299,7 +302,7 @@ def collect(trainer) -> Optional[dict]:
     return {"tensors": tensors, "index": index, "keys": keys, "optimizer_step": _optimizer_step(optimizer),
             "expert_steps": experts,
             "schedule": {k: scheduler[k] for k in ("last_epoch", "_step_count", "expert_steps") if k in scheduler},
-            "global_batch": engine.train_batch_size() // max(1, ctx.sp_size)}
+            "global_batch": engine.train_batch_size() // max(1, ctx.sp_size), "base": base}
 
 
 def write(part: dict, folder: Path, step: int, layout: dict) -> dict[str, str]:
@@ -321,6 +324,7 @@ def write(part: dict, folder: Path, step: int, layout: dict) -> dict[str, str]:
         state = {"step": step, "optimizer_step": part["optimizer_step"], "schedule": part["schedule"],
                  "global_samples": step * part["global_batch"], "global_batch": part["global_batch"],
                  "state_keys": part["keys"], "layout": layout,
+                 **({} if part.get("base", True) else {"lora_base": "release"}),
                  **({"expert_steps": part["expert_steps"]} if part["expert_steps"] else {})}
         text = (json.dumps(state, indent=1) + "\n").encode()
         (out / STATE).write_bytes(text)
@@ -393,7 +397,10 @@ def load(trainer, folder: Path) -> int:
     keys = state["state_keys"]
     _ensure_state(optimizer, keys, state["optimizer_step"], state.get("expert_steps"))
     relink_optimizer_fragments(engine.optimizer)
+    base = state.get("lora_base") != "release"      # else the frozen base is model.init_from's, already read
     for name, p, marks, trained in module_tensors(engine.module):
+        if not (base or trained):
+            continue
         canonical = canonical_name(name, trainer.cfg.model.num_layers)
         target, shape = slicing_of(p, ctx.tp_size, ctx.tp_rank, marks), local_shape(p)
         weight = _read_value(stored, canonical, p, target, shape)

@@ -189,6 +189,10 @@ class CkptConfig(Section):
     layout_free: bool = Field(True, description="also write the layout-free copy (about doubles the checkpoint) "
                               "that a run at another tp/sp/pp/dp/ZeRO layout resumes from; false: only a run at "
                               "the saved layout can resume")
+    lora_base: Literal["release", "copy"] = Field(
+        "release", description="a LoRA run's frozen base in its checkpoints, with model.init_from: release (not "
+        "written; a resume, export or sample reads it from model.init_from again, whose files' sizes and CRC-32s "
+        "the checkpoint records and checks) or copy (written into every checkpoint, as without model.init_from)")
 
 
 class ValConfig(Section):

@@ -23,6 +23,7 @@ from parallel.distributed.deepspeed.clipping import clip_with_replica_norm
 from parallel.distributed.deepspeed.skip import before_pipeline_update, guard_pipeline_updates, skipped_update
 from parallel.distributed.deepspeed.version import check_deepspeed_version
 from parallel.distributed.layers import skip_init
+from parallel.checkpoints import lora_base
 from parallel.experiment import ds_config as dsc
 from parallel.experiment.config import ExperimentConfig
 from parallel.train.experts import clear_routed, idle_experts
@@ -69,6 +70,7 @@ class TrainingEngine:
     def __init__(self, engine, cfg: ExperimentConfig, ctx, optimizer):
         self.engine, self.cfg, self.ctx = engine, cfg, ctx
         self.optimizer = optimizer          # the toolkit-built (base) optimizer that DeepSpeed wraps
+        self.release: Optional[str] = None  # the release its checkpoints leave a LoRA base in (build_trainer)
         self.pipeline = cfg.parallel.pp_size > 1
         self.pipeline_guard = None        # guard_pipeline_updates' state, once a guarded step installed it
         self.experts = expert_count(engine.module)    # several: an expert no sample chose sits out the update
@@ -166,17 +168,20 @@ class TrainingEngine:
         Beside it every rank writes its part of the layout-free copy (parallel/checkpoints/relayout.py) that a
         resume on another layout reads, and its generator states (parallel/checkpoints/rng.py: LoRA's dropout masks)
         that a resume at this layout restores. Publishing it (marker, `latest`) is
-        parallel.checkpoints.checkpoint.save's job, once every rank has written.
+        parallel.checkpoints.checkpoint.save's job, once every rank has written. A LoRA run with model.init_from
+        leaves its frozen base out of both (parallel/checkpoints/lora_base.py).
         """
         from parallel.checkpoints import relayout, rng
 
+        omit = self.release is not None
         # its collectives before any disk write that could fail; ckpt.layout_free=false: DeepSpeed's files only
-        part = relayout.collect(self) if self.cfg.ckpt.layout_free else None
+        part = relayout.collect(self, base=not omit) if self.cfg.ckpt.layout_free else None
         sums = written_checksums(self.engine)    # the CRC-32s of what DeepSpeed writes, taken as it writes
         if sums is not None:
             sums.clear()
-        self.engine.save_checkpoint(str(directory), tag=f"step{step}", client_state={"step": step},
-                                    save_latest=False)
+        with lora_base.without_base(self.engine.module, omit):
+            self.engine.save_checkpoint(str(directory), tag=f"step{step}", client_state={"step": step},
+                                        save_latest=False, exclude_frozen_parameters=omit)
         folder = (Path(directory) / f"step{step}").resolve()
         written = {str(p.relative_to(folder)): crc for p, crc in ((Path(k).resolve(), v) for k, v in (sums or {}).items())
                    if p.is_relative_to(folder)}
@@ -198,7 +203,9 @@ class TrainingEngine:
         saved = checkpoint.saved_layout(Path(directory) / tag) if tag else None
         if saved is not None and not checkpoint.same_layout(saved, self.layout()):
             return relayout.load(self, Path(directory) / tag)
-        path, client = self.engine.load_checkpoint(str(directory), tag=tag)
+        # a checkpoint without the base: the one build_trainer read from model.init_from stays
+        with lora_base.over_base(self.engine.module, tag is not None and lora_base.record(Path(directory) / tag)):
+            path, client = self.engine.load_checkpoint(str(directory), tag=tag)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {directory}")
         rng.restore(Path(directory) / tag if tag else Path(path).parent)      # path: a file of step{N}/
@@ -216,7 +223,7 @@ def swap_dtype(ds: dict) -> Optional[torch.dtype]:
 
 
 def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
-                  model: Optional[torch.nn.Module] = None) -> TrainingEngine:
+                  model: Optional[torch.nn.Module] = None, base: Optional[str] = None) -> TrainingEngine:
     """Configure activation checkpointing, build the model for the layout, and initialise DeepSpeed.
 
     With model.init_from (and init_from=True; a run resuming a checkpoint passes False) the model is built
@@ -228,7 +235,10 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
     its tensor-parallel linear weights then become fp8 buffers (parallel/model/lora.py apply_fp8_base), and with
     train.block_swap the last blocks' go to host memory (parallel/model/build.py apply_block_swap).
     `model`: a module the caller built for the layout (bench: the network with plain nn.Linear), used
-    instead of building one.
+    instead of building one. `base` (with init_from=False): the checkpoint to be loaded holds a LoRA run's adapters
+    without its frozen base (parallel/checkpoints/lora_base.py), so the base is read from this release (lora_base.
+    source: model.init_from, or the one the run read) as a fresh run reads it, model.lora.init_from not (the
+    checkpoint's adapters replace it). The engine's `release` is where its own checkpoints leave the base.
     """
     deepspeed.init_distributed(dist_backend=accelerator.backend())   # no-op when run.py already did it
     check_deepspeed_version()
@@ -237,7 +247,8 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
     if checkpoint_interval(ds_final, cfg.model.num_layers):
         deepspeed.checkpointing.configure(ctx, deepspeed_config=copy.deepcopy(ds_final))
         checkpoint_fn = deepspeed.checkpointing.checkpoint
-    released = init_from and bool(cfg.model.init_from)
+    source = cfg.model.init_from if init_from else base
+    released = bool(source)
     if model is None:
         # model.init_from overwrites every parameter and buffer but the adapters (load_released refuses a release
         # missing any, before reading), so the tensor-parallel layers skip their random init; the global RNG is
@@ -246,7 +257,7 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
             model = build_model(cfg, ds_final, ctx, checkpoint_fn)
     if released:
         from parallel.weights.diffusers import load_released
-        load_released(model, ctx, cfg.model, cfg.model.init_from)
+        load_released(model, ctx, cfg.model, source)
     if init_from and cfg.model.lora is not None and cfg.model.lora.init_from:
         from parallel.model.lora import load_lora
         load_lora(model, ctx, cfg.model, cfg.model.lora.init_from)
@@ -263,7 +274,9 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
     use_weights_only_checkpoints(engine)
     clip_with_replica_norm(engine, lambda params: grad_norm(params, ctx))
     lighter_bf16_step(engine)       # BF16_Optimizer: the same numbers, fewer bytes and kernels per step
-    return TrainingEngine(engine, cfg, ctx, optimizer)
+    trainer = TrainingEngine(engine, cfg, ctx, optimizer)
+    trainer.release = lora_base.release_of(cfg, source)
+    return trainer
 
 
 def grad_norm(params, ctx) -> torch.Tensor:

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import socket
+from typing import Optional
 
 import deepspeed
 import torch.distributed as dist
@@ -193,15 +194,17 @@ def layout_groups(cfg: ExperimentConfig, layout: Layout, env: LaunchEnv):
             dist.destroy_process_group()
 
 
-def start_engine(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv, init_from: bool = True):
+def start_engine(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv, init_from: bool = True,
+                 base: Optional[str] = None):
     """Process groups, the (pp, dp, tp) context and the DeepSpeed engine for a checked layout
-    (init_from=False: do not read model.init_from, a checkpoint will be loaded)."""
+    (init_from=False: do not read model.init_from, a checkpoint will be loaded; `base`: the release a LoRA
+    checkpoint's base is read from, build_trainer's)."""
     export_launch_env(env)
     accelerator.set_device(env.local_rank)
     init_process_groups(cfg.train.collective_timeout_s)
     ctx = ParallelContext.build(layout.dims)
     seed_all(cfg.train.seed)
-    return ctx, build_trainer(cfg, ds, ctx, init_from)
+    return ctx, build_trainer(cfg, ds, ctx, init_from, base=base)
 
 
 def report_memory(plan, measured: StepMeasurement, ctx, out_dir, step: int) -> None:

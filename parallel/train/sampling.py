@@ -28,6 +28,7 @@ from parallel.distributed.layers import skip_init
 from parallel.distributed.seed import derive_seed, seed_all
 from parallel.distributed.topology import ParallelContext
 from parallel.checkpoints import checkpoint as ckpt
+from parallel.checkpoints import lora_base
 from parallel.train.engine import build_trainer
 from parallel.train.run import checkpoint_layout, layout_groups
 from parallel.validation.validate import StageForward, ema_weights, finish_sample, replica_items, replica_slice, \
@@ -57,9 +58,11 @@ def sampling_model(cfg, ds: dict, layout, env, ema: bool = False,
             # every file's CRC-32, read by the ranks together, before any weight is loaded: a damaged newest
             # checkpoint is named and the previous one sampled
             tag = ckpt.verified_resume(Path(cfg.ckpt_dir), checkpoint_layout(layout),
-                                       step=checkpoint if isinstance(checkpoint, int) else None)
+                                       step=checkpoint if isinstance(checkpoint, int) else None, release=None)
             seed_all(cfg.train.seed)
-            trainer = build_trainer(cfg, ds, ctx, init_from=False)
+            # a LoRA checkpoint without its base: the release the run read (model.init_from names other weights here)
+            base = lora_base.source(Path(cfg.ckpt_dir) / tag, None)
+            trainer = build_trainer(cfg, ds, ctx, init_from=False, base=base)
             step = trainer.load(cfg.ckpt_dir, tag)
             if ctx.rank == 0:
                 print(f"weights: {cfg.ckpt_dir}/{tag} (step {step}){', EMA' if ema else ''}", flush=True)

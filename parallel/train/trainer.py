@@ -47,7 +47,7 @@ from parallel.distributed.deepspeed.zero3 import full_shape
 from parallel.distributed.replicas import replica_mismatches
 from parallel.distributed.topology import LaunchEnv
 from parallel.train.probe import StepProbe
-from parallel.checkpoints import checkpoint
+from parallel.checkpoints import checkpoint, lora_base
 from parallel.train.anomaly import AnomalyGuard, AnomalyStop, GuardedSamples
 from parallel.train.continuity import resume_changes, run_records
 from parallel.train.engine import StepResult
@@ -89,6 +89,7 @@ class Trainer:
         self.records = run_records(cfg, ds)          # the data order and schedule, compared on resume
         self.out_dir = Path(cfg.train.output_dir)
         self.metrics = self.heartbeat = None
+        self.base_record: dict = {}                # the marker's lora_base record (release_record)
         self.rolled_past: dict[int, str] = {}      # step index -> why: skipped when reached after a rollback
         self.losses: list[float] = []
 
@@ -105,23 +106,26 @@ class Trainer:
         self.dataset = dataset
         val_dataset = build_val_dataset(cfg) if cfg.val.every else None
         step = None if self.resume is True else self.resume       # an int: train.py --checkpoint N
-        self.tag = checkpoint.find_resume(self.ckpt_dir, self.ckpt_layout, model=self.model_keys, step=step) \
-            if self.resume is not False else None
+        self.tag = checkpoint.find_resume(self.ckpt_dir, self.ckpt_layout, model=self.model_keys, step=step,
+                                          release=cfg.model.init_from) if self.resume is not False else None
         # The plan traces the model on the meta device: no process group needed, so a layout it cannot plan
         # stops here, before any rank waits on another.
         self.plan = self.planner(cfg, self.ds, layout, device_budget(cfg, env.local_rank))
         refusal = plan_refusal(self.plan, cfg, layout)
         if refusal:                 # before any process group: every rank plans alike and stops
             raise ConfigError(refusal)
-        # a checkpoint wins over model.init_from
-        self.ctx, self.engine = start_engine(cfg, self.ds, layout, env, init_from=self.tag is None)
+        # a checkpoint wins over model.init_from (but for a LoRA base it left in its release: lora_base.source)
+        base = lora_base.source(self.ckpt_dir / self.tag, cfg.model.init_from) if self.tag else None
+        self.ctx, self.engine = start_engine(cfg, self.ds, layout, env, init_from=self.tag is None, base=base)
         self.heartbeat = start_heartbeat(cfg, self.ctx, self.ckpt_dir)
         self.ckpt_predicted = self.predict_checkpoint()
         if self.tag:         # every file's checksum, read by all ranks together, before any weight is loaded
             try:
-                self.tag = checkpoint.verified_resume(self.ckpt_dir, self.ckpt_layout, self.model_keys, step)
+                self.tag = checkpoint.verified_resume(self.ckpt_dir, self.ckpt_layout, self.model_keys, step,
+                                                      release=cfg.model.init_from)
             except ValueError as e:      # every rank: all damaged; refused, nothing written
                 raise checkpoint.CheckpointError(str(e)) from None
+        self.base_record = self.release_record()
         self.start_step = self.engine.load(self.ckpt_dir, self.tag) if self.tag else 0
         self.batches = training_batches(cfg, self.ctx, dataset, self.start_step)
         self.stop = StopSignal(accelerator.device(env.local_rank))
@@ -135,18 +139,32 @@ class Trainer:
         # on the first row after a resume: readers drop the earlier run's rows after that step
         self.resumed = {"resumed_from": self.start_step} if self.tag else {}
 
+    def release_record(self) -> dict:
+        """The marker's lora_base record of the release this run's checkpoints leave the base in ({} where they hold
+        it): the resumed checkpoint's when it read the base from the same files (verified_resume checked their
+        bytes), else their checksums taken now, the ranks a share each."""
+        release = self.engine.release
+        if release is None:
+            return {}
+        if self.tag and lora_base.record(self.ckpt_dir / self.tag) is not None:
+            return {lora_base.KEY: {**lora_base.record(self.ckpt_dir / self.tag), "init_from": release}}
+        return {lora_base.KEY: lora_base.fingerprint(self.cfg.model, release)}
+
     def predict_checkpoint(self) -> int:
-        """checkpoint.predicted_bytes for this run: the parameters of one replica (dp and sp rank 0: each
+        """checkpoint.predicted_bytes for this run: the parameters and buffers of one replica (dp and sp rank 0: each
         tensor-parallel slice and pipeline stage once; ZeRO-3's partitioned ones at their full size)."""
-        params = list(self.engine.engine.module.parameters())
+        module = self.engine.engine.module
+        params = list(module.parameters())
         count = lambda ps: sum(math.prod(full_shape(p)) for p in ps)
-        mine = (count(params), count(p for p in params if p.requires_grad)) \
-            if self.ctx.dp_rank == 0 and self.ctx.sp_rank == 0 else (0, 0)
+        buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+        mine = (count(params), count(p for p in params if p.requires_grad), buffers) \
+            if self.ctx.dp_rank == 0 and self.ctx.sp_rank == 0 else (0, 0, 0)
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         ema = str(self.ds.get("optimizer", {}).get("type", "")).lower() in EMA_OPTIMIZERS
-        return checkpoint.predicted_bytes(sum(a for a, _ in every), sum(t for _, t in every), self.layout.precision,
-                                          ema, self.cfg.ckpt.layout_free)
+        total = [sum(column) for column in zip(*every)]
+        return checkpoint.predicted_bytes(total[0], total[1], self.layout.precision, ema, self.cfg.ckpt.layout_free,
+                                          buffer_bytes=total[2], base=self.engine.release is None)
 
     def announce(self) -> None:
         """The logging rank's opening lines: the memory plan, the layout, the optimizer, where weights come from."""
@@ -246,7 +264,8 @@ class Trainer:
         samples = [self.batches.sample_index(step * g + j) for j in range(g)]
         if not self.guard.skip(step + 1, result.skipped, samples, self.is_logger) or step in self.rolled_past:
             return None
-        tag = checkpoint.verified_resume(self.ckpt_dir, self.ckpt_layout, self.model_keys, quiet=True) \
+        tag = checkpoint.verified_resume(self.ckpt_dir, self.ckpt_layout, self.model_keys, quiet=True,
+                                         release=self.cfg.model.init_from, check_release=False) \
             if checkpoint.complete_steps(self.ckpt_dir) else None
         if tag is None or int(tag[4:]) > step:
             raise AnomalyStop(f"step {step + 1}: train.anomaly.action=rollback found no checkpoint before it in "
@@ -264,7 +283,7 @@ class Trainer:
         self.at(done, "checkpoint save")
         try:
             checkpoint.save(self.engine, self.ckpt_dir, done, self.cfg.ckpt.keep, self.ckpt_layout, self.model_keys,
-                            self.records, self.ckpt_predicted)
+                            {**self.records, **self.base_record}, self.ckpt_predicted)
         except checkpoint.CheckpointError as e:      # raised on every rank: all stop
             if self.is_logger:
                 tqdm.write(str(e), file=sys.stderr)      # on a line of its own, under the bar
