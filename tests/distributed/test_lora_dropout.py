@@ -5,8 +5,9 @@ activation checkpointing's recompute.
 Every adapter's dropout (model.lora.dropout = 0.5, the `debug` DiT, fp32) is recorded on the first step, each call's
 dropped entries (output 0 where the input is not). Two independent masks agree on about half their entries, two
 equal ones on all: at dp 2 and sp 2 the two ranks' masks of each adapter agree on 30-70% (before the generators were
-seeded per coordinate, on 100%: one pattern repeated). At tp 2 both ranks drop the same entries of the replicated
-input of the column-parallel adapters, and the replicated adapters stay equal on the tp ranks. At sp 2 with DeepSpeed's activation checkpointing (the JSON's
+seeded per coordinate, on 100%: one pattern repeated). At tp 2 both ranks draw the one process's masks, bit for bit
+(the row-parallel adapters' shards the halves of its full mask; before layers.ShardDropout each shard drew one
+half-width pattern, the same on both ranks), and train to its losses and weights. At sp 2 with DeepSpeed's activation checkpointing (the JSON's
 section) and with torch's (train.recompute), every recompute drops what its forward dropped and the losses and the
 final weights are the run's without checkpointing, bit for bit. One spawn of 2 ranks and one of 1.
 """
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from tests.dist_utils import spawn_all
-from tests.train_utils import experiment, fp32_config, merge_ranks
+from tests.train_utils import assert_matches, experiment, fp32_config, merge_ranks
 
 P = 0.5                                    # two independent masks then agree on half their entries
 LORA = ("model.lora.rank=4", f"model.lora.dropout={P}")
@@ -87,16 +88,21 @@ def test_replicas_and_token_shards_draw_independent_masks(runs, name):
             assert 0.3 < _agreement(mine, theirs) < 0.7, (layer, _agreement(mine, theirs))
 
 
-def test_tp_ranks_draw_the_same_masks(runs):
-    """The column-parallel adapters' input x is replicated over the tp ranks: the same entries dropped on both.
-    The tp ranks of coordinate (0, 0, 0) keep seed_all's stream: the first mask drawn is the one process's."""
+def test_tp_ranks_draw_the_one_process_masks(runs):
+    """The tp ranks share their generators: the column-parallel adapters' replicated input is dropped alike on both,
+    and the row-parallel adapters' input shards by the two halves of one full mask (layers.ShardDropout), so each
+    mask is the one process's (coordinate (0, 0, 0) keeps seed_all's stream) and tp 2 trains as one process."""
     first, second = runs["tp2"]["masks"]
     (reference,) = runs["tp1"]["masks"]
-    for layer in (name for name in reference if ".to_qkv." in name):
-        for mine, theirs in zip(first[layer], second[layer]):
-            assert torch.equal(mine, theirs), layer
-    assert torch.equal(first["blocks.0.attn.to_qkv.lora_dropout"][0], reference["blocks.0.attn.to_qkv.lora_dropout"][0])
-    assert runs["tp2"]["replica_mismatches"] == []                 # the replicated A stays equal on the tp ranks
+    assert first.keys() == reference.keys() and len(reference) == 8
+    for layer, calls in reference.items():
+        for mine, theirs, want in zip(first[layer], second[layer], reference[layer], strict=True):
+            if ".to_qkv." in layer:                                # column-parallel: x replicated
+                assert torch.equal(mine, theirs) and torch.equal(mine, want), layer
+            else:                                                  # row-parallel: x split along the features
+                assert mine.shape[-1] == want.shape[-1] // 2, layer
+                assert torch.equal(torch.cat([mine, theirs], -1), want), layer
+    assert_matches(runs["tp2"], runs["tp1"])                       # losses, weights; no replicated tensor drifts
 
 
 @pytest.mark.parametrize("name", ["sp2-deepspeed-checkpointing", "sp2-recompute"])
