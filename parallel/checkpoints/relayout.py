@@ -54,10 +54,11 @@ engine's step and sample counters are set from state.json.
 Random state: nothing to carry but LoRA's dropout. The data order, each sample's noise and timestep and caption
 dropout are drawn from (seed, step, global sample position) (parallel/train/data.py), the models themselves have no
 dropout, and no other training step draws from a process's global RNG, so the continuation sees what the
-uninterrupted run would. model.lora.dropout > 0 draws the adapters' input masks from each rank's generators: a
-resume at the same layout restores them (parallel/checkpoints/rng.py), one here does not (the masks' shapes and
-owners change with the layout), so it continues the uninterrupted run in distribution, not number for number
-(docs/lora.md has the measured difference).
+uninterrupted run would. model.lora.dropout > 0 draws the adapters' input masks from each rank's generators, one
+stream per (stage, dp, sp) coordinate shared by its tp ranks (parallel/distributed/seed.py training_seed): a resume
+at the same layout restores them (parallel/checkpoints/rng.py), one here does not (the masks' shapes and owners
+change with the layout; each rank keeps the stream build_trainer seeded for its new coordinate), so it continues the
+uninterrupted run in distribution, not number for number (docs/lora.md has the measured difference).
 
 The global batch must stay the same across the change (it fixes the sample positions of a step and the meaning of
 `step` for the schedule); parallel.checkpoints.checkpoint.find_resume refuses otherwise.

@@ -2,13 +2,16 @@
 
 What draws from a process's global generators in training: LoRA's dropout (model.lora.dropout, the adapters' input
 masks: parallel/distributed/layers.py) and nothing else (the data order, noise, timesteps and caption dropout come
-from (seed, step, sample): parallel/train/data.py). `step{N}/rng/rank{R:05d}.safetensors` holds rank R's CPU
+from (seed, step, sample): parallel/train/data.py; validation and sampling run the model in eval mode and draw from
+generators of their own). build_trainer seeds them once the model is built, one stream per (stage, dp, sp)
+coordinate that its tp ranks share (parallel/distributed/seed.py training_seed): replicas and token shards draw
+their own masks, the tp ranks of a coordinate the same. `step{N}/rng/rank{R:05d}.safetensors` holds rank R's CPU
 generator state (`cpu`) and its device's (`device`, none on CPU) as they were after step N, listed in the marker and
 checksummed like every other file (parallel/checkpoints/checkpoint.py). At the same layout rank R is the same (stage,
 tp, sp, dp) coordinate and draws the same masks in the same order, so the continuation is the uninterrupted run
 number for number; at another layout the masks' shapes and owners differ, nothing is restored and the run continues
 in distribution only (parallel/checkpoints/relayout.py). A checkpoint written before these files existed resumes
-without them (the generators as seeded).
+without them (the generators as build_trainer seeded them).
 """
 from __future__ import annotations
 

@@ -27,6 +27,11 @@ the layer's existing all-reduce, concatenated to it along the last dim):
             du = s dy B is full on every rank and dB = s dy^T u is full too. (Adding s u_i B^T before
             the all-reduce instead would leave dB partial: an extra all-reduce of B's gradient.)
 
+Dropout on the adapter's input (model.lora.dropout): the tp ranks' generators agree (parallel/distributed/seed.py
+training_seed), so the column layer's replicated x is dropped alike on every rank; the row layer's x_i is a shard
+of x, and `ShardDropout` draws the mask of the full x there and keeps rank i's columns, so tp = p drops what tp = 1
+drops (one shard's draw on each rank would repeat one pattern p times along the features).
+
 Fused column layers (QKV) get one adapter per part, as peft puts one on each of to_q, to_k, to_v. The
 adapters start as peft's (A kaiming-uniform a=sqrt(5), B zero), drawn full from a generator and sliced,
 so every layout starts from the tp = 1 adapters.
@@ -166,6 +171,29 @@ def _lora_a(shape: tuple[int, int], generator: torch.Generator, like: torch.Tens
     if like.device.type != "meta":
         nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
     return full
+
+
+class ShardDropout(nn.Dropout):
+    """Dropout of a row-parallel adapter's input shard x_i [..., in / p] (parts concatenated, as the weight's columns).
+
+    Every tp rank draws the mask of the full [..., in] from its generator, which the tp ranks share, and keeps its
+    columns of each part: the p shards are dropped by one full mask, the one tp = 1 draws in its place (bit for bit
+    on CPU, where dropout is x * bernoulli / (1 - p); on a device the fused kernel may map the draws to other entries,
+    the same in distribution). The cost: p times the random numbers, drawn only at tp > 1 in training; at tp 1 it is
+    nn.Dropout."""
+
+    def __init__(self, p: float, parts: Sequence[int], ctx):
+        super().__init__(p)
+        self.parts, self.ctx = list(parts), ctx             # this rank's columns of each part
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp, r = self.ctx.tp_size, self.ctx.tp_rank
+        if tp == 1 or not self.training:
+            return super().forward(x)
+        scale = F.dropout(x.new_ones(*x.shape[:-1], sum(self.parts) * tp), self.p)  # (..., in): 0 or 1 / (1 - p)
+        mine = torch.cat([piece[..., r * n:(r + 1) * n]
+                          for piece, n in zip(scale.split([n * tp for n in self.parts], -1), self.parts)], -1)
+        return x * mine                                                             # (..., in / p)
 
 
 class _Lora(nn.Module):
@@ -340,6 +368,8 @@ class RowParallelLinear(_Lora):
         a = torch.cat([piece[:, r * n:(r + 1) * n] for piece, n in
                        zip(full.split([n * self.ctx.tp_size for n in local], dim=1), local)], dim=1).contiguous()
         self._lora_setup(rank, alpha, dropout, a, torch.zeros(self.out_features, rank))
+        if dropout:                                              # x is this rank's shard: one full mask, sliced
+            self.lora_dropout = ShardDropout(dropout, local, self.ctx)
         mark_tensor_parallel(self.lora_A, 1)
         if len(local) > 1:
             self.lora_A.tp_parts = local

@@ -24,6 +24,7 @@ from parallel.distributed.deepspeed.skip import before_pipeline_update, guard_pi
 from parallel.distributed.deepspeed.version import check_deepspeed_version
 from parallel.distributed.layers import skip_init
 from parallel.checkpoints import lora_base
+from parallel.distributed.seed import seed_training_rng
 from parallel.experiment import ds_config as dsc
 from parallel.experiment.config import ExperimentConfig
 from parallel.train.experts import clear_routed, idle_experts
@@ -239,6 +240,10 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
     without its frozen base (parallel/checkpoints/lora_base.py), so the base is read from this release (lora_base.
     source: model.init_from, or the one the run read) as a fresh run reads it, model.lora.init_from not (the
     checkpoint's adapters replace it). The engine's `release` is where its own checkpoints leave the base.
+
+    Last, the global generators are seeded for this rank's (stage, dp, sp) coordinate (seed.py seed_training_rng), so
+    LoRA's dropout masks differ between replicas and token shards and agree between tp ranks; a resume at the same
+    layout then sets them to the checkpoint's states (TrainingEngine.load).
     """
     deepspeed.init_distributed(dist_backend=accelerator.backend())   # no-op when run.py already did it
     check_deepspeed_version()
@@ -274,6 +279,8 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
     use_weights_only_checkpoints(engine)
     clip_with_replica_norm(engine, lambda params: grad_norm(params, ctx))
     lighter_bf16_step(engine)       # BF16_Optimizer: the same numbers, fewer bytes and kernels per step
+    # LoRA's dropout draws from the global generators: one stream per (stage, dp, sp), shared by its tp ranks
+    seed_training_rng(cfg.train.seed, pp=ctx.pp_rank, dp=ctx.dp_rank, sp=ctx.sp_rank)
     trainer = TrainingEngine(engine, cfg, ctx, optimizer)
     trainer.release = lora_base.release_of(cfg, source)
     return trainer
