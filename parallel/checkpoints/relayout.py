@@ -28,10 +28,7 @@ copy is published atomically and damage-checked with the rest):
 
 Reading at another layout (`load`): each rank builds its model and DeepSpeed engine for the new layout,
 reads every file's header, and for each of its parameters and buffers reads only the slices of the old shards
-that overlap its own shard (safetensors' partial reads), part by part:
-
-    shard r of a part of full size n (tp size p) holds [r n/p, (r+1) n/p) of it, parts concatenated in
-    order, so new shard r' of part k is the union of its overlaps with old shards r = 0..p_old-1.
+that overlap its own shard (safetensors' partial reads), part by part (the arithmetic: parallel/checkpoints/slicing.py).
 
 Buffers are part of the state too: the frozen base of a LoRA run with model.lora.base_dtype (each tensor-parallel
 layer's fp8 `weight`, split like the weight it replaced, and its `weight_scale`, one fp32 scale over the full weight,
@@ -66,72 +63,25 @@ The global batch must stay the same across the change (it fixes the sample posit
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
                              safe_set_full_optimizer_state)
 
+from parallel.checkpoints.slicing import Slicing, assemble, local_shape, slicing_of
 from parallel.distributed.deepspeed.optimizer import relink_optimizer_fragments, zero_holds_master
-from parallel.distributed.deepspeed.zero3 import full_shape, is_partitioned
-from parallel.distributed.layers import marked_buffers, own_marks
+from parallel.distributed.deepspeed.zero3 import is_partitioned
+from parallel.distributed.layers import marked_buffers
 from parallel.distributed.pipeline import canonical_name
+from parallel.distributed.replicas import checksum_mismatches
 from parallel.model.build import expert_of_parameter
 
 FOLDER = "layout_free"
 STATE = "state.json"
 PARAM = "param"
-
-
-@dataclass(frozen=True)
-class Slicing:
-    """How a rank's tensor sits in the full one: split along `dim` (None: whole) into `parts` (full sizes
-    of the fused parts along dim), this being shard `tp_rank` of `tp_size`."""
-
-    dim: Optional[int]
-    parts: tuple[int, ...]
-    tp_size: int
-    tp_rank: int
-
-    @property
-    def whole(self) -> bool:
-        return self.dim is None or self.tp_size == 1
-
-    def intervals(self) -> list[tuple[int, int, int]]:
-        """(full start, length, local start) along dim of each part this shard holds, in local order."""
-        out, local, base = [], 0, 0
-        for n in self.parts:
-            k = n // self.tp_size
-            out.append((base + self.tp_rank * k, k, local))
-            local, base = local + k, base + n
-        return out
-
-    def to_json(self) -> dict:
-        return {"dim": self.dim, "parts": list(self.parts), "tp_size": self.tp_size, "tp_rank": self.tp_rank}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "Slicing":
-        return cls(d["dim"], tuple(d["parts"]), d["tp_size"], d["tp_rank"])
-
-
-def local_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
-    """The rank's (tp shard) shape, also under ZeRO-3 where `param` itself is an empty partition."""
-    return tuple(full_shape(param))
-
-
-def slicing_of(param: torch.Tensor, tp_size: int, tp_rank: int, marks: Optional[dict] = None) -> Slicing:
-    """A tensor's Slicing from the marks parallel/distributed/layers.py sets (tensor_model_parallel,
-    partition_dim, tp_parts = the local sizes of the fused parts): the tensor's own, or `marks` (a buffer's,
-    layers.tp_marks)."""
-    marks = own_marks(param) if marks is None else marks
-    if not marks.get("tensor_model_parallel", False):
-        return Slicing(None, (), tp_size, tp_rank)
-    dim = marks["partition_dim"]
-    local = marks.get("tp_parts") or [local_shape(param)[dim]]
-    return Slicing(dim, tuple(n * tp_size for n in local), tp_size, tp_rank)
 
 
 def module_tensors(module: torch.nn.Module):
@@ -140,50 +90,6 @@ def module_tensors(module: torch.nn.Module):
         yield name, p, None, p.requires_grad
     for name, b, marks in marked_buffers(module):
         yield name, b, marks, False
-
-
-Reader = Callable[[Optional[int], int, int], torch.Tensor]     # (dim, start, length) -> slice; dim None: all
-
-
-def assemble(target: Slicing, shape: tuple[int, ...], pieces: list[tuple[Slicing, Reader]]) -> torch.Tensor:
-    """The tensor of `shape` that `target` describes, in the stored dtype, from stored shards (their Slicing and a
-    reader of slices along their dim). A whole stored tensor is sliced directly; split ones are overlapped part by
-    part. Several whole ones (a replicated tensor that differed between the tp ranks, each writing its own): the one
-    of target's tp rank, at the tp size they were written at only."""
-    whole = [read for s, read in pieces if s.whole]
-    split = [(s, read) for s, read in pieces if not s.whole]
-    if len(whole) > 1:
-        whole = [read for s, read in pieces if (s.tp_size, s.tp_rank) == (target.tp_size, target.tp_rank)]
-        if len(whole) != 1:
-            sizes = sorted({s.tp_size for s, _ in pieces})
-            raise ValueError(f"it differs between the tp ranks that wrote it at tp {sizes[0]} (an fp8 base scaled per "
-                             f"tp shard, by a run started before the scale spanned the full weight), so it is read "
-                             f"back at that tp only: resume at parallel.tp_size={sizes[0]}, not {target.tp_size}")
-    dim = target.dim if not target.whole else (split[0][0].dim if split else None)
-    if dim is None or (target.whole and whole):
-        return whole[0](None, 0, 0).reshape(shape)
-    wanted = target.intervals() if not target.whole else [(0, shape[dim], 0)]
-    out = None
-
-    def put(local: int, piece: torch.Tensor) -> None:
-        nonlocal out
-        out = torch.empty(shape, dtype=piece.dtype) if out is None else out
-        out.narrow(dim, local, piece.shape[dim]).copy_(piece)
-    if whole:
-        for start, n, local in wanted:
-            put(local, whole[0](dim, start, n))
-        return out
-    filled = 0
-    for start, n, local in wanted:
-        for old, read in split:
-            for o_start, o_n, o_local in old.intervals():
-                a, b = max(start, o_start), min(start + n, o_start + o_n)
-                if a < b:
-                    put(local + a - start, read(dim, o_local + a - o_start, b - a))
-                    filled += b - a
-    if filled != shape[dim]:
-        raise ValueError(f"the stored shards cover {filled} of {shape[dim]} entries along dim {dim}")
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -261,14 +167,8 @@ def _differing_buffers(module: torch.nn.Module, ctx) -> set[str]:
     (the same set on every rank of the group). None should: an fp8 base whose scales a toolkit before this one took
     per tp shard (a run started then and resumed at its layout since) is the case this keeps from being read back
     with one rank's scale at another tp."""
-    if ctx.tp_size == 1:
-        return set()
-    import zlib
-    mine = {name: zlib.crc32(b.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-            for name, b, marks in marked_buffers(module) if not marks.get("tensor_model_parallel")}
-    everyone = [None] * ctx.tp_size
-    dist.all_gather_object(everyone, mine, group=ctx.tp_group)
-    return {name for name, crc in mine.items() if any(other.get(name) != crc for other in everyone)}
+    return checksum_mismatches(((name, b) for name, b, marks in marked_buffers(module)
+                                if not marks.get("tensor_model_parallel")), ctx)
 
 
 @torch.no_grad()

@@ -25,7 +25,7 @@ import pytest
 
 from tests.cli import loopback_hosts, netns_cluster
 from parallel.checkpoints.checkpoint import complete_steps
-from tests.helpers.launchers import LAYOUT, ROOT, finish, kill_marked, losses, run_env, train_args
+from tests.helpers.launchers import LAYOUT, ROOT, finish, kill_marked, kill_node, losses, run_env, train_args
 from tests.helpers.lost_node import lose_node_then_rerun, rows
 from tests.helpers.slurm import run_sbatch, slurm_cluster
 from tests.dist_utils import free_port
@@ -253,9 +253,7 @@ def test_elastic_restart_without_a_human(hosts, tmp_path):
     try:
         wait(lambda: ckpts() and len(rows(out)) > ckpts()[-1], 240)
         lost_at, trained = len(rows(out)), ckpts()[-1]
-        node1 = psutil.Process(procs[1].pid)
-        for p in [node1, *node1.children(recursive=True)]:
-            p.send_signal(signal.SIGKILL)
+        kill_node(procs[1])
         killed = time.monotonic()      # the checkpoint for the run by hand, before a later save prunes it
         shutil.copytree(out / "checkpoints" / f"step{trained}", hand / "dp1" / "checkpoints" / f"step{trained}")
         to_first_step = wait(lambda: len(rows(out)) > lost_at) - killed

@@ -1,4 +1,5 @@
-"""The DiT at tp=2: all-reduces counted per block, recomputation's extra ones, and the replica check."""
+"""The DiT at tp=2: all-reduces counted per block, recomputation's extra ones, and the replica checks (bitwise, and
+by CRC-32 as the layout-free copy checks its buffers)."""
 import torch
 
 from tests.dist_utils import run_ranks
@@ -15,7 +16,7 @@ def _rank(rank, world_size):
     from parallel.distributed.comm import count_comm
     from parallel.experiment.config import load_config
     from parallel.model.build import build_model
-    from parallel.distributed.replicas import replica_mismatches
+    from parallel.distributed.replicas import checksum_mismatches, replica_mismatches
     from parallel.train.run import build_dataset
     from parallel.distributed.topology import ParallelContext, ParallelDims
 
@@ -35,11 +36,13 @@ def _rank(rank, world_size):
             loss.backward()
         out[name] = {"fwd": fwd.calls, "bwd": bwd.calls, "loss": loss.item(),
                      "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
-    assert replica_mismatches(model, ctx) == []
+    replicated = lambda: ((n, p) for n, p in model.named_parameters() if not getattr(p, "tensor_model_parallel", False))
+    assert replica_mismatches(model, ctx) == [] and checksum_mismatches(replicated(), ctx) == set()
     with torch.no_grad():
         if rank == 1:
             model.blocks[2].norm2.norm.weight.add_(1e-7)
     out["drift"] = replica_mismatches(model, ctx)
+    out["crc_drift"] = checksum_mismatches(replicated(), ctx)
     return out
 
 
@@ -61,3 +64,4 @@ def test_allreduce_count_per_block_and_recompute():
         for name, grad in plain["grads"].items():
             torch.testing.assert_close(recompute["grads"][name], grad, msg=lambda m: f"{name}: {m}")
     assert results[0]["drift"] == results[1]["drift"] == ["blocks.2.norm2.norm.weight"]
+    assert results[0]["crc_drift"] == results[1]["crc_drift"] == {"blocks.2.norm2.norm.weight"}

@@ -1,9 +1,10 @@
 """The helpers and fixtures of the launcher tests (tests/cli/test_launchers.py, test_netns_hosts.py): `LAYOUT`, `ROOT`,
-`finish`, `kill_marked`, `losses`, `marked_alive`, `reference_losses`, `run_env`, `start`, `train_args` (a test
-module imports no other test module)."""
+`finish`, `kill_marked`, `kill_node`, `losses`, `marked_alive`, `reference_losses`, `run_env`, `start`, `train_args`
+(a test module imports no other test module)."""
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -38,6 +39,14 @@ def kill_marked(marker: str) -> None:
                 p.kill()
             except psutil.Error:
                 pass
+
+
+def kill_node(proc) -> None:
+    """Kill a node's launcher (torchrun, or nsenter before it) and every process under it at once (kill -9, as a
+    machine that dies)."""
+    launcher = psutil.Process(proc.pid)
+    for p in [launcher, *launcher.children(recursive=True)]:
+        p.send_signal(signal.SIGKILL)
 
 
 def marked_alive(marker: str) -> list[psutil.Process]:

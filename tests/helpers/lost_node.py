@@ -8,14 +8,12 @@ the checkpoint with its losses.
 The survivors' collectives fail on the broken connections, so rank 0 names the silent ranks after 5 s
 (parallel/distributed/heartbeat.py); train.collective_timeout_s=20 bounds the silent-machine case at 10 s."""
 import json
-import signal
 import time
 
-import psutil
 import torch
 
 from parallel.checkpoints.checkpoint import complete_steps
-from tests.helpers.launchers import finish, kill_marked, marked_alive, train_args
+from tests.helpers.launchers import finish, kill_marked, kill_node, marked_alive, train_args
 from tests.dist_utils import free_port
 
 
@@ -50,10 +48,7 @@ def lose_node_then_rerun(tmp_path, run, master: str = "127.0.0.1") -> str:
         while not (complete_steps(ckpt) and len(rows(out)) > complete_steps(ckpt)[-1]):
             assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, logs()
             time.sleep(0.2)
-        node1 = psutil.Process(procs[1].pid)              # the node's launcher (torchrun, or nsenter before it)
-        victims = [node1, *node1.children(recursive=True)]
-        for p in victims:
-            p.send_signal(signal.SIGKILL)
+        kill_node(procs[1])
         killed = time.monotonic()
         code = procs[0].wait(timeout=60)
         while marked_alive(str(out)):

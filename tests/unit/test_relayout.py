@@ -1,4 +1,4 @@
-"""The slice arithmetic of the layout-free checkpoint copy (parallel/checkpoints/relayout.py), in one process: shards
+"""The slice arithmetic of the layout-free checkpoint copy (parallel/checkpoints/slicing.py), in one process: shards
 written at one tp size reassemble into the shards the tensor-parallel layers build at another, fused QKV
 parts and row splits included (the layers' own slicing is the oracle); and which checkpoints find_resume takes."""
 import json
@@ -8,7 +8,7 @@ import torch
 
 from parallel.distributed.layers import ColumnParallelLinear
 from parallel.checkpoints import checkpoint
-from parallel.checkpoints.relayout import Slicing, assemble
+from parallel.checkpoints.slicing import Slicing, assemble
 
 FULL = torch.arange(24 * 6, dtype=torch.float32).reshape(24, 6)      # [out = 8 + 8 + 8 (q, k, v), in = 6]
 PARTS = [8, 8, 8]
