@@ -289,7 +289,9 @@ def _ensure_state(optimizer, keys: list[str], step: int, expert_steps: Optional[
 
 @torch.no_grad()
 def load(trainer, folder: Path) -> int:
-    """Restore the layout-free copy in `folder` (a step{N}) into this rank's engine; returns the step."""
+    """Restore the layout-free copy in `folder` (a step{N}) into this rank's engine; returns the step. Every
+    parameter and buffer is read (but a LoRA base left in its release: build_trainer read it), none left as built:
+    a resume builds without the tensor-parallel layers' init (parallel/train/engine.py overwrites_init)."""
     import deepspeed
 
     engine, optimizer, ctx = trainer.engine, trainer.optimizer, trainer.ctx

@@ -54,7 +54,8 @@ fetching it for each use (parallel/distributed/block_swap.py).
 Skipped init (`skip_init`): layers built inside it hold torch.empty W and b, no full fp32 tensor drawn and sliced
 (every tp rank draws the whole W of each layer to keep its slice: on one CPU thread Wan 2.1 1.3B builds in 11.4 s
 with the draws, in 0.14 s without, bench/init_skip.py), for callers that overwrite every one: model.init_from, whose
-readers refuse a release that lacks any tensor before reading one. The adapters (add_lora) draw from their own
+readers refuse a release that lacks any tensor before reading one, and a resume, whose checkpoint load writes every
+parameter and buffer (parallel/train/engine.py overwrites_init). The adapters (add_lora) draw from their own
 generator and are never skipped.
 """
 from __future__ import annotations
@@ -82,9 +83,9 @@ _SKIPPED: ContextVar[Optional[InitFn]] = ContextVar("skip_init", default=None)
 @contextlib.contextmanager
 def skip_init(fill: Optional[float] = None):
     """Tensor-parallel layers built inside hold uninitialised (torch.empty) weights and biases: no RNG draw, no full
-    fp32 tensor. Only for a model whose every parameter is overwritten next (model.init_from: parallel/train/
-    engine.py build_trainer, parallel/train/sampling.py sampling_model). `fill`: written into them instead, so a
-    test sees (NaN) a tensor that nothing overwrote."""
+    fp32 tensor. Only for a model whose every parameter is overwritten next (model.init_from, a checkpoint resumed:
+    parallel/train/engine.py build_trainer, parallel/train/sampling.py sampling_model). `fill`: written into them
+    instead, so a test sees (NaN) a tensor that nothing overwrote."""
     token = _SKIPPED.set((lambda t: None) if fill is None else (lambda t: t.fill_(fill)))
     try:
         yield

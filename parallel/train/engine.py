@@ -198,7 +198,9 @@ class TrainingEngine:
     def load(self, directory, tag=None) -> int:
         """Restore everything `save` wrote (the newest tag by default); returns the step to continue from.
         A checkpoint written at another layout is read from its layout-free copy (the generator states then stay as
-        seeded: parallel/checkpoints/rng.py)."""
+        seeded: parallel/checkpoints/rng.py). Either way every parameter and buffer is written (a LoRA base the
+        checkpoint left in its release: by build_trainer's read), which a resume's model, built without the
+        tensor-parallel layers' init, relies on (overwrites_init)."""
         from parallel.checkpoints import checkpoint, relayout, rng
 
         saved = checkpoint.saved_layout(Path(directory) / tag) if tag else None
@@ -223,12 +225,34 @@ def swap_dtype(ds: dict) -> Optional[torch.dtype]:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dsc.precision(ds))
 
 
+def overwrites_init(init_from: bool, source: Optional[str]) -> bool:
+    """Whether what follows the build writes every tensor the tensor-parallel layers' random init draws (their
+    weights and biases), so that build_trainer skips it (layers.skip_init):
+
+    - a release read (`source`: model.init_from, or the release a LoRA checkpoint left its base in): load_released
+      refuses a release that lacks any parameter or buffer but the adapters, before reading one;
+    - a checkpoint loaded (init_from False: the caller loads one next, TrainingEngine.load), whose every path writes
+      every parameter and buffer: DeepSpeed's files at the same layout (a strict load_state_dict of the module
+      states or the pipeline's layer files; under ZeRO-3 the fp32 partitions and frozen fragments; a checkpoint
+      without its LoRA base lets only that base through, lora_base.over_base, and it is `source`'s), the layout-free
+      copy at another layout (relayout.load reads each tensor the model has). The fp8 base is quantised from the
+      skipped weights, then its codes and scales (buffers) are loaded over; block swap's host copies are the
+      parameters loaded.
+
+    Nothing else is the init's: the adapters draw from their own generator, the optimizer's states are the
+    checkpoint's, and building draws nothing from the global generators (init_rng forks them), so a resume continues
+    as the init-then-load one did, bit for bit (tests/distributed/test_resume_init_skip.py)."""
+    return bool(source) or not init_from
+
+
 def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
                   model: Optional[torch.nn.Module] = None, base: Optional[str] = None) -> TrainingEngine:
     """Configure activation checkpointing, build the model for the layout, and initialise DeepSpeed.
 
-    With model.init_from (and init_from=True; a run resuming a checkpoint passes False) the model is built
-    without the random init of its tensor-parallel layers (skip_init) and every rank reads its part of the
+    The model is built without the random init of its tensor-parallel layers (skip_init) wherever what comes next
+    overwrites it (overwrites_init): the release read, or the checkpoint loaded. init_from=False says a checkpoint
+    will be loaded (a resume, parallel.export, parallel.sample): the caller must load one (TrainingEngine.load)
+    before the engine is used. With model.init_from (and init_from=True) every rank reads its part of the
     released weights into it before deepspeed.initialize, when parameters are still whole local tensors under
     every ZeRO stage (ZeRO-3 partitions them in initialize); then
     model.lora.init_from's adapters the same way. With model.lora the base is frozen (requires_grad False)
@@ -255,10 +279,10 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
     source = cfg.model.init_from if init_from else base
     released = bool(source)
     if model is None:
-        # model.init_from overwrites every parameter and buffer but the adapters (load_released refuses a release
-        # missing any, before reading), so the tensor-parallel layers skip their random init; the global RNG is
-        # unchanged (each stage is built in its own forked stream: parallel/distributed/seed.py init_rng)
-        with skip_init() if released else contextlib.nullcontext():
+        # the release or the checkpoint to be loaded overwrites every tensor the random init of the tensor-parallel
+        # layers would draw (overwrites_init), so it is skipped; the global RNG is unchanged (each stage is built
+        # in its own forked stream: parallel/distributed/seed.py init_rng)
+        with skip_init() if overwrites_init(init_from, source) else contextlib.nullcontext():
             model = build_model(cfg, ds_final, ctx, checkpoint_fn)
     if released:
         from parallel.weights.diffusers import load_released

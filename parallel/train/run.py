@@ -197,8 +197,8 @@ def layout_groups(cfg: ExperimentConfig, layout: Layout, env: LaunchEnv):
 def start_engine(cfg: ExperimentConfig, ds: dict, layout: Layout, env: LaunchEnv, init_from: bool = True,
                  base: Optional[str] = None):
     """Process groups, the (pp, dp, tp) context and the DeepSpeed engine for a checked layout
-    (init_from=False: do not read model.init_from, a checkpoint will be loaded; `base`: the release a LoRA
-    checkpoint's base is read from, build_trainer's)."""
+    (init_from=False: do not read model.init_from, a checkpoint will be loaded, so the model is built without the
+    random init it overwrites; `base`: the release a LoRA checkpoint's base is read from, build_trainer's)."""
     export_launch_env(env)
     accelerator.set_device(env.local_rank)
     init_process_groups(cfg.train.collective_timeout_s)

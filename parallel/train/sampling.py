@@ -1,11 +1,12 @@
 """Sampling a batch in any layout: the model with released weights or a checkpoint, and the batch's latents.
 
-`sampling_model` builds this rank's part of the layout (without the random init that model.init_from overwrites:
+`sampling_model` builds this rank's part of the layout (without the random init that the weights read overwrite:
 skip_init) and reads `model.init_from` (every rank its slices, fp32, no DeepSpeed engine: ZeRO and precision
 settings do not apply) or, without it, the newest checkpoint through the trainer (the layout and engine that wrote
-it; the EMA swapped in as validation does with val.use_ema). `sample_batch` runs the sampler through `StageForward`
-(pipeline stages exchange activations; tp and sp as in validation) with data-parallel replicas on contiguous rows,
-and gathers the rows on every rank. Used by `python -m parallel.sample`.
+it, built without the init the load overwrites; the EMA swapped in as validation does with val.use_ema).
+`sample_batch` runs the sampler through `StageForward` (pipeline stages exchange activations; tp and sp as in
+validation) with data-parallel replicas on contiguous rows, and gathers the rows on every rank. Used by
+`python -m parallel.sample`.
 """
 from __future__ import annotations
 
