@@ -72,7 +72,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
                              safe_set_full_optimizer_state)
 
 from parallel.checkpoints.slicing import Slicing, assemble, local_shape, slicing_of
-from parallel.distributed.deepspeed.optimizer import relink_optimizer_fragments, zero_holds_master
+from parallel.distributed.deepspeed.optimizer import relink_optimizer_fragments, stepped_params, zero_holds_master
 from parallel.distributed.deepspeed.zero3 import is_partitioned
 from parallel.distributed.layers import marked_buffers
 from parallel.distributed.pipeline import canonical_name
@@ -274,17 +274,17 @@ def _step_tensor(n: int, param, group: dict) -> torch.Tensor:
     return torch.tensor(float(n), dtype=torch.float32, device=device)
 
 
-def _ensure_state(optimizer, keys: list[str], step: int, expert_steps: Optional[dict] = None) -> None:
-    """Give every parameter the optimizer steps (ZeRO's flat fp32 partitions included) its state tensors,
-    so DeepSpeed's per-parameter views can point into them; the values are set per parameter after. An
-    expert's groups take that expert's step count (`expert_steps`)."""
-    for group in optimizer.param_groups:
+def _ensure_state(wrapper, optimizer, keys: list[str], step: int, expert_steps: Optional[dict] = None) -> None:
+    """Give every parameter the optimizer steps (ZeRO's flat fp32 partitions included, ZeRO-3's though they are
+    out of its groups between steps: stepped_params) its state tensors, so DeepSpeed's per-parameter views can
+    point into them; the values are set per parameter after. An expert's groups take that expert's step count
+    (`expert_steps`)."""
+    for p, group in stepped_params(wrapper, optimizer):
         n = (expert_steps or {}).get(str(group.get("expert")), step)
-        for p in group["params"]:
-            st = optimizer.state[p]
-            for key in keys:
-                st.setdefault(key, torch.zeros_like(p, dtype=torch.float32))
-            st["step"] = _step_tensor(n, p, group)
+        st = optimizer.state[p]
+        for key in keys:
+            st.setdefault(key, torch.zeros_like(p, dtype=torch.float32))
+        st["step"] = _step_tensor(n, p, group)
 
 
 @torch.no_grad()
@@ -298,7 +298,7 @@ def load(trainer, folder: Path) -> int:
     stored = Stored(folder)
     state = stored.state
     keys = state["state_keys"]
-    _ensure_state(optimizer, keys, state["optimizer_step"], state.get("expert_steps"))
+    _ensure_state(engine.optimizer, optimizer, keys, state["optimizer_step"], state.get("expert_steps"))
     relink_optimizer_fragments(engine.optimizer)
     base = state.get("lora_base") != "release"      # else the frozen base is model.init_from's, already read
     for name, p, marks, trained in module_tensors(engine.module):

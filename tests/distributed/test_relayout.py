@@ -3,8 +3,9 @@ against the 6 steps of the uninterrupted run at the first layout: the losses, th
 weights and the EMA (FusedEmaAdam) match at fp32 tolerances.
 
 The uninterrupted run is the one that wrote the checkpoint after its step 3 (saving reads the state and
-changes nothing, so its steps 4-6 are what an uninterrupted run trains). One 4-rank spawn runs the three
-original layouts and the two 4-rank continuations; the (tp 2) continuation, 2 ranks, has a spawn of its own.
+changes nothing, so its steps 4-6 are what an uninterrupted run trains). One 4-rank spawn runs the four
+original layouts and the three 4-rank continuations (one into ZeRO-3, whose fresh engine has no optimizer state
+to set: parallel/distributed/deepspeed/optimizer.py stepped_params); the (tp 2) continuation, 2 ranks, has a spawn of its own.
 """
 from pathlib import Path
 
@@ -66,7 +67,9 @@ def _train(layout, tmp, steps, save_at=None, resume=None):
 #          (tp, sp, pp, dp, ZeRO, overrides)
 CASES = {"tp2-pp2-zero1_to_dp4-zero2": ((2, 1, 2, 1, 1, ()), (1, 1, 1, 4, 2, DP4)),
          "dp4-zero3_to_tp2-sp2-zero1": ((1, 1, 1, 4, 3, DP4), (2, 2, 1, 1, 1, ())),
-         "pp2-dp2-zero1_to_tp2-zero0": ((1, 1, 2, 2, 1, ()), (2, 1, 1, 1, 0, ()))}
+         "pp2-dp2-zero1_to_tp2-zero0": ((1, 1, 2, 2, 1, ()), (2, 1, 1, 1, 0, ())),
+         # into ZeRO-3, whose client optimizer holds its partitions only while stepping them
+         "tp2-sp2-zero0_to_dp4-zero3": ((2, 2, 1, 1, 0, ()), (1, 1, 1, 4, 3, DP4))}
 
 
 def _four_ranks(rank, world_size, root):

@@ -14,6 +14,15 @@ zero_holds_master(param)  (read, 0.19.8)
     partition's shape; ZeRO-3: optimizer.state[fp32 partition][key]) point into
 engine_optimizers(engine)  (read, 0.19.8)
     engine.basic_optimizer, the client optimizer DeepSpeed wraps
+stepped_params(wrapper, client)  (read, 0.19.8)
+    does     the (tensor, param group) pairs whose state the client optimizer keeps: its groups' params, and under
+             ZeRO-3 the flat fp32 partitions (wrapper.fp32_partitioned_groups_flat, each in the client group
+             wrapper.sub_group_to_group_id names)
+    why      ZeRO-3 (DeepSpeedZeroOptimizer_Stage3) empties the client's param groups between steps, putting each
+             partition in only for its step, and Adam creates state at the first step: a resume through the
+             layout-free copy into a ZeRO-3 engine that has not stepped found no state to write into (KeyError
+             'exp_avg')
+    relies   those two attributes on the stage-3 optimizer
 """
 from __future__ import annotations
 
@@ -40,3 +49,15 @@ def engine_optimizers(engine) -> list:
     optimizer it wraps (`basic_optimizer`), each once."""
     owners = (engine.optimizer, getattr(engine, "basic_optimizer", None))
     return list({id(o): o for o in owners if o is not None}.values())
+
+
+def stepped_params(wrapper, client) -> list:
+    """(tensor, client param group) of every tensor whose state `client` keeps, ZeRO-3's flat fp32 partitions
+    included (they sit in the client's groups only while stepped)."""
+    pairs = [(p, g) for g in client.param_groups for p in g["params"]]
+    flat = getattr(wrapper, "fp32_partitioned_groups_flat", None)
+    if flat is not None:
+        held = {id(p) for p, _ in pairs}
+        pairs += [(p, client.param_groups[wrapper.sub_group_to_group_id[i]]) for i, p in enumerate(flat)
+                  if id(p) not in held]
+    return pairs
