@@ -12,13 +12,12 @@ shows it, with relayout.load made to pass over one weight.
 
 Paths: DeepSpeed's files at the same layout, ZeRO 0 and 2 in fp32, ZeRO 1 (BF16_Optimizer's fp32 masters) and 3 (its
 fp32 partitions, persistent parameters re-partitioned) in bf16, the pipeline engine's per-layer files at pp 2 in
-bf16; the layout-free copy at another layout (tp 2 ZeRO-1 -> dp 2 ZeRO-2); LoRA whose checkpoint holds the frozen
+bf16; the layout-free copy at another layout (tp 2 ZeRO-1 -> dp 2 ZeRO-2, and -> dp 2 ZeRO-3); LoRA whose checkpoint holds the frozen
 base (no model.init_from) at ZeRO-3 (its frozen fragments); the fp8 base at tp 2 with dropout (quantised from the
 NaN weights before deepspeed.initialize, the checkpoint's codes and scales loaded over; the masks from the restored
 generators) and re-cut for dp 2 through the layout-free copy; block swap (its host-resident base, in bf16). A LoRA
 checkpoint without its base reads the base from the release, skipped already: tests/distributed/test_lora_base.py,
-tests/distributed/test_init_skip_layouts.py. Not here: the layout-free copy into ZeRO-3, which fails with or
-without the init (a fresh ZeRO-3 engine has no optimizer state for relayout.load to set: KeyError 'exp_avg').
+tests/distributed/test_init_skip_layouts.py.
 """
 from __future__ import annotations
 
@@ -41,6 +40,7 @@ CASES = {"zero0": ((1, 1, 2, 0), (1, 1, 2, 0), False, ()),
          "zero3-bf16": ((1, 1, 2, 3), (1, 1, 2, 3), True, ()),
          "pp2-bf16": ((1, 2, 1, 1), (1, 2, 1, 1), True, ()),
          "tp2_to_dp2": ((2, 1, 1, 1), (1, 1, 2, 2), False, ()),
+         "tp2_to_dp2-zero3": ((2, 1, 1, 1), (1, 1, 2, 3), False, ()),
          "lora-zero3": ((1, 1, 2, 3), (1, 1, 2, 3), False, LORA),
          "lora-fp8-tp2": ((2, 1, 1, 1), (2, 1, 1, 1), False, FP8),
          "lora-fp8-tp2_to_dp2": ((2, 1, 1, 1), (1, 1, 2, 1), False, FP8),
