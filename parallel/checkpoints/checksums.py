@@ -52,9 +52,11 @@ def entry(value) -> tuple[int, Optional[str]]:
     return (int(value[0]), value[1]) if isinstance(value, list) else (int(value), None)
 
 
-def mismatch(folder: Path, files: dict, rank: int = 0, world: int = 1) -> Optional[str]:
+def mismatch(folder: Path, files: dict, rank: int = 0, world: int = 1,
+             since: str = "was written: its bytes changed since the save") -> Optional[str]:
     """The first of this rank's share of the marker's `files` whose bytes no longer have the recorded
-    checksum, said as the damage report puts it; None when all match (or none has a checksum)."""
+    checksum, said as the damage report puts it (`since`: what the recorded one was); None when all match (or none
+    has a checksum)."""
     for name in share([n for n, v in files.items() if entry(v)[1] is not None], rank, world):
         want = entry(files[name])[1]
         try:
@@ -62,5 +64,5 @@ def mismatch(folder: Path, files: dict, rank: int = 0, world: int = 1) -> Option
         except OSError as e:
             return f"{name} cannot be read ({e.strerror})"
         if got != want:
-            return f"{name} has crc32 {got}, {want} was written: its bytes changed since the save"
+            return f"{name} has crc32 {got}, {want} {since}"
     return None

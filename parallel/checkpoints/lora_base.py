@@ -97,18 +97,15 @@ def problem(folder: Path, init_from, crc: bool = False, rank: int = 0, world: in
     if saved is None:
         return None
     root = _root(source(folder, init_from))
-    names = sorted(saved["files"])
-    for name in names:
+    for name in sorted(saved["files"]):
         path, (size, _) = root / name, checksums.entry(saved["files"][name])
         if not path.is_file():
             return f"{path} does not exist"
         if path.stat().st_size != size:
             return f"{path} has {path.stat().st_size} bytes, {size} when the run read it"
-    for name in checksums.share(names, rank, world) if crc else []:
-        want, got = checksums.entry(saved["files"][name])[1], checksums.file_crc32(root / name)
-        if got != want:
-            return f"{root / name} has crc32 {got}, {want} when the run read it: another release"
-    return None
+    changed = checksums.mismatch(root, saved["files"], rank, world, since="when the run read it: another release") \
+        if crc else None
+    return f"{root}/{changed}" if changed else None
 
 
 def refusal(directory: Path, tag: str, why: str) -> tuple[str, str]:

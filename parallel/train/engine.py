@@ -68,10 +68,10 @@ class TrainingEngine:
     """The DeepSpeed engine with the toolkit's optimizer step over the global batch (pipeline or plain engine),
     save and load; parallel/train/trainer.py's Trainer runs the loop around it."""
 
-    def __init__(self, engine, cfg: ExperimentConfig, ctx, optimizer):
+    def __init__(self, engine, cfg: ExperimentConfig, ctx, optimizer, release: Optional[str] = None):
         self.engine, self.cfg, self.ctx = engine, cfg, ctx
         self.optimizer = optimizer          # the toolkit-built (base) optimizer that DeepSpeed wraps
-        self.release: Optional[str] = None  # the release its checkpoints leave a LoRA base in (build_trainer)
+        self.release = release              # the release its checkpoints leave a LoRA base in (lora_base.release_of)
         self.pipeline = cfg.parallel.pp_size > 1
         self.pipeline_guard = None        # guard_pipeline_updates' state, once a guarded step installed it
         self.experts = expert_count(engine.module)    # several: an expert no sample chose sits out the update
@@ -305,9 +305,7 @@ def build_trainer(cfg: ExperimentConfig, ds: dict, ctx, init_from: bool = True,
     lighter_bf16_step(engine)       # BF16_Optimizer: the same numbers, fewer bytes and kernels per step
     # LoRA's dropout draws from the global generators: one stream per (stage, dp, sp), shared by its tp ranks
     seed_training_rng(cfg.train.seed, pp=ctx.pp_rank, dp=ctx.dp_rank, sp=ctx.sp_rank)
-    trainer = TrainingEngine(engine, cfg, ctx, optimizer)
-    trainer.release = lora_base.release_of(cfg, source)
-    return trainer
+    return TrainingEngine(engine, cfg, ctx, optimizer, lora_base.release_of(cfg, source))
 
 
 def grad_norm(params, ctx) -> torch.Tensor:

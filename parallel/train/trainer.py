@@ -146,8 +146,9 @@ class Trainer:
         release = self.engine.release
         if release is None:
             return {}
-        if self.tag and lora_base.record(self.ckpt_dir / self.tag) is not None:
-            return {lora_base.KEY: {**lora_base.record(self.ckpt_dir / self.tag), "init_from": release}}
+        saved = lora_base.record(self.ckpt_dir / self.tag) if self.tag else None
+        if saved is not None:
+            return {lora_base.KEY: {**saved, "init_from": release}}
         return {lora_base.KEY: lora_base.fingerprint(self.cfg.model, release)}
 
     def predict_checkpoint(self) -> int:

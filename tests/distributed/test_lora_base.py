@@ -19,6 +19,7 @@ import torch
 
 from tests.dist_utils import spawn_all
 from tests.helpers.released_weights import overrides, released  # noqa: F401  (fixture)
+from tests.helpers.lora_resume import assert_continues, merged
 from tests.train_utils import fp32_config
 
 POS = "sincos"
@@ -103,13 +104,6 @@ def _close(written: int, predicted: int) -> bool:
     return abs(written / predicted - 1) < 0.05 or 0 <= written - predicted < 64 << 10
 
 
-def _merged(ranks):
-    state = {}
-    for r in ranks:
-        state.update(r["state"])
-    return {"all_losses": [r["losses"] for r in ranks], "start": ranks[0]["start"], "state": state}
-
-
 @pytest.fixture(scope="module")
 def runs(released, tmp_path_factory):  # noqa: F811  (the fixture)
     root = tmp_path_factory.mktemp("lora_base")
@@ -130,7 +124,7 @@ def runs(released, tmp_path_factory):  # noqa: F811  (the fixture)
         calls[f"{name}/resumed"] = (after[0] * after[1] * after[2], _train,
                                     (after, keys, folder, f"{root}/{name}", None, "step3"))
     calls["refused"] = (1, _refused, (str(flipped), f"{root}/zero1-same"))
-    out = {name: ranks if name == "refused" else _merged(ranks)
+    out = {name: ranks if name == "refused" else merged(ranks)
            for name, ranks in spawn_all(calls, seconds_each=60).items()}
     return out, root, shard
 
@@ -138,17 +132,7 @@ def runs(released, tmp_path_factory):  # noqa: F811  (the fixture)
 @pytest.mark.parametrize("name", list(CASES))
 def test_lora_resumed_over_the_release_continues_the_uninterrupted_run(runs, name):
     runs, _, _ = runs
-    reference, resumed = runs[f"{name}/reference"], runs[f"{name}/resumed"]
-    assert resumed["start"] == 3
-    expected = torch.tensor(reference["all_losses"][0][3:], dtype=torch.float32)
-    assert len(set(expected.tolist())) == 3, "the reference does not train"
-    for losses in resumed["all_losses"]:
-        torch.testing.assert_close(torch.tensor(losses, dtype=torch.float32), expected)
-    assert resumed["state"].keys() == reference["state"].keys()
-    for key, value in reference["state"].items():
-        if not key.endswith(("lora_A", "lora_B")):                 # the frozen base: the release's, as it was
-            assert torch.equal(resumed["state"][key], value), key
-        torch.testing.assert_close(resumed["state"][key], value, msg=lambda m: f"{key}: {m}")
+    assert_continues(runs[f"{name}/reference"], runs[f"{name}/resumed"])
 
 
 @pytest.mark.parametrize("name", list(CASES))

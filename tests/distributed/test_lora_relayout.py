@@ -15,9 +15,9 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.dist_utils import spawn_all
+from tests.helpers.lora_resume import assert_continues, merged
 from tests.train_utils import fp32_config
 
 LORA = ("model.lora.rank=4",)
@@ -77,13 +77,6 @@ def _refused(rank, world_size, case, model_keys, root):
     return None
 
 
-def _merged(ranks):
-    state = {}
-    for r in ranks:
-        state.update(r["state"])
-    return {"all_losses": [r["losses"] for r in ranks], "start": ranks[0]["start"], "state": state}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_relayout")
@@ -94,24 +87,13 @@ def runs(tmp_path_factory):
         calls[f"{name}/resumed"] = (after[0] * after[1], _train, (after, keys, f"{root}/{name}", None, "step3"))
     for name, (case, keys) in REFUSED.items():
         calls[name] = (2, _refused, (case, keys, str(root)))
-    return {name: ranks if name in REFUSED else _merged(ranks)
+    return {name: ranks if name in REFUSED else merged(ranks)
             for name, ranks in spawn_all(calls, seconds_each=60).items()}
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_lora_resumed_on_another_layout_continues_the_uninterrupted_run(runs, name):
-    reference, resumed = runs[f"{name}/reference"], runs[f"{name}/resumed"]
-    assert resumed["start"] == 3
-    expected = torch.tensor(reference["all_losses"][0][3:], dtype=torch.float32)
-    assert len(set(expected.tolist())) == 3, "the reference does not train"
-    for losses in resumed["all_losses"]:
-        torch.testing.assert_close(torch.tensor(losses, dtype=torch.float32), expected)
-    assert resumed["state"].keys() == reference["state"].keys()
-    for key, value in reference["state"].items():
-        assert resumed["state"][key].shape == value.shape, key
-        if not key.endswith(("lora_A", "lora_B")):                 # the frozen base: restored as it was saved
-            assert torch.equal(resumed["state"][key], value), key
-        torch.testing.assert_close(resumed["state"][key], value, msg=lambda m: f"{key}: {m}")
+    assert_continues(runs[f"{name}/reference"], runs[f"{name}/resumed"])
 
 
 def test_another_base_dtype_is_refused_at_another_layout(runs):
