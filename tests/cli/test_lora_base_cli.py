@@ -3,7 +3,8 @@ default with model.init_from; parallel/checkpoints/lora_base.py), on the sharded
 tests/helpers/released_weights.py: train.py 2 steps with a checkpoint, train.py again to step 4 (resumed over the
 release), `parallel.export --format diffusers --merge-lora` (the base read from the release: the merged transformer
 predicts as diffusers with peft's adapters folded in, which tests/distributed/test_lora.py checks; here its base
-tensors equal the release's where no adapter sits), and with the release moved away `--format diffusers-lora` still
+tensors equal the release's where no adapter sits), `parallel.sample` of the checkpoint (model.init_from unset: the
+base read from the recorded release) equal to that of the merged export, and with the release moved away `--format diffusers-lora` still
 exports the adapters (model.init_from unset: no base read) while train.py without model.init_from, reading the
 recorded path, refuses the resume by name (exit 1, no traceback), and resumes once model.init_from names the release
 where it now is."""
@@ -11,7 +12,7 @@ import json
 import shutil
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tests.helpers.commands import run_command
 from tests.helpers.released_weights import overrides, released_model
@@ -48,6 +49,16 @@ def test_a_lora_run_resumes_exports_and_refuses_over_its_release(tmp_path):
     untouched = [k for k in exported if "attn1" not in k]           # the adapters sit on the attention's layers
     assert untouched and all(torch.equal(exported[k], ours[k].float()) for k in untouched)
     assert not all(torch.equal(exported[k], ours[k].float()) for k in exported), "the adapters were not merged"
+
+    # parallel.sample of the checkpoint (model.init_from unset: the base from the recorded release) = of the export
+    save_file({"embeds": torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(7))}, str(tmp_path / "p.st"))
+    sample = ["--prompt-embeds", str(tmp_path / "p.st"), "--steps", "2", "--seed", "5", "--guidance", "1"]
+    for name, weights in (("ckpt", "null"), ("merged", merged)):
+        p = run_command(["-m", "parallel.sample", *_args(release, out, f"model.init_from={weights}"), *sample,
+                         "--out", str(tmp_path / f"{name}.safetensors")])
+        assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    torch.testing.assert_close(load_file(tmp_path / "ckpt.safetensors")["latents"],
+                               load_file(tmp_path / "merged.safetensors")["latents"])
 
     moved = tmp_path / "moved"
     shutil.move(release, moved)
