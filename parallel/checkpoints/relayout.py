@@ -53,9 +53,10 @@ dropout are drawn from (seed, step, global sample position) (parallel/train/data
 dropout, and no other training step draws from a process's global RNG, so the continuation sees what the
 uninterrupted run would. model.lora.dropout > 0 draws the adapters' input masks from each rank's generators, one
 stream per (stage, dp, sp) coordinate shared by its tp ranks (parallel/distributed/seed.py training_seed): a resume
-at the same layout restores them (parallel/checkpoints/rng.py), one here does not (the masks' shapes and owners
-change with the layout; each rank keeps the stream build_trainer seeded for its new coordinate), so it continues the
-uninterrupted run in distribution, not number for number (docs/lora.md has the measured difference).
+restores them where the streams are the writer's, at the same layout or another tp size or ZeRO stage
+(parallel/checkpoints/rng.py); at another dp, sp or pipeline partition the masks' shapes and owners change, each
+rank keeps the stream build_trainer seeded for its new coordinate, and the run continues the uninterrupted one in
+distribution, not number for number (docs/lora.md has the measured difference).
 
 The global batch must stay the same across the change (it fixes the sample positions of a step and the meaning of
 `step` for the schedule); parallel.checkpoints.checkpoint.find_resume refuses otherwise.

@@ -28,7 +28,7 @@ from parallel.distributed.seed import seed_training_rng
 from parallel.experiment import ds_config as dsc
 from parallel.experiment.config import ExperimentConfig
 from parallel.train.experts import clear_routed, idle_experts
-from parallel.model.build import apply_block_swap, build_model, checkpoint_interval, expert_count
+from parallel.model.build import apply_block_swap, blocks_per_stage, build_model, checkpoint_interval, expert_count
 from parallel.train.optim import build_optimizer
 from parallel.train.schedule import build_schedule, lr_factor, schedule_factor  # noqa: F401  (lr_factor: bench/)
 
@@ -188,8 +188,13 @@ class TrainingEngine:
                    if p.is_relative_to(folder)}
         if part is not None:
             written.update(relayout.write(part, folder, step, self.layout()))
-        written.update(rng.write(folder))
+        written.update(rng.write(folder, self.rng_stream()))
         return written
+
+    def rng_stream(self) -> torch.Tensor:
+        """What this rank's generators draw for (parallel/checkpoints/rng.py stream_of)."""
+        from parallel.checkpoints import rng
+        return rng.stream_of(self.ctx, blocks_per_stage(self.cfg))
 
     def layout(self) -> dict:
         """This run's sizes and ZeRO stage, as a checkpoint records them."""
@@ -197,15 +202,17 @@ class TrainingEngine:
 
     def load(self, directory, tag=None) -> int:
         """Restore everything `save` wrote (the newest tag by default); returns the step to continue from.
-        A checkpoint written at another layout is read from its layout-free copy (the generator states then stay as
-        seeded: parallel/checkpoints/rng.py). Either way every parameter and buffer is written (a LoRA base the
+        A checkpoint written at another layout is read from its layout-free copy, and the generator states are the
+        writer's where its streams are this run's (another tp size or ZeRO stage: parallel/checkpoints/rng.py). Either way every parameter and buffer is written (a LoRA base the
         checkpoint left in its release: by build_trainer's read), which a resume's model, built without the
         tensor-parallel layers' init, relies on (overwrites_init)."""
         from parallel.checkpoints import checkpoint, relayout, rng
 
         saved = checkpoint.saved_layout(Path(directory) / tag) if tag else None
         if saved is not None and not checkpoint.same_layout(saved, self.layout()):
-            return relayout.load(self, Path(directory) / tag)
+            step = relayout.load(self, Path(directory) / tag)
+            rng.restore(Path(directory) / tag, saved, self.ctx, self.rng_stream())
+            return step
         # a checkpoint without the base: the one build_trainer read from model.init_from stays
         with lora_base.over_base(self.engine.module, tag is not None and lora_base.record(Path(directory) / tag)):
             path, client = self.engine.load_checkpoint(str(directory), tag=tag)

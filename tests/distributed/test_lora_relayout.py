@@ -6,8 +6,10 @@ scales) bit for bit.
 
 Cases: the fp8 base (model.lora.base_dtype) from tp 1 to tp 2 (shards re-cut from the full tensor), from tp 2 to
 tp 1 x pp 2 with block swap (shards joined, the base in host memory), and at the same tp 2 (DeepSpeed's own files);
-a base kept as parameters (no fp8) from tp 1 to tp 2 with block swap; model.lora.dropout=0.1 at the same tp 2 (each
-rank's generators restored: parallel/checkpoints/rng.py; without them steps 4-6 differ by up to 1.8e-4). And a
+a base kept as parameters (no fp8) from tp 1 to tp 2 with block swap; model.lora.dropout=0.1 at the same tp 2, from
+tp 1 ZeRO-1 to tp 2 ZeRO-0 and at pp 2 from ZeRO-1 to ZeRO-0 (each rank's generators restored, at another layout
+from the writer's rank of the same stream: parallel/checkpoints/rng.py; without them steps 4-6 differ by up to
+1.8e-4). And a
 checkpoint resumed at another layout with the other model.lora.base_dtype is refused, naming the tensor. One spawn of
 1 rank (the tp 1 references) and one of 2 (the tp 2 references, then every continuation).
 """
@@ -22,14 +24,18 @@ from tests.train_utils import fp32_config
 
 LORA = ("model.lora.rank=4",)
 FP8 = (*LORA, "model.lora.base_dtype=float8_e4m3fn")
+DROPOUT = (*LORA, "model.lora.dropout=0.1")
 SCHEDULE = ("train.warmup_steps=2", "train.max_steps=6")          # the lr moves at every step
 #                         before: (tp, pp, ZeRO, keys), after,               the model's keys
 CASES = {"fp8-tp1_to_tp2": ((1, 1, 1, ()), (2, 1, 1, ()), FP8),
          "fp8-tp2_to_tp1-pp2-swap": ((2, 1, 0, ()), (1, 2, 0, ("train.block_swap=2",)), FP8),
          "fp8-tp2_same_layout": ((2, 1, 1, ()), (2, 1, 1, ()), FP8),
          "base-tp1_to_tp2-swap": ((1, 1, 1, ()), (2, 1, 1, ("train.block_swap=1",)), LORA),
-         # LoRA's dropout masks come from each rank's generators, restored at the same layout (parallel/checkpoints/rng.py)
-         "dropout-tp2_same_layout": ((2, 1, 1, ()), (2, 1, 1, ()), (*LORA, "model.lora.dropout=0.1"))}
+         # LoRA's dropout masks come from each rank's generators (parallel/checkpoints/rng.py), restored at the same
+         # layout, and from the writer's tp rank 0 at another tp size or ZeRO stage
+         "dropout-tp2_same_layout": ((2, 1, 1, ()), (2, 1, 1, ()), DROPOUT),
+         "dropout-tp1_to_tp2-zero0": ((1, 1, 1, ()), (2, 1, 0, ()), DROPOUT),
+         "dropout-pp2_zero1_to_zero0": ((1, 2, 1, ()), (1, 2, 0, ()), DROPOUT)}
 # a checkpoint resumed with another model.lora.base_dtype at another layout: refused, not read as the other's weights
 REFUSED = {"fp8_read_without": ("fp8-tp1_to_tp2", LORA), "base_read_as_fp8": ("base-tp1_to_tp2-swap", FP8)}
 
