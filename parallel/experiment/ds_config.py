@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from parallel.experiment.cli import DS_CONFIG_DIR
 from parallel.experiment.config import ConfigError, ExperimentConfig
 
 # Optimizer types the toolkit builds (parallel/train/optim.py), lower-cased: EMA ones keep a shadow of the weights.
@@ -26,6 +27,10 @@ def read_ds_config(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
         text = path.read_text()
+    except FileNotFoundError:
+        shipped = ", ".join(sorted(p.stem for p in DS_CONFIG_DIR.glob("*.json")))
+        raise ConfigError(f"{path}: no such DeepSpeed config; give a JSON file, or a shipped one by name "
+                          f"(--deepspeed-config zero1_bf16): {shipped}") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read DeepSpeed config ({e.strerror})") from None
     try:

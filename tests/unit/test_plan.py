@@ -359,3 +359,14 @@ def test_cli_refusals_exit_1_with_a_message(capsys, argv, message):
     args = [a for k, v in {**base, **extra}.items() for a in (k, v)] + (argv if argv[0] == "--set" else [])
     code, out, err = cli(capsys, *args, "--deepspeed_config", "ds_configs/zero1_bf16.json")
     assert code == 1 and out == "" and message in err
+
+
+def test_a_missing_deepspeed_config_names_the_shipped_ones_and_the_advice_works(capsys, tmp_path):
+    """A --deepspeed-config that is no file and no shipped name lists the shipped names; one of them then plans."""
+    base = ["--config", "debug", "--world-size", "1", "--device-memory", "80GiB"]
+    code, out, err = cli(capsys, *base, "--deepspeed_config", str(tmp_path / "zero1_fp32.json"))
+    assert code == 1 and out == ""
+    names = err.split("(--deepspeed-config zero1_bf16): ")[1].split()[0:3]
+    assert "no such DeepSpeed config" in err and names[0].rstrip(",") == "zero0_fp32", err
+    code, out, err = cli(capsys, *base, "--deepspeed_config", names[0].rstrip(","))
+    assert code == 0, err
