@@ -3,7 +3,7 @@
 Three forms, video paths relative to the videos folder (absolute ones must lie inside it):
 - CSV with a header naming `video` and `caption` columns (others are ignored), e.g. `clips/a.mp4,a red car`;
 - JSONL, one `{"video": "clips/a.mp4", "caption": "a red car"}` a line;
-- none: every video file under the folder, its caption in the `.txt` file of the same name beside it.
+- none: every video or image file under the folder, its caption in the `.txt` file of the same name beside it.
 Every problem (a missing video, an empty caption, a video listed twice) is reported at once, with the
 file and line.
 """
@@ -14,7 +14,10 @@ import json
 import os
 from pathlib import Path
 
-VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v")
+from parallel.prepare_data.frames import IMAGE_SUFFIXES
+
+# what the folder scan takes: videos, and images (one-frame clips)
+VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v") + IMAGE_SUFFIXES
 
 
 class InputError(ValueError):

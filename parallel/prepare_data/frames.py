@@ -5,7 +5,9 @@ for i < T (a video with fewer than T frames repeats some); with `fps`, a clip of
 from the start, each the frame nearest in time to t0 + i / fps (a video shorter than (T-1) / fps seconds
 is refused). Each frame is resized, keeping its aspect, to the smallest size that covers H x W
 (bilinear, antialiased) and centre-cropped to H x W, the resize-and-crop of CogVideoX's training data.
-PyAV (`av`) is an optional dependency (`pip install .[data]`), imported only here.
+An image file (IMAGE_SUFFIXES) is a clip of one frame, read with PIL as diffusers.utils.load_image reads it
+(EXIF orientation applied, then RGB; PyAV's JPEG decoding differs from PIL's), then resized and cropped alike.
+PyAV (`av`) is an optional dependency (`pip install .[data]`), imported only here; PIL too is imported lazily.
 """
 from __future__ import annotations
 
@@ -15,6 +17,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+
+
+def is_image(path: str | Path) -> bool:
+    return Path(path).suffix.lower() in IMAGE_SUFFIXES
 
 
 class VideoError(Exception):
@@ -56,9 +65,31 @@ def resize_crop(frame: np.ndarray, height: int, width: int) -> np.ndarray:
     return np.ascontiguousarray(frame[top:top + height, left:left + width])
 
 
+def read_image(path: str | Path) -> np.ndarray:
+    """uint8 [h, w, 3] of an image file as diffusers.utils.load_image gives it: exif_transpose, then RGB."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return np.asarray(ImageOps.exif_transpose(image).convert("RGB")).copy()
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise VideoError(f"cannot be decoded as an image ({type(e).__name__}: {e})") from None
+
+
 def probe(path: str | Path, fps: float | None = None) -> tuple[int, int, int]:
     """(frames, height, width) of a video without decoding it: its packets and its stream's size; with
-    `fps`, the frames its duration holds at that rate (parallel/experiment/shapes.py choose_bucket picks the bucket)."""
+    `fps`, the frames its duration holds at that rate (parallel/experiment/shapes.py choose_bucket picks the bucket).
+    An image: (1, height, width) after its EXIF orientation (the header only)."""
+    if is_image(path):
+        from PIL import Image, ImageOps, UnidentifiedImageError
+
+        try:
+            with Image.open(path) as image:
+                w, h = image.size
+                turned = (image.getexif().get(ImageOps.ExifTags.Base.Orientation) or 1) in (5, 6, 7, 8)
+        except (UnidentifiedImageError, OSError, ValueError) as e:
+            raise VideoError(f"cannot be decoded as an image ({type(e).__name__}: {e})") from None
+        return (1, w, h) if turned else (1, h, w)
     import av
 
     try:
@@ -87,8 +118,13 @@ def read_clip(path: str | Path, num_frames: int, height: int, width: int, fps: f
     """The clip of `path` as uint8 [num_frames, height, width, 3]; VideoError names why a file is unusable.
 
     Two passes: the packets' timestamps (no decoding) give the frame count and times, then only the
-    chosen frames are converted and resized while decoding, which stops after the last one.
+    chosen frames are converted and resized while decoding, which stops after the last one. An image is one frame
+    (num_frames must be 1: prepare refuses an image into a longer shape before any model loads).
     """
+    if is_image(path):
+        if num_frames != 1:
+            raise VideoError(f"an image fills a 1-frame clip, not {num_frames} frames")
+        return resize_crop(read_image(path), height, width)[None]
     import av
 
     try:

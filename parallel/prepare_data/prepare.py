@@ -44,7 +44,7 @@ from parallel.prepare_data.captions import InputError, read_captions, video_file
 from parallel.experiment.config import UNCOND_FILE, ConfigError, load_config
 from parallel.experiment.manifest import STREAM_KEYS
 from parallel.experiment.shapes import choose_bucket, format_shape, resolve_buckets, shape_problems
-from parallel.prepare_data.frames import VideoError, probe, read_clip
+from parallel.prepare_data.frames import VideoError, is_image, probe, read_clip
 from parallel.distributed.seed import derive_seed
 from parallel.distributed.topology import read_launch_env
 from models.vae import check_vae, default_dtype, encode, load_vae, read_vae_config
@@ -171,6 +171,7 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
                      [f"--image-encoder={args.image_encoder}: model {cfg.model.name} has no image cross-attention; "
                       f"leave --image-encoder out"])
     problems += stream_problems(args, cfg)             # LTX-2's audio: the clip at its frame rate, the audio VAE
+    problems += image_problems(args, cfg, entries, condition)
     if args.limit is not None and args.limit < 0:
         problems.append(f"--limit={args.limit}: give a number >= 0")
     stamp = args.out / "prepare.json"
@@ -183,6 +184,42 @@ def check_inputs(args, cfg) -> tuple[list[tuple[str, str]], dict]:
     if problems:
         raise InputError("\n".join(problems))
     return entries, vae_config
+
+
+def image_problems(args, cfg, entries, condition) -> list[str]:
+    """Images are one-frame clips: refused for a model whose samples need more than a picture (a second stream's
+    sound track, LTX-2; image-to-video, whose first frame is the condition: it would learn to copy it), and for a
+    shape of more than one frame (a picture is not repeated into a still video). Said once for all images."""
+    images = [rel for rel, _ in entries if is_image(rel)]
+    if not images:
+        return []
+    first, more = args.videos / images[0], f" (and {len(images) - 1} more)" if len(images) > 1 else ""
+    where = f"{first}{more}: an image"
+    if family(cfg.model).training_stream(cfg.model, cfg.data) is not None:
+        return [f"{where}; model {cfg.model.name} (--config={args.config}) trains on each clip's sound track, "
+                f"which an image has not; prepare videos with sound only"]
+    if condition is not None:
+        return [f"{where}; model {cfg.model.name} (--config={args.config}) is image-to-video (model.image_condition):"
+                f" a picture's only frame is its condition, so it would train to copy it; leave images out, or "
+                f"train text-to-video (--set model.image_condition=false where the model does both, e.g. "
+                f"wan2.2-ti2v-5b)"]
+    if not args.bucket_list:
+        return [] if cfg.data.num_frames == 1 else [
+            f"{where} is a 1-frame clip, and data.num_frames={cfg.data.num_frames} (--config={args.config}); "
+            f"add buckets with a 1-frame one (--buckets 1x{cfg.data.height}x{cfg.data.width},"
+            f"{cfg.data.num_frames}x{cfg.data.height}x{cfg.data.width}), or --set data.num_frames=1"]
+    problems, listed = [], ",".join(format_shape(b) for b in args.bucket_list)
+    for rel in images:
+        try:
+            shape = choose_bucket(args.bucket_list, *probe(args.videos / rel))
+        except VideoError:
+            continue                                   # unreadable: skipped with its reason when its turn comes
+        if shape[0] != 1:
+            problems.append(f"{args.videos / rel}: an image is a 1-frame clip, and --buckets={args.buckets} gives "
+                            f"it {format_shape(shape)}; add a 1-frame bucket (--buckets 1x{shape[1]}x{shape[2]},"
+                            f"{listed})")
+            break
+    return problems
 
 
 def outputs(rel: str, t5: bool) -> tuple[str, str | None]:
