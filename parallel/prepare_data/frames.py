@@ -12,6 +12,7 @@ PyAV (`av`) is an optional dependency (`pip install .[data]`), imported only her
 from __future__ import annotations
 
 import bisect
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -65,15 +66,24 @@ def resize_crop(frame: np.ndarray, height: int, width: int) -> np.ndarray:
     return np.ascontiguousarray(frame[top:top + height, left:left + width])
 
 
-def read_image(path: str | Path) -> np.ndarray:
-    """uint8 [h, w, 3] of an image file as diffusers.utils.load_image gives it: exif_transpose, then RGB."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+@contextlib.contextmanager
+def _opened_image(path: str | Path):
+    """The PIL image of `path`; VideoError (the file skipped with its reason) where PIL cannot read it."""
+    from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as image:
-            return np.asarray(ImageOps.exif_transpose(image).convert("RGB")).copy()
+            yield image
     except (UnidentifiedImageError, OSError, ValueError) as e:
         raise VideoError(f"cannot be decoded as an image ({type(e).__name__}: {e})") from None
+
+
+def read_image(path: str | Path) -> np.ndarray:
+    """uint8 [h, w, 3] of an image file as diffusers.utils.load_image gives it: exif_transpose, then RGB."""
+    from PIL import ImageOps
+
+    with _opened_image(path) as image:
+        return np.asarray(ImageOps.exif_transpose(image).convert("RGB")).copy()
 
 
 def probe(path: str | Path, fps: float | None = None) -> tuple[int, int, int]:
@@ -81,14 +91,11 @@ def probe(path: str | Path, fps: float | None = None) -> tuple[int, int, int]:
     `fps`, the frames its duration holds at that rate (parallel/experiment/shapes.py choose_bucket picks the bucket).
     An image: (1, height, width) after its EXIF orientation (the header only)."""
     if is_image(path):
-        from PIL import Image, ImageOps, UnidentifiedImageError
+        from PIL import ImageOps
 
-        try:
-            with Image.open(path) as image:
-                w, h = image.size
-                turned = (image.getexif().get(ImageOps.ExifTags.Base.Orientation) or 1) in (5, 6, 7, 8)
-        except (UnidentifiedImageError, OSError, ValueError) as e:
-            raise VideoError(f"cannot be decoded as an image ({type(e).__name__}: {e})") from None
+        with _opened_image(path) as image:
+            w, h = image.size
+            turned = (image.getexif().get(ImageOps.ExifTags.Base.Orientation) or 1) in (5, 6, 7, 8)
         return (1, w, h) if turned else (1, h, w)
     import av
 
