@@ -17,7 +17,7 @@ from pathlib import Path
 from parallel.prepare_data.frames import IMAGE_SUFFIXES
 
 # what the folder scan takes: videos, and images (one-frame clips)
-VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v") + IMAGE_SUFFIXES
+CLIP_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v") + IMAGE_SUFFIXES
 
 
 class InputError(ValueError):
@@ -43,7 +43,7 @@ def _entry(videos: Path, name: str, caption, where: str) -> tuple[str, str]:
 
 
 def video_files(videos: Path) -> list[Path]:
-    return sorted(p for p in videos.rglob("*") if p.suffix.lower() in VIDEO_SUFFIXES and p.is_file())
+    return sorted(p for p in videos.rglob("*") if p.suffix.lower() in CLIP_SUFFIXES and p.is_file())
 
 
 def read_captions(videos: Path, captions: Path | None) -> list[tuple[str, str]]:
@@ -60,7 +60,7 @@ def read_captions(videos: Path, captions: Path | None) -> list[tuple[str, str]]:
                 problems.append(f"{txt}: missing; write the caption of {path.name} there, or pass --captions "
                                 "FILE (CSV with video,caption columns or JSONL)")
         if not rows and not problems:
-            raise InputError(f"--videos={videos}: no video files ({', '.join(VIDEO_SUFFIXES)}) in it")
+            raise InputError(f"--videos={videos}: no video or image files ({', '.join(CLIP_SUFFIXES)}) in it")
     elif not captions.is_file():
         raise InputError(f"--captions={captions}: no such file (a CSV with video,caption columns or JSONL of "
                          '{"video": ..., "caption": ...}; omit it to read a .txt next to each video)')
